@@ -1,0 +1,1 @@
+"""kimi-gateway: an OpenAI-compatible gateway and multi-pool router for Kimi K3."""

@@ -1,0 +1,33 @@
+"""Operations endpoints: liveness, readiness, Prometheus metrics."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.api.responses import JSONResponse
+from gateway.state import AppState
+
+
+def _state(request: Request) -> AppState:
+    return request.state.service.state
+
+
+async def health(request: Request) -> JSONResponse:
+    """`GET /health`: the process is alive (200 always)."""
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> JSONResponse:
+    """`GET /ready`: 200 when every pool has a healthy worker, else 503 naming the pools that do not."""
+    state = _state(request)
+    unready = state.registry.unready_pools()
+    pools = {name: [w.snapshot() for w in workers] for name, workers in state.registry.pools.items()}
+    body = {"ready": not unready, "unready_pools": unready, "pools": pools}
+    return JSONResponse(body, status_code=503 if unready else 200)
+
+
+async def metrics(request: Request) -> Response:
+    """`GET /metrics`: Prometheus text exposition of this process's collectors."""
+    payload, content_type = _state(request).metrics.render()
+    return Response(payload, media_type=content_type)

@@ -1,0 +1,51 @@
+"""`create_app(config)`: the Starlette app; its lifespan builds one AppState and stops its tasks."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.routing import Route
+
+from gateway.api import models, ops
+from gateway.api.proxy import ProxyEndpoint
+from gateway.api.responses import JSONResponse, error_response
+from gateway.config import GatewayConfig
+from gateway.errors import GatewayError, MethodNotAllowed, NotFound
+from gateway.service import ProxyService
+from gateway.state import AppState
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    status = getattr(exc, "status_code", 500)
+    if status == 404:
+        return error_response(NotFound(f"Unknown path {request.url.path}."))
+    if status == 405:
+        return error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}."))
+    return error_response(GatewayError(str(getattr(exc, "detail", "error"))))
+
+
+def create_app(config: GatewayConfig, state: AppState | None = None) -> Starlette:
+    """The gateway ASGI app. `state` may be given by tests; otherwise it is built at start-up."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, ProxyService]]:
+        app_state = state or AppState.build(config)
+        await app_state.start()
+        try:
+            yield {"service": ProxyService(app_state)}
+        finally:
+            await app_state.stop()
+
+    routes = [
+        Route("/v1/chat/completions", ProxyEndpoint("chat"), methods=["POST"]),
+        Route("/v1/completions", ProxyEndpoint("completions"), methods=["POST"]),
+        Route("/v1/models", models.list_models, methods=["GET"]),
+        Route("/health", ops.health, methods=["GET"]),
+        Route("/ready", ops.ready, methods=["GET"]),
+        Route("/metrics", ops.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})

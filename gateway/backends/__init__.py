@@ -1,0 +1,1 @@
+"""Backends: workers, engine differences, the upstream client, health probes."""

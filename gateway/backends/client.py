@@ -1,0 +1,32 @@
+"""The one pooled httpx client to the engines, and the per-request timeout budget."""
+
+from __future__ import annotations
+
+import httpx
+
+from gateway.config import TimeoutConfig
+
+
+def build_upstream_client(timeouts: TimeoutConfig) -> httpx.AsyncClient:
+    """A keep-alive connection pool with no connection cap (the engines' own queues bound load).
+
+    Compression is refused (`accept-encoding: identity`) so raw bytes relay unchanged.
+    """
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024, keepalive_expiry=30.0),
+        headers={"accept-encoding": "identity"},
+        follow_redirects=False,
+        trust_env=False,
+    )
+
+
+def first_byte_budget(timeouts: TimeoutConfig, prompt_tokens: int) -> float:
+    """Seconds to wait for an engine's first byte: a base plus a prefill allowance per 1K tokens."""
+    return timeouts.first_byte_base + timeouts.first_byte_per_1k_tokens * prompt_tokens / 1000.0
+
+
+def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int) -> httpx.Timeout:
+    """httpx timeout for one upstream request: reads may wait the first-byte budget or the gap limit."""
+    read = max(timeouts.read, first_byte_budget(timeouts, prompt_tokens))
+    return httpx.Timeout(connect=timeouts.connect, read=read, write=timeouts.write, pool=None)

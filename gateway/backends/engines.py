@@ -1,0 +1,64 @@
+"""What differs per engine kind, in one table (design §6).
+
+Sources: vLLM's metrics (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`) and SGLang's (`sglang:num_running_reqs`, `sglang:num_queue_reqs`,
+`sglang:token_usage`) as those engines export them on `/metrics`; llama.cpp's server exports
+`llamacpp:*` with `--metrics`. vllm-ascend keeps vLLM's API and names. The "prompt too long"
+wordings are the engines' own 400 messages (vLLM's serving_engine / input processor, SGLang's
+tokenizer manager, llama.cpp's `exceed_context_size_error`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import EngineKind
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """Per-engine facts: health path, load metric names, context-error wordings (lower case)."""
+
+    kind: EngineKind
+    health_path: str
+    running_metric: str | None
+    waiting_metric: str | None
+    kv_usage_metric: str | None
+    too_long_markers: tuple[str, ...]
+    supports_include_usage: bool = True
+
+
+_VLLM_TOO_LONG = (
+    "maximum context length",  # "This model's maximum context length is N tokens. However, you requested M"
+    # "The decoder prompt (length N) is longer than the maximum model length of M"
+    "longer than the maximum model length",
+)
+
+ENGINES: dict[str, EngineSpec] = {
+    "vllm": EngineSpec("vllm", "/health", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                       "vllm:kv_cache_usage_perc", _VLLM_TOO_LONG),
+    "ascend": EngineSpec("ascend", "/health", "vllm:num_requests_running", "vllm:num_requests_waiting",
+                         "vllm:kv_cache_usage_perc", _VLLM_TOO_LONG),
+    "sglang": EngineSpec("sglang", "/health", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+                         "sglang:token_usage", (
+                             "longer than the model's context length",  # "The input (N tokens) is longer than ..."
+                             "exceeds the model's maximum context length",
+                             "maximum context length",
+                         )),
+    "llamacpp": EngineSpec("llamacpp", "/health", "llamacpp:requests_processing",
+                           "llamacpp:requests_deferred", "llamacpp:kv_cache_usage_ratio", (
+                               "exceed_context_size_error",
+                               "exceeds the available context size",
+                           )),
+}
+
+# Any engine's wording counts: a pool mislabelled in config still gets the right retry.
+_ALL_TOO_LONG = tuple(sorted({m for spec in ENGINES.values() for m in spec.too_long_markers}))
+
+
+def is_context_too_long(status: int, body: bytes) -> bool:
+    """True when an engine's error answer says the prompt does not fit its context (any engine)."""
+    if status not in (400, 413, 422):
+        return False
+    text = body[:8192].decode("utf-8", "replace").lower()
+    return any(marker in text for marker in _ALL_TOO_LONG)

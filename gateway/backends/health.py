@@ -1,0 +1,66 @@
+"""Active health probes: every worker's engine health path, on an interval, in the background."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from gateway.backends.registry import WorkerRegistry
+from gateway.backends.worker import Worker
+from gateway.config import HealthConfig
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway.health")
+
+
+class HealthChecker:
+    """Probes each worker every `interval` s; a non-200 or a probe slower than `timeout` fails it.
+
+    A worker that passes a probe is healthy again, so a restarted engine rejoins by itself.
+    """
+
+    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: HealthConfig,
+                 metrics: GatewayMetrics) -> None:
+        self.registry = registry
+        self.client = client
+        self.config = config
+        self.metrics = metrics
+        self._task: asyncio.Task[None] | None = None
+
+    async def probe(self, worker: Worker) -> bool:
+        """One probe; updates the worker's state and metrics; returns the verdict."""
+        try:
+            response = await self.client.get(worker.url + worker.engine.health_path,
+                                             timeout=self.config.timeout)
+            ok = response.status_code == 200
+            reason = None if ok else f"health probe answered HTTP {response.status_code}"
+        except httpx.HTTPError as exc:
+            ok, reason = False, f"health probe failed: {type(exc).__name__}"
+        was_healthy = worker.healthy
+        if ok:
+            self.registry.mark_success(worker)
+        else:
+            self.registry.mark_failure(worker, reason or "unhealthy", self.config.unhealthy_after)
+        if was_healthy != worker.healthy:
+            log.warning("worker %s is now %s%s", worker.id, "healthy" if worker.healthy else "unhealthy",
+                        f" ({reason})" if reason else "")
+        self.metrics.worker_healthy.labels(worker.pool, worker.id).set(1 if worker.healthy else 0)
+        return ok
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(w) for w in self.registry))
+
+    async def _run(self) -> None:
+        while True:
+            await self.probe_all()
+            await asyncio.sleep(self.config.interval)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="health-checker")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,124 @@
+"""`kimi-gateway` command line: serve, check-config, demo, sim, engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import uvicorn
+from pydantic import ValidationError
+
+from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
+
+REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(message)s", stream=sys.stderr)
+
+
+def _load_or_exit(path: str) -> GatewayConfig:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        sys.exit(f"config error: {exc}")
+    except ValidationError as exc:
+        sys.exit(f"config error in {path}:\n{explain_validation_error(exc)}")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from gateway.app import create_app
+
+    config = _load_or_exit(args.config)
+    _setup_logging(config.log_level)
+    uvicorn.run(create_app(config), host=args.host or config.host, port=args.port or config.port,
+                loop="auto", http="auto", access_log=False, log_level=config.log_level,
+                workers=None, timeout_graceful_shutdown=10)
+
+
+def cmd_check_config(args: argparse.Namespace) -> None:
+    config = _load_or_exit(args.config)
+    try:
+        from gateway.routing.router import Router
+
+        Router(config)
+    except ValueError as exc:
+        sys.exit(f"config error in {args.config}: {exc}")
+    print(f"{args.config}: OK — model {config.model.name} (aliases: {', '.join(config.model.aliases) or 'none'})")
+    for pool in config.pools:
+        print(f"  pool {pool.name}: {pool.engine}, {len(pool.workers)} worker(s), "
+              f"max context {pool.max_context_tokens:,} tokens, policy {pool.policy}, "
+              f"modalities {'+'.join(pool.modalities)}, spillover {'on' if pool.spillover else 'off'}")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from gateway.demo import run_demo
+
+    config = _load_or_exit(args.config)
+    _setup_logging("info" if args.verbose else "warning")
+    run_demo(config, host=args.host, port=args.port)
+
+
+def cmd_sim(args: argparse.Namespace) -> None:
+    from gateway.sim.server import run_sim
+
+    _setup_logging("warning")
+    run_sim(args.engine, args.port, host=args.host, max_context_tokens=args.max_context,
+            ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"])
+
+
+def cmd_engine(args: argparse.Namespace) -> None:
+    from gateway.engine.llamacpp import run_engine
+
+    run_engine(port=args.port, n_ctx=args.ctx, host=args.host, threads=args.threads)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kimi-gateway", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway with a config file")
+    serve.add_argument("--config", "-c", required=True)
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.set_defaults(func=cmd_serve)
+
+    check = sub.add_parser("check-config", help="validate a config file and explain errors")
+    check.add_argument("config")
+    check.set_defaults(func=cmd_check_config)
+
+    demo = sub.add_parser("demo", help="simulated pools + the gateway in one process")
+    demo.add_argument("--config", default=str(REPO_CONFIG_DIR / "demo.yaml"))
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument("--verbose", "-v", action="store_true", help="print one JSON log line per request")
+    demo.set_defaults(func=cmd_demo)
+
+    sim = sub.add_parser("sim", help="run one simulated engine (vLLM, SGLang or Ascend API)")
+    sim.add_argument("--engine", choices=["vllm", "sglang", "ascend"], required=True)
+    sim.add_argument("--port", type=int, required=True)
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--max-context", type=int, default=131072, help="tokens")
+    sim.add_argument("--ttft", type=float, default=0.05, help="seconds of simulated prefill")
+    sim.add_argument("--tpot", type=float, default=0.01, help="seconds per output token")
+    sim.add_argument("--served-model-name", action="append")
+    sim.set_defaults(func=cmd_sim)
+
+    engine = sub.add_parser("engine", help="run a real llama.cpp CPU worker (SmolLM2-135M)")
+    engine.add_argument("--port", type=int, required=True)
+    engine.add_argument("--ctx", type=int, default=2048, help="context size, tokens")
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--threads", type=int)
+    engine.set_defaults(func=cmd_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

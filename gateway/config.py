@@ -1,0 +1,232 @@
+"""The gateway's configuration: pydantic models of the YAML file, `${ENV}` interpolation, env overrides.
+
+This is the only module that reads the environment. A config file is YAML whose string values may
+say `${NAME}` or `${NAME:-default}` (secrets, worker URLs); top-level scalars can also be overridden
+with `KIMI_GATEWAY_<FIELD>` variables (e.g. `KIMI_GATEWAY_REDIS_URL`, `KIMI_GATEWAY_PORT`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+EngineKind = Literal["vllm", "sglang", "ascend", "llamacpp"]
+Modality = Literal["text", "image", "audio", "video", "file"]
+
+ENV_PREFIX = "KIMI_GATEWAY_"
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """The one model the gateway serves and the names clients may call it by."""
+
+    name: str = "kimi-k3"
+    aliases: list[str] = Field(default_factory=lambda: ["Kimi-K3", "moonshotai/Kimi-K3"])
+    owned_by: str = "moonshotai"
+
+    def names(self) -> list[str]:
+        """The canonical name first, then the aliases."""
+        return [self.name, *self.aliases]
+
+
+class PoolConfig(_Strict):
+    """A pool: interchangeable workers of one engine kind that share a max context.
+
+    `workers` are engine base URLs (`http://host:port`, no `/v1`). Pools are listed in cost order,
+    cheapest first; the gateway takes the cheapest pool whose `max_context_tokens` fits
+    prompt + output tokens.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    engine: EngineKind
+    workers: list[str] = Field(min_length=1)
+    max_context_tokens: int = Field(gt=0, description="tokens, prompt + output")
+    served_model_name: str | None = Field(
+        default=None, description="name the engines serve the model under; `model` is rewritten to it"
+    )
+    modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
+    default_output_tokens: int = Field(
+        default=1024, ge=0, description="tokens reserved for output when the request sets no max_tokens"
+    )
+    spillover: bool = Field(default=True, description="may spill to the next larger pool when down")
+    policy: str = "least_load"
+    api_key: SecretStr | None = Field(default=None, description="bearer credential sent to the engines")
+
+    @field_validator("workers")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        cleaned = []
+        for url in urls:
+            if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
+                raise ValueError(f"worker URL must be http(s)://host:port, got {url!r}")
+            cleaned.append(url.rstrip("/"))
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError("worker URLs must be unique within a pool")
+        return cleaned
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        from gateway.routing.registry import POLICIES  # late: the policies import config's types
+
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+        return name
+
+
+class TimeoutConfig(_Strict):
+    """Upstream timeouts, in seconds."""
+
+    connect: float = Field(default=5.0, gt=0)
+    read: float = Field(default=120.0, gt=0, description="longest allowed gap between upstream bytes")
+    write: float = Field(default=30.0, gt=0)
+    first_byte_base: float = Field(default=60.0, gt=0, description="first-byte budget for a short prompt")
+    first_byte_per_1k_tokens: float = Field(
+        default=0.5, ge=0, description="extra first-byte budget per 1,000 estimated prompt tokens (prefill)"
+    )
+
+
+class EstimationConfig(_Strict):
+    """How prompt tokens are estimated before routing (design §4). Errs on the high side."""
+
+    bytes_per_token: float = Field(default=3.5, gt=0, description="UTF-8 bytes of text per token")
+    safety_margin: float = Field(default=1.05, ge=1.0, description="multiplier on the text estimate")
+    tokens_per_message: int = Field(default=8, ge=0, description="chat-template overhead per message")
+    image_tokens_default: int = Field(
+        default=1280, ge=0, description="cost of an image whose size cannot be read (e.g. an http URL)"
+    )
+    image_pixels_per_token: int = Field(
+        default=28 * 28, gt=0, description="pixels per vision token: 14 px patches merged 2x2 (MoonViT)"
+    )
+    image_tokens_min: int = Field(default=64, ge=0)
+    image_tokens_max: int = Field(default=16384, ge=1)
+
+
+class HealthConfig(_Strict):
+    """Active health probes of every worker."""
+
+    interval: float = Field(default=5.0, gt=0, description="seconds between probes of one worker")
+    timeout: float = Field(default=2.0, gt=0, description="a probe slower than this is a failure")
+    unhealthy_after: int = Field(default=1, ge=1, description="consecutive failures before unhealthy")
+
+
+class GatewayConfig(BaseSettings):
+    """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    pools: list[PoolConfig] = Field(min_length=1)
+    timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    estimation: EstimationConfig = Field(default_factory=EstimationConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")
+    redis_url: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> GatewayConfig:
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pool names must be unique, got {names}")
+        return self
+
+    def pool(self, name: str) -> PoolConfig:
+        """The pool called `name`; KeyError if there is none."""
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(name)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment wins over the file's values (passed as init kwargs).
+        return env_settings, init_settings
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be loaded; the message names the offending path."""
+
+
+def interpolate_env(value: Any, environ: Mapping[str, str]) -> Any:
+    """Replace `${NAME}` / `${NAME:-default}` in every string of a parsed YAML tree.
+
+    Raises ConfigError for a referenced variable that is unset and has no default.
+    """
+    if isinstance(value, str):
+
+        def sub(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            if name in environ:
+                return environ[name]
+            if default is not None:
+                return default
+            raise ConfigError(f"environment variable {name} is not set (referenced as {match.group(0)})")
+
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, list):
+        return [interpolate_env(v, environ) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate_env(v, environ) for k, v in value.items()}
+    return value
+
+
+def parse_config(data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Validate a config mapping (as read from YAML). Raises pydantic.ValidationError."""
+    env = os.environ if environ is None else environ
+    return GatewayConfig(**interpolate_env(dict(data), env))
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Read and validate a YAML config file.
+
+    Raises ConfigError for an unreadable file or bad YAML, pydantic.ValidationError for bad values.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return parse_config(data, environ)
+
+
+def explain_validation_error(exc: Exception) -> str:
+    """Render a pydantic ValidationError as one `path.to.field: message` line per problem."""
+    errors = getattr(exc, "errors", None)
+    if errors is None:
+        return str(exc)
+    lines = []
+    for err in errors():
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "(top level)"
+        lines.append(f"{loc}: {err.get('msg')}")
+    return "\n".join(lines)

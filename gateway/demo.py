@@ -1,0 +1,50 @@
+"""`kimi-gateway demo`: one simulated engine per worker URL of a config, and the gateway, in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from urllib.parse import urlsplit
+
+from gateway.sim.app import create_sim_app
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.server import QuietServer, serve_many, uvicorn_config
+from gateway.sim.config import SimConfig
+
+DEMO_TTFT_S = 0.15
+DEMO_TPOT_S = 0.02
+
+
+def demo_servers(config: GatewayConfig, host: str, port: int) -> list[QuietServer]:
+    """uvicorn servers for every simulated worker (at its configured loopback port) and the gateway."""
+    servers = []
+    for pool in config.pools:
+        if pool.engine == "llamacpp":
+            raise SystemExit(f"demo: pool {pool.name} is a llama.cpp pool; start it with `kimi-gateway engine`")
+        for url in pool.workers:
+            parts = urlsplit(url)
+            if parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
+                raise SystemExit(f"demo: worker {url} must be a loopback URL with a port")
+            sim = SimConfig(engine=pool.engine, max_context_tokens=pool.max_context_tokens,
+                            served_model_names=[pool.served_model_name or config.model.name],
+                            ttft_s=DEMO_TTFT_S, tpot_s=DEMO_TPOT_S, default_output_tokens=40)
+            servers.append(QuietServer(uvicorn_config(create_sim_app(sim), "127.0.0.1", parts.port)))
+    servers.append(QuietServer(uvicorn_config(create_app(config), host, port, log_level="info")))
+    return servers
+
+
+def run_demo(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve the demo until Ctrl-C, after printing how to try it."""
+    url = f"http://{host}:{port}"
+    print(f"kimi-gateway demo: {sum(len(p.workers) for p in config.pools)} simulated workers in "
+          f"{len(config.pools)} pools ({', '.join(p.name for p in config.pools)}); gateway on {url}")
+    print("Try:")
+    print(f"  curl -sN {url}/v1/chat/completions -H 'content-type: application/json' "
+          "-d '{\"model\": \"kimi-k3\", \"stream\": true, \"messages\": [{\"role\": \"user\", "
+          "\"content\": \"Hello!\"}]}'")
+    print(f"  curl -s {url}/v1/models; curl -s {url}/ready; curl -s {url}/metrics | grep kimi_gateway_requests")
+    print("Ctrl-C stops it.", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_many(demo_servers(config, host, port)))

@@ -1,0 +1,134 @@
+"""Gateway errors and their OpenAI error objects, in one place.
+
+Every error leaves the gateway as `{"error": {"message", "type", "param", "code"}}` with an HTTP
+status, the shape OpenAI's API uses (https://platform.openai.com/docs/guides/error-codes). Types
+follow OpenAI's: `invalid_request_error` (400/404/413), `authentication_error` (401),
+`rate_limit_error`-style 429s, `server_error` (5xx).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class GatewayError(Exception):
+    """Base error: an HTTP status and an OpenAI error object.
+
+    `headers` are extra response headers (e.g. `Retry-After`).
+    """
+
+    status: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
+                          "code": self.code}}
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.body())
+
+
+class InvalidRequest(GatewayError):
+    """400: the request is malformed or asks for something no pool can do."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """400 `context_length_exceeded`: prompt + output tokens exceed the largest pool's context."""
+
+    code = "context_length_exceeded"
+
+
+class ModelNotFound(GatewayError):
+    """404 `model_not_found`, worded as OpenAI words it."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NotFound(GatewayError):
+    """404 for an unknown path."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "not_found"
+
+
+class MethodNotAllowed(GatewayError):
+    status = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(GatewayError):
+    """413: the request body is over `max_body_bytes`."""
+
+    status = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(GatewayError):
+    status = 415
+    error_type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class NoCapacity(GatewayError):
+    """503: no healthy worker could take the request (all down, ejected or tried)."""
+
+    status = 503
+    error_type = "server_error"
+    code = "no_healthy_upstream"
+
+
+class UpstreamError(GatewayError):
+    """502: the engine failed after accepting the request, or answered garbage."""
+
+    status = 502
+    error_type = "server_error"
+    code = "upstream_error"
+
+
+class UpstreamTimeout(GatewayError):
+    """504: the engine did not answer in time."""
+
+    status = 504
+    error_type = "server_error"
+    code = "upstream_timeout"
+
+
+def error_bytes_from_upstream(status: int, body: bytes) -> bytes:
+    """Normalise an engine's 4xx error body into an OpenAI error object.
+
+    vLLM and SGLang answer `{"object": "error", "message", "type", "param", "code"}` (flat);
+    llama.cpp answers `{"error": {"code", "message", "type"}}`. Bodies already in OpenAI shape pass
+    unchanged; anything else is wrapped with the raw text as the message.
+    """
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]:
+        return body
+    message = data.get("message") if isinstance(data, dict) else None
+    if not isinstance(message, str):
+        message = body[:2000].decode("utf-8", "replace") or f"upstream answered HTTP {status}"
+    error_type = "invalid_request_error" if status < 500 else "server_error"
+    return orjson.dumps({"error": {"message": message, "type": error_type, "param": None, "code": None}})

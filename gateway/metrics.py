@@ -1,0 +1,61 @@
+"""Prometheus collectors of one gateway, on their own CollectorRegistry (bounded labels only).
+
+Labels are pool, worker (`pool/index`), reason, outcome, status class (`2xx`...), api and method:
+values the gateway's config or code defines, never strings a client sent.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# LLM latencies run from milliseconds (a cached short prompt) to minutes (a 1M-token prefill).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0,
+                   120.0, 300.0, 600.0)
+TOKEN_BUCKETS = (128, 512, 2048, 8192, 32768, 131072, 262144, 524288, 1048576, 2097152)
+
+NO_POOL = "none"
+
+
+def status_class(status: int) -> str:
+    return f"{status // 100}xx"
+
+
+class GatewayMetrics:
+    """Every collector the gateway exports; `render()` gives the exposition text and content type."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kimi_gateway_requests", "Finished client requests.",
+                                ["api", "pool", "status_class"], registry=r)
+        self.request_seconds = Histogram("kimi_gateway_request_duration_seconds",
+                                         "End-to-end request time, arrival to last byte.", ["pool"],
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram("kimi_gateway_ttft_seconds",
+                                      "Time from arrival to the first upstream body byte (streaming).",
+                                      ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.route_decisions = Counter("kimi_gateway_route_decisions", "Worker choices by policy reason.",
+                                       ["pool", "reason"], registry=r)
+        self.upstream_attempts = Counter("kimi_gateway_upstream_attempts",
+                                         "Upstream attempts by outcome (ok, connect_error, timeout, "
+                                         "status_5xx, status_429, too_long, client_error, protocol_error).",
+                                         ["pool", "worker", "outcome"], registry=r)
+        self.spillovers = Counter("kimi_gateway_spillovers",
+                                  "Requests moved to a later pool (cause: unavailable or too_long).",
+                                  ["from_pool", "to_pool", "cause"], registry=r)
+        self.estimated_prompt_tokens = Histogram("kimi_gateway_estimated_prompt_tokens",
+                                                 "Estimated prompt tokens per routed request.",
+                                                 ["pool", "method"], buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter("kimi_gateway_tokens", "Tokens reported by the engines' usage.",
+                              ["pool", "kind"], registry=r)
+        self.in_flight = Gauge("kimi_gateway_in_flight", "Open upstream requests of this replica.",
+                               ["pool", "worker"], registry=r)
+        self.worker_healthy = Gauge("kimi_gateway_worker_healthy", "1 when the worker passes its probes.",
+                                    ["pool", "worker"], registry=r)
+        self.client_disconnects = Counter("kimi_gateway_client_disconnects",
+                                          "Clients that hung up before the response ended (stage).",
+                                          ["pool", "stage"], registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,1 @@
+"""Wire formats: OpenAI request models and the SSE observer."""

@@ -1,0 +1,147 @@
+"""OpenAI wire models for the requests the gateway routes (imports pydantic only).
+
+They validate what routing reads (model, messages and content parts, output limits, stream
+flags) with OpenAI's types, strictly: `"5"` is not an integer. Unknown fields are allowed and
+ignored here; the gateway forwards the client's JSON object itself, so they reach the engine
+unchanged. Shapes follow https://platform.openai.com/docs/api-reference/chat/create and
+/completions/create.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
+class _Open(BaseModel):
+    """Extra fields are accepted (and forwarded by the gateway untouched)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class TextPart(_Open):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ImageURL(_Open):
+    url: StrictStr = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Open):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudioPart(_Open):
+    type: Literal["input_audio"]
+    input_audio: dict[str, Any]
+
+
+class VideoPart(_Open):
+    """vLLM's `video_url` extension."""
+
+    type: Literal["video_url"]
+    video_url: dict[str, Any]
+
+
+class FilePart(_Open):
+    type: Literal["file"]
+    file: dict[str, Any]
+
+
+class RefusalPart(_Open):
+    type: Literal["refusal"]
+    refusal: StrictStr
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | InputAudioPart | VideoPart | FilePart | RefusalPart,
+    Field(discriminator="type"),
+]
+
+# The modality each content part type needs from a pool.
+PART_MODALITY: dict[str, str] = {
+    "text": "text",
+    "refusal": "text",
+    "image_url": "image",
+    "input_audio": "audio",
+    "video_url": "video",
+    "file": "file",
+}
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+
+class StreamOptions(_Open):
+    include_usage: StrictBool | None = None
+
+
+OutputTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+
+
+class _Generation(_Open):
+    model: StrictStr = Field(min_length=1)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    max_tokens: OutputTokens | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+    user: StrictStr | None = None
+
+
+class ChatCompletionRequest(_Generation):
+    """`POST /v1/chat/completions` body (the fields routing reads)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: OutputTokens | None = None
+
+
+class CompletionRequest(_Generation):
+    """`POST /v1/completions` body: `prompt` is text, texts, token ids or lists of token ids."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+_BRANCH_NAMES = frozenset({"str", "int", "bool", "float", "dict", "list", "none"})
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    """OpenAI-style field path from a pydantic error location, without union branch and tag names."""
+    param = ""
+    skip_tag = False
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+            continue
+        if skip_tag:  # a tagged union puts the tag value after the list index
+            skip_tag = False
+            continue
+        if "[" in part or part in _BRANCH_NAMES:
+            skip_tag = "tagged-union" in part
+            continue
+        param += f".{part}" if param else part
+    return param
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """Turn the most specific pydantic error into (message, param) for an OpenAI error object.
+
+    `param` is the field path in OpenAI's style, e.g. `messages[0].content[1].image_url.url`.
+    """
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return "invalid request body", None
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    param = _param_path(tuple(err.get("loc", ())))
+    message = err.get("msg", "invalid value")
+    if param:
+        message = f"Invalid value for '{param}': {message}"
+    return message, param or None

@@ -1,0 +1,84 @@
+"""One request's account: filled in along the request path, written once as metrics and a log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.metrics import NO_POOL, GatewayMetrics, status_class
+
+log = logging.getLogger("gateway.access")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one client request. Times are `time.perf_counter()` seconds.
+
+    `outcome` is `ok`, `error` (the client got an error status), `upstream_error` (the stream broke
+    after its first byte) or `client_disconnect`.
+    """
+
+    request_id: str
+    api: str
+    started: float = field(default_factory=time.perf_counter)
+    pool: str = NO_POOL
+    worker: str | None = None
+    reason: str | None = None
+    attempts: int = 0
+    status: int = 0
+    stream: bool = False
+    estimated_prompt_tokens: int | None = None
+    estimate_method: str | None = None
+    first_byte_at: float | None = None
+    usage: dict[str, Any] | None = None
+    outcome: str = "ok"
+    disconnect_stage: str | None = None
+    error: str | None = None
+    _finished: bool = False
+
+    def client_gone(self, stage: str) -> None:
+        """The client hung up at `stage` (`before_response` or `mid_stream`)."""
+        if self.disconnect_stage is None:
+            self.disconnect_stage = stage
+            self.outcome = "client_disconnect"
+
+    def finish(self, metrics: GatewayMetrics) -> None:
+        """Record metrics and the access log line; later calls do nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        now = time.perf_counter()
+        if self.disconnect_stage is not None:
+            metrics.client_disconnects.labels(self.pool, self.disconnect_stage).inc()
+            status = 499  # nginx's "client closed request", for the status-class label only
+        else:
+            status = self.status
+        metrics.requests.labels(self.api, self.pool, status_class(status)).inc()
+        metrics.request_seconds.labels(self.pool).observe(now - self.started)
+        ttft = None
+        if self.first_byte_at is not None:
+            ttft = self.first_byte_at - self.started
+            if self.stream:
+                metrics.ttft_seconds.labels(self.pool).observe(ttft)
+        if self.usage:
+            for kind in ("prompt_tokens", "completion_tokens"):
+                value = self.usage.get(kind)
+                if isinstance(value, int) and value > 0:
+                    metrics.tokens.labels(self.pool, kind.removesuffix("_tokens")).inc(value)
+            details = self.usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if isinstance(cached, int) and cached > 0:
+                metrics.tokens.labels(self.pool, "cached").inc(cached)
+        if log.isEnabledFor(logging.INFO):
+            log.info(orjson.dumps({
+                "event": "request", "request_id": self.request_id, "api": self.api, "pool": self.pool,
+                "worker": self.worker, "reason": self.reason, "attempts": self.attempts,
+                "status": status, "outcome": self.outcome, "stream": self.stream,
+                "estimated_prompt_tokens": self.estimated_prompt_tokens, "estimate": self.estimate_method,
+                "ttft_s": None if ttft is None else round(ttft, 6), "duration_s": round(now - self.started, 6),
+                "usage": self.usage, "error": self.error,
+            }).decode())

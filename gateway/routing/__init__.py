@@ -1,0 +1,1 @@
+"""Routing: request features, token estimates, pool choice, policies."""

@@ -1,0 +1,1 @@
+"""Routing policies, one per module; `gateway.routing.registry` maps their names to classes."""

@@ -1,0 +1,44 @@
+"""Pool choice by context length and modality (design §2 step 3, §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.config import PoolConfig
+from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.routing.features import RoutingRequest
+
+
+def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[PoolConfig]:
+    """The pools that can serve `request`, cheapest (configured order) first.
+
+    A pool fits when it accepts every modality the request uses and its `max_context_tokens` is at
+    least prompt + output tokens (output = the request's limit, else the pool's reservation).
+    Raises InvalidRequest when no pool accepts a modality, ContextLengthExceeded (400,
+    `context_length_exceeded`) when the request is larger than every such pool.
+    """
+    by_modality = [p for p in pools if request.modalities.issubset(p.modalities)]
+    if not by_modality:
+        missing = sorted(request.modalities - set().union(*(set(p.modalities) for p in pools)))
+        raise InvalidRequest(
+            f"This model's pools do not accept {', '.join(missing)} content; accepted: "
+            f"{', '.join(sorted(set().union(*(set(p.modalities) for p in pools))))}.",
+            param="messages", code="unsupported_content_type",
+        )
+    fits = [p for p in by_modality if request.context_tokens(p.default_output_tokens) <= p.max_context_tokens]
+    if fits:
+        return fits
+    largest = max(by_modality, key=lambda p: p.max_context_tokens)
+    output = request.output_tokens if request.output_tokens is not None else largest.default_output_tokens
+    raise ContextLengthExceeded(
+        f"This model's maximum context length is {largest.max_context_tokens} tokens. However, this "
+        f"request needs about {request.prompt_tokens + output} tokens ({request.prompt_tokens} "
+        f"estimated prompt tokens by {request.estimate_method} + {output} output tokens). "
+        "Please reduce the length of the messages or the output limit.",
+        param="messages" if request.api == "chat" else "prompt",
+    )
+
+
+def larger_pools(current: PoolConfig, candidates: Sequence[PoolConfig]) -> list[PoolConfig]:
+    """Pools after `current` in `candidates` with a strictly larger context, for a "too long" retry."""
+    return [p for p in candidates if p.max_context_tokens > current.max_context_tokens]

@@ -1,0 +1,101 @@
+"""Run ASGI apps under uvicorn: in a background thread (tests, tools) or several in one event loop (demo)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import uvicorn
+
+ASGIApp = Any
+
+
+def uvicorn_config(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> uvicorn.Config:
+    """Build the uvicorn config every server of the project uses.
+
+    `port=0` binds a free port; read it back with `bound_port(server)`. Access logs are off: the
+    gateway writes its own structured line per request.
+    """
+    kwargs.setdefault("log_level", "warning")
+    kwargs.setdefault("access_log", False)
+    kwargs.setdefault("lifespan", "on")
+    kwargs.setdefault("timeout_graceful_shutdown", 2)
+    return uvicorn.Config(app, host=host, port=port, **kwargs)
+
+
+def bound_port(server: uvicorn.Server) -> int:
+    """The TCP port a started uvicorn server listens on (useful after binding port 0)."""
+    return int(server.servers[0].sockets[0].getsockname()[1])
+
+
+class ThreadedServer:
+    """An ASGI app served by uvicorn in a daemon thread on 127.0.0.1.
+
+    Use as a context manager; `url` is `http://127.0.0.1:PORT` once entered. Raises RuntimeError
+    when the server does not start within `start_timeout` seconds (e.g. the port is taken).
+    """
+
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 15.0,
+                 **uvicorn_kwargs: Any) -> None:
+        self.app = app
+        self.host = host
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, **uvicorn_kwargs))
+        self.start_timeout = start_timeout
+        self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{host}:{port}", daemon=True)
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ThreadedServer:
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        self.port = bound_port(self.server)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to its owner (several share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve_many(servers: list[QuietServer]) -> None:
+    """Serve several servers in the current event loop; SIGINT/SIGTERM stop all of them."""
+    loop = asyncio.get_running_loop()
+
+    def stop_all() -> None:
+        for server in servers:
+            server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop_all)
+    try:
+        await asyncio.gather(*(s.serve() for s in servers))
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

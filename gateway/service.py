@@ -1,0 +1,252 @@
+"""The request sequence (design §2), orchestration only: parse → features → pool → worker → upstream.
+
+`ProxyService.handle` returns a `BufferedResponse` (errors, non-streaming answers) or a
+`RelayResponse` (an accepted stream) and raises GatewayError for the client's mistakes and for
+exhausted upstreams. Failover happens only before the engine's first body byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from gateway.backends.client import request_timeout
+from gateway.backends.worker import Worker
+from gateway.config import PoolConfig
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    ModelNotFound,
+    NoCapacity,
+    UpstreamError,
+    UpstreamTimeout,
+    error_bytes_from_upstream,
+)
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from gateway.record import RequestRecord
+from gateway.routing.features import Api, RoutingRequest, chat_features, completion_features
+from gateway.routing.pools import fitting_pools, larger_pools
+from gateway.state import AppState
+from gateway.streaming import (
+    RETRYABLE,
+    AttemptFailed,
+    Lease,
+    Outcome,
+    UpstreamStream,
+    early_stream_error,
+    first_chunk,
+    mark_first_byte,
+    open_upstream,
+    read_rest,
+)
+
+UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+Headers = list[tuple[bytes, bytes]]
+
+
+@dataclass(slots=True)
+class BufferedResponse:
+    """A complete answer: status, headers (lower-case names) and body bytes."""
+
+    status: int
+    body: bytes
+    content_type: bytes = b"application/json"
+    headers: Headers = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RelayResponse:
+    """An accepted upstream stream to relay: status, headers and the stream that owns the upstream."""
+
+    status: int
+    stream: UpstreamStream
+    content_type: bytes = b"text/event-stream"
+    headers: Headers = field(default_factory=list)
+
+
+def decode_json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; InvalidRequest (400) for anything else."""
+    if not body:
+        raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+class ProxyService:
+    """Routes and proxies chat and completions requests for one AppState."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        config = state.config
+        self._models = {name.lower(): config.model.name for name in config.model.names()}
+        self._served = {p.name: p.served_model_name or config.model.name for p in config.pools}
+
+    def parse(self, api: Api, body: bytes, headers: Mapping[str, str]) -> tuple[dict[str, Any], RoutingRequest]:
+        """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound."""
+        payload = decode_json_object(body)
+        try:
+            wire = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(payload)
+        except ValidationError as exc:
+            message, param = describe_validation_error(exc)
+            raise InvalidRequest(message, param=param) from None
+        model = self._models.get(wire.model.lower())
+        if model is None:
+            raise ModelNotFound(f"The model `{wire.model[:200]}` does not exist or you do not have access to it.",
+                                param="model")
+        session = headers.get("x-session-id")
+        estimator = self.state.estimator
+        if isinstance(wire, ChatCompletionRequest):
+            request = chat_features(wire, model, estimator, session)
+        else:
+            request = completion_features(wire, model, estimator, session)
+        return payload, request
+
+    async def handle(self, api: Api, body: bytes, headers: Mapping[str, str],
+                     record: RequestRecord) -> BufferedResponse | RelayResponse:
+        """The whole request path up to an accepted upstream (or a final error)."""
+        payload, request = self.parse(api, body, headers)
+        record.stream = request.stream
+        record.estimated_prompt_tokens = request.prompt_tokens
+        record.estimate_method = request.estimate_method
+        pools = fitting_pools(request, self.state.config.pools)
+        return await self._dispatch(api, payload, request, pools, record)
+
+    async def _dispatch(self, api: Api, payload: dict[str, Any], request: RoutingRequest,
+                        pools: list[PoolConfig], record: RequestRecord) -> BufferedResponse | RelayResponse:
+        state = self.state
+        metrics = state.metrics
+        pool = pools[0]
+        record.pool = pool.name
+        metrics.estimated_prompt_tokens.labels(pool.name, request.estimate_method).observe(request.prompt_tokens)
+        tried: set[Worker] = set()
+        too_long_retried = False
+        last: AttemptFailed | None = None
+        while record.attempts < state.config.max_attempts:
+            candidates = state.registry.candidates(pool.name, tried)
+            if not candidates:
+                later = pools[pools.index(pool) + 1:] if pool.spillover else []
+                if not later:
+                    break
+                metrics.spillovers.labels(pool.name, later[0].name, "unavailable").inc()
+                pool = later[0]
+                record.pool = pool.name
+                continue
+            decision = state.router.policy(pool.name).select(request, candidates)
+            worker = decision.worker
+            record.attempts += 1
+            record.worker, record.reason = worker.id, decision.reason
+            metrics.route_decisions.labels(pool.name, decision.reason).inc()
+            try:
+                result = await self._attempt(api, pool, worker, payload, request, record)
+            except AttemptFailed as failure:
+                metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
+                tried.add(worker)
+                last = failure
+                if failure.outcome is Outcome.TOO_LONG:
+                    larger = larger_pools(pool, pools)
+                    if too_long_retried or not larger:
+                        return self._engine_error(failure, record)
+                    too_long_retried = True
+                    metrics.spillovers.labels(pool.name, larger[0].name, "too_long").inc()
+                    pool = larger[0]
+                    record.pool = pool.name
+                    continue
+                if failure.outcome not in RETRYABLE:
+                    return self._engine_error(failure, record)
+                threshold = 1 if failure.outcome is Outcome.CONNECT_ERROR else state.config.health.unhealthy_after
+                state.registry.mark_failure(worker, failure.detail, threshold)
+                continue
+            metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
+            result.headers.extend(self._route_headers(record))
+            return result
+        raise self._exhausted(last, record)
+
+    async def _attempt(self, api: Api, pool: PoolConfig, worker: Worker, payload: dict[str, Any],
+                       request: RoutingRequest, record: RequestRecord) -> BufferedResponse | RelayResponse:
+        state = self.state
+        body = orjson.dumps({**payload, "model": self._served[pool.name]})
+        headers = {"content-type": "application/json", "x-request-id": record.request_id}
+        if pool.api_key is not None:
+            headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
+        timeout = request_timeout(state.config.timeouts, request.prompt_tokens)
+        lease = Lease(worker, state.metrics)
+        try:
+            response = await open_upstream(state.http, worker.url + UPSTREAM_PATHS[api], body, headers, timeout)
+            first, rest = await first_chunk(response)
+            mark_first_byte(record)
+            content_type = response.headers.get("content-type", "application/json").encode("latin-1")
+            record.status = response.status_code
+            if request.stream:
+                if (early := early_stream_error(first)) is not None:
+                    await response.aclose()
+                    raise early
+                stream = UpstreamStream(response, first, rest, lease, record)
+                return RelayResponse(response.status_code, stream, content_type)
+            try:
+                content = await read_rest(response, first, rest, state.config.max_body_bytes)
+            except Exception as exc:
+                record.outcome = "upstream_error"
+                raise UpstreamError(f"The inference server failed while sending its answer ({type(exc).__name__}).") \
+                    from exc
+            finally:
+                await response.aclose()
+            record.usage = _usage_of(content)
+            lease.release()
+            return BufferedResponse(response.status_code, content, content_type)
+        except BaseException:
+            lease.release()
+            raise
+
+    def _engine_error(self, failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+        """Pass an engine's own 4xx answer to the client, as an OpenAI error object."""
+        status = failure.status or 502
+        record.status = status
+        record.error = failure.detail
+        body = error_bytes_from_upstream(status, failure.body)
+        return BufferedResponse(status, body, b"application/json", self._route_headers(record))
+
+    def _exhausted(self, last: AttemptFailed | None, record: RequestRecord) -> GatewayError:
+        """The error for a request no worker accepted."""
+        if last is None or last.outcome in (Outcome.CONNECT_ERROR,):
+            return NoCapacity(f"No healthy inference server is available for pool {record.pool}; try again shortly.",
+                              headers={"retry-after": "1"})
+        if last.outcome is Outcome.TIMEOUT:
+            return UpstreamTimeout(f"The inference server did not answer in time ({last.detail}).")
+        if last.outcome is Outcome.STATUS_429:
+            retry = str(int(last.retry_after or 1))
+            return NoCapacity("All inference servers are busy; try again shortly.", headers={"retry-after": retry},
+                              code="upstream_overloaded")
+        return UpstreamError(f"The inference servers failed to answer ({last.detail}) after {record.attempts} "
+                             f"attempt{'s' if record.attempts != 1 else ''}.")
+
+    @staticmethod
+    def _route_headers(record: RequestRecord) -> Headers:
+        headers = [(b"x-kimi-gateway-pool", record.pool.encode()),
+                   (b"x-kimi-gateway-attempts", str(record.attempts).encode())]
+        if record.worker:
+            headers.append((b"x-kimi-gateway-worker", record.worker.encode()))
+        if record.reason:
+            headers.append((b"x-kimi-gateway-route-reason", record.reason.encode()))
+        if record.estimated_prompt_tokens is not None:
+            headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
+                            f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
+        return headers
+
+
+def _usage_of(content: bytes) -> dict[str, Any] | None:
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return usage if isinstance(usage, dict) else None

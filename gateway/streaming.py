@@ -1,0 +1,231 @@
+"""One upstream attempt and the byte relay (design §2 steps 7-10).
+
+An attempt succeeds once the engine sent 2xx headers AND its first body byte; until then every
+failure is an `AttemptFailed` the service may retry elsewhere. After that the relay passes raw
+bytes through as they arrive (`aiter_raw`, no re-encoding); a tap observes a copy. A failure after
+the first byte becomes one SSE error event and the stream ends without `[DONE]`. Closing the
+upstream response in `finally` is what makes the engine abort a request whose client hung up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from enum import StrEnum
+
+import httpx
+
+from gateway.backends.engines import is_context_too_long
+from gateway.backends.worker import Worker
+from gateway.metrics import GatewayMetrics
+from gateway.protocol.sse import SSETap, sse_error_event
+from gateway.record import RequestRecord
+
+ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
+
+
+class Outcome(StrEnum):
+    """How one upstream attempt ended (a bounded metric label)."""
+
+    OK = "ok"
+    CONNECT_ERROR = "connect_error"
+    TIMEOUT = "timeout"
+    PROTOCOL_ERROR = "protocol_error"
+    STATUS_5XX = "status_5xx"
+    STATUS_429 = "status_429"
+    TOO_LONG = "too_long"
+    CLIENT_ERROR = "client_error"
+
+
+RETRYABLE = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR, Outcome.STATUS_5XX,
+                       Outcome.STATUS_429})
+
+
+class AttemptFailed(Exception):
+    """An attempt failed before the engine's first body byte. `status`/`body` are the engine's answer
+    when it gave one (4xx/5xx), `retry_after` its Retry-After header in seconds."""
+
+    def __init__(self, outcome: Outcome, detail: str, status: int | None = None, body: bytes = b"",
+                 content_type: str = "application/json", retry_after: float | None = None) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+        self.detail = detail
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.retry_after = retry_after
+
+
+class Lease:
+    """This replica's in-flight count on a worker, released exactly once."""
+
+    __slots__ = ("_metrics", "_released", "worker")
+
+    def __init__(self, worker: Worker, metrics: GatewayMetrics) -> None:
+        self.worker = worker
+        self._metrics = metrics
+        self._released = False
+        worker.in_flight += 1
+        metrics.in_flight.labels(worker.pool, worker.id).inc()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.worker.in_flight -= 1
+            self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
+
+
+def _classify_transport_error(exc: httpx.HTTPError) -> Outcome:
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return Outcome.CONNECT_ERROR
+    if isinstance(exc, httpx.TimeoutException):
+        return Outcome.TIMEOUT
+    return Outcome.PROTOCOL_ERROR
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+async def _read_error(response: httpx.Response) -> bytes:
+    body = bytearray()
+    try:
+        async for chunk in response.aiter_raw():
+            body += chunk
+            if len(body) >= ERROR_BODY_LIMIT:
+                break
+    except httpx.HTTPError:
+        pass
+    return bytes(body[:ERROR_BODY_LIMIT])
+
+
+async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str],
+                        timeout: httpx.Timeout) -> httpx.Response:
+    """POST `body` and return the response once 2xx headers arrived (body not read yet).
+
+    Raises AttemptFailed: transport errors, 5xx, 429, the engine's "context too long", other 4xx.
+    """
+    request = client.build_request("POST", url, content=body, headers=headers, timeout=timeout)
+    try:
+        response = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} from {url}") from exc
+    status = response.status_code
+    if status < 400:
+        return response
+    try:
+        error_body = await _read_error(response)
+    finally:
+        await response.aclose()
+    content_type = response.headers.get("content-type", "application/json")
+    if status == 429:
+        raise AttemptFailed(Outcome.STATUS_429, "engine is rate limiting (429)", status, error_body,
+                            content_type, _retry_after(response))
+    if status >= 500:
+        raise AttemptFailed(Outcome.STATUS_5XX, f"engine answered HTTP {status}", status, error_body,
+                            content_type, _retry_after(response))
+    if is_context_too_long(status, error_body):
+        raise AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long", status, error_body,
+                            content_type)
+    raise AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered HTTP {status}", status, error_body,
+                        content_type)
+
+
+async def first_chunk(response: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:
+    """Wait for the first body bytes of an accepted response (b"" for an empty body).
+
+    Raises AttemptFailed (and closes the response) if the engine fails before sending any.
+    """
+    chunks = response.aiter_raw()
+    try:
+        first = await anext(chunks, b"")
+    except httpx.HTTPError as exc:
+        await response.aclose()
+        raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} before the first byte") from exc
+    except BaseException:
+        await response.aclose()
+        raise
+    return first, chunks
+
+
+def early_stream_error(first: bytes) -> AttemptFailed | None:
+    """An SSE error event as a 200 stream's first event that says "context too long".
+
+    Some engines (SGLang before 2026) validate a streaming request's length only after sending
+    200 headers; the error arrives as `data: {"error": ...}`. Caught here, it is retried like a 400.
+    """
+    if not first.startswith(b"data:") or b'"error"' not in first[:ERROR_BODY_LIMIT]:
+        return None
+    payload = first.split(b"\n", 1)[0][5:].strip()
+    if not is_context_too_long(400, payload):
+        return None
+    return AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long (in-stream error)", 400, payload)
+
+
+async def read_rest(response: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """The whole body of a non-streaming response, given its first chunk.
+
+    Raises httpx.HTTPError if the engine fails midway, ValueError above `limit` bytes.
+    """
+    body = bytearray(first)
+    async for chunk in chunks:
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(f"engine response is larger than {limit} bytes")
+    return bytes(body)
+
+
+class UpstreamStream:
+    """An accepted streaming response: the primed first chunk, then the rest, relayed as bytes.
+
+    Owns the upstream response and the worker lease; `aclose()` (idempotent, also safe when the
+    body was never iterated) closes both. Facts for the record: first byte time, usage, outcome.
+    """
+
+    def __init__(self, response: httpx.Response, first: bytes, rest: AsyncIterator[bytes], lease: Lease,
+                 record: RequestRecord) -> None:
+        self.response = response
+        self._first = first
+        self._rest = rest
+        self._lease = lease
+        self._record = record
+        self._closed = False
+        self.tap = SSETap()
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """Yield upstream bytes exactly as received; an upstream failure ends with one SSE error event."""
+        tap = self.tap
+        try:
+            tap.feed(self._first)
+            yield self._first
+            async for chunk in self._rest:
+                tap.feed(chunk)
+                yield chunk
+        except httpx.HTTPError as exc:
+            self._record.outcome = "upstream_error"
+            self._record.error = f"{type(exc).__name__} after {tap.events} events"
+            prefix = b"" if tap.at_boundary else b"\n\n"
+            yield prefix + sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
+                                           "the response is incomplete.")
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.response.aclose()
+        finally:
+            self._lease.release()
+            self._record.usage = self.tap.usage or self._record.usage
+
+
+def mark_first_byte(record: RequestRecord) -> None:
+    """Note the first upstream body byte (TTFT for streams)."""
+    if record.first_byte_at is None:
+        record.first_byte_at = time.perf_counter()
