@@ -108,6 +108,9 @@ class EstimationConfig(_Strict):
     bytes_per_token: float = Field(default=3.5, gt=0, description="UTF-8 bytes of text per token")
     safety_margin: float = Field(default=1.05, ge=1.0, description="multiplier on the text estimate")
     tokens_per_message: int = Field(default=8, ge=0, description="chat-template overhead per message")
+    tokens_per_request: int = Field(
+        default=32, ge=0, description="fixed chat overhead: assistant header, a default system prompt"
+    )
     image_tokens_default: int = Field(
         default=1280, ge=0, description="cost of an image whose size cannot be read (e.g. an http URL)"
     )
@@ -123,7 +126,10 @@ class HealthConfig(_Strict):
 
     interval: float = Field(default=5.0, gt=0, description="seconds between probes of one worker")
     timeout: float = Field(default=2.0, gt=0, description="a probe slower than this is a failure")
-    unhealthy_after: int = Field(default=1, ge=1, description="consecutive failures before unhealthy")
+    unhealthy_after: int = Field(default=1, ge=1, description="consecutive failed probes before unhealthy")
+    passive_failures: int = Field(
+        default=3, ge=1, description="consecutive upstream failures (5xx, timeouts, broken replies) before unhealthy"
+    )
 
 
 class GatewayConfig(BaseSettings):

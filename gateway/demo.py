@@ -6,11 +6,10 @@ import asyncio
 import contextlib
 from urllib.parse import urlsplit
 
-from gateway.sim.app import create_sim_app
-
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.server import QuietServer, serve_many, uvicorn_config
+from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 
 DEMO_TTFT_S = 0.15
@@ -31,7 +30,7 @@ def demo_servers(config: GatewayConfig, host: str, port: int) -> list[QuietServe
                             served_model_names=[pool.served_model_name or config.model.name],
                             ttft_s=DEMO_TTFT_S, tpot_s=DEMO_TPOT_S, default_output_tokens=40)
             servers.append(QuietServer(uvicorn_config(create_sim_app(sim), "127.0.0.1", parts.port)))
-    servers.append(QuietServer(uvicorn_config(create_app(config), host, port, log_level="info")))
+    servers.append(QuietServer(uvicorn_config(create_app(config), host, port)))
     return servers
 
 

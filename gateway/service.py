@@ -163,10 +163,12 @@ class ProxyService:
                     continue
                 if failure.outcome not in RETRYABLE:
                     return self._engine_error(failure, record)
-                threshold = 1 if failure.outcome is Outcome.CONNECT_ERROR else state.config.health.unhealthy_after
-                state.registry.mark_failure(worker, failure.detail, threshold)
+                if failure.outcome is not Outcome.STATUS_429:  # busy is not broken
+                    threshold = 1 if failure.outcome is Outcome.CONNECT_ERROR else state.config.health.passive_failures
+                    state.registry.mark_failure(worker, failure.detail, threshold)
                 continue
             metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
+            worker.consecutive_failures = 0
             result.headers.extend(self._route_headers(record))
             return result
         raise self._exhausted(last, record)

@@ -47,7 +47,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
 
     Raises InvalidRequest for an image data URI that cannot be read.
     """
-    tokens = 0
+    tokens = estimator.config.tokens_per_request
     modalities = {"text"}
     methods = {"bytes"}
     images = 0

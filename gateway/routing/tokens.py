@@ -47,7 +47,7 @@ class TokenEstimator:
         if not text:
             return 0
         n_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-        return math.ceil(n_bytes * self._per_byte)
+        return math.ceil(n_bytes * self._per_byte - 1e-9)  # the epsilon absorbs float error (60*0.3)
 
     def image_tokens(self, url: str, param: str | None = None) -> ImageEstimate:
         """Estimated tokens of one image given its URL or `data:` URI.

@@ -1,0 +1,31 @@
+"""Engine simulator: speaks the vLLM / SGLang / vllm-ascend OpenAI-compatible HTTP APIs.
+
+Used by integration tests (real HTTP on loopback) and by the demo. Quick use::
+
+    from gateway.sim import SimConfig, sim_server
+
+    with sim_server(SimConfig(engine="vllm", max_context_tokens=8192, ttft_s=0.05)) as srv:
+        ...  # POST f"{srv.url}/v1/chat/completions"; srv.app.engine.records
+"""
+
+from gateway.sim.app import SimApp, create_sim_app
+from gateway.sim.config import ApiVersion, Engine, SimConfig, SimFaults
+from gateway.sim.dialects import EngineDialect, dialect_for
+from gateway.sim.engine import SimEngine, SimRequestRecord
+from gateway.sim.server import run_sim, sim_server, sim_uvicorn_server
+
+__all__ = [
+    "ApiVersion",
+    "Engine",
+    "EngineDialect",
+    "SimApp",
+    "SimConfig",
+    "SimEngine",
+    "SimFaults",
+    "SimRequestRecord",
+    "create_sim_app",
+    "dialect_for",
+    "run_sim",
+    "sim_server",
+    "sim_uvicorn_server",
+]

@@ -1,0 +1,130 @@
+"""The simulator's ASGI application: routes of a vLLM / SGLang / vllm-ascend OpenAI server.
+
+Engine endpoints:
+    POST /v1/chat/completions, POST /v1/completions   (see `gateway.sim.generation`)
+    GET /health        200 with an empty body (or never answers with the `hang_health` fault)
+    GET /v1/models     OpenAI model list with the served names
+    GET /metrics       Prometheus text with the engine's own metric names
+Test endpoints:
+    GET /sim/requests, DELETE /sim/requests     request records (JSON list) / clear them
+    GET /sim/faults, POST /sim/faults           global faults (JSON `SimFaults`; POST replaces)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from gateway.sim import responses as r
+from gateway.sim.asgi import (
+    ClientDisconnected,
+    DisconnectWatch,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_bytes,
+    send_json,
+)
+from gateway.sim.config import SimConfig, SimFaults
+from gateway.sim.engine import SimEngine
+from gateway.sim.generation import handle_generation
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class SimApp:
+    """ASGI app of one simulated engine; `engine` exposes its state to in-process tests."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.engine = engine
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/completions"): self._completions,
+            ("GET", "/health"): self._health,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/sim/requests"): self._get_requests,
+            ("DELETE", "/sim/requests"): self._clear_requests,
+            ("GET", "/sim/faults"): self._get_faults,
+            ("POST", "/sim/faults"): self._set_faults,
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path = scope["path"].rstrip("/") or "/"
+        handler = self._routes.get((scope["method"], path))
+        if handler is not None:
+            await handler(scope, receive, send)
+        elif any(p == path for _, p in self._routes):
+            await send_json(send, 405, {"detail": "Method Not Allowed"})
+        else:
+            await send_json(send, 404, {"detail": "Not Found"})
+
+    @staticmethod
+    async def _lifespan(receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await handle_generation(self.engine, "chat", scope, receive, send)
+
+    async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await handle_generation(self.engine, "text", scope, receive, send)
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.engine.note_health_check()
+        if self.engine.faults.hang_health:
+            async with DisconnectWatch(receive) as watch:
+                try:
+                    await watch.until_disconnected()
+                except ClientDisconnected:
+                    return
+        await send_bytes(send, 200, b"", headers=[])
+
+    async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        config = self.engine.config
+        await send_json(send, 200, r.models_list(config.served_model_names, config.max_context_tokens,
+                                                 self.engine.dialect.owned_by, self.engine.started_at))
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = generate_latest(self.engine.registry)
+        await send_bytes(send, 200, body, headers=[(b"content-type", CONTENT_TYPE_LATEST.encode())])
+
+    async def _get_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, [record.to_json() for record in self.engine.records])
+
+    async def _clear_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"cleared": self.engine.clear_records()})
+
+    async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.engine.faults.model_dump())
+
+    async def _set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw = await read_body(receive)
+        if raw is None:
+            return
+        try:
+            faults = SimFaults.model_validate(orjson.loads(raw or b"{}"))
+        except (orjson.JSONDecodeError, ValidationError) as exc:
+            await send_json(send, 422, {"detail": str(exc)})
+            return
+        self.engine.set_faults(faults)
+        await send_json(send, 200, faults.model_dump())
+
+
+def create_sim_app(config: SimConfig) -> SimApp:
+    """A fresh simulated engine (own state, own metrics registry) wrapped in its ASGI app."""
+    return SimApp(SimEngine(config))

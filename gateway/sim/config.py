@@ -1,0 +1,113 @@
+"""Configuration of one simulated inference engine (pydantic models).
+
+`SimConfig` describes the engine a simulator impersonates (vLLM, SGLang or vllm-ascend), its
+context window, its latency model and the faults it injects. `SimFaults` is the fault set; it can
+be given at start-up, replaced at run time (`POST /sim/faults`) or overridden per request with a
+body field `"x_sim_faults": {...}`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Engine = Literal["vllm", "sglang", "ascend"]
+"""Engine kinds. "ascend" is vllm-ascend: vLLM's API, wording and metric names."""
+
+ApiVersion = Literal["current", "legacy"]
+"""Which generation of the engine's API to mimic (see `SimConfig.api_version`)."""
+
+
+class SimFaults(BaseModel):
+    """Faults a simulated engine injects. Every field defaults to "off".
+
+    - `fail_status` / `fail_count` / `fail_body` / `retry_after_s`: answer generation requests with
+      this HTTP status before doing any work. `fail_count` is how many requests fail (`None` = all);
+      with global faults it counts down. `fail_body` is the exact JSON text to send (default: an
+      error object in the engine's style). `retry_after_s` adds a `Retry-After` header.
+    - `hang_before_headers`: accept the request but never send headers (the request is recorded as
+      aborted once the client gives up).
+    - `hang_health`: `GET /health` accepts the connection but never answers.
+    - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
+      the chunked body, so the client sees an incomplete response (not a clean end).
+    - `raw_stream_chunks`: streaming only; base64 byte strings sent as the whole response body,
+      each as its own write with a ~20 ms pause in between (byte-exact relay tests).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    fail_status: int | None = Field(default=None, ge=100, le=599)
+    fail_count: int | None = Field(default=None, ge=0)
+    fail_body: str | None = None
+    retry_after_s: int | None = Field(default=None, ge=0)
+    hang_before_headers: bool = False
+    hang_health: bool = False
+    drop_after_chunks: int | None = Field(default=None, ge=0)
+    raw_stream_chunks: list[str] | None = None
+
+    @field_validator("raw_stream_chunks")
+    @classmethod
+    def _check_base64(cls, chunks: list[str] | None) -> list[str] | None:
+        for chunk in chunks or []:
+            try:
+                base64.b64decode(chunk, validate=True)
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError(f"raw_stream_chunks: not base64: {chunk[:40]!r}") from exc
+        return chunks
+
+    def raw_chunk_bytes(self) -> list[bytes] | None:
+        """The decoded `raw_stream_chunks`, or None when unset."""
+        if self.raw_stream_chunks is None:
+            return None
+        return [base64.b64decode(chunk) for chunk in self.raw_stream_chunks]
+
+    def overridden_by(self, override: SimFaults) -> SimFaults:
+        """These faults with every field explicitly set in `override` replaced by its value."""
+        return self.model_copy(update={name: getattr(override, name) for name in override.model_fields_set})
+
+    @staticmethod
+    def encode_chunks(chunks: list[bytes]) -> list[str]:
+        """Encode byte strings for `raw_stream_chunks` (test helper)."""
+        return [base64.b64encode(chunk).decode("ascii") for chunk in chunks]
+
+
+class SimConfig(BaseModel):
+    """One simulated engine.
+
+    Token accounting (no real tokenizer): prompt tokens = ceil(UTF-8 bytes of all prompt text /
+    `bytes_per_token`) + `image_tokens` per image part + `message_overhead_tokens` per chat message.
+    Output: one word per token; the count is `max_completion_tokens`, else `max_tokens`, else
+    `default_output_tokens`. Latency: `ttft_s` before the first token, `tpot_s` between tokens.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Engine
+    served_model_names: list[str] = Field(default_factory=lambda: ["kimi-k3"], min_length=1)
+    max_context_tokens: int = Field(gt=0)
+    ttft_s: float = Field(default=0.0, ge=0.0)
+    tpot_s: float = Field(default=0.0, ge=0.0)
+    default_output_tokens: int = Field(default=16, ge=0)
+    bytes_per_token: float = Field(default=4.0, gt=0.0)
+    image_tokens: int = Field(default=256, ge=0)
+    message_overhead_tokens: int = Field(default=4, ge=0)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Requests processed at once; the rest wait (and count as "waiting"). None = unlimited."""
+    stream_headers_after_prefill: bool = False
+    """False (what vLLM and SGLang do): a streaming response sends its 200 headers as soon as the
+    request is validated and the first SSE event after `ttft_s`. True: hold the headers until the
+    first token is ready."""
+    api_version: ApiVersion = "current"
+    """"current" mimics the engines as of 2026; "legacy" mimics older releases: vLLM ≤ 0.9 flat
+    `{"object": "error", ...}` errors with the "(N in the messages, M in the completion)" wording
+    and `vllm:gpu_cache_usage_perc`; SGLang before 2026-04 (context errors of streaming requests
+    arrive as an SSE error event inside a 200 response; any model name accepted)."""
+    faults: SimFaults = Field(default_factory=SimFaults)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report as `model` (the first served name)."""
+        return self.served_model_names[0]

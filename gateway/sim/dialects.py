@@ -1,0 +1,254 @@
+"""What differs between the simulated engines, in one table: error wording and shape, metric names.
+
+Sources of the exact strings (only the wording and names are taken from the engines):
+
+- vLLM, current (renderer/`VLLMValidationError`, `{"error": {...}}` envelope since ~0.10): context
+  error as returned by vllm-ascend in vllm-project/vllm-ascend#11557 (2026-07) and in many client
+  reports; the prompt count is a lower bound ("at least") because vLLM stops tokenizing one token
+  past the room left, so it reports `min(prompt, limit - output + 1)`. `VLLMValidationError.__str__`
+  appends ` (parameter=input_tokens, value=N)`. Unknown model: `OpenAIServing._check_model`.
+- vLLM, legacy (≤ 0.9, `serving_engine._validate_input`, flat `{"object": "error", ...}`).
+- SGLang (`TokenizerManager._validate_one_request`; flat `ErrorResponse` via
+  `OpenAIServingBase.create_error_response`); unknown model: SGLang's strict model validation test
+  (400, "The model `X` does not exist" ... "The served model name is `Y`"). Before PR #21900
+  (2026-04) a streaming request's context error came as `data: {"error": {...}}` in a 200 stream.
+- Metric names: vLLM V1 `PrometheusStatLogger` (labels `model_name`, `engine`), SGLang's
+  scheduler/tokenizer metrics collectors (label `model_name`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import orjson
+
+from gateway.sim.config import ApiVersion, Engine
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """An error answer: HTTP status and exact body bytes (JSON).
+
+    `in_band_stream` marks legacy SGLang's behaviour for streaming requests: HTTP 200 with
+    `stream_event` as one SSE data event followed by `data: [DONE]`.
+    """
+
+    status: int
+    body: bytes
+    in_band_stream: bool = False
+    stream_event: bytes = b""
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """Prometheus names an engine exposes (counters without the `_total` suffix)."""
+
+    running: str
+    waiting: str
+    kv_usage: str
+    prompt_tokens: str
+    generation_tokens: str
+    request_success: str | None = None
+
+
+ContextCheck = Callable[[int, int | None, int], str | None]
+"""(prompt tokens, requested output tokens or None, max context) -> error message or None."""
+
+
+@dataclass(frozen=True)
+class EngineDialect:
+    """How one engine (at one API version) words and shapes its answers."""
+
+    engine: Engine
+    api_version: ApiVersion
+    owned_by: str
+    nested_errors: bool
+    """True: `{"error": {message, type, param, code}}`; False: `{"object": "error", message, ...}`."""
+    context_check: ContextCheck
+    context_param: str | None
+    model_not_found: Callable[[str, str], tuple[int, str, str | None]] | None
+    """(requested, served) -> (status, message, param); None = any model name is accepted."""
+    metric_names: MetricNames
+    metric_labels: Callable[[str], dict[str, str]]
+    in_band_stream_errors: bool = False
+
+    def error(self, message: str, err_type: str, status: int, param: str | None = None) -> ErrorReply:
+        """An error object in this engine's JSON shape."""
+        inner = {"message": message, "type": err_type, "param": param, "code": status}
+        payload = {"error": inner} if self.nested_errors else {"object": "error", **inner}
+        return ErrorReply(status=status, body=orjson.dumps(payload))
+
+    def bad_request(self, message: str, param: str | None = None) -> ErrorReply:
+        """A 400 `BadRequestError` in this engine's shape."""
+        return self.error(message, "BadRequestError", 400, param)
+
+    def check_context(self, prompt_tokens: int, requested_output: int | None, max_context: int,
+                      stream: bool) -> ErrorReply | None:
+        """The engine's answer to a request that does not fit its context window, else None."""
+        message = self.context_check(prompt_tokens, requested_output, max_context)
+        if message is None:
+            return None
+        reply = self.bad_request(message, self.context_param)
+        if stream and self.in_band_stream_errors:
+            # SGLang serialised its streaming error with json.dumps (spaces, ASCII escapes).
+            inner = {"object": "error", "message": message, "type": "BadRequestError", "param": None,
+                     "code": 400}
+            event = b"data: " + json.dumps({"error": inner}).encode() + b"\n\n"
+            return ErrorReply(200, reply.body, in_band_stream=True, stream_event=event)
+        return reply
+
+    def check_model(self, requested: str | None, served: list[str]) -> ErrorReply | None:
+        """The engine's answer to a request naming a model it does not serve, else None."""
+        if self.model_not_found is None or requested is None or requested in served:
+            return None
+        status, message, param = self.model_not_found(requested, served[0])
+        err_type = "NotFoundError" if status == 404 else "BadRequestError"
+        return self.error(message, err_type, status, param)
+
+
+# --- context-length wording ---------------------------------------------------------------------
+
+
+def vllm_context_error(prompt: int, output: int | None, limit: int) -> str | None:
+    """vLLM (current): one template for "prompt too long" and "prompt + max_tokens too long"."""
+    requested = output or 0
+    if prompt + requested <= limit and prompt < limit:
+        return None
+    shown_output = requested if requested > 0 else (1 if prompt == limit else 0)
+    shown_prompt = prompt if shown_output > limit else min(prompt, limit - shown_output + 1)
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{shown_output} output tokens and your prompt contains at least {shown_prompt} input tokens, "
+        f"for a total of at least {shown_prompt + shown_output} tokens. Please reduce the length of "
+        f"the input prompt or the number of requested output tokens. "
+        f"(parameter=input_tokens, value={shown_prompt})"
+    )
+
+
+def vllm_legacy_context_error(prompt: int, output: int | None, limit: int) -> str | None:
+    """vLLM ≤ 0.9: the classic "(N in the messages, M in the completion)" wording."""
+    if output is None:
+        if prompt < limit:
+            return None
+        return (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt} tokens in the messages, Please reduce the length of the messages."
+        )
+    if prompt + output <= limit:
+        return None
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{prompt + output} tokens ({prompt} in the messages, {output} in the completion). "
+        f"Please reduce the length of the messages or completion."
+    )
+
+
+def sglang_context_error(prompt: int, output: int | None, limit: int) -> str | None:
+    """SGLang: note the `>=` on the total (prompt + max_new_tokens == limit is refused)."""
+    if output is not None and output > limit:
+        return (
+            f"max_completion_tokens is too large: {output}."
+            f"This model supports at most {limit} completion tokens."
+        )
+    if prompt >= limit:
+        return f"The input ({prompt} tokens) is longer than the model's context length ({limit} tokens)."
+    if output is not None and prompt + output >= limit:
+        return (
+            f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
+            f"You requested a total of {prompt + output} tokens: {prompt} tokens from the input "
+            f"messages and {output} tokens for the completion. Please reduce the number of tokens in "
+            f"the input messages or the completion to fit within the limit."
+        )
+    return None
+
+
+# --- unknown model wording ----------------------------------------------------------------------
+
+
+def _vllm_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
+    return 404, f"The model `{requested}` does not exist.", "model"
+
+
+def _vllm_legacy_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
+    return 404, f"The model `{requested}` does not exist.", None
+
+
+def _sglang_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
+    return 400, f"The model `{requested}` does not exist. The served model name is `{served}`.", None
+
+
+# --- metric names -------------------------------------------------------------------------------
+
+VLLM_METRICS = MetricNames(
+    running="vllm:num_requests_running",
+    waiting="vllm:num_requests_waiting",
+    kv_usage="vllm:kv_cache_usage_perc",
+    prompt_tokens="vllm:prompt_tokens",
+    generation_tokens="vllm:generation_tokens",
+    request_success="vllm:request_success",
+)
+VLLM_LEGACY_METRICS = dataclasses.replace(VLLM_METRICS, kv_usage="vllm:gpu_cache_usage_perc")
+SGLANG_METRICS = MetricNames(
+    running="sglang:num_running_reqs",
+    waiting="sglang:num_queue_reqs",
+    kv_usage="sglang:token_usage",
+    prompt_tokens="sglang:prompt_tokens",
+    generation_tokens="sglang:generation_tokens",
+)
+
+
+def _vllm_labels(model: str) -> dict[str, str]:
+    return {"model_name": model, "engine": "0"}
+
+
+def _sglang_labels(model: str) -> dict[str, str]:
+    return {"model_name": model}
+
+
+def _vllm_family(engine: Engine, api_version: ApiVersion) -> EngineDialect:
+    legacy = api_version == "legacy"
+    return EngineDialect(
+        engine=engine,
+        api_version=api_version,
+        owned_by="vllm",
+        nested_errors=not legacy,
+        context_check=vllm_legacy_context_error if legacy else vllm_context_error,
+        context_param=None if legacy else "input_tokens",
+        model_not_found=_vllm_legacy_model_not_found if legacy else _vllm_model_not_found,
+        metric_names=VLLM_LEGACY_METRICS if legacy else VLLM_METRICS,
+        metric_labels=_vllm_labels,
+    )
+
+
+def _sglang(api_version: ApiVersion) -> EngineDialect:
+    legacy = api_version == "legacy"
+    return EngineDialect(
+        engine="sglang",
+        api_version=api_version,
+        owned_by="sglang",
+        nested_errors=False,
+        context_check=sglang_context_error,
+        context_param=None,
+        model_not_found=None if legacy else _sglang_model_not_found,
+        metric_names=SGLANG_METRICS,
+        metric_labels=_sglang_labels,
+        in_band_stream_errors=legacy,
+    )
+
+
+DIALECTS: dict[tuple[Engine, ApiVersion], EngineDialect] = {
+    ("vllm", "current"): _vllm_family("vllm", "current"),
+    ("vllm", "legacy"): _vllm_family("vllm", "legacy"),
+    ("ascend", "current"): _vllm_family("ascend", "current"),
+    ("ascend", "legacy"): _vllm_family("ascend", "legacy"),
+    ("sglang", "current"): _sglang("current"),
+    ("sglang", "legacy"): _sglang("legacy"),
+}
+
+
+def dialect_for(engine: Engine, api_version: ApiVersion = "current") -> EngineDialect:
+    """The dialect of `engine` at `api_version`."""
+    return DIALECTS[(engine, api_version)]

@@ -1,0 +1,296 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions` of the simulator.
+
+Order of work for one request: read the body; record it; apply faults (hang, fail); check the
+model name and the context window (errors before any stream byte); wait for admission
+(`max_num_seqs`); "prefill" for `ttft_s`; emit one word per token every `tpot_s`. Every wait races
+the client's disconnect, which marks the record aborted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from gateway.sim import responses as r
+from gateway.sim.asgi import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    ClientDisconnected,
+    DisconnectWatch,
+    Receive,
+    Scope,
+    Send,
+    lower_headers,
+    read_body,
+)
+from gateway.sim.config import SimFaults
+from gateway.sim.dialects import ErrorReply
+from gateway.sim.engine import ActiveRequest, SimEngine, SimRequestRecord
+from gateway.sim.tokens import (
+    PromptError,
+    chat_prompt_tokens,
+    completion_prompt_tokens,
+    output_text,
+    output_token,
+    requested_output_tokens,
+)
+
+RAW_CHUNK_PAUSE_S = 0.02
+"""Pause between `raw_stream_chunks` writes, so each leaves as its own TCP segment."""
+
+_FAULT_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequestsError",
+                500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
+
+
+class _DropConnection(Exception):
+    """Stop without finishing the response: uvicorn then closes the connection mid-body."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A validated generation request."""
+
+    kind: r.Kind
+    stream: bool
+    prompt_tokens: list[int]
+    output_tokens: int
+    finish_reason: str
+    fmt: r.StreamFormat
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return sum(self.prompt_tokens)
+
+
+class _Responder:
+    """Sends one response and notes its milestones in the record (status, header/byte times)."""
+
+    def __init__(self, send: Send, engine: SimEngine, record: SimRequestRecord,
+                 drop_after_events: int | None) -> None:
+        self._send = send
+        self._engine = engine
+        self._record = record
+        self._drop_after = drop_after_events
+        self._events = 0
+        self.started = False
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        self.started = True
+        self._engine.update(self._record, status=status, headers_at=time.monotonic())
+
+    async def body(self, data: bytes, more: bool) -> None:
+        if data and self._record.first_byte_at is None:
+            self._engine.update(self._record, first_byte_at=time.monotonic())
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+        if not more:
+            self._engine.update(self._record, completed=True, finished_at=time.monotonic())
+
+    async def event(self, data: bytes) -> None:
+        """One SSE write; drops the connection instead once `drop_after_chunks` events went out."""
+        if self._drop_after is not None and self._events >= self._drop_after:
+            self._engine.update(self._record, fault="drop_after_chunks")
+            raise _DropConnection
+        self._events += 1
+        await self.body(data, more=True)
+
+    async def end_stream(self) -> None:
+        await self.event(r.SSE_DONE)
+        await self.body(b"", more=False)
+
+    async def reply(self, reply: ErrorReply, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        headers = [*JSON_HEADERS, (b"content-length", str(len(reply.body)).encode()), *(extra_headers or [])]
+        await self.start(reply.status, headers)
+        await self.body(reply.body, more=False)
+
+
+async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, receive: Receive,
+                            send: Send) -> None:
+    """Serve one chat or text completion request (ASGI level)."""
+    raw = await read_body(receive)
+    if raw is None:
+        return
+    try:
+        body: Any = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = raw.decode("utf-8", errors="replace")
+    record = engine.new_record(scope["path"], lower_headers(scope), body)
+    async with DisconnectWatch(receive) as watch:
+        try:
+            await _serve(engine, kind, body, record, watch, send)
+        except ClientDisconnected:
+            engine.update(record, aborted=True, finished_at=time.monotonic())
+        except _DropConnection:
+            engine.update(record, finished_at=time.monotonic())
+
+
+async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestRecord,
+                 watch: DisconnectWatch, send: Send) -> None:
+    dialect = engine.dialect
+    if not isinstance(body, dict):
+        await _Responder(send, engine, record, None).reply(dialect.bad_request("Invalid JSON body."))
+        return
+    try:
+        override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
+    except ValidationError as exc:
+        await _Responder(send, engine, record, None).reply(dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
+        return
+    faults, fail = engine.effective_faults(override)
+    stream = body.get("stream") is True
+    engine.update(record, stream=stream)
+    responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None)
+
+    if faults.hang_before_headers:
+        engine.update(record, fault="hang_before_headers")
+        await watch.until_disconnected()
+    if fail:
+        await _fail(engine, record, responder, faults)
+        return
+    error = dialect.check_model(body.get("model"), engine.config.served_model_names)
+    if error is not None:
+        await responder.reply(error)
+        return
+    try:
+        plan = _plan(engine, kind, body, stream)
+    except PromptError as exc:
+        await responder.reply(dialect.bad_request(str(exc)))
+        return
+    engine.update(record, prompt_tokens=plan.total_prompt_tokens)
+    for tokens in plan.prompt_tokens:
+        error = dialect.check_context(tokens, requested_output_tokens(body), engine.config.max_context_tokens,
+                                      stream)
+        if error is not None:
+            await _reply_context_error(responder, error)
+            return
+    await _run_admitted(engine, plan, record, responder, watch, faults)
+
+
+async def _fail(engine: SimEngine, record: SimRequestRecord, responder: _Responder, faults: SimFaults) -> None:
+    status = faults.fail_status or 500
+    engine.update(record, fault="fail_status")
+    if faults.fail_body is not None:
+        reply = ErrorReply(status, faults.fail_body.encode("utf-8"))
+    else:
+        err_type = _FAULT_TYPES.get(status, "InternalServerError")
+        reply = engine.dialect.error(f"Simulated failure (HTTP {status}).", err_type, status)
+    extra = [(b"retry-after", str(faults.retry_after_s).encode())] if faults.retry_after_s is not None else []
+    await responder.reply(reply, extra)
+
+
+async def _reply_context_error(responder: _Responder, error: ErrorReply) -> None:
+    if not error.in_band_stream:
+        await responder.reply(error)
+        return
+    await responder.start(200, SSE_HEADERS)
+    await responder.event(error.stream_event)
+    await responder.end_stream()
+
+
+def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -> _Plan:
+    config = engine.config
+    if kind == "chat":
+        prompt_tokens = [chat_prompt_tokens(body.get("messages"), config)]
+    else:
+        prompt_tokens = completion_prompt_tokens(body.get("prompt"), config)
+    requested = requested_output_tokens(body)
+    output_tokens = requested if requested is not None else config.default_output_tokens
+    finish_reason = "length" if requested is not None else "stop"
+    return _Plan(kind, stream, prompt_tokens, output_tokens, finish_reason, r.StreamFormat.from_body(body))
+
+
+async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+                        watch: DisconnectWatch, faults: SimFaults) -> None:
+    """Queue for admission, then generate; keeps the running/waiting gauges right on every exit."""
+    semaphore = engine.admission()
+    if semaphore is not None:
+        engine.add_waiting(1)
+        try:
+            await watch.run(semaphore.acquire())
+        finally:
+            engine.add_waiting(-1)
+    active = engine.start_running(plan.total_prompt_tokens)
+    reason = "abort"
+    try:
+        if not plan.stream:
+            await _generate_json(engine, plan, record, responder, watch, active)
+        elif faults.raw_stream_chunks is not None:
+            await _generate_raw(engine, plan, record, responder, watch, active, faults)
+        else:
+            await _generate_sse(engine, plan, record, responder, watch, active)
+        reason = plan.finish_reason
+    finally:
+        engine.stop_running(active, reason)
+        if semaphore is not None:
+            semaphore.release()
+
+
+async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+                         watch: DisconnectWatch, active: ActiveRequest) -> None:
+    config = engine.config
+    await watch.sleep(config.ttft_s)
+    n_prompts = len(plan.prompt_tokens)
+    for i in range(plan.output_tokens):
+        if i > 0 and config.tpot_s > 0:
+            await watch.sleep(config.tpot_s)
+        engine.note_generated(active, n_prompts)
+    completion_tokens = plan.output_tokens * n_prompts
+    meta = r.ResponseMeta.new(plan.kind, config.model_name)
+    text = output_text(plan.output_tokens)
+    if plan.kind == "chat":
+        payload = r.chat_completion(meta, text, plan.finish_reason, plan.total_prompt_tokens, completion_tokens)
+    else:
+        payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
+                                    completion_tokens)
+    engine.update(record, completion_tokens_sent=completion_tokens)
+    await responder.reply(ErrorReply(200, orjson.dumps(payload)))
+
+
+async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+                        watch: DisconnectWatch, active: ActiveRequest) -> None:
+    config = engine.config
+    meta = r.ResponseMeta.new(plan.kind, config.model_name)
+    if not config.stream_headers_after_prefill:
+        await responder.start(200, SSE_HEADERS)
+    await watch.sleep(config.ttft_s)
+    if config.stream_headers_after_prefill:
+        await responder.start(200, SSE_HEADERS)
+    prompt_total = plan.total_prompt_tokens
+    if plan.kind == "chat":
+        await responder.event(r.sse_event(r.role_chunk(meta, plan.fmt, prompt_tokens=prompt_total)))
+    sent = 0
+    steps = max(plan.output_tokens, 1)
+    for i in range(steps):
+        if i > 0:
+            await watch.sleep(config.tpot_s)
+        last = i == steps - 1
+        text = output_token(i) if plan.output_tokens > 0 else ""
+        for index in range(len(plan.prompt_tokens)):
+            if plan.output_tokens > 0:
+                engine.note_generated(active)
+                sent += 1
+            chunk = r.token_chunk(meta, plan.fmt, text, index=index,
+                                  finish_reason=plan.finish_reason if last else None,
+                                  prompt_tokens=prompt_total, completion_tokens=sent)
+            await responder.event(r.sse_event(chunk))
+            engine.update(record, completion_tokens_sent=sent)
+    if plan.fmt.include_usage:
+        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent)))
+    await responder.end_stream()
+
+
+async def _generate_raw(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+                        watch: DisconnectWatch, active: ActiveRequest, faults: SimFaults) -> None:
+    """Send exactly the configured bytes, one write per chunk, ~20 ms apart."""
+    engine.update(record, fault="raw_stream_chunks")
+    await responder.start(200, SSE_HEADERS)
+    await watch.sleep(engine.config.ttft_s)
+    chunks = faults.raw_chunk_bytes() or []
+    for i, chunk in enumerate(chunks):
+        if i > 0:
+            await watch.sleep(RAW_CHUNK_PAUSE_S)
+        await responder.event(chunk)
+    await responder.body(b"", more=False)

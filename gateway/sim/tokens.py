@@ -1,0 +1,107 @@
+"""Token accounting of the simulator: a deterministic stand-in for a tokenizer.
+
+Prompt tokens = ceil(UTF-8 bytes of all prompt text / bytes_per_token) + image_tokens per image
+part + message_overhead_tokens per chat message. Output text is one word per token, drawn in order
+from `OUTPUT_WORDS`, which mixes ASCII with 2-, 3- and 4-byte UTF-8 characters so that relays get
+multi-byte characters to split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from gateway.sim.config import SimConfig
+
+OUTPUT_WORDS: tuple[str, ...] = (
+    "Kimi", "café", "naïve", "東京", "routes", "Zürich", "tokens", "🚀", "façade", "über",
+    "prefix", "日本語", "cache", "señor", "blocks", "Ωmega",
+)
+
+
+class PromptError(ValueError):
+    """The request's prompt is malformed (the caller answers 400)."""
+
+
+def text_tokens(byte_count: int, bytes_per_token: float) -> int:
+    """Tokens for `byte_count` UTF-8 bytes of text."""
+    return math.ceil(byte_count / bytes_per_token) if byte_count > 0 else 0
+
+
+def _content_parts(content: Any) -> Iterator[tuple[str, str]]:
+    """(kind, text) for each part of a message's content: kind is "text", "image" or "other"."""
+    if content is None:
+        return
+    if isinstance(content, str):
+        yield "text", content
+        return
+    if not isinstance(content, list):
+        raise PromptError("message content must be a string or a list of content parts")
+    for part in content:
+        if isinstance(part, str):
+            yield "text", part
+        elif isinstance(part, dict):
+            kind = part.get("type")
+            if kind == "text":
+                yield "text", str(part.get("text") or "")
+            elif kind == "image_url":
+                yield "image", ""
+            else:
+                yield "other", ""
+        else:
+            raise PromptError("content parts must be objects")
+
+
+def chat_prompt_tokens(messages: Any, config: SimConfig) -> int:
+    """Prompt tokens of a chat request's `messages` under the simulator's accounting."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("messages must be a non-empty list")
+    text_bytes = 0
+    images = 0
+    for message in messages:
+        if not isinstance(message, dict):
+            raise PromptError("each message must be an object")
+        for kind, text in _content_parts(message.get("content")):
+            if kind == "text":
+                text_bytes += len(text.encode("utf-8"))
+            elif kind == "image":
+                images += 1
+    return (text_tokens(text_bytes, config.bytes_per_token) + images * config.image_tokens
+            + len(messages) * config.message_overhead_tokens)
+
+
+def completion_prompt_tokens(prompt: Any, config: SimConfig) -> list[int]:
+    """Prompt tokens of each prompt of a `/v1/completions` request (str, [str], [int] or [[int]])."""
+    if isinstance(prompt, str):
+        return [text_tokens(len(prompt.encode("utf-8")), config.bytes_per_token)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [text_tokens(len(p.encode("utf-8")), config.bytes_per_token) for p in prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [len(prompt)]
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return [len(p) for p in prompt]
+    raise PromptError("prompt must be a string, a list of strings or a list of token ids")
+
+
+def requested_output_tokens(body: dict[str, Any]) -> int | None:
+    """`max_completion_tokens`, else `max_tokens`, or None when the request gives neither."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise PromptError(f"{name} must be a non-negative integer")
+            return value
+    return None
+
+
+def output_token(index: int) -> str:
+    """The text of output token `index` (0-based): a word, space-separated after the first."""
+    word = OUTPUT_WORDS[index % len(OUTPUT_WORDS)]
+    return word if index == 0 else " " + word
+
+
+def output_text(count: int) -> str:
+    """The whole output of `count` tokens."""
+    return "".join(output_token(i) for i in range(count))

@@ -1,0 +1,78 @@
+"""Shared fixtures: simulated engines and gateways served by uvicorn on free loopback ports."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from gateway.server import ThreadedServer
+from gateway.sim.app import create_sim_app
+from gateway.sim.config import SimConfig
+from tests.support import SHARED_DATA, RunningGateway, RunningSim
+
+
+def stop_all(servers: list[ThreadedServer]) -> None:
+    """Ask every server to exit at once, then wait for each (uvicorn takes ~0.2 s to stop)."""
+    for server in servers:
+        server.server.should_exit = True
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """`../shared/data` beside the repository (traces, texts, images)."""
+    assert SHARED_DATA.is_dir(), f"shared data not found at {SHARED_DATA}"
+    return SHARED_DATA
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def start_sim() -> Iterator[Callable[..., RunningSim]]:
+    """Factory: `start_sim(engine="vllm", max_context_tokens=..., **SimConfig fields)`."""
+    servers: list[ThreadedServer] = []
+
+    def start(engine: str = "vllm", **fields: Any) -> RunningSim:
+        fields.setdefault("max_context_tokens", 131072)
+        app = create_sim_app(SimConfig(engine=engine, **fields))
+        server = ThreadedServer(app).start()
+        servers.append(server)
+        return RunningSim(server, app.engine)
+
+    yield start
+    stop_all(servers)
+
+
+@pytest.fixture
+def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
+    """Factory: `start_gateway(pools=[{...pool config...}], **top-level config)` → RunningGateway."""
+    servers: list[ThreadedServer] = []
+
+    def start(pools: list[dict[str, Any]], **settings: Any) -> RunningGateway:
+        settings.setdefault("health", {"interval": 0.5, "timeout": 1.0})
+        config = parse_config({"pools": pools, **settings}, environ={})
+        server = ThreadedServer(create_app(config)).start()
+        servers.append(server)
+        return RunningGateway(server, config)
+
+    yield start
+    stop_all(servers)
+
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A loopback TCP port nobody listens on (connections to it are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,122 @@
+"""Real engines behind the gateway: two pools of llama.cpp workers (n_ctx 2048 and 8192, SmolLM2-135M).
+
+An MT-Bench prompt streams real tokens through the gateway to the openai SDK; a ~3,000-token book
+prompt is routed to the 8192 pool and answered, while the same prompt sent straight to the 2048
+worker is refused by the engine itself.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.engine import LlamaCppSettings, LlamaCppWorker
+from tests.support import RunningGateway, pool
+
+pytestmark = pytest.mark.engine
+
+# English prose is ~3.8 UTF-8 bytes per SmolLM2 token (measured on the book below).
+BOOK_PROMPT_BYTES = 11_400
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[dict[str, LlamaCppWorker]]:
+    small = LlamaCppWorker(LlamaCppSettings(n_ctx=2048, threads=2)).start()
+    try:
+        large = LlamaCppWorker(LlamaCppSettings(n_ctx=8192, threads=2)).start()
+    except BaseException:
+        small.stop()
+        raise
+    try:
+        yield {"small": small, "large": large}
+    finally:
+        small.stop()
+        large.stop()
+
+
+@pytest.fixture
+def gateway(workers: dict[str, LlamaCppWorker], start_gateway: Callable[..., RunningGateway]) -> RunningGateway:
+    return start_gateway([
+        pool("cpu-2k", "llamacpp", [workers["small"].url], 2048, default_output_tokens=256),
+        pool("cpu-8k", "llamacpp", [workers["large"].url], 8192, default_output_tokens=256),
+    ], timeouts={"first_byte_base": 120.0})
+
+
+def book_prompt(shared_data: Path) -> str:
+    text = (shared_data / "text" / "books" / "crime_and_punishment_dostoevsky_garnett.txt").read_text("utf-8")
+    excerpt = text[20_000:20_000 + BOOK_PROMPT_BYTES]
+    return f"Summarise this passage in one sentence.\n\n{excerpt}"
+
+
+def test_mt_bench_prompt_streams_real_tokens(gateway: RunningGateway, shared_data: Path) -> None:
+    first = json.loads((shared_data / "text" / "mt_bench" / "question.jsonl").read_text().splitlines()[0])
+    client = openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+    with client.chat.completions.with_streaming_response.create(
+            model="Kimi-K3", messages=[{"role": "user", "content": first["turns"][0]}], max_tokens=24,
+            stream=True, stream_options={"include_usage": True}) as response:
+        assert response.headers["x-kimi-gateway-pool"] == "cpu-2k"
+        chunks = list(response.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) >= 5, "tokens must arrive as separate chunks"
+    assert len(text.strip()) > 10
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == len(content_chunks) and usage.prompt_tokens > 20
+
+
+def test_long_book_prompt_goes_to_the_8k_pool_and_the_2k_engine_refuses_it(
+        gateway: RunningGateway, workers: dict[str, LlamaCppWorker], shared_data: Path) -> None:
+    prompt = book_prompt(shared_data)
+    messages = [{"role": "user", "content": prompt}]
+    client = openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0, timeout=180)
+    raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=16)
+    completion = raw.parse()
+    assert raw.headers["x-kimi-gateway-pool"] == "cpu-8k"
+    assert raw.headers["x-kimi-gateway-attempts"] == "1"
+    assert completion.choices[0].message.content
+    assert completion.usage is not None and 2600 < completion.usage.prompt_tokens < 3400
+
+    direct = httpx.post(workers["small"].url + "/v1/chat/completions", timeout=60,
+                        json={"model": "kimi-k3", "messages": messages, "max_tokens": 16})
+    assert direct.status_code == 400
+    error = direct.json()["error"]
+    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 2048
+    assert error["n_prompt_tokens"] == completion.usage.prompt_tokens
+
+
+def test_engine_too_long_answer_moves_the_request_to_the_larger_pool(
+        workers: dict[str, LlamaCppWorker], start_gateway: Callable[..., RunningGateway], shared_data: Path) -> None:
+    # A gateway that under-counts (8 bytes a token) sends the book prompt to the 2K pool; llama.cpp's
+    # own `exceed_context_size_error` must move it to the 8K pool before any byte reaches the client.
+    gw = start_gateway([
+        pool("cpu-2k", "llamacpp", [workers["small"].url], 2048, default_output_tokens=256),
+        pool("cpu-8k", "llamacpp", [workers["large"].url], 8192, default_output_tokens=256),
+    ], estimation={"bytes_per_token": 8.0, "safety_margin": 1.0}, timeouts={"first_byte_base": 120.0})
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=180)
+    stream = client.chat.completions.with_raw_response.create(
+        model="kimi-k3", messages=[{"role": "user", "content": book_prompt(shared_data)}], max_tokens=8, stream=True)
+    assert (stream.headers["x-kimi-gateway-pool"], stream.headers["x-kimi-gateway-attempts"]) == ("cpu-8k", "2")
+    assert "".join(c.choices[0].delta.content or "" for c in stream.parse() if c.choices)
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'kimi_gateway_upstream_attempts_total{outcome="too_long",pool="cpu-2k",worker="cpu-2k/0"} 1.0' in metrics
+
+
+def test_client_hang_up_frees_the_engine_slot(gateway: RunningGateway, workers: dict[str, LlamaCppWorker]) -> None:
+    body = {"model": "kimi-k3", "stream": True, "max_tokens": 1500,
+            "messages": [{"role": "user", "content": "Write a very long story about a lighthouse."}]}
+    slots_url = workers["small"].url + "/slots"
+    with httpx.stream("POST", gateway.v1 + "/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            assert next(lines) is not None
+        assert any(slot["is_processing"] for slot in httpx.get(slots_url).json())
+    deadline = time.monotonic() + 5
+    while any(slot["is_processing"] for slot in httpx.get(slots_url).json()):
+        assert time.monotonic() < deadline, "the engine kept generating after the client hung up"
+        time.sleep(0.05)

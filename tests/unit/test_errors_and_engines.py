@@ -1,0 +1,66 @@
+"""Engine error wordings and the normalisation of engine errors to OpenAI error objects."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.backends.engines import is_context_too_long
+from gateway.errors import ContextLengthExceeded, error_bytes_from_upstream
+from gateway.protocol.openai import ChatCompletionRequest, describe_validation_error
+
+
+@pytest.mark.parametrize("body", [
+    # vLLM (flat and nested shapes)
+    b'{"object":"error","message":"This model\'s maximum context length is 2048 tokens. However, you requested '
+    b'2100 tokens (2000 in the messages, 100 in the completion).","type":"BadRequestError","param":null,"code":400}',
+    b'{"error":{"message":"The decoder prompt (length 3000) is longer than the maximum model length of 2048.",'
+    b'"type":"BadRequestError","param":null,"code":400}}',
+    # SGLang
+    b'{"object":"error","message":"The input (3000 tokens) is longer than the model\'s context length '
+    b'(2048 tokens).","type":"BadRequestError","param":null,"code":400}',
+    # llama.cpp
+    b'{"error":{"code":400,"message":"the request exceeds the available context size, try increasing it",'
+    b'"type":"exceed_context_size_error","n_prompt_tokens":3000,"n_ctx":2048}}',
+])
+def test_context_too_long_wordings(body: bytes) -> None:
+    assert is_context_too_long(400, body)
+    assert not is_context_too_long(500, body)
+
+
+def test_other_400s_are_not_too_long() -> None:
+    assert not is_context_too_long(400, b'{"object":"error","message":"temperature must be >= 0"}')
+
+
+def test_flat_engine_errors_become_openai_objects() -> None:
+    flat = b'{"object":"error","message":"bad temperature","type":"BadRequestError","param":null,"code":400}'
+    assert orjson.loads(error_bytes_from_upstream(400, flat)) == {
+        "error": {"message": "bad temperature", "type": "invalid_request_error", "param": None, "code": None}}
+    nested = b'{"error":{"message":"x","type":"y","param":null,"code":"z"}}'
+    assert error_bytes_from_upstream(400, nested) == nested
+    assert orjson.loads(error_bytes_from_upstream(503, b"<html>down</html>"))["error"]["message"] == "<html>down</html>"
+
+
+def test_gateway_error_shape() -> None:
+    error = ContextLengthExceeded("too long", param="messages")
+    assert error.status == 400
+    assert orjson.loads(error.to_bytes()) == {"error": {"message": "too long", "type": "invalid_request_error",
+                                                        "param": "messages", "code": "context_length_exceeded"}}
+
+
+@pytest.mark.parametrize(("payload", "param"), [
+    ({"model": "k"}, "messages"),
+    ({"model": "k", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0].image_url"),
+    ({"model": "k", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text"),
+    ({"model": "k", "messages": [{"role": "user", "content": [{"type": "sound"}]}]}, "messages[0].content[0]"),
+    ({"model": "k", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+])
+def test_validation_errors_name_openai_style_params(payload: dict[str, object], param: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(payload)
+    message, found = describe_validation_error(info.value)
+    assert found == param and param in message
