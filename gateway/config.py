@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 EngineKind = Literal["vllm", "sglang", "ascend", "llamacpp"]
@@ -60,7 +69,8 @@ class PoolConfig(_Strict):
         default=1024, ge=0, description="tokens reserved for output when the request sets no max_tokens"
     )
     spillover: bool = Field(default=True, description="may spill to the next larger pool when down")
-    policy: str = "least_load"
+    policy: str = "prefix_affinity"
+    policy_params: dict[str, Any] = Field(default_factory=dict, description="the policy's own parameters")
     api_key: SecretStr | None = Field(default=None, description="bearer credential sent to the engines")
 
     @field_validator("workers")
@@ -88,6 +98,19 @@ class PoolConfig(_Strict):
         if name not in POLICIES:
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
         return name
+
+    @field_validator("policy_params")
+    @classmethod
+    def _valid_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        from gateway.routing.registry import POLICIES
+
+        policy = POLICIES.get(info.data.get("policy", ""))
+        if policy is not None:
+            try:
+                policy.Params.model_validate(params)
+            except ValidationError as exc:
+                raise ValueError(f"for policy {policy.name}: {explain_validation_error(exc)}") from None
+        return params
 
 
 class TimeoutConfig(_Strict):
@@ -132,6 +155,31 @@ class HealthConfig(_Strict):
     )
 
 
+class AffinityConfig(_Strict):
+    """Prefix-cache affinity (design §5): block hashing, the store, its time and size bounds."""
+
+    enabled: bool = True
+    block_bytes: int = Field(default=512, ge=64, description="canonical prompt bytes per block (~150 tokens)")
+    dense_blocks: int = Field(default=32, ge=1, description="leading blocks that are all sampled")
+    blocks_per_octave: int = Field(
+        default=8, ge=1, description="sampled blocks per doubling of the position after the dense ones"
+    )
+    ttl_seconds: int = Field(default=600, ge=1, description="how long a block -> worker entry lives")
+    lookup_timeout: float = Field(default=0.02, gt=0, description="seconds; a slower lookup routes without it")
+    retry_after: float = Field(default=1.0, gt=0, description="seconds to skip Redis after an error")
+    key_prefix: str = Field(default="kgw:aff", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
+    write_queue: int = Field(default=10000, ge=1, description="pending writes before new ones are dropped")
+    memory_max_entries: int = Field(default=1_000_000, ge=1, description="in-process store size bound")
+
+
+class LoadConfig(_Strict):
+    """Scraping each engine's own /metrics for load (running, waiting, KV usage)."""
+
+    enabled: bool = True
+    interval: float = Field(default=1.0, gt=0, description="seconds between scrapes of one worker")
+    timeout: float = Field(default=1.0, gt=0)
+
+
 class GatewayConfig(BaseSettings):
     """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
 
@@ -144,6 +192,8 @@ class GatewayConfig(BaseSettings):
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     estimation: EstimationConfig = Field(default_factory=EstimationConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
+    affinity: AffinityConfig = Field(default_factory=AffinityConfig)
+    load: LoadConfig = Field(default_factory=LoadConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")
     redis_url: str | None = None

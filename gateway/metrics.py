@@ -57,5 +57,23 @@ class GatewayMetrics:
                                           "Clients that hung up before the response ended (stage).",
                                           ["pool", "stage"], registry=r)
 
+        self.affinity_lookups = Counter("kimi_gateway_affinity_lookups",
+                                        "Affinity lookups by result (hit, miss, error, skipped).",
+                                        ["pool", "result"], registry=r)
+        self.affinity_match_ratio = Histogram("kimi_gateway_affinity_match_ratio",
+                                              "Share of the prompt the chosen worker holds per affinity.",
+                                              ["pool"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+                                              registry=r)
+        self.affinity_writes_dropped = Counter("kimi_gateway_affinity_writes_dropped",
+                                               "Affinity records dropped (queue full or Redis down).", registry=r)
+        self.redis_errors = Counter("kimi_gateway_redis_errors", "Redis calls that failed or timed out.", ["op"],
+                                    registry=r)
+        self.redis_seconds = Histogram("kimi_gateway_redis_seconds", "Redis call latency.", ["op"],
+                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+                                       registry=r)
+        self.engine_load = Gauge("kimi_gateway_engine_load",
+                                 "Scraped engine load: running, waiting, kv_usage (0..1).",
+                                 ["pool", "worker", "signal"], registry=r)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

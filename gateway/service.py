@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from gateway.affinity.hashing import longest_match
 from gateway.backends.client import request_timeout
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
@@ -29,6 +30,7 @@ from gateway.errors import (
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.record import RequestRecord
 from gateway.routing.features import Api, RoutingRequest, chat_features, completion_features
+from gateway.routing.policy import Candidate
 from gateway.routing.pools import fitting_pools, larger_pools
 from gateway.state import AppState
 from gateway.streaming import (
@@ -105,10 +107,11 @@ class ProxyService:
                                 param="model")
         session = headers.get("x-session-id")
         estimator = self.state.estimator
+        hasher = self.state.hasher
         if isinstance(wire, ChatCompletionRequest):
-            request = chat_features(wire, model, estimator, session)
+            request = chat_features(wire, model, estimator, hasher, session)
         else:
-            request = completion_features(wire, model, estimator, session)
+            request = completion_features(wire, model, estimator, hasher, session)
         return payload, request
 
     async def handle(self, api: Api, body: bytes, headers: Mapping[str, str],
@@ -131,9 +134,10 @@ class ProxyService:
         tried: set[Worker] = set()
         too_long_retried = False
         last: AttemptFailed | None = None
+        matches: dict[str, dict[str, float]] = {}  # pool -> worker URL -> matched share of the prompt
         while record.attempts < state.config.max_attempts:
-            candidates = state.registry.candidates(pool.name, tried)
-            if not candidates:
+            workers = state.registry.candidates(pool.name, tried)
+            if not workers:
                 later = pools[pools.index(pool) + 1:] if pool.spillover else []
                 if not later:
                     break
@@ -141,7 +145,13 @@ class ProxyService:
                 pool = later[0]
                 record.pool = pool.name
                 continue
-            decision = state.router.policy(pool.name).select(request, candidates)
+            policy = state.router.policy(pool.name)
+            if policy.uses_affinity and pool.name not in matches:
+                matches[pool.name] = await self._affinity_matches(pool.name, request)
+            match = matches.get(pool.name, {})
+            candidates = [Candidate(w, w.load(), w.kv_usage, match.get(w.url, 0.0),
+                                    int(match.get(w.url, 0.0) * request.prompt_tokens)) for w in workers]
+            decision = policy.select(request, candidates)
             worker = decision.worker
             record.attempts += 1
             record.worker, record.reason = worker.id, decision.reason
@@ -169,9 +179,24 @@ class ProxyService:
                 continue
             metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
             worker.consecutive_failures = 0
+            if policy.uses_affinity and request.prefix is not None and state.affinity is not None:
+                metrics.affinity_match_ratio.labels(pool.name).observe(match.get(worker.url, 0.0))
+                state.affinity.record(pool.name, request.prefix.hashes, worker.url)
             result.headers.extend(self._route_headers(record))
             return result
         raise self._exhausted(last, record)
+
+    async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
+        """Worker URL → share of the prompt it holds, from one store lookup (fails open to {})."""
+        store, prefix = self.state.affinity, request.prefix
+        if store is None or prefix is None:
+            return {}
+        owners = await store.lookup(pool, prefix.hashes)
+        if owners is None:
+            return {}
+        matched = longest_match(prefix, owners)
+        self.state.metrics.affinity_lookups.labels(pool, "hit" if matched else "miss").inc()
+        return matched
 
     async def _attempt(self, api: Api, pool: PoolConfig, worker: Worker, payload: dict[str, Any],
                        request: RoutingRequest, record: RequestRecord) -> BufferedResponse | RelayResponse:

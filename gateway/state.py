@@ -7,8 +7,12 @@ from dataclasses import dataclass
 
 import httpx
 
+from gateway.affinity.hashing import PrefixHasher
+from gateway.affinity.redis_store import RedisAffinityStore
+from gateway.affinity.store import AffinityStore, MemoryAffinityStore
 from gateway.backends.client import build_upstream_client
 from gateway.backends.health import HealthChecker
+from gateway.backends.load import LoadScraper
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -18,7 +22,7 @@ from gateway.routing.tokens import TokenEstimator
 
 @dataclass(slots=True)
 class AppState:
-    """Config, the upstream client, workers, router, estimator, metrics and background tasks."""
+    """Config, the upstream client, workers, router, estimator, affinity, metrics, background tasks."""
 
     config: GatewayConfig
     http: httpx.AsyncClient
@@ -27,22 +31,41 @@ class AppState:
     estimator: TokenEstimator
     metrics: GatewayMetrics
     health: HealthChecker
+    load: LoadScraper
+    hasher: PrefixHasher | None = None
+    affinity: AffinityStore | None = None
     started_unix: int = 0
 
     @classmethod
     def build(cls, config: GatewayConfig) -> AppState:
-        """Build the state (no I/O yet); `start()` launches the background tasks."""
+        """Build the state (no I/O yet: an unreachable Redis does not block start-up)."""
         http = build_upstream_client(config.timeouts)
         registry = WorkerRegistry(config)
         metrics = GatewayMetrics()
+        hasher: PrefixHasher | None = None
+        affinity: AffinityStore | None = None
+        if config.affinity.enabled:
+            hasher = PrefixHasher(config.affinity)
+            if config.redis_url:
+                affinity = RedisAffinityStore(config.redis_url, config.affinity, metrics)
+            else:
+                affinity = MemoryAffinityStore(config.affinity.ttl_seconds, config.affinity.memory_max_entries)
         return cls(config=config, http=http, registry=registry, router=Router(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics),
-                   started_unix=int(time.time()))
+                   load=LoadScraper(registry, http, config.load, metrics),
+                   hasher=hasher, affinity=affinity, started_unix=int(time.time()))
 
     async def start(self) -> None:
-        self.health.start()
+        self.health.loop.start()
+        if self.config.load.enabled:
+            self.load.loop.start()
+        if self.affinity is not None:
+            await self.affinity.start()
 
     async def stop(self) -> None:
-        await self.health.stop()
+        await self.health.loop.stop()
+        await self.load.loop.stop()
+        if self.affinity is not None:
+            await self.affinity.stop()
         await self.http.aclose()

@@ -3,9 +3,9 @@
 Sources: vLLM's metrics (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc`) and SGLang's (`sglang:num_running_reqs`, `sglang:num_queue_reqs`,
 `sglang:token_usage`) as those engines export them on `/metrics`; llama.cpp's server exports
-`llamacpp:*` with `--metrics`. vllm-ascend keeps vLLM's API and names. The "prompt too long"
-wordings are the engines' own 400 messages (vLLM's serving_engine / input processor, SGLang's
-tokenizer manager, llama.cpp's `exceed_context_size_error`).
+`llamacpp:requests_processing` / `llamacpp:requests_deferred` with `--metrics`. vllm-ascend keeps
+vLLM's API and names. The "prompt too long" wordings are the engines' own 400 messages (vLLM's
+serving_engine / input processor, SGLang's tokenizer manager, llama.cpp's `exceed_context_size_error`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class EngineSpec:
     health_path: str
     running_metric: str | None
     waiting_metric: str | None
-    kv_usage_metric: str | None
+    kv_usage_metrics: tuple[str, ...]  # first one present wins (renamed across engine versions)
     too_long_markers: tuple[str, ...]
     supports_include_usage: bool = True
 
@@ -34,19 +34,23 @@ _VLLM_TOO_LONG = (
     "longer than the maximum model length",
 )
 
+# vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc (v1 engine); accept both.
+_VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
 ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec("vllm", "/health", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                       "vllm:kv_cache_usage_perc", _VLLM_TOO_LONG),
+                       _VLLM_KV, _VLLM_TOO_LONG),
     "ascend": EngineSpec("ascend", "/health", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                         "vllm:kv_cache_usage_perc", _VLLM_TOO_LONG),
+                         _VLLM_KV, _VLLM_TOO_LONG),
     "sglang": EngineSpec("sglang", "/health", "sglang:num_running_reqs", "sglang:num_queue_reqs",
-                         "sglang:token_usage", (
+                         ("sglang:token_usage",), (
                              "longer than the model's context length",  # "The input (N tokens) is longer than ..."
                              "exceeds the model's maximum context length",
                              "maximum context length",
                          )),
+    # llama.cpp's server (xllamacpp 2026.10) exports no KV usage gauge.
     "llamacpp": EngineSpec("llamacpp", "/health", "llamacpp:requests_processing",
-                           "llamacpp:requests_deferred", "llamacpp:kv_cache_usage_ratio", (
+                           "llamacpp:requests_deferred", (), (
                                "exceed_context_size_error",
                                "exceeds the available context size",
                            )),

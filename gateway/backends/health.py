@@ -7,6 +7,7 @@ import logging
 
 import httpx
 
+from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import HealthConfig
@@ -27,7 +28,7 @@ class HealthChecker:
         self.client = client
         self.config = config
         self.metrics = metrics
-        self._task: asyncio.Task[None] | None = None
+        self.loop = Periodic("health-checker", config.interval, self.probe_all)
 
     async def probe(self, worker: Worker) -> bool:
         """One probe; updates the worker's state and metrics; returns the verdict."""
@@ -51,16 +52,3 @@ class HealthChecker:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self.registry))
-
-    async def _run(self) -> None:
-        while True:
-            await self.probe_all()
-            await asyncio.sleep(self.config.interval)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="health-checker")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)

@@ -24,6 +24,18 @@ class Worker:
     in_flight: int = 0
     consecutive_failures: int = 0
     last_error: str | None = None
+    engine_running: float | None = None
+    engine_waiting: float | None = None
+    kv_usage: float | None = None
+    started_since_scrape: int = 0
+
+    def load(self) -> float:
+        """Requests on the engine: its own running + waiting from the last scrape, plus what this
+        replica started since then (not yet visible there); this replica's in-flight count when the
+        engine exports no load metrics. Unit: requests."""
+        if self.engine_running is None:
+            return float(self.in_flight)
+        return self.engine_running + (self.engine_waiting or 0.0) + self.started_since_scrape
 
     @property
     def id(self) -> str:
@@ -32,4 +44,5 @@ class Worker:
     def snapshot(self) -> dict[str, object]:
         """A JSON-able view for /ready and admin listings."""
         return {"id": self.id, "url": self.url, "engine": self.engine.kind, "healthy": self.healthy,
-                "in_flight": self.in_flight, "last_error": self.last_error}
+                "in_flight": self.in_flight, "load": self.load(), "engine_running": self.engine_running,
+                "engine_waiting": self.engine_waiting, "kv_usage": self.kv_usage, "last_error": self.last_error}

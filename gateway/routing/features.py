@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import orjson
+
+from gateway.affinity.hashing import PrefixHasher, PrefixKey, canonical_message, canonical_prelude, image_digest
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import PART_MODALITY, ChatCompletionRequest, CompletionRequest
 from gateway.routing.tokens import TokenEstimator
 
 Api = Literal["chat", "completions"]
 
-_TEMPLATE_FIELDS = frozenset({"tools", "tool_calls", "functions", "response_format"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +23,8 @@ class RoutingRequest:
     `prompt_tokens` is an estimate (tokens); `output_tokens` is what the client asked for
     (`max_completion_tokens`, else `max_tokens`), None when it set neither, in which case each pool's
     `default_output_tokens` is reserved. `estimate_method` says how the prompt was counted:
-    `bytes`, `bytes+pixels`, `bytes+default` or `token_ids`.
+    `bytes`, `bytes+pixels`, `bytes+default` or `token_ids`. `prefix` holds the sampled block
+    hashes of the canonical prompt (None when affinity is off).
     """
 
     api: Api
@@ -34,6 +37,7 @@ class RoutingRequest:
     session_key: str | None = None
     image_count: int = 0
     include_usage: bool = False
+    prefix: PrefixKey | None = None
 
     def context_tokens(self, default_output_tokens: int) -> int:
         """Tokens of context needed on a pool that reserves `default_output_tokens` by default."""
@@ -42,67 +46,90 @@ class RoutingRequest:
 
 
 def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstimator,
-                  session_key: str | None = None) -> RoutingRequest:
-    """Features of a chat request: text and image tokens, template overhead, modalities.
+                  hasher: PrefixHasher | None = None, session_key: str | None = None) -> RoutingRequest:
+    """Features of a chat request: text and image tokens, template overhead, modalities, and the
+    prefix hashes of its canonical bytes when a hasher is given.
 
     Raises InvalidRequest for an image data URI that cannot be read.
     """
-    tokens = estimator.config.tokens_per_request
+    config = estimator.config
+    text_bytes = 0  # prompt text only: separators and image digests are not tokens
+    tokens = config.tokens_per_request + config.tokens_per_message * len(wire.messages)
     modalities = {"text"}
     methods = {"bytes"}
     images = 0
-    per_message = estimator.config.tokens_per_message
+    extra = wire.model_extra or {}
+    canonical = [canonical_prelude(extra.get("tools") or extra.get("functions"))]
+    text_bytes += len(canonical[0])
     for i, message in enumerate(wire.messages):
-        tokens += per_message
         content = message.content
-        if content is None:
-            continue
+        parts: list[bytes] = []
         if isinstance(content, str):
-            tokens += estimator.text_tokens(content)
-            continue
-        for j, part in enumerate(content):
-            modalities.add(PART_MODALITY[part.type])
-            if part.type == "text" or part.type == "refusal":
-                tokens += estimator.text_tokens(part.text if part.type == "text" else part.refusal)
-            elif part.type == "image_url":
-                images += 1
-                estimate = estimator.image_tokens(part.image_url.url,
-                                                  param=f"messages[{i}].content[{j}].image_url.url")
-                tokens += estimate.tokens
-                methods.add(estimate.method)
-    # Tool schemas and tool calls are rendered into the prompt by the chat template too.
-    for holder in (wire, *wire.messages):
-        for key in _TEMPLATE_FIELDS.intersection(holder.model_extra or ()):
-            tokens += estimator.text_tokens(str(holder.model_extra[key]))  # type: ignore[index]
+            parts.append(content.encode("utf-8", "surrogatepass"))
+            text_bytes += len(parts[-1])
+        elif content is not None:
+            for j, part in enumerate(content):
+                modalities.add(PART_MODALITY[part.type])
+                if part.type == "text" or part.type == "refusal":
+                    encoded = (part.text if part.type == "text" else part.refusal).encode("utf-8", "surrogatepass")
+                    parts.append(encoded)
+                    text_bytes += len(encoded)
+                elif part.type == "image_url":
+                    images += 1
+                    url = part.image_url.url
+                    estimate = estimator.image_tokens(url, param=f"messages[{i}].content[{j}].image_url.url")
+                    tokens += estimate.tokens
+                    methods.add(estimate.method)
+                    parts.append(image_digest(url))
+        # Tool calls are rendered into the prompt by the chat template too.
+        calls = (message.model_extra or {}).get("tool_calls")
+        if calls is not None:
+            parts.append(orjson.dumps(calls))
+            text_bytes += len(parts[-1])
+        canonical.append(canonical_message(message.role, parts))
+    if "response_format" in extra:
+        text_bytes += len(orjson.dumps(extra["response_format"]))
+    tokens += estimator.bytes_tokens(text_bytes)
     output = wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens
     method = "+".join(sorted(methods, key=["bytes", "pixels", "default"].index))
+    prefix = hasher.hash(b"".join(canonical), model) if hasher is not None else None
     return RoutingRequest(
         api="chat", model=model, prompt_tokens=tokens, output_tokens=output, stream=bool(wire.stream),
         modalities=frozenset(modalities), estimate_method=method, session_key=session_key or wire.user,
-        image_count=images,
-        include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
+        image_count=images, include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
+        prefix=prefix,
     )
 
 
 def completion_features(wire: CompletionRequest, model: str, estimator: TokenEstimator,
-                        session_key: str | None = None) -> RoutingRequest:
-    """Features of a legacy completions request (text prompt(s) or token ids)."""
+                        hasher: PrefixHasher | None = None, session_key: str | None = None) -> RoutingRequest:
+    """Features of a legacy completions request (text prompt(s) or token ids).
+
+    A batch of prompts is several sequences: the longest decides the context, the first the prefix.
+    """
     prompt = wire.prompt
     method = "bytes"
     if isinstance(prompt, str):
-        tokens = estimator.text_tokens(prompt)
+        first = prompt.encode("utf-8", "surrogatepass")
+        tokens = estimator.bytes_tokens(len(first))
     elif not prompt:
         raise InvalidRequest("'prompt' must not be empty", param="prompt")
     elif isinstance(prompt[0], str):
-        # A batch of prompts: each is its own sequence, so the longest decides the context.
-        tokens = max(estimator.text_tokens(p) for p in prompt)  # type: ignore[arg-type]
+        encoded = [p.encode("utf-8", "surrogatepass") for p in prompt]  # type: ignore[union-attr]
+        first, tokens = encoded[0], max(estimator.bytes_tokens(len(e)) for e in encoded)
     elif isinstance(prompt[0], int):
-        tokens, method = len(prompt), "token_ids"
+        first, tokens, method = _ids_bytes(prompt), len(prompt), "token_ids"  # type: ignore[arg-type]
     else:
-        tokens, method = max(len(p) for p in prompt), "token_ids"  # type: ignore[arg-type]
+        first, method = _ids_bytes(prompt[0]), "token_ids"  # type: ignore[arg-type]
+        tokens = max(len(p) for p in prompt)  # type: ignore[arg-type]
+    prefix = hasher.hash(first, model) if hasher is not None else None
     return RoutingRequest(
         api="completions", model=model, prompt_tokens=tokens, output_tokens=wire.max_tokens,
         stream=bool(wire.stream), modalities=frozenset({"text"}), estimate_method=method,
         session_key=session_key or wire.user,
-        include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
+        include_usage=bool(wire.stream_options and wire.stream_options.include_usage), prefix=prefix,
     )
+
+
+def _ids_bytes(ids: list[int]) -> bytes:
+    return orjson.dumps(ids)

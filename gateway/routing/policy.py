@@ -1,28 +1,71 @@
-"""The routing-policy interface: a pure, synchronous choice of one worker among candidates."""
+"""The routing-policy interface: a pure, synchronous choice of one worker among candidates.
+
+I/O happens outside: before `select`, the service gathers each candidate's load (scraped from
+the engine) and its affinity match (from the store); after it, the choice is recorded.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 from gateway.backends.worker import Worker
 from gateway.routing.features import RoutingRequest
 
 
 @dataclass(frozen=True, slots=True)
+class Candidate:
+    """A worker the request may go to, with what policies compare.
+
+    `load` is in requests (engine running + waiting + started here since the last scrape);
+    `kv_usage` is the engine's KV-cache use 0..1 (None if not exported); `match` is the share of
+    the prompt (0..1) whose prefix this worker holds per the affinity store, `matched_tokens` the
+    same in estimated tokens.
+    """
+
+    worker: Worker
+    load: float
+    kv_usage: float | None = None
+    match: float = 0.0
+    matched_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
-    """The chosen worker and why (`reason` is a bounded metric label, e.g. `least_load`)."""
+    """The chosen worker and why (`reason` is a bounded metric label, e.g. `affinity`)."""
 
     worker: Worker
     reason: str
 
 
+class NoParams(BaseModel):
+    """For policies without parameters: any key is an error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class RoutingPolicy(Protocol):
-    """A policy picks one of `candidates` (never empty, all healthy and untried) for `request`.
+    """A policy picks one of `candidates` (never empty: healthy, untried workers) for `request`."""
 
-    It must not do I/O: data it needs (affinity, load) is gathered before and passed in.
-    """
+    name: ClassVar[str]
+    uses_affinity: ClassVar[bool]
 
-    name: str
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision: ...
 
-    def select(self, request: RoutingRequest, candidates: list[Worker]) -> Decision: ...
+
+class TieBreaker:
+    """Least load with ties broken in rotation, so idle workers share work instead of worker 0."""
+
+    __slots__ = ("_counter",)
+
+    def __init__(self) -> None:
+        self._counter = 0
+
+    def least_loaded(self, candidates: list[Candidate]) -> Candidate:
+        n = len(candidates)
+        start = self._counter % n
+        self._counter += 1
+        best = min(range(n), key=lambda i: (candidates[(start + i) % n].load, i))
+        return candidates[(start + best) % n]

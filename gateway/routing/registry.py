@@ -1,22 +1,36 @@
-"""Policy names → classes. Adding a policy: one module in `policies/` and one line here."""
+"""Policy names → classes. Adding a policy: one module in `policies/` and one line here.
+
+Each policy class has `name`, `uses_affinity`, a pydantic `Params` model (its parameters,
+validated at start-up from the pool's `policy_params`) and `select(request, candidates)`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 
 from gateway.routing.policies.least_load import LeastLoadPolicy
+from gateway.routing.policies.power_of_two import PowerOfTwoPolicy
+from gateway.routing.policies.prefix_affinity import PrefixAffinityPolicy
 from gateway.routing.policies.round_robin import RoundRobinPolicy
+from gateway.routing.policies.session import SessionPolicy
 from gateway.routing.policy import RoutingPolicy
 
-POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
-    "least_load": LeastLoadPolicy,
-    "round_robin": RoundRobinPolicy,
+POLICIES: dict[str, Any] = {
+    cls.name: cls
+    for cls in (PrefixAffinityPolicy, LeastLoadPolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionPolicy)
 }
 
 
-def build_policy(name: str) -> RoutingPolicy:
-    """A new policy instance; ValueError naming the known policies for an unknown name."""
+def build_policy(name: str, params: Mapping[str, Any] | None = None) -> RoutingPolicy:
+    """A new policy instance with validated params.
+
+    Raises ValueError naming the known policies for an unknown name, pydantic.ValidationError for
+    bad params.
+    """
     try:
-        return POLICIES[name]()
+        cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    policy: RoutingPolicy = cls(cls.Params.model_validate(dict(params or {})))
+    return policy

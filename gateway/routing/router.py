@@ -11,7 +11,8 @@ class Router:
     """Holds each pool's policy. Raises ValueError at construction for an unknown policy name."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        self._policies: dict[str, RoutingPolicy] = {p.name: build_policy(p.policy) for p in config.pools}
+        self._policies: dict[str, RoutingPolicy] = {p.name: build_policy(p.policy, p.policy_params)
+                                                  for p in config.pools}
 
     def policy(self, pool: str) -> RoutingPolicy:
         return self._policies[pool]

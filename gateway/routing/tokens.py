@@ -46,7 +46,10 @@ class TokenEstimator:
         """Estimated tokens of `text` (upper-leaning)."""
         if not text:
             return 0
-        n_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        return self.bytes_tokens(len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")))
+
+    def bytes_tokens(self, n_bytes: int) -> int:
+        """Estimated tokens of `n_bytes` bytes of UTF-8 text."""
         return math.ceil(n_bytes * self._per_byte - 1e-9)  # the epsilon absorbs float error (60*0.3)
 
     def image_tokens(self, url: str, param: str | None = None) -> ImageEstimate:

@@ -324,7 +324,7 @@ def test_metrics_count_requests_and_ttft(three_pools: tuple[RunningGateway, dict
     text = httpx.get(gw.url + "/metrics").text
     assert 'kimi_gateway_requests_total{api="chat",pool="vllm-128k",status_class="2xx"} 2.0' in text
     assert 'kimi_gateway_ttft_seconds_count{pool="vllm-128k"} 2.0' in text
-    assert 'kimi_gateway_route_decisions_total{pool="vllm-128k",reason="least_load"} 2.0' in text
+    assert 'kimi_gateway_route_decisions_total{pool="vllm-128k",reason="no_match"} 2.0' in text
 
 
 def test_health_and_ready(three_pools: tuple[RunningGateway, dict[str, RunningSim]]) -> None:

@@ -1,27 +1,25 @@
-"""least_load: the candidate with the fewest open requests from this replica.
+"""least_load: the candidate with the fewest requests on its engine.
 
-Algorithm: minimise `in_flight`; ties rotate (a counter offsets the start) so idle pools spread
-work instead of piling it on worker 0. Parameters: none.
+Algorithm: minimise `load` (engine running + waiting + requests this replica started since the
+last scrape; this replica's in-flight count when the engine exports no metrics); ties rotate.
+Parameters: none.
 """
 
 from __future__ import annotations
 
-from gateway.backends.worker import Worker
 from gateway.routing.features import RoutingRequest
-from gateway.routing.policy import Decision
+from gateway.routing.policy import Candidate, Decision, NoParams, TieBreaker
 
 
 class LeastLoadPolicy:
-    """Fewest in-flight requests wins; ties are broken round-robin."""
+    """Fewest requests wins; ties are broken round-robin."""
 
     name = "least_load"
+    uses_affinity = False
+    Params = NoParams
 
-    def __init__(self) -> None:
-        self._counter = 0
+    def __init__(self, params: NoParams | None = None) -> None:
+        self._ties = TieBreaker()
 
-    def select(self, request: RoutingRequest, candidates: list[Worker]) -> Decision:
-        n = len(candidates)
-        start = self._counter % n
-        self._counter += 1
-        best = min(range(n), key=lambda i: (candidates[(start + i) % n].in_flight, i))
-        return Decision(candidates[(start + best) % n], "least_load")
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        return Decision(self._ties.least_loaded(candidates).worker, "least_load")

@@ -6,20 +6,21 @@ Parameters: none.
 
 from __future__ import annotations
 
-from gateway.backends.worker import Worker
 from gateway.routing.features import RoutingRequest
-from gateway.routing.policy import Decision
+from gateway.routing.policy import Candidate, Decision, NoParams
 
 
 class RoundRobinPolicy:
     """Cycles through the candidates."""
 
     name = "round_robin"
+    uses_affinity = False
+    Params = NoParams
 
-    def __init__(self) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self._counter = 0
 
-    def select(self, request: RoutingRequest, candidates: list[Worker]) -> Decision:
-        worker = candidates[self._counter % len(candidates)]
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        choice = candidates[self._counter % len(candidates)]
         self._counter += 1
-        return Decision(worker, "round_robin")
+        return Decision(choice.worker, "round_robin")

@@ -1,0 +1,118 @@
+"""Prefix hashing for cache affinity (design §5), pure functions.
+
+A prompt becomes canonical bytes (per message: role, then text; an image as a digest of its URL
+or data URI, never the base64 itself), cut into blocks of `block_bytes`. Block i's hash chains all
+blocks before it: h_i = xxh3_64(block_i, seed=h_{i-1}), h_-1 = xxh3_64(model). Equal h_i means an
+equal prompt up to the end of block i, so the longest shared prefix is the deepest equal hash.
+
+Only sampled positions are stored and looked up: every block up to `dense_blocks`, then
+`blocks_per_octave` per doubling of the position, plus the last block. With the defaults (512-byte
+blocks, 32 dense, 8 per octave) a 1M-token prompt (~4 MB, ~8,000 blocks) needs 32 + 8 * 8 + 1 = 97
+keys and a 12K-token one ~45; a match is exact to within 12.5 % of its length. Hashing 4 MB
+costs ~2 ms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import orjson
+import xxhash
+
+from gateway.config import AffinityConfig
+
+ROLE_SEP = b"\x1e"
+MESSAGE_SEP = b"\x1f"
+IMAGE_TAG = b"\x1dimage:"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKey:
+    """Sampled chained hashes of one prompt.
+
+    `positions[i]` is a block index (ascending, the last block included); `hashes[i]` its chained
+    hash (unsigned 64-bit). `total_bytes` is the canonical prompt's length.
+    """
+
+    positions: tuple[int, ...]
+    hashes: tuple[int, ...]
+    total_bytes: int
+    block_bytes: int
+
+    def covered_fraction(self, index: int) -> float:
+        """Share of the prompt (0..1] covered by the prefix up to sampled position `index`."""
+        end = min((self.positions[index] + 1) * self.block_bytes, self.total_bytes)
+        return end / self.total_bytes if self.total_bytes else 0.0
+
+
+def sampled_positions(n_blocks: int, dense: int, per_octave: int) -> list[int]:
+    """Block indices to hash-store for a prompt of `n_blocks` blocks (the same for every prompt,
+    so a longer prompt's samples include a shorter one's except for its last block)."""
+    positions: list[int] = []
+    p = 0
+    while p < n_blocks:
+        positions.append(p)
+        if p + 1 < dense:
+            p += 1
+        else:
+            octave = (p + 1) // dense  # 1 for [dense, 2*dense), 2..3 next, ...
+            step = max(1, (dense << (octave.bit_length() - 1)) // per_octave)
+            p = (p // step + 1) * step
+    if n_blocks and positions[-1] != n_blocks - 1:
+        positions.append(n_blocks - 1)
+    return positions
+
+
+class PrefixHasher:
+    """Canonical bytes and sampled chained hashes, parameterised by an AffinityConfig."""
+
+    def __init__(self, config: AffinityConfig) -> None:
+        self.block_bytes = config.block_bytes
+        self.dense = config.dense_blocks
+        self.per_octave = config.blocks_per_octave
+
+    def hash(self, canonical: bytes, model: str) -> PrefixKey:
+        """Sampled chained block hashes of `canonical` seeded with `model`."""
+        size = self.block_bytes
+        n_blocks = -(-len(canonical) // size)
+        wanted = sampled_positions(n_blocks, self.dense, self.per_octave)
+        view = memoryview(canonical)
+        h = xxhash.xxh3_64_intdigest(model.encode())
+        hashes = []
+        next_wanted = 0
+        for i in range(n_blocks):
+            h = xxhash.xxh3_64_intdigest(view[i * size:(i + 1) * size], h)
+            if i == wanted[next_wanted]:
+                hashes.append(h)
+                next_wanted += 1
+        return PrefixKey(tuple(wanted), tuple(hashes), len(canonical), size)
+
+
+def image_digest(url: str) -> bytes:
+    """A short stand-in for an image in canonical bytes: digest of its URL or data URI text."""
+    return IMAGE_TAG + xxhash.xxh3_128_hexdigest(url.encode()).encode()
+
+
+def canonical_message(role: str, parts: Iterable[bytes]) -> bytes:
+    """One message as canonical bytes: role, separator, content pieces, end mark."""
+    return role.encode() + ROLE_SEP + b"".join(parts) + MESSAGE_SEP
+
+
+def canonical_prelude(tools: object | None) -> bytes:
+    """Request-level content that chat templates render before the messages (tool schemas)."""
+    if tools is None:
+        return b""
+    return orjson.dumps(tools, option=orjson.OPT_SORT_KEYS) + MESSAGE_SEP
+
+
+def longest_match(key: PrefixKey, owners: Sequence[str | None]) -> dict[str, float]:
+    """Per worker, the deepest sampled prefix it owns, as a fraction of the prompt (0..1].
+
+    `owners[i]` is who the store says holds `key.hashes[i]` (None when nobody does).
+    """
+    matched: dict[str, float] = {}
+    for index, owner in enumerate(owners):
+        if owner is not None:
+            matched[owner] = key.covered_fraction(index)
+    return matched

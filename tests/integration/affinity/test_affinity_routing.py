@@ -1,0 +1,169 @@
+"""Prefix-cache affinity through real gateways: conversations stick to one worker, replicas agree
+through Redis, and a Redis that dies and comes back costs affinity, never requests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+
+# ~1.6 KB (~480 tokens) shared by every request, like block 0 of the Mooncake trace: under the
+# policy's default min_match_tokens (1024), so it alone must not pull traffic to one worker.
+SYSTEM = "You are Kimi, a careful assistant. Follow the house style guide. " * 25
+
+
+def mt_bench(shared_data: Path, n: int) -> list[list[str]]:
+    lines = (shared_data / "text" / "mt_bench" / "question.jsonl").read_text().splitlines()
+    return [json.loads(line)["turns"] for line in lines[:n]]
+
+
+def conversation_turns(turns: list[str], answer: str) -> Iterator[list[dict[str, str]]]:
+    """The message lists of a two-turn chat; turn 2 repeats turn 1 and its answer as its prefix."""
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": turns[0] * 24}]
+    yield list(history)
+    history += [{"role": "assistant", "content": answer}, {"role": "user", "content": turns[1]}]
+    yield history
+
+
+def worker_of(gw: RunningGateway, messages: list[dict[str, str]]) -> tuple[str, str]:
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=3)
+    return raw.headers["x-kimi-gateway-worker"], raw.headers["x-kimi-gateway-route-reason"]
+
+
+@pytest.fixture
+def four_workers(start_sim: StartSim) -> list[RunningSim]:
+    return [start_sim("sglang", max_context_tokens=131072) for _ in range(4)]
+
+
+def affinity_pool(sims: list[RunningSim]) -> dict[str, object]:
+    return pool("p", "sglang", [s.url for s in sims], 131072, policy="prefix_affinity")
+
+
+def test_each_conversation_sticks_to_one_worker(four_workers: list[RunningSim], start_gateway: StartGateway,
+                                                shared_data: Path) -> None:
+    gw = start_gateway([affinity_pool(four_workers)], load={"enabled": False})
+    first_turn_workers = set()
+    for turns in mt_bench(shared_data, 8):
+        (w1, r1), (w2, r2) = (worker_of(gw, m) for m in conversation_turns(turns, "Answer. " * 50))
+        assert (w2, r2) == (w1, "affinity")
+        assert r1 in ("no_match", "affinity")
+        first_turn_workers.add(w1)
+    # A system prompt shared by every conversation must not pull them all onto one worker.
+    assert len(first_turn_workers) >= 3
+
+
+def test_two_gateway_replicas_agree_through_redis(four_workers: list[RunningSim], start_gateway: StartGateway,
+                                                  shared_data: Path) -> None:
+    prefix = f"test-{uuid.uuid4().hex[:10]}"
+    settings = {"redis_url": "redis://127.0.0.1:6379/0", "affinity": {"key_prefix": prefix},
+                "load": {"enabled": False}}
+    replicas = [start_gateway([affinity_pool(four_workers)], **settings) for _ in range(2)]
+    try:
+        for i, turns in enumerate(mt_bench(shared_data, 8)):
+            first, second = conversation_turns(turns, "Answer. " * 50)
+            w1, _ = worker_of(replicas[i % 2], first)
+            time.sleep(0.05)  # the record is written in the background
+            w2, reason = worker_of(replicas[(i + 1) % 2], second)
+            assert (w2, reason) == (w1, "affinity"), f"conversation {i}"
+    finally:
+        client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+        keys = list(client.scan_iter(f"{prefix}:*"))
+        assert keys, "affinity keys were written to Redis"
+        client.delete(*keys)
+        client.close()
+
+
+@pytest.fixture
+def own_redis(unused_port: int) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
+    """Starts (and restarts) a private redis-server on a free port; the test may kill it."""
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server must be installed"
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([binary, "--port", str(unused_port), "--bind", "127.0.0.1", "--save", "",
+                                 "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        client = redis.Redis(port=unused_port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        client.close()
+        return proc
+
+    start.port = unused_port  # type: ignore[attr-defined]
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _lookups(gw: RunningGateway, result: str) -> float:
+    for line in httpx.get(gw.url + "/metrics").text.splitlines():
+        if line.startswith(f'kimi_gateway_affinity_lookups_total{{pool="p",result="{result}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: StartGateway,
+                                own_redis: Callable[[], subprocess.Popen[bytes]], shared_data: Path) -> None:
+    proc = own_redis()
+    port = own_redis.port  # type: ignore[attr-defined]
+    gw = start_gateway([affinity_pool(four_workers)], redis_url=f"redis://127.0.0.1:{port}/0",
+                       affinity={"retry_after": 0.3, "lookup_timeout": 0.2}, load={"enabled": False})
+    conversations = [list(conversation_turns(t, "Answer. " * 50)) for t in mt_bench(shared_data, 12)]
+
+    def turn_pair(conversation: list[list[dict[str, str]]]) -> tuple[str, str, str]:
+        w1, _ = worker_of(gw, conversation[0])
+        time.sleep(0.05)
+        w2, reason = worker_of(gw, conversation[1])
+        return w1, w2, reason
+
+    w1, w2, reason = turn_pair(conversations[0])
+    assert (w2, reason) == (w1, "affinity")
+
+    proc.kill()
+    proc.wait()
+    for conversation in conversations[1:5]:   # every request still succeeds, without affinity
+        _, _, reason = turn_pair(conversation)
+        assert reason == "no_match"
+    assert _lookups(gw, "error") >= 1
+    errors = httpx.get(gw.url + "/metrics").text
+    assert 'kimi_gateway_redis_errors_total{op="lookup"}' in errors
+
+    own_redis()                               # Redis is back (empty): affinity resumes by itself
+    time.sleep(0.4)
+    hits_before = _lookups(gw, "hit")
+    for conversation in conversations[5:8]:
+        w1, w2, reason = turn_pair(conversation)
+        assert (w2, reason) == (w1, "affinity")
+    assert _lookups(gw, "hit") >= hits_before + 3
+
+
+def test_unreachable_redis_at_start_up_does_not_block(four_workers: list[RunningSim], start_gateway: StartGateway,
+                                                      unused_port: int) -> None:
+    started = time.monotonic()
+    gw = start_gateway([affinity_pool(four_workers)], redis_url=f"redis://127.0.0.1:{unused_port}/0")
+    assert time.monotonic() - started < 5
+    assert worker_of(gw, [{"role": "user", "content": "hello"}])[1] == "no_match"
+    assert httpx.get(gw.url + "/ready").status_code == 200
