@@ -6,6 +6,12 @@ Used by integration tests (real HTTP on loopback) and by the demo. Quick use::
 
     with sim_server(SimConfig(engine="vllm", max_context_tokens=8192, ttft_s=0.05)) as srv:
         ...  # POST f"{srv.url}/v1/chat/completions"; srv.app.engine.records
+
+Opt-in engine model for benchmarks (`SimConfig.kv_capacity_tokens`, `prefill_tokens_per_s`,
+`decode_batch_slowdown`, `keep_records`): a per-worker prefix cache with LRU eviction
+(`gateway.sim.kvcache`), prefill time that grows with the uncached tokens, a FIFO admission queue,
+`usage.prompt_tokens_details.cached_tokens`, the engines' prefix-cache metrics, and running totals
+on `GET /sim/stats`.
 """
 
 from gateway.sim.app import SimApp, create_sim_app

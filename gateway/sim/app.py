@@ -8,6 +8,11 @@ Engine endpoints:
 Test endpoints:
     GET /sim/requests, DELETE /sim/requests     request records (JSON list) / clear them
     GET /sim/faults, POST /sim/faults           global faults (JSON `SimFaults`; POST replaces)
+    GET /sim/stats, DELETE /sim/stats           running totals of this worker (JSON object, see
+                                                `SimEngine.sim_stats`) / restart them (DELETE
+                                                answers the totals just before the reset)
+    DELETE /sim/cache                           empty the prefix cache (blocks of running
+                                                requests stay): `{"dropped_tokens": N}`
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class SimApp:
             ("DELETE", "/sim/requests"): self._clear_requests,
             ("GET", "/sim/faults"): self._get_faults,
             ("POST", "/sim/faults"): self._set_faults,
+            ("GET", "/sim/stats"): self._get_stats,
+            ("DELETE", "/sim/stats"): self._reset_stats,
+            ("DELETE", "/sim/cache"): self._clear_cache,
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -108,6 +116,15 @@ class SimApp:
 
     async def _clear_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, {"cleared": self.engine.clear_records()})
+
+    async def _get_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.engine.sim_stats())
+
+    async def _reset_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.engine.reset_stats())
+
+    async def _clear_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"dropped_tokens": self.engine.clear_cache()})
 
     async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, self.engine.faults.model_dump())

@@ -81,6 +81,18 @@ class SimConfig(BaseModel):
     `bytes_per_token`) + `image_tokens` per image part + `message_overhead_tokens` per chat message.
     Output: one word per token; the count is `max_completion_tokens`, else `max_tokens`, else
     `default_output_tokens`. Latency: `ttft_s` before the first token, `tpot_s` between tokens.
+
+    Opt-in engine model (every field below defaults to today's behaviour):
+
+    - `kv_capacity_tokens` turns on a prefix cache of that many tokens of KV memory, in blocks of
+      `kv_block_tokens` (see `gateway.sim.kvcache`): cached prompt prefixes are reported as
+      `usage.prompt_tokens_details.cached_tokens` and in the engine's prefix-cache metrics, and a
+      request waits while its uncached tokens do not fit beside those of the running requests.
+    - `prefill_tokens_per_s` makes the time to first token `ttft_s` + uncached prompt tokens /
+      `prefill_tokens_per_s` (seconds).
+    - `decode_batch_slowdown` makes each output token take `tpot_s` x (1 + `decode_batch_slowdown`
+      x (running requests - 1)) seconds.
+    - `keep_records=False` keeps only counters (`GET /sim/stats`), no per-request records.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -106,6 +118,21 @@ class SimConfig(BaseModel):
     and `vllm:gpu_cache_usage_perc`; SGLang before 2026-04 (context errors of streaming requests
     arrive as an SSE error event inside a 200 response; any model name accepted)."""
     faults: SimFaults = Field(default_factory=SimFaults)
+    kv_capacity_tokens: int | None = Field(default=None, gt=0)
+    """KV-cache memory of the worker in tokens; None = no prefix cache (cached_tokens always 0)
+    and KV usage = tokens of running requests / `max_context_tokens`."""
+    kv_block_tokens: int = Field(default=16, gt=0)
+    """Tokens per cache block (vLLM's default block size is 16)."""
+    kv_usage_includes_cache: bool = False
+    """False (what vLLM and SGLang report): KV usage counts tokens of running requests only, as
+    cached blocks nobody uses are free to evict. True: cached blocks count too."""
+    prefill_tokens_per_s: float | None = Field(default=None, gt=0.0)
+    """Prefill speed in tokens per second; None = the prefill takes `ttft_s` whatever the prompt."""
+    decode_batch_slowdown: float = Field(default=0.0, ge=0.0)
+    """Extra time per output token per additional running request, as a fraction of `tpot_s`."""
+    keep_records: bool = True
+    """False: store no `SimRequestRecord`s (memory stays flat on long benchmarks); the counters
+    of `GET /sim/stats` and `/metrics` are kept either way."""
 
     @property
     def model_name(self) -> str:

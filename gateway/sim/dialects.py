@@ -12,8 +12,13 @@ Sources of the exact strings (only the wording and names are taken from the engi
   `OpenAIServingBase.create_error_response`); unknown model: SGLang's strict model validation test
   (400, "The model `X` does not exist" ... "The served model name is `Y`"). Before PR #21900
   (2026-04) a streaming request's context error came as `data: {"error": {...}}` in a 200 stream.
-- Metric names: vLLM V1 `PrometheusStatLogger` (labels `model_name`, `engine`), SGLang's
-  scheduler/tokenizer metrics collectors (label `model_name`).
+- Metric names: vLLM V1 `PrometheusStatLogger` in `vllm/v1/metrics/loggers.py` (labels
+  `model_name`, `engine`): counters `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` (in
+  tokens; named `vllm:gpu_prefix_cache_*` before 0.9's rename) and the gauge
+  `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before). SGLang's
+  `python/sglang/srt/metrics/collector.py` (label `model_name`): `SchedulerMetricsCollector`
+  gauges `sglang:token_usage` and `sglang:cache_hit_rate`, `TokenizerMetricsCollector` counter
+  `sglang:cached_tokens_total`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,12 @@ class MetricNames:
     prompt_tokens: str
     generation_tokens: str
     request_success: str | None = None
+    prefix_cache_queries: str | None = None
+    """Counter of prompt tokens looked up in the prefix cache (vLLM)."""
+    prefix_cache_hits: str | None = None
+    """Counter of prompt tokens found in the prefix cache (vLLM: `..._hits`; SGLang: `cached_tokens`)."""
+    cache_hit_rate: str | None = None
+    """Gauge of the recent prefix-cache hit rate, 0 to 1 (SGLang)."""
 
 
 ContextCheck = Callable[[int, int | None, int], str | None]
@@ -189,14 +200,20 @@ VLLM_METRICS = MetricNames(
     prompt_tokens="vllm:prompt_tokens",
     generation_tokens="vllm:generation_tokens",
     request_success="vllm:request_success",
+    prefix_cache_queries="vllm:prefix_cache_queries",
+    prefix_cache_hits="vllm:prefix_cache_hits",
 )
-VLLM_LEGACY_METRICS = dataclasses.replace(VLLM_METRICS, kv_usage="vllm:gpu_cache_usage_perc")
+VLLM_LEGACY_METRICS = dataclasses.replace(VLLM_METRICS, kv_usage="vllm:gpu_cache_usage_perc",
+                                          prefix_cache_queries="vllm:gpu_prefix_cache_queries",
+                                          prefix_cache_hits="vllm:gpu_prefix_cache_hits")
 SGLANG_METRICS = MetricNames(
     running="sglang:num_running_reqs",
     waiting="sglang:num_queue_reqs",
     kv_usage="sglang:token_usage",
     prompt_tokens="sglang:prompt_tokens",
     generation_tokens="sglang:generation_tokens",
+    prefix_cache_hits="sglang:cached_tokens",
+    cache_hit_rate="sglang:cache_hit_rate",
 )
 
 

@@ -1,4 +1,4 @@
-"""State of one simulated engine: request records, load, counters, faults.
+"""State of one simulated engine: request records, admission queue, KV cache, counters, faults.
 
 The ASGI app runs in uvicorn's event loop (often in a background thread) while tests read the
 records from another thread, so every mutation happens under one re-entrant lock and wakes
@@ -12,14 +12,17 @@ import asyncio
 import itertools
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from gateway.sim.config import SimConfig, SimFaults
 from gateway.sim.dialects import EngineDialect, dialect_for
+from gateway.sim.kvcache import CacheLease, PrefixCache, PromptKey, seed_for
 from gateway.sim.metrics import EngineStats, build_registry
+from gateway.sim.tokens import prompt_keys
+from gateway.sim.totals import HitRateWindow, SimTotals
 
 T = TypeVar("T")
 
@@ -31,9 +34,10 @@ class SimRequestRecord:
     Times are `time.monotonic()` seconds (None until the event happens). `headers` has lowercase
     names; `body` is the parsed JSON as received (including any `x_sim_faults`; the raw text when
     it is not JSON). `aborted` is True when the client disconnected before the response completed
-    (`finished_at` is then when that was noticed); `fault` names an injected fault
-    that shaped the answer ("fail_status", "hang_before_headers", "drop_after_chunks",
-    "raw_stream_chunks").
+    (`finished_at` is then when that was noticed); `fault` names an injected fault that shaped the
+    answer ("fail_status", "hang_before_headers", "drop_after_chunks", "raw_stream_chunks").
+    `cached_tokens` of `prompt_tokens` were found in the prefix cache at admission;
+    `prefill_tokens` (the rest) had to be computed.
     """
 
     id: int
@@ -51,18 +55,32 @@ class SimRequestRecord:
     aborted: bool = False
     completed: bool = False
     fault: str | None = None
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-ready dict."""
         return asdict(self)
 
 
-@dataclass
+@dataclass(eq=False)
 class ActiveRequest:
-    """A request admitted for processing (counts as running): its tokens occupy the KV cache."""
+    """A request admitted for processing (counts as running): its tokens occupy the KV cache.
+
+    `cached_tokens` of its `prompt_tokens` were found in the prefix cache at admission; `leases`
+    are its holds on the cache (one per prompt; empty without a prefix cache). Compared by
+    identity.
+    """
 
     prompt_tokens: int
     generated: int = 0
+    cached_tokens: int = 0
+    leases: list[CacheLease] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens to compute (not cached)."""
+        return self.prompt_tokens - self.cached_tokens
 
 
 class KVUsageModel(Protocol):
@@ -75,7 +93,8 @@ class KVUsageModel(Protocol):
 class ProportionalKVUsage:
     """KV usage = tokens held by running requests / `capacity_tokens`, capped at 1.0.
 
-    A stand-in until a paged KV cache with prefix reuse is modelled.
+    Used without a prefix cache (`SimConfig.kv_capacity_tokens` unset); with one, the usage comes
+    from `PrefixCache.usage`.
     """
 
     capacity_tokens: int
@@ -85,45 +104,80 @@ class ProportionalKVUsage:
         return min(1.0, held / self.capacity_tokens)
 
 
+@dataclass(eq=False)
+class _Waiter:
+    """A request queued for admission; `active` is set (under the engine lock) once admitted."""
+
+    prompt_tokens: int
+    keys: tuple[PromptKey, ...]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[None]
+    active: ActiveRequest | None = None
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class SimEngine:
     """Config, state and records of one simulated engine.
 
     `records` is a snapshot list (the record objects themselves keep updating); `wait_for` blocks a
     thread until a predicate holds; `async_wait_for` does the same inside an event loop.
+
+    Load model: requests are admitted in arrival order (FIFO, head-of-line blocking as in vLLM's
+    scheduler) while fewer than `max_num_seqs` run and, with a prefix cache, while the uncached
+    tokens of the next request fit in `kv_capacity_tokens` beside those of the running requests
+    (one request is always admitted when none runs). The rest count as waiting.
     """
 
     def __init__(self, config: SimConfig, kv_model: KVUsageModel | None = None) -> None:
         self.config = config
         self.dialect: EngineDialect = dialect_for(config.engine, config.api_version)
         self.kv_model: KVUsageModel = kv_model or ProportionalKVUsage(config.max_context_tokens)
+        self.kv: PrefixCache | None = (PrefixCache(config.kv_capacity_tokens, config.kv_block_tokens)
+                                       if config.kv_capacity_tokens is not None else None)
+        """The prefix cache (None unless `kv_capacity_tokens` is set). Not thread-safe: from another
+        thread, read `sim_stats()` instead."""
         self.started_at = int(time.time())
         self._cond = threading.Condition(threading.RLock())
         self._ids = itertools.count(1)
         self._records: list[SimRequestRecord] = []
         self._faults = config.faults.model_copy(deep=True)
-        self._active: list[ActiveRequest] = []
+        self._active: dict[int, ActiveRequest] = {}
+        self._queue: deque[_Waiter] = deque()
         self._waiting = 0
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
+        self._totals = SimTotals()
+        self._baseline = SimTotals()
+        self._peak_running = 0
+        self._peak_waiting = 0
+        self._hit_rate = HitRateWindow()
         self._finished: Counter[str] = Counter()
         self._health_checks = 0
-        self._admission: asyncio.Semaphore | None = None
+        self._hash_seed = seed_for(config.model_name)
         self.registry = build_registry(self.stats, self.dialect, config.model_name)
 
     # --- records -----------------------------------------------------------------------------
 
     @property
     def records(self) -> list[SimRequestRecord]:
-        """All records so far, oldest first (a new list; the records are live objects)."""
+        """All records so far, oldest first (a new list; the records are live objects).
+
+        Always empty with `keep_records=False`.
+        """
         with self._cond:
             return list(self._records)
 
     def new_record(self, path: str, headers: dict[str, str], body: Any) -> SimRequestRecord:
-        """Create and store the record of a request whose body has just been read."""
+        """Create the record of a request whose body has just been read (stored unless
+        `keep_records` is off) and count the request."""
         with self._cond:
             record = SimRequestRecord(id=next(self._ids), path=path, headers=headers, body=body,
                                       received_at=time.monotonic())
-            self._records.append(record)
+            self._totals.requests += 1
+            if self.config.keep_records:
+                self._records.append(record)
             self._cond.notify_all()
             return record
 
@@ -135,7 +189,7 @@ class SimEngine:
             self._cond.notify_all()
 
     def clear_records(self) -> int:
-        """Forget all records; returns how many there were."""
+        """Forget all records; returns how many there were (the counters are kept)."""
         with self._cond:
             count = len(self._records)
             self._records.clear()
@@ -200,45 +254,175 @@ class SimEngine:
             self._faults = self._faults.model_copy(update={"fail_count": remaining - 1})
             return faults, True
 
+    # --- prefix cache and latency model ------------------------------------------------------
+
+    def prompt_keys(self, kind: str, body: dict[str, Any], prompt_tokens: list[int]) -> list[PromptKey]:
+        """The prefix-cache keys of a validated request's prompts ([] without a prefix cache)."""
+        if self.kv is None:
+            return []
+        return prompt_keys(kind, body, prompt_tokens, self.config, self._hash_seed)
+
+    def prefill_seconds(self, active: ActiveRequest) -> float:
+        """Time to first token of an admitted request (seconds): `ttft_s`, plus its uncached
+        tokens / `prefill_tokens_per_s` when that is set."""
+        rate = self.config.prefill_tokens_per_s
+        if rate is None:
+            return self.config.ttft_s
+        return self.config.ttft_s + active.prefill_tokens / rate
+
+    def decode_seconds(self) -> float:
+        """Time of the next output token (seconds): `tpot_s` x (1 + `decode_batch_slowdown` x
+        (running requests - 1))."""
+        slowdown = self.config.decode_batch_slowdown
+        if slowdown == 0.0:
+            return self.config.tpot_s
+        with self._cond:
+            others = max(0, len(self._active) - 1)
+        return self.config.tpot_s * (1.0 + slowdown * others)
+
+    def clear_cache(self) -> int:
+        """Drop every cached block no running request uses; returns the tokens dropped."""
+        with self._cond:
+            return self.kv.clear() if self.kv is not None else 0
+
     # --- load ---------------------------------------------------------------------------------
 
-    def admission(self) -> asyncio.Semaphore | None:
-        """The semaphore bounding running requests (`max_num_seqs`), created in the serving loop."""
-        if self.config.max_num_seqs is None:
-            return None
-        if self._admission is None:
-            self._admission = asyncio.Semaphore(self.config.max_num_seqs)
-        return self._admission
-
     def add_waiting(self, delta: int) -> None:
-        """Count a request entering (+1) or leaving (-1) the wait queue."""
+        """Count a request entering (+1) or leaving (-1) the wait queue (outside `admit`)."""
         with self._cond:
             self._waiting += delta
+            self._peak_waiting = max(self._peak_waiting, self._waiting)
             self._cond.notify_all()
 
-    def start_running(self, prompt_tokens: int) -> ActiveRequest:
-        """Admit a request: it counts as running and its prompt is prefilled (counted)."""
+    def try_admit(self, prompt_tokens: int, keys: Sequence[PromptKey] = ()) -> ActiveRequest | None:
+        """Admit a request now if nobody is queued and it may run, else None (then `admit`)."""
         with self._cond:
-            active = ActiveRequest(prompt_tokens)
-            self._active.append(active)
-            self._prompt_tokens_total += prompt_tokens
+            return None if self._queue else self._try_start(prompt_tokens, keys)
+
+    async def admit(self, prompt_tokens: int, keys: Sequence[PromptKey] = ()) -> ActiveRequest:
+        """Queue a request until it may run, then admit it (see the class docstring).
+
+        Cancelling the wait (the client left) takes the request out of the queue.
+        """
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if not self._queue:
+                active = self._try_start(prompt_tokens, keys)
+                if active is not None:
+                    return active
+            waiter = _Waiter(prompt_tokens, tuple(keys), loop, loop.create_future())
+            self._queue.append(waiter)
+            self.add_waiting(1)
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            with self._cond:
+                if waiter.active is not None:
+                    self.stop_running(waiter.active, "abort")
+                else:
+                    self._queue.remove(waiter)
+                    self.add_waiting(-1)
+                    self._pump()
+            raise
+        assert waiter.active is not None
+        return waiter.active
+
+    def start_running(self, prompt_tokens: int, keys: Sequence[PromptKey] = ()) -> ActiveRequest:
+        """Admit a request at once, bypassing the queue: it counts as running, its prompt tokens
+        are counted, and its cached prefix is pinned."""
+        with self._cond:
+            return self._start(prompt_tokens, keys)
+
+    def finish_prefill(self, active: ActiveRequest) -> None:
+        """The request's prefill is done: its full prompt blocks enter the cache; its uncached
+        tokens count as prefilled."""
+        with self._cond:
+            if id(active) not in self._active:
+                return
+            self._totals.prefill_tokens += active.prefill_tokens
+            if self.kv is not None:
+                for lease in active.leases:
+                    self.kv.commit(lease)
+                self._pump()
             self._cond.notify_all()
-            return active
 
     def note_generated(self, active: ActiveRequest, tokens: int = 1) -> None:
         """Count `tokens` newly generated by a running request."""
         with self._cond:
             active.generated += tokens
-            self._generation_tokens_total += tokens
+            self._totals.generated_tokens += tokens
+            if self.kv is not None and active.leases:
+                self.kv.grow(active.leases[0], tokens)
             self._cond.notify_all()
 
     def stop_running(self, active: ActiveRequest, finish_reason: str) -> None:
-        """A running request ended ("stop", "length" or "abort")."""
+        """A running request ended ("stop", "length" or "abort"): free its KV, admit waiters."""
         with self._cond:
-            if active in self._active:
-                self._active.remove(active)
+            if self._active.pop(id(active), None) is not None:
                 self._finished[finish_reason] += 1
+                if finish_reason != "abort":
+                    self._totals.completed += 1
+                if self.kv is not None:
+                    for lease in active.leases:
+                        self.kv.release(lease)
+                self._pump()
             self._cond.notify_all()
+
+    def note_aborted(self) -> None:
+        """Count a request whose client hung up before its response completed."""
+        with self._cond:
+            self._totals.aborted += 1
+
+    def note_status(self, status: int) -> None:
+        """Count a response's HTTP status (errors are statuses >= 400)."""
+        if status >= 400:
+            with self._cond:
+                self._totals.errors += 1
+
+    def _try_start(self, prompt_tokens: int, keys: Sequence[PromptKey]) -> ActiveRequest | None:
+        """Admit now if a slot and the KV room allow it, else None (call under the lock)."""
+        if self._active:
+            limit = self.config.max_num_seqs
+            if limit is not None and len(self._active) >= limit:
+                return None
+            kv = self.kv
+            if kv is not None and not kv.fits(sum(kv.room_needed(key) for key in keys)):
+                return None
+        return self._start(prompt_tokens, keys)
+
+    def _start(self, prompt_tokens: int, keys: Sequence[PromptKey]) -> ActiveRequest:
+        active = ActiveRequest(prompt_tokens)
+        if self.kv is not None:
+            active.leases = [self.kv.acquire(key) for key in keys]
+            active.cached_tokens = sum(lease.cached_tokens for lease in active.leases)
+            self._hit_rate.add(active.cached_tokens, prompt_tokens)
+        self._active[id(active)] = active
+        self._totals.prompt_tokens += prompt_tokens
+        self._totals.cached_tokens += active.cached_tokens
+        self._peak_running = max(self._peak_running, len(self._active))
+        self._cond.notify_all()
+        return active
+
+    def _pump(self) -> None:
+        """Admit queued requests in order while the head fits (call under the lock)."""
+        while self._queue:
+            head = self._queue[0]
+            active = self._try_start(head.prompt_tokens, head.keys)
+            if active is None:
+                return
+            self._queue.popleft()
+            self._waiting -= 1
+            head.active = active
+            try:
+                in_loop = asyncio.get_running_loop() is head.loop
+            except RuntimeError:
+                in_loop = False
+            if in_loop:
+                _resolve(head.future)
+            else:
+                head.loop.call_soon_threadsafe(_resolve, head.future)
+
+    # --- health and statistics ----------------------------------------------------------------
 
     def note_health_check(self) -> None:
         """Count one `GET /health`."""
@@ -251,14 +435,59 @@ class SimEngine:
         with self._cond:
             return self._health_checks
 
+    def _kv_usage(self) -> float:
+        if self.kv is not None:
+            return self.kv.usage(self.config.kv_usage_includes_cache)
+        return self.kv_model.usage(list(self._active.values()))
+
     def stats(self) -> EngineStats:
-        """A snapshot of the load and the counters."""
+        """A snapshot of the load and the lifetime counters (what `/metrics` exposes)."""
         with self._cond:
+            totals = self._lifetime_totals()
             return EngineStats(
                 running=len(self._active),
                 waiting=self._waiting,
-                kv_usage=self.kv_model.usage(list(self._active)),
-                prompt_tokens_total=self._prompt_tokens_total,
-                generation_tokens_total=self._generation_tokens_total,
+                kv_usage=self._kv_usage(),
+                prompt_tokens_total=totals.prompt_tokens,
+                generation_tokens_total=totals.generated_tokens,
                 finished_by_reason=dict(self._finished),
+                prefix_cache_queries_total=totals.prompt_tokens if self.kv is not None else 0,
+                prefix_cache_hits_total=totals.cached_tokens,
+                cache_hit_rate=self._hit_rate.rate,
             )
+
+    def _lifetime_totals(self) -> SimTotals:
+        totals = self._totals.copy()
+        totals.evicted_tokens = self.kv.evicted_tokens if self.kv is not None else 0
+        return totals
+
+    def sim_stats(self) -> dict[str, Any]:
+        """`GET /sim/stats`: counters since the last reset, peaks, and the state now.
+
+        Counters (requests, tokens) are those of `SimTotals`; `max_running` / `max_waiting` are
+        peaks since the reset; `running`, `waiting`, `cache_tokens_now` (tokens in cached blocks),
+        `kv_used_tokens` and `kv_usage` (the value `/metrics` reports) describe the present.
+        """
+        with self._cond:
+            out: dict[str, Any] = self._lifetime_totals().minus(self._baseline).to_json()
+            out.update(
+                max_running=self._peak_running,
+                max_waiting=self._peak_waiting,
+                running=len(self._active),
+                waiting=self._waiting,
+                cache_tokens_now=self.kv.cached_tokens if self.kv is not None else 0,
+                kv_used_tokens=self.kv.used_tokens if self.kv is not None else 0,
+                kv_capacity_tokens=self.config.kv_capacity_tokens,
+                kv_usage=self._kv_usage(),
+            )
+            return out
+
+    def reset_stats(self) -> dict[str, Any]:
+        """Restart the `/sim/stats` counters and peaks (the cache, the load and `/metrics` stay);
+        returns the stats as they were just before."""
+        with self._cond:
+            before = self.sim_stats()
+            self._baseline = self._lifetime_totals()
+            self._peak_running = len(self._active)
+            self._peak_waiting = self._waiting
+            return before

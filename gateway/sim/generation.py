@@ -1,15 +1,17 @@
 """`POST /v1/chat/completions` and `POST /v1/completions` of the simulator.
 
 Order of work for one request: read the body; record it; apply faults (hang, fail); check the
-model name and the context window (errors before any stream byte); wait for admission
-(`max_num_seqs`); "prefill" for `ttft_s`; emit one word per token every `tpot_s`. Every wait races
-the client's disconnect, which marks the record aborted.
+model name and the context window (errors before any stream byte); hash the prompt's blocks (with
+a prefix cache); wait for admission (`max_num_seqs`, KV room); "prefill" for `ttft_s` (+ uncached
+tokens / `prefill_tokens_per_s`), then cache the prompt's blocks; emit one word per token every
+`tpot_s` (x the batch slowdown). Every wait races the client's disconnect, which marks the record
+aborted.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -30,6 +32,7 @@ from gateway.sim.asgi import (
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.engine import ActiveRequest, SimEngine, SimRequestRecord
+from gateway.sim.kvcache import PromptKey
 from gateway.sim.tokens import (
     PromptError,
     chat_prompt_tokens,
@@ -60,6 +63,7 @@ class _Plan:
     output_tokens: int
     finish_reason: str
     fmt: r.StreamFormat
+    keys: tuple[PromptKey, ...] = ()
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -81,6 +85,7 @@ class _Responder:
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         self.started = True
+        self._engine.note_status(status)
         self._engine.update(self._record, status=status, headers_at=time.monotonic())
 
     async def body(self, data: bytes, more: bool) -> None:
@@ -123,6 +128,7 @@ async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, recei
         try:
             await _serve(engine, kind, body, record, watch, send)
         except ClientDisconnected:
+            engine.note_aborted()
             engine.update(record, aborted=True, finished_at=time.monotonic())
         except _DropConnection:
             engine.update(record, finished_at=time.monotonic())
@@ -166,6 +172,7 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
         if error is not None:
             await _reply_context_error(responder, error)
             return
+    plan = replace(plan, keys=tuple(engine.prompt_keys(kind, body, plan.prompt_tokens)))
     await _run_admitted(engine, plan, record, responder, watch, faults)
 
 
@@ -205,14 +212,10 @@ def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -
 async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, faults: SimFaults) -> None:
     """Queue for admission, then generate; keeps the running/waiting gauges right on every exit."""
-    semaphore = engine.admission()
-    if semaphore is not None:
-        engine.add_waiting(1)
-        try:
-            await watch.run(semaphore.acquire())
-        finally:
-            engine.add_waiting(-1)
-    active = engine.start_running(plan.total_prompt_tokens)
+    active = engine.try_admit(plan.total_prompt_tokens, plan.keys)
+    if active is None:
+        active = await watch.run(engine.admit(plan.total_prompt_tokens, plan.keys))
+    engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
     reason = "abort"
     try:
         if not plan.stream:
@@ -224,27 +227,32 @@ async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord
         reason = plan.finish_reason
     finally:
         engine.stop_running(active, reason)
-        if semaphore is not None:
-            semaphore.release()
+
+
+async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest) -> None:
+    """Sleep for the modelled time to first token, then cache the prompt's blocks."""
+    await watch.sleep(engine.prefill_seconds(active))
+    engine.finish_prefill(active)
 
 
 async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                          watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
-    await watch.sleep(config.ttft_s)
+    await _prefill(engine, watch, active)
     n_prompts = len(plan.prompt_tokens)
     for i in range(plan.output_tokens):
         if i > 0 and config.tpot_s > 0:
-            await watch.sleep(config.tpot_s)
+            await watch.sleep(engine.decode_seconds())
         engine.note_generated(active, n_prompts)
     completion_tokens = plan.output_tokens * n_prompts
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
     text = output_text(plan.output_tokens)
     if plan.kind == "chat":
-        payload = r.chat_completion(meta, text, plan.finish_reason, plan.total_prompt_tokens, completion_tokens)
+        payload = r.chat_completion(meta, text, plan.finish_reason, plan.total_prompt_tokens, completion_tokens,
+                                    active.cached_tokens)
     else:
         payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
-                                    completion_tokens)
+                                    completion_tokens, active.cached_tokens)
     engine.update(record, completion_tokens_sent=completion_tokens)
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
@@ -255,17 +263,18 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await watch.sleep(config.ttft_s)
+    await _prefill(engine, watch, active)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    prompt_total = plan.total_prompt_tokens
+    prompt_total, cached = plan.total_prompt_tokens, active.cached_tokens
     if plan.kind == "chat":
-        await responder.event(r.sse_event(r.role_chunk(meta, plan.fmt, prompt_tokens=prompt_total)))
+        await responder.event(r.sse_event(r.role_chunk(meta, plan.fmt, prompt_tokens=prompt_total,
+                                                       cached_tokens=cached)))
     sent = 0
     steps = max(plan.output_tokens, 1)
     for i in range(steps):
         if i > 0:
-            await watch.sleep(config.tpot_s)
+            await watch.sleep(engine.decode_seconds())
         last = i == steps - 1
         text = output_token(i) if plan.output_tokens > 0 else ""
         for index in range(len(plan.prompt_tokens)):
@@ -274,11 +283,11 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
                 sent += 1
             chunk = r.token_chunk(meta, plan.fmt, text, index=index,
                                   finish_reason=plan.finish_reason if last else None,
-                                  prompt_tokens=prompt_total, completion_tokens=sent)
+                                  prompt_tokens=prompt_total, completion_tokens=sent, cached_tokens=cached)
             await responder.event(r.sse_event(chunk))
             engine.update(record, completion_tokens_sent=sent)
     if plan.fmt.include_usage:
-        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent)))
+        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent, cached)))
     await responder.end_stream()
 
 
@@ -287,7 +296,7 @@ async def _generate_raw(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     """Send exactly the configured bytes, one write per chunk, ~20 ms apart."""
     engine.update(record, fault="raw_stream_chunks")
     await responder.start(200, SSE_HEADERS)
-    await watch.sleep(engine.config.ttft_s)
+    await _prefill(engine, watch, active)
     chunks = faults.raw_chunk_bytes() or []
     for i, chunk in enumerate(chunks):
         if i > 0:

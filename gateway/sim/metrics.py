@@ -2,8 +2,10 @@
 
 A custom collector reads an `EngineStats` snapshot at scrape time, so the exposition is always
 consistent with the engine state and nothing is double-booked. Names and labels come from the
-engine's dialect (vLLM: `vllm:num_requests_running{model_name,engine}` ...; SGLang:
-`sglang:num_running_reqs{model_name}` ...). Counters are exposed with the `_total` suffix.
+engine's dialect (vLLM: `vllm:num_requests_running{model_name,engine}`,
+`vllm:prefix_cache_hits_total` ...; SGLang: `sglang:num_running_reqs{model_name}`,
+`sglang:cache_hit_rate` ...; see `gateway.sim.dialects` for the sources). Counters are exposed with
+the `_total` suffix.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ class EngineStats:
     """A consistent snapshot of an engine's load and counters.
 
     `kv_usage` is a fraction in [0, 1]; `finished_by_reason` counts finished requests by finish
-    reason ("stop", "length", "abort").
+    reason ("stop", "length", "abort"). Prefix cache: `prefix_cache_queries_total` prompt tokens
+    looked up (0 without a cache), `prefix_cache_hits_total` of them found, `cache_hit_rate` the
+    recent hit fraction in [0, 1].
     """
 
     running: int
@@ -32,6 +36,9 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    cache_hit_rate: float = 0.0
 
 
 class SimMetricsCollector(Collector):
@@ -62,6 +69,15 @@ class SimMetricsCollector(Collector):
         yield gauge(names.kv_usage, "KV-cache usage fraction, 0 to 1 (simulated).", stats.kv_usage)
         yield counter(names.prompt_tokens, "Prompt tokens prefilled (simulated).", stats.prompt_tokens_total)
         yield counter(names.generation_tokens, "Tokens generated (simulated).", stats.generation_tokens_total)
+        if names.prefix_cache_queries is not None:
+            yield counter(names.prefix_cache_queries, "Prefix cache queries, in prompt tokens (simulated).",
+                          stats.prefix_cache_queries_total)
+        if names.prefix_cache_hits is not None:
+            yield counter(names.prefix_cache_hits, "Prefix cache hits, in cached prompt tokens (simulated).",
+                          stats.prefix_cache_hits_total)
+        if names.cache_hit_rate is not None:
+            yield gauge(names.cache_hit_rate, "Recent prefix cache hit rate, 0 to 1 (simulated).",
+                        stats.cache_hit_rate)
         if names.request_success is not None:
             family = CounterMetricFamily(names.request_success, "Finished requests by reason (simulated).",
                                          labels=[*label_names, "finished_reason"])

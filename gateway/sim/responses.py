@@ -26,13 +26,14 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The usage object (vLLM with prompt-token details enabled; no cache simulated yet)."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The usage object (vLLM with prompt-token details enabled): `cached_tokens` of the prompt
+    tokens came from the prefix cache (0 without a simulated cache)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -78,16 +79,17 @@ class StreamFormat:
         return StreamFormat(include, include and bool(options.get("continuous_usage_stats")))
 
 
-def role_chunk(meta: ResponseMeta, fmt: StreamFormat, index: int = 0, prompt_tokens: int = 0) -> dict[str, Any]:
+def role_chunk(meta: ResponseMeta, fmt: StreamFormat, index: int = 0, prompt_tokens: int = 0,
+               cached_tokens: int = 0) -> dict[str, Any]:
     """First chat chunk: `delta: {"role": "assistant", "content": ""}`."""
     choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
               "finish_reason": None}
-    return _with_usage(meta._envelope(meta.chunk_object, [choice]), fmt, prompt_tokens, 0)
+    return _with_usage(meta._envelope(meta.chunk_object, [choice]), fmt, prompt_tokens, 0, cached_tokens)
 
 
 def token_chunk(meta: ResponseMeta, fmt: StreamFormat, text: str, *, index: int = 0,
                 finish_reason: str | None = None, prompt_tokens: int = 0,
-                completion_tokens: int = 0) -> dict[str, Any]:
+                completion_tokens: int = 0, cached_tokens: int = 0) -> dict[str, Any]:
     """A chunk carrying one token (`delta.content` for chat, `text` for completions)."""
     choice: dict[str, Any] = {"index": index}
     if meta.kind == "chat":
@@ -98,27 +100,29 @@ def token_chunk(meta: ResponseMeta, fmt: StreamFormat, text: str, *, index: int 
             choice["stop_reason"] = None
     else:
         choice.update(text=text, logprobs=None, finish_reason=finish_reason, stop_reason=None)
-    return _with_usage(meta._envelope(meta.chunk_object, [choice]), fmt, prompt_tokens, completion_tokens)
+    return _with_usage(meta._envelope(meta.chunk_object, [choice]), fmt, prompt_tokens, completion_tokens,
+                       cached_tokens)
 
 
-def usage_chunk(meta: ResponseMeta, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(meta: ResponseMeta, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> dict[str, Any]:
     """The final usage chunk of a stream with `include_usage`: `"choices": []`."""
     payload = meta._envelope(meta.chunk_object, [])
-    payload["usage"] = usage(prompt_tokens, completion_tokens)
+    payload["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     return payload
 
 
 def _with_usage(payload: dict[str, Any], fmt: StreamFormat, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+                completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     if fmt.continuous_usage:
-        payload["usage"] = usage(prompt_tokens, completion_tokens)
+        payload["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     elif fmt.include_usage:
         payload["usage"] = None
     return payload
 
 
 def chat_completion(meta: ResponseMeta, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict[str, Any]:
+                    completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """A non-streaming `chat.completion` object."""
     message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
                "function_call": None, "tool_calls": [], "reasoning_content": None}
@@ -126,19 +130,19 @@ def chat_completion(meta: ResponseMeta, text: str, finish_reason: str, prompt_to
               "stop_reason": None}
     payload = meta._envelope("chat.completion", [choice])
     payload.update(service_tier=None, system_fingerprint=None,
-                   usage=usage(prompt_tokens, completion_tokens), prompt_logprobs=None,
+                   usage=usage(prompt_tokens, completion_tokens, cached_tokens), prompt_logprobs=None,
                    kv_transfer_params=None)
     return payload
 
 
 def text_completion(meta: ResponseMeta, texts: list[str], finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int) -> dict[str, Any]:
+                    completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """A non-streaming `text_completion` object, one choice per prompt."""
     choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason,
                 "stop_reason": None, "prompt_logprobs": None} for i, text in enumerate(texts)]
     payload = meta._envelope("text_completion", choices)
     payload.update(service_tier=None, system_fingerprint=None,
-                   usage=usage(prompt_tokens, completion_tokens), kv_transfer_params=None)
+                   usage=usage(prompt_tokens, completion_tokens, cached_tokens), kv_transfer_params=None)
     return payload
 
 

@@ -1,5 +1,14 @@
 """Serve simulated engines: blocking (`run_sim`, for `kimi-gateway sim`), in a thread for tests
 (`sim_server`), or as a uvicorn server to combine with others in one loop (`sim_uvicorn_server`).
+
+`sim_server` and `sim_uvicorn_server` take a `SimConfig`, or `SimConfig` fields as keyword
+arguments, or both (the fields then override the config's). A benchmark can run N workers in one
+process::
+
+    servers = [sim_uvicorn_server(engine="vllm", max_context_tokens=131072, port=9000 + i,
+                                  kv_capacity_tokens=400_000, prefill_tokens_per_s=20_000,
+                                  keep_records=False) for i in range(8)]
+    asyncio.run(gateway.server.serve_many(servers))
 """
 
 from __future__ import annotations
@@ -8,26 +17,52 @@ from typing import Any
 
 import uvicorn
 
-from gateway.server import ThreadedServer, uvicorn_config
+from gateway.server import QuietServer, ThreadedServer, uvicorn_config
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import ApiVersion, Engine, SimConfig, SimFaults
 
 DEFAULT_MAX_CONTEXT_TOKENS = 131_072
 
 
-def sim_server(config: SimConfig, host: str = "127.0.0.1", port: int = 0, **uvicorn_kwargs: Any) -> ThreadedServer:
+def build_sim_config(config: SimConfig | None = None, **fields: Any) -> SimConfig:
+    """`config` with `fields` replaced, or a config made of `fields` alone; validated either way
+    (unknown or invalid fields raise pydantic's ValidationError)."""
+    if config is None:
+        return SimConfig.model_validate(fields)
+    if not fields:
+        return config
+    return SimConfig.model_validate({**config.model_dump(), **fields})
+
+
+def _split(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(SimConfig fields, uvicorn settings) of mixed keyword arguments."""
+    sim = {k: v for k, v in kwargs.items() if k in SimConfig.model_fields}
+    return sim, {k: v for k, v in kwargs.items() if k not in sim}
+
+
+def sim_server(config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0,
+               **kwargs: Any) -> ThreadedServer:
     """A not-yet-started `ThreadedServer` running a fresh sim of `config` (port 0 = any free port).
 
+    Keyword arguments that name `SimConfig` fields override `config`; the rest go to uvicorn.
     Use `with sim_server(cfg) as srv:` (or `.start()`); then `srv.url` is the base URL and
     `srv.app.engine` the `SimEngine` with the request records.
     """
-    return ThreadedServer(create_sim_app(config), host=host, port=port, **uvicorn_kwargs)
+    fields, uvicorn_kwargs = _split(kwargs)
+    return ThreadedServer(create_sim_app(build_sim_config(config, **fields)), host=host, port=port,
+                          **uvicorn_kwargs)
 
 
-def sim_uvicorn_server(config: SimConfig, host: str = "127.0.0.1", port: int = 0,
-                       **uvicorn_kwargs: Any) -> uvicorn.Server:
-    """A uvicorn server for one sim, e.g. for `gateway.server.serve_many` (the demo)."""
-    return uvicorn.Server(uvicorn_config(create_sim_app(config), host, port, **uvicorn_kwargs))
+def sim_uvicorn_server(config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0,
+                       **kwargs: Any) -> QuietServer:
+    """A uvicorn server for one sim, for `gateway.server.serve_many` (the demo, benchmarks).
+
+    Keyword arguments that name `SimConfig` fields override `config`; the rest go to uvicorn. The
+    server leaves signal handling to its owner (`serve_many` stops every server on SIGINT/SIGTERM).
+    """
+    fields, uvicorn_kwargs = _split(kwargs)
+    app = create_sim_app(build_sim_config(config, **fields))
+    return QuietServer(uvicorn_config(app, host, port, **uvicorn_kwargs))
 
 
 def run_sim(
@@ -45,23 +80,39 @@ def run_sim(
     api_version: ApiVersion | str = "current",
     faults: SimFaults | None = None,
     log_level: str = "info",
+    *,
+    kv_capacity_tokens: int | None = None,
+    kv_block_tokens: int = 16,
+    kv_usage_includes_cache: bool = False,
+    prefill_tokens_per_s: float | None = None,
+    decode_batch_slowdown: float = 0.0,
+    keep_records: bool = True,
+    config: SimConfig | None = None,
 ) -> None:
     """Serve one simulated engine until interrupted (blocking; `kimi-gateway sim --engine ...`).
 
     `engine` is "vllm", "sglang" or "ascend"; invalid values raise pydantic's ValidationError.
-    See `SimConfig` for the meaning and units of the other arguments.
+    See `SimConfig` for the meaning and units of the other arguments. With `config`, that config
+    is served as it is and only `port`, `host` and `log_level` are read from the arguments.
     """
-    config = SimConfig.model_validate({
-        "engine": engine,
-        "served_model_names": served_model_names or ["kimi-k3"],
-        "max_context_tokens": max_context_tokens,
-        "ttft_s": ttft_s,
-        "tpot_s": tpot_s,
-        "default_output_tokens": default_output_tokens,
-        "bytes_per_token": bytes_per_token,
-        "image_tokens": image_tokens,
-        "max_num_seqs": max_num_seqs,
-        "api_version": api_version,
-        "faults": faults or SimFaults(),
-    })
-    sim_uvicorn_server(config, host, port, log_level=log_level).run()
+    if config is None:
+        config = SimConfig.model_validate({
+            "engine": engine,
+            "served_model_names": served_model_names or ["kimi-k3"],
+            "max_context_tokens": max_context_tokens,
+            "ttft_s": ttft_s,
+            "tpot_s": tpot_s,
+            "default_output_tokens": default_output_tokens,
+            "bytes_per_token": bytes_per_token,
+            "image_tokens": image_tokens,
+            "max_num_seqs": max_num_seqs,
+            "api_version": api_version,
+            "faults": faults or SimFaults(),
+            "kv_capacity_tokens": kv_capacity_tokens,
+            "kv_block_tokens": kv_block_tokens,
+            "kv_usage_includes_cache": kv_usage_includes_cache,
+            "prefill_tokens_per_s": prefill_tokens_per_s,
+            "decode_batch_slowdown": decode_batch_slowdown,
+            "keep_records": keep_records,
+        })
+    uvicorn.Server(uvicorn_config(create_sim_app(config), host, port, log_level=log_level)).run()

@@ -4,15 +4,27 @@ Prompt tokens = ceil(UTF-8 bytes of all prompt text / bytes_per_token) + image_t
 part + message_overhead_tokens per chat message. Output text is one word per token, drawn in order
 from `OUTPUT_WORDS`, which mixes ASCII with 2-, 3- and 4-byte UTF-8 characters so that relays get
 multi-byte characters to split.
+
+For the prefix cache a prompt also gets a byte stand-in for its token sequence (`prompt_keys`):
+chat messages become canonical bytes (per message: role, a separator, the text of each part, an
+image as an 8-byte digest of its URL, a separator), cut into blocks of `kv_block_tokens` x
+`bytes_per_token` bytes; a completion prompt is its UTF-8 text, or its token ids as 8-byte
+integers (blocks of exactly `kv_block_tokens` ids).
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
 from gateway.sim.config import SimConfig
+from gateway.sim.kvcache import PromptKey, block_hashes, short_digest
+
+ROLE_SEP = b"\x1e"
+MESSAGE_SEP = b"\x1f"
+PART_TAG = b"\x1d"
 
 OUTPUT_WORDS: tuple[str, ...] = (
     "Kimi", "café", "naïve", "東京", "routes", "Zürich", "tokens", "🚀", "façade", "über",
@@ -46,9 +58,11 @@ def _content_parts(content: Any) -> Iterator[tuple[str, str]]:
             if kind == "text":
                 yield "text", str(part.get("text") or "")
             elif kind == "image_url":
-                yield "image", ""
+                image = part.get("image_url")
+                url = image.get("url") if isinstance(image, dict) else image
+                yield "image", url if isinstance(url, str) else ""
             else:
-                yield "other", ""
+                yield "other", str(kind)
         else:
             raise PromptError("content parts must be objects")
 
@@ -83,6 +97,59 @@ def completion_prompt_tokens(prompt: Any, config: SimConfig) -> list[int]:
         if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
             return [len(p) for p in prompt]
     raise PromptError("prompt must be a string, a list of strings or a list of token ids")
+
+
+def chat_prompt_bytes(messages: list[Any]) -> bytes:
+    """Canonical bytes of validated chat `messages` (the byte stand-in of their tokens)."""
+    pieces: list[bytes] = []
+    for message in messages:
+        pieces.append(str(message.get("role", "")).encode("utf-8"))
+        pieces.append(ROLE_SEP)
+        for kind, text in _content_parts(message.get("content")):
+            if kind == "text":
+                pieces.append(text.encode("utf-8"))
+            elif kind == "image":
+                pieces.append(PART_TAG + b"image:" + short_digest(text.encode("utf-8")))
+            else:
+                pieces.append(PART_TAG + text.encode("utf-8"))
+        pieces.append(MESSAGE_SEP)
+    return b"".join(pieces)
+
+
+def prompt_keys(kind: str, body: dict[str, Any], prompt_tokens: list[int], config: SimConfig,
+                seed: int = 0) -> list[PromptKey]:
+    """The prefix-cache key of each prompt of a validated request (chat: one; text: one per prompt).
+
+    `prompt_tokens` are the counts already computed for the same prompts; each key hashes at most
+    `tokens // kv_block_tokens` blocks, so cached tokens never exceed the prompt.
+    """
+    block_tokens = config.kv_block_tokens
+    text_block_bytes = max(1, round(block_tokens * config.bytes_per_token))
+    if kind == "chat":
+        data = [(chat_prompt_bytes(body["messages"]), text_block_bytes)]
+    else:
+        data = _completion_prompt_bytes(body["prompt"], text_block_bytes, block_tokens)
+    return [PromptKey(tokens, tuple(block_hashes(raw, block_bytes, seed, tokens // block_tokens)))
+            for (raw, block_bytes), tokens in zip(data, prompt_tokens, strict=True)]
+
+
+def _completion_prompt_bytes(prompt: Any, text_block_bytes: int, block_tokens: int) -> list[tuple[bytes, int]]:
+    """(bytes, block size in bytes) of each prompt of a validated `/v1/completions` request."""
+    if isinstance(prompt, str):
+        return [(prompt.encode("utf-8"), text_block_bytes)]
+    if all(isinstance(p, str) for p in prompt):
+        return [(p.encode("utf-8"), text_block_bytes) for p in prompt]
+    ids_block_bytes = 8 * block_tokens
+    sequences = [prompt] if all(isinstance(p, int) for p in prompt) else prompt
+    return [(_ids_bytes(ids), ids_block_bytes) for ids in sequences]
+
+
+def _ids_bytes(ids: list[int]) -> bytes:
+    """Token ids as 8-byte signed integers (ids out of that range make the prompt uncacheable)."""
+    try:
+        return array("q", ids).tobytes()
+    except OverflowError:
+        return b""
 
 
 def requested_output_tokens(body: dict[str, Any]) -> int | None:
