@@ -66,7 +66,9 @@ def cmd_sim(args: argparse.Namespace) -> None:
 
     _setup_logging("warning")
     run_sim(args.engine, args.port, host=args.host, max_context_tokens=args.max_context,
-            ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"])
+            ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"],
+            max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity,
+            prefill_tokens_per_s=args.prefill_rate, log_level="warning")
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -104,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--ttft", type=float, default=0.05, help="seconds of simulated prefill")
     sim.add_argument("--tpot", type=float, default=0.01, help="seconds per output token")
     sim.add_argument("--served-model-name", action="append")
+    sim.add_argument("--max-num-seqs", type=int, help="requests running at once; the rest wait")
+    sim.add_argument("--kv-capacity", type=int, help="prefix/KV cache size in tokens (enables the cache model)")
+    sim.add_argument("--prefill-rate", type=float, help="uncached prompt tokens prefilled per second")
     sim.set_defaults(func=cmd_sim)
 
     engine = sub.add_parser("engine", help="run a real llama.cpp CPU worker (SmolLM2-135M)")
