@@ -48,4 +48,6 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> Starlett
         Route("/ready", ops.ready, methods=["GET"]),
         Route("/metrics", ops.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app.router.redirect_slashes = False  # `/v1/chat/completions/` is a 404, not a 307 with no body
+    return app

@@ -123,6 +123,9 @@ class TimeoutConfig(_Strict):
     first_byte_per_1k_tokens: float = Field(
         default=0.5, ge=0, description="extra first-byte budget per 1,000 estimated prompt tokens (prefill)"
     )
+    generation: float = Field(
+        default=600.0, gt=0, description="non-streaming: time for the whole answer after the first-byte budget"
+    )
 
 
 class EstimationConfig(_Strict):
@@ -196,6 +199,9 @@ class GatewayConfig(BaseSettings):
     load: LoadConfig = Field(default_factory=LoadConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")
+    max_messages: int = Field(default=20_000, ge=1, description="chat messages per request")
+    max_content_parts: int = Field(default=50_000, ge=1, description="content parts per request, all messages")
+    max_prompt_ids: int = Field(default=4 * 1024 * 1024, ge=1, description="token ids per completions request")
     redis_url: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -114,21 +114,28 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
 
 
-def error_bytes_from_upstream(status: int, body: bytes) -> bytes:
-    """Normalise an engine's 4xx error body into an OpenAI error object.
+def error_bytes_from_upstream(status: int, body: bytes, code: str | None = None) -> bytes:
+    """An engine's 4xx answer as exactly an OpenAI error object `{"error": {message, type, param, code}}`.
 
-    vLLM and SGLang answer `{"object": "error", "message", "type", "param", "code"}` (flat);
-    llama.cpp answers `{"error": {"code", "message", "type"}}`. Bodies already in OpenAI shape pass
-    unchanged; anything else is wrapped with the raw text as the message.
+    vLLM and SGLang answer `{"object": "error", "message", "type", "param", "code"}` (flat, older) or
+    `{"error": {...}}`; llama.cpp answers `{"error": {"code", "message", "type", ...}}`. The message
+    is kept; `type` follows the status; `param` and `code` are kept only when they are strings
+    (`code` may be given, e.g. `context_length_exceeded`); anything else an engine adds is dropped.
     """
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         data = None
-    if isinstance(data, dict) and isinstance(data.get("error"), dict) and "message" in data["error"]:
-        return body
-    message = data.get("message") if isinstance(data, dict) else None
-    if not isinstance(message, str):
-        message = body[:2000].decode("utf-8", "replace") or f"upstream answered HTTP {status}"
-    error_type = "invalid_request_error" if status < 500 else "server_error"
-    return orjson.dumps({"error": {"message": message, "type": error_type, "param": None, "code": None}})
+    inner = data.get("error") if isinstance(data, dict) else None
+    source = inner if isinstance(inner, dict) else data if isinstance(data, dict) else {}
+    message = source.get("message")
+    if not isinstance(message, str) or not message:
+        message = body[:2000].decode("utf-8", "replace") or f"The inference server answered HTTP {status}."
+    param = source.get("param")
+    engine_code = source.get("code")
+    return orjson.dumps({"error": {
+        "message": message,
+        "type": "invalid_request_error" if status < 500 else "server_error",
+        "param": param if isinstance(param, str) else None,
+        "code": code or (engine_code if isinstance(engine_code, str) else None),
+    }})

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import orjson
 from pydantic import ValidationError
 
@@ -96,6 +97,7 @@ class ProxyService:
     def parse(self, api: Api, body: bytes, headers: Mapping[str, str]) -> tuple[dict[str, Any], RoutingRequest]:
         """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound."""
         payload = decode_json_object(body)
+        self._check_size(api, payload)
         try:
             wire = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(payload)
         except ValidationError as exc:
@@ -113,6 +115,29 @@ class ProxyService:
         else:
             request = completion_features(wire, model, estimator, hasher, session)
         return payload, request
+
+    def _check_size(self, api: Api, payload: dict[str, Any]) -> None:
+        """Cheap bounds checked before validation, so one huge request cannot stall the event loop."""
+        config = self.state.config
+        if api == "chat":
+            messages = payload.get("messages")
+            if not isinstance(messages, list):
+                return
+            if len(messages) > config.max_messages:
+                raise InvalidRequest(f"Too many messages: {len(messages)}; the limit is {config.max_messages}.",
+                                     param="messages", code="too_many_messages")
+            parts = sum(len(m["content"]) for m in messages
+                        if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if parts > config.max_content_parts:
+                raise InvalidRequest(f"Too many content parts: {parts}; the limit is {config.max_content_parts}.",
+                                     param="messages", code="too_many_content_parts")
+            return
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list):
+            ids = sum(len(p) if isinstance(p, list) else 1 for p in prompt)
+            if ids > config.max_prompt_ids:
+                raise InvalidRequest(f"The prompt has {ids} token ids; the limit is {config.max_prompt_ids}.",
+                                     param="prompt", code="context_length_exceeded")
 
     async def handle(self, api: Api, body: bytes, headers: Mapping[str, str],
                      record: RequestRecord) -> BufferedResponse | RelayResponse:
@@ -135,6 +160,7 @@ class ProxyService:
         too_long_retried = False
         last: AttemptFailed | None = None
         matches: dict[str, dict[str, float]] = {}  # pool -> worker URL -> matched share of the prompt
+        bodies: dict[str, bytes] = {}  # served model name -> upstream body
         while record.attempts < state.config.max_attempts:
             workers = state.registry.candidates(pool.name, tried)
             if not workers:
@@ -157,7 +183,10 @@ class ProxyService:
             record.worker, record.reason = worker.id, decision.reason
             metrics.route_decisions.labels(pool.name, decision.reason).inc()
             try:
-                result = await self._attempt(api, pool, worker, payload, request, record)
+                served = self._served[pool.name]
+                if served not in bodies:
+                    bodies[served] = _upstream_body(payload, served)
+                result = await self._attempt(api, pool, worker, bodies[served], request, record)
             except AttemptFailed as failure:
                 metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
                 tried.add(worker)
@@ -171,6 +200,12 @@ class ProxyService:
                     pool = larger[0]
                     record.pool = pool.name
                     continue
+                if failure.outcome is Outcome.AUTH_ERROR:
+                    raise UpstreamError(f"The inference server of pool {pool.name} refused the gateway's "
+                                        "credentials; check the pool's api_key.") from None
+                if failure.outcome is Outcome.TIMEOUT and not request.stream:
+                    # The engine may have been generating all along: do not make another one repeat it.
+                    raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).") from None
                 if failure.outcome not in RETRYABLE:
                     return self._engine_error(failure, record)
                 if failure.outcome is not Outcome.STATUS_429:  # busy is not broken
@@ -198,48 +233,51 @@ class ProxyService:
         self.state.metrics.affinity_lookups.labels(pool, "hit" if matched else "miss").inc()
         return matched
 
-    async def _attempt(self, api: Api, pool: PoolConfig, worker: Worker, payload: dict[str, Any],
-                       request: RoutingRequest, record: RequestRecord) -> BufferedResponse | RelayResponse:
+    async def _attempt(self, api: Api, pool: PoolConfig, worker: Worker, body: bytes, request: RoutingRequest,
+                       record: RequestRecord) -> BufferedResponse | RelayResponse:
         state = self.state
-        body = orjson.dumps({**payload, "model": self._served[pool.name]})
         headers = {"content-type": "application/json", "x-request-id": record.request_id}
         if pool.api_key is not None:
             headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
-        timeout = request_timeout(state.config.timeouts, request.prompt_tokens)
+        timeout = request_timeout(state.config.timeouts, request.prompt_tokens, request.stream)
         lease = Lease(worker, state.metrics)
+        response = None
         try:
             response = await open_upstream(state.http, worker.url + UPSTREAM_PATHS[api], body, headers, timeout)
             first, rest = await first_chunk(response)
             mark_first_byte(record)
             content_type = response.headers.get("content-type", "application/json").encode("latin-1")
+            passed = _passed_headers(response)
             record.status = response.status_code
             if request.stream:
                 if (early := early_stream_error(first)) is not None:
-                    await response.aclose()
                     raise early
                 stream = UpstreamStream(response, first, rest, lease, record)
-                return RelayResponse(response.status_code, stream, content_type)
+                response = None  # the stream owns it now
+                return RelayResponse(200, stream, content_type, passed)
             try:
                 content = await read_rest(response, first, rest, state.config.max_body_bytes)
+                if not passed:  # an encoded (compressed) answer is relayed as it is
+                    record.usage = _check_json_answer(content, content_type)
             except Exception as exc:
                 record.outcome = "upstream_error"
-                raise UpstreamError(f"The inference server failed while sending its answer ({type(exc).__name__}).") \
-                    from exc
-            finally:
-                await response.aclose()
-            record.usage = _usage_of(content)
+                raise UpstreamError(f"The inference server failed while sending its answer ({exc}).") from exc
             lease.release()
-            return BufferedResponse(response.status_code, content, content_type)
+            return BufferedResponse(200, content, content_type, passed)
         except BaseException:
             lease.release()
             raise
+        finally:
+            if response is not None:
+                await response.aclose()
 
     def _engine_error(self, failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
         """Pass an engine's own 4xx answer to the client, as an OpenAI error object."""
         status = failure.status or 502
         record.status = status
         record.error = failure.detail
-        body = error_bytes_from_upstream(status, failure.body)
+        code = "context_length_exceeded" if failure.outcome is Outcome.TOO_LONG else None
+        body = error_bytes_from_upstream(status, failure.body, code)
         return BufferedResponse(status, body, b"application/json", self._route_headers(record))
 
     def _exhausted(self, last: AttemptFailed | None, record: RequestRecord) -> GatewayError:
@@ -270,10 +308,28 @@ class ProxyService:
         return headers
 
 
-def _usage_of(content: bytes) -> dict[str, Any] | None:
+def _upstream_body(payload: dict[str, Any], served_model: str) -> bytes:
+    """The client's JSON object with `model` rewritten: the only body edit the gateway makes."""
+    try:
+        return orjson.dumps({**payload, "model": served_model})
+    except TypeError as exc:  # orjson writes at most 254 levels of nesting; it reads 1024
+        raise InvalidRequest(f"The request body cannot be forwarded: {exc} (nested too deeply).",
+                             code="invalid_json") from None
+
+
+def _passed_headers(response: httpx.Response) -> Headers:
+    """Upstream headers the client needs besides content-type (an encoding the engine applied)."""
+    encoding = response.headers.get("content-encoding")
+    return [(b"content-encoding", encoding.encode("latin-1"))] if encoding else []
+
+
+def _check_json_answer(content: bytes, content_type: bytes) -> dict[str, Any] | None:
+    """The usage of a non-streaming JSON answer; ValueError when the JSON is cut or broken."""
+    if b"json" not in content_type:
+        return None
     try:
         data = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return None
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"its JSON answer is incomplete or invalid: {exc}") from None
     usage = data.get("usage") if isinstance(data, dict) else None
     return usage if isinstance(usage, dict) else None

@@ -22,6 +22,13 @@ from gateway.protocol.sse import SSETap, sse_error_event
 from gateway.record import RequestRecord
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
+MAX_PARTIAL_EVENT = 1 << 20  # a longer unfinished event is passed on rather than held
+
+
+def event_end(data: bytes) -> int:
+    """Index just past the last complete SSE event in `data` (0 if none): after `\n\n` or `\r\n\r\n`."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class Outcome(StrEnum):
@@ -35,6 +42,7 @@ class Outcome(StrEnum):
     STATUS_429 = "status_429"
     TOO_LONG = "too_long"
     CLIENT_ERROR = "client_error"
+    AUTH_ERROR = "auth_error"
 
 
 RETRYABLE = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR, Outcome.STATUS_5XX,
@@ -116,13 +124,15 @@ async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, header
     except httpx.HTTPError as exc:
         raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} from {url}") from exc
     status = response.status_code
-    if status < 400:
+    if status == 200:
         return response
     try:
         error_body = await _read_error(response)
     finally:
         await response.aclose()
     content_type = response.headers.get("content-type", "application/json")
+    if status < 400:  # 204, redirects...: not an answer we can relay
+        raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered HTTP {status}", status, error_body)
     if status == 429:
         raise AttemptFailed(Outcome.STATUS_429, "engine is rate limiting (429)", status, error_body,
                             content_type, _retry_after(response))
@@ -132,14 +142,17 @@ async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, header
     if is_context_too_long(status, error_body):
         raise AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long", status, error_body,
                             content_type)
+    if status in (401, 403, 407):  # the gateway's engine credentials, not the client's fault
+        raise AttemptFailed(Outcome.AUTH_ERROR, f"engine refused the gateway's credentials ({status})", status,
+                            error_body, content_type)
     raise AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered HTTP {status}", status, error_body,
                         content_type)
 
 
 async def first_chunk(response: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:
-    """Wait for the first body bytes of an accepted response (b"" for an empty body).
+    """Wait for the first body bytes of an accepted response.
 
-    Raises AttemptFailed (and closes the response) if the engine fails before sending any.
+    Raises AttemptFailed (and closes the response) if the engine fails or ends before sending any.
     """
     chunks = response.aiter_raw()
     try:
@@ -150,6 +163,9 @@ async def first_chunk(response: httpx.Response) -> tuple[bytes, AsyncIterator[by
     except BaseException:
         await response.aclose()
         raise
+    if not first:
+        await response.aclose()
+        raise AttemptFailed(Outcome.PROTOCOL_ERROR, "engine answered 200 with an empty body")
     return first, chunks
 
 
@@ -196,24 +212,51 @@ class UpstreamStream:
         self._record = record
         self._closed = False
         self.tap = SSETap()
+        self.sse = response.headers.get("content-type", "").startswith("text/event-stream")
 
     async def body(self) -> AsyncIterator[bytes]:
-        """Yield upstream bytes exactly as received; an upstream failure ends with one SSE error event."""
+        """Yield the upstream bytes unchanged, cut only at SSE event ends.
+
+        Whole events pass as soon as their last byte arrives (an engine that writes one event
+        per write is relayed write for write); a partial event waits for its end, so a failure
+        mid-event never leaves the client a corrupt event. A failure, or an end without
+        `data: [DONE]`, is reported with one SSE error event and no `[DONE]`. A non-SSE body
+        passes through as it arrives.
+        """
         tap = self.tap
+        carry = b""
         try:
-            tap.feed(self._first)
-            yield self._first
-            async for chunk in self._rest:
-                tap.feed(chunk)
-                yield chunk
+            for_client = self._first
+            chunks = self._rest
+            while True:
+                tap.feed(for_client)
+                if self.sse:
+                    data = carry + for_client if carry else for_client
+                    end = event_end(data)
+                    if end < len(data) and len(data) - end <= MAX_PARTIAL_EVENT:
+                        carry, for_client = data[end:], data[:end]
+                    else:
+                        carry, for_client = b"", data
+                if for_client:
+                    yield for_client
+                for_client = await anext(chunks, b"")
+                if not for_client:
+                    break
+            if self.sse and not tap.done:
+                self._broken("the stream ended without data: [DONE]")
+                yield sse_error_event("The inference server ended the stream early; the response is incomplete.")
         except httpx.HTTPError as exc:
-            self._record.outcome = "upstream_error"
-            self._record.error = f"{type(exc).__name__} after {tap.events} events"
-            prefix = b"" if tap.at_boundary else b"\n\n"
-            yield prefix + sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
-                                           "the response is incomplete.")
+            if tap.done:
+                return  # the answer was complete; only the connection's end was untidy
+            self._broken(f"{type(exc).__name__} after {tap.events} events")
+            yield sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
+                                  "the response is incomplete.")
         finally:
             await self.aclose()
+
+    def _broken(self, detail: str) -> None:
+        self._record.outcome = "upstream_error"
+        self._record.error = detail
 
     async def aclose(self) -> None:
         if self._closed:

@@ -100,7 +100,10 @@ def canonical_message(role: str, parts: Iterable[bytes]) -> bytes:
 
 
 def canonical_prelude(tools: object | None) -> bytes:
-    """Request-level content that chat templates render before the messages (tool schemas)."""
+    """Request-level content that chat templates render before the messages (tool schemas).
+
+    Raises TypeError for JSON nested deeper than orjson writes (254 levels).
+    """
     if tools is None:
         return b""
     return orjson.dumps(tools, option=orjson.OPT_SORT_KEYS) + MESSAGE_SEP

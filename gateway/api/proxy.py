@@ -82,32 +82,32 @@ class ProxyEndpoint:
         result: BufferedResponse | RelayResponse | None = None
         watcher: asyncio.Task[None] | None = None
         try:
-            if scope["method"] != "POST":
-                raise MethodNotAllowed(f"Use POST for {scope['path']}.")
-            declared = headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > state.config.max_body_bytes:
-                raise PayloadTooLarge(
-                    f"The request body is larger than the limit of {state.config.max_body_bytes} bytes.")
-            body = await read_body(receive, state.config.max_body_bytes)
-            watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-            work = asyncio.ensure_future(service.handle(self.api, body, headers, record))
-            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if watcher.done():
-                await _cancel(work)
-                if work.done() and not work.cancelled() and work.exception() is None:
-                    result = work.result()
+            try:
+                if scope["method"] != "POST":
+                    raise MethodNotAllowed(f"Use POST for {scope['path']}.")
+                declared = headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > state.config.max_body_bytes:
+                    raise PayloadTooLarge(
+                        f"The request body is larger than the limit of {state.config.max_body_bytes} bytes.")
+                body = await read_body(receive, state.config.max_body_bytes)
+                watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+                work = asyncio.ensure_future(service.handle(self.api, body, headers, record))
+                await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+                if watcher.done():
+                    await _cancel(work)
+                    if work.done() and not work.cancelled() and work.exception() is None:
+                        result = work.result()  # accepted just as the client left: closed below
+                    record.client_gone("before_response")
+                    return
+                result = work.result()
+            except ClientGone:
                 record.client_gone("before_response")
                 return
-            result = work.result()
-        except ClientGone:
-            record.client_gone("before_response")
-            return
-        except GatewayError as exc:
-            result = self._error(exc, record)
-        except Exception as exc:  # a bug: answer 500 as an OpenAI error, keep serving
-            log.exception("request %s failed", record.request_id)
-            result = self._error(GatewayError(f"Internal gateway error ({type(exc).__name__})."), record)
-        try:
+            except GatewayError as exc:
+                result = self._error(exc, record)
+            except Exception as exc:  # a bug: answer 500 as an OpenAI error, keep serving
+                log.exception("request %s failed", record.request_id)
+                result = self._error(GatewayError(f"Internal gateway error ({type(exc).__name__})."), record)
             if isinstance(result, RelayResponse):
                 await self._relay(result, record, send, watcher)
             else:

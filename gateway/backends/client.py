@@ -26,7 +26,13 @@ def first_byte_budget(timeouts: TimeoutConfig, prompt_tokens: int) -> float:
     return timeouts.first_byte_base + timeouts.first_byte_per_1k_tokens * prompt_tokens / 1000.0
 
 
-def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int) -> httpx.Timeout:
-    """httpx timeout for one upstream request: reads may wait the first-byte budget or the gap limit."""
-    read = max(timeouts.read, first_byte_budget(timeouts, prompt_tokens))
+def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int, stream: bool) -> httpx.Timeout:
+    """httpx timeout for one upstream request, in seconds.
+
+    Streaming: each read may wait the first-byte budget (prefill) or the gap limit, whichever is
+    longer. Non-streaming: the first byte comes with the whole answer, so the read may also take
+    the generation allowance.
+    """
+    budget = first_byte_budget(timeouts, prompt_tokens)
+    read = max(timeouts.read, budget) if stream else budget + timeouts.generation
     return httpx.Timeout(connect=timeouts.connect, read=read, write=timeouts.write, pool=None)

@@ -18,18 +18,16 @@ MAX_CARRY_BYTES = 1 << 20
 class SSETap:
     """Feed it every relayed chunk, in order. Attributes after the stream ends:
 
-    `events` (data events seen), `done` (`data: [DONE]` seen), `usage` (the last usage dict or None),
-    `at_boundary` (the bytes so far end with a complete event, so an error event can follow).
+    `events` (data events seen), `done` (`data: [DONE]` seen), `usage` (the last usage dict or None).
     """
 
-    __slots__ = ("_carry", "_last_blank", "done", "events", "usage")
+    __slots__ = ("_carry", "done", "events", "usage")
 
     def __init__(self) -> None:
         self.events = 0
         self.done = False
         self.usage: dict[str, Any] | None = None
         self._carry = b""
-        self._last_blank = True
 
     def feed(self, chunk: bytes) -> None:
         data = self._carry + chunk if self._carry else chunk
@@ -39,7 +37,6 @@ class SSETap:
         for line in lines:
             if line.startswith(b"data:"):
                 self._data_line(line)
-            self._last_blank = line in (b"", b"\r")
 
     def _data_line(self, line: bytes) -> None:
         self.events += 1
@@ -55,10 +52,6 @@ class SSETap:
             return
         if isinstance(usage, dict):
             self.usage = usage
-
-    @property
-    def at_boundary(self) -> bool:
-        return not self._carry and self._last_blank
 
 
 def sse_error_event(message: str, code: str = "upstream_error") -> bytes:

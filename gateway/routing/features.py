@@ -59,7 +59,12 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     methods = {"bytes"}
     images = 0
     extra = wire.model_extra or {}
-    canonical = [canonical_prelude(extra.get("tools") or extra.get("functions"))]
+    try:
+        canonical = [canonical_prelude(extra.get("tools") or extra.get("functions"))]
+        calls_json = [orjson.dumps(m.model_extra["tool_calls"]) if m.model_extra and "tool_calls" in m.model_extra
+                      else None for m in wire.messages]
+    except TypeError as exc:  # orjson writes at most 254 levels of nesting
+        raise InvalidRequest(f"'tools' or 'tool_calls' cannot be read: {exc}", code="invalid_json") from None
     text_bytes += len(canonical[0])
     for i, message in enumerate(wire.messages):
         content = message.content
@@ -82,10 +87,9 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
                     methods.add(estimate.method)
                     parts.append(image_digest(url))
         # Tool calls are rendered into the prompt by the chat template too.
-        calls = (message.model_extra or {}).get("tool_calls")
-        if calls is not None:
-            parts.append(orjson.dumps(calls))
-            text_bytes += len(parts[-1])
+        if (calls := calls_json[i]) is not None:
+            parts.append(calls)
+            text_bytes += len(calls)
         canonical.append(canonical_message(message.role, parts))
     if "response_format" in extra:
         text_bytes += len(orjson.dumps(extra["response_format"]))

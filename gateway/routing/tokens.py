@@ -63,8 +63,12 @@ class TokenEstimator:
         if size is None:
             return ImageEstimate(self.config.image_tokens_default, "default")
         width, height = size
+        cap = self.config.image_tokens_max
+        side = self._tile * cap  # beyond this many pixels a side alone reaches the cap
+        if width >= side or height >= side:
+            return ImageEstimate(cap, "pixels", width, height)
         tiles = math.ceil(width / self._tile) * math.ceil(height / self._tile)
-        tokens = min(max(tiles, self.config.image_tokens_min), self.config.image_tokens_max)
+        tokens = min(max(tiles, self.config.image_tokens_min), cap)
         return ImageEstimate(tokens, "pixels", width, height)
 
 
@@ -85,6 +89,7 @@ def read_data_uri_size(url: str, param: str | None = None) -> tuple[int, int] | 
         raise InvalidRequest("image data URI is not valid base64", param=param,
                              code="invalid_image_url") from exc
     width, height = imagesize.get(io.BytesIO(raw))
-    if width > 0 and height > 0:
-        return width, height
+    # imagesize gives floats for SVG, possibly inf; anything not a finite positive size is unknown.
+    if 0 < width < math.inf and 0 < height < math.inf:
+        return math.ceil(width), math.ceil(height)
     return None

@@ -32,13 +32,23 @@ def test_other_400s_are_not_too_long() -> None:
     assert not is_context_too_long(400, b'{"object":"error","message":"temperature must be >= 0"}')
 
 
-def test_flat_engine_errors_become_openai_objects() -> None:
-    flat = b'{"object":"error","message":"bad temperature","type":"BadRequestError","param":null,"code":400}'
-    assert orjson.loads(error_bytes_from_upstream(400, flat)) == {
-        "error": {"message": "bad temperature", "type": "invalid_request_error", "param": None, "code": None}}
-    nested = b'{"error":{"message":"x","type":"y","param":null,"code":"z"}}'
-    assert error_bytes_from_upstream(400, nested) == nested
-    assert orjson.loads(error_bytes_from_upstream(503, b"<html>down</html>"))["error"]["message"] == "<html>down</html>"
+@pytest.mark.parametrize(("status", "body", "code", "expected"), [
+    (400, b'{"object":"error","message":"bad temperature","type":"BadRequestError","param":null,"code":400}', None,
+     {"message": "bad temperature", "type": "invalid_request_error", "param": None, "code": None}),
+    (400, b'{"error":{"message":"x","type":"y","param":"temperature","code":"z"},"extra":1}', None,
+     {"message": "x", "type": "invalid_request_error", "param": "temperature", "code": "z"}),
+    (400, b'{"error":{"code":400,"message":"request (2915 tokens) exceeds the available context size (2048 tokens)",'
+          b'"type":"exceed_context_size_error","n_prompt_tokens":2915,"n_ctx":2048}}', "context_length_exceeded",
+     {"message": "request (2915 tokens) exceeds the available context size (2048 tokens)",
+      "type": "invalid_request_error", "param": None, "code": "context_length_exceeded"}),
+    (503, b"<html>down</html>", None, {"message": "<html>down</html>", "type": "server_error", "param": None,
+                                       "code": None}),
+    (400, b"", None, {"message": "The inference server answered HTTP 400.", "type": "invalid_request_error",
+                      "param": None, "code": None}),
+])
+def test_engine_errors_become_exact_openai_objects(status: int, body: bytes, code: str | None,
+                                                   expected: dict[str, object]) -> None:
+    assert orjson.loads(error_bytes_from_upstream(status, body, code)) == {"error": expected}
 
 
 def test_gateway_error_shape() -> None:

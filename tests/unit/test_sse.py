@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from gateway.protocol.sse import SSETap, sse_error_event
+from gateway.streaming import event_end
 
 STREAM = (
     b": ping\n\n"
@@ -24,13 +25,19 @@ def test_tap_sees_the_same_whatever_the_splits(size: int) -> None:
     assert tap.events == 4
     assert tap.done
     assert tap.usage == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
-    assert tap.at_boundary
 
 
-def test_tap_knows_when_a_stream_stopped_mid_event() -> None:
-    tap = SSETap()
-    tap.feed(b'data: {"choices":[]}\n\ndata: {"cho')
-    assert not tap.at_boundary and not tap.done
+@pytest.mark.parametrize(("data", "end"), [
+    (b"", 0),
+    (b"data: x", 0),
+    (b"data: x\n", 0),
+    (b"data: x\n\n", 9),
+    (b"data: x\n\ndata: y", 9),
+    (b"data: x\r\n\r\ndata: y", 11),
+    (b": ping\n\ndata: x\n\n", 17),
+])
+def test_event_end(data: bytes, end: int) -> None:
+    assert event_end(data) == end
 
 
 def test_error_event_is_an_openai_error_object() -> None:

@@ -79,3 +79,11 @@ def test_unknown_image_format_falls_back_to_default() -> None:
     uri = "data:image/x-made-up;base64," + base64.b64encode(b"not an image at all").decode()
     estimate = TokenEstimator(EstimationConfig()).image_tokens(uri)
     assert estimate.method == "default"
+
+
+@pytest.mark.parametrize(("width", "height"), [("9" * 400, "10"), ("1e308", "1e308"), ("12.5", "7.2")])
+def test_svg_sizes_are_clamped_not_crashing(width: str, height: str) -> None:
+    svg = f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}'></svg>".encode()
+    uri = "data:image/svg+xml;base64," + base64.b64encode(svg).decode()
+    estimate = TokenEstimator(EstimationConfig()).image_tokens(uri)
+    assert EstimationConfig().image_tokens_min <= estimate.tokens <= EstimationConfig().image_tokens_max

@@ -1,0 +1,173 @@
+"""Regressions from breaking the gateway: broken engines, hostile bodies, clients that hang up."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from gateway.sim.config import SimFaults
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+
+EVENT = b'data: {"id":"a","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def metric(gw: RunningGateway, prefix: str) -> float:
+    """Sum of the samples whose line starts with `prefix`."""
+    lines = httpx.get(gw.url + "/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
+
+
+def stream_bytes(gw: RunningGateway, body: dict[str, object]) -> bytes:
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        return b"".join(response.iter_raw())
+
+
+def test_failure_in_the_middle_of_an_event_gives_the_sdk_an_api_error(start_sim: StartSim,
+                                                                      start_gateway: StartGateway) -> None:
+    chunks = [EVENT, b'data: {"id":"a","object":"chat.comp', b"letion.chunk\"}\n\n"]
+    sim = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks(chunks), drop_after_chunks=2))
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    received = stream_bytes(gw, {**CHAT, "stream": True})
+    assert received.startswith(EVENT)
+    assert b"chat.comp" not in received[len(EVENT):]  # the half event was held back, never sent
+    assert json.loads(received[len(EVENT):].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIError, match="failed mid-stream"):
+        list(client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": "x"}], stream=True))
+
+
+def test_stream_that_ends_without_done_is_reported_incomplete(start_sim: StartSim,
+                                                              start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks([EVENT, EVENT])))
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    received = stream_bytes(gw, {**CHAT, "stream": True})
+    assert received.startswith(EVENT + EVENT)
+    assert b"ended the stream early" in received and b"[DONE]" not in received
+
+
+def test_connection_lost_after_done_is_not_an_error(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    chunks = [EVENT, b"data: [DONE]\n\n", b": never sent\n\n"]
+    sim = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks(chunks), drop_after_chunks=2))
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    assert stream_bytes(gw, {**CHAT, "stream": True}) == EVENT + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_empty_200_from_an_engine_fails_over(start_sim: StartSim, start_gateway: StartGateway, stream: bool) -> None:
+    empty = start_sim("vllm", faults=SimFaults(fail_status=200, fail_body=""))
+    good = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [empty.url, good.url], 131072, policy="round_robin")])
+    for _ in range(2):
+        response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream, "max_tokens": 2})
+        assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "p/1"
+        assert response.content
+
+
+def test_truncated_json_answer_is_a_502_not_a_truncated_200(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", faults=SimFaults(fail_status=200, fail_body='{"id": "chatcmpl-1", "choices": [{"ind'))
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT)
+    assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_error"
+
+
+def test_long_non_streaming_answer_is_not_cut_by_the_gap_timeout(start_sim: StartSim,
+                                                                 start_gateway: StartGateway) -> None:
+    slow = start_sim("vllm", tpot_s=0.02)
+    other = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [slow.url, other.url], 131072, policy="round_robin")],
+                       timeouts={"read": 0.3, "first_byte_base": 0.3, "generation": 10})
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 60}, timeout=30)
+    assert response.status_code == 200 and response.headers["x-kimi-gateway-attempts"] == "1"
+
+
+def test_non_streaming_timeout_is_not_retried_elsewhere(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    slow, other = start_sim("vllm", tpot_s=0.05), start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [slow.url, other.url], 131072, policy="round_robin")],
+                       timeouts={"read": 0.3, "first_byte_base": 0.3, "generation": 0.3})
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 60}, timeout=30)
+    assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
+    assert not other.engine.records
+    slow.engine.wait_for(lambda: all(r.aborted for r in slow.engine.records), timeout=5)
+
+
+@pytest.mark.parametrize("field", ["x_extra", "tools"])
+def test_json_nested_deeper_than_can_be_forwarded_is_a_400(start_sim: StartSim, start_gateway: StartGateway,
+                                                           field: str) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    nested = "[" * 300 + "]" * 300
+    body = json.dumps(CHAT)[:-1] + f', "{field}": {nested}}}'
+    response = httpx.post(gw.v1 + "/chat/completions", content=body)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    assert not sim.engine.records
+
+
+def test_too_many_messages_is_refused_fast(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], max_messages=1000)
+    body = {"model": "kimi-k3", "messages": [{"role": "user"}] * 1001}
+    response = httpx.post(gw.v1 + "/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "too_many_messages"
+
+
+def test_engine_credentials_refused_is_a_502_for_the_client(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", faults=SimFaults(fail_status=401, fail_body='{"error": "bad key"}'))
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072, api_key="wrong")])
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT)
+    assert response.status_code == 502 and "credentials" in response.json()["error"]["message"]
+    assert sim.engine.records[0].headers["authorization"] == "Bearer wrong"
+
+
+def test_trailing_slash_is_a_json_404(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    response = httpx.post(gw.v1 + "/chat/completions/", json=CHAT)
+    assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.anyio
+async def test_clients_hanging_up_at_random_leak_nothing(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sims = [start_sim("vllm", ttft_s=0.15, tpot_s=0.02) for _ in range(2)]
+    gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072)], load={"enabled": False})
+    rng = random.Random(5)
+
+    async def one(client: httpx.AsyncClient, stream: bool) -> None:
+        async def call() -> None:
+            if stream:
+                async with client.stream("POST", gw.v1 + "/chat/completions",
+                                         json={**CHAT, "stream": True, "max_tokens": 30}) as response:
+                    async for _ in response.aiter_raw():
+                        pass
+            else:
+                await client.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 30})
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(call(), timeout=rng.uniform(0.05, 0.5))
+
+    async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=200)) as client:
+        await asyncio.gather(*(one(client, i % 2 == 0) for i in range(120)))
+    await asyncio.sleep(0.5)
+    assert metric(gw, "kimi_gateway_in_flight{") == 0
+    # Every request that reached an engine is accounted for (a client may give up before sending).
+    accounted = metric(gw, "kimi_gateway_requests_total{")
+    assert sum(len(s.engine.records) for s in sims) <= accounted <= 120
+    assert metric(gw, 'kimi_gateway_client_disconnects_total{pool="p",stage="before_response"}') > 0
+    assert metric(gw, 'kimi_gateway_client_disconnects_total{pool="p",stage="mid_stream"}') > 0
+    for sim in sims:
+        records = sim.engine.records
+        assert all(r.completed or r.aborted for r in records), "every engine request ended"
+    async with httpx.AsyncClient() as client:
+        ready = (await client.get(gw.url + "/ready")).json()["pools"]["p"]
+    assert [w["in_flight"] for w in ready] == [0, 0]
