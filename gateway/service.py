@@ -64,9 +64,8 @@ class BufferedResponse:
 
 @dataclass(slots=True)
 class RelayResponse:
-    """An accepted upstream stream to relay: status, headers and the stream that owns the upstream."""
+    """An accepted upstream stream (HTTP 200) to relay: the stream that owns the upstream, headers."""
 
-    status: int
     stream: UpstreamStream
     content_type: bytes = b"text/event-stream"
     headers: Headers = field(default_factory=list)
@@ -254,7 +253,7 @@ class ProxyService:
                     raise early
                 stream = UpstreamStream(response, first, rest, lease, record)
                 response = None  # the stream owns it now
-                return RelayResponse(200, stream, content_type, passed)
+                return RelayResponse(stream, content_type, passed)
             try:
                 content = await read_rest(response, first, rest, state.config.max_body_bytes)
                 if not passed:  # an encoded (compressed) answer is relayed as it is

@@ -54,13 +54,12 @@ class AttemptFailed(Exception):
     when it gave one (4xx/5xx), `retry_after` its Retry-After header in seconds."""
 
     def __init__(self, outcome: Outcome, detail: str, status: int | None = None, body: bytes = b"",
-                 content_type: str = "application/json", retry_after: float | None = None) -> None:
+                 retry_after: float | None = None) -> None:
         super().__init__(detail)
         self.outcome = outcome
         self.detail = detail
         self.status = status
         self.body = body
-        self.content_type = content_type
         self.retry_after = retry_after
 
 
@@ -130,23 +129,20 @@ async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, header
         error_body = await _read_error(response)
     finally:
         await response.aclose()
-    content_type = response.headers.get("content-type", "application/json")
     if status < 400:  # 204, redirects...: not an answer we can relay
         raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered HTTP {status}", status, error_body)
     if status == 429:
         raise AttemptFailed(Outcome.STATUS_429, "engine is rate limiting (429)", status, error_body,
-                            content_type, _retry_after(response))
+                            _retry_after(response))
     if status >= 500:
         raise AttemptFailed(Outcome.STATUS_5XX, f"engine answered HTTP {status}", status, error_body,
-                            content_type, _retry_after(response))
+                            _retry_after(response))
     if is_context_too_long(status, error_body):
-        raise AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long", status, error_body,
-                            content_type)
+        raise AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long", status, error_body)
     if status in (401, 403, 407):  # the gateway's engine credentials, not the client's fault
         raise AttemptFailed(Outcome.AUTH_ERROR, f"engine refused the gateway's credentials ({status})", status,
-                            error_body, content_type)
-    raise AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered HTTP {status}", status, error_body,
-                        content_type)
+                            error_body)
+    raise AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered HTTP {status}", status, error_body)
 
 
 async def first_chunk(response: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:

@@ -155,7 +155,7 @@ class ProxyEndpoint:
         async def pump() -> None:
             body = result.stream.body()
             try:
-                await send(self._start(result.status, result.content_type, result.headers, record, None))
+                await send(self._start(200, result.content_type, result.headers, record, None))
                 async for chunk in body:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -35,7 +35,6 @@ class RoutingRequest:
     modalities: frozenset[str]
     estimate_method: str
     session_key: str | None = None
-    image_count: int = 0
     include_usage: bool = False
     prefix: PrefixKey | None = None
 
@@ -57,7 +56,6 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     tokens = config.tokens_per_request + config.tokens_per_message * len(wire.messages)
     modalities = {"text"}
     methods = {"bytes"}
-    images = 0
     extra = wire.model_extra or {}
     try:
         canonical = [canonical_prelude(extra.get("tools") or extra.get("functions"))]
@@ -80,7 +78,6 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
                     parts.append(encoded)
                     text_bytes += len(encoded)
                 elif part.type == "image_url":
-                    images += 1
                     url = part.image_url.url
                     estimate = estimator.image_tokens(url, param=f"messages[{i}].content[{j}].image_url.url")
                     tokens += estimate.tokens
@@ -100,7 +97,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     return RoutingRequest(
         api="chat", model=model, prompt_tokens=tokens, output_tokens=output, stream=bool(wire.stream),
         modalities=frozenset(modalities), estimate_method=method, session_key=session_key or wire.user,
-        image_count=images, include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
+        include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
         prefix=prefix,
     )
 

@@ -147,22 +147,22 @@ async def test_clients_hanging_up_at_random_leak_nothing(start_sim: StartSim, st
         async def call() -> None:
             if stream:
                 async with client.stream("POST", gw.v1 + "/chat/completions",
-                                         json={**CHAT, "stream": True, "max_tokens": 30}) as response:
+                                         json={**CHAT, "stream": True, "max_tokens": 100}) as response:
                     async for _ in response.aiter_raw():
                         pass
             else:
-                await client.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 30})
+                await client.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 100})
 
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(call(), timeout=rng.uniform(0.05, 0.5))
+            await asyncio.wait_for(call(), timeout=rng.uniform(0.05, 1.5))  # streams last ~2 s
 
     async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=200)) as client:
-        await asyncio.gather(*(one(client, i % 2 == 0) for i in range(120)))
+        await asyncio.gather(*(one(client, i % 2 == 0) for i in range(80)))
     await asyncio.sleep(0.5)
     assert metric(gw, "kimi_gateway_in_flight{") == 0
     # Every request that reached an engine is accounted for (a client may give up before sending).
     accounted = metric(gw, "kimi_gateway_requests_total{")
-    assert sum(len(s.engine.records) for s in sims) <= accounted <= 120
+    assert sum(len(s.engine.records) for s in sims) <= accounted <= 80
     assert metric(gw, 'kimi_gateway_client_disconnects_total{pool="p",stage="before_response"}') > 0
     assert metric(gw, 'kimi_gateway_client_disconnects_total{pool="p",stage="mid_stream"}') > 0
     for sim in sims:
