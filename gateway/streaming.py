@@ -73,7 +73,6 @@ class Lease:
         self._metrics = metrics
         self._released = False
         worker.in_flight += 1
-        worker.started_since_scrape += 1
         metrics.in_flight.labels(worker.pool, worker.id).inc()
 
     def release(self) -> None:

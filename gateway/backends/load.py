@@ -3,9 +3,9 @@
 Every `interval` seconds each worker's `/metrics` is fetched; only the lines of the three
 signals its engine kind exports (running, waiting, KV usage; names in `engines.py`) are kept and
 parsed with prometheus_client's parser, summing over label sets (several engines or models).
-A failed scrape leaves the last values in place; the engine view plus this replica's requests
-started since the scrape is what policies compare, so it does not depend on how many gateway
-replicas share the engines.
+A failed scrape leaves the last values in place; the engine view, corrected by how this replica's
+in-flight count moved since the scrape, is what policies compare, so it does not depend on how
+many gateway replicas share the engines.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class LoadScraper:
         if running is None and waiting is None and kv is None:
             return False
         worker.engine_running, worker.engine_waiting, worker.kv_usage = running, waiting, kv
-        worker.started_since_scrape = 0
+        worker.in_flight_at_scrape = worker.in_flight
         for signal, value in (("running", running), ("waiting", waiting), ("kv_usage", kv)):
             if value is not None:
                 self.metrics.engine_load.labels(worker.pool, worker.id, signal).set(value)

@@ -27,15 +27,17 @@ class Worker:
     engine_running: float | None = None
     engine_waiting: float | None = None
     kv_usage: float | None = None
-    started_since_scrape: int = 0
+    in_flight_at_scrape: int = 0
 
     def load(self) -> float:
-        """Requests on the engine: its own running + waiting from the last scrape, plus what this
-        replica started since then (not yet visible there); this replica's in-flight count when the
-        engine exports no load metrics. Unit: requests."""
+        """Requests on the engine, in requests: its own running + waiting at the last scrape,
+        corrected by how this replica's in-flight count moved since (started minus finished, not
+        yet visible there), and never below this replica's in-flight count (all there is when the
+        engine exports no load metrics)."""
         if self.engine_running is None:
             return float(self.in_flight)
-        return self.engine_running + (self.engine_waiting or 0.0) + self.started_since_scrape
+        engine = self.engine_running + (self.engine_waiting or 0.0) + self.in_flight - self.in_flight_at_scrape
+        return max(engine, float(self.in_flight))
 
     @property
     def id(self) -> str:

@@ -133,3 +133,15 @@ def test_registry_and_params_validation() -> None:
         build_policy("prefix_affinity", {"balance_rel": 0.5})
     with pytest.raises(ValidationError):
         build_policy("least_load", {"anything": 1})
+
+
+def test_worker_load_follows_this_replicas_requests_between_scrapes() -> None:
+    worker = Worker("p", 0, "http://w:1", ENGINES["vllm"])
+    worker.in_flight = 2
+    assert worker.load() == 2  # no scrape yet: only what this replica sees
+    worker.engine_running, worker.engine_waiting, worker.in_flight_at_scrape = 5.0, 1.0, 2
+    assert worker.load() == 6  # the engine's own view includes our 2
+    worker.in_flight = 4       # two more started since the scrape
+    assert worker.load() == 8
+    worker.in_flight = 0       # all of ours finished since the scrape
+    assert worker.load() == 4

@@ -1,0 +1,1 @@
+"""Load tests of kimi-gateway: trace replay against simulated workers (`python -m loadtest.replay`)."""

@@ -1,0 +1,186 @@
+"""Figures of one run per routing policy, the comparison table, and the result files.
+
+Per run: block hit ratio = cached prompt tokens / prompt tokens summed over all workers (from the
+workers' `/sim/stats`; else from the `usage.prompt_tokens_details.cached_tokens` the client saw),
+p50/p99 TTFT at the client (seconds), the busiest worker's prefill (uncached) tokens / the mean
+over workers, completed requests per second of replay, and errors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from loadtest.loadgen import RequestResult
+from loadtest.oracle import OracleResult
+from loadtest.workerstats import WorkerTotals
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The `q`-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class RunResult:
+    """The outcome of one policy (or peer router) run. Times in seconds, tokens in tokens.
+
+    `status` is "ok", "skipped: <why>" or "failed: <why>". `hit_source` says where the hit ratio
+    comes from ("sim/stats", "client usage" or "n/a"). `prefill_by_worker` is in worker order.
+    """
+
+    name: str
+    kind: str
+    status: str = "ok"
+    scheduled: int = 0
+    sent: int = 0
+    ok: int = 0
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    hit_ratio: float | None = None
+    hit_source: str = "n/a"
+    client_hit_ratio: float | None = None
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    e2e_p50_s: float | None = None
+    send_lag_p99_s: float | None = None
+    prefill_max_over_mean: float | None = None
+    prefill_by_worker: list[float] = field(default_factory=list)
+    requests_by_worker: list[float] = field(default_factory=list)
+    max_waiting_by_worker: list[float] = field(default_factory=list)
+    req_per_s: float | None = None
+    replay_s: float | None = None
+    total_s: float | None = None
+    error_samples: list[str] = field(default_factory=list)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    machine_busy: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+BUSY_WARNING = 0.9
+"""Machine CPU busy fraction above which a run is flagged: the load generator, the gateway and the
+workers share 2 cores, so a saturated machine measures itself, not the routing."""
+
+
+def _error_kind(message: str) -> str:
+    """A short class of an error message, for counting (e.g. "HTTP 503", "ReadTimeout")."""
+    head = message.split(":", 1)[0]
+    return head[:60]
+
+
+def summarize_run(name: str, kind: str, results: list[RequestResult], workers: list[WorkerTotals],
+                  replay_s: float) -> RunResult:
+    """Aggregate the client's results and the workers' totals of one run."""
+    run = RunResult(name, kind, scheduled=len(results), replay_s=replay_s)
+    sent = [r for r in results if r.sent_s is not None]
+    ok = [r for r in results if r.ok]
+    run.sent, run.ok = len(sent), len(ok)
+    failed = [r for r in results if r.error is not None and r.sent_s is not None]
+    run.errors = len(failed)
+    run.error_kinds = dict(Counter(_error_kind(r.error or "") for r in failed).most_common(5))
+    run.error_samples = list(dict.fromkeys(r.error or "" for r in failed))[:3]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    run.ttft_p50_s, run.ttft_p99_s = percentile(ttfts, 50), percentile(ttfts, 99)
+    run.e2e_p50_s = percentile([r.e2e_s for r in ok if r.e2e_s is not None], 50)
+    run.send_lag_p99_s = percentile([r.sent_s - r.scheduled_s for r in sent if r.sent_s is not None], 99)
+    if ok:
+        first = min(r.sent_s or 0.0 for r in ok)
+        last = max((r.sent_s or 0.0) + (r.e2e_s or 0.0) for r in ok)
+        run.req_per_s = len(ok) / (last - first) if last > first else None
+    client_prompt = sum(r.prompt_tokens or 0 for r in ok)
+    with_cached = [r for r in ok if r.cached_tokens is not None]
+    if with_cached and client_prompt:
+        run.client_hit_ratio = sum(r.cached_tokens or 0 for r in with_cached) / client_prompt
+    stats_known = bool(workers) and all(w.source == "sim/stats" for w in workers)
+    prompt = sum(w.prompt_tokens for w in workers)
+    if stats_known and prompt > 0:
+        run.hit_ratio = sum(w.cached_tokens or 0.0 for w in workers) / prompt
+        run.hit_source = "sim/stats"
+    elif run.client_hit_ratio is not None:
+        run.hit_ratio, run.hit_source = run.client_hit_ratio, "client usage"
+    if workers and all(w.source != "unavailable" for w in workers):
+        run.prefill_by_worker = [w.prefill_tokens for w in workers]
+        run.requests_by_worker = [w.counters.get("requests", 0.0) for w in workers]
+        run.max_waiting_by_worker = [w.peaks.get("max_waiting", 0.0) for w in workers]
+        mean = sum(run.prefill_by_worker) / len(run.prefill_by_worker)
+        run.prefill_max_over_mean = max(run.prefill_by_worker) / mean if mean > 0 else None
+    return run
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+TABLE_HEADER = ("| policy | hit ratio | p50 TTFT (s) | p99 TTFT (s) | max/mean prefill | req/s | errors | ok/sent "
+                "| p99 send lag (s) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+
+def table_row(run: RunResult) -> str:
+    """One markdown table row; skipped or failed runs show their status instead of figures."""
+    label = run.name if run.kind == "gateway" else f"{run.name} ({run.kind})"
+    if run.status != "ok" and run.sent == 0:
+        return f"| {label} | {run.status} | | | | | | | |"
+    hit = _fmt(run.hit_ratio, ".3f") + ("" if run.hit_source in ("sim/stats", "n/a") else "*")
+    return (f"| {label} | {hit} | {_fmt(run.ttft_p50_s, '.3f')} | {_fmt(run.ttft_p99_s, '.3f')} | "
+            f"{_fmt(run.prefill_max_over_mean, '.2f')} | {_fmt(run.req_per_s, '.1f')} | {run.errors} | "
+            f"{run.ok}/{run.sent} | {_fmt(run.send_lag_p99_s, '.2f')} |")
+
+
+def oracle_row(ref: OracleResult) -> str:
+    """A table row for an offline reference (hit ratio and prefill spread only)."""
+    return (f"| offline {ref.name} (LRU model, no server) | {ref.hit_ratio:.3f} | - | - | "
+            f"{ref.prefill_max_over_mean:.2f} | - | - | - | - |")
+
+
+def markdown(runs: list[RunResult], references: list[OracleResult], meta: dict[str, Any]) -> str:
+    """The whole report: settings, the table, notes, per-run details."""
+    lines = [f"# Trace replay {meta['started']}", "", f"Command: `{meta['command']}`", ""]
+    lines += [f"- {key}: {value}" for key, value in meta["settings"].items()]
+    lines += ["", TABLE_HEADER]
+    lines += [table_row(run) for run in runs]
+    lines += [oracle_row(ref) for ref in references]
+    lines += ["", "Hit ratio = cached / prompt tokens over all workers (`/sim/stats`; * = from the client's usage "
+              "fields). TTFT at the client. max/mean prefill = busiest worker's uncached prompt tokens / mean. "
+              "req/s = completed requests / (last finish - first send). Send lag = actual - scheduled send time "
+              "(large when the client's concurrency cap was reached: TTFT then misses that wait).", ""]
+    for note in meta.get("notes", []):
+        lines.append(f"- note: {note}")
+    for run in runs:
+        if run.status != "ok" or run.error_kinds:
+            lines.append(f"- {run.name}: status {run.status}; errors {run.error_kinds or 'none'}; "
+                         f"e.g. {run.error_samples}")
+        if run.cpu_seconds or run.machine_busy is not None:
+            busy = "n/a" if run.machine_busy is None else f"{run.machine_busy:.0%}"
+            warn = " (CPU-saturated: figures are not reliable)" if (run.machine_busy or 0) > BUSY_WARNING else ""
+            lines.append(f"- {run.name}: CPU during the replay: machine {busy} busy{warn}; seconds by process "
+                         f"{ {k: round(v, 1) for k, v in run.cpu_seconds.items()} }")
+        if run.prefill_by_worker:
+            lines.append(f"- {run.name}: prefill tokens by worker "
+                         f"{[round(v) for v in run.prefill_by_worker]}, requests by worker "
+                         f"{[round(v) for v in run.requests_by_worker]}, peak waiting "
+                         f"{[round(v) for v in run.max_waiting_by_worker]}")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(directory: Path, stamp: str, runs: list[RunResult], references: list[OracleResult],
+                  meta: dict[str, Any]) -> tuple[Path, Path]:
+    """Write `replay-<stamp>.md` and `.json` into `directory`; returns both paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    md_path = directory / f"replay-{stamp}.md"
+    json_path = directory / f"replay-{stamp}.json"
+    md_path.write_text(markdown(runs, references, meta), encoding="utf-8")
+    payload = {**meta, "runs": [r.to_json() for r in runs], "references": [asdict(r) for r in references]}
+    json_path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
+    return md_path, json_path
