@@ -190,26 +190,14 @@ class ProxyService:
                 metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
                 tried.add(worker)
                 last = failure
-                if failure.outcome is Outcome.TOO_LONG:
-                    larger = larger_pools(pool, pools)
-                    if too_long_retried or not larger:
-                        return self._engine_error(failure, record)
+                step = self._after_failure(failure, worker, pool, pools, request, record, too_long_retried)
+                if isinstance(step, BufferedResponse):
+                    return step
+                if step is not pool:
+                    metrics.spillovers.labels(pool.name, step.name, "too_long").inc()
                     too_long_retried = True
-                    metrics.spillovers.labels(pool.name, larger[0].name, "too_long").inc()
-                    pool = larger[0]
+                    pool = step
                     record.pool = pool.name
-                    continue
-                if failure.outcome is Outcome.AUTH_ERROR:
-                    raise UpstreamError(f"The inference server of pool {pool.name} refused the gateway's "
-                                        "credentials; check the pool's api_key.") from None
-                if failure.outcome is Outcome.TIMEOUT and not request.stream:
-                    # The engine may have been generating all along: do not make another one repeat it.
-                    raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).") from None
-                if failure.outcome not in RETRYABLE:
-                    return self._engine_error(failure, record)
-                if failure.outcome is not Outcome.STATUS_429:  # busy is not broken
-                    threshold = 1 if failure.outcome is Outcome.CONNECT_ERROR else state.config.health.passive_failures
-                    state.registry.mark_failure(worker, failure.detail, threshold)
                 continue
             metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
             worker.consecutive_failures = 0
@@ -219,6 +207,33 @@ class ProxyService:
             result.headers.extend(self._route_headers(record))
             return result
         raise self._exhausted(last, record)
+
+    def _after_failure(self, failure: AttemptFailed, worker: Worker, pool: PoolConfig, pools: list[PoolConfig],
+                       request: RoutingRequest, record: RequestRecord,
+                       too_long_retried: bool) -> PoolConfig | BufferedResponse:
+        """What a failed attempt leads to: the pool to try next (the same one, or the next larger
+        one once after an engine's "too long"), or the engine's own error for the client.
+
+        Raises UpstreamError / UpstreamTimeout for failures no other worker should repeat.
+        """
+        outcome = failure.outcome
+        if outcome is Outcome.TOO_LONG:
+            larger = larger_pools(pool, pools)
+            if too_long_retried or not larger:
+                return self._engine_error(failure, record)
+            return larger[0]
+        if outcome is Outcome.AUTH_ERROR:
+            raise UpstreamError(f"The inference server of pool {pool.name} refused the gateway's "
+                                "credentials; check the pool's api_key.")
+        if outcome is Outcome.TIMEOUT and not request.stream:
+            # The engine may have been generating all along: do not make another one repeat it.
+            raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).")
+        if outcome not in RETRYABLE:
+            return self._engine_error(failure, record)
+        if outcome is not Outcome.STATUS_429:  # busy is not broken
+            threshold = 1 if outcome is Outcome.CONNECT_ERROR else self.state.config.health.passive_failures
+            self.state.registry.mark_failure(worker, failure.detail, threshold)
+        return pool
 
     async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
         """Worker URL → share of the prompt it holds, from one store lookup (fails open to {})."""
