@@ -13,6 +13,7 @@ from starlette.routing import Route
 from gateway.api import models, ops
 from gateway.api.proxy import ProxyEndpoint
 from gateway.api.responses import JSONResponse, error_response
+from gateway.auth.middleware import http_middleware
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, MethodNotAllowed, NotFound
 from gateway.service import ProxyService
@@ -35,9 +36,11 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> Starlett
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, ProxyService]]:
         app_state = state or AppState.build(config)
         await app_state.start()
+        app.state.gateway = app_state  # how the server's signal handler reaches it: `begin_draining(app)`
         try:
             yield {"service": ProxyService(app_state)}
         finally:
+            app.state.gateway = None
             await app_state.stop()
 
     routes = [
@@ -48,6 +51,18 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> Starlett
         Route("/ready", ops.ready, methods=["GET"]),
         Route("/metrics", ops.metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
+                    middleware=http_middleware(config))  # CORS, then /v1/* auth (gateway/auth/middleware.py)
     app.router.redirect_slashes = False  # `/v1/chat/completions/` is a 404, not a 307 with no body
+    app.state.gateway = None
     return app
+
+
+def begin_draining(app: Starlette) -> None:
+    """Mark the running app's AppState as draining (`/ready` → 503); a no-op outside its lifespan.
+
+    Requests keep being served: see `AppState.begin_draining`.
+    """
+    app_state: AppState | None = app.state.gateway
+    if app_state is not None:
+        app_state.begin_draining()

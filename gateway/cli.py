@@ -1,4 +1,4 @@
-"""`kimi-gateway` command line: serve, check-config, demo, sim, engine."""
+"""`kimi-gateway` command line: serve, check-config, demo, sim, engine, hash-key."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import logging
 import sys
 from pathlib import Path
 
-import uvicorn
 from pydantic import ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
@@ -29,13 +28,16 @@ def _load_or_exit(path: str) -> GatewayConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from gateway.app import create_app
+    """Serve until SIGTERM/SIGINT, then shut down gracefully (`shutdown:` in the config; gateway/lifecycle.py)."""
+    from gateway.app import begin_draining, create_app
+    from gateway.lifecycle import GracefulServer
 
     config = _load_or_exit(args.config)
     _setup_logging(config.log_level)
-    uvicorn.run(create_app(config), host=args.host or config.host, port=args.port or config.port,
-                loop="auto", http="auto", access_log=False, log_level=config.log_level,
-                workers=None, timeout_graceful_shutdown=10)
+    app = create_app(config)
+    server = GracefulServer(app, args.host or config.host, args.port or config.port, config.shutdown,
+                            on_drain=lambda: begin_draining(app), log_level=config.log_level)
+    server.run()
 
 
 def cmd_check_config(args: argparse.Namespace) -> None:
@@ -75,6 +77,19 @@ def cmd_engine(args: argparse.Namespace) -> None:
     from gateway.engine.llamacpp import run_engine
 
     run_engine(port=args.port, n_ctx=args.ctx, host=args.host, threads=args.threads)
+
+
+def cmd_hash_key(args: argparse.Namespace) -> None:
+    """Print the SHA-256 to put in `auth.keys[].sha256`; `-` reads the key from stdin (keeps it out of `ps`)."""
+    from gateway.auth.keys import MIN_KEY_CHARS, hash_key
+
+    key = sys.stdin.readline().strip() if args.key == "-" else args.key
+    if not key:
+        sys.exit("hash-key: the key is empty")
+    if len(key) < MIN_KEY_CHARS:
+        print(f"warning: keys shorter than {MIN_KEY_CHARS} characters can be guessed from their hash; "
+              "use a random key", file=sys.stderr)
+    print(hash_key(key))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--threads", type=int)
     engine.set_defaults(func=cmd_engine)
+
+    hash_key = sub.add_parser("hash-key", help="print an API key's SHA-256 for auth.keys[].sha256")
+    hash_key.add_argument("key", help="the key, or - to read it from stdin")
+    hash_key.set_defaults(func=cmd_hash_key)
     return parser
 
 

@@ -154,8 +154,10 @@ class HealthConfig(_Strict):
     timeout: float = Field(default=2.0, gt=0, description="a probe slower than this is a failure")
     unhealthy_after: int = Field(default=1, ge=1, description="consecutive failed probes before unhealthy")
     passive_failures: int = Field(
-        default=3, ge=1, description="consecutive upstream failures (5xx, timeouts, broken replies) before unhealthy"
+        default=3, ge=1, description="consecutive upstream failures (5xx, timeouts, broken replies) to eject"
     )
+    ejection_base: float = Field(default=5.0, gt=0, description="seconds of the first ejection; doubles each time")
+    ejection_max: float = Field(default=300.0, gt=0, description="longest ejection, seconds")
 
 
 class AffinityConfig(_Strict):
@@ -183,6 +185,103 @@ class LoadConfig(_Strict):
     timeout: float = Field(default=1.0, gt=0)
 
 
+class ShutdownConfig(_Strict):
+    """Graceful shutdown on SIGTERM/SIGINT: drain readiness first, then let in-flight requests finish.
+
+    Order: `/ready` answers 503 (`"draining": true`) for `drain_delay` seconds while the listener
+    stays open and new requests are still served (the load balancer has not noticed yet); then the
+    listener closes and in-flight requests may run for `grace_period` seconds more; whatever is
+    still running then is cancelled, which closes its upstream request so the engine aborts it.
+    """
+
+    drain_delay: float = Field(
+        default=5.0, ge=0, description="seconds /ready answers 503 before the listener closes (LB notice time)"
+    )
+    grace_period: float = Field(
+        default=30.0, ge=0, description="seconds in-flight requests may still run after the listener closed"
+    )
+
+
+class ApiKeyConfig(_Strict):
+    """One client API key: its name (logs, metric labels, Redis keys), the key's SHA-256, scopes, limits.
+
+    The key itself is never in the config: `sha256` is the hex SHA-256 of its UTF-8 bytes
+    (`kimi-gateway hash-key KEY`) and may come from the environment (`sha256: ${ALICE_KEY_SHA256}`).
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    sha256: str
+    scopes: list[Literal["user", "admin"]] = Field(
+        default_factory=lambda: ["user"], min_length=1, description="user: /v1/*; admin: admin routes"
+    )
+    requests_per_minute: int | None = Field(default=None, ge=1, description="None: no request limit")
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="estimated prompt + requested output tokens; None: no token limit"
+    )
+
+    @field_validator("sha256", mode="before")
+    @classmethod
+    def _hex_digest(cls, value: Any) -> str:
+        digest = value.strip().lower() if isinstance(value, str) else ""
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError("must be the key's SHA-256 as 64 hex digits (`kimi-gateway hash-key KEY`), not the key")
+        return digest
+
+    @field_validator("scopes")
+    @classmethod
+    def _unique_scopes(cls, scopes: list[str]) -> list[str]:
+        return sorted(set(scopes))
+
+
+class AuthConfig(_Strict):
+    """Client API keys, scopes and per-key rate limits (gateway/auth/, README "Authentication")."""
+
+    enabled: bool = Field(default=False, description="require `Authorization: Bearer KEY` on /v1/*")
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    fail_mode: Literal["open", "closed"] = Field(
+        default="open", description="when Redis cannot answer a rate-limit check: open serves, closed answers 503"
+    )
+    redis_timeout: float = Field(default=0.05, gt=0, description="seconds; a slower rate-limit check is a failure")
+    redis_retry_after: float = Field(default=1.0, gt=0, description="seconds to skip Redis after a failure")
+    key_prefix: str = Field(default="kgw:rl", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> AuthConfig:
+        if self.enabled and not self.keys:
+            raise ValueError("auth.enabled needs at least one key in auth.keys")
+        names = [k.name for k in self.keys]
+        if len(set(names)) != len(names):
+            raise ValueError(f"key names must be unique, got {names}")
+        if len({k.sha256 for k in self.keys}) != len(self.keys):
+            raise ValueError("two keys have the same sha256")
+        return self
+
+
+class CorsConfig(_Strict):
+    """CORS for browser clients (Starlette's CORSMiddleware): preflights answered, headers added."""
+
+    enabled: bool = False
+    allow_origins: list[str] = Field(
+        default_factory=list, description='"*" or exact origins such as "https://chat.example.com"'
+    )
+    max_age: int = Field(default=600, ge=0, description="seconds a browser may cache a preflight answer")
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _check_origins(cls, origins: list[str]) -> list[str]:
+        cleaned = [o.rstrip("/") for o in origins]
+        for origin in cleaned:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f'an origin is "*" or scheme://host[:port] with no path, got {origin!r}')
+        return cleaned
+
+    @model_validator(mode="after")
+    def _origins_when_enabled(self) -> CorsConfig:
+        if self.enabled and not self.allow_origins:
+            raise ValueError("cors.enabled needs allow_origins")
+        return self
+
+
 class GatewayConfig(BaseSettings):
     """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
 
@@ -197,6 +296,9 @@ class GatewayConfig(BaseSettings):
     health: HealthConfig = Field(default_factory=HealthConfig)
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    cors: CorsConfig = Field(default_factory=CorsConfig)
+    shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")
     max_messages: int = Field(default=20_000, ge=1, description="chat messages per request")

@@ -2,8 +2,9 @@
 
 Every error leaves the gateway as `{"error": {"message", "type", "param", "code"}}` with an HTTP
 status, the shape OpenAI's API uses (https://platform.openai.com/docs/guides/error-codes). Types
-follow OpenAI's: `invalid_request_error` (400/404/413), `authentication_error` (401),
-`rate_limit_error`-style 429s, `server_error` (5xx).
+follow OpenAI's: `invalid_request_error` (400/404/413, and 401 with code `invalid_api_key`),
+`permission_error` (403), `requests` / `tokens` for 429 `rate_limit_exceeded` (the limit hit, as
+OpenAI's rate-limit errors say), `server_error` (5xx).
 """
 
 from __future__ import annotations
@@ -112,6 +113,42 @@ class UpstreamTimeout(GatewayError):
     status = 504
     error_type = "server_error"
     code = "upstream_timeout"
+
+
+class InvalidApiKey(GatewayError):
+    """401 `invalid_api_key`: no, a malformed or an unknown `Authorization: Bearer` key."""
+
+    status = 401
+    error_type = "invalid_request_error"  # what OpenAI sends with code invalid_api_key
+    code = "invalid_api_key"
+
+
+class PermissionDenied(GatewayError):
+    """403: the key is valid but lacks the scope the route needs (e.g. `admin`)."""
+
+    status = 403
+    error_type = "permission_error"
+    code = "insufficient_permissions"
+
+
+class RateLimited(GatewayError):
+    """429 `rate_limit_exceeded` for a per-key limit. `type` is the limit that refused the request,
+    `requests` or `tokens`, as OpenAI sends it (`{"type": "tokens", "code": "rate_limit_exceeded"}`)."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, limit: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message, headers=headers)
+        self.error_type = limit
+
+
+class RateLimitUnavailable(GatewayError):
+    """503: the rate limiter's Redis cannot answer and `auth.fail_mode` is `closed`."""
+
+    status = 503
+    error_type = "server_error"
+    code = "rate_limit_unavailable"
 
 
 def error_bytes_from_upstream(status: int, body: bytes, code: str | None = None) -> bytes:

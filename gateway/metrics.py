@@ -53,6 +53,9 @@ class GatewayMetrics:
                                ["pool", "worker"], registry=r)
         self.worker_healthy = Gauge("kimi_gateway_worker_healthy", "1 when the worker passes its probes.",
                                     ["pool", "worker"], registry=r)
+        self.ejections = Counter("kimi_gateway_worker_ejections",
+                                 "Outlier ejections after consecutive failed requests.", ["pool", "worker"],
+                                 registry=r)
         self.client_disconnects = Counter("kimi_gateway_client_disconnects",
                                           "Clients that hung up before the response ended (stage).",
                                           ["pool", "stage"], registry=r)
@@ -74,6 +77,17 @@ class GatewayMetrics:
         self.engine_load = Gauge("kimi_gateway_engine_load",
                                  "Scraped engine load: running, waiting, kv_usage (0..1).",
                                  ["pool", "worker", "signal"], registry=r)
+
+        # Auth (gateway/auth/): `key` is a key's configured name, never the key.
+        self.auth_failures = Counter("kimi_gateway_auth_failures",
+                                     "Requests refused by auth (reason: missing, invalid, forbidden).", ["reason"],
+                                     registry=r)
+        self.rate_limited = Counter("kimi_gateway_rate_limited",
+                                    "Requests refused by a per-key limit (limit: requests, tokens).",
+                                    ["key", "limit"], registry=r)
+        self.rate_limit_unavailable = Counter("kimi_gateway_rate_limit_unavailable",
+                                              "Rate-limit checks Redis could not answer (action: allowed = "
+                                              "fail open, refused = fail closed).", ["action"], registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

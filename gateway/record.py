@@ -38,6 +38,7 @@ class RequestRecord:
     outcome: str = "ok"
     disconnect_stage: str | None = None
     error: str | None = None
+    key: str | None = None  # the API key's configured name (auth on), never the key
     _finished: bool = False
 
     def client_gone(self, stage: str) -> None:
@@ -75,7 +76,7 @@ class RequestRecord:
                 metrics.tokens.labels(self.pool, "cached").inc(cached)
         if log.isEnabledFor(logging.INFO):
             log.info(orjson.dumps({
-                "event": "request", "request_id": self.request_id, "api": self.api, "pool": self.pool,
+                "event": "request", "request_id": self.request_id, "api": self.api, "key": self.key, "pool": self.pool,
                 "worker": self.worker, "reason": self.reason, "attempts": self.attempts,
                 "status": status, "outcome": self.outcome, "stream": self.stream,
                 "estimated_prompt_tokens": self.estimated_prompt_tokens, "estimate": self.estimate_method,

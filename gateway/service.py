@@ -16,6 +16,7 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.affinity.hashing import longest_match
+from gateway.auth.keys import Principal
 from gateway.backends.client import request_timeout
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
@@ -138,14 +139,21 @@ class ProxyService:
                 raise InvalidRequest(f"The prompt has {ids} token ids; the limit is {config.max_prompt_ids}.",
                                      param="prompt", code="context_length_exceeded")
 
-    async def handle(self, api: Api, body: bytes, headers: Mapping[str, str],
-                     record: RequestRecord) -> BufferedResponse | RelayResponse:
-        """The whole request path up to an accepted upstream (or a final error)."""
+    async def handle(self, api: Api, body: bytes, headers: Mapping[str, str], record: RequestRecord,
+                     principal: Principal | None = None) -> BufferedResponse | RelayResponse:
+        """The whole request path up to an accepted upstream (or a final error).
+
+        `principal` is the authenticated caller (auth on): its quota is charged the request's
+        estimated prompt tokens + its output limit (else the first fitting pool's reservation)
+        before routing; RateLimited (429) or RateLimitUnavailable (503) when refused.
+        """
         payload, request = self.parse(api, body, headers)
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
         pools = fitting_pools(request, self.state.config.pools)
+        if principal is not None and self.state.auth is not None:
+            await self.state.auth.check_quota(principal, request.context_tokens(pools[0].default_output_tokens))
         return await self._dispatch(api, payload, request, pools, record)
 
     async def _dispatch(self, api: Api, payload: dict[str, Any], request: RoutingRequest,
@@ -200,7 +208,7 @@ class ProxyService:
                     record.pool = pool.name
                 continue
             metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
-            worker.consecutive_failures = 0
+            state.registry.request_succeeded(worker)
             if policy.uses_affinity and request.prefix is not None and state.affinity is not None:
                 metrics.affinity_match_ratio.labels(pool.name).observe(match.get(worker.url, 0.0))
                 state.affinity.record(pool.name, request.prefix.hashes, worker.url)
@@ -230,9 +238,13 @@ class ProxyService:
             raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).")
         if outcome not in RETRYABLE:
             return self._engine_error(failure, record)
-        if outcome is not Outcome.STATUS_429:  # busy is not broken
-            threshold = 1 if outcome is Outcome.CONNECT_ERROR else self.state.config.health.passive_failures
-            self.state.registry.mark_failure(worker, failure.detail, threshold)
+        registry = self.state.registry
+        if outcome is Outcome.STATUS_429:  # busy, not broken
+            registry.throttled(worker, failure.retry_after)
+        elif outcome is Outcome.CONNECT_ERROR:
+            registry.connect_failed(worker, failure.detail)
+        else:
+            registry.request_failed(worker, failure.detail)
         return pool
 
     async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:

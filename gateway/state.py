@@ -10,6 +10,7 @@ import httpx
 from gateway.affinity.hashing import PrefixHasher
 from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
+from gateway.auth.guard import AuthGuard
 from gateway.backends.client import build_upstream_client
 from gateway.backends.health import HealthChecker
 from gateway.backends.load import LoadScraper
@@ -34,14 +35,18 @@ class AppState:
     load: LoadScraper
     hasher: PrefixHasher | None = None
     affinity: AffinityStore | None = None
+    auth: AuthGuard | None = None
+    """API keys, scopes and per-key quotas; None when `auth.enabled` is false."""
     started_unix: int = 0
+    draining: bool = False
+    """True once shutdown began (`begin_draining`): `/ready` answers 503 from then on."""
 
     @classmethod
     def build(cls, config: GatewayConfig) -> AppState:
         """Build the state (no I/O yet: an unreachable Redis does not block start-up)."""
         http = build_upstream_client(config.timeouts)
-        registry = WorkerRegistry(config)
         metrics = GatewayMetrics()
+        registry = WorkerRegistry(config, metrics)
         hasher: PrefixHasher | None = None
         affinity: AffinityStore | None = None
         if config.affinity.enabled:
@@ -54,7 +59,8 @@ class AppState:
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics),
                    load=LoadScraper(registry, http, config.load, metrics),
-                   hasher=hasher, affinity=affinity, started_unix=int(time.time()))
+                   hasher=hasher, affinity=affinity, auth=AuthGuard.build(config, metrics),
+                   started_unix=int(time.time()))
 
     async def start(self) -> None:
         self.health.loop.start()
@@ -62,10 +68,23 @@ class AppState:
             self.load.loop.start()
         if self.affinity is not None:
             await self.affinity.start()
+        if self.auth is not None:
+            await self.auth.start()
+
+    def begin_draining(self) -> None:
+        """Shutdown began: `/ready` answers 503 so load balancers take this replica out of rotation.
+
+        Nothing else changes: requests that still arrive (the load balancer has not noticed yet)
+        are served normally, and in-flight streams keep going. Safe to call from a signal handler
+        (one attribute write).
+        """
+        self.draining = True
 
     async def stop(self) -> None:
         await self.health.loop.stop()
         await self.load.loop.stop()
         if self.affinity is not None:
             await self.affinity.stop()
+        if self.auth is not None:
+            await self.auth.stop()
         await self.http.aclose()

@@ -14,7 +14,7 @@ from gateway.config import parse_config
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
-from tests.support import SHARED_DATA, RunningGateway, RunningSim
+from tests.support import SHARED_DATA, OwnRedis, RunningGateway, RunningSim
 
 
 def stop_all(servers: list[ThreadedServer]) -> None:
@@ -76,3 +76,12 @@ def unused_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def own_redis(unused_port: int) -> Iterator[OwnRedis]:
+    """A private redis-server on a free port, started; the test may kill and restart it."""
+    server = OwnRedis(unused_port)
+    server.start()
+    yield server
+    server.kill()

@@ -19,12 +19,17 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def ready(request: Request) -> JSONResponse:
-    """`GET /ready`: 200 when every pool has a healthy worker, else 503 naming the pools that do not."""
+    """`GET /ready`: 200 when every pool has a healthy worker, else 503 naming the pools that do not.
+
+    Also 503 with `"draining": true` once shutdown began, so load balancers stop sending here
+    while in-flight streams finish (`/health` stays 200: the process is still alive).
+    """
     state = _state(request)
     unready = state.registry.unready_pools()
     pools = {name: [w.snapshot() for w in workers] for name, workers in state.registry.pools.items()}
-    body = {"ready": not unready, "unready_pools": unready, "pools": pools}
-    return JSONResponse(body, status_code=503 if unready else 200)
+    ok = not unready and not state.draining
+    body = {"ready": ok, "draining": state.draining, "unready_pools": unready, "pools": pools}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 async def metrics(request: Request) -> Response:

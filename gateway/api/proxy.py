@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from gateway.auth.middleware import principal_of
 from gateway.errors import GatewayError, MethodNotAllowed, PayloadTooLarge
 from gateway.metrics import NO_POOL
 from gateway.record import RequestRecord
@@ -78,9 +79,12 @@ class ProxyEndpoint:
         service: ProxyService = scope["state"]["service"]
         state = service.state
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        record = RequestRecord(request_id=_request_id(headers), api=self.api)
+        principal = principal_of(scope)  # set by the auth middleware when auth is on
+        record = RequestRecord(request_id=_request_id(headers), api=self.api,
+                               key=principal.name if principal is not None else None)
         result: BufferedResponse | RelayResponse | None = None
         watcher: asyncio.Task[None] | None = None
+        work: asyncio.Task[BufferedResponse | RelayResponse] | None = None
         try:
             try:
                 if scope["method"] != "POST":
@@ -91,7 +95,7 @@ class ProxyEndpoint:
                         f"The request body is larger than the limit of {state.config.max_body_bytes} bytes.")
                 body = await read_body(receive, state.config.max_body_bytes)
                 watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-                work = asyncio.ensure_future(service.handle(self.api, body, headers, record))
+                work = asyncio.ensure_future(service.handle(self.api, body, headers, record, principal))
                 await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
                 if watcher.done():
                     await _cancel(work)
@@ -113,6 +117,13 @@ class ProxyEndpoint:
             else:
                 await self._send_buffered(result, record, send)
         finally:
+            # Also when this handler itself is cancelled (server shutdown): asyncio.wait does not
+            # pass a cancellation on, so the work task is cancelled here and its upstream closed.
+            if work is not None and not work.done():
+                await _cancel(work)
+            if (result is None and work is not None and work.done() and not work.cancelled()
+                    and work.exception() is None):
+                result = work.result()
             if watcher is not None:
                 await _cancel(watcher)
             if isinstance(result, RelayResponse):
@@ -164,7 +175,11 @@ class ProxyEndpoint:
 
         pumping = asyncio.ensure_future(pump())
         waiting = {pumping} if watcher is None else {pumping, watcher}
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not pumping.done() and not (watcher is not None and watcher.done()):
+                await _cancel(pumping)  # this handler was cancelled: stop relaying
         if not pumping.done():
             await _cancel(pumping)
             record.client_gone("mid_stream")

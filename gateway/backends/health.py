@@ -39,15 +39,10 @@ class HealthChecker:
             reason = None if ok else f"health probe answered HTTP {response.status_code}"
         except httpx.HTTPError as exc:
             ok, reason = False, f"health probe failed: {type(exc).__name__}"
-        was_healthy = worker.healthy
         if ok:
-            self.registry.mark_success(worker)
+            self.registry.probe_passed(worker)
         else:
-            self.registry.mark_failure(worker, reason or "unhealthy", self.config.unhealthy_after)
-        if was_healthy != worker.healthy:
-            log.warning("worker %s is now %s%s", worker.id, "healthy" if worker.healthy else "unhealthy",
-                        f" ({reason})" if reason else "")
-        self.metrics.worker_healthy.labels(worker.pool, worker.id).set(1 if worker.healthy else 0)
+            self.registry.probe_failed(worker, reason or "unhealthy")
         return ok
 
     async def probe_all(self) -> None:

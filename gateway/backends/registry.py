@@ -1,18 +1,42 @@
-"""The worker registry: every pool's workers and their health, built once from config."""
+"""The worker registry: every pool's workers and their health, built once from config.
+
+Two kinds of health, kept apart:
+- active: probes of the engine's health path (HealthChecker) and refused connections set
+  `healthy`; a passing probe restores it;
+- passive (outlier ejection, as Envoy does it): `passive_failures` consecutive failed requests
+  (5xx, timeouts, broken answers) eject a worker for `ejection_base` * 2^(ejections so far)
+  seconds, capped at `ejection_max`. When the time is up the worker is a candidate again
+  (half-open): one success closes the circuit and resets the back-off, one more failure ejects
+  it again for twice as long. A passing probe does not end an ejection: an engine can answer
+  `/health` and still fail every request.
+A 429 keeps a worker out of new requests for its `Retry-After` (default 1 s) without counting as
+a failure.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+import logging
+import time
+from collections.abc import Callable, Collection, Iterator
 
 from gateway.backends.engines import ENGINES
 from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway.health")
+
+DEFAULT_RETRY_AFTER_S = 1.0
 
 
 class WorkerRegistry:
-    """Pools → workers. Candidates are healthy workers not yet tried by the request."""
+    """Pools → workers, their health and ejection state. Touched only on the event loop."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, metrics: GatewayMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.health = config.health
+        self.metrics = metrics
+        self.clock = clock
         self.pools: dict[str, list[Worker]] = {
             pool.name: [Worker(pool.name, i, url, ENGINES[pool.engine]) for i, url in enumerate(pool.workers)]
             for pool in config.pools
@@ -23,21 +47,70 @@ class WorkerRegistry:
             yield from workers
 
     def candidates(self, pool: str, exclude: Collection[Worker] = ()) -> list[Worker]:
-        """Healthy workers of `pool` that are not in `exclude`."""
-        return [w for w in self.pools[pool] if w.healthy and w not in exclude]
+        """Workers of `pool` that may take a request now: healthy, not ejected, not told to back
+        off by a 429, and not in `exclude` (already tried by this request)."""
+        now = self.clock()
+        return [w for w in self.pools[pool]
+                if w.healthy and w.ejected_until <= now and w.busy_until <= now and w not in exclude]
 
-    def mark_failure(self, worker: Worker, reason: str, unhealthy_after: int = 1) -> None:
-        """Passive health: an upstream failure (connect error, 5xx...) counts against the worker."""
+    # --- active health -------------------------------------------------------------------------
+
+    def probe_failed(self, worker: Worker, reason: str) -> None:
+        """A failed probe; `health.unhealthy_after` in a row make the worker unhealthy."""
+        worker.failed_probes += 1
+        worker.last_error = reason
+        if worker.failed_probes >= self.health.unhealthy_after:
+            self._set_healthy(worker, False, reason)
+
+    def probe_passed(self, worker: Worker) -> None:
+        worker.failed_probes = 0
+        self._set_healthy(worker, True, None)
+
+    def connect_failed(self, worker: Worker, reason: str) -> None:
+        """The engine refused or dropped the connection: unhealthy until a probe passes."""
+        worker.last_error = reason
+        self._set_healthy(worker, False, reason)
+
+    def _set_healthy(self, worker: Worker, healthy: bool, reason: str | None) -> None:
+        if worker.healthy != healthy:
+            log.warning("worker %s is now %s%s", worker.id, "healthy" if healthy else "unhealthy",
+                        f" ({reason})" if reason else "")
+        worker.healthy = healthy
+        if healthy:
+            worker.last_error = None
+        if self.metrics is not None:
+            self.metrics.worker_healthy.labels(worker.pool, worker.id).set(1 if healthy else 0)
+
+    # --- passive health: outlier ejection -------------------------------------------------------
+
+    def request_failed(self, worker: Worker, reason: str) -> None:
+        """A request failed on the worker's side (5xx, timeout, broken answer)."""
         worker.consecutive_failures += 1
         worker.last_error = reason
-        if worker.consecutive_failures >= unhealthy_after:
-            worker.healthy = False
-
-    def mark_success(self, worker: Worker) -> None:
+        # Half-open after an ejection: a single failure is enough to eject again.
+        threshold = 1 if worker.ejections else self.health.passive_failures
+        if worker.consecutive_failures < threshold:
+            return
+        seconds = min(self.health.ejection_base * 2 ** worker.ejections, self.health.ejection_max)
+        worker.ejected_until = self.clock() + seconds
+        worker.ejections += 1
         worker.consecutive_failures = 0
-        worker.healthy = True
-        worker.last_error = None
+        log.warning("worker %s ejected for %.1fs after %d consecutive failures (%s)", worker.id, seconds,
+                    self.health.passive_failures, reason)
+        if self.metrics is not None:
+            self.metrics.ejections.labels(worker.pool, worker.id).inc()
+
+    def request_succeeded(self, worker: Worker) -> None:
+        """A request succeeded: the failure streak and the ejection back-off start over."""
+        worker.consecutive_failures = 0
+        worker.ejections = 0
+
+    def throttled(self, worker: Worker, retry_after: float | None) -> None:
+        """A 429: no new requests to this worker for `retry_after` seconds (1 s when not given)."""
+        worker.busy_until = self.clock() + (DEFAULT_RETRY_AFTER_S if retry_after is None else retry_after)
 
     def unready_pools(self) -> list[str]:
-        """Pools with no healthy worker."""
-        return [name for name, workers in self.pools.items() if not any(w.healthy for w in workers)]
+        """Pools with no healthy, non-ejected worker."""
+        now = self.clock()
+        return [name for name, workers in self.pools.items()
+                if not any(w.healthy and w.ejected_until <= now for w in workers)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from gateway.backends.engines import EngineSpec
@@ -12,8 +13,9 @@ class Worker:
     """One engine server. `id` (`pool/index`) is what headers, logs and metric labels show.
 
     Mutable state is owned by the app's WorkerRegistry and touched only on the event loop:
-    `in_flight` counts this replica's open upstream requests; `healthy` is the last verdict of
-    probes and passive failures.
+    `in_flight` counts this replica's open upstream requests; `healthy` is the verdict of probes
+    and refused connections; `ejected_until` / `busy_until` (monotonic seconds) keep an outlier
+    or a worker that answered 429 out of new requests until then.
     """
 
     pool: str
@@ -23,6 +25,10 @@ class Worker:
     healthy: bool = True
     in_flight: int = 0
     consecutive_failures: int = 0
+    failed_probes: int = 0
+    ejections: int = 0
+    ejected_until: float = 0.0
+    busy_until: float = 0.0
     last_error: str | None = None
     engine_running: float | None = None
     engine_waiting: float | None = None
@@ -47,4 +53,5 @@ class Worker:
         """A JSON-able view for /ready and admin listings."""
         return {"id": self.id, "url": self.url, "engine": self.engine.kind, "healthy": self.healthy,
                 "in_flight": self.in_flight, "load": self.load(), "engine_running": self.engine_running,
-                "engine_waiting": self.engine_waiting, "kv_usage": self.kv_usage, "last_error": self.last_error}
+                "engine_waiting": self.engine_waiting, "kv_usage": self.kv_usage, "ejections": self.ejections,
+                "ejected": self.ejected_until > time.monotonic(), "last_error": self.last_error}

@@ -4,8 +4,6 @@ through Redis, and a Redis that dies and comes back costs affinity, never reques
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,7 +14,7 @@ import openai
 import pytest
 import redis
 
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import OwnRedis, RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -88,36 +86,6 @@ def test_two_gateway_replicas_agree_through_redis(four_workers: list[RunningSim]
         client.close()
 
 
-@pytest.fixture
-def own_redis(unused_port: int) -> Iterator[Callable[[], subprocess.Popen[bytes]]]:
-    """Starts (and restarts) a private redis-server on a free port; the test may kill it."""
-    binary = shutil.which("redis-server")
-    assert binary, "redis-server must be installed"
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([binary, "--port", str(unused_port), "--bind", "127.0.0.1", "--save", "",
-                                 "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(proc)
-        client = redis.Redis(port=unused_port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        client.close()
-        return proc
-
-    start.port = unused_port  # type: ignore[attr-defined]
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
 def _lookups(gw: RunningGateway, result: str) -> float:
     for line in httpx.get(gw.url + "/metrics").text.splitlines():
         if line.startswith(f'kimi_gateway_affinity_lookups_total{{pool="p",result="{result}"}}'):
@@ -126,10 +94,8 @@ def _lookups(gw: RunningGateway, result: str) -> float:
 
 
 def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: StartGateway,
-                                own_redis: Callable[[], subprocess.Popen[bytes]], shared_data: Path) -> None:
-    proc = own_redis()
-    port = own_redis.port  # type: ignore[attr-defined]
-    gw = start_gateway([affinity_pool(four_workers)], redis_url=f"redis://127.0.0.1:{port}/0",
+                                own_redis: OwnRedis, shared_data: Path) -> None:
+    gw = start_gateway([affinity_pool(four_workers)], redis_url=own_redis.url,
                        affinity={"retry_after": 0.3, "lookup_timeout": 0.2}, load={"enabled": False})
     conversations = [list(conversation_turns(t, "Answer. " * 50)) for t in mt_bench(shared_data, 12)]
 
@@ -142,8 +108,7 @@ def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: S
     w1, w2, reason = turn_pair(conversations[0])
     assert (w2, reason) == (w1, "affinity")
 
-    proc.kill()
-    proc.wait()
+    own_redis.kill()
     for conversation in conversations[1:5]:   # every request still succeeds, without affinity
         _, _, reason = turn_pair(conversation)
         assert reason == "no_match"
@@ -151,7 +116,7 @@ def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: S
     errors = httpx.get(gw.url + "/metrics").text
     assert 'kimi_gateway_redis_errors_total{op="lookup"}' in errors
 
-    own_redis()                               # Redis is back (empty): affinity resumes by itself
+    own_redis.start()                         # Redis is back (empty): affinity resumes by itself
     time.sleep(0.4)
     hits_before = _lookups(gw, "hit")
     for conversation in conversations[5:8]:

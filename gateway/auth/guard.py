@@ -1,0 +1,111 @@
+"""`AuthGuard`: what the request path asks about the caller — who is it, may it, is it within quota.
+
+Built once in `AppState` when `auth.enabled`; None otherwise (everything is open). The errors are
+OpenAI's (https://platform.openai.com/docs/guides/error-codes):
+
+- 401 `invalid_api_key` for a missing, malformed or unknown key (type `invalid_request_error`, as OpenAI);
+- 403 `insufficient_permissions` for a key without the scope a route needs;
+- 429 `rate_limit_exceeded`, `type` `requests` or `tokens` as OpenAI sends it, with `Retry-After`
+  (seconds) and OpenAI's wording ("Rate limit reached ... on tokens per min (TPM): Limit L, Used U,
+  Requested R. Please try again in Ns."); a request larger than its key's whole token limit gets
+  OpenAI's "Request too large" 429 with `x-should-retry: false` (the OpenAI SDKs then do not retry);
+- 503 `rate_limit_unavailable` with `Retry-After` when Redis cannot answer and `fail_mode: closed`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token
+from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
+from gateway.auth.redis_limits import RedisRateLimiter
+from gateway.config import AuthConfig, GatewayConfig
+from gateway.errors import InvalidApiKey, PermissionDenied, RateLimited, RateLimitUnavailable
+from gateway.metrics import GatewayMetrics
+
+MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
+               "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+WRONG_KEY = "Incorrect API key provided."  # never echo the key, not even masked
+PER_MIN = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
+
+
+class AuthGuard:
+    """Authentication (key ring), authorization (scopes) and per-key quotas (a rate limiter)."""
+
+    def __init__(self, config: AuthConfig, keys: KeyRing, limiter: RateLimiter, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.keys = keys
+        self.limiter = limiter
+        self.metrics = metrics
+
+    @classmethod
+    def build(cls, config: GatewayConfig, metrics: GatewayMetrics) -> AuthGuard | None:
+        """The guard for `config` (no I/O): limits in Redis when `redis_url` is set, else in-process.
+        None when auth is disabled."""
+        auth = config.auth
+        if not auth.enabled:
+            return None
+        limiter: RateLimiter = (RedisRateLimiter(config.redis_url, auth, metrics) if config.redis_url
+                                else MemoryRateLimiter())
+        return cls(auth, KeyRing(auth.keys), limiter, metrics)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal of an `Authorization` header value. Raises InvalidApiKey (401)."""
+        token = bearer_token(authorization)
+        if token is None:
+            self.metrics.auth_failures.labels("missing").inc()
+            raise InvalidApiKey(MISSING_KEY, headers={"www-authenticate": "Bearer"})
+        principal = self.keys.lookup(token)
+        if principal is None:
+            self.metrics.auth_failures.labels("invalid").inc()
+            raise InvalidApiKey(WRONG_KEY, headers={"www-authenticate": 'Bearer error="invalid_token"'})
+        return principal
+
+    def authorize(self, principal: Principal, scope: Scope) -> None:
+        """Raises PermissionDenied (403) unless the principal has `scope`."""
+        if not principal.has(scope):
+            self.metrics.auth_failures.labels("forbidden").inc()
+            raise PermissionDenied(f"You have insufficient permissions for this operation. Missing scope: {scope}.")
+
+    async def check_quota(self, principal: Principal, tokens: int) -> None:
+        """Count one request of `tokens` tokens (estimated prompt + requested output) against the
+        key's limits. Raises RateLimited (429), or RateLimitUnavailable (503) when the limiter cannot
+        answer and `fail_mode` is `closed`; with `open` the request goes on."""
+        if not principal.limited:
+            return
+        verdict = await self.limiter.acquire(principal, tokens)
+        if verdict is None:
+            if self.config.fail_mode == "open":
+                self.metrics.rate_limit_unavailable.labels("allowed").inc()
+                return
+            self.metrics.rate_limit_unavailable.labels("refused").inc()
+            retry = max(1, math.ceil(self.config.redis_retry_after))
+            raise RateLimitUnavailable("Rate limits cannot be checked right now; please try again shortly.",
+                                       headers={"retry-after": str(retry)})
+        if verdict.allowed:
+            return
+        assert verdict.limit is not None
+        self.metrics.rate_limited.labels(principal.name, verdict.limit).inc()
+        raise rate_limited(principal, verdict)
+
+    async def start(self) -> None:
+        await self.limiter.start()
+
+    async def stop(self) -> None:
+        await self.limiter.stop()
+
+
+def rate_limited(principal: Principal, verdict: Verdict) -> RateLimited:
+    """The 429 for a refused verdict, worded as OpenAI words it."""
+    kind = verdict.limit or "requests"
+    what = f"for API key {principal.name} on {PER_MIN[kind]}"
+    if math.isinf(verdict.retry_after):
+        return RateLimited(
+            f"Request too large {what}: Limit {verdict.limit_value}, Requested {verdict.requested}. "
+            "The input or output tokens must be reduced in order to run successfully.",
+            kind, headers={"x-should-retry": "false"})
+    retry = max(1, math.ceil(verdict.retry_after))
+    return RateLimited(
+        f"Rate limit reached {what}: Limit {verdict.limit_value}, Used {verdict.used}, "
+        f"Requested {verdict.requested}. Please try again in {verdict.retry_after:.3g}s.",
+        kind, headers={"retry-after": str(retry)})

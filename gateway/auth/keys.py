@@ -1,0 +1,84 @@
+"""API keys: hashing, the key ring (SHA-256 → Principal), and the bearer token of a request.
+
+The config holds only the hex SHA-256 of each key (`kimi-gateway hash-key KEY` prints it); the
+gateway never stores, logs or forwards a client's key.
+
+Lookup is a dict keyed by the SHA-256 of the presented key, not a constant-time comparison of
+secrets, and that is safe: a timing side channel in the dict lookup (Python's string hash and
+equality check) can only leak information about the *hash* of the presented key compared with
+the stored hashes. To turn that into a key an attacker would have to pick keys whose SHA-256 has a
+chosen prefix (a preimage search) and, even knowing a stored hash completely, invert SHA-256 of a
+random secret. Both are infeasible for high-entropy keys, which is why plain SHA-256 (fast, one per
+request) is the right hash here and a slow password hash (bcrypt, argon2) would only add latency:
+keys must be random (≥ 128 bits, e.g. `python -c "import secrets; print('sk-' + secrets.token_urlsafe(32))"`),
+never passwords a person chose. GitHub and Stripe store their API tokens the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.config import ApiKeyConfig
+
+Scope = Literal["user", "admin"]
+"""`user` may call `/v1/*`; `admin` may call admin routes (see `middleware.require_scope`)."""
+
+MIN_KEY_CHARS = 32  # `hash-key` warns below this: a short key is guessable from its hash
+
+
+def hash_key(key: str) -> str:
+    """The lowercase hex SHA-256 of the key's UTF-8 bytes (64 characters)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is calling: the key's configured name (never the key), its scopes and its limits.
+
+    `requests_per_minute` and `tokens_per_minute` are None when that limit is off.
+    """
+
+    name: str
+    scopes: frozenset[str]
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def has(self, scope: Scope) -> bool:
+        return scope in self.scopes
+
+    @property
+    def limited(self) -> bool:
+        """True when at least one rate limit applies to this key."""
+        return self.requests_per_minute is not None or self.tokens_per_minute is not None
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header value; None when absent, empty or
+    another scheme. The scheme is case-insensitive (RFC 9110 §11.1)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    token = token.strip()
+    return token or None
+
+
+class KeyRing:
+    """The configured keys, looked up by the SHA-256 of the presented key (see the module docstring)."""
+
+    def __init__(self, keys: Iterable[ApiKeyConfig]) -> None:
+        self._by_hash: dict[str, Principal] = {
+            key.sha256: Principal(key.name, frozenset(key.scopes), key.requests_per_minute, key.tokens_per_minute)
+            for key in keys
+        }
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, key: str) -> Principal | None:
+        """The principal of `key`, or None when no configured key has its hash."""
+        return self._by_hash.get(hash_key(key))

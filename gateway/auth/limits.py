@@ -1,0 +1,171 @@
+"""Per-key rate limits: the sliding-window rule, the `RateLimiter` interface, the in-process limiter.
+
+Two limits per key, both per minute: requests (`requests_per_minute`, each request costs 1) and
+tokens (`tokens_per_minute`, each request costs its estimated prompt tokens + the output tokens it
+asked for, else the first fitting pool's `default_output_tokens`). Like OpenAI, tokens are counted
+up front from the request and never refunded from the actual usage
+(https://platform.openai.com/docs/guides/rate-limits: "your rate limit is calculated as the
+maximum of max_tokens and the estimated number of tokens based on the character count").
+
+Algorithm: a *sliding window counter* (the approximation Cloudflare and nginx-style limiters use).
+Time is cut into fixed one-minute windows; the use over the last 60 s is estimated as
+
+    previous window's count * (share of it still inside the last 60 s) + current window's count
+
+A request passes only if that estimate + its cost stays within the limit, and then both of its
+costs are added (a refused request costs nothing, so the Retry-After it gets stays true). Why this
+and not the alternatives:
+
+- a plain fixed window lets a client spend twice its limit across a window edge (all at 0:59, all
+  again at 1:00); the weighted previous window smooths the edge away;
+- a token bucket (GCRA) lets a full bucket plus a minute of refill through in the first minute,
+  also up to twice the limit "per minute";
+- an exact sliding log stores every request (unbounded per key) — here the state is five numbers
+  per key, one small Redis hash, updated in one round trip.
+
+The estimate assumes the previous window's use was spread evenly; the error is small in practice
+(Cloudflare measured 0.003 % of requests wrongly allowed or refused) and never lets through more
+than the limit within one fixed window. Retry-After is the exact time until the request would fit
+if no other traffic arrived (a lower bound when the key keeps sending).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from gateway.auth.keys import Principal
+
+WINDOW_S = 60.0
+"""The window of `requests_per_minute` / `tokens_per_minute`, seconds. Limiters take another only in tests."""
+
+LimitKind = Literal["requests", "tokens"]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One quota decision.
+
+    When refused: the limit that refused it (`requests` or `tokens`), that limit's value per window,
+    the estimated use of the last window before this request (`used`), what this request needed
+    (`requested`), and `retry_after`, seconds until it would fit (`math.inf`: never — the request
+    alone is larger than the limit).
+    """
+
+    allowed: bool
+    limit: LimitKind | None = None
+    limit_value: int = 0
+    used: int = 0
+    requested: int = 0
+    retry_after: float = 0.0
+
+
+ALLOWED = Verdict(True)
+
+
+def wait_seconds(limit: int | None, prev: float, cur: float, cost: int, elapsed: float, window: float) -> float:
+    """Seconds until `cost` more fits under `limit` in the sliding window: 0 when it fits now,
+    `math.inf` when it never will (`cost > limit`), 0 when there is no limit.
+
+    `cur` is the use in the current fixed window, which started `elapsed` seconds ago, `prev` the use
+    in the window before. `redis_limits.LUA` computes exactly this in milliseconds; keep them equal.
+    """
+    if limit is None:
+        return 0.0
+    if cost > limit:
+        return math.inf
+    if prev * (window - elapsed) / window + cur + cost <= limit:
+        return 0.0
+    if cur + cost <= limit:  # fits in this window once enough of the previous one slid out (prev > 0)
+        return window - window * (limit - cur - cost) / prev - elapsed
+    # Only in the next window, where this window's use becomes the previous one (cur > 0 here).
+    return (window - elapsed) + max(0.0, window - window * (limit - cost) / cur)
+
+
+def decide(principal: Principal, tokens: int, prev: tuple[float, float], cur: tuple[float, float],
+           elapsed: float, window: float) -> Verdict:
+    """The verdict for one request of `tokens` tokens, given (requests, tokens) used in the previous
+    and the current window. When both limits refuse, the one with the longer wait is reported."""
+    worst = ALLOWED
+    checks: tuple[tuple[LimitKind, int | None, int], ...] = (
+        ("requests", principal.requests_per_minute, 1), ("tokens", principal.tokens_per_minute, tokens))
+    for i, (kind, limit, cost) in enumerate(checks):
+        wait = wait_seconds(limit, prev[i], cur[i], cost, elapsed, window)
+        if wait > 0 and wait > worst.retry_after:
+            used = math.floor(prev[i] * (window - elapsed) / window + cur[i])
+            worst = Verdict(False, kind, limit or 0, used, cost, wait)
+    return worst
+
+
+class RateLimiter(Protocol):
+    """Per-key request and token limits. Implementations never raise from `acquire`."""
+
+    async def acquire(self, principal: Principal, tokens: int) -> Verdict | None:
+        """Check one request of `tokens` tokens against the key's limits and, if it passes, count it.
+
+        None when the limiter could not answer (Redis down, timed out, circuit open: the
+        implementation counts it); the caller then fails open or closed as configured.
+        """
+        ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _Windows:
+    """One key's use: the current fixed window's number and (requests, tokens) in it and the one before."""
+
+    index: int
+    requests: float = 0.0
+    tokens: float = 0.0
+    prev_requests: float = 0.0
+    prev_tokens: float = 0.0
+
+    def roll(self, index: int) -> None:
+        if index == self.index:
+            return
+        if index == self.index + 1:
+            self.prev_requests, self.prev_tokens = self.requests, self.tokens
+        else:
+            self.prev_requests = self.prev_tokens = 0.0
+        self.requests = self.tokens = 0.0
+        self.index = index
+
+
+class MemoryRateLimiter:
+    """The limiter for a single replica (no `redis_url`): one `_Windows` per key name.
+
+    Bounded by the number of configured keys. `clock` (seconds) and `window_s` are for tests.
+    Never fails, so it never returns None.
+    """
+
+    def __init__(self, window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window = window_s
+        self._clock = clock
+        self._keys: dict[str, _Windows] = {}
+
+    async def acquire(self, principal: Principal, tokens: int) -> Verdict:
+        now = self._clock()
+        index = math.floor(now / self.window)
+        elapsed = now - index * self.window
+        windows = self._keys.get(principal.name)
+        if windows is None:
+            windows = self._keys[principal.name] = _Windows(index)
+        windows.roll(index)
+        verdict = decide(principal, tokens, (windows.prev_requests, windows.prev_tokens),
+                         (windows.requests, windows.tokens), elapsed, self.window)
+        if verdict.allowed:
+            windows.requests += 1
+            windows.tokens += tokens
+        return verdict
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        self._keys.clear()

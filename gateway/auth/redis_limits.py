@@ -1,0 +1,153 @@
+"""Per-key rate limits in Redis, shared by every gateway replica (the rule: `limits.py`).
+
+Key layout: one hash per API key, `{key_prefix}:{key name}` (the configured name, never the key),
+with five fields: `w` (the current one-minute window's number, Redis time ÷ 60 s), `r` and `t`
+(requests and tokens counted in it), `pr` and `pt` (the same in the window before). It expires two
+windows after its last write, so an idle key costs nothing and the store holds at most one hash per
+configured key (~150 bytes each).
+
+Cost: one EVALSHA per limited request — HMGET + HSET + PEXPIRE of that one key inside a Lua script,
+so the check and the count are atomic across replicas, in one round trip. At 1,000 requests/s
+that is 1,000 small scripts/s, a few percent of one Redis core. The script reads Redis' own clock
+(`TIME`), so replicas whose clocks disagree still agree on the windows. One key per script call
+keeps it valid on Redis Cluster.
+
+Failure policy (like the affinity store): a hard timeout per call (`auth.redis_timeout`); any error
+or timeout returns None (the guard then fails open or closed, `auth.fail_mode`), is counted in
+`kimi_gateway_redis_errors_total{op="rate_limit"}`, logged at most once per 10 s, and Redis is
+skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from gateway.auth.keys import Principal
+from gateway.auth.limits import ALLOWED, WINDOW_S, LimitKind, Verdict
+from gateway.config import AuthConfig
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway.auth")
+
+LOG_EVERY_S = 10.0
+
+# KEYS[1]: the key's hash. ARGV: window (ms), requests limit, tokens limit (-1: no limit), tokens,
+# and optionally the time in ms (tests compare the script with limits.py on one clock; the gateway
+# never passes it, so the script reads Redis' clock).
+# Returns {allowed 0/1, wait ms (-1: never), limit kind, limit, used, requested}.
+# `wait` is limits.wait_seconds in milliseconds: keep the two equal.
+LUA = """
+if redis.replicate_commands then redis.replicate_commands() end
+local now_ms = tonumber(ARGV[5])
+if not now_ms then
+  local now = redis.call('TIME')
+  now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+end
+local window = tonumber(ARGV[1])
+local index = math.floor(now_ms / window)
+local elapsed = now_ms - index * window
+local s = redis.call('HMGET', KEYS[1], 'w', 'r', 't', 'pr', 'pt')
+local r, t = tonumber(s[2]) or 0, tonumber(s[3]) or 0
+local pr, pt = tonumber(s[4]) or 0, tonumber(s[5]) or 0
+local w = tonumber(s[1])
+if w ~= index then
+  if w == index - 1 then pr, pt = r, t else pr, pt = 0, 0 end
+  r, t = 0, 0
+end
+local function wait(limit, prev, cur, cost)
+  if limit < 0 then return 0 end
+  if cost > limit then return math.huge end
+  if prev * (window - elapsed) / window + cur + cost <= limit then return 0 end
+  if cur + cost <= limit then return window - window * (limit - cur - cost) / prev - elapsed end
+  return (window - elapsed) + math.max(0, window - window * (limit - cost) / cur)
+end
+local tokens = tonumber(ARGV[4])
+local checks = {{'requests', tonumber(ARGV[2]), pr, r, 1}, {'tokens', tonumber(ARGV[3]), pt, t, tokens}}
+local worst, kind, limit, used, requested = 0, '', 0, 0, 0
+for _, c in ipairs(checks) do
+  local ms = wait(c[2], c[3], c[4], c[5])
+  if ms > 0 and ms > worst then
+    worst, kind, limit, requested = ms, c[1], c[2], c[5]
+    used = math.floor(c[3] * (window - elapsed) / window + c[4])
+  end
+end
+if worst > 0 then
+  if worst == math.huge then worst = -1 else worst = math.ceil(worst) end
+  return {0, worst, kind, limit, used, requested}
+end
+redis.call('HSET', KEYS[1], 'w', index, 'r', r + 1, 't', t + tokens, 'pr', pr, 'pt', pt)
+redis.call('PEXPIRE', KEYS[1], 2 * window)
+return {1, 0, '', 0, 0, 0}
+"""
+
+
+class RedisRateLimiter:
+    """The shared limiter. Construction does no I/O: an unreachable Redis never blocks start-up.
+
+    `window_s` is the window of the per-minute limits; only tests change it.
+    """
+
+    def __init__(self, url: str, config: AuthConfig, metrics: GatewayMetrics, window_s: float = WINDOW_S) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.window_ms = round(window_s * 1000)
+        self.redis = aioredis.Redis.from_url(
+            url, socket_connect_timeout=max(config.redis_timeout, 0.25), socket_timeout=1.0,
+            retry=Retry(NoBackoff(), 0), max_connections=128, health_check_interval=0,
+        )
+        self._script = self.redis.register_script(LUA)
+        self._skip_until = 0.0
+        self._last_log = 0.0
+
+    def key(self, name: str) -> str:
+        """The Redis key of the API key called `name` (its configured name, not the key)."""
+        return f"{self.config.key_prefix}:{name}"
+
+    @property
+    def available(self) -> bool:
+        """False while the circuit breaker skips Redis after an error."""
+        return time.monotonic() >= self._skip_until
+
+    def _failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self._skip_until = now + self.config.redis_retry_after
+        self.metrics.redis_errors.labels("rate_limit").inc()
+        if now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            log.warning("redis rate limit check failed (%s: %s); failing %s for %.1fs", type(exc).__name__, exc,
+                        self.config.fail_mode, self.config.redis_retry_after)
+
+    async def acquire(self, principal: Principal, tokens: int) -> Verdict | None:
+        if not self.available:
+            return None
+        rpm, tpm = principal.requests_per_minute, principal.tokens_per_minute
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.config.redis_timeout):
+                reply = await self._script(keys=[self.key(principal.name)],
+                                           args=[self.window_ms, -1 if rpm is None else rpm,
+                                                 -1 if tpm is None else tpm, tokens])
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(exc)
+            return None
+        self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
+        allowed, wait_ms, kind, limit, used, requested = reply
+        if allowed:
+            return ALLOWED
+        retry_after = math.inf if wait_ms < 0 else wait_ms / 1000
+        limit_kind: LimitKind = "tokens" if kind in (b"tokens", "tokens") else "requests"
+        return Verdict(False, limit_kind, int(limit), int(used), int(requested), retry_after)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        await self.redis.aclose()

@@ -1,0 +1,205 @@
+"""Graceful shutdown for `kimi-gateway serve`: drain readiness, stop listening, let streams finish.
+
+On the first SIGTERM (or SIGINT), with `shutdown:` from the config:
+
+1. `on_drain()` runs at once: the gateway's `/ready` answers 503 (`"draining": true`). The listener
+   stays open for `drain_delay` seconds and new requests are still served normally: the load
+   balancer has not noticed yet, and refusing them would fail requests it still sends here.
+2. uvicorn's shutdown: the listener closes (new connections are refused), idle keep-alive
+   connections are closed, busy ones are closed once their response is complete.
+3. In-flight requests may run for `grace_period` seconds more.
+4. Then `ShutdownGuard.hang_up()`: every request still running is told its client disconnected,
+   so the proxy does what it does for a client that hung up: cancels the work or the relay and
+   closes the upstream response (the engine aborts the request). The guard ends the client's
+   response properly: a 503 OpenAI error if nothing was sent yet, else one SSE error event and
+   the end of the stream (no `data: [DONE]`).
+5. The app's lifespan ends (AppState.stop closes the upstream client); the process exits 0.
+
+Why not uvicorn's own `timeout_graceful_shutdown` cancellation for step 4: it cancels the ASGI
+task only. The proxy's work and pump tasks (awaited with `asyncio.wait`, which does not pass a
+cancellation on) keep running: a request still in prefill gets a text/plain 500 while its upstream
+stays open until the client is closed, and every cut stream logs an "Exception in ASGI
+application" traceback. It remains as a backstop, `HANG_UP_BACKSTOP_S` after the hang-up.
+
+A second signal skips what is left of the drain delay; a third stops waiting for in-flight
+requests (uvicorn's force exit: no lifespan shutdown; the OS closes the connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from gateway.config import ShutdownConfig
+from gateway.errors import NoCapacity
+from gateway.protocol.sse import sse_error_event
+from gateway.server import uvicorn_config
+
+log = logging.getLogger("gateway.lifecycle")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+HANG_UP_BACKSTOP_S = 2.0
+"""Seconds after the hang-up before uvicorn cancels what is still running (e.g. a body upload)."""
+
+SHUTDOWN_MESSAGE = "The gateway is shutting down"
+DISCONNECT: Message = {"type": "http.disconnect"}
+
+
+class _ResponseWatch:
+    """Wraps `send` to know whether the response started, ended, and is an SSE stream."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.complete = False
+        self.sse = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.sse = any(name.lower() == b"content-type" and value.startswith(b"text/event-stream")
+                           for name, value in message.get("headers", ()))
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+        await self._send(message)
+
+
+class ShutdownGuard:
+    """ASGI middleware: at the end of the grace period, hang up on the requests still running.
+
+    After `hang_up()`, a request that has read its whole body and waits for the client's
+    disconnect (the proxy always does) receives `http.disconnect`. Once the app returns, an
+    unfinished response is ended here: a 503 `shutting_down` error if nothing was sent, one SSE
+    error event and the end of the body for a stream. A request still uploading its body is left
+    to uvicorn's backstop cancellation (it has no upstream yet).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._hung_up = asyncio.Event()
+
+    @property
+    def hung_up(self) -> bool:
+        return self._hung_up.is_set()
+
+    def hang_up(self) -> None:
+        """Tell every in-flight request (and any later one) that its client disconnected."""
+        self._hung_up.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        response = _ResponseWatch(send)
+        await self.app(scope, self._guard(receive), response.send)
+        if self.hung_up and not response.complete:
+            with contextlib.suppress(OSError):  # the client may be gone for real
+                await self._finish(response)
+
+    def _guard(self, receive: Receive) -> Receive:
+        body_done = False
+
+        async def guarded() -> Message:
+            nonlocal body_done
+            if not body_done:  # body messages pass straight through: no extra tasks per chunk
+                message = await receive()
+                body_done = message["type"] != "http.request" or not message.get("more_body", False)
+                return message
+            if self.hung_up:
+                return DISCONNECT
+            incoming = asyncio.ensure_future(receive())
+            hang_up = asyncio.ensure_future(self._hung_up.wait())
+            try:
+                await asyncio.wait((incoming, hang_up), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                hang_up.cancel()
+                if not incoming.done():
+                    incoming.cancel()
+            return incoming.result() if incoming.done() and not incoming.cancelled() else DISCONNECT
+
+        return guarded
+
+    @staticmethod
+    async def _finish(response: _ResponseWatch) -> None:
+        if not response.started:
+            error = NoCapacity(f"{SHUTDOWN_MESSAGE}; retry the request.", code="shutting_down")
+            body = error.to_bytes()
+            await response.send({"type": "http.response.start", "status": error.status, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            await response.send({"type": "http.response.body", "body": body, "more_body": False})
+        elif response.sse:
+            event = sse_error_event(f"{SHUTDOWN_MESSAGE}; the response is incomplete.", code="shutting_down")
+            await response.send({"type": "http.response.body", "body": event, "more_body": True})
+            await response.send({"type": "http.response.body", "body": b"", "more_body": False})
+        # A started non-SSE body is left unfinished: uvicorn closes the connection, so the client
+        # sees a cut response rather than a truncated one that looks whole.
+
+
+class GracefulServer(uvicorn.Server):
+    """A uvicorn server for `app` that shuts down in the order of this module's docstring.
+
+    `on_drain` is called from the signal handler (keep it to attribute writes). Signals are
+    handled in the main thread only (uvicorn's rule); elsewhere set `should_exit` to stop.
+    """
+
+    def __init__(self, app: ASGIApp, host: str, port: int, shutdown: ShutdownConfig,
+                 on_drain: Callable[[], None], **uvicorn_kwargs: Any) -> None:
+        self.guard = ShutdownGuard(app)
+        self.shutdown_config = shutdown
+        super().__init__(uvicorn_config(self.guard, host, port, **uvicorn_kwargs,
+                                        timeout_graceful_shutdown=shutdown.grace_period + HANG_UP_BACKSTOP_S))
+        self._on_drain = on_drain
+        self.drain_deadline: float | None = None
+        """`time.monotonic()` seconds at which the listener closes; None until a signal arrived."""
+        self._drain_logged = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not super().handle_exit: uvicorn records the signal and re-raises it once serve() has
+        # returned, so a completed drain would still end the process by SIGTERM (status -15 / 143)
+        # instead of a clean 0. Runs as a signal handler: attribute writes only, no logging.
+        if self.drain_deadline is None and not self.should_exit:
+            self.drain_deadline = time.monotonic() + self.shutdown_config.drain_delay
+            self._on_drain()
+        elif not self.should_exit:
+            self.should_exit = True  # second signal: close the listener now
+        else:
+            self.force_exit = True  # third: stop waiting for in-flight requests
+
+    async def on_tick(self, counter: int) -> bool:
+        # uvicorn's main loop ticks every 0.1 s: the drain delay is kept to that precision.
+        if self.drain_deadline is not None and not self.should_exit:
+            if not self._drain_logged:
+                self._drain_logged = True
+                log.info("shutdown: draining (/ready answers 503); the listener closes in %.1f s",
+                         self.shutdown_config.drain_delay)
+            if time.monotonic() >= self.drain_deadline:
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace = self.shutdown_config.grace_period
+        log.info("shutdown: listener closing; in-flight requests have %.1f s", grace)
+        timer = asyncio.get_running_loop().call_later(grace, self._hang_up)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _hang_up(self) -> None:
+        running = len(self.server_state.tasks)
+        if running:
+            log.warning("shutdown: grace period over; ending %d request(s) still running", running)
+        self.guard.hang_up()

@@ -1,0 +1,126 @@
+"""The same limiter contract for the in-process and the Redis limiter (a real Redis at 127.0.0.1:6379,
+own key prefix), on a 1-second window so that time-based behaviour runs in real time."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.auth.keys import Principal
+from gateway.auth.limits import MemoryRateLimiter, RateLimiter
+from gateway.auth.redis_limits import RedisRateLimiter
+from gateway.config import AuthConfig
+from gateway.metrics import GatewayMetrics
+from tests.integration.auth.conftest import REDIS_URL
+
+WINDOW_S = 1.0
+
+
+def key(rpm: int | None = None, tpm: int | None = None, name: str = "alice") -> Principal:
+    return Principal(name, frozenset({"user"}), rpm, tpm)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def limiter(request: pytest.FixtureRequest, key_prefix: str) -> AsyncIterator[RateLimiter]:
+    lim: RateLimiter
+    if request.param == "memory":
+        lim = MemoryRateLimiter(window_s=WINDOW_S)
+    else:
+        lim = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=key_prefix, redis_timeout=0.5), GatewayMetrics(),
+                               window_s=WINDOW_S)
+    await lim.start()
+    yield lim
+    await lim.stop()
+
+
+@pytest.mark.anyio
+async def test_request_limit_then_retry_after(limiter: RateLimiter) -> None:
+    alice = key(rpm=2)
+    for _ in range(2):
+        assert (await limiter.acquire(alice, 5)).allowed
+    refused = await limiter.acquire(alice, 5)
+    assert refused is not None and not refused.allowed
+    assert (refused.limit, refused.limit_value, refused.used, refused.requested) == ("requests", 2, 2, 1)
+    assert 0 < refused.retry_after <= 2 * WINDOW_S
+    await asyncio.sleep(refused.retry_after + 0.01)
+    assert (await limiter.acquire(alice, 5)).allowed
+
+
+@pytest.mark.anyio
+async def test_token_limit_refusals_cost_nothing(limiter: RateLimiter) -> None:
+    alice, bob = key(tpm=100), key(tpm=100, name="bob")
+    assert (await limiter.acquire(alice, 60)).allowed
+    refused = await limiter.acquire(alice, 60)
+    assert refused is not None and (refused.allowed, refused.limit, refused.used) == (False, "tokens", 60)
+    assert (await limiter.acquire(alice, 40)).allowed
+    assert (await limiter.acquire(bob, 100)).allowed  # keys are independent
+    too_large = await limiter.acquire(alice, 101)
+    assert too_large is not None and math.isinf(too_large.retry_after)
+
+
+@pytest.mark.anyio
+async def test_redis_key_layout(key_prefix: str) -> None:
+    limiter = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=key_prefix, redis_timeout=0.5), GatewayMetrics())
+    try:
+        assert (await limiter.acquire(key(rpm=10, tpm=1000), 123)).allowed
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        fields = await client.hgetall(f"{key_prefix}:alice")
+        ttl_ms = await client.pttl(f"{key_prefix}:alice")
+        now_s, _ = await client.time()
+        await client.aclose()
+        assert {k: fields[k] for k in ("r", "t", "pr", "pt")} == {"r": "1", "t": "123", "pr": "0", "pt": "0"}
+        assert int(fields["w"]) in (now_s // 60, now_s // 60 - 1)
+        assert 0 < ttl_ms <= 120_000
+    finally:
+        await limiter.stop()
+
+
+@pytest.mark.anyio
+async def test_unreachable_redis_answers_none_fast(unused_port: int) -> None:
+    metrics = GatewayMetrics()
+    limiter = RedisRateLimiter(f"redis://127.0.0.1:{unused_port}/0", AuthConfig(redis_retry_after=5), metrics)
+    try:
+        started = time.monotonic()
+        assert await limiter.acquire(key(rpm=1), 1) is None
+        assert await limiter.acquire(key(rpm=1), 1) is None  # the breaker skips Redis: no new connect
+        assert time.monotonic() - started < 1
+        assert metrics.redis_errors.labels("rate_limit")._value.get() == 1
+    finally:
+        await limiter.stop()
+
+
+@pytest.mark.anyio
+async def test_lua_script_equals_the_python_rule(key_prefix: str) -> None:
+    """Random traffic on one fake clock through the Lua script and through MemoryRateLimiter:
+    every verdict (allowed, limit, used, requested, retry-after to the millisecond) is the same."""
+    rng = random.Random(7)
+    clock_ms = [1_000_000_000_000]
+    memory = MemoryRateLimiter(window_s=60.0, clock=lambda: clock_ms[0] / 1000)
+    lua = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=key_prefix, redis_timeout=1.0), GatewayMetrics())
+    keys = [key(rpm=5, tpm=2000), key(rpm=None, tpm=500, name="bob"), key(rpm=3, tpm=None, name="carol")]
+    try:
+        for step in range(400):
+            clock_ms[0] += rng.choice([0, 10, 700, 3_000, 9_000, 25_000, 61_000])
+            principal = rng.choice(keys)
+            tokens = rng.choice([1, 50, 200, 499, 600])
+            expected = await memory.acquire(principal, tokens)
+            reply = await lua._script(keys=[lua.key(principal.name)], args=[
+                60_000, principal.requests_per_minute or -1, principal.tokens_per_minute or -1, tokens, clock_ms[0]])
+            allowed, wait_ms, kind, limit, used, requested = reply
+            assert bool(allowed) == expected.allowed, f"step {step}"
+            if not expected.allowed:
+                assert (kind.decode(), limit, used, requested) == (
+                    expected.limit, expected.limit_value, expected.used, expected.requested), f"step {step}"
+                if math.isinf(expected.retry_after):
+                    assert wait_ms == -1
+                else:
+                    # Lua works in whole milliseconds, Python in float seconds (~1e-7 s rounding here).
+                    assert abs(wait_ms - expected.retry_after * 1000) <= 1, f"step {step}"
+    finally:
+        await lua.stop()

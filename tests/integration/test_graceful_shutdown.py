@@ -1,0 +1,217 @@
+"""Graceful shutdown of a real `kimi-gateway serve` process on SIGTERM (gateway/lifecycle.py).
+
+The gateway runs as a subprocess (signals, exit status and the listener are the real ones); the
+simulated engines run in this process, so their request records show what the engine saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from gateway.config import parse_config
+from tests.support import REPO_ROOT, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
+STREAMS = 20
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class GatewayProcess:
+    """A `kimi-gateway serve` subprocess on a loopback port; its output goes to `log`."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def wait_exit(self, timeout: float) -> int:
+        """The exit status, polled without blocking the event loop; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"gateway still running after {timeout} s:\n{self.log_text()}"
+            await asyncio.sleep(0.02)
+        return self.proc.returncode
+
+
+StartGatewayProcess = Callable[..., GatewayProcess]
+
+
+@pytest.fixture
+def start_gateway_process(tmp_path: Path, unused_port: int) -> Iterator[StartGatewayProcess]:
+    """Factory: `start(pools, **top-level config)` → a serving gateway process (ready answers 200)."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(pools: list[dict[str, Any]], **settings: Any) -> GatewayProcess:
+        config = {"pools": pools, "health": {"interval": 0.5, "timeout": 1.0}, "log_level": "info", **settings}
+        config_path = tmp_path / "gateway.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        log = tmp_path / "gateway.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "-c", str(config_path),
+                                     "--port", str(unused_port)], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        gateway = GatewayProcess(proc, f"http://127.0.0.1:{unused_port}", log)
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, f"gateway exited with {proc.returncode}:\n{gateway.log_text()}"
+            assert time.monotonic() < deadline, f"gateway not ready after 20 s:\n{gateway.log_text()}"
+            try:
+                if httpx.get(gateway.url + "/ready").status_code == 200:
+                    return gateway
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def fresh_client() -> httpx.AsyncClient:
+    """A client that opens a new connection for every request (to see the listener itself)."""
+    return httpx.AsyncClient(timeout=5, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+async def read_stream(client: httpx.AsyncClient, url: str, max_tokens: int, flowing: asyncio.Event) -> bytes:
+    """The whole body of one streamed chat completion; sets `flowing` at its first bytes."""
+    body = {**CHAT, "stream": True, "max_tokens": max_tokens}
+    received = b""
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        async for chunk in response.aiter_raw():
+            received += chunk
+            flowing.set()
+    return received
+
+
+async def start_streams(url: str, client: httpx.AsyncClient, max_tokens: int) -> list[asyncio.Task[bytes]]:
+    """`STREAMS` concurrent streams, returned once every one of them has received bytes."""
+    flowing = [asyncio.Event() for _ in range(STREAMS)]
+    tasks = [asyncio.create_task(read_stream(client, url, max_tokens, event)) for event in flowing]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in flowing)), timeout=10)
+    return tasks
+
+
+async def within(seconds: float, check: Callable[[], Awaitable[bool]]) -> float:
+    """Poll `check` every 10 ms until it is True; the seconds it took. Fails after `seconds`."""
+    start = time.monotonic()
+    while not await check():
+        assert time.monotonic() - start < seconds, f"condition not met within {seconds} s"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+def last_event(stream: bytes) -> dict[str, Any]:
+    """The JSON of a stream's last `data:` event."""
+    events = [e for e in stream.split(b"\n\n") if e.startswith(b"data: ")]
+    return json.loads(events[-1].removeprefix(b"data: "))
+
+
+def test_shutdown_config_defaults_and_bounds() -> None:
+    pools = [pool("p", "vllm", ["http://127.0.0.1:9"], 131072)]
+    shutdown = parse_config({"pools": pools}, environ={}).shutdown
+    assert (shutdown.drain_delay, shutdown.grace_period) == (5.0, 30.0)
+    with pytest.raises(ValidationError, match=r"shutdown\.grace_period"):
+        parse_config({"pools": pools, "shutdown": {"grace_period": -1}}, environ={})
+
+
+@pytest.mark.anyio
+async def test_sigterm_drains_readiness_then_lets_in_flight_streams_finish(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
+    sim = start_sim("vllm", ttft_s=0.05, tpot_s=0.05)  # 60 tokens: ~3 s a stream
+    drain, grace = 1.0, 5.0
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)],
+                               shutdown={"drain_delay": drain, "grace_period": grace})
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=50)) as client, \
+            fresh_client() as probe:
+        streams = await start_streams(gw.url, client, max_tokens=60)
+        sigterm_at = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+
+        # 1. Readiness turns 503 first, while the listener is still open and the streams flow.
+        async def draining() -> bool:
+            response = await probe.get(gw.url + "/ready")
+            return response.status_code == 503 and response.json()["draining"] is True
+
+        await within(drain / 2, draining)
+        assert not any(s.done() for s in streams)
+        # Requests that still arrive during the drain delay are served normally.
+        assert (await probe.get(gw.url + "/health")).status_code == 200
+        late = await probe.post(gw.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 2})
+        assert late.status_code == 200 and late.json()["choices"][0]["message"]["content"]
+
+        # 2. After the drain delay the listener is closed: new connections are refused.
+        async def refused() -> bool:
+            try:
+                await probe.get(gw.url + "/health")
+            except httpx.ConnectError:
+                return True
+            except (httpx.ReadError, httpx.RemoteProtocolError):
+                return False  # accepted just as the listener closed, then closed by the server
+            return False
+
+        await within(drain + 1.0, refused)
+        assert time.monotonic() - sigterm_at >= drain - 0.05
+        assert not all(s.done() for s in streams), "streams keep flowing after the listener closed"
+
+        # 3. Every in-flight stream completes normally; then the process exits 0.
+        bodies = await asyncio.wait_for(asyncio.gather(*streams), timeout=grace)
+        assert all(body.endswith(DONE) and b'"error"' not in body for body in bodies)
+        assert await gw.wait_exit(timeout=drain + grace + 3 - (time.monotonic() - sigterm_at)) == 0
+    records = sim.engine.records
+    assert len(records) == STREAMS + 1 and all(r.completed and not r.aborted for r in records)
+    assert "Traceback" not in gw.log_text()
+
+
+@pytest.mark.anyio
+async def test_requests_past_the_grace_period_are_ended_and_aborted_upstream(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
+    sim = start_sim("vllm", ttft_s=0.05, tpot_s=0.1)  # 500 tokens: ~50 s a stream
+    drain, grace = 0.5, 1.0
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)],
+                               shutdown={"drain_delay": drain, "grace_period": grace})
+    async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=50)) as client:
+        streams = await start_streams(gw.url, client, max_tokens=500)
+        # One more request whose engine never answers: still waiting for its first byte at the end.
+        waiting = asyncio.create_task(client.post(gw.url + "/v1/chat/completions",
+                                                  json={**CHAT, "x_sim_faults": {"hang_before_headers": True}}))
+        await sim.engine.async_wait_for(lambda: len(sim.engine.records) == STREAMS + 1)
+        sigterm_at = time.monotonic()
+        gw.proc.send_signal(signal.SIGTERM)
+        assert await gw.wait_exit(timeout=drain + grace + 5) == 0
+        took = time.monotonic() - sigterm_at
+        assert drain + grace - 0.1 <= took <= drain + grace + 3
+        bodies = await asyncio.wait_for(asyncio.gather(*streams), timeout=5)
+        answer = await asyncio.wait_for(waiting, timeout=5)
+
+    # The clients' answers end cleanly, as incomplete: one SSE error event and no [DONE] ...
+    for body in bodies:
+        assert not body.endswith(DONE)
+        assert last_event(body)["error"]["code"] == "shutting_down"
+    # ... or a 503 the client may retry elsewhere when nothing had been sent yet.
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+    # Every engine request was aborted: no upstream request outlived the gateway.
+    records = await sim.engine.async_wait_for(lambda: sim.engine.records if all(
+        r.aborted for r in sim.engine.records) else None, timeout=5)
+    assert len(records) == STREAMS + 1 and not any(r.completed for r in records)
+    assert "Traceback" not in gw.log_text()

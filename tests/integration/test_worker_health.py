@@ -1,0 +1,65 @@
+"""Worker health against real simulated engines: ejection and re-admission, Retry-After, a
+deadlocked engine that accepts connections but never answers its health check."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+
+from gateway.sim.config import SimFaults
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def send(gw: RunningGateway) -> httpx.Response:
+    return httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+
+
+def test_burst_of_500s_ejects_then_the_worker_comes_back(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    flaky = start_sim("vllm", faults=SimFaults(fail_status=500, fail_count=3))
+    steady = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [flaky.url, steady.url], 131072, policy="round_robin")],
+                       health={"interval": 60, "passive_failures": 3, "ejection_base": 1.0})
+    for _ in range(6):  # every request succeeds: the failures fail over to the steady worker
+        assert send(gw).status_code == 200
+    assert len(flaky.engine.records) == 3
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'kimi_gateway_worker_ejections_total{pool="p",worker="p/0"} 1.0' in metrics
+    ejected = httpx.get(gw.url + "/ready").json()["pools"]["p"][0]
+    assert ejected["ejected"] is True and ejected["healthy"] is True
+    for _ in range(4):
+        assert send(gw).headers["x-kimi-gateway-worker"] == "p/1"
+    time.sleep(1.1)  # the ejection ends: half-open, and the fault has run out
+    workers = {send(gw).headers["x-kimi-gateway-worker"] for _ in range(4)}
+    assert workers == {"p/0", "p/1"}
+    assert httpx.get(gw.url + "/ready").json()["pools"]["p"][0]["ejections"] == 0
+
+
+def test_429_retry_after_is_respected_for_that_worker(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    busy = start_sim("vllm", faults=SimFaults(fail_status=429, fail_count=1, retry_after_s=1))
+    other = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [busy.url, other.url], 131072, policy="round_robin")],
+                       health={"interval": 60})
+    assert send(gw).headers["x-kimi-gateway-worker"] == "p/1"   # 429 from p/0, then p/1
+    for _ in range(4):                                          # p/0 rests for its Retry-After
+        assert send(gw).headers["x-kimi-gateway-worker"] == "p/1"
+    time.sleep(1.1)
+    assert {send(gw).headers["x-kimi-gateway-worker"] for _ in range(4)} == {"p/0", "p/1"}
+    assert len(busy.engine.records) >= 2
+
+
+def test_engine_that_never_answers_health_is_taken_out(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    stuck = start_sim("vllm", faults=SimFaults(hang_health=True))
+    good = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [stuck.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 0.2, "timeout": 0.3})
+    deadline = time.monotonic() + 5
+    while httpx.get(gw.url + "/ready").json()["pools"]["p"][0]["healthy"]:
+        assert time.monotonic() < deadline, "the probe timeout must mark the worker unhealthy"
+        time.sleep(0.1)
+    assert {send(gw).headers["x-kimi-gateway-worker"] for _ in range(4)} == {"p/1"}
