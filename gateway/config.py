@@ -72,6 +72,12 @@ class PoolConfig(_Strict):
     policy: str = "prefix_affinity"
     policy_params: dict[str, Any] = Field(default_factory=dict, description="the policy's own parameters")
     api_key: SecretStr | None = Field(default=None, description="bearer credential sent to the engines")
+    max_in_flight_per_worker: int | None = Field(
+        default=None, ge=1, description="requests this replica sends one worker at once (None: no limit)"
+    )
+    max_in_flight: int | None = Field(default=None, ge=1, description="requests in the whole pool at once")
+    max_queue: int = Field(default=256, ge=0, description="requests that may wait for a free slot")
+    queue_timeout: float = Field(default=10.0, ge=0, description="seconds a request may wait for a slot")
 
     @field_validator("workers")
     @classmethod

@@ -7,6 +7,7 @@ exhausted upstreams. Failover happens only before the engine's first body byte.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,15 +169,29 @@ class ProxyService:
         last: AttemptFailed | None = None
         matches: dict[str, dict[str, float]] = {}  # pool -> worker URL -> matched share of the prompt
         bodies: dict[str, bytes] = {}  # served model name -> upstream body
+        queue_deadline: float | None = None  # set when the request first waits for a slot
         while record.attempts < state.config.max_attempts:
             workers = state.registry.candidates(pool.name, tried)
+            later = pools[pools.index(pool) + 1:] if pool.spillover else []
             if not workers:
-                later = pools[pools.index(pool) + 1:] if pool.spillover else []
                 if not later:
                     break
                 metrics.spillovers.labels(pool.name, later[0].name, "unavailable").inc()
                 pool = later[0]
                 record.pool = pool.name
+                continue
+            gate = state.registry.gates[pool.name]
+            if gate.limited and not (workers := gate.with_room(workers)):
+                roomy = next((p for p in later if state.registry.gates[p.name].with_room(
+                    state.registry.candidates(p.name, tried))), None)
+                if roomy is not None:
+                    metrics.spillovers.labels(pool.name, roomy.name, "saturated").inc()
+                    pool = roomy
+                    record.pool = pool.name
+                else:
+                    if queue_deadline is None:
+                        queue_deadline = time.monotonic() + gate.queue_timeout
+                    await gate.wait_for_slot(queue_deadline)
                 continue
             policy = state.router.policy(pool.name)
             if policy.uses_affinity and pool.name not in matches:
@@ -266,7 +281,7 @@ class ProxyService:
         if pool.api_key is not None:
             headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
         timeout = request_timeout(state.config.timeouts, request.prompt_tokens, request.stream)
-        lease = Lease(worker, state.metrics)
+        lease = Lease(worker, state.metrics, state.registry.gates[pool.name])
         response = None
         try:
             response = await open_upstream(state.http, worker.url + UPSTREAM_PATHS[api], body, headers, timeout)

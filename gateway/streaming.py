@@ -15,6 +15,7 @@ from enum import StrEnum
 
 import httpx
 
+from gateway.backends.capacity import PoolGate
 from gateway.backends.engines import is_context_too_long
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics
@@ -64,21 +65,24 @@ class AttemptFailed(Exception):
 
 
 class Lease:
-    """This replica's in-flight count on a worker, released exactly once."""
+    """This replica's in-flight count on a worker and a slot of its pool, released exactly once."""
 
-    __slots__ = ("_metrics", "_released", "worker")
+    __slots__ = ("_gate", "_metrics", "_released", "worker")
 
-    def __init__(self, worker: Worker, metrics: GatewayMetrics) -> None:
+    def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate) -> None:
         self.worker = worker
         self._metrics = metrics
+        self._gate = gate
         self._released = False
         worker.in_flight += 1
+        gate.acquired()
         metrics.in_flight.labels(worker.pool, worker.id).inc()
 
     def release(self) -> None:
         if not self._released:
             self._released = True
             self.worker.in_flight -= 1
+            self._gate.released()
             self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
 
 

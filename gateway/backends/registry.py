@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterator
 
+from gateway.backends.capacity import PoolGate
 from gateway.backends.engines import ENGINES
 from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig
@@ -41,6 +42,7 @@ class WorkerRegistry:
             pool.name: [Worker(pool.name, i, url, ENGINES[pool.engine]) for i, url in enumerate(pool.workers)]
             for pool in config.pools
         }
+        self.gates: dict[str, PoolGate] = {pool.name: PoolGate(pool) for pool in config.pools}
 
     def __iter__(self) -> Iterator[Worker]:
         for workers in self.pools.values():
