@@ -132,6 +132,12 @@ class TimeoutConfig(_Strict):
     generation: float = Field(
         default=600.0, gt=0, description="non-streaming: time for the whole answer after the first-byte budget"
     )
+    keepalive_interval: float | None = Field(
+        default=None, gt=0,
+        description="streaming: seconds without an engine byte before sending an SSE comment (`: keep-alive`) "
+        "so idle proxies keep a long prefill's stream open; off by default because the first keep-alive "
+        "commits the response (no failover to another worker after it)",
+    )
 
 
 class EstimationConfig(_Strict):

@@ -285,11 +285,16 @@ class ProxyService:
         response = None
         try:
             response = await open_upstream(state.http, worker.url + UPSTREAM_PATHS[api], body, headers, timeout)
-            first, rest = await first_chunk(response)
-            mark_first_byte(record)
+            keepalive = state.config.timeouts.keepalive_interval if request.stream else None
+            first, rest, pending = await first_chunk(response, keepalive)
             content_type = response.headers.get("content-type", "application/json").encode("latin-1")
             passed = _passed_headers(response)
             record.status = response.status_code
+            if first is None:  # still prefilling: commit the stream and send keep-alives meanwhile
+                stream = UpstreamStream(response, None, rest, lease, record, pending, keepalive or 0.0)
+                response = None
+                return RelayResponse(stream, content_type, passed)
+            mark_first_byte(record)
             if request.stream:
                 if (early := early_stream_error(first)) is not None:
                     raise early

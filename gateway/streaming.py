@@ -9,6 +9,7 @@ upstream response in `finally` is what makes the engine abort a request whose cl
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from enum import StrEnum
@@ -23,6 +24,7 @@ from gateway.protocol.sse import SSETap, sse_error_event
 from gateway.record import RequestRecord
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
+KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WHATWG SSE spec)
 MAX_PARTIAL_EVENT = 1 << 20  # a longer unfinished event is passed on rather than held
 
 
@@ -148,14 +150,28 @@ async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, header
     raise AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered HTTP {status}", status, error_body)
 
 
-async def first_chunk(response: httpx.Response) -> tuple[bytes, AsyncIterator[bytes]]:
-    """Wait for the first body bytes of an accepted response.
+async def first_chunk(response: httpx.Response, patience: float | None = None
+                      ) -> tuple[bytes | None, AsyncIterator[bytes], asyncio.Task[bytes] | None]:
+    """Wait for the first body bytes of an accepted response: `(first, rest, None)`.
 
+    With `patience` (seconds), stop waiting after that long and return `(None, rest, pending)`
+    where `pending` is the still-running read of the first chunk (the caller owns it).
     Raises AttemptFailed (and closes the response) if the engine fails or ends before sending any.
     """
     chunks = response.aiter_raw()
     try:
-        first = await anext(chunks, b"")
+        if patience is None:
+            first = await anext(chunks, b"")
+        else:
+            pending = asyncio.ensure_future(anext(chunks, b""))
+            try:
+                await asyncio.wait((pending,), timeout=patience)
+            except BaseException:  # the handler was cancelled (client gone, shutdown)
+                pending.cancel()
+                raise
+            if not pending.done():
+                return None, chunks, pending
+            first = pending.result()
     except httpx.HTTPError as exc:
         await response.aclose()
         raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} before the first byte") from exc
@@ -165,7 +181,7 @@ async def first_chunk(response: httpx.Response) -> tuple[bytes, AsyncIterator[by
     if not first:
         await response.aclose()
         raise AttemptFailed(Outcome.PROTOCOL_ERROR, "engine answered 200 with an empty body")
-    return first, chunks
+    return first, chunks, None
 
 
 def early_stream_error(first: bytes) -> AttemptFailed | None:
@@ -202,10 +218,13 @@ class UpstreamStream:
     body was never iterated) closes both. Facts for the record: first byte time, usage, outcome.
     """
 
-    def __init__(self, response: httpx.Response, first: bytes, rest: AsyncIterator[bytes], lease: Lease,
-                 record: RequestRecord) -> None:
+    def __init__(self, response: httpx.Response, first: bytes | None, rest: AsyncIterator[bytes], lease: Lease,
+                 record: RequestRecord, pending: asyncio.Task[bytes] | None = None,
+                 keepalive_interval: float = 15.0) -> None:
         self.response = response
         self._first = first
+        self._pending = pending
+        self._keepalive = keepalive_interval
         self._rest = rest
         self._lease = lease
         self._record = record
@@ -226,6 +245,11 @@ class UpstreamStream:
         carry = b""
         try:
             for_client = self._first
+            if for_client is None:  # a long prefill: keep idle proxies from cutting the stream
+                async for comment in self._keepalives():
+                    yield comment
+                for_client = await self._pending  # type: ignore[misc]
+                mark_first_byte(self._record)
             chunks = self._rest
             while True:
                 tap.feed(for_client)
@@ -253,6 +277,14 @@ class UpstreamStream:
         finally:
             await self.aclose()
 
+    async def _keepalives(self) -> AsyncIterator[bytes]:
+        """SSE comment lines every `keepalive_interval` seconds until the first chunk is read."""
+        assert self._pending is not None
+        while not self._pending.done():
+            await asyncio.wait((self._pending,), timeout=self._keepalive)
+            if not self._pending.done():
+                yield KEEPALIVE_COMMENT
+
     def _broken(self, detail: str) -> None:
         self._record.outcome = "upstream_error"
         self._record.error = detail
@@ -261,6 +293,8 @@ class UpstreamStream:
         if self._closed:
             return
         self._closed = True
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
         try:
             await self.response.aclose()
         finally:
