@@ -290,15 +290,18 @@ class ProxyService:
             content_type = response.headers.get("content-type", "application/json").encode("latin-1")
             passed = _passed_headers(response)
             record.status = response.status_code
+            def failed(detail: str) -> None:
+                state.registry.request_failed(worker, detail)
+
             if first is None:  # still prefilling: commit the stream and send keep-alives meanwhile
-                stream = UpstreamStream(response, None, rest, lease, record, pending, keepalive or 0.0)
+                stream = UpstreamStream(response, None, rest, lease, record, pending, keepalive or 0.0, failed)
                 response = None
                 return RelayResponse(stream, content_type, passed)
             mark_first_byte(record)
             if request.stream:
                 if (early := early_stream_error(first)) is not None:
                     raise early
-                stream = UpstreamStream(response, first, rest, lease, record)
+                stream = UpstreamStream(response, first, rest, lease, record, on_failure=failed)
                 response = None  # the stream owns it now
                 return RelayResponse(stream, content_type, passed)
             try:

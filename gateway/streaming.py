@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from enum import StrEnum
 
 import httpx
@@ -220,8 +220,9 @@ class UpstreamStream:
 
     def __init__(self, response: httpx.Response, first: bytes | None, rest: AsyncIterator[bytes], lease: Lease,
                  record: RequestRecord, pending: asyncio.Task[bytes] | None = None,
-                 keepalive_interval: float = 15.0) -> None:
+                 keepalive_interval: float = 15.0, on_failure: Callable[[str], None] | None = None) -> None:
         self.response = response
+        self._on_failure = on_failure
         self._first = first
         self._pending = pending
         self._keepalive = keepalive_interval
@@ -272,6 +273,8 @@ class UpstreamStream:
             if tap.done:
                 return  # the answer was complete; only the connection's end was untidy
             self._broken(f"{type(exc).__name__} after {tap.events} events")
+            if self._on_failure is not None:  # a dead or broken engine counts against its worker
+                self._on_failure(f"{type(exc).__name__} mid-stream")
             yield sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
                                   "the response is incomplete.")
         finally:

@@ -1,0 +1,249 @@
+"""Hand-written hostile inputs: many images, huge strings, chunked oversize bodies, raw-socket
+header injection attempts and HTTP/1.1 pipelining."""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import h11
+import httpx
+import pytest
+
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture
+def three_pools(start_sim: StartSim, start_gateway: StartGateway) -> tuple[RunningGateway, dict[str, RunningSim]]:
+    sims = {
+        "vllm-128k": start_sim("vllm", max_context_tokens=131072),
+        "sglang-512k": start_sim("sglang", max_context_tokens=524288),
+        "nvl72-1m": start_sim("vllm", max_context_tokens=1048576),
+    }
+    gw = start_gateway([pool("vllm-128k", "vllm", [sims["vllm-128k"].url], 131072),
+                        pool("sglang-512k", "sglang", [sims["sglang-512k"].url], 524288),
+                        pool("nvl72-1m", "vllm", [sims["nvl72-1m"].url], 1048576)])
+    return gw, sims
+
+
+def assert_openai_error(response: httpx.Response, status: int, code: str | None) -> None:
+    assert response.status_code == status, response.text[:1000]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+
+
+# --- many images, huge strings, oversize chunked bodies ------------------------------------------
+
+
+def test_500_images_in_one_message(three_pools: tuple[RunningGateway, dict[str, RunningSim]],
+                                   shared_data: Path) -> None:
+    gw, sims = three_pools
+    small = sorted((shared_data / "images").glob("*_48.png")) + sorted((shared_data / "images").glob("*_64.*"))
+    assert small, "small images expected in the shared data"
+    uris = [f"data:image/{p.suffix[1:].replace('jpg', 'jpeg')};base64," + base64.b64encode(p.read_bytes()).decode()
+            for p in small]
+    parts: list[dict[str, object]] = [{"type": "text", "text": "Describe every picture."}]
+    for i in range(500):
+        url = f"https://images.example.com/{i}.png" if i % 2 else uris[i % len(uris)]
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    body = {"model": "kimi-k3", "max_tokens": 2, "messages": [{"role": "user", "content": parts}]}
+    response = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text[:1000]
+    # 250 URLs at the configured 1,280 tokens each alone are 320K tokens: more than 128K, under 512K.
+    estimate = int(response.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0])
+    assert 250 * 1280 + 250 * 64 <= estimate < 524288
+    assert response.headers["x-kimi-gateway-pool"] == "sglang-512k"
+    received = sims["sglang-512k"].engine.records[-1].body
+    assert received["messages"][0]["content"] == parts  # forwarded unchanged, all 501 parts
+
+
+def test_10mb_string_is_context_length_exceeded(three_pools: tuple[RunningGateway, dict[str, RunningSim]]) -> None:
+    gw, sims = three_pools
+    text = "lorem ipsum " * (10 * 1024 * 1024 // 12)  # ~10 MB: ~3M estimated tokens, more than the 1M pool
+    for path, body in (("/chat/completions", {"model": "kimi-k3", "messages": [{"role": "user", "content": text}]}),
+                       ("/completions", {"model": "kimi-k3", "prompt": text})):
+        response = httpx.post(gw.v1 + path, json=body, timeout=30)
+        assert_openai_error(response, 400, "context_length_exceeded")
+        assert "1048576" in response.json()["error"]["message"]
+    assert all(not s.engine.records for s in sims.values())
+    assert httpx.post(gw.v1 + "/chat/completions", json=CHAT).status_code == 200
+
+
+def test_chunked_body_over_the_limit_is_413(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], max_body_bytes=10_000)
+
+    def chunks() -> object:
+        yield b'{"model": "kimi-k3", "messages": [{"role": "user", "content": "'
+        for _ in range(100):
+            yield b"a" * 1000
+        yield b'"}]}'
+
+    response = httpx.post(gw.v1 + "/chat/completions", content=chunks(),  # type: ignore[arg-type]
+                          headers={"content-type": "application/json"}, timeout=10)
+    assert response.request.headers.get("transfer-encoding") == "chunked"
+    assert "content-length" not in response.request.headers
+    assert_openai_error(response, 413, "request_too_large")
+    assert not sim.engine.records
+    # A chunked body under the limit is fine.
+    small = httpx.post(gw.v1 + "/chat/completions", content=iter([json.dumps(CHAT).encode()]),
+                       headers={"content-type": "application/json"})
+    assert small.status_code == 200, small.text
+
+
+# --- raw sockets ---------------------------------------------------------------------------------
+
+
+Exchange = tuple[int, dict[str, str], bytes]
+
+
+def raw_exchange(gw: RunningGateway, data: bytes, responses: int = 1, timeout: float = 10.0) -> list[Exchange]:
+    """Send raw bytes on one connection; parse `responses` HTTP responses in order with h11."""
+    conn = h11.Connection(our_role=h11.CLIENT)
+    results: list[Exchange] = []
+    with socket.create_connection((gw.server.host, gw.server.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        for index in range(responses):
+            if index:
+                conn.start_next_cycle()
+            # h11 must believe it sent a request to parse a response: feed it a dummy one (not sent).
+            conn.send(h11.Request(method="POST", target="/", headers=[("host", "x"), ("content-length", "0")]))
+            conn.send(h11.EndOfMessage())
+            status, headers, body = 0, {}, b""
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    chunk = sock.recv(65536)
+                    conn.receive_data(chunk)
+                    if not chunk:
+                        raise AssertionError(f"connection closed after {len(results)} responses")
+                    continue
+                if isinstance(event, h11.Response):
+                    status = event.status_code
+                    headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
+                elif isinstance(event, h11.Data):
+                    body += bytes(event.data)
+                elif isinstance(event, h11.EndOfMessage):
+                    break
+            results.append((status, headers, body))
+    return results
+
+
+def request_bytes(body: bytes, extra_headers: bytes = b"", path: bytes = b"/v1/chat/completions") -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" + extra_headers
+            + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+@pytest.mark.parametrize("value", [
+    b"abc\nX-Injected: yes",          # a bare LF inside a value
+    b"abc\rX-Injected: yes",          # a bare CR inside a value
+    b"abc\r\n X-Injected: yes",        # obsolete line folding
+    b"abc\x00X-Injected: yes",        # NUL
+])
+def test_header_injection_attempts_are_refused_and_never_reflected(start_sim: StartSim, start_gateway: StartGateway,
+                                                                   value: bytes) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    data = request_bytes(json.dumps(CHAT).encode(), b"X-Request-ID: " + value + b"\r\n")
+    with socket.create_connection((gw.server.host, gw.server.port), timeout=10) as sock:
+        sock.sendall(data)
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+    head = received.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 "), received[:200]
+    assert b"x-injected" not in head
+    status = int(head.split()[1])
+    if status == 200:  # the server accepted the value: then it must not have reached the engine as a header
+        for record in sim.engine.records:
+            assert "x-injected" not in record.headers
+            assert "\n" not in record.headers.get("x-request-id", "") and "\r" not in record.headers.get(
+                "x-request-id", "")
+    else:
+        assert 400 <= status < 500
+    assert httpx.post(gw.v1 + "/chat/completions", json=CHAT).status_code == 200
+
+
+def test_request_id_with_an_encoded_crlf_is_kept_verbatim_not_decoded(start_sim: StartSim,
+                                                                        start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    [(status, headers, _)] = raw_exchange(gw, request_bytes(json.dumps(CHAT).encode(),
+                                                            b"X-Request-ID: a%0d%0aX-Injected:%20yes\r\n"))
+    assert status == 200
+    assert headers["x-request-id"] == "a%0d%0aX-Injected:%20yes"
+    assert "x-injected" not in headers
+    assert sim.engine.records[-1].headers["x-request-id"] == "a%0d%0aX-Injected:%20yes"
+    # obs-text (latin-1 bytes) is legal on the wire but is not kept as an id: replaced by a fresh one.
+    [(status, headers, _)] = raw_exchange(gw, request_bytes(json.dumps(CHAT).encode(), b"X-Request-ID: caf\xe9\r\n"))
+    assert status == 200 and len(headers["x-request-id"]) == 32
+
+
+def test_http11_pipelining_two_requests_on_one_socket(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", tpot_s=0.01)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    first = request_bytes(json.dumps({**CHAT, "max_tokens": 5, "stream": True}).encode(), b"X-Request-ID: one\r\n")
+    second = request_bytes(json.dumps({**CHAT, "max_tokens": 3}).encode(), b"X-Request-ID: two\r\n")
+    third = request_bytes(json.dumps({"model": "kimi-k3", "prompt": "x", "max_tokens": 1}).encode(),
+                          b"X-Request-ID: three\r\n", path=b"/v1/completions")
+    results = raw_exchange(gw, first + second + third, responses=3)
+    assert [(status, headers["x-request-id"]) for status, headers, _ in results] == [
+        (200, "one"), (200, "two"), (200, "three")]
+    stream_body = results[0][2]
+    assert stream_body.rstrip().endswith(b"data: [DONE]")
+    assert json.loads(results[1][2])["usage"]["completion_tokens"] == 3
+    assert json.loads(results[2][2])["object"] == "text_completion"
+    assert [r.headers["x-request-id"] for r in sim.engine.records] == ["one", "two", "three"]
+
+
+def test_pipelined_request_after_a_bad_one_is_still_answered(start_sim: StartSim,
+                                                             start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    bad = request_bytes(b"{not json", b"X-Request-ID: bad\r\n")
+    good = request_bytes(json.dumps(CHAT).encode(), b"X-Request-ID: good\r\n")
+    results = raw_exchange(gw, bad + good, responses=2)
+    assert [(status, headers["x-request-id"]) for status, headers, _ in results] == [(400, "bad"), (200, "good")]
+    assert json.loads(results[0][2])["error"]["code"] == "invalid_json"
+
+
+def test_unread_oversize_body_is_never_parsed_as_a_pipelined_request(start_sim: StartSim,
+                                                                      start_gateway: StartGateway) -> None:
+    """A 413 is answered before the body is read; the body must not then be taken for a new request."""
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], max_body_bytes=1000)
+    smuggled = request_bytes(json.dumps(CHAT).encode(), b"X-Request-ID: smuggled\r\n")
+    oversize = request_bytes(smuggled + b" " * (1100 - len(smuggled)), b"X-Request-ID: big\r\n")
+    follower = request_bytes(json.dumps(CHAT).encode(), b"X-Request-ID: follower\r\n")
+    received = b""
+    with socket.create_connection((gw.server.host, gw.server.port), timeout=5) as sock:
+        sock.sendall(oversize + follower)
+        deadline = time.monotonic() + 5
+        while received.count(b"HTTP/1.1 ") < 2 and time.monotonic() < deadline:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            received += chunk
+    statuses = [line.split()[1] for line in received.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+    assert statuses[0] == b"413"
+    assert statuses[1:] in ([], [b"200"]), received  # the follower is answered, or the connection closed
+    ids = [line.split(b":", 1)[1].strip() for line in received.split(b"\r\n")
+           if line.lower().startswith(b"x-request-id")]
+    assert b"smuggled" not in ids
+    assert all(r.headers.get("x-request-id") != "smuggled" for r in sim.engine.records)
