@@ -186,7 +186,9 @@ class AffinityConfig(_Strict):
     retry_after: float = Field(default=1.0, gt=0, description="seconds to skip Redis after an error")
     key_prefix: str = Field(default="kgw:aff", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
     write_queue: int = Field(default=10000, ge=1, description="pending writes before new ones are dropped")
-    memory_max_entries: int = Field(default=1_000_000, ge=1, description="in-process store size bound")
+    memory_max_entries: int = Field(
+        default=200_000, ge=1, description="in-process store size bound (~250 bytes an entry: ~50 MB)"
+    )
 
 
 class LoadConfig(_Strict):

@@ -7,6 +7,7 @@ exhausted upstreams. Failover happens only before the engine's first body byte.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pydantic import ValidationError
 
 from gateway.affinity.hashing import longest_match
 from gateway.auth.keys import Principal
-from gateway.backends.client import request_timeout
+from gateway.backends.client import first_byte_budget, request_timeout
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.errors import (
@@ -280,13 +281,25 @@ class ProxyService:
         headers = {"content-type": "application/json", "x-request-id": record.request_id}
         if pool.api_key is not None:
             headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
-        timeout = request_timeout(state.config.timeouts, request.prompt_tokens, request.stream)
+        timeouts = state.config.timeouts
+        timeout = request_timeout(timeouts, request.prompt_tokens, request.stream)
         lease = Lease(worker, state.metrics, state.registry.gates[pool.name])
         response = None
         try:
-            response = await open_upstream(state.http, worker.url + UPSTREAM_PATHS[api], body, headers, timeout)
-            keepalive = state.config.timeouts.keepalive_interval if request.stream else None
-            first, rest, pending = await first_chunk(response, keepalive)
+            keepalive = timeouts.keepalive_interval if request.stream else None
+            # The whole wait for the first byte has its own budget: httpx's read timeout is per read
+            # and must also allow a long prefill, so it cannot catch a worker that hangs quickly.
+            budget = first_byte_budget(timeouts, request.prompt_tokens)
+            if not request.stream:
+                budget += timeouts.generation
+            try:
+                async with asyncio.timeout(budget):
+                    response = await open_upstream(state.http, worker.url + UPSTREAM_PATHS[api], body, headers,
+                                                   timeout)
+                    first, rest, pending = await first_chunk(response, keepalive)
+            except TimeoutError:
+                response = None  # first_chunk closed it
+                raise AttemptFailed(Outcome.TIMEOUT, f"no first byte within {budget:.1f}s") from None
             content_type = response.headers.get("content-type", "application/json").encode("latin-1")
             passed = _passed_headers(response)
             record.status = response.status_code

@@ -63,3 +63,18 @@ def test_engine_that_never_answers_health_is_taken_out(start_sim: StartSim, star
         assert time.monotonic() < deadline, "the probe timeout must mark the worker unhealthy"
         time.sleep(0.1)
     assert {send(gw).headers["x-kimi-gateway-worker"] for _ in range(4)} == {"p/1"}
+
+
+def test_first_byte_budget_catches_a_hung_worker_even_with_a_long_gap_timeout(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    hung = start_sim("vllm", faults=SimFaults(hang_before_headers=True))
+    good = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [hung.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 60},
+                       timeouts={"first_byte_base": 0.5, "first_byte_per_1k_tokens": 0, "read": 120})
+    started = time.monotonic()
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=30)
+    assert time.monotonic() - started < 3
+    assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "p/1"
+    assert response.headers["x-kimi-gateway-attempts"] == "2"
+    hung.engine.wait_for(lambda: all(r.aborted for r in hung.engine.records), timeout=5)
