@@ -224,7 +224,6 @@ class ProxyService:
                     record.pool = pool.name
                 continue
             metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
-            state.registry.request_succeeded(worker)
             if policy.uses_affinity and request.prefix is not None and state.affinity is not None:
                 metrics.affinity_match_ratio.labels(pool.name).observe(match.get(worker.url, 0.0))
                 state.affinity.record(pool.name, request.prefix.hashes, worker.url)
@@ -303,18 +302,23 @@ class ProxyService:
             content_type = response.headers.get("content-type", "application/json").encode("latin-1")
             passed = _passed_headers(response)
             record.status = response.status_code
-            def failed(detail: str) -> None:
-                state.registry.request_failed(worker, detail)
+
+            def ended(failure: str | None) -> None:
+                """Passive health counts whole answers: a stream that breaks after its first byte too."""
+                if failure is None:
+                    state.registry.request_succeeded(worker)
+                else:
+                    state.registry.request_failed(worker, failure)
 
             if first is None:  # still prefilling: commit the stream and send keep-alives meanwhile
-                stream = UpstreamStream(response, None, rest, lease, record, pending, keepalive or 0.0, failed)
+                stream = UpstreamStream(response, None, rest, lease, record, pending, keepalive or 0.0, ended)
                 response = None
                 return RelayResponse(stream, content_type, passed)
             mark_first_byte(record)
             if request.stream:
                 if (early := early_stream_error(first)) is not None:
                     raise early
-                stream = UpstreamStream(response, first, rest, lease, record, on_failure=failed)
+                stream = UpstreamStream(response, first, rest, lease, record, on_end=ended)
                 response = None  # the stream owns it now
                 return RelayResponse(stream, content_type, passed)
             try:
@@ -323,7 +327,9 @@ class ProxyService:
                     record.usage = _check_json_answer(content, content_type)
             except Exception as exc:
                 record.outcome = "upstream_error"
+                ended(f"broken answer: {exc}")
                 raise UpstreamError(f"The inference server failed while sending its answer ({exc}).") from exc
+            ended(None)
             lease.release()
             return BufferedResponse(200, content, content_type, passed)
         except BaseException:

@@ -220,9 +220,9 @@ class UpstreamStream:
 
     def __init__(self, response: httpx.Response, first: bytes | None, rest: AsyncIterator[bytes], lease: Lease,
                  record: RequestRecord, pending: asyncio.Task[bytes] | None = None,
-                 keepalive_interval: float = 15.0, on_failure: Callable[[str], None] | None = None) -> None:
+                 keepalive_interval: float = 15.0, on_end: Callable[[str | None], None] | None = None) -> None:
         self.response = response
-        self._on_failure = on_failure
+        self._on_end = on_end
         self._first = first
         self._pending = pending
         self._keepalive = keepalive_interval
@@ -269,12 +269,13 @@ class UpstreamStream:
             if self.sse and not tap.done:
                 self._broken("the stream ended without data: [DONE]")
                 yield sse_error_event("The inference server ended the stream early; the response is incomplete.")
+            else:
+                self._ended(None)
         except httpx.HTTPError as exc:
             if tap.done:
+                self._ended(None)
                 return  # the answer was complete; only the connection's end was untidy
-            self._broken(f"{type(exc).__name__} after {tap.events} events")
-            if self._on_failure is not None:  # a dead or broken engine counts against its worker
-                self._on_failure(f"{type(exc).__name__} mid-stream")
+            self._broken(f"{type(exc).__name__} mid-stream after {tap.events} events")
             yield sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
                                   "the response is incomplete.")
         finally:
@@ -291,6 +292,14 @@ class UpstreamStream:
     def _broken(self, detail: str) -> None:
         self._record.outcome = "upstream_error"
         self._record.error = detail
+        self._ended(detail)  # a dead or broken engine counts against its worker
+
+    def _ended(self, failure: str | None) -> None:
+        """Report how the engine's answer ended (None: complete) to the owner, once; a client that
+        hung up is no verdict on the engine and reports nothing."""
+        if self._on_end is not None:
+            on_end, self._on_end = self._on_end, None
+            on_end(failure)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -78,3 +78,20 @@ def test_first_byte_budget_catches_a_hung_worker_even_with_a_long_gap_timeout(
     assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "p/1"
     assert response.headers["x-kimi-gateway-attempts"] == "2"
     hung.engine.wait_for(lambda: all(r.aborted for r in hung.engine.records), timeout=5)
+
+
+def test_streams_that_break_after_the_first_byte_eject_the_worker(start_sim: StartSim,
+                                                                  start_gateway: StartGateway) -> None:
+    broken = start_sim("vllm", faults=SimFaults(drop_after_chunks=2))
+    good = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [broken.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 60, "passive_failures": 3, "ejection_base": 30})
+    body = {**CHAT, "stream": True, "max_tokens": 10}
+    outcomes = []
+    for _ in range(10):
+        with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=10) as response:
+            outcomes.append((response.headers["x-kimi-gateway-worker"], b"[DONE]" in response.read()))
+    assert outcomes.count(("p/0", False)) == 3        # three broken streams, then ejected
+    assert all(ok for worker, ok in outcomes if worker == "p/1")
+    assert outcomes[-4:] == [("p/1", True)] * 4
+    assert httpx.get(gw.url + "/ready").json()["pools"]["p"][0]["ejected"] is True
