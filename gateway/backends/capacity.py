@@ -46,8 +46,9 @@ class PoolGate:
 
     def released(self) -> None:
         self.in_flight -= 1
-        self._freed.set()
-        self._freed = asyncio.Event()  # waiters hold the set one; new waiters get a fresh one
+        if self.waiting:  # nothing to wake (and nothing to allocate) on the usual path
+            self._freed.set()
+            self._freed = asyncio.Event()  # waiters hold the set one; new waiters get a fresh one
 
     async def wait_for_slot(self, deadline: float) -> None:
         """Wait until a slot may have freed up, or raise NoCapacity (503) when the queue is full or
