@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import random
+import time
 from collections.abc import Callable
 
 import httpx
@@ -171,3 +172,20 @@ async def test_clients_hanging_up_at_random_leak_nothing(start_sim: StartSim, st
     async with httpx.AsyncClient() as client:
         ready = (await client.get(gw.url + "/ready")).json()["pools"]["p"]
     assert [w["in_flight"] for w in ready] == [0, 0]
+
+
+def test_slow_reader_back_pressure_reaches_the_engine(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    # A client that stops reading must not make the gateway buffer the stream: the relay pulls only
+    # as fast as the client takes, so the engine's writes stall too (bounded by socket buffers).
+    sim = start_sim("vllm", max_context_tokens=1_000_000)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 1_000_000)])
+    body = {**CHAT, "stream": True, "max_tokens": 200_000}  # ~40 MB of SSE if it were all sent
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=30) as response:
+        assert next(response.iter_raw())
+        time.sleep(2.0)  # read nothing for 2 s
+        record = sim.engine.records[-1]
+        sent_while_stalled = record.completion_tokens_sent
+        time.sleep(0.5)
+        assert record.completion_tokens_sent == sent_while_stalled, "the engine kept writing into the gateway"
+    assert sent_while_stalled < 20_000  # what the socket buffers hold (~700 tokens, ~140 KB, here)
+    sim.engine.wait_for(lambda: record.aborted, timeout=5)
