@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 
 from gateway.config import GatewayConfig
@@ -46,6 +47,11 @@ class RunningGateway:
     @property
     def v1(self) -> str:
         return self.server.url + "/v1"
+
+    def metric(self, prefix: str) -> float:
+        """Sum of this gateway's /metrics samples whose line starts with `prefix` (0 when none)."""
+        lines = httpx.get(self.url + "/metrics").text.splitlines()
+        return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
 
 
 def pool(name: str, engine: str, urls: list[str], max_context_tokens: int, **extra: Any) -> dict[str, Any]:

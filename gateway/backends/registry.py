@@ -52,8 +52,7 @@ class WorkerRegistry:
         """Workers of `pool` that may take a request now: healthy, not ejected, not told to back
         off by a 429, and not in `exclude` (already tried by this request)."""
         now = self.clock()
-        return [w for w in self.pools[pool]
-                if w.healthy and w.ejected_until <= now and w.busy_until <= now and w not in exclude]
+        return [w for w in self.pools[pool] if w.in_service(now) and w.busy_until <= now and w not in exclude]
 
     # --- active health -------------------------------------------------------------------------
 
@@ -114,5 +113,4 @@ class WorkerRegistry:
     def unready_pools(self) -> list[str]:
         """Pools with no healthy, non-ejected worker."""
         now = self.clock()
-        return [name for name, workers in self.pools.items()
-                if not any(w.healthy and w.ejected_until <= now for w in workers)]
+        return [name for name, workers in self.pools.items() if not any(w.in_service(now) for w in workers)]

@@ -45,6 +45,10 @@ class Worker:
         engine = self.engine_running + (self.engine_waiting or 0.0) + self.in_flight - self.in_flight_at_scrape
         return max(engine, float(self.in_flight))
 
+    def in_service(self, now: float) -> bool:
+        """Healthy and not ejected at `now` (time.monotonic() seconds)."""
+        return self.healthy and self.ejected_until <= now
+
     @property
     def id(self) -> str:
         return f"{self.pool}/{self.index}"

@@ -23,12 +23,6 @@ EVENT = b'data: {"id":"a","object":"chat.completion.chunk","choices":[{"index":0
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def metric(gw: RunningGateway, prefix: str) -> float:
-    """Sum of the samples whose line starts with `prefix`."""
-    lines = httpx.get(gw.url + "/metrics").text.splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
-
-
 def stream_bytes(gw: RunningGateway, body: dict[str, object]) -> bytes:
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=body) as response:
         assert response.status_code == 200
@@ -160,12 +154,12 @@ async def test_clients_hanging_up_at_random_leak_nothing(start_sim: StartSim, st
     async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=200)) as client:
         await asyncio.gather(*(one(client, i % 2 == 0) for i in range(80)))
     await asyncio.sleep(0.5)
-    assert metric(gw, "kimi_gateway_in_flight{") == 0
+    assert gw.metric("kimi_gateway_in_flight{") == 0
     # Every request that reached an engine is accounted for (a client may give up before sending).
-    accounted = metric(gw, "kimi_gateway_requests_total{")
+    accounted = gw.metric("kimi_gateway_requests_total{")
     assert sum(len(s.engine.records) for s in sims) <= accounted <= 80
-    assert metric(gw, 'kimi_gateway_client_disconnects_total{pool="p",stage="before_response"}') > 0
-    assert metric(gw, 'kimi_gateway_client_disconnects_total{pool="p",stage="mid_stream"}') > 0
+    assert gw.metric('kimi_gateway_client_disconnects_total{pool="p",stage="before_response"}') > 0
+    assert gw.metric('kimi_gateway_client_disconnects_total{pool="p",stage="mid_stream"}') > 0
     for sim in sims:
         records = sim.engine.records
         assert all(r.completed or r.aborted for r in records), "every engine request ended"

@@ -86,13 +86,6 @@ def test_two_gateway_replicas_agree_through_redis(four_workers: list[RunningSim]
         client.close()
 
 
-def _lookups(gw: RunningGateway, result: str) -> float:
-    for line in httpx.get(gw.url + "/metrics").text.splitlines():
-        if line.startswith(f'kimi_gateway_affinity_lookups_total{{pool="p",result="{result}"}}'):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: StartGateway,
                                 own_redis: OwnRedis, shared_data: Path) -> None:
     gw = start_gateway([affinity_pool(four_workers)], redis_url=own_redis.url,
@@ -112,17 +105,17 @@ def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: S
     for conversation in conversations[1:5]:   # every request still succeeds, without affinity
         _, _, reason = turn_pair(conversation)
         assert reason == "no_match"
-    assert _lookups(gw, "error") >= 1
+    assert gw.metric('kimi_gateway_affinity_lookups_total{pool="p",result="error"}') >= 1
     errors = httpx.get(gw.url + "/metrics").text
     assert 'kimi_gateway_redis_errors_total{op="lookup"}' in errors
 
     own_redis.start()                         # Redis is back (empty): affinity resumes by itself
     time.sleep(0.4)
-    hits_before = _lookups(gw, "hit")
+    hits_before = gw.metric('kimi_gateway_affinity_lookups_total{pool="p",result="hit"}')
     for conversation in conversations[5:8]:
         w1, w2, reason = turn_pair(conversation)
         assert (w2, reason) == (w1, "affinity")
-    assert _lookups(gw, "hit") >= hits_before + 3
+    assert gw.metric('kimi_gateway_affinity_lookups_total{pool="p",result="hit"}') >= hits_before + 3
 
 
 def test_unreachable_redis_at_start_up_does_not_block(four_workers: list[RunningSim], start_gateway: StartGateway,

@@ -35,12 +35,3 @@ def key_prefix() -> Iterator[str]:
     if keys:
         client.delete(*keys)
     client.close()
-
-
-def metric(text: str, prefix: str) -> float:
-    """The value of the first exposition line starting with `prefix` (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            return float(line.split()[-1])
-    return 0.0
-

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.auth.conftest import ALICE_KEY, ENGINE_KEY, OPS_KEY, auth_section, metric
+from tests.integration.auth.conftest import ALICE_KEY, ENGINE_KEY, OPS_KEY, auth_section
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -59,9 +59,8 @@ def test_missing_or_wrong_key_is_openais_401(sim: RunningSim, start_gateway: Sta
     assert httpx.get(gw.v1 + "/no-such-route").status_code == 401  # everything under /v1 is guarded
 
     assert sim.engine.records == []  # nothing reached the engine
-    text = httpx.get(gw.url + "/metrics").text
-    assert metric(text, 'kimi_gateway_auth_failures_total{reason="missing"}') == 4
-    assert metric(text, 'kimi_gateway_auth_failures_total{reason="invalid"}') == 3
+    assert gw.metric('kimi_gateway_auth_failures_total{reason="missing"}') == 4
+    assert gw.metric('kimi_gateway_auth_failures_total{reason="invalid"}') == 3
 
 
 def test_a_good_key_is_served(sim: RunningSim, start_gateway: StartGateway) -> None:

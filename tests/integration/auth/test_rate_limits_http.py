@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis
 
-from tests.integration.auth.conftest import ALICE_KEY, OPS_KEY, REDIS_URL, auth_section, metric
+from tests.integration.auth.conftest import ALICE_KEY, OPS_KEY, REDIS_URL, auth_section
 from tests.support import OwnRedis, RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -38,10 +38,6 @@ def chat(gw: RunningGateway, key: str = ALICE_KEY, max_retries: int = 0, **param
     return sdk.chat.completions.create(model="kimi-k3", messages=HI, **params)
 
 
-def metrics(gw: RunningGateway) -> str:
-    return httpx.get(gw.url + "/metrics").text
-
-
 def test_request_rate_limit_gives_429_with_retry_after(sim: RunningSim, start_gateway: StartGateway) -> None:
     gw = gateway(start_gateway, sim, {"requests_per_minute": 2})
     chat(gw)
@@ -54,7 +50,7 @@ def test_request_rate_limit_gives_429_with_retry_after(sim: RunningSim, start_ga
     assert "on requests per min (RPM): Limit 2, Used 2, Requested 1" in exc.message
     assert len(sim.engine.records) == 2
     chat(gw, key=OPS_KEY)  # another key (no limits) is not affected
-    assert metric(metrics(gw), 'kimi_gateway_rate_limited_total{key="alice",limit="requests"}') == 1
+    assert gw.metric('kimi_gateway_rate_limited_total{key="alice",limit="requests"}') == 1
 
 
 def test_token_rate_limit(sim: RunningSim, start_gateway: StartGateway) -> None:
@@ -74,7 +70,7 @@ def test_token_rate_limit(sim: RunningSim, start_gateway: StartGateway) -> None:
     assert "Request too large for API key alice on tokens per min (TPM): Limit 1000, Requested 2041" in (
         too_large.value.message)
     assert "retry-after" not in too_large.value.response.headers
-    assert metric(metrics(gw), 'kimi_gateway_rate_limited_total{key="alice",limit="tokens"}') == 2
+    assert gw.metric('kimi_gateway_rate_limited_total{key="alice",limit="tokens"}') == 2
     assert len(sim.engine.records) == 3
 
 
@@ -112,9 +108,9 @@ def test_redis_down_fail_open_serves_and_fail_closed_refuses(sim: RunningSim, st
     assert refused.json()["error"]["code"] == "rate_limit_unavailable"
     with pytest.raises(openai.InternalServerError):
         chat(fail_closed)
-    assert metric(metrics(fail_open), 'kimi_gateway_rate_limit_unavailable_total{action="allowed"}') == 3
-    assert metric(metrics(fail_closed), 'kimi_gateway_rate_limit_unavailable_total{action="refused"}') == 2
-    assert metric(metrics(fail_closed), 'kimi_gateway_redis_errors_total{op="rate_limit"}') >= 1
+    assert fail_open.metric('kimi_gateway_rate_limit_unavailable_total{action="allowed"}') == 3
+    assert fail_closed.metric('kimi_gateway_rate_limit_unavailable_total{action="refused"}') == 2
+    assert fail_closed.metric('kimi_gateway_redis_errors_total{op="rate_limit"}') >= 1
 
     own_redis.start()  # back (empty): the breaker lets the next check through after redis_retry_after
     time.sleep(0.4)
