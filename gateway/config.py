@@ -138,6 +138,12 @@ class TimeoutConfig(_Strict):
         "so idle proxies keep a long prefill's stream open; off by default because the first keep-alive "
         "commits the response (no failover to another worker after it)",
     )
+    total: float | None = Field(
+        default=None, gt=0,
+        description="optional overall cap, arrival to last byte: a request still waiting gets 504 "
+        "`request_timeout`; a stream already flowing gets one SSE error event and no `[DONE]`; the upstream "
+        "request is aborted either way. Off by default: a 1M-token answer can legitimately take many minutes",
+    )
 
 
 class EstimationConfig(_Strict):

@@ -115,6 +115,14 @@ class UpstreamTimeout(GatewayError):
     code = "upstream_timeout"
 
 
+class RequestTimeout(GatewayError):
+    """504 `request_timeout`: the request ran past the gateway's overall cap (`timeouts.total`)."""
+
+    status = 504
+    error_type = "server_error"
+    code = "request_timeout"
+
+
 class InvalidApiKey(GatewayError):
     """401 `invalid_api_key`: no, a malformed or an unknown `Authorization: Bearer` key."""
 

@@ -18,8 +18,8 @@ log = logging.getLogger("gateway.access")
 class RequestRecord:
     """What happened to one client request. Times are `time.perf_counter()` seconds.
 
-    `outcome` is `ok`, `error` (the client got an error status), `upstream_error` (the stream broke
-    after its first byte) or `client_disconnect`.
+    `outcome` is `ok`, `error` (the client got an error status), `timeout` (over `timeouts.total`),
+    `upstream_error` (the stream broke after its first byte) or `client_disconnect`.
     """
 
     request_id: str

@@ -53,6 +53,14 @@ class RunningGateway:
         lines = httpx.get(self.url + "/metrics").text.splitlines()
         return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
 
+    def wait_until_idle(self, timeout: float = 5.0) -> None:
+        """Wait until no upstream lease is open (`kimi_gateway_in_flight` sums to 0); AssertionError after
+        `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.metric("kimi_gateway_in_flight{") != 0:
+            assert time.monotonic() < deadline, "an upstream lease was not released"
+            time.sleep(0.05)
+
 
 def pool(name: str, engine: str, urls: list[str], max_context_tokens: int, **extra: Any) -> dict[str, Any]:
     """A pool config mapping for tests."""

@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import principal_of
-from gateway.errors import GatewayError, MethodNotAllowed, PayloadTooLarge
+from gateway.errors import GatewayError, MethodNotAllowed, PayloadTooLarge, RequestTimeout
 from gateway.metrics import NO_POOL
+from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestRecord
 from gateway.routing.features import Api
 from gateway.service import BufferedResponse, ProxyService, RelayResponse
@@ -69,6 +70,15 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         await task
 
 
+def _remaining(deadline: float | None) -> float | None:
+    """Seconds left before `deadline` (event-loop time), None without one."""
+    return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+def _over_cap_message(total: float | None) -> str:
+    return f"The request exceeded the gateway's overall time limit of {total:g} seconds."
+
+
 class ProxyEndpoint:
     """ASGI app for `POST /v1/chat/completions` or `POST /v1/completions`."""
 
@@ -78,6 +88,8 @@ class ProxyEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         service: ProxyService = scope["state"]["service"]
         state = service.state
+        total = state.config.timeouts.total
+        deadline = None if total is None else asyncio.get_running_loop().time() + total
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         principal = principal_of(scope)  # set by the auth middleware when auth is on
         record = RequestRecord(request_id=_request_id(headers), api=self.api,
@@ -96,7 +108,16 @@ class ProxyEndpoint:
                 body = await read_body(receive, state.config.max_body_bytes)
                 watcher = asyncio.ensure_future(wait_for_disconnect(receive))
                 work = asyncio.ensure_future(service.handle(self.api, body, headers, record, principal))
-                await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait((work, watcher), timeout=_remaining(deadline),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not work.done() and not watcher.done():  # over the overall cap: abort the work
+                    await _cancel(work)
+                    if work.done() and not work.cancelled() and work.exception() is None:
+                        late = work.result()
+                        if isinstance(late, RelayResponse):
+                            await late.stream.aclose()
+                    record.outcome = "timeout"
+                    raise RequestTimeout(_over_cap_message(total))
                 if watcher.done():
                     await _cancel(work)
                     if work.done() and not work.cancelled() and work.exception() is None:
@@ -113,7 +134,7 @@ class ProxyEndpoint:
                 log.exception("request %s failed", record.request_id)
                 result = self._error(GatewayError(f"Internal gateway error ({type(exc).__name__})."), record)
             if isinstance(result, RelayResponse):
-                await self._relay(result, record, send, watcher)
+                await self._relay(result, record, send, watcher, deadline, total)
             else:
                 await self._send_buffered(result, record, send)
         finally:
@@ -160,13 +181,16 @@ class ProxyEndpoint:
             await send({"type": "http.response.body", "body": result.body, "more_body": False})
 
     async def _relay(self, result: RelayResponse, record: RequestRecord, send: Send,
-                     watcher: asyncio.Task[None] | None) -> None:
-        """Pump upstream bytes to the client until the end, or until the client disconnects."""
+                     watcher: asyncio.Task[None] | None, deadline: float | None, total: float | None) -> None:
+        """Pump upstream bytes to the client until the end, the client disconnects or the overall
+        cap (`deadline`, event-loop time) passes."""
+        started: list[bool] = []
 
         async def pump() -> None:
             body = result.stream.body()
             try:
                 await send(self._start(200, result.content_type, result.headers, record, None))
+                started.append(True)
                 async for chunk in body:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -175,11 +199,16 @@ class ProxyEndpoint:
 
         pumping = asyncio.ensure_future(pump())
         waiting = {pumping} if watcher is None else {pumping, watcher}
+        timed_out = False
         try:
-            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, timeout=_remaining(deadline), return_when=asyncio.FIRST_COMPLETED)
+            timed_out = not done
         finally:
-            if not pumping.done() and not (watcher is not None and watcher.done()):
+            if not pumping.done() and not timed_out and not (watcher is not None and watcher.done()):
                 await _cancel(pumping)  # this handler was cancelled: stop relaying
+        if timed_out:
+            await self._cut_at_cap(pumping, result, record, send, bool(started), _over_cap_message(total))
+            return
         if not pumping.done():
             await _cancel(pumping)
             record.client_gone("mid_stream")
@@ -188,3 +217,24 @@ class ProxyEndpoint:
                 record.client_gone("mid_stream")
             else:
                 raise pumping.exception()  # type: ignore[misc]
+
+    async def _cut_at_cap(self, pumping: asyncio.Task[None], result: RelayResponse, record: RequestRecord,
+                          send: Send, started: bool, message: str) -> None:
+        """End a relay that ran past the overall cap: the upstream is closed (the engine aborts the
+        request); the client gets one SSE error event and no `[DONE]` (a 504 if nothing was sent yet).
+        The relay only yields whole events, so the error never lands inside one."""
+        await _cancel(pumping)
+        await result.stream.aclose()
+        record.outcome = "timeout"
+        record.error = message
+        with contextlib.suppress(OSError):
+            if not started:
+                record.status = RequestTimeout.status
+                error = RequestTimeout(message)
+                await send(self._start(error.status, b"application/json", [], record, len(error.to_bytes())))
+                await send({"type": "http.response.body", "body": error.to_bytes(), "more_body": False})
+                return
+            tail = b""
+            if result.stream.sse:
+                tail = sse_error_event(message + " The response is incomplete.", code="request_timeout")
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
