@@ -12,6 +12,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 # LLM latencies run from milliseconds (a cached short prompt) to minutes (a 1M-token prefill).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0,
                    120.0, 300.0, 600.0)
+# Time per output token: tens of ms is typical decode; seconds means a starved engine.
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (128, 512, 2048, 8192, 32768, 131072, 262144, 524288, 1048576, 2097152)
 
 NO_POOL = "none"
@@ -35,12 +37,18 @@ class GatewayMetrics:
         self.ttft_seconds = Histogram("kimi_gateway_ttft_seconds",
                                       "Time from arrival to the first upstream body byte (streaming).",
                                       ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot_seconds = Histogram("kimi_gateway_tpot_seconds",
+                                      "Time per output token after the first (streaming): (end - first byte) / "
+                                      "(completion tokens - 1).", ["pool"], buckets=TPOT_BUCKETS, registry=r)
         self.route_decisions = Counter("kimi_gateway_route_decisions", "Worker choices by policy reason.",
                                        ["pool", "reason"], registry=r)
         self.upstream_attempts = Counter("kimi_gateway_upstream_attempts",
                                          "Upstream attempts by outcome (ok, connect_error, timeout, "
                                          "status_5xx, status_429, too_long, client_error, protocol_error).",
                                          ["pool", "worker", "outcome"], registry=r)
+        self.retries = Counter("kimi_gateway_retries",
+                               "Attempts after the first, by what failed before (cause: an upstream outcome).",
+                               ["pool", "cause"], registry=r)
         self.spillovers = Counter("kimi_gateway_spillovers",
                                   "Requests moved to a later pool (cause: unavailable or too_long).",
                                   ["from_pool", "to_pool", "cause"], registry=r)
@@ -52,6 +60,11 @@ class GatewayMetrics:
         self.in_flight = Gauge("kimi_gateway_in_flight", "Open upstream requests of this replica.",
                                ["pool", "worker"], registry=r)
         self.worker_healthy = Gauge("kimi_gateway_worker_healthy", "1 when the worker passes its probes.",
+                                    ["pool", "worker"], registry=r)
+        self.worker_draining = Gauge("kimi_gateway_worker_draining",
+                                     "1 while an operator has drained the worker (admin API): no new requests.",
+                                     ["pool", "worker"], registry=r)
+        self.worker_ejected = Gauge("kimi_gateway_worker_ejected", "1 while the worker is ejected as an outlier.",
                                     ["pool", "worker"], registry=r)
         self.ejections = Counter("kimi_gateway_worker_ejections",
                                  "Outlier ejections after consecutive failed requests.", ["pool", "worker"],
@@ -71,6 +84,9 @@ class GatewayMetrics:
                                                "Affinity records dropped (queue full or Redis down).", registry=r)
         self.redis_errors = Counter("kimi_gateway_redis_errors", "Redis calls that failed or timed out.", ["op"],
                                     registry=r)
+        self.redis_up = Gauge("kimi_gateway_redis_up",
+                              "1 while the affinity store reaches Redis, 0 while its circuit breaker is open "
+                              "(absent without Redis).", registry=r)
         self.redis_seconds = Histogram("kimi_gateway_redis_seconds", "Redis call latency.", ["op"],
                                        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
                                        registry=r)
@@ -88,6 +104,9 @@ class GatewayMetrics:
         self.rate_limit_unavailable = Counter("kimi_gateway_rate_limit_unavailable",
                                               "Rate-limit checks Redis could not answer (action: allowed = "
                                               "fail open, refused = fail closed).", ["action"], registry=r)
+        self.image_fetches = Counter("kimi_gateway_image_fetches",
+                                     "Client image URLs fetched to measure their size (result: ok, refused, error, "
+                                     "timeout, too_large, skipped).", ["result"], registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

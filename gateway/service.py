@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from gateway.affinity.hashing import longest_match
 from gateway.auth.keys import Principal
 from gateway.backends.client import first_byte_budget, request_timeout
+from gateway.backends.patches import ask_for_usage
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.errors import (
@@ -169,7 +170,7 @@ class ProxyService:
         too_long_retried = False
         last: AttemptFailed | None = None
         matches: dict[str, dict[str, float]] = {}  # pool -> worker URL -> matched share of the prompt
-        bodies: dict[str, bytes] = {}  # served model name -> upstream body
+        bodies: dict[tuple[str, bool], bytes] = {}  # (served model name, usage patch) -> upstream body
         queue_deadline: float | None = None  # set when the request first waits for a slot
         while record.attempts < state.config.max_attempts:
             workers = state.registry.candidates(pool.name, tried)
@@ -205,11 +206,15 @@ class ProxyService:
             record.attempts += 1
             record.worker, record.reason = worker.id, decision.reason
             metrics.route_decisions.labels(pool.name, decision.reason).inc()
+            if last is not None:
+                metrics.retries.labels(pool.name, last.outcome).inc()
+            # Count a stream's tokens even when its client did not ask for usage (backends/patches.py).
+            patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
             try:
-                served = self._served[pool.name]
-                if served not in bodies:
-                    bodies[served] = _upstream_body(payload, served)
-                result = await self._attempt(api, pool, worker, bodies[served], request, record)
+                key = (self._served[pool.name], patch_usage)
+                if key not in bodies:
+                    bodies[key] = _upstream_body(payload, *key)
+                result = await self._attempt(api, pool, worker, bodies[key], request, record, patch_usage)
             except AttemptFailed as failure:
                 metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
                 tried.add(worker)
@@ -275,7 +280,7 @@ class ProxyService:
         return matched
 
     async def _attempt(self, api: Api, pool: PoolConfig, worker: Worker, body: bytes, request: RoutingRequest,
-                       record: RequestRecord) -> BufferedResponse | RelayResponse:
+                       record: RequestRecord, strip_usage: bool = False) -> BufferedResponse | RelayResponse:
         state = self.state
         headers = {"content-type": "application/json", "x-request-id": record.request_id}
         if pool.api_key is not None:
@@ -311,14 +316,15 @@ class ProxyService:
                     state.registry.request_failed(worker, failure)
 
             if first is None:  # still prefilling: commit the stream and send keep-alives meanwhile
-                stream = UpstreamStream(response, None, rest, lease, record, pending, keepalive or 0.0, ended)
+                stream = UpstreamStream(response, None, rest, lease, record, pending, keepalive or 0.0, ended,
+                                        strip_usage)
                 response = None
                 return RelayResponse(stream, content_type, passed)
             mark_first_byte(record)
             if request.stream:
                 if (early := early_stream_error(first)) is not None:
                     raise early
-                stream = UpstreamStream(response, first, rest, lease, record, on_end=ended)
+                stream = UpstreamStream(response, first, rest, lease, record, on_end=ended, strip_usage=strip_usage)
                 response = None  # the stream owns it now
                 return RelayResponse(stream, content_type, passed)
             try:
@@ -376,10 +382,11 @@ class ProxyService:
         return headers
 
 
-def _upstream_body(payload: dict[str, Any], served_model: str) -> bytes:
-    """The client's JSON object with `model` rewritten: the only body edit the gateway makes."""
+def _upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = False) -> bytes:
+    """The client's JSON object with `model` rewritten to the pool's served name, and with the
+    usage patch's `stream_options` when `ask_usage` (the only body edits the gateway makes)."""
     try:
-        return orjson.dumps({**payload, "model": served_model})
+        return orjson.dumps({**(ask_for_usage(payload) if ask_usage else payload), "model": served_model})
     except TypeError as exc:  # orjson writes at most 254 levels of nesting; it reads 1024
         raise InvalidRequest(f"The request body cannot be forwarded: {exc} (nested too deeply).",
                              code="invalid_json") from None

@@ -18,6 +18,7 @@ import httpx
 
 from gateway.backends.capacity import PoolGate
 from gateway.backends.engines import is_context_too_long
+from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.sse import SSETap, sse_error_event
@@ -220,7 +221,8 @@ class UpstreamStream:
 
     def __init__(self, response: httpx.Response, first: bytes | None, rest: AsyncIterator[bytes], lease: Lease,
                  record: RequestRecord, pending: asyncio.Task[bytes] | None = None,
-                 keepalive_interval: float = 15.0, on_end: Callable[[str | None], None] | None = None) -> None:
+                 keepalive_interval: float = 15.0, on_end: Callable[[str | None], None] | None = None,
+                 strip_usage: bool = False) -> None:
         self.response = response
         self._on_end = on_end
         self._first = first
@@ -232,9 +234,11 @@ class UpstreamStream:
         self._closed = False
         self.tap = SSETap()
         self.sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        self._strip_usage = strip_usage and self.sse  # the usage patch's second half (backends/patches.py)
 
     async def body(self) -> AsyncIterator[bytes]:
-        """Yield the upstream bytes unchanged, cut only at SSE event ends.
+        """Yield the upstream bytes unchanged (but for the usage patch's own chunk when
+        `strip_usage`), cut only at SSE event ends.
 
         Whole events pass as soon as their last byte arrives (an engine that writes one event
         per write is relayed write for write); a partial event waits for its end, so a failure
@@ -261,6 +265,8 @@ class UpstreamStream:
                         carry, for_client = data[end:], data[:end]
                     else:
                         carry, for_client = b"", data
+                    if self._strip_usage and for_client:
+                        for_client = drop_usage_events(for_client)
                 if for_client:
                     yield for_client
                 for_client = await anext(chunks, b"")

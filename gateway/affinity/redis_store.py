@@ -13,6 +13,8 @@ bounded by the distinct prefix blocks seen in 10 minutes (e.g. 1M distinct block
 Failure policy: every call has a hard timeout (`lookup_timeout`); any error or timeout is a miss
 (fail open), counted in `kimi_gateway_redis_errors_total`, logged at most once per 10 s, and Redis
 is skipped for `retry_after` seconds (a simple circuit breaker) before it is tried again.
+`kimi_gateway_redis_up` follows the breaker; a PING every `PING_EVERY_S` keeps it true when no
+request calls Redis (a gauge stuck at 0 after an outage would keep "Redis down" alerts firing).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ log = logging.getLogger("gateway.affinity")
 
 WRITE_BATCH = 64
 LOG_EVERY_S = 10.0
+PING_EVERY_S = 5.0
 
 
 class RedisAffinityStore:
@@ -49,15 +52,23 @@ class RedisAffinityStore:
         )
         self._queue: asyncio.Queue[tuple[str, Sequence[int], str]] = asyncio.Queue(config.write_queue)
         self._writer: asyncio.Task[None] | None = None
+        self._pinger: asyncio.Task[None] | None = None
         self._skip_until = 0.0
+        self._up: bool | None = None
         self._last_log = 0.0
 
     def key(self, pool: str, h: int) -> str:
         return f"{self.config.key_prefix}:{pool}:{h:016x}"
 
+    def _set_up(self, up: bool) -> None:
+        if self._up is not up:
+            self._up = up
+            self.metrics.redis_up.set(1 if up else 0)
+
     def _failed(self, op: str, exc: BaseException) -> None:
         now = time.monotonic()
         self._skip_until = now + self.config.retry_after
+        self._set_up(False)
         self.metrics.redis_errors.labels(op).inc()
         if now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
@@ -84,6 +95,7 @@ class RedisAffinityStore:
             self.metrics.affinity_lookups.labels(pool, "error").inc()
             return None
         self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - started)
+        self._set_up(True)
         return [v.decode() if v is not None else None for v in values]
 
     def record(self, pool: str, hashes: Sequence[int], worker: str) -> None:
@@ -113,13 +125,27 @@ class RedisAffinityStore:
                 self._failed("write", exc)
                 continue
             self.metrics.redis_seconds.labels("write").observe(time.perf_counter() - started)
+            self._set_up(True)
+
+    async def _ping_forever(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(max(self.config.lookup_timeout * 10, 0.5)):
+                    await self.redis.ping()
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._failed("ping", exc)
+            else:
+                self._set_up(True)
+            await asyncio.sleep(PING_EVERY_S)
 
     async def start(self) -> None:
         self._writer = asyncio.create_task(self._write_batches(), name="affinity-writer")
+        self._pinger = asyncio.create_task(self._ping_forever(), name="affinity-redis-ping")
 
     async def stop(self) -> None:
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+        for task in (self._writer, self._pinger):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.redis.aclose()

@@ -47,3 +47,4 @@ class HealthChecker:
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self.registry))
+        self.registry.expire_ejections()

@@ -10,7 +10,8 @@ Two kinds of health, kept apart:
   it again for twice as long. A passing probe does not end an ejection: an engine can answer
   `/health` and still fail every request.
 A 429 keeps a worker out of new requests for its `Retry-After` (default 1 s) without counting as
-a failure.
+a failure. A worker an operator drained (admin API) gets no new requests until undrained; its
+in-flight requests finish as usual.
 """
 
 from __future__ import annotations
@@ -43,14 +44,23 @@ class WorkerRegistry:
             for pool in config.pools
         }
         self.gates: dict[str, PoolGate] = {pool.name: PoolGate(pool) for pool in config.pools}
+        if metrics is not None:  # every worker's series exists from the start (alerts see a 0, not nothing)
+            for worker in self:
+                metrics.worker_draining.labels(worker.pool, worker.id).set(0)
+                metrics.worker_ejected.labels(worker.pool, worker.id).set(0)
 
     def __iter__(self) -> Iterator[Worker]:
         for workers in self.pools.values():
             yield from workers
 
+    def find(self, pool: str, index: int) -> Worker | None:
+        """The worker `pool/index`, or None when there is no such pool or index."""
+        workers = self.pools.get(pool)
+        return workers[index] if workers is not None and 0 <= index < len(workers) else None
+
     def candidates(self, pool: str, exclude: Collection[Worker] = ()) -> list[Worker]:
-        """Workers of `pool` that may take a request now: healthy, not ejected, not told to back
-        off by a 429, and not in `exclude` (already tried by this request)."""
+        """Workers of `pool` that may take a request now: healthy, not drained, not ejected, not
+        told to back off by a 429, and not in `exclude` (already tried by this request)."""
         now = self.clock()
         return [w for w in self.pools[pool] if w.in_service(now) and w.busy_until <= now and w not in exclude]
 
@@ -82,6 +92,17 @@ class WorkerRegistry:
         if self.metrics is not None:
             self.metrics.worker_healthy.labels(worker.pool, worker.id).set(1 if healthy else 0)
 
+    # --- operator drain ------------------------------------------------------------------------
+
+    def set_draining(self, worker: Worker, draining: bool) -> None:
+        """Drain (True) or undrain (False) a worker; idempotent. A drained worker is left out of
+        `candidates` and of `/ready`'s count, so a pool whose workers are all drained is not ready."""
+        if worker.draining != draining:
+            log.info("worker %s %s by an operator", worker.id, "drained" if draining else "undrained")
+        worker.draining = draining
+        if self.metrics is not None:
+            self.metrics.worker_draining.labels(worker.pool, worker.id).set(1 if draining else 0)
+
     # --- passive health: outlier ejection -------------------------------------------------------
 
     def request_failed(self, worker: Worker, reason: str) -> None:
@@ -100,17 +121,31 @@ class WorkerRegistry:
                     self.health.passive_failures, reason)
         if self.metrics is not None:
             self.metrics.ejections.labels(worker.pool, worker.id).inc()
+            self.metrics.worker_ejected.labels(worker.pool, worker.id).set(1)
 
     def request_succeeded(self, worker: Worker) -> None:
         """A request succeeded: the failure streak and the ejection back-off start over."""
         worker.consecutive_failures = 0
-        worker.ejections = 0
+        if worker.ejections:
+            worker.ejections = 0
+            if self.metrics is not None:
+                self.metrics.worker_ejected.labels(worker.pool, worker.id).set(0)
+
+    def expire_ejections(self) -> None:
+        """Set `kimi_gateway_worker_ejected` to 0 for workers whose ejection time is over (called by
+        the prober: an ejection ends by the clock, not by an event)."""
+        if self.metrics is None:
+            return
+        now = self.clock()
+        for worker in self:
+            if worker.ejections and worker.ejected_until <= now:
+                self.metrics.worker_ejected.labels(worker.pool, worker.id).set(0)
 
     def throttled(self, worker: Worker, retry_after: float | None) -> None:
         """A 429: no new requests to this worker for `retry_after` seconds (1 s when not given)."""
         worker.busy_until = self.clock() + (DEFAULT_RETRY_AFTER_S if retry_after is None else retry_after)
 
     def unready_pools(self) -> list[str]:
-        """Pools with no healthy, non-ejected worker."""
+        """Pools with no healthy, undrained, non-ejected worker."""
         now = self.clock()
         return [name for name, workers in self.pools.items() if not any(w.in_service(now) for w in workers)]

@@ -15,7 +15,8 @@ class Worker:
     Mutable state is owned by the app's WorkerRegistry and touched only on the event loop:
     `in_flight` counts this replica's open upstream requests; `healthy` is the verdict of probes
     and refused connections; `ejected_until` / `busy_until` (monotonic seconds) keep an outlier
-    or a worker that answered 429 out of new requests until then.
+    or a worker that answered 429 out of new requests until then; `draining` (set by an operator
+    through the admin API) keeps it out of new requests while its in-flight ones finish.
     """
 
     pool: str
@@ -23,6 +24,7 @@ class Worker:
     url: str
     engine: EngineSpec
     healthy: bool = True
+    draining: bool = False
     in_flight: int = 0
     consecutive_failures: int = 0
     failed_probes: int = 0
@@ -46,16 +48,35 @@ class Worker:
         return max(engine, float(self.in_flight))
 
     def in_service(self, now: float) -> bool:
-        """Healthy and not ejected at `now` (time.monotonic() seconds)."""
-        return self.healthy and self.ejected_until <= now
+        """Healthy, not drained and not ejected at `now` (time.monotonic() seconds)."""
+        return self.healthy and not self.draining and self.ejected_until <= now
+
+    def state(self, now: float) -> str:
+        """One word for status pages: `unhealthy`, `ejected`, `draining` or `healthy`, in that
+        order of precedence (a drained worker that also fails its probes shows `unhealthy`)."""
+        if not self.healthy:
+            return "unhealthy"
+        if self.ejected_until > now:
+            return "ejected"
+        return "draining" if self.draining else "healthy"
 
     @property
     def id(self) -> str:
         return f"{self.pool}/{self.index}"
 
     def snapshot(self) -> dict[str, object]:
-        """A JSON-able view for /ready and admin listings."""
-        return {"id": self.id, "url": self.url, "engine": self.engine.kind, "healthy": self.healthy,
+        """A JSON-able view for /ready and the admin API.
+
+        `load`, `engine_running` and `engine_waiting` are requests, `kv_usage` a fraction (0..1),
+        `ejected_for_s` / `busy_for_s` the seconds left of an ejection / a 429 back-off (0 when
+        none); the engine fields are None until the first scrape of its `/metrics`.
+        """
+        now = time.monotonic()
+        return {"id": self.id, "pool": self.pool, "index": self.index, "url": self.url, "engine": self.engine.kind,
+                "state": self.state(now), "healthy": self.healthy, "draining": self.draining,
                 "in_flight": self.in_flight, "load": self.load(), "engine_running": self.engine_running,
                 "engine_waiting": self.engine_waiting, "kv_usage": self.kv_usage, "ejections": self.ejections,
-                "ejected": self.ejected_until > time.monotonic(), "last_error": self.last_error}
+                "ejected": self.ejected_until > now, "ejected_for_s": round(max(self.ejected_until - now, 0.0), 3),
+                "busy_for_s": round(max(self.busy_until - now, 0.0), 3),
+                "consecutive_failures": self.consecutive_failures, "failed_probes": self.failed_probes,
+                "last_error": self.last_error}

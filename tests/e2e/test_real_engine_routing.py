@@ -70,6 +70,17 @@ def test_mt_bench_prompt_streams_real_tokens(gateway: RunningGateway, shared_dat
     assert usage is not None and usage.completion_tokens == len(content_chunks) and usage.prompt_tokens > 20
 
 
+def test_real_engine_tokens_are_counted_for_a_client_that_did_not_ask_for_usage(gateway: RunningGateway) -> None:
+    """llama.cpp honours the usage patch's `stream_options`; its usage chunk never reaches the client."""
+    before = gateway.metric('kimi_gateway_tokens_total{kind="completion",pool="cpu-2k"}')
+    client = openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0)
+    chunks = list(client.chat.completions.create(model="Kimi-K3", messages=[{"role": "user", "content": "Hi!"}],
+                                                 max_tokens=6, stream=True))
+    assert chunks and all(c.choices and c.usage is None for c in chunks)
+    counted = gateway.metric('kimi_gateway_tokens_total{kind="completion",pool="cpu-2k"}') - before
+    assert 1 <= counted <= 6  # 6 unless the model ended its answer sooner
+
+
 def test_long_book_prompt_goes_to_the_8k_pool_and_the_2k_engine_refuses_it(
         gateway: RunningGateway, workers: dict[str, LlamaCppWorker], shared_data: Path) -> None:
     prompt = book_prompt(shared_data)

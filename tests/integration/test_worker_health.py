@@ -30,6 +30,8 @@ def test_burst_of_500s_ejects_then_the_worker_comes_back(start_sim: StartSim, st
     assert len(flaky.engine.records) == 3
     metrics = httpx.get(gw.url + "/metrics").text
     assert 'kimi_gateway_worker_ejections_total{pool="p",worker="p/0"} 1.0' in metrics
+    assert 'kimi_gateway_worker_ejected{pool="p",worker="p/0"} 1.0' in metrics
+    assert 'kimi_gateway_retries_total{cause="status_5xx",pool="p"} 3.0' in metrics
     ejected = httpx.get(gw.url + "/ready").json()["pools"]["p"][0]
     assert ejected["ejected"] is True and ejected["healthy"] is True
     for _ in range(4):
@@ -38,6 +40,7 @@ def test_burst_of_500s_ejects_then_the_worker_comes_back(start_sim: StartSim, st
     workers = {send(gw).headers["x-kimi-gateway-worker"] for _ in range(4)}
     assert workers == {"p/0", "p/1"}
     assert httpx.get(gw.url + "/ready").json()["pools"]["p"][0]["ejections"] == 0
+    assert gw.metric('kimi_gateway_worker_ejected{pool="p",worker="p/0"}') == 0
 
 
 def test_429_retry_after_is_respected_for_that_worker(start_sim: StartSim, start_gateway: StartGateway) -> None:

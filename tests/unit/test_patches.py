@@ -1,0 +1,56 @@
+"""The usage patch (backends/patches.py): ask the engine for usage, hide that chunk from the client."""
+
+from __future__ import annotations
+
+import orjson
+
+from gateway.backends.patches import ask_for_usage, drop_usage_events
+from gateway.protocol.sse import SSETap
+
+
+def _event(payload: object, sep: bytes = b"\n\n") -> bytes:
+    return b"data: " + orjson.dumps(payload) + sep
+
+
+TOKEN = {"id": "c1", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+USAGE = {"id": "c1", "object": "chat.completion.chunk", "choices": [],
+         "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}}
+
+
+def test_ask_for_usage_keeps_the_clients_other_stream_options() -> None:
+    payload = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": False}}
+    patched = ask_for_usage(payload)
+    assert patched["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    assert payload["stream_options"] == {"continuous_usage_stats": False}  # the original is untouched
+    assert ask_for_usage({"stream": True})["stream_options"] == {"include_usage": True}
+    assert ask_for_usage({"stream_options": None})["stream_options"] == {"include_usage": True}
+
+
+def test_only_the_usage_chunk_is_dropped_byte_for_byte() -> None:
+    with_null = {**TOKEN, "usage": None}  # SGLang and the simulator send "usage": null on every chunk
+    stream = _event(TOKEN) + _event(with_null) + _event(USAGE) + b"data: [DONE]\n\n"
+    assert drop_usage_events(stream) == _event(TOKEN) + _event(with_null) + b"data: [DONE]\n\n"
+
+
+def test_spaced_json_and_crlf_separators() -> None:
+    spaced = b"data: " + orjson.dumps(USAGE).replace(b'":', b'": ').replace(b",", b", ") + b"\r\n\r\n"
+    token = _event(TOKEN, b"\r\n\r\n")
+    assert drop_usage_events(token + spaced + b"data: [DONE]\r\n\r\n") == token + b"data: [DONE]\r\n\r\n"
+
+
+def test_events_that_only_look_like_usage_pass() -> None:
+    no_usage = {"id": "c1", "choices": []}  # an empty-choices chunk without usage is not ours to drop
+    text = {**TOKEN, "choices": [{"index": 0, "delta": {"content": '"choices":[]'}}]}
+    comment = b': "choices":[] keep-alive\n\n'
+    data = _event(no_usage) + _event(text) + comment
+    assert drop_usage_events(data) is not None and drop_usage_events(data) == data
+    plain = _event(TOKEN) * 3
+    assert drop_usage_events(plain) is plain  # the usual case costs a substring test
+
+
+def test_the_tap_still_sees_the_usage_it_hides() -> None:
+    stream = _event(TOKEN) + _event(USAGE) + b"data: [DONE]\n\n"
+    tap = SSETap()
+    tap.feed(stream)
+    assert tap.usage == USAGE["usage"] and tap.done
+    assert b'"usage"' not in drop_usage_events(stream)
