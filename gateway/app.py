@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.routing import Route
 
-from gateway.api import models, ops
+from gateway.api import admin, models, ops
 from gateway.api.proxy import ProxyEndpoint
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
@@ -50,6 +50,7 @@ def create_app(config: GatewayConfig, state: AppState | None = None) -> Starlett
         Route("/health", ops.health, methods=["GET"]),
         Route("/ready", ops.ready, methods=["GET"]),
         Route("/metrics", ops.metrics, methods=["GET"]),
+        *admin.routes(),  # /admin/* (admin scope when auth is on) and the /dashboard status page
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
                     middleware=http_middleware(config))  # CORS, then /v1/* auth (gateway/auth/middleware.py)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -19,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.routing.router import Router
 from gateway.routing.tokens import TokenEstimator
+from gateway.status import StatusWindow
 
 
 @dataclass(slots=True)
@@ -40,6 +41,11 @@ class AppState:
     started_unix: int = 0
     draining: bool = False
     """True once shutdown began (`begin_draining`): `/ready` answers 503 from then on."""
+    status: StatusWindow = field(init=False)
+    """Recent deltas of `metrics` for the status page (`GET /admin/status`)."""
+
+    def __post_init__(self) -> None:
+        self.status = StatusWindow(self.metrics)
 
     @classmethod
     def build(cls, config: GatewayConfig) -> AppState:

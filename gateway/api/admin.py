@@ -1,0 +1,154 @@
+"""Admin API and the live status page.
+
+Routes (each JSON one wrapped in `require_scope("admin")`: 401/403 with auth on, open with it off):
+
+- `GET /admin/workers`: every pool and its workers' state (`Worker.snapshot()`).
+- `GET /admin/workers/{pool}/{index}`: one worker.
+- `POST /admin/workers/{pool}/{index}/drain` / `.../undrain`: take a worker out of new requests
+  (its in-flight streams finish) / put it back; idempotent; answer the worker's new state.
+  Worker ids are `pool/index` as in headers and metric labels, addressed as a resource the way
+  SGLang's gateway (`/workers/{id}`) and Dynamo's drain/resume API do.
+- `GET /admin/status`: pools and workers plus recent traffic (`StatusWindow`), for the page.
+- `GET /dashboard`: the status page (`static/dashboard.html`). The HTML holds no data and is
+  public; everything it shows comes from `/admin/status`, which needs the admin key. A browser
+  cannot add a Bearer header to a page load, so the page asks for the key, keeps it in
+  `sessionStorage` (this tab only, gone when it closes, never in a URL or cookie) and sends it as
+  `Authorization: Bearer` with each fetch. A strict Content-Security-Policy (only this page's own
+  inline script and style, by hash; fetches to this origin only) keeps injected script from
+  reading the key; the page also writes worker data as text, never as HTML.
+
+Drain state lives in this gateway process (like health and ejections): with several replicas,
+drain the worker on each.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+import time
+from importlib import resources
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from gateway.api.responses import JSONResponse, error_response
+from gateway.auth.middleware import require_scope
+from gateway.backends.worker import Worker
+from gateway.errors import NotFound
+from gateway.state import AppState
+
+
+def _state(request: Request) -> AppState:
+    return request.state.service.state
+
+
+def pools_view(state: AppState) -> list[dict[str, object]]:
+    """Every configured pool, in config (cost) order, with its workers' snapshots.
+
+    Shape: `[{"name", "engine", "max_context_tokens", "policy", "ready", "workers": [snapshot]}]`;
+    `ready` is false when no worker is healthy, undrained and not ejected.
+    """
+    unready = set(state.registry.unready_pools())
+    return [{"name": pool.name, "engine": pool.engine, "max_context_tokens": pool.max_context_tokens,
+             "policy": pool.policy, "ready": pool.name not in unready,
+             "workers": [w.snapshot() for w in state.registry.pools[pool.name]]}
+            for pool in state.config.pools]
+
+
+def _worker(request: Request) -> Worker:
+    """The worker named by the path's `pool` and `index`; NotFound (404) when there is none."""
+    pool, index = request.path_params["pool"], request.path_params["index"]
+    worker = _state(request).registry.find(pool, int(index)) if index.isascii() and index.isdigit() else None
+    if worker is None:
+        known = ", ".join(w.id for w in _state(request).registry)
+        raise NotFound(f"No worker {pool}/{index}; workers are {known}.", code="worker_not_found")
+    return worker
+
+
+async def list_workers(request: Request) -> JSONResponse:
+    """`GET /admin/workers`: `{"pools": pools_view(state)}`."""
+    return JSONResponse({"pools": pools_view(_state(request))})
+
+
+async def get_worker(request: Request) -> JSONResponse:
+    """`GET /admin/workers/{pool}/{index}`: the worker's snapshot; 404 `worker_not_found`."""
+    try:
+        return JSONResponse(_worker(request).snapshot())
+    except NotFound as exc:
+        return error_response(exc)
+
+
+async def _set_draining(request: Request, draining: bool) -> JSONResponse:
+    try:
+        worker = _worker(request)
+    except NotFound as exc:
+        return error_response(exc)
+    _state(request).registry.set_draining(worker, draining)
+    return JSONResponse(worker.snapshot())
+
+
+async def drain(request: Request) -> JSONResponse:
+    """`POST /admin/workers/{pool}/{index}/drain`: no new requests go to the worker; those in
+    flight finish. Answers its snapshot (`"draining": true`); 404 `worker_not_found`."""
+    return await _set_draining(request, True)
+
+
+async def undrain(request: Request) -> JSONResponse:
+    """`POST /admin/workers/{pool}/{index}/undrain`: the worker takes new requests again."""
+    return await _set_draining(request, False)
+
+
+async def status(request: Request) -> JSONResponse:
+    """`GET /admin/status`: what the status page shows, in one JSON object.
+
+    `{"time_unix", "started_unix", "shutting_down", "ready", "pools": pools_view,
+    "recent": StatusWindow.recent}` (see `gateway.status` for the recent figures).
+    """
+    state = _state(request)
+    pools = pools_view(state)
+    return JSONResponse({"time_unix": round(time.time(), 3), "started_unix": state.started_unix,
+                         "shutting_down": state.draining,
+                         "ready": all(p["ready"] for p in pools) and not state.draining, "pools": pools,
+                         "recent": state.status.recent(p.name for p in state.config.pools)})
+
+
+def _csp_hash(source: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(source.encode()).digest()).decode() + "'"
+
+
+class DashboardPage:
+    """`GET /dashboard`: the status page (public HTML; its data needs the admin key, see above).
+
+    Read once from the package (`gateway/api/static/dashboard.html`) with a Content-Security-Policy
+    that allows exactly its inline script and style (CSP Level 2 hash sources).
+    """
+
+    def __init__(self) -> None:
+        html = resources.files("gateway.api").joinpath("static/dashboard.html").read_text(encoding="utf-8")
+        scripts = " ".join(_csp_hash(s) for s in re.findall(r"<script>(.*?)</script>", html, re.S))
+        styles = " ".join(_csp_hash(s) for s in re.findall(r"<style>(.*?)</style>", html, re.S))
+        self.body = html.encode()
+        self.headers = {
+            "content-security-policy": f"default-src 'none'; script-src {scripts}; style-src {styles}; "
+                                       "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
+                                       "frame-ancestors 'none'",
+            "cache-control": "no-store", "referrer-policy": "no-referrer", "x-content-type-options": "nosniff",
+            "x-frame-options": "DENY"}
+
+    async def serve(self, request: Request) -> Response:
+        return Response(self.body, media_type="text/html; charset=utf-8", headers=self.headers)
+
+
+def routes() -> list[Route]:
+    """The admin and status-page routes, for `create_app`."""
+    admin = require_scope("admin")
+    return [
+        Route("/admin/workers", admin(list_workers), methods=["GET"]),
+        Route("/admin/workers/{pool}/{index}", admin(get_worker), methods=["GET"]),
+        Route("/admin/workers/{pool}/{index}/drain", admin(drain), methods=["POST"]),
+        Route("/admin/workers/{pool}/{index}/undrain", admin(undrain), methods=["POST"]),
+        Route("/admin/status", admin(status), methods=["GET"]),
+        Route("/dashboard", DashboardPage().serve, methods=["GET"]),
+    ]
