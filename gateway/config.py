@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    IPvAnyNetwork,
     SecretStr,
     ValidationError,
     ValidationInfo,
@@ -302,6 +303,36 @@ class CorsConfig(_Strict):
         return self
 
 
+class ImageFetchConfig(_Strict):
+    """Opt-in fetching of client `http(s)://` image URLs to measure their pixel size (README "Image URLs").
+
+    The fetch only measures: the URL is forwarded unchanged and the engine fetches it itself. A
+    fetch that fails, times out or is refused costs `estimation.image_tokens_default`, as with the
+    fetch off; it never fails the request. Addresses are checked after DNS resolution, on every
+    redirect hop, and the connection goes to the checked address (gateway/routing/address_policy.py).
+    """
+
+    enabled: bool = Field(default=False, description="fetch http(s) image URLs to measure them")
+    timeout: float = Field(default=2.0, gt=0, description="seconds for one image: DNS, connect, redirects, body")
+    request_budget: float = Field(default=3.0, gt=0, description="seconds for all the fetches of one request")
+    max_bytes: int = Field(
+        default=256 * 1024, ge=1024,
+        description="bytes read per image at most; reading stops as soon as the size header has arrived",
+    )
+    max_redirects: int = Field(default=3, ge=0, le=10, description="redirects followed, each hop checked again")
+    max_images: int = Field(default=16, ge=1, description="distinct URLs fetched per request; others cost the default")
+    concurrency: int = Field(default=4, ge=1, description="fetches of one request at once")
+    max_in_flight: int = Field(default=64, ge=1, description="fetches of this replica at once")
+    allowed_schemes: list[Literal["http", "https"]] = Field(default_factory=lambda: ["http", "https"], min_length=1)
+    allow_networks: list[IPvAnyNetwork] = Field(
+        default_factory=list,
+        description="networks fetched from although not public (loopback, private, link-local...), "
+        'e.g. ["10.20.0.0/16"] for an internal image host; empty: public addresses only',
+    )
+    cache_entries: int = Field(default=4096, ge=0, description="measured sizes kept, by URL (0: none)")
+    cache_ttl: float = Field(default=600.0, gt=0, description="seconds a measured size is reused")
+
+
 class GatewayConfig(BaseSettings):
     """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
 
@@ -318,6 +349,7 @@ class GatewayConfig(BaseSettings):
     load: LoadConfig = Field(default_factory=LoadConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)
+    image_fetch: ImageFetchConfig = Field(default_factory=ImageFetchConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")

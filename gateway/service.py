@@ -34,7 +34,7 @@ from gateway.errors import (
 )
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.record import RequestRecord
-from gateway.routing.features import Api, RoutingRequest, chat_features, completion_features
+from gateway.routing.features import Api, RoutingRequest, chat_features, completion_features, image_urls
 from gateway.routing.policy import Candidate
 from gateway.routing.pools import fitting_pools, larger_pools
 from gateway.state import AppState
@@ -97,8 +97,12 @@ class ProxyService:
         self._models = {name.lower(): config.model.name for name in config.model.names()}
         self._served = {p.name: p.served_model_name or config.model.name for p in config.pools}
 
-    def parse(self, api: Api, body: bytes, headers: Mapping[str, str]) -> tuple[dict[str, Any], RoutingRequest]:
-        """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound."""
+    async def parse(self, api: Api, body: bytes, headers: Mapping[str, str]) -> tuple[dict[str, Any], RoutingRequest]:
+        """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound.
+
+        With `image_fetch.enabled`, the chat request's http(s) image URLs are fetched first to
+        measure their pixel size (`ImageFetcher.measure`: bounded in time, never failing the request).
+        """
         payload = decode_json_object(body)
         self._check_size(api, payload)
         try:
@@ -114,7 +118,9 @@ class ProxyService:
         estimator = self.state.estimator
         hasher = self.state.hasher
         if isinstance(wire, ChatCompletionRequest):
-            request = chat_features(wire, model, estimator, hasher, session)
+            images = self.state.images
+            measured = await images.measure(image_urls(wire)) if images is not None else None
+            request = chat_features(wire, model, estimator, hasher, session, measured)
         else:
             request = completion_features(wire, model, estimator, hasher, session)
         return payload, request
@@ -150,7 +156,7 @@ class ProxyService:
         estimated prompt tokens + its output limit (else the first fitting pool's reservation)
         before routing; RateLimited (429) or RateLimitUnavailable (503) when refused.
         """
-        payload, request = self.parse(api, body, headers)
+        payload, request = await self.parse(api, body, headers)
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method

@@ -17,6 +17,7 @@ from gateway.backends.load import LoadScraper
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.routing.image_fetch import ImageFetcher
 from gateway.routing.router import Router
 from gateway.routing.tokens import TokenEstimator
 from gateway.status import StatusWindow
@@ -38,6 +39,8 @@ class AppState:
     affinity: AffinityStore | None = None
     auth: AuthGuard | None = None
     """API keys, scopes and per-key quotas; None when `auth.enabled` is false."""
+    images: ImageFetcher | None = None
+    """Measures client image URLs (own httpx client); None when `image_fetch.enabled` is false."""
     started_unix: int = 0
     draining: bool = False
     """True once shutdown began (`begin_draining`): `/ready` answers 503 from then on."""
@@ -61,11 +64,13 @@ class AppState:
                 affinity = RedisAffinityStore(config.redis_url, config.affinity, metrics)
             else:
                 affinity = MemoryAffinityStore(config.affinity.ttl_seconds, config.affinity.memory_max_entries)
+        images = ImageFetcher(config.image_fetch, metrics.image_fetches) if config.image_fetch.enabled else None
         return cls(config=config, http=http, registry=registry, router=Router(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics),
                    load=LoadScraper(registry, http, config.load, metrics),
                    hasher=hasher, affinity=affinity, auth=AuthGuard.build(config, metrics),
+                   images=images,
                    started_unix=int(time.time()))
 
     async def start(self) -> None:
@@ -93,4 +98,6 @@ class AppState:
             await self.affinity.stop()
         if self.auth is not None:
             await self.auth.stop()
+        if self.images is not None:
+            await self.images.aclose()
         await self.http.aclose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,7 +14,6 @@ from gateway.protocol.openai import PART_MODALITY, ChatCompletionRequest, Comple
 from gateway.routing.tokens import TokenEstimator
 
 Api = Literal["chat", "completions"]
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +44,25 @@ class RoutingRequest:
         return self.prompt_tokens + out
 
 
+def image_urls(wire: ChatCompletionRequest) -> list[str]:
+    """The image URLs of a chat request that are not `data:` URIs, in order, each once."""
+    urls: dict[str, None] = {}
+    for message in wire.messages:
+        if isinstance(message.content, list):
+            for part in message.content:
+                if part.type == "image_url" and not part.image_url.url.startswith("data:"):
+                    urls[part.image_url.url] = None
+    return list(urls)
+
+
 def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstimator,
-                  hasher: PrefixHasher | None = None, session_key: str | None = None) -> RoutingRequest:
+                  hasher: PrefixHasher | None = None, session_key: str | None = None,
+                  measured: Mapping[str, tuple[int, int]] | None = None) -> RoutingRequest:
     """Features of a chat request: text and image tokens, template overhead, modalities, and the
     prefix hashes of its canonical bytes when a hasher is given.
 
+    `measured` maps image URLs to their (width, height) in pixels, as the opt-in image fetch
+    found them (`gateway/routing/image_fetch.py`); other URLs cost the configured default.
     Raises InvalidRequest for an image data URI that cannot be read.
     """
     config = estimator.config
@@ -79,7 +93,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
                     text_bytes += len(encoded)
                 elif part.type == "image_url":
                     url = part.image_url.url
-                    estimate = estimator.image_tokens(url, param=f"messages[{i}].content[{j}].image_url.url")
+                    estimate = estimator.image_tokens(url, f"messages[{i}].content[{j}].image_url.url", measured)
                     tokens += estimate.tokens
                     methods.add(estimate.method)
                     parts.append(image_digest(url))

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.config import EstimationConfig
 from gateway.errors import InvalidRequest
-from gateway.routing.tokens import TokenEstimator, read_data_uri_size
+from gateway.routing.tokens import TokenEstimator, image_size, read_data_uri_size
 
 IMAGES = [
     ("chelsea_cat_48.png", "png", (48, 32)),
@@ -87,3 +87,21 @@ def test_svg_sizes_are_clamped_not_crashing(width: str, height: str) -> None:
     uri = "data:image/svg+xml;base64," + base64.b64encode(svg).decode()
     estimate = TokenEstimator(EstimationConfig()).image_tokens(uri)
     assert EstimationConfig().image_tokens_min <= estimate.tokens <= EstimationConfig().image_tokens_max
+
+
+def test_measured_http_urls_cost_their_pixels_and_others_the_default() -> None:
+    # `measured` is what the opt-in image fetch found (gateway/routing/image_fetch.py).
+    estimator = TokenEstimator(EstimationConfig(image_tokens_default=777))
+    measured = {"https://img.example/a.jpg": (800, 698)}
+    fetched = estimator.image_tokens("https://img.example/a.jpg", measured=measured)
+    assert (fetched.tokens, fetched.method, fetched.width, fetched.height) == (29 * 25, "pixels", 800, 698)
+    other = estimator.image_tokens("https://img.example/b.jpg", measured=measured)
+    assert (other.tokens, other.method) == (777, "default")
+
+
+@pytest.mark.parametrize(("name", "kind", "size"), IMAGES)
+def test_image_size_reads_a_file_head_and_none_before_the_header(shared_data: Path, name: str, kind: str,
+                                                                 size: tuple[int, int]) -> None:
+    raw = (shared_data / "images" / name).read_bytes()
+    assert image_size(raw) == size
+    assert image_size(raw[:16]) is None  # too short for any format's size header: unknown, never wrong
