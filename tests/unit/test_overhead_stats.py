@@ -1,0 +1,115 @@
+"""The overhead benchmark's pure helpers: medians over rounds, added TTFT, ratios, profiles, request bytes."""
+
+from __future__ import annotations
+
+import itertools
+
+import orjson
+
+from loadtest.overhead_load import UNIQUE_DIGITS, RequestMaker, prompt_text
+from loadtest.overhead_stats import (
+    DIRECT,
+    NO_FRAME,
+    Sample,
+    aggregate,
+    find,
+    fmt,
+    fmt_ratio,
+    median,
+    ratio,
+    sample_from,
+    top_self,
+)
+
+
+def _sample(target: str, rnd: int, p50: float, p99: float, ok: int = 100, cpu_ms: float | None = None) -> Sample:
+    return Sample("stream c=1 16KiB", target, rnd, ok, 0, 1.0, ok * 33, p50, p99, p50, cpu_ms, 50.0)
+
+
+def test_added_ttft_is_taken_within_each_round_then_the_median() -> None:
+    # Round 1 is slow for both (a noisy machine): the difference, not the level, is what counts.
+    samples = [
+        _sample(DIRECT, 0, 100, 300), _sample("gateway", 0, 900, 2000),
+        _sample(DIRECT, 1, 5000, 9000), _sample("gateway", 1, 5700, 9500),
+        _sample(DIRECT, 2, 120, 250), _sample("gateway", 2, 1020, 2250),
+    ]
+    rows = aggregate(samples)
+    gateway = find(rows, "stream c=1 16KiB", "gateway")
+    assert gateway is not None
+    assert gateway.added_p50_us == 800  # differences 800, 700, 900
+    assert gateway.added_p99_us == 1700  # differences 1700, 500, 2000
+    assert gateway.ttft_p50_us == 1020  # the median of the levels 900, 5700, 1020
+    assert gateway.rounds == 3
+    direct = find(rows, "stream c=1 16KiB", DIRECT)
+    assert direct is not None and direct.added_p50_us is None
+
+
+def test_rows_keep_first_appearance_order_and_sum_errors() -> None:
+    a = sample_from("json c=64 16KiB", "gateway", 0, ok=90, errors=2, seconds=2.0, events=90,
+                    first_us=[1.0, 2.0, 3.0], total_us=[1.0, 2.0, 3.0], cpu_s=0.18, rss_kb=2048,
+                    error_kinds={"HTTP 503": 2})
+    b = sample_from("json c=64 16KiB", "gateway", 1, ok=110, errors=1, seconds=2.0, events=110,
+                    first_us=[2.0], total_us=[2.0], cpu_s=0.22, rss_kb=4096, error_kinds={"HTTP 503": 1})
+    c = sample_from("stream c=1 200B", "gateway", 0, ok=10, errors=0, seconds=1.0, events=330,
+                    first_us=[5.0], total_us=[6.0], cpu_s=None, rss_kb=None)
+    rows = aggregate([a, c, b])
+    assert [r.scenario for r in rows] == ["json c=64 16KiB", "stream c=1 200B"]
+    json_row = rows[0]
+    assert json_row.errors == 3 and json_row.requests == 203
+    assert json_row.error_kinds == {"HTTP 503": 3}
+    assert json_row.rps == 50.0  # median of 45 and 55 req/s
+    assert json_row.cpu_ms_per_req == 2.0  # median of 2.0 and 2.0 ms
+    assert json_row.rss_peak_mb == 4.0  # the peak is the max over rounds, not a median
+    assert a.ttft_p50_us == 2.0 and a.cpu_ms_per_req == 2.0
+    assert rows[1].cpu_ms_per_req is None and rows[1].rss_peak_mb is None
+
+
+def test_median_ratio_and_formatting() -> None:
+    assert median([None, 3.0, 1.0, None, 2.0]) == 2.0
+    assert median([None]) is None
+    assert ratio(10.0, 4.0) == 2.5
+    assert ratio(1.0, 0.0) is None and ratio(None, 1.0) is None
+    assert fmt_ratio(2.345) == "2.35x" and fmt_ratio(23.45) == "23.4x" and fmt_ratio(234.5) == "234x"
+    assert fmt_ratio(None) == "-"
+    assert fmt(12345.678) == "12,346" and fmt(1.23456, 3) == "1.235" and fmt(None) == "-"
+
+
+def test_profile_self_time_by_function_file_and_package() -> None:
+    lines = [
+        'process 1:"python -m gateway.cli serve";main (gateway/cli.py);handle (gateway/service.py);'
+        "_assign (httpcore/_async/connection_pool.py) 30",
+        'process 1:"python -m gateway.cli serve";main (gateway/cli.py);handle (gateway/service.py);'
+        "parse (gateway/service.py) 10",
+        'process 1:"python -m gateway.cli serve";main (gateway/cli.py);'
+        "send (uvicorn/protocols/http/httptools_impl.py:40) 5",
+        'process 1:"python -m gateway.cli serve" 5',
+        "not a stack line",
+    ]
+    top = top_self(lines, n=3)
+    assert top.total == 50
+    assert top.functions == [("_assign (httpcore/_async/connection_pool.py)", 30),
+                             ("parse (gateway/service.py)", 10),
+                             ("send (uvicorn/protocols/http/httptools_impl.py)", 5)]
+    assert dict(top.packages) == {"httpcore": 30, "gateway": 10, "uvicorn": 5}
+    assert ("handle (gateway/service.py)", 40) in top.gateway_inclusive
+    assert all("gateway/cli.py" not in name for name, _ in top.gateway_inclusive)
+    everything = top_self(lines, n=10)
+    assert (NO_FRAME, 5) in everything.functions
+
+
+def test_request_bytes_are_json_of_the_asked_size_with_a_unique_prefix() -> None:
+    counter = itertools.count(7)
+    maker = RequestMaker(8000, 16 * 1024, True, 32, "key", counter)
+    first, second = maker.parts(), maker.parts()
+    head, body = first[0], b"".join(first[1:])
+    assert f"content-length: {len(body)}\r\n".encode() in head
+    payload = orjson.loads(body)
+    content = payload["messages"][0]["content"]
+    assert len(content) == 16 * 1024
+    assert content[:UNIQUE_DIGITS] == "000000000007"
+    assert payload["max_tokens"] == 32 and payload["stream"] is True
+    assert payload["stream_options"] == {"include_usage": True}
+    assert b"".join(second[1:]) != body and len(b"".join(second[1:])) == len(body)
+    plain = orjson.loads(b"".join(RequestMaker(8000, 200, False, 8, "key", counter).parts()[1:]))
+    assert "stream_options" not in plain and plain["stream"] is False
+    assert prompt_text(5) == b"alpha" and len(prompt_text(1 << 20)) == 1 << 20
