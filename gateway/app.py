@@ -29,12 +29,13 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(GatewayError(str(getattr(exc, "detail", "error"))))
 
 
-def create_app(config: GatewayConfig, state: AppState | None = None) -> Starlette:
-    """The gateway ASGI app. `state` may be given by tests; otherwise it is built at start-up."""
+def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir: str | None = None) -> Starlette:
+    """The gateway ASGI app. `state` may be given by tests; otherwise it is built at start-up
+    (`metrics_dir`: see `AppState.build`)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, ProxyService]]:
-        app_state = state or AppState.build(config)
+        app_state = state or AppState.build(config, metrics_dir)
         await app_state.start()
         app.state.gateway = app_state  # how the server's signal handler reaches it: `begin_draining(app)`
         try:

@@ -34,6 +34,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     config = _load_or_exit(args.config)
     _setup_logging(config.log_level)
+    processes = args.processes or config.processes
+    if processes > 1:
+        from gateway.supervisor import Supervisor
+
+        shutdown = config.shutdown
+        supervisor = Supervisor(args.config, args.host or config.host, args.port or config.port, processes,
+                                shutdown.drain_delay + shutdown.grace_period)
+        sys.exit(supervisor.run())
     app = create_app(config)
     server = GracefulServer(app, args.host or config.host, args.port or config.port, config.shutdown,
                             on_drain=lambda: begin_draining(app), log_level=config.log_level)
@@ -100,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", "-c", required=True)
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--processes", type=int, help="serving processes sharing the port (overrides `processes`)")
     serve.set_defaults(func=cmd_serve)
 
     check = sub.add_parser("check-config", help="validate a config file and explain errors")

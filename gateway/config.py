@@ -340,6 +340,11 @@ class GatewayConfig(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    processes: int = Field(
+        default=1, ge=1, le=64,
+        description="serving processes sharing the port (gateway/supervisor.py); each keeps its own health "
+        "view and in-flight counts, so use Redis for affinity and limits when > 1",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     pools: list[PoolConfig] = Field(min_length=1)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)

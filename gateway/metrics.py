@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 # LLM latencies run from milliseconds (a cached short prompt) to minutes (a 1M-token prefill).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0,
@@ -24,9 +25,17 @@ def status_class(status: int) -> str:
 
 
 class GatewayMetrics:
-    """Every collector the gateway exports; `render()` gives the exposition text and content type."""
+    """Every collector the gateway exports; `render()` gives the exposition text and content type.
 
-    def __init__(self) -> None:
+    With several serving processes (`processes: N`, gateway/supervisor.py) every process writes its
+    samples to files in `multiprocess_dir` (prometheus_client's multiprocess mode, switched on by
+    the `PROMETHEUS_MULTIPROC_DIR` variable the supervisor sets before the processes start) and
+    `render()` sums them, so any process answers `/metrics` for all. Each gauge says how its
+    per-process values combine (`multiprocess_mode`; ignored with one process).
+    """
+
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kimi_gateway_requests", "Finished client requests.",
@@ -50,7 +59,7 @@ class GatewayMetrics:
                                "Attempts after the first, by what failed before (cause: an upstream outcome).",
                                ["pool", "cause"], registry=r)
         self.spillovers = Counter("kimi_gateway_spillovers",
-                                  "Requests moved to a later pool (cause: unavailable or too_long).",
+                                  "Requests moved to a later pool (cause: unavailable, saturated or too_long).",
                                   ["from_pool", "to_pool", "cause"], registry=r)
         self.estimated_prompt_tokens = Histogram("kimi_gateway_estimated_prompt_tokens",
                                                  "Estimated prompt tokens per routed request.",
@@ -58,14 +67,14 @@ class GatewayMetrics:
         self.tokens = Counter("kimi_gateway_tokens", "Tokens reported by the engines' usage.",
                               ["pool", "kind"], registry=r)
         self.in_flight = Gauge("kimi_gateway_in_flight", "Open upstream requests of this replica.",
-                               ["pool", "worker"], registry=r)
+                               ["pool", "worker"], multiprocess_mode="livesum", registry=r)
         self.worker_healthy = Gauge("kimi_gateway_worker_healthy", "1 when the worker passes its probes.",
-                                    ["pool", "worker"], registry=r)
+                                    ["pool", "worker"], multiprocess_mode="livemin", registry=r)
         self.worker_draining = Gauge("kimi_gateway_worker_draining",
                                      "1 while an operator has drained the worker (admin API): no new requests.",
-                                     ["pool", "worker"], registry=r)
+                                     ["pool", "worker"], multiprocess_mode="livemax", registry=r)
         self.worker_ejected = Gauge("kimi_gateway_worker_ejected", "1 while the worker is ejected as an outlier.",
-                                    ["pool", "worker"], registry=r)
+                                    ["pool", "worker"], multiprocess_mode="livemax", registry=r)
         self.ejections = Counter("kimi_gateway_worker_ejections",
                                  "Outlier ejections after consecutive failed requests.", ["pool", "worker"],
                                  registry=r)
@@ -84,15 +93,13 @@ class GatewayMetrics:
                                                "Affinity records dropped (queue full or Redis down).", registry=r)
         self.redis_errors = Counter("kimi_gateway_redis_errors", "Redis calls that failed or timed out.", ["op"],
                                     registry=r)
-        self.redis_up = Gauge("kimi_gateway_redis_up",
-                              "1 while the affinity store reaches Redis, 0 while its circuit breaker is open "
-                              "(absent without Redis).", registry=r)
+        self.redis_up: Gauge | None = None  # created by `track_redis()`: absent without Redis
         self.redis_seconds = Histogram("kimi_gateway_redis_seconds", "Redis call latency.", ["op"],
                                        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
                                        registry=r)
         self.engine_load = Gauge("kimi_gateway_engine_load",
                                  "Scraped engine load: running, waiting, kv_usage (0..1).",
-                                 ["pool", "worker", "signal"], registry=r)
+                                 ["pool", "worker", "signal"], multiprocess_mode="livemostrecent", registry=r)
 
         # Auth (gateway/auth/): `key` is a key's configured name, never the key.
         self.auth_failures = Counter("kimi_gateway_auth_failures",
@@ -108,5 +115,19 @@ class GatewayMetrics:
                                      "Client image URLs fetched to measure their size (result: ok, refused, error, "
                                      "timeout, too_large, skipped).", ["result"], registry=r)
 
+    def track_redis(self) -> Gauge:
+        """`kimi_gateway_redis_up`, created by the one Redis affinity store: a gateway without Redis
+        exports no such series (a 0 would fire "Redis down" alerts where there is no Redis)."""
+        if self.redis_up is None:
+            self.redis_up = Gauge("kimi_gateway_redis_up",
+                                  "1 while the affinity store reaches Redis, 0 while its circuit breaker is open "
+                                  "(absent without Redis).", multiprocess_mode="livemin", registry=self.registry)
+        return self.redis_up
+
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """The exposition text of this process (or of every live process in multiprocess mode)."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)
+        return generate_latest(merged), CONTENT_TYPE_LATEST

@@ -13,13 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import orjson
 from pydantic import ValidationError
 
 from gateway.affinity.hashing import longest_match
 from gateway.auth.keys import Principal
-from gateway.backends.client import first_byte_budget, request_timeout
+from gateway.backends.client import UpstreamResponse, first_byte_budget, request_timeout
 from gateway.backends.patches import ask_for_usage
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
@@ -304,7 +303,7 @@ class ProxyService:
                 budget += timeouts.generation
             try:
                 async with asyncio.timeout(budget):
-                    response = await open_upstream(state.http, worker.url + UPSTREAM_PATHS[api], body, headers,
+                    response = await open_upstream(state.upstream, worker.url + UPSTREAM_PATHS[api], body, headers,
                                                    timeout)
                     first, rest, pending = await first_chunk(response, keepalive)
             except TimeoutError:
@@ -398,7 +397,7 @@ def _upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool =
                              code="invalid_json") from None
 
 
-def _passed_headers(response: httpx.Response) -> Headers:
+def _passed_headers(response: UpstreamResponse) -> Headers:
     """Upstream headers the client needs besides content-type (an encoding the engine applied)."""
     encoding = response.headers.get("content-encoding")
     return [(b"content-encoding", encoding.encode("latin-1"))] if encoding else []

@@ -11,7 +11,7 @@ from gateway.affinity.hashing import PrefixHasher
 from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
 from gateway.auth.guard import AuthGuard
-from gateway.backends.client import build_upstream_client
+from gateway.backends.client import UpstreamClient, build_control_client
 from gateway.backends.health import HealthChecker
 from gateway.backends.load import LoadScraper
 from gateway.backends.registry import WorkerRegistry
@@ -25,10 +25,13 @@ from gateway.status import StatusWindow
 
 @dataclass(slots=True)
 class AppState:
-    """Config, the upstream client, workers, router, estimator, affinity, metrics, background tasks."""
+    """Config, the upstream clients, workers, router, estimator, affinity, metrics, background tasks."""
 
     config: GatewayConfig
+    upstream: UpstreamClient
+    """Generation requests to the engines (aiohttp; see backends/client.py for why)."""
     http: httpx.AsyncClient
+    """Health probes and engine `/metrics` scrapes."""
     registry: WorkerRegistry
     router: Router
     estimator: TokenEstimator
@@ -51,10 +54,14 @@ class AppState:
         self.status = StatusWindow(self.metrics)
 
     @classmethod
-    def build(cls, config: GatewayConfig) -> AppState:
-        """Build the state (no I/O yet: an unreachable Redis does not block start-up)."""
-        http = build_upstream_client(config.timeouts)
-        metrics = GatewayMetrics()
+    def build(cls, config: GatewayConfig, metrics_dir: str | None = None) -> AppState:
+        """Build the state (no I/O yet: an unreachable Redis does not block start-up).
+
+        `metrics_dir`: prometheus_client's multiprocess directory when several processes serve
+        (gateway/supervisor.py), else None.
+        """
+        http = build_control_client(config.timeouts)
+        metrics = GatewayMetrics(metrics_dir)
         registry = WorkerRegistry(config, metrics)
         hasher: PrefixHasher | None = None
         affinity: AffinityStore | None = None
@@ -65,7 +72,8 @@ class AppState:
             else:
                 affinity = MemoryAffinityStore(config.affinity.ttl_seconds, config.affinity.memory_max_entries)
         images = ImageFetcher(config.image_fetch, metrics.image_fetches) if config.image_fetch.enabled else None
-        return cls(config=config, http=http, registry=registry, router=Router(config),
+        return cls(config=config, upstream=UpstreamClient(config.timeouts), http=http, registry=registry,
+                   router=Router(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics),
                    load=LoadScraper(registry, http, config.load, metrics),
@@ -74,6 +82,7 @@ class AppState:
                    started_unix=int(time.time()))
 
     async def start(self) -> None:
+        await self.upstream.start()
         self.health.loop.start()
         if self.config.load.enabled:
             self.load.loop.start()
@@ -100,4 +109,5 @@ class AppState:
             await self.auth.stop()
         if self.images is not None:
             await self.images.aclose()
+        await self.upstream.aclose()
         await self.http.aclose()

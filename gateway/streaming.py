@@ -2,7 +2,7 @@
 
 An attempt succeeds once the engine sent 2xx headers AND its first body byte; until then every
 failure is an `AttemptFailed` the service may retry elsewhere. After that the relay passes raw
-bytes through as they arrive (`aiter_raw`, no re-encoding); a tap observes a copy. A failure after
+bytes through as they arrive (`UpstreamResponse.chunks`, no re-encoding); a tap observes a copy. A failure after
 the first byte becomes one SSE error event and the stream ends without `[DONE]`. Closing the
 upstream response in `finally` is what makes the engine abort a request whose client hung up.
 """
@@ -14,9 +14,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from enum import StrEnum
 
-import httpx
-
 from gateway.backends.capacity import PoolGate
+from gateway.backends.client import (
+    TransportError,
+    UpstreamClient,
+    UpstreamResponse,
+    UpstreamTimeouts,
+    is_connect_error,
+    is_timeout,
+)
 from gateway.backends.engines import is_context_too_long
 from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
@@ -89,15 +95,15 @@ class Lease:
             self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
 
 
-def _classify_transport_error(exc: httpx.HTTPError) -> Outcome:
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+def _classify_transport_error(exc: BaseException) -> Outcome:
+    if is_connect_error(exc):
         return Outcome.CONNECT_ERROR
-    if isinstance(exc, httpx.TimeoutException):
+    if is_timeout(exc):
         return Outcome.TIMEOUT
     return Outcome.PROTOCOL_ERROR
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: UpstreamResponse) -> float | None:
     value = response.headers.get("retry-after")
     try:
         return max(0.0, float(value)) if value is not None else None
@@ -105,28 +111,27 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-async def _read_error(response: httpx.Response) -> bytes:
+async def _read_error(response: UpstreamResponse) -> bytes:
     body = bytearray()
     try:
-        async for chunk in response.aiter_raw():
+        async for chunk in response.chunks():
             body += chunk
             if len(body) >= ERROR_BODY_LIMIT:
                 break
-    except httpx.HTTPError:
+    except TransportError:
         pass
     return bytes(body[:ERROR_BODY_LIMIT])
 
 
-async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str],
-                        timeout: httpx.Timeout) -> httpx.Response:
+async def open_upstream(client: UpstreamClient, url: str, body: bytes, headers: dict[str, str],
+                        timeout: UpstreamTimeouts) -> UpstreamResponse:
     """POST `body` and return the response once 2xx headers arrived (body not read yet).
 
     Raises AttemptFailed: transport errors, 5xx, 429, the engine's "context too long", other 4xx.
     """
-    request = client.build_request("POST", url, content=body, headers=headers, timeout=timeout)
     try:
-        response = await client.send(request, stream=True)
-    except httpx.HTTPError as exc:
+        response = await client.post(url, body, headers, timeout)
+    except TransportError as exc:
         raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} from {url}") from exc
     status = response.status_code
     if status == 200:
@@ -151,7 +156,7 @@ async def open_upstream(client: httpx.AsyncClient, url: str, body: bytes, header
     raise AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered HTTP {status}", status, error_body)
 
 
-async def first_chunk(response: httpx.Response, patience: float | None = None
+async def first_chunk(response: UpstreamResponse, patience: float | None = None
                       ) -> tuple[bytes | None, AsyncIterator[bytes], asyncio.Task[bytes] | None]:
     """Wait for the first body bytes of an accepted response: `(first, rest, None)`.
 
@@ -159,7 +164,7 @@ async def first_chunk(response: httpx.Response, patience: float | None = None
     where `pending` is the still-running read of the first chunk (the caller owns it).
     Raises AttemptFailed (and closes the response) if the engine fails or ends before sending any.
     """
-    chunks = response.aiter_raw()
+    chunks = response.chunks()
     try:
         if patience is None:
             first = await anext(chunks, b"")
@@ -173,7 +178,7 @@ async def first_chunk(response: httpx.Response, patience: float | None = None
             if not pending.done():
                 return None, chunks, pending
             first = pending.result()
-    except httpx.HTTPError as exc:
+    except TransportError as exc:
         await response.aclose()
         raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} before the first byte") from exc
     except BaseException:
@@ -199,10 +204,10 @@ def early_stream_error(first: bytes) -> AttemptFailed | None:
     return AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long (in-stream error)", 400, payload)
 
 
-async def read_rest(response: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], limit: int) -> bytes:
+async def read_rest(response: UpstreamResponse, first: bytes, chunks: AsyncIterator[bytes], limit: int) -> bytes:
     """The whole body of a non-streaming response, given its first chunk.
 
-    Raises httpx.HTTPError if the engine fails midway, ValueError above `limit` bytes.
+    Raises TransportError if the engine fails midway, ValueError above `limit` bytes.
     """
     body = bytearray(first)
     async for chunk in chunks:
@@ -219,7 +224,7 @@ class UpstreamStream:
     body was never iterated) closes both. Facts for the record: first byte time, usage, outcome.
     """
 
-    def __init__(self, response: httpx.Response, first: bytes | None, rest: AsyncIterator[bytes], lease: Lease,
+    def __init__(self, response: UpstreamResponse, first: bytes | None, rest: AsyncIterator[bytes], lease: Lease,
                  record: RequestRecord, pending: asyncio.Task[bytes] | None = None,
                  keepalive_interval: float = 15.0, on_end: Callable[[str | None], None] | None = None,
                  strip_usage: bool = False) -> None:
@@ -277,7 +282,7 @@ class UpstreamStream:
                 yield sse_error_event("The inference server ended the stream early; the response is incomplete.")
             else:
                 self._ended(None)
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             if tap.done:
                 self._ended(None)
                 return  # the answer was complete; only the connection's end was untidy

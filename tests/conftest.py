@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import yaml
 
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
-from tests.support import SHARED_DATA, OwnRedis, RunningGateway, RunningSim
+from tests.support import REPO_ROOT, SHARED_DATA, GatewayProcess, OwnRedis, RunningGateway, RunningSim
 
 
 def stop_all(servers: list[ThreadedServer]) -> None:
@@ -85,3 +90,36 @@ def own_redis(unused_port: int) -> Iterator[OwnRedis]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def start_gateway_process(tmp_path: Path, unused_port: int) -> Iterator[Callable[..., GatewayProcess]]:
+    """Factory: `start(pools, **top-level config)` → a serving gateway process (ready answers 200)."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(pools: list[dict[str, Any]], **settings: Any) -> GatewayProcess:
+        config = {"pools": pools, "health": {"interval": 0.5, "timeout": 1.0}, "log_level": "info", **settings}
+        config_path = tmp_path / "gateway.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        log = tmp_path / "gateway.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "-c", str(config_path),
+                                     "--port", str(unused_port)], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        gateway = GatewayProcess(proc, f"http://127.0.0.1:{unused_port}", log)
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, f"gateway exited with {proc.returncode}:\n{gateway.log_text()}"
+            assert time.monotonic() < deadline, f"gateway not ready after 20 s:\n{gateway.log_text()}"
+            try:
+                if httpx.get(gateway.url + "/ready").status_code == 200:
+                    return gateway
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)

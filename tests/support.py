@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -96,3 +97,23 @@ class OwnRedis:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+
+@dataclass
+class GatewayProcess:
+    """A `kimi-gateway serve` subprocess on a loopback port; its output goes to `log`."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    async def wait_exit(self, timeout: float) -> int:
+        """The exit status, polled without blocking the event loop; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"gateway still running after {timeout} s:\n{self.log_text()}"
+            await asyncio.sleep(0.02)
+        return self.proc.returncode

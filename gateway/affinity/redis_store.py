@@ -55,6 +55,7 @@ class RedisAffinityStore:
         self._pinger: asyncio.Task[None] | None = None
         self._skip_until = 0.0
         self._up: bool | None = None
+        self._up_gauge = metrics.track_redis()
         self._last_log = 0.0
 
     def key(self, pool: str, h: int) -> str:
@@ -63,7 +64,7 @@ class RedisAffinityStore:
     def _set_up(self, up: bool) -> None:
         if self._up is not up:
             self._up = up
-            self.metrics.redis_up.set(1 if up else 0)
+            self._up_gauge.set(1 if up else 0)
 
     def _failed(self, op: str, exc: BaseException) -> None:
         now = time.monotonic()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -14,8 +16,8 @@ def _state(request: Request) -> AppState:
 
 
 async def health(request: Request) -> JSONResponse:
-    """`GET /health`: the process is alive (200 always)."""
-    return JSONResponse({"status": "ok"})
+    """`GET /health`: the process is alive (200 always); `pid` tells serving processes apart."""
+    return JSONResponse({"status": "ok", "pid": os.getpid()})
 
 
 async def ready(request: Request) -> JSONResponse:

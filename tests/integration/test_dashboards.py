@@ -46,9 +46,11 @@ def walk(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
 
 @pytest.fixture
 def exposition(start_sim: Callable[..., RunningSim], start_gateway: Callable[..., RunningGateway]) -> str:
-    """The /metrics text of a running gateway in front of one simulated worker."""
+    """The /metrics text of a running gateway in front of one simulated worker, with Redis (so the
+    Redis series exist; no request is sent, so no affinity key is written)."""
     sim = start_sim("vllm")
-    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], redis_url="redis://127.0.0.1:6379/0",
+                       affinity={"key_prefix": "kimi-test-dashboards"})
     return httpx.get(gw.url + "/metrics").text
 
 

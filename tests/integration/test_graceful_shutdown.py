@@ -9,82 +9,22 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
-import yaml
 from pydantic import ValidationError
 
 from gateway.config import parse_config
-from tests.support import REPO_ROOT, RunningSim, pool
+from tests.support import GatewayProcess, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
+StartGatewayProcess = Callable[..., GatewayProcess]
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
 STREAMS = 20
 DONE = b"data: [DONE]\n\n"
-
-
-@dataclass
-class GatewayProcess:
-    """A `kimi-gateway serve` subprocess on a loopback port; its output goes to `log`."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    async def wait_exit(self, timeout: float) -> int:
-        """The exit status, polled without blocking the event loop; fails after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None:
-            assert time.monotonic() < deadline, f"gateway still running after {timeout} s:\n{self.log_text()}"
-            await asyncio.sleep(0.02)
-        return self.proc.returncode
-
-
-StartGatewayProcess = Callable[..., GatewayProcess]
-
-
-@pytest.fixture
-def start_gateway_process(tmp_path: Path, unused_port: int) -> Iterator[StartGatewayProcess]:
-    """Factory: `start(pools, **top-level config)` → a serving gateway process (ready answers 200)."""
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(pools: list[dict[str, Any]], **settings: Any) -> GatewayProcess:
-        config = {"pools": pools, "health": {"interval": 0.5, "timeout": 1.0}, "log_level": "info", **settings}
-        config_path = tmp_path / "gateway.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        log = tmp_path / "gateway.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "-c", str(config_path),
-                                     "--port", str(unused_port)], cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        gateway = GatewayProcess(proc, f"http://127.0.0.1:{unused_port}", log)
-        deadline = time.monotonic() + 20
-        while True:
-            assert proc.poll() is None, f"gateway exited with {proc.returncode}:\n{gateway.log_text()}"
-            assert time.monotonic() < deadline, f"gateway not ready after 20 s:\n{gateway.log_text()}"
-            try:
-                if httpx.get(gateway.url + "/ready").status_code == 200:
-                    return gateway
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
 
 
 def fresh_client() -> httpx.AsyncClient:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -227,7 +228,8 @@ def test_stream_relayed_byte_for_byte(start_sim: StartSim, start_gateway: StartG
     ]
     sim = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks(chunks)))
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
-    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": True}}  # else the usage patch hides the usage chunk
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=body) as response:
         received = b"".join(response.iter_raw())
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -329,7 +331,7 @@ def test_metrics_count_requests_and_ttft(three_pools: tuple[RunningGateway, dict
 
 def test_health_and_ready(three_pools: tuple[RunningGateway, dict[str, RunningSim]]) -> None:
     gw, _ = three_pools
-    assert httpx.get(gw.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(gw.url + "/health").json() == {"status": "ok", "pid": os.getpid()}  # in-thread server
     ready = httpx.get(gw.url + "/ready")
     assert ready.status_code == 200
     assert set(ready.json()["pools"]) == {"vllm-128k", "sglang-512k", "nvl72-1m"}
