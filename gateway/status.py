@@ -2,11 +2,13 @@
 
 The status page (`/dashboard`) and `GET /admin/status` show "recent" traffic: requests per second,
 error ratio, the mix of route decisions, the affinity hit ratio and mean TTFT, per pool. They are
-not counted twice: each call reads the cumulative values of `GatewayMetrics`' collectors (this
-process's), keeps a sample at most every `min_spacing_s`, and reports the difference between now
-and the oldest sample still covering `window_s`. The first sample is all zeros at construction,
-so the first call already reports everything since start-up. Memory is bounded: at most
-`window_s / min_spacing_s + 2` samples of at most (pools x label values) numbers each.
+not counted twice: each call reads the cumulative values of `GatewayMetrics`' collectors (summed
+over every serving process in multiprocess mode, as `/metrics` is, so whichever process answers
+the poll reports the whole gateway), keeps a sample at most every `min_spacing_s`, and reports
+the difference between now and the oldest sample still covering `window_s`. The first sample is
+all zeros at construction, so the first call already reports everything since start-up. Memory
+is bounded: at most `window_s / min_spacing_s + 2` samples of at most (pools x label values)
+numbers each. Worker states beside these figures stay those of the process that answered.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from gateway.metrics import GatewayMetrics
 
@@ -31,26 +34,32 @@ class Sample:
     totals: dict[Key, float] = field(default_factory=dict)
 
 
-def _series(metric: MetricWrapperBase, suffix: str) -> Iterable[tuple[dict[str, str], float]]:
-    for family in metric.collect():
-        for sample in family.samples:
-            if sample.name.endswith(suffix):
-                yield sample.labels, sample.value
+FAMILIES = {"kimi_gateway_requests": ("requests", "status_class", "_total"),
+            "kimi_gateway_route_decisions": ("decisions", "reason", "_total"),
+            "kimi_gateway_affinity_lookups": ("affinity", "result", "_total"),
+            "kimi_gateway_ttft_seconds": ("ttft", "", "")}
+"""Metric family → (series, label shown, sample suffix): the counters the status page reads."""
+
+
+def _families(metrics: GatewayMetrics) -> Iterable[Metric]:
+    if metrics.multiprocess_dir is None:
+        return metrics.registry.collect()
+    return MultiProcessCollector(None, path=metrics.multiprocess_dir).collect()
 
 
 def read_totals(metrics: GatewayMetrics) -> dict[Key, float]:
     """The cumulative counts the status page needs, summed over the labels it does not show."""
     totals: dict[Key, float] = defaultdict(float)
-    for labels, value in _series(metrics.requests, "_total"):
-        totals["requests", labels["pool"], labels["status_class"]] += value
-    for labels, value in _series(metrics.route_decisions, "_total"):
-        totals["decisions", labels["pool"], labels["reason"]] += value
-    for labels, value in _series(metrics.affinity_lookups, "_total"):
-        totals["affinity", labels["pool"], labels["result"]] += value
-    for labels, value in _series(metrics.ttft_seconds, "_sum"):
-        totals["ttft_sum", labels["pool"], ""] += value
-    for labels, value in _series(metrics.ttft_seconds, "_count"):
-        totals["ttft_count", labels["pool"], ""] += value
+    for family in _families(metrics):
+        if family.name not in FAMILIES:
+            continue
+        series, label, suffix = FAMILIES[family.name]
+        for sample in family.samples:
+            if series == "ttft":  # a histogram: its sum and count give the mean
+                if sample.name.endswith(("_sum", "_count")):
+                    totals["ttft_" + sample.name.rsplit("_", 1)[1], sample.labels["pool"], ""] += sample.value
+            elif sample.name.endswith(suffix):
+                totals[series, sample.labels["pool"], sample.labels[label]] += sample.value
     return dict(totals)
 
 

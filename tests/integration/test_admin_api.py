@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gateway.auth.keys import hash_key
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import GatewayProcess, RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -195,3 +195,26 @@ def test_status_summary_counts_recent_traffic_per_pool(start_sim: StartSim, star
     theirs = recent["pools"]["broken"]
     assert theirs["requests"] == 1 and theirs["errors"] == 1 and theirs["error_ratio"] == 1.0
     assert recent["total"]["requests"] == 7 and recent["total"]["errors"] == 1
+
+
+def test_status_figures_cover_every_serving_process(start_sim: StartSim,
+                                                    start_gateway_process: Callable[..., GatewayProcess]) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2)
+    pids: set[int] = set()
+    deadline = time.monotonic() + 20
+    while len(pids) < 2:  # a fresh connection each: the kernel hands them to either process
+        assert time.monotonic() < deadline, f"only {pids} answered:\n{gw.log_text()}"
+        pids.add(httpx.get(gw.url + "/health", headers={"connection": "close"}).json()["pid"])
+    for _ in range(10):
+        answer = httpx.post(gw.url + "/v1/chat/completions", json=CHAT, headers={"connection": "close"})
+        assert answer.status_code == 200
+    polled: set[int] = set()
+    deadline = time.monotonic() + 20
+    while polled != pids:  # whichever process answers the poll reports all 10 requests
+        assert time.monotonic() < deadline, f"polled only {polled} of {pids}"
+        with httpx.Client() as one_connection:
+            polled.add(one_connection.get(gw.url + "/health").json()["pid"])
+            recent = one_connection.get(gw.url + "/admin/status").json()["recent"]
+        assert recent["pools"]["p"]["requests"] == 10 and recent["pools"]["p"]["status"] == {"2xx": 10}
+        assert sum(recent["pools"]["p"]["decisions"].values()) == 10
