@@ -15,7 +15,8 @@ from typing import Any
 
 import orjson
 
-_EMPTY_CHOICES = (b'"choices":[]', b'"choices": []')
+_EMPTY_CHOICES = b'"choices":[]'
+_EMPTY_CHOICES_SPACED = b'"choices": []'
 _EVENT_END = re.compile(rb"(\r?\n\r?\n)")
 
 
@@ -33,7 +34,7 @@ def drop_usage_events(data: bytes) -> bytes:
     Cheap when there is none (a substring test); other events, comments and `[DONE]` pass
     unchanged, byte for byte.
     """
-    if not any(marker in data for marker in _EMPTY_CHOICES):
+    if _EMPTY_CHOICES not in data and _EMPTY_CHOICES_SPACED not in data:  # runs for every relayed chunk
         return data
     pieces = _EVENT_END.split(data)  # event, separator, event, separator, ..., tail
     kept: list[bytes] = []
@@ -46,7 +47,7 @@ def drop_usage_events(data: bytes) -> bytes:
 
 
 def _is_usage_only(event: bytes) -> bool:
-    if not event.startswith(b"data:") or not any(marker in event for marker in _EMPTY_CHOICES):
+    if not event.startswith(b"data:") or (_EMPTY_CHOICES not in event and _EMPTY_CHOICES_SPACED not in event):
         return False
     try:
         chunk = orjson.loads(event[5:].strip())
