@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import overhead_targets as tg
+from loadtest import proctree
 from loadtest.overhead_load import (
     Meter,
     RequestMaker,
@@ -100,9 +101,8 @@ def _scenarios(spec: str) -> list[Scenario]:
     return out
 
 
-FULL_SCENARIOS = _scenarios("stream:1:200B,stream:1:16KiB,stream:1:1MiB,json:1:200B,json:1:16KiB,json:1:1MiB,"
-                            "stream:64:200B,stream:64:16KiB,stream:64:1MiB,stream:256:16KiB,json:64:16KiB,"
-                            "json:256:16KiB")
+FULL_SCENARIOS = _scenarios("stream:1:200B,stream:1:16KiB,stream:1:1MiB,json:1:16KiB,json:1:1MiB,"
+                            "stream:64:16KiB,stream:64:1MiB,stream:256:16KiB,json:64:16KiB,json:256:16KiB")
 QUICK_SCENARIOS = _scenarios("stream:1:200B,stream:1:16KiB,stream:1:1MiB,json:1:16KiB,stream:64:16KiB,"
                              "stream:256:16KiB,json:64:16KiB")
 PROFILE_SCENARIO = Scenario(True, 64, "16KiB")
@@ -121,7 +121,8 @@ class Timing:
     settle_s: float
 
 
-FULL_TIMING = Timing(300, 60, 2.0, 5, Window(0.5, 2.0, 3.0, warmup_max_s=10.0, window_max_s=8.0), 5.0)
+FULL_TIMING = Timing(300, 60, 1.5, 5, Window(0.4, 1.5, 2.0, warmup_max_s=6.0, window_max_s=5.0,
+                                            min_window_requests=50), 4.0)
 QUICK_TIMING = Timing(100, 20, 0.8, 3, Window(0.3, 1.0, 2.0, warmup_max_s=5.0, window_max_s=3.0,
                                              min_window_requests=30), 3.0)
 
@@ -238,7 +239,7 @@ def _wanted(args: argparse.Namespace) -> list[str]:
 def _sample(scenario: Scenario, target: tg.Target, rnd: int, fig: RunFigures) -> Sample:
     return sample_from(scenario.name, target.name, rnd, fig.ok, fig.errors, fig.seconds, fig.events,
                        fig.first_us, fig.total_us, fig.target_cpu_s, fig.rss_peak_kb, fig.loadgen_cpu_s,
-                       fig.engine_cpu_s, fig.error_kinds)
+                       fig.engine_cpu_s, fig.error_kinds, scenario.concurrency)
 
 
 async def measure_one(scenario: Scenario, target: tg.Target, engine: tg.Target, timing: Timing, chunks: int,
@@ -305,6 +306,14 @@ async def measure_scale(group: ProcessGroup, pin: tg.Pinning, args: argparse.Nam
               f"duration p50 {fmt(percentile(fig.duration_s, 50), 2)} s, RSS "
               f"{_mb(fig.rss_before_kb)} -> peak {_mb(fig.rss_peak_kb)} MB", flush=True)
     return out
+
+
+def _tree_rss_mb(target: tg.Target) -> float | None:
+    """Resident memory of the target's process tree now, MB (None for direct: no router)."""
+    if target.kind == "direct" or target.pid is None:
+        return None
+    kb = proctree.rss_kb(proctree.descendants(target.pid))
+    return None if kb is None else kb / 1024
 
 
 def _mb(kb: int | None) -> str:
@@ -418,8 +427,11 @@ def markdown_report(result: dict[str, Any], rows: list[Row]) -> str:
              f"Pinning: {result['pinning']}.",
              f"Rounds: {result['rounds_done']} (medians over rounds; added TTFT = target minus direct in the same "
              f"round). Engine: {result['engine']}.", "",
-             "Targets: " + "; ".join(f"{t['name']} = {t['version']}" + (f" ({'; '.join(t['notes'])})" if t['notes']
-                                                                         else "") for t in result["targets"]), "",
+             "| target | what | cores | RSS idle MB | RSS peak MB | RSS at the end MB | notes |",
+             "| --- | --- | --- | ---: | ---: | ---: | --- |",
+             *(f"| {t['name']} | {t['version']} | {t['cores'] or '-'} | {fmt(t.get('idle_mb'), 1)} | "
+               f"{fmt(t.get('peak_sampled_mb'), 1)} | {fmt(t.get('end_mb'), 1)} | {'; '.join(t['notes'])} |"
+               for t in result["targets"]), "",
              markdown_table(rows), "", "## Issue 5 targets", "", "| target | value | limit | met |",
              "| --- | --- | --- | --- |"]
     for t in result["issue_targets"]:
@@ -531,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     samples: list[Sample] = []
     plan: Plan | None = None
+    memory: dict[str, dict[str, float | None]] = {}
     try:
         with ProcessGroup(log_dir) as group:
             engine = tg.start_engine(group, "engine", pin, args.chunks, procs=args.engine_procs)
@@ -538,9 +551,14 @@ def main(argv: list[str] | None = None) -> int:
             plan = start_targets(group, engine, pin, args)
             notes.extend(plan.notes)
             print("targets: " + ", ".join(t.name for t in plan.targets), flush=True)
+            idle_rss = {t.name: _tree_rss_mb(t) for t in plan.targets}
             samples, done = _run_async(measure_rounds(plan, engine, scenarios, args.rounds, timing, args.chunks,
                                                       deadline, notes))
             result["rounds_done"] = done
+            memory = {t.name: {"idle_mb": idle_rss[t.name], "end_mb": _tree_rss_mb(t),
+                               "peak_sampled_mb": max((s.rss_peak_mb for s in samples
+                                                       if s.target == t.name and s.rss_peak_mb is not None),
+                                                      default=None)} for t in plan.targets}
             gateway = next((t for t in plan.targets if t.name == "gateway"), None)
             if not args.no_profile and not args.quick and gateway is not None:
                 print(f"profiling the gateway under {PROFILE_SCENARIO.name} for {args.profile_seconds:g} s...",
@@ -564,8 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     result.setdefault("rounds_done", 0)
     result["machine"]["loadavg_end"] = _loadavg()
     result["minutes"] = round((time.monotonic() - started_at) / 60, 1)
-    result["targets"] = [{"name": t.name, "kind": t.kind, "version": t.version, "cores": t.cores, "notes": t.notes}
-                         for t in (plan.targets if plan else [])]
+    result["targets"] = [{"name": t.name, "kind": t.kind, "version": t.version, "cores": t.cores, "notes": t.notes,
+                          **memory.get(t.name, {})} for t in (plan.targets if plan else [])]
     rows = aggregate(samples)
     result["issue_targets"] = issue_targets(rows)
     result["rows"] = [asdict(r) for r in rows]

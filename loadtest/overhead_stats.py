@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from loadtest.report import percentile
 
 DIRECT = "direct"
+MIN_BUSY_WINDOW_S = 0.5
+"""Shorter windows give no busy fraction: /proc counts CPU in 10 ms ticks."""
 
 
 @dataclass
@@ -38,6 +40,7 @@ class Sample:
     loadgen_busy: float | None = None
     engine_busy: float | None = None
     error_kinds: dict[str, int] = field(default_factory=dict)
+    concurrency: int = 1
 
     @property
     def rps(self) -> float | None:
@@ -51,16 +54,16 @@ class Sample:
 def sample_from(scenario: str, target: str, rnd: int, ok: int, errors: int, seconds: float, events: int,
                 first_us: list[float], total_us: list[float], cpu_s: float | None, rss_kb: int | None,
                 loadgen_cpu_s: float | None = None, engine_cpu_s: float | None = None,
-                error_kinds: dict[str, int] | None = None) -> Sample:
+                error_kinds: dict[str, int] | None = None, concurrency: int = 1) -> Sample:
     """A Sample from raw run figures (per-request µs lists, CPU seconds, RSS kB)."""
     return Sample(
         scenario, target, rnd, ok, errors, seconds, events,
         percentile(first_us, 50), percentile(first_us, 99), percentile(total_us, 50),
         cpu_s * 1000 / ok if cpu_s is not None and ok else None,
         rss_kb / 1024 if rss_kb is not None else None,
-        loadgen_cpu_s / seconds if loadgen_cpu_s is not None and seconds > 0 else None,
-        engine_cpu_s / seconds if engine_cpu_s is not None and seconds > 0 else None,
-        dict(error_kinds or {}))
+        loadgen_cpu_s / seconds if loadgen_cpu_s is not None and seconds >= MIN_BUSY_WINDOW_S else None,
+        engine_cpu_s / seconds if engine_cpu_s is not None and seconds >= MIN_BUSY_WINDOW_S else None,
+        dict(error_kinds or {}), concurrency)
 
 
 def median(values: Iterable[float | None]) -> float | None:
@@ -71,7 +74,10 @@ def median(values: Iterable[float | None]) -> float | None:
 
 @dataclass
 class Row:
-    """Medians over rounds of one (scenario, target). `added_*`: TTFT minus direct's, same round."""
+    """Medians over rounds of one (scenario, target). `added_*`: TTFT minus direct's, same round,
+    at concurrency 1 only (under load, TTFT is mostly queueing at the client's own concurrency).
+    `rss_peak_mb`: the highest sample while this scenario ran (memory grows over a run: it also
+    reflects the scenarios before)."""
 
     scenario: str
     target: str
@@ -105,7 +111,7 @@ def aggregate(samples: list[Sample]) -> list[Row]:
         added50, added99 = [], []
         for s in group:
             base = direct.get((scenario, s.round))
-            if base is not None and target != DIRECT:
+            if base is not None and target != DIRECT and s.concurrency == 1:
                 if s.ttft_p50_us is not None and base.ttft_p50_us is not None:
                     added50.append(s.ttft_p50_us - base.ttft_p50_us)
                 if s.ttft_p99_us is not None and base.ttft_p99_us is not None:
@@ -154,8 +160,8 @@ def fmt_ratio(value: float | None) -> str:
 
 
 TABLE_HEAD = ("| scenario | target | req/s | chunks/s | TTFT p50 µs | TTFT p99 µs | added p50 µs | added p99 µs "
-              "| CPU ms/req | peak RSS MB | errors | core-1 busy |")
-TABLE_RULE = "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+              "| CPU ms/req | errors | core-1 busy |")
+TABLE_RULE = "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
 
 
 def markdown_table(rows: list[Row]) -> str:
@@ -171,7 +177,7 @@ def markdown_table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.scenario} | {r.target} | {fmt(r.rps)} | {fmt(r.chunks_per_s)} | {fmt(r.ttft_p50_us)} | "
             f"{fmt(r.ttft_p99_us)} | {fmt(r.added_p50_us)} | {fmt(r.added_p99_us)} | {fmt(r.cpu_ms_per_req, 3)} | "
-            f"{fmt(r.rss_peak_mb, 1)} | {errors} | {fmt(busy, 2)} |")
+            f"{errors} | {fmt(busy, 2)} |")
     return "\n".join(lines)
 
 

@@ -44,6 +44,15 @@ def test_added_ttft_is_taken_within_each_round_then_the_median() -> None:
     assert direct is not None and direct.added_p50_us is None
 
 
+def test_no_added_ttft_under_load() -> None:
+    # At concurrency 64 the TTFT is mostly the client's own queue: a difference would mislead.
+    loaded = [Sample("stream c=64 16KiB", name, 0, 100, 0, 1.0, 3300, p50, p50, p50, None, None, concurrency=64)
+              for name, p50 in ((DIRECT, 9000.0), ("gateway", 80000.0))]
+    row = find(aggregate(loaded), "stream c=64 16KiB", "gateway")
+    assert row is not None and row.ttft_p50_us == 80000.0
+    assert row.added_p50_us is None and row.added_p99_us is None
+
+
 def test_rows_keep_first_appearance_order_and_sum_errors() -> None:
     a = sample_from("json c=64 16KiB", "gateway", 0, ok=90, errors=2, seconds=2.0, events=90,
                     first_us=[1.0, 2.0, 3.0], total_us=[1.0, 2.0, 3.0], cpu_s=0.18, rss_kb=2048,
