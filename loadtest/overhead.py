@@ -121,7 +121,7 @@ class Timing:
     settle_s: float
 
 
-FULL_TIMING = Timing(300, 60, 1.5, 5, Window(0.4, 1.5, 2.0, warmup_max_s=6.0, window_max_s=5.0,
+FULL_TIMING = Timing(300, 60, 1.5, 5, Window(0.4, 1.5, 2.0, warmup_max_s=8.0, window_max_s=5.0,
                                             min_window_requests=50), 4.0)
 QUICK_TIMING = Timing(100, 20, 0.8, 3, Window(0.3, 1.0, 2.0, warmup_max_s=5.0, window_max_s=3.0,
                                              min_window_requests=30), 3.0)
@@ -239,7 +239,7 @@ def _wanted(args: argparse.Namespace) -> list[str]:
 def _sample(scenario: Scenario, target: tg.Target, rnd: int, fig: RunFigures) -> Sample:
     return sample_from(scenario.name, target.name, rnd, fig.ok, fig.errors, fig.seconds, fig.events,
                        fig.first_us, fig.total_us, fig.target_cpu_s, fig.rss_peak_kb, fig.loadgen_cpu_s,
-                       fig.engine_cpu_s, fig.error_kinds, scenario.concurrency)
+                       fig.engine_cpu_s, fig.error_kinds, scenario.concurrency, fig.little_rps)
 
 
 async def measure_one(scenario: Scenario, target: tg.Target, engine: tg.Target, timing: Timing, chunks: int,
@@ -432,7 +432,12 @@ def markdown_report(result: dict[str, Any], rows: list[Row]) -> str:
              *(f"| {t['name']} | {t['version']} | {t['cores'] or '-'} | {fmt(t.get('idle_mb'), 1)} | "
                f"{fmt(t.get('peak_sampled_mb'), 1)} | {fmt(t.get('end_mb'), 1)} | {'; '.join(t['notes'])} |"
                for t in result["targets"]), "",
-             markdown_table(rows), "", "## Issue 5 targets", "", "| target | value | limit | met |",
+             markdown_table(rows), "",
+             "Columns: medians over rounds; TTFT = to the first SSE `data:` bytes (streaming) or the whole answer "
+             "(JSON); added = minus direct's in the same round (concurrency 1 only); CPU = the target's process tree "
+             "over the window; core-1 busy = load generator + engine CPU in cores (near 1: the client side was the "
+             "limit); (L) = too few answers ended inside the window, req/s by Little's law (clients / mean answer "
+             "time).", "", "## Issue 5 targets", "", "| target | value | limit | met |",
              "| --- | --- | --- | --- |"]
     for t in result["issue_targets"]:
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")

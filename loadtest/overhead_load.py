@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from loadtest import proctree
+from loadtest.overhead_stats import closed_loop_rps
 from loadtest.procs import process_cpu_seconds
 from loadtest.rawhttp import Connection, Reply, request_head
 
@@ -146,6 +147,8 @@ class RunFigures:
     rss_peak_kb: int | None = None
     late: int = 0
     cut: int = 0
+    little_rps: float | None = None
+    """req/s by Little's law from every answer (see `run_throughput`), when the window had too few."""
 
 
 def _error_kind(error: str) -> str:
@@ -219,6 +222,9 @@ class Window:
     warmup_max_s: float = 15.0
     window_max_s: float = 10.0
     min_window_requests: int = 100
+    min_counted: int = 20
+    """Fewer answers inside the window: figures from every answer since the start instead, req/s
+    by Little's law (`closed_loop_rps`)."""
 
 
 class _Phase:
@@ -234,6 +240,7 @@ async def run_throughput(port: int, maker: RequestMaker, meter: Meter, concurren
     phase, completed, goal = _Phase.WARMUP, 0, concurrency
     reached = asyncio.Event()  # set once `completed` reaches `goal`
     snaps: list[Snapshot] = []
+    every = RunFigures()  # every success before the end of the window, for the fallback
 
     async def client(conn: Connection) -> None:
         nonlocal completed
@@ -244,6 +251,8 @@ async def run_throughput(port: int, maker: RequestMaker, meter: Meter, concurren
             completed += 1
             if completed >= goal:
                 reached.set()
+            if phase != _Phase.OVER:
+                _add_ok(every, reply)
             if phase == _Phase.WINDOW:
                 _add_ok(fig, reply)
             elif phase == _Phase.OVER:
@@ -251,6 +260,7 @@ async def run_throughput(port: int, maker: RequestMaker, meter: Meter, concurren
 
     async def clock() -> None:
         nonlocal phase, goal
+        snaps.append(meter.snapshot())
         await asyncio.sleep(bounds.warmup_s)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(reached.wait(), max(0.0, bounds.warmup_max_s - bounds.warmup_s))
@@ -279,8 +289,13 @@ async def run_throughput(port: int, maker: RequestMaker, meter: Meter, concurren
         for conn in conns:
             conn.close()
         await meter.stop()
-    if len(snaps) == 2:
-        _apply_cpu(fig, snaps[0], snaps[1])
+    if len(snaps) == 3:
+        if fig.ok >= bounds.min_counted:
+            _apply_cpu(fig, snaps[1], snaps[2])
+        else:
+            fig.ok, fig.events, fig.first_us, fig.total_us = every.ok, every.events, every.first_us, every.total_us
+            fig.little_rps = closed_loop_rps(concurrency, [t / 1e6 for t in every.total_us])
+            _apply_cpu(fig, snaps[0], snaps[2])
     fig.rss_peak_kb, fig.error_kinds = meter.rss_peak_kb, dict(kinds)
     return fig
 

@@ -41,20 +41,37 @@ class Sample:
     engine_busy: float | None = None
     error_kinds: dict[str, int] = field(default_factory=dict)
     concurrency: int = 1
+    little_rps: float | None = None
+    """Set when too few requests ended inside the window: req/s by Little's law instead."""
 
     @property
     def rps(self) -> float | None:
+        if self.little_rps is not None:
+            return self.little_rps
         return self.ok / self.seconds if self.seconds > 0 else None
 
     @property
     def chunks_per_s(self) -> float | None:
-        return self.events / self.seconds if self.seconds > 0 else None
+        rps = self.rps
+        return rps * self.events / self.ok if rps is not None and self.ok else None
+
+
+def closed_loop_rps(concurrency: int, latencies_s: list[float]) -> float | None:
+    """Throughput of `concurrency` clients that each send again as soon as an answer ends (no think
+    time), from the mean answer time: Little's law, X = N / R. It needs no window of steady state,
+    which a server that answers all its clients at once (a first wave ending late, then the next)
+    does not give in a short run. None without latencies."""
+    if not latencies_s or concurrency < 1:
+        return None
+    mean = sum(latencies_s) / len(latencies_s)
+    return concurrency / mean if mean > 0 else None
 
 
 def sample_from(scenario: str, target: str, rnd: int, ok: int, errors: int, seconds: float, events: int,
                 first_us: list[float], total_us: list[float], cpu_s: float | None, rss_kb: int | None,
                 loadgen_cpu_s: float | None = None, engine_cpu_s: float | None = None,
-                error_kinds: dict[str, int] | None = None, concurrency: int = 1) -> Sample:
+                error_kinds: dict[str, int] | None = None, concurrency: int = 1,
+                little_rps: float | None = None) -> Sample:
     """A Sample from raw run figures (per-request µs lists, CPU seconds, RSS kB)."""
     return Sample(
         scenario, target, rnd, ok, errors, seconds, events,
@@ -63,7 +80,7 @@ def sample_from(scenario: str, target: str, rnd: int, ok: int, errors: int, seco
         rss_kb / 1024 if rss_kb is not None else None,
         loadgen_cpu_s / seconds if loadgen_cpu_s is not None and seconds >= MIN_BUSY_WINDOW_S else None,
         engine_cpu_s / seconds if engine_cpu_s is not None and seconds >= MIN_BUSY_WINDOW_S else None,
-        dict(error_kinds or {}), concurrency)
+        dict(error_kinds or {}), concurrency, little_rps)
 
 
 def median(values: Iterable[float | None]) -> float | None:
@@ -96,6 +113,8 @@ class Row:
     loadgen_busy: float | None
     engine_busy: float | None
     error_kinds: dict[str, int]
+    little_rounds: int = 0
+    """Rounds whose req/s came from Little's law (`closed_loop_rps`), not from a window's count."""
 
 
 def aggregate(samples: list[Sample]) -> list[Row]:
@@ -126,7 +145,8 @@ def aggregate(samples: list[Sample]) -> list[Row]:
             median(added50), median(added99), median(s.total_p50_us for s in group),
             median(s.cpu_ms_per_req for s in group), max(rss) if rss else None,
             sum(s.errors for s in group), sum(s.ok + s.errors for s in group),
-            median(s.loadgen_busy for s in group), median(s.engine_busy for s in group), dict(kinds)))
+            median(s.loadgen_busy for s in group), median(s.engine_busy for s in group), dict(kinds),
+            sum(1 for s in group if s.little_rps is not None)))
     return rows
 
 
@@ -168,14 +188,15 @@ def markdown_table(rows: list[Row]) -> str:
     """The comparison table: one line per (scenario, target), scenarios in their order.
 
     "core-1 busy" is the load generator's plus the fake engine's CPU over the window, in cores:
-    near 1.0 the client side, not the router, was the limit.
+    near 1.0 the client side, not the router, was the limit. "(L)" marks req/s from Little's law.
     """
     lines = [TABLE_HEAD, TABLE_RULE]
     for r in rows:
         busy = None if r.loadgen_busy is None else r.loadgen_busy + (r.engine_busy or 0.0)
         errors = f"{r.errors} of {r.requests:,}" if r.errors else "0"
         lines.append(
-            f"| {r.scenario} | {r.target} | {fmt(r.rps)} | {fmt(r.chunks_per_s)} | {fmt(r.ttft_p50_us)} | "
+            f"| {r.scenario} | {r.target} | {fmt(r.rps)}{' (L)' if r.little_rounds else ''} | "
+            f"{fmt(r.chunks_per_s)} | {fmt(r.ttft_p50_us)} | "
             f"{fmt(r.ttft_p99_us)} | {fmt(r.added_p50_us)} | {fmt(r.added_p99_us)} | {fmt(r.cpu_ms_per_req, 3)} | "
             f"{errors} | {fmt(busy, 2)} |")
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from loadtest.overhead_stats import (
     NO_FRAME,
     Sample,
     aggregate,
+    closed_loop_rps,
     find,
     fmt,
     fmt_ratio,
@@ -122,3 +123,16 @@ def test_request_bytes_are_json_of_the_asked_size_with_a_unique_prefix() -> None
     plain = orjson.loads(b"".join(RequestMaker(8000, 200, False, 8, "key", counter).parts()[1:]))
     assert "stream_options" not in plain and plain["stream"] is False
     assert prompt_text(5) == b"alpha" and len(prompt_text(1 << 20)) == 1 << 20
+
+
+def test_closed_loop_throughput_from_answer_times() -> None:
+    # 256 clients, each answer takes 10 s (a server answering everyone at once): 25.6 req/s, even
+    # though no answer ended inside a short window.
+    assert closed_loop_rps(256, [10.0] * 256) == 25.6
+    assert closed_loop_rps(4, [0.5, 1.5]) == 4.0
+    assert closed_loop_rps(4, []) is None
+    slow = Sample("stream c=256 16KiB", "litellm", 0, 256, 0, 12.0, 256 * 34, None, None, None, 40.0, None,
+                  concurrency=256, little_rps=25.6)
+    assert slow.rps == 25.6 and slow.chunks_per_s == 25.6 * 34
+    row = find(aggregate([slow]), "stream c=256 16KiB", "litellm")
+    assert row is not None and row.little_rounds == 1 and row.rps == 25.6
