@@ -153,8 +153,8 @@ def _loadavg() -> str:
 
 def versions() -> dict[str, str | None]:
     return {name: tg.dist_version(name) for name in
-            ("uvicorn", "starlette", "httpx", "uvloop", "httptools", "orjson", "sglang-router", "vllm-router",
-             "litellm", "py-spy")}
+            ("uvicorn", "starlette", "httpx", "aiohttp", "uvloop", "httptools", "orjson", "sglang-router",
+             "vllm-router", "litellm", "py-spy")}
 
 
 def raise_fd_limit() -> int:
