@@ -1,8 +1,8 @@
-"""The proxied endpoints as raw ASGI: read the body, race the work against client disconnect, send.
+"""The proxied endpoints as raw ASGI: read the body, do the work, relay, and stop at a hang-up.
 
 Why raw ASGI: the client may hang up while the engine is still prefilling (no byte to send yet)
 or between two tokens; a watcher on `receive()` notices `http.disconnect` at any stage and
-cancels the work or the relay, which closes the upstream request so the engine aborts it.
+cancels the handler, which closes the upstream request so the engine aborts it.
 """
 
 from __future__ import annotations
@@ -70,13 +70,42 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         await task
 
 
-def _remaining(deadline: float | None) -> float | None:
-    """Seconds left before `deadline` (event-loop time), None without one."""
-    return None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
-
-
 def _over_cap_message(total: float | None) -> str:
     return f"The request exceeded the gateway's overall time limit of {total:g} seconds."
+
+
+class _HangUpWatch:
+    """Cancels the request's own task when the client disconnects (after the body was read).
+
+    The work and the relay run in the handler task itself (no task or `asyncio.wait` per
+    request): the disconnect arrives as a cancellation at whatever the handler awaits, whose
+    `finally` blocks close the upstream response, so the engine aborts the request.
+    """
+
+    __slots__ = ("_task", "_watcher", "gone")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        self._watcher.add_done_callback(self._fired)
+
+    def _fired(self, watcher: asyncio.Task[None]) -> None:
+        if not watcher.cancelled() and watcher.exception() is None and self._task is not None:
+            self.gone = True
+            self._task.cancel()
+
+    def absorb(self) -> bool:
+        """After a CancelledError: True (and the cancellation is consumed) when it was the client
+        hanging up; False when something else cancelled the handler (server shutdown)."""
+        if self.gone and self._task is not None:
+            self._task.uncancel()
+            return True
+        return False
+
+    async def stop(self) -> None:
+        self._watcher.remove_done_callback(self._fired)
+        await _cancel(self._watcher)
 
 
 class ProxyEndpoint:
@@ -95,8 +124,7 @@ class ProxyEndpoint:
         record = RequestRecord(request_id=_request_id(headers), api=self.api,
                                key=principal.name if principal is not None else None)
         result: BufferedResponse | RelayResponse | None = None
-        watcher: asyncio.Task[None] | None = None
-        work: asyncio.Task[BufferedResponse | RelayResponse] | None = None
+        watch: _HangUpWatch | None = None
         try:
             try:
                 if scope["method"] != "POST":
@@ -106,25 +134,16 @@ class ProxyEndpoint:
                     raise PayloadTooLarge(
                         f"The request body is larger than the limit of {state.config.max_body_bytes} bytes.")
                 body = await read_body(receive, state.config.max_body_bytes)
-                watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-                work = asyncio.ensure_future(service.handle(self.api, body, headers, record, principal))
-                await asyncio.wait((work, watcher), timeout=_remaining(deadline),
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if not work.done() and not watcher.done():  # over the overall cap: abort the work
-                    await _cancel(work)
-                    if work.done() and not work.cancelled() and work.exception() is None:
-                        late = work.result()
-                        if isinstance(late, RelayResponse):
-                            await late.stream.aclose()
-                    record.outcome = "timeout"
-                    raise RequestTimeout(_over_cap_message(total))
-                if watcher.done():
-                    await _cancel(work)
-                    if work.done() and not work.cancelled() and work.exception() is None:
-                        result = work.result()  # accepted just as the client left: closed below
-                    record.client_gone("before_response")
-                    return
-                result = work.result()
+                watch = _HangUpWatch(receive)
+                cap = asyncio.timeout_at(deadline)
+                try:
+                    async with cap:
+                        result = await service.handle(self.api, body, headers, record, principal)
+                except TimeoutError:
+                    if not cap.expired():
+                        raise
+                    record.outcome = "timeout"  # over the overall cap; the work's cleanup closed the upstream
+                    raise RequestTimeout(_over_cap_message(total)) from None
             except ClientGone:
                 record.client_gone("before_response")
                 return
@@ -134,19 +153,16 @@ class ProxyEndpoint:
                 log.exception("request %s failed", record.request_id)
                 result = self._error(GatewayError(f"Internal gateway error ({type(exc).__name__})."), record)
             if isinstance(result, RelayResponse):
-                await self._relay(result, record, send, watcher, deadline, total)
+                await self._relay(result, record, send, deadline, total)
             else:
                 await self._send_buffered(result, record, send)
+        except asyncio.CancelledError:
+            if watch is None or not watch.absorb():
+                raise  # server shutdown: the finally below still closes the upstream
+            record.client_gone("mid_stream" if isinstance(result, RelayResponse) else "before_response")
         finally:
-            # Also when this handler itself is cancelled (server shutdown): asyncio.wait does not
-            # pass a cancellation on, so the work task is cancelled here and its upstream closed.
-            if work is not None and not work.done():
-                await _cancel(work)
-            if (result is None and work is not None and work.done() and not work.cancelled()
-                    and work.exception() is None):
-                result = work.result()
-            if watcher is not None:
-                await _cancel(watcher)
+            if watch is not None:
+                await watch.stop()
             if isinstance(result, RelayResponse):
                 await result.stream.aclose()
             record.finish(state.metrics)
@@ -180,50 +196,34 @@ class ProxyEndpoint:
             await send(self._start(result.status, result.content_type, result.headers, record, len(result.body)))
             await send({"type": "http.response.body", "body": result.body, "more_body": False})
 
-    async def _relay(self, result: RelayResponse, record: RequestRecord, send: Send,
-                     watcher: asyncio.Task[None] | None, deadline: float | None, total: float | None) -> None:
-        """Pump upstream bytes to the client until the end, the client disconnects or the overall
-        cap (`deadline`, event-loop time) passes."""
-        started: list[bool] = []
-
-        async def pump() -> None:
-            body = result.stream.body()
-            try:
+    async def _relay(self, result: RelayResponse, record: RequestRecord, send: Send, deadline: float | None,
+                     total: float | None) -> None:
+        """Pump upstream bytes to the client until the end, or until the overall cap (`deadline`,
+        event-loop time) passes. A client hang-up arrives as a cancellation (`_HangUpWatch`)."""
+        body = result.stream.body()
+        started = False
+        try:
+            async with asyncio.timeout_at(deadline):
                 await send(self._start(200, result.content_type, result.headers, record, None))
-                started.append(True)
+                started = True
                 async for chunk in body:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finally:
-                await body.aclose()
-
-        pumping = asyncio.ensure_future(pump())
-        waiting = {pumping} if watcher is None else {pumping, watcher}
-        timed_out = False
-        try:
-            done, _ = await asyncio.wait(waiting, timeout=_remaining(deadline), return_when=asyncio.FIRST_COMPLETED)
-            timed_out = not done
-        finally:
-            if not pumping.done() and not timed_out and not (watcher is not None and watcher.done()):
-                await _cancel(pumping)  # this handler was cancelled: stop relaying
-        if timed_out:
-            await self._cut_at_cap(pumping, result, record, send, bool(started), _over_cap_message(total))
-            return
-        if not pumping.done():
-            await _cancel(pumping)
+        except TimeoutError:
+            if deadline is None or asyncio.get_running_loop().time() < deadline:
+                raise
+            await body.aclose()
+            await self._cut_at_cap(result, record, send, started, _over_cap_message(total))
+        except OSError:  # the server says the client is gone
             record.client_gone("mid_stream")
-        elif pumping.exception() is not None:
-            if isinstance(pumping.exception(), OSError):  # the server says the client is gone
-                record.client_gone("mid_stream")
-            else:
-                raise pumping.exception()  # type: ignore[misc]
+        finally:
+            await body.aclose()
 
-    async def _cut_at_cap(self, pumping: asyncio.Task[None], result: RelayResponse, record: RequestRecord,
-                          send: Send, started: bool, message: str) -> None:
+    async def _cut_at_cap(self, result: RelayResponse, record: RequestRecord, send: Send, started: bool,
+                          message: str) -> None:
         """End a relay that ran past the overall cap: the upstream is closed (the engine aborts the
         request); the client gets one SSE error event and no `[DONE]` (a 504 if nothing was sent yet).
         The relay only yields whole events, so the error never lands inside one."""
-        await _cancel(pumping)
         await result.stream.aclose()
         record.outcome = "timeout"
         record.error = message

@@ -10,14 +10,12 @@ Applied only to engines whose `EngineSpec.supports_include_usage` is true.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
 
 _EMPTY_CHOICES = b'"choices":[]'
 _EMPTY_CHOICES_SPACED = b'"choices": []'
-_EVENT_END = re.compile(rb"(\r?\n\r?\n)")
 
 
 def ask_for_usage(payload: dict[str, Any]) -> dict[str, Any]:
@@ -31,19 +29,31 @@ def ask_for_usage(payload: dict[str, Any]) -> dict[str, Any]:
 def drop_usage_events(data: bytes) -> bytes:
     """`data` (whole SSE events) without the usage-only chunk(s) `ask_for_usage` asked for.
 
-    Cheap when there is none (a substring test); other events, comments and `[DONE]` pass
-    unchanged, byte for byte.
+    Cheap when there is none (a substring test), and otherwise only the event holding the marker
+    is parsed; other events, comments and `[DONE]` pass unchanged, byte for byte.
     """
-    if _EMPTY_CHOICES not in data and _EMPTY_CHOICES_SPACED not in data:  # runs for every relayed chunk
-        return data
-    pieces = _EVENT_END.split(data)  # event, separator, event, separator, ..., tail
-    kept: list[bytes] = []
-    for i in range(0, len(pieces), 2):
-        event = pieces[i]
-        separator = pieces[i + 1] if i + 1 < len(pieces) else b""
-        if not _is_usage_only(event):
-            kept.append(event + separator)
-    return b"".join(kept)
+    at = _find_marker(data, 0)
+    while at >= 0:
+        start = max(data.rfind(b"\n\n", 0, at) + 2, data.rfind(b"\r\n\r\n", 0, at) + 4, 0)
+        end = _event_end(data, at)
+        if _is_usage_only(data[start:end]):
+            data = data[:start] + data[end:]
+            at = _find_marker(data, start)
+        else:
+            at = _find_marker(data, end)
+    return data
+
+
+def _find_marker(data: bytes, start: int) -> int:
+    """Index of the next empty-`choices` marker at or after `start`, -1 when none (runs on every chunk)."""
+    compact, spaced = data.find(_EMPTY_CHOICES, start), data.find(_EMPTY_CHOICES_SPACED, start)
+    return compact if spaced < 0 or 0 <= compact < spaced else spaced
+
+
+def _event_end(data: bytes, at: int) -> int:
+    """Index just past the separator of the event holding index `at` (the end of `data` if none)."""
+    ends = [i + len(sep) for sep in (b"\n\n", b"\r\n\r\n") if (i := data.find(sep, at)) >= 0]
+    return min(ends) if ends else len(data)
 
 
 def _is_usage_only(event: bytes) -> bool:
