@@ -16,10 +16,9 @@ On the first SIGTERM (or SIGINT), with `shutdown:` from the config:
 5. The app's lifespan ends (AppState.stop closes the upstream client); the process exits 0.
 
 Why not uvicorn's own `timeout_graceful_shutdown` cancellation for step 4: it cancels the ASGI
-task only. The proxy's work and pump tasks (awaited with `asyncio.wait`, which does not pass a
-cancellation on) keep running: a request still in prefill gets a text/plain 500 while its upstream
-stays open until the client is closed, and every cut stream logs an "Exception in ASGI
-application" traceback. It remains as a backstop, `HANG_UP_BACKSTOP_S` after the hang-up.
+task only: a request still in prefill gets a text/plain 500 and every cut stream logs an
+"Exception in ASGI application" traceback, where a hang-up gives the client a proper ending.
+It remains as a backstop, `HANG_UP_BACKSTOP_S` after the hang-up.
 
 A second signal skips what is left of the drain delay; a third stops waiting for in-flight
 requests (uvicorn's force exit: no lifespan shutdown; the OS closes the connections).
@@ -89,15 +88,17 @@ class ShutdownGuard:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._hung_up = asyncio.Event()
-
-    @property
-    def hung_up(self) -> bool:
-        return self._hung_up.is_set()
+        self.hung_up = False
+        self._waiting: set[asyncio.Task[Any]] = set()  # tasks inside a guarded receive() after the body
+        self._told: set[asyncio.Task[Any]] = set()
 
     def hang_up(self) -> None:
-        """Tell every in-flight request (and any later one) that its client disconnected."""
-        self._hung_up.set()
+        """Tell every in-flight request (and any later one) that its client disconnected: a task
+        waiting in `receive()` is cancelled there and gets `http.disconnect` instead."""
+        self.hung_up = True
+        for task in self._waiting:
+            self._told.add(task)
+            task.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -120,15 +121,21 @@ class ShutdownGuard:
                 return message
             if self.hung_up:
                 return DISCONNECT
-            incoming = asyncio.ensure_future(receive())
-            hang_up = asyncio.ensure_future(self._hung_up.wait())
+            # No task or future per request: hang_up() cancels the waiting task (told apart from
+            # any other cancellation by `_told`).
+            task = asyncio.current_task()
+            assert task is not None
+            self._waiting.add(task)
             try:
-                await asyncio.wait((incoming, hang_up), return_when=asyncio.FIRST_COMPLETED)
+                return await receive()
+            except asyncio.CancelledError:
+                if task not in self._told:
+                    raise
+                self._told.discard(task)
+                task.uncancel()
+                return DISCONNECT
             finally:
-                hang_up.cancel()
-                if not incoming.done():
-                    incoming.cancel()
-            return incoming.result() if incoming.done() and not incoming.cancelled() else DISCONNECT
+                self._waiting.discard(task)
 
         return guarded
 

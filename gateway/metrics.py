@@ -6,7 +6,12 @@ values the gateway's config or code defines, never strings a client sent.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import Counter as _Counter
+from prometheus_client import Gauge as _Gauge
+from prometheus_client import Histogram as _Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -18,6 +23,36 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 
 TOKEN_BUCKETS = (128, 512, 2048, 8192, 32768, 131072, 262144, 524288, 1048576, 2097152)
 
 NO_POOL = "none"
+
+
+class _MemoLabels:
+    """`labels(*values)` memoised per metric: prometheus_client's own validates, converts and takes
+    a lock on every call, and the request path makes ~15 such calls (2.6 % of a loaded gateway's
+    CPU in a profile). Children are never removed here, so the memo never goes stale."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._memo: dict[tuple[str, ...], Any] = {}
+        super().__init__(*args, **kwargs)
+
+    def labels(self, *values: Any, **by_name: Any) -> Any:
+        if by_name:
+            return super().labels(*values, **by_name)  # type: ignore[misc]
+        child = self._memo.get(values)
+        if child is None:
+            child = self._memo[values] = super().labels(*values)  # type: ignore[misc]
+        return child
+
+
+class Counter(_MemoLabels, _Counter):
+    """prometheus_client's Counter with memoised `labels()`."""
+
+
+class Gauge(_MemoLabels, _Gauge):
+    """prometheus_client's Gauge with memoised `labels()`."""
+
+
+class Histogram(_MemoLabels, _Histogram):
+    """prometheus_client's Histogram with memoised `labels()`."""
 
 
 def status_class(status: int) -> str:

@@ -32,40 +32,53 @@ class AffinityStore(Protocol):
 
 
 class MemoryAffinityStore:
-    """LRU + TTL dict for a single gateway replica. Bounded by `max_entries`."""
+    """LRU + TTL dicts (one per pool, keyed by the block hash) for a single gateway replica.
+
+    Bounded by `max_entries` over all pools: the least recently written entry goes first.
+    """
 
     def __init__(self, ttl_seconds: float, max_entries: int) -> None:
         self.ttl = ttl_seconds
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()
+        self._pools: dict[str, OrderedDict[int, tuple[str, float]]] = {}
+        self._size = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._size
 
     async def lookup(self, pool: str, hashes: Sequence[int]) -> list[str | None]:
+        entries = self._pools.get(pool)
+        if entries is None:
+            return [None] * len(hashes)
         now = time.monotonic()
         owners: list[str | None] = []
-        entries = self._entries
         for h in hashes:
-            entry = entries.get((pool, h))
-            if entry is None or entry[1] <= now:
-                owners.append(None)
-            else:
-                owners.append(entry[0])
+            entry = entries.get(h)
+            owners.append(entry[0] if entry is not None and entry[1] > now else None)
         return owners
 
     def record(self, pool: str, hashes: Sequence[int], worker: str) -> None:
-        expires = time.monotonic() + self.ttl
-        entries = self._entries
+        entries = self._pools.get(pool)
+        if entries is None:
+            entries = self._pools[pool] = OrderedDict()
+        value = (worker, time.monotonic() + self.ttl)
+        before = len(entries)
         for h in hashes:
-            key = (pool, h)
-            entries[key] = (worker, expires)
-            entries.move_to_end(key)
-        while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+            entries[h] = value
+            entries.move_to_end(h)
+        self._size += len(entries) - before
+        while self._size > self.max_entries:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        """Drop the least recently written entry of any pool (the oldest expiry is the oldest write)."""
+        oldest = min((e for e in self._pools.values() if e), key=lambda e: next(iter(e.values()))[1])
+        oldest.popitem(last=False)
+        self._size -= 1
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
-        self._entries.clear()
+        self._pools.clear()
+        self._size = 0
