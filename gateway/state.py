@@ -12,6 +12,7 @@ from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
 from gateway.auth.guard import AuthGuard
 from gateway.backends.client import UpstreamClient, build_control_client
+from gateway.backends.drains import DrainBoard
 from gateway.backends.health import HealthChecker
 from gateway.backends.load import LoadScraper
 from gateway.backends.registry import WorkerRegistry
@@ -38,6 +39,8 @@ class AppState:
     metrics: GatewayMetrics
     health: HealthChecker
     load: LoadScraper
+    drains: DrainBoard
+    """Operator drains (admin API), shared through Redis when `redis_url` is set."""
     hasher: PrefixHasher | None = None
     affinity: AffinityStore | None = None
     auth: AuthGuard | None = None
@@ -77,6 +80,7 @@ class AppState:
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics),
                    load=LoadScraper(registry, http, config.load, metrics),
+                   drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),
                    hasher=hasher, affinity=affinity, auth=AuthGuard.build(config, metrics),
                    images=images,
                    started_unix=int(time.time()))
@@ -90,6 +94,7 @@ class AppState:
             await self.affinity.start()
         if self.auth is not None:
             await self.auth.start()
+        await self.drains.start()
 
     def begin_draining(self) -> None:
         """Shutdown began: `/ready` answers 503 so load balancers take this replica out of rotation.
@@ -101,6 +106,7 @@ class AppState:
         self.draining = True
 
     async def stop(self) -> None:
+        await self.drains.stop()
         await self.health.loop.stop()
         await self.load.loop.stop()
         if self.affinity is not None:

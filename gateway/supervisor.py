@@ -10,8 +10,8 @@ in-process stores are per process) and the Prometheus metrics, kept in prometheu
 multiprocess mode: the supervisor sets `PROMETHEUS_MULTIPROC_DIR` to a fresh directory before
 any process starts (the library reads it when first imported) and removes the directory at
 exit; `/metrics` from any process sums every live process. What each process keeps for itself:
-worker health (each probes), ejections, in-flight counts and operator drains (a drain through
-the admin API reaches the one process that took the call; send it to each, or run one process).
+worker health (each probes), ejections and in-flight counts; operator drains too, unless Redis
+is configured (gateway/backends/drains.py shares them through it).
 """
 
 from __future__ import annotations

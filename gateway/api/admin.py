@@ -85,13 +85,15 @@ async def _set_draining(request: Request, draining: bool) -> JSONResponse:
         worker = _worker(request)
     except NotFound as exc:
         return error_response(exc)
-    _state(request).registry.set_draining(worker, draining)
-    return JSONResponse(worker.snapshot())
+    shared = await _state(request).drains.set_draining(worker, draining)
+    return JSONResponse({**worker.snapshot(), "shared": shared})
 
 
 async def drain(request: Request) -> JSONResponse:
     """`POST /admin/workers/{pool}/{index}/drain`: no new requests go to the worker; those in
-    flight finish. Answers its snapshot (`"draining": true`); 404 `worker_not_found`."""
+    flight finish. Answers its snapshot (`"draining": true`) and `"shared"`: true when every
+    serving process and replica follows (Redis, gateway/backends/drains.py), false when only this
+    process does; 404 `worker_not_found`."""
     return await _set_draining(request, True)
 
 
