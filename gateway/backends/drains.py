@@ -5,7 +5,8 @@ the drained worker ids also live in one Redis set, `{affinity.key_prefix}:draine
 process reads it every `SYNC_EVERY_S` seconds, so `processes: N` and a fleet of gateway replicas
 drain together, as an operator of one router expects. The set holds only what operators drained:
 a worker leaves it when undrained. A Redis that cannot be reached leaves each process with the
-drain state it last saw (logged; the admin answer says `"shared": false`).
+drain state it last saw (logged; the admin answer says `"shared": false`, and such a local-only
+change is undone by the next sync once Redis answers again: Redis is the source of truth).
 """
 
 from __future__ import annotations
