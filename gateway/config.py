@@ -333,6 +333,20 @@ class ImageFetchConfig(_Strict):
     cache_ttl: float = Field(default=600.0, gt=0, description="seconds a measured size is reused")
 
 
+class TracingConfig(_Strict):
+    """Optional OpenTelemetry traces (gateway/tracing.py); off while `otlp_endpoint` is unset.
+
+    Needs the `tracing` extra (`pip install 'kimi-gateway[tracing]'`)."""
+
+    otlp_endpoint: str | None = Field(
+        default=None, pattern=r"^https?://",
+        description="OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces",
+    )
+    service_name: str = "kimi-gateway"
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0, description="share of requests traced")
+    export_delay: float = Field(default=2.0, gt=0, description="seconds between batch exports")
+
+
 class GatewayConfig(BaseSettings):
     """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
 
@@ -355,6 +369,7 @@ class GatewayConfig(BaseSettings):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)
     image_fetch: ImageFetchConfig = Field(default_factory=ImageFetchConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from gateway.metrics import NO_POOL, GatewayMetrics, status_class
+
+if TYPE_CHECKING:
+    from gateway.tracing import RequestTrace
 
 log = logging.getLogger("gateway.access")
 
@@ -39,6 +42,7 @@ class RequestRecord:
     disconnect_stage: str | None = None
     error: str | None = None
     key: str | None = None  # the API key's configured name (auth on), never the key
+    trace: RequestTrace | None = None  # OpenTelemetry spans (gateway/tracing.py) when tracing is on
     _finished: bool = False
 
     def client_gone(self, stage: str) -> None:
@@ -86,3 +90,5 @@ class RequestRecord:
                 "ttft_s": None if ttft is None else round(ttft, 6), "duration_s": round(now - self.started, 6),
                 "usage": self.usage, "error": self.error,
             }).decode())
+        if self.trace is not None:
+            self.trace.finish(self, status, now)

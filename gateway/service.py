@@ -222,6 +222,8 @@ class ProxyService:
                 result = await self._attempt(api, pool, worker, bodies[key], request, record, patch_usage)
             except AttemptFailed as failure:
                 metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
+                if record.trace is not None:
+                    record.trace.end_attempt(failure.outcome)
                 tried.add(worker)
                 last = failure
                 step = self._after_failure(failure, worker, pool, pools, request, record, too_long_retried)
@@ -234,6 +236,8 @@ class ProxyService:
                     record.pool = pool.name
                 continue
             metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
+            if record.trace is not None:
+                record.trace.end_attempt(Outcome.OK)
             if policy.uses_affinity and request.prefix is not None and state.affinity is not None:
                 metrics.affinity_match_ratio.labels(pool.name).observe(match.get(worker.url, 0.0))
                 state.affinity.record(pool.name, request.prefix.hashes, worker.url)
@@ -288,6 +292,8 @@ class ProxyService:
                        record: RequestRecord, strip_usage: bool = False) -> BufferedResponse | RelayResponse:
         state = self.state
         headers = {"content-type": "application/json", "x-request-id": record.request_id}
+        if record.trace is not None:
+            headers.update(record.trace.start_attempt(pool.name, worker.id))
         if pool.api_key is not None:
             headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
         timeouts = state.config.timeouts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from gateway.routing.image_fetch import ImageFetcher
 from gateway.routing.router import Router
 from gateway.routing.tokens import TokenEstimator
 from gateway.status import StatusWindow
+from gateway.tracing import Tracing
 
 
 @dataclass(slots=True)
@@ -46,6 +48,8 @@ class AppState:
     auth: AuthGuard | None = None
     """API keys, scopes and per-key quotas; None when `auth.enabled` is false."""
     images: ImageFetcher | None = None
+    tracing: Tracing | None = None
+    """OpenTelemetry exporter; None while `tracing.otlp_endpoint` is unset."""
     """Measures client image URLs (own httpx client); None when `image_fetch.enabled` is false."""
     started_unix: int = 0
     draining: bool = False
@@ -82,7 +86,7 @@ class AppState:
                    load=LoadScraper(registry, http, config.load, metrics),
                    drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),
                    hasher=hasher, affinity=affinity, auth=AuthGuard.build(config, metrics),
-                   images=images,
+                   images=images, tracing=Tracing(config.tracing) if config.tracing.otlp_endpoint else None,
                    started_unix=int(time.time()))
 
     async def start(self) -> None:
@@ -117,3 +121,5 @@ class AppState:
             await self.images.aclose()
         await self.upstream.aclose()
         await self.http.aclose()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # a blocking flush of the last spans

@@ -123,6 +123,8 @@ class ProxyEndpoint:
         principal = principal_of(scope)  # set by the auth middleware when auth is on
         record = RequestRecord(request_id=_request_id(headers), api=self.api,
                                key=principal.name if principal is not None else None)
+        if state.tracing is not None:
+            record.trace = state.tracing.begin(record, headers)
         result: BufferedResponse | RelayResponse | None = None
         watch: _HangUpWatch | None = None
         try:
