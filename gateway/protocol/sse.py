@@ -30,24 +30,30 @@ class SSETap:
         self._carry = b""
 
     def feed(self, chunk: bytes) -> None:
+        """Observe the next relayed bytes. Works on whole lines (a partial last line waits in a
+        small carry) with substring searches: no per-line work unless a usage object is there.
+        Exact because a raw newline cannot occur inside a JSON string (JSON escapes it), so
+        `\ndata:` only ever starts a line."""
         data = self._carry + chunk if self._carry else chunk
-        lines = data.split(b"\n")
-        carry = lines.pop()
+        cut = data.rfind(b"\n") + 1
+        carry = data[cut:]
         self._carry = carry if len(carry) <= MAX_CARRY_BYTES else b""
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._data_line(line)
-
-    def _data_line(self, line: bytes) -> None:
-        self.events += 1
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
+        if not cut:
+            return
+        lines = data[:cut] if cut < len(data) else data
+        starts_with_data = lines.startswith(b"data:")
+        self.events += lines.count(b"\ndata:") + starts_with_data
+        if not self.done and (b"\ndata: [DONE]" in lines or b"\ndata:[DONE]" in lines
+                              or lines.startswith((b"data: [DONE]", b"data:[DONE]"))):
             self.done = True
-            return
-        if b'"usage"' not in payload or b'"usage":null' in payload or b'"usage": null' in payload:
-            return
+        if b'"usage":{' in lines or b'"usage": {' in lines:
+            for line in lines.split(b"\n"):
+                if line.startswith(b"data:") and b'"usage"' in line:
+                    self._usage_line(line)
+
+    def _usage_line(self, line: bytes) -> None:
         try:
-            usage = orjson.loads(payload).get("usage")
+            usage = orjson.loads(line[5:].strip()).get("usage")
         except (orjson.JSONDecodeError, AttributeError):
             return
         if isinstance(usage, dict):

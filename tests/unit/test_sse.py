@@ -45,3 +45,17 @@ def test_error_event_is_an_openai_error_object() -> None:
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     assert orjson.loads(event[6:])["error"] == {"message": "boom", "type": "server_error", "param": None,
                                                 "code": "upstream_error"}
+
+
+@pytest.mark.parametrize("size", [1, 5, 13, 1000])
+def test_done_and_usage_are_seen_only_where_they_really_are(size: int) -> None:
+    lookalike = b'data: {"choices":[{"delta":{"content":"data: [DONE] \\n\\ndata: [DONE]"}}]}\n\n'
+    spaced_usage = b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\n'
+    stream = lookalike + spaced_usage + b"data:[DONE]\n\n"
+    tap = SSETap()
+    for i in range(0, len(stream), size):
+        tap.feed(stream[i:i + size])
+        if i + size < len(stream) - len(b"data:[DONE]\n\n"):
+            assert not tap.done  # the look-alike inside a JSON string is no end of stream
+    assert tap.done and tap.events == 3
+    assert tap.usage == {"prompt_tokens": 3, "completion_tokens": 1}
