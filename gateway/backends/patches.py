@@ -20,9 +20,12 @@ _EMPTY_CHOICES_SPACED = b'"choices": []'
 
 def ask_for_usage(payload: dict[str, Any]) -> dict[str, Any]:
     """A copy of a streaming request body with `stream_options.include_usage: true` (the client's
-    other `stream_options` kept)."""
+    other `stream_options` kept, but for `continuous_usage_stats`, which only acts with usage on)."""
     options = payload.get("stream_options")
     merged = {**options, "include_usage": True} if isinstance(options, dict) else {"include_usage": True}
+    # vLLM's continuous_usage_stats only acts with include_usage; the client did not ask for usage,
+    # so leaving it in would put usage on every chunk that reaches the client.
+    merged.pop("continuous_usage_stats", None)
     return {**payload, "stream_options": merged}
 
 
@@ -34,7 +37,8 @@ def drop_usage_events(data: bytes) -> bytes:
     """
     at = _find_marker(data, 0)
     while at >= 0:
-        start = max(data.rfind(b"\n\n", 0, at) + 2, data.rfind(b"\r\n\r\n", 0, at) + 4, 0)
+        lf, crlf = data.rfind(b"\n\n", 0, at), data.rfind(b"\r\n\r\n", 0, at)
+        start = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
         end = _event_end(data, at)
         if _is_usage_only(data[start:end]):
             data = data[:start] + data[end:]

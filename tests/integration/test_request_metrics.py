@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import httpx
 import openai
 
+from gateway.sim.config import SimFaults
 from tests.support import OwnRedis, RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -60,3 +62,18 @@ def test_redis_up_follows_a_redis_outage(own_redis: OwnRedis, start_sim: StartSi
     redis_up_becomes(0)  # the next lookup fails: routing goes on without affinity
     own_redis.start()
     redis_up_becomes(1)
+
+
+def test_usage_chunk_arriving_in_its_own_read_never_reaches_the_client(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    token = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    usage = (b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
+             b'"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}\n\n')
+    sim = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks([token, usage,
+                                                                                        b"data: [DONE]\n\n"])))
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    for options in (None, {"include_usage": False}):
+        body = {"model": "kimi-k3", "messages": MESSAGES, "stream": True, "stream_options": options}
+        with httpx.stream("POST", gw.v1 + "/chat/completions", json=body) as response:
+            assert b"".join(response.iter_raw()) == token + b"data: [DONE]\n\n"
+    assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from gateway.backends.patches import ask_for_usage, drop_usage_events
 from gateway.protocol.sse import SSETap
@@ -18,10 +19,11 @@ USAGE = {"id": "c1", "object": "chat.completion.chunk", "choices": [],
 
 
 def test_ask_for_usage_keeps_the_clients_other_stream_options() -> None:
-    payload = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": False}}
+    payload = {"model": "m", "stream": True, "stream_options": {"continuous_usage_stats": True, "x": 1}}
     patched = ask_for_usage(payload)
-    assert patched["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
-    assert payload["stream_options"] == {"continuous_usage_stats": False}  # the original is untouched
+    # continuous_usage_stats is dropped: with usage on, it would put usage on every chunk.
+    assert patched["stream_options"] == {"x": 1, "include_usage": True}
+    assert payload["stream_options"] == {"continuous_usage_stats": True, "x": 1}  # the original is untouched
     assert ask_for_usage({"stream": True})["stream_options"] == {"include_usage": True}
     assert ask_for_usage({"stream_options": None})["stream_options"] == {"include_usage": True}
 
@@ -54,3 +56,12 @@ def test_the_tap_still_sees_the_usage_it_hides() -> None:
     tap.feed(stream)
     assert tap.usage == USAGE["usage"] and tap.done
     assert b'"usage"' not in drop_usage_events(stream)
+
+
+@pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
+def test_a_usage_chunk_at_the_very_start_of_a_read_is_dropped(sep: bytes) -> None:
+    """The engine's usage event can be the first bytes of a read (a regression: it leaked)."""
+    assert drop_usage_events(_event(USAGE, sep) + b"data: [DONE]" + sep) == b"data: [DONE]" + sep
+    assert drop_usage_events(_event(USAGE, sep)) == b""
+    twice = _event(TOKEN, sep) + _event(USAGE, sep) + _event(USAGE, sep) + b"data: [DONE]" + sep
+    assert drop_usage_events(twice) == _event(TOKEN, sep) + b"data: [DONE]" + sep
