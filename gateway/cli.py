@@ -14,8 +14,11 @@ from gateway.config import ConfigError, GatewayConfig, explain_validation_error,
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
 
-def _setup_logging(level: str) -> None:
+def setup_logging(level: str) -> None:
+    """Log lines as they are (the access log is JSON already) on stderr at `level`; httpx's own
+    line per health probe and /metrics scrape is kept out below `warning`."""
     logging.basicConfig(level=level.upper(), format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def _load_or_exit(path: str) -> GatewayConfig:
@@ -33,7 +36,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from gateway.lifecycle import GracefulServer
 
     config = _load_or_exit(args.config)
-    _setup_logging(config.log_level)
+    setup_logging(config.log_level)
     processes = args.processes or config.processes
     if processes > 1:
         from gateway.supervisor import Supervisor
@@ -67,14 +70,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from gateway.demo import run_demo
 
     config = _load_or_exit(args.config)
-    _setup_logging("info" if args.verbose else "warning")
+    setup_logging("info" if args.verbose else "warning")
     run_demo(config, host=args.host, port=args.port)
 
 
 def cmd_sim(args: argparse.Namespace) -> None:
     from gateway.sim.server import run_sim
 
-    _setup_logging("warning")
+    setup_logging("warning")
     run_sim(args.engine, args.port, host=args.host, max_context_tokens=args.max_context,
             ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"],
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity,

@@ -16,6 +16,8 @@ is configured (gateway/backends/drains.py shares them through it).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import os
@@ -33,6 +35,9 @@ log = logging.getLogger("gateway.supervisor")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch for multiprocess mode
 POLL_S = 0.5
+CRASH_WINDOW_S = 10.0  # a process that dies sooner after its start counts as crash-looping
+MAX_RESTART_DELAY_S = 30.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -46,14 +51,28 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_process(config_path: str, sock: socket.socket, metrics_dir: str) -> None:
+def _die_with_parent(supervisor_pid: int) -> None:
+    """Ask Linux to SIGTERM this process when the supervisor dies, even by SIGKILL (prctl
+    PR_SET_PDEATHSIG), so no serving process outlives it holding the port; elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != supervisor_pid:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, supervisor_pid: int) -> None:
     """One serving process: load the config, build the app and serve on the shared socket."""
+    _die_with_parent(supervisor_pid)
     from gateway.app import begin_draining, create_app
+    from gateway.cli import setup_logging
     from gateway.config import load_config
     from gateway.lifecycle import GracefulServer
 
     config = load_config(config_path)
-    logging.basicConfig(level=config.log_level.upper(), format="%(message)s")
+    setup_logging(config.log_level)
     app = create_app(config, metrics_dir=metrics_dir)
     host, port = sock.getsockname()[:2]
     server = GracefulServer(app, host, port, config.shutdown, on_drain=lambda: begin_draining(app),
@@ -62,7 +81,14 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str) -> No
 
 
 class Supervisor:
-    """Starts, watches and stops `processes` serving processes of the config at `config_path`."""
+    """Starts, watches and stops `processes` serving processes of the config at `config_path`.
+
+    A process that dies is replaced; one that dies within `CRASH_WINDOW_S` of its start waits
+    `2^n` s (at most `MAX_RESTART_DELAY_S`) before its replacement, so a bad config does not
+    spin. Every SIGTERM/SIGINT is passed on (the second skips the drain delay, the third stops
+    waiting, as with one process); on the first the supervisor closes its own copy of the
+    listening socket, so once the processes close theirs new connections are refused at once.
+    """
 
     def __init__(self, config_path: str, host: str, port: int, processes: int, stop_timeout: float) -> None:
         """`stop_timeout`: seconds a process gets after SIGTERM (drain delay + grace period) before the
@@ -75,13 +101,18 @@ class Supervisor:
         os.environ[MULTIPROC_ENV] = self.metrics_dir  # inherited by the spawned processes
         self._context = multiprocessing.get_context("spawn")
         self._children: list[BaseProcess] = []
+        self._started: list[float] = []
+        self._restart_at: list[float | None] = []
+        self._quick_deaths = 0
         self._signals = 0
+        self._forwarded = 0
 
-    def _spawn(self) -> BaseProcess:
-        child = self._context.Process(target=serve_process, args=(self.config_path, self.sock, self.metrics_dir),
+    def _spawn(self, slot: int) -> None:
+        child = self._context.Process(target=serve_process,
+                                      args=(self.config_path, self.sock, self.metrics_dir, os.getpid()),
                                       name="kimi-gateway-serve")
         child.start()
-        return child
+        self._children[slot], self._started[slot], self._restart_at[slot] = child, time.monotonic(), None
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         self._signals += 1
@@ -92,31 +123,56 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         host, port = self.sock.getsockname()[:2]
         try:
-            self._children = [self._spawn() for _ in range(self.processes)]
+            self._children = [None] * self.processes  # type: ignore[list-item]
+            self._started = [0.0] * self.processes
+            self._restart_at = [None] * self.processes
+            for slot in range(self.processes):
+                self._spawn(slot)
             log.info("supervisor: %d serving processes on %s:%d (pids %s)", self.processes, host, port,
                      ", ".join(str(c.pid) for c in self._children))
             while not self._signals:
-                for i, child in enumerate(self._children):
-                    if not child.is_alive():
-                        log.warning("supervisor: serving process %s exited with %s; starting another",
-                                    child.pid, child.exitcode)
-                        mark_process_dead(child.pid, self.metrics_dir)
-                        self._children[i] = self._spawn()
+                self._replace_dead()
                 time.sleep(POLL_S)
             return self._stop()
         finally:
             self.sock.close()
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
+    def _replace_dead(self) -> None:
+        now = time.monotonic()
+        for slot, child in enumerate(self._children):
+            if child.is_alive():
+                if now - self._started[slot] > CRASH_WINDOW_S:
+                    self._quick_deaths = 0
+                continue
+            due = self._restart_at[slot]
+            if due is None:
+                mark_process_dead(child.pid, self.metrics_dir)
+                quick = now - self._started[slot] < CRASH_WINDOW_S
+                self._quick_deaths = self._quick_deaths + 1 if quick else 0
+                delay = min(2.0 ** self._quick_deaths, MAX_RESTART_DELAY_S) if quick else 0.0
+                log.warning("supervisor: serving process %s exited with %s; another starts in %.0f s",
+                            child.pid, child.exitcode, delay)
+                self._restart_at[slot] = due = now + delay
+            if now >= due:
+                self._spawn(slot)
+
+    def _forward_signals(self) -> None:
+        while self._forwarded < self._signals:
+            self._forwarded += 1
+            for child in self._children:
+                if child.pid is not None and child.is_alive():
+                    os.kill(child.pid, signal.SIGTERM)
+
     def _stop(self) -> int:
-        """Pass SIGTERM on, wait for the drain and grace period, then kill what is left."""
-        for child in self._children:
-            if child.pid is not None and child.is_alive():
-                os.kill(child.pid, signal.SIGTERM)
+        """Pass the signals on, wait for the drain and grace period, then kill what is left."""
+        self.sock.close()  # the processes' copies close when their drain delay ends
         deadline = time.monotonic() + self.stop_timeout + 30.0
         status = 0
         for child in self._children:
-            child.join(max(deadline - time.monotonic(), 0.1))
+            while child.is_alive() and time.monotonic() < deadline:
+                self._forward_signals()
+                child.join(POLL_S)
             if child.is_alive():
                 log.warning("supervisor: serving process %s did not stop; killing it", child.pid)
                 child.kill()

@@ -119,7 +119,11 @@ def start_gateway_process(tmp_path: Path, unused_port: int) -> Iterator[Callable
             time.sleep(0.05)
 
     yield start
-    for proc in procs:
+    for proc in procs:  # SIGTERM first: a supervisor then stops its serving processes and cleans up
         if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from tests.support import GatewayProcess, RunningSim, pool
 
@@ -73,3 +74,55 @@ def test_a_killed_serving_process_is_replaced_and_its_counts_kept(
     text = httpx.get(gw.url + "/metrics").text
     assert _sample(text, 'kimi_gateway_requests_total{api="chat",pool="p",status_class="2xx"}') == 1
     assert gw.proc.poll() is None  # the supervisor itself lives on
+
+
+def _children_of(pid: int) -> set[int]:
+    return {int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_serving_processes_die_with_a_killed_supervisor(start_sim: StartSim,
+                                                        start_gateway_process: StartGatewayProcess) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2)
+    serving = _pids_answering(gw.url)
+    deadline = time.monotonic() + 20
+    while len(serving) < 2:
+        assert time.monotonic() < deadline
+        serving |= _pids_answering(gw.url)
+    assert serving <= _children_of(gw.proc.pid)
+    gw.proc.kill()  # no chance to clean up: the kernel's parent-death signal must end them
+    gw.proc.wait(5)
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in serving):
+        assert time.monotonic() < deadline, f"serving processes outlived their supervisor: {serving}"
+        time.sleep(0.1)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(gw.url + "/health", timeout=2)
+
+
+def test_new_connections_are_refused_once_the_drain_delay_is_over(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
+    sim = start_sim("vllm", tpot_s=0.05)
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2,
+                               shutdown={"drain_delay": 0.5, "grace_period": 10})
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body) as response:
+        chunks = response.iter_raw()
+        next(chunks)
+        gw.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.5)  # past the drain delay: every copy of the listening socket is closed
+        started = time.monotonic()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(gw.url + "/health", timeout=5)
+        assert time.monotonic() - started < 1.0  # refused at once, not queued and reset later
+        rest = b"".join(chunks)
+    assert rest.endswith(b"data: [DONE]\n\n")  # the stream in flight finished
+    assert gw.proc.wait(20) == 0
