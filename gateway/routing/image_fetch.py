@@ -25,8 +25,10 @@ import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from ipaddress import ip_address
+from typing import Any
 
 import httpx
 from prometheus_client import Counter
@@ -46,10 +48,41 @@ _FIRST_PARSE = 32  # bytes: no format's size header is complete in fewer
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
-async def system_resolve(host: str, port: int) -> list[IPAddress]:
-    """The addresses the system resolver (getaddrinfo, in a thread) gives for `host`, deduplicated."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(ip_address(info[4][0]) for info in infos))
+DNS_THREADS = 4
+
+
+class SystemResolver:
+    """The system resolver (getaddrinfo) in the fetcher's own `threads` threads, never in the event
+    loop's shared pool: a lookup cannot be stopped once it runs, and an attacker's name server that
+    never answers held libuv's 4 shared threads for ~10 s a name, stalling the engines' connections
+    and health probes with them (found by a break-it run). When every thread is busy a lookup fails
+    at once (OSError: the image costs the default) instead of queueing.
+
+    `lookup` is `socket.getaddrinfo`'s shape (a test passes a slow stand-in).
+    """
+
+    def __init__(self, threads: int = DNS_THREADS, lookup: Callable[..., list[Any]] = socket.getaddrinfo) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="image-dns")
+        self._lookup = lookup
+        self._free = threads
+
+    async def __call__(self, host: str, port: int) -> list[IPAddress]:
+        """The addresses of `host`, deduplicated, in the resolver's order. Raises OSError."""
+        if self._free <= 0:
+            raise OSError("every image DNS thread is busy")
+        loop = asyncio.get_running_loop()
+        self._free -= 1
+        running = self._pool.submit(self._lookup, host, port, 0, socket.SOCK_STREAM)
+        # The thread is free again only when the lookup really ends, not when we stop waiting.
+        running.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release))
+        infos = await asyncio.wrap_future(running)
+        return list(dict.fromkeys(ip_address(info[4][0]) for info in infos))
+
+    def _release(self) -> None:
+        self._free += 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,15 +112,17 @@ class ImageFetcher:
     process-wide bound on fetches in flight, and a bounded cache of measured sizes by URL.
     """
 
-    def __init__(self, config: ImageFetchConfig, fetches: Counter, resolve: Resolver = system_resolve,
+    def __init__(self, config: ImageFetchConfig, fetches: Counter, resolve: Resolver | None = None,
                  verify: ssl.SSLContext | bool = True) -> None:
         """`fetches` is the `kimi_gateway_image_fetches` counter (label `result`); `resolve` turns a
-        host name into addresses (the system resolver); `verify` is httpx's TLS verification (the
-        system CAs; an SSLContext trusting a private CA for an internal image host)."""
+        host name into addresses (default: a `SystemResolver` of this fetcher's own); `verify` is
+        httpx's TLS verification (the system CAs; an SSLContext trusting a private CA for an
+        internal image host)."""
         self.config = config
         self.policy = AddressPolicy(config.allow_networks)
         self._fetches = fetches
-        self._resolve = resolve
+        self._system = SystemResolver() if resolve is None else None
+        self._resolve: Resolver = resolve or self._system  # type: ignore[assignment]
         self._slots = asyncio.Semaphore(config.max_in_flight)
         self._cache: OrderedDict[str, tuple[float, Size]] = OrderedDict()
         self.http = httpx.AsyncClient(
@@ -101,8 +136,10 @@ class ImageFetcher:
         )
 
     async def aclose(self) -> None:
-        """Close the client (AppState.stop)."""
+        """Close the client and the resolver's threads (AppState.stop)."""
         await self.http.aclose()
+        if self._system is not None:
+            self._system.close()
 
     async def measure(self, urls: Iterable[str]) -> dict[str, Size]:
         """(width, height) pixels of those of `urls` that could be measured, by URL.
