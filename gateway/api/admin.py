@@ -36,7 +36,7 @@ from starlette.routing import Route
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import require_scope
 from gateway.backends.worker import Worker
-from gateway.errors import NotFound
+from gateway.errors import NotFound, PermissionDenied
 from gateway.state import AppState
 
 
@@ -80,7 +80,20 @@ async def get_worker(request: Request) -> JSONResponse:
         return error_response(exc)
 
 
+def _cross_origin(request: Request) -> bool:
+    """True for a request a browser sent from another site's page. State changes refuse it: with
+    auth off a `POST` is a CORS "simple request", sent cross-origin without a preflight, so any
+    page an operator opens could otherwise drain workers (curl and scripts send no `Origin`)."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    return origin.split("://", 1)[-1].rstrip("/").lower() != request.headers.get("host", "").lower()
+
+
 async def _set_draining(request: Request, draining: bool) -> JSONResponse:
+    if _cross_origin(request):
+        return error_response(PermissionDenied("Admin changes are refused from another site's page (Origin "
+                                               "differs from Host).", code="cross_origin_refused"))
     try:
         worker = _worker(request)
     except NotFound as exc:

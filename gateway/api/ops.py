@@ -23,14 +23,18 @@ async def health(request: Request) -> JSONResponse:
 async def ready(request: Request) -> JSONResponse:
     """`GET /ready`: 200 when every pool has a healthy worker, else 503 naming the pools that do not.
 
+    Open to all (load balancers probe it); the per-worker snapshots (`pools`) are left out when
+    auth is on, since they are what `GET /admin/workers` guards with the admin scope.
+
     Also 503 with `"draining": true` once shutdown began, so load balancers stop sending here
     while in-flight streams finish (`/health` stays 200: the process is still alive).
     """
     state = _state(request)
     unready = state.registry.unready_pools()
-    pools = {name: [w.snapshot() for w in workers] for name, workers in state.registry.pools.items()}
     ok = not unready and not state.draining
-    body = {"ready": ok, "draining": state.draining, "unready_pools": unready, "pools": pools}
+    body: dict[str, object] = {"ready": ok, "draining": state.draining, "unready_pools": unready}
+    if state.auth is None:  # with auth on, worker details are for admin keys (`GET /admin/workers`)
+        body["pools"] = {name: [w.snapshot() for w in workers] for name, workers in state.registry.pools.items()}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -148,7 +148,8 @@ def test_admin_routes_need_the_admin_scope_when_auth_is_on(start_sim: StartSim, 
         assert wrong.status_code == 401
         user = httpx.request(method, gw.url + path, headers={"authorization": f"Bearer {USER_KEY}"})
         assert user.status_code == 403 and user.json()["error"]["code"] == "insufficient_permissions"
-    assert not httpx.get(gw.url + "/ready").json()["pools"]["p"][0].get("draining")  # refused drains did nothing
+    admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+    assert not httpx.get(gw.url + "/admin/workers/p/0", headers=admin).json()["draining"]  # refused drains did nothing
     assert send(gw, authorization=f"Bearer {USER_KEY}").status_code == 200  # the user key works on /v1
 
     ops = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -218,3 +219,16 @@ def test_status_figures_cover_every_serving_process(start_sim: StartSim,
             recent = one_connection.get(gw.url + "/admin/status").json()["recent"]
         assert recent["pools"]["p"]["requests"] == 10 and recent["pools"]["p"]["status"] == {"2xx": 10}
         assert sum(recent["pools"]["p"]["decisions"].values()) == 10
+
+
+def test_a_page_on_another_site_cannot_drain_workers(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """Auth off: a cross-site form post (a CORS simple request, no preflight) is refused."""
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    forged = httpx.post(gw.url + "/admin/workers/p/0/drain", content=b"x",
+                        headers={"origin": "https://evil.example", "content-type": "text/plain"})
+    assert forged.status_code == 403 and forged.json()["error"]["code"] == "cross_origin_refused"
+    assert httpx.get(gw.url + "/admin/workers/p/0").json()["draining"] is False
+    same_site = httpx.post(gw.url + "/admin/workers/p/0/drain", headers={"origin": gw.url})
+    assert same_site.status_code == 200 and same_site.json()["draining"] is True  # the status page's own origin
+    assert httpx.post(gw.url + "/admin/workers/p/0/undrain").status_code == 200  # curl sends no Origin

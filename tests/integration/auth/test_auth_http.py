@@ -83,6 +83,9 @@ def test_ops_endpoints_stay_open(sim: RunningSim, start_gateway: StartGateway) -
     for headers in ({}, {"authorization": "Bearer wrong"}):
         for path in ("/health", "/ready", "/metrics"):
             assert httpx.get(gw.url + path, headers=headers).status_code == 200, path
+    # Readiness for load balancers, but the worker details (URLs, errors) only for admin keys.
+    assert httpx.get(gw.url + "/ready").json() == {"ready": True, "draining": False, "unready_pools": []}
+    assert sim.url not in httpx.get(gw.url + "/ready").text
 
 
 @pytest.mark.parametrize(("auth", "engine_key"), [(True, ENGINE_KEY), (False, ENGINE_KEY), (False, None)],
