@@ -123,6 +123,13 @@ class RequestTimeout(GatewayError):
     code = "request_timeout"
 
 
+class RequestBodyTimeout(InvalidRequest):
+    """408 `request_timeout`: the client was still sending its body when the overall cap passed."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class InvalidApiKey(GatewayError):
     """401 `invalid_api_key`: no, a malformed or an unknown `Authorization: Bearer` key."""
 

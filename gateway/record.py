@@ -43,6 +43,8 @@ class RequestRecord:
     error: str | None = None
     key: str | None = None  # the API key's configured name (auth on), never the key
     trace: RequestTrace | None = None  # OpenTelemetry spans (gateway/tracing.py) when tracing is on
+    open_attempt: Any = None  # the Worker of an upstream attempt still running (a cut one stays set)
+    attempt_answered: bool = False  # that attempt's engine has sent its response headers
     _finished: bool = False
 
     def client_gone(self, stage: str) -> None:
@@ -62,7 +64,10 @@ class RequestRecord:
             status = 499  # nginx's "client closed request", for the status-class label only
         else:
             status = self.status
-        metrics.requests.labels(self.api, self.pool, status_class(status)).inc()
+        counted = status
+        if status < 500 and self.outcome in ("upstream_error", "timeout"):
+            counted = 502 if self.outcome == "upstream_error" else 504  # a 200 stream that broke or was cut
+        metrics.requests.labels(self.api, self.pool, status_class(counted)).inc()
         metrics.request_seconds.labels(self.pool).observe(now - self.started)
         ttft = None
         if self.first_byte_at is not None:

@@ -219,8 +219,11 @@ class ProxyService:
                 key = (self._served[pool.name], patch_usage)
                 if key not in bodies:
                     bodies[key] = _upstream_body(payload, *key)
+                record.open_attempt, record.attempt_answered = worker, False
                 result = await self._attempt(api, pool, worker, bodies[key], request, record, patch_usage)
+                record.open_attempt = None
             except AttemptFailed as failure:
+                record.open_attempt = None
                 metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
                 if record.trace is not None:
                     record.trace.end_attempt(failure.outcome)
@@ -311,6 +314,7 @@ class ProxyService:
                 async with asyncio.timeout(budget):
                     response = await open_upstream(state.upstream, worker.url + UPSTREAM_PATHS[api], body, headers,
                                                    timeout)
+                    record.attempt_answered = True
                     first, rest, pending = await first_chunk(response, keepalive)
             except TimeoutError:
                 response = None  # first_chunk closed it
@@ -355,6 +359,21 @@ class ProxyService:
         finally:
             if response is not None:
                 await response.aclose()
+
+    def attempt_cut_by_cap(self, record: RequestRecord) -> None:
+        """Account for the attempt the overall cap (`timeouts.total`) cut: counted as a `timeout`;
+        held against its worker only for a stream whose engine had not even sent headers (a
+        streaming engine answers them at once, so it hangs; a non-streaming answer's headers come
+        with its last byte, so a long generation and a hang look the same)."""
+        worker = record.open_attempt
+        if worker is None:
+            return
+        record.open_attempt = None
+        self.state.metrics.upstream_attempts.labels(worker.pool, worker.id, Outcome.TIMEOUT).inc()
+        if record.trace is not None:
+            record.trace.end_attempt(Outcome.TIMEOUT)
+        if record.stream and not record.attempt_answered:
+            self.state.registry.request_failed(worker, "no response headers within the overall cap")
 
     def _engine_error(self, failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
         """Pass an engine's own 4xx answer to the client, as an OpenAI error object."""

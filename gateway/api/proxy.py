@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import principal_of
-from gateway.errors import GatewayError, MethodNotAllowed, PayloadTooLarge, RequestTimeout
+from gateway.errors import GatewayError, MethodNotAllowed, PayloadTooLarge, RequestBodyTimeout, RequestTimeout
 from gateway.metrics import NO_POOL
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestRecord
@@ -135,7 +135,13 @@ class ProxyEndpoint:
                 if declared.isdigit() and int(declared) > state.config.max_body_bytes:
                     raise PayloadTooLarge(
                         f"The request body is larger than the limit of {state.config.max_body_bytes} bytes.")
-                body = await read_body(receive, state.config.max_body_bytes)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        body = await read_body(receive, state.config.max_body_bytes)
+                except TimeoutError:
+                    record.outcome = "timeout"
+                    raise RequestBodyTimeout(f"The request body did not arrive within the gateway's overall time "
+                                             f"limit of {total:g} seconds.") from None
                 watch = _HangUpWatch(receive)
                 cap = asyncio.timeout_at(deadline)
                 try:
@@ -145,6 +151,7 @@ class ProxyEndpoint:
                     if not cap.expired():
                         raise
                     record.outcome = "timeout"  # over the overall cap; the work's cleanup closed the upstream
+                    service.attempt_cut_by_cap(record)
                     raise RequestTimeout(_over_cap_message(total)) from None
             except ClientGone:
                 record.client_gone("before_response")
@@ -178,6 +185,8 @@ class ProxyEndpoint:
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
         if record.pool != NO_POOL:
             extra.append((b"x-kimi-gateway-pool", record.pool.encode()))
+        if record.worker is not None:  # e.g. the worker a 504 waited for
+            extra.append((b"x-kimi-gateway-worker", record.worker.encode()))
         return BufferedResponse(exc.status, exc.to_bytes(), b"application/json", extra)
 
     @staticmethod
@@ -204,15 +213,16 @@ class ProxyEndpoint:
         event-loop time) passes. A client hang-up arrives as a cancellation (`_HangUpWatch`)."""
         body = result.stream.body()
         started = False
+        cap = asyncio.timeout_at(deadline)
         try:
-            async with asyncio.timeout_at(deadline):
+            async with cap:
                 await send(self._start(200, result.content_type, result.headers, record, None))
                 started = True
                 async for chunk in body:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
-            if deadline is None or asyncio.get_running_loop().time() < deadline:
+            if not cap.expired():
                 raise
             await body.aclose()
             await self._cut_at_cap(result, record, send, started, _over_cap_message(total))

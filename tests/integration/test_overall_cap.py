@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import openai
 import pytest
 
+from gateway.sim.config import SimFaults
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -83,3 +84,49 @@ def test_requests_inside_the_cap_are_untouched(start_sim: StartSim, start_gatewa
     answer = client.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=20)
     assert answer.choices[0].finish_reason == "length"
     assert not any(r.aborted for r in sim.engine.records)
+
+
+def test_attempts_cut_by_the_cap_are_counted_and_a_hung_streaming_worker_is_ejected(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    hung = start_sim("vllm", faults=SimFaults(hang_before_headers=True))
+    good = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [hung.url, good.url], 131072, policy="round_robin")],
+                       timeouts={"total": 0.4}, health={"interval": 60, "passive_failures": 3})
+    body = {"model": "kimi-k3", "messages": MESSAGES, "max_tokens": 2, "stream": True}
+    statuses = []
+    for _ in range(10):
+        response = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=10)
+        statuses.append(response.status_code)
+        if response.status_code == 504:
+            assert response.headers["x-kimi-gateway-worker"] == "p/0"  # the operator sees which worker hung
+    assert statuses.count(504) == 3 and statuses[-4:] == [200] * 4  # ejected after 3 cut attempts
+    assert gw.metric('kimi_gateway_upstream_attempts_total{outcome="timeout",pool="p",worker="p/0"}') == 3
+    assert gw.metric('kimi_gateway_worker_ejected{pool="p",worker="p/0"}') == 1
+    assert gw.metric('kimi_gateway_requests_total{api="chat",pool="p",status_class="5xx"}') == 3
+
+
+def test_a_stream_cut_by_the_cap_counts_as_a_server_error(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", tpot_s=0.05)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"total": 0.3})
+    with httpx.stream("POST", gw.v1 + "/chat/completions",
+                      json={"model": "kimi-k3", "messages": MESSAGES, "max_tokens": 100, "stream": True}) as r:
+        assert r.status_code == 200 and b"request_timeout" in b"".join(r.iter_raw())
+    gw.wait_until_idle()
+    assert gw.metric('kimi_gateway_requests_total{api="chat",pool="p",status_class="5xx"}') == 1
+    assert gw.metric('kimi_gateway_worker_ejections_total') == 0
+
+
+def test_a_body_still_uploading_at_the_cap_gets_408(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"total": 0.5})
+    payload = b'{"model": "kimi-k3", "messages": [{"role": "user", "content": "' + b"x" * 20 + b'"}]}'
+
+    def trickle() -> Iterator[bytes]:  # a byte every 20 ms: ~1.5 s for the whole body
+        for i in range(len(payload)):
+            time.sleep(0.02)
+            yield payload[i:i + 1]
+
+    response = httpx.post(gw.v1 + "/chat/completions", content=trickle(), timeout=10,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 408 and response.json()["error"]["code"] == "request_timeout"
+    assert not sim.engine.records  # nothing reached the engine
