@@ -243,7 +243,9 @@ class ProxyService:
                 record.trace.end_attempt(Outcome.OK)
             if policy.uses_affinity and request.prefix is not None and state.affinity is not None:
                 metrics.affinity_match_ratio.labels(pool.name).observe(match.get(worker.url, 0.0))
-                state.affinity.record(pool.name, request.prefix.hashes, worker.url)
+                # After this task next yields, i.e. once the first chunk went out: never before the first token.
+                asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, request.prefix.hashes,
+                                                     worker.url)
             result.headers.extend(self._route_headers(record))
             return result
         raise self._exhausted(last, record)

@@ -12,6 +12,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+import xxhash
+
 
 class AffinityStore(Protocol):
     """Where block hashes → worker live. Implementations never raise from `lookup`/`record`."""
@@ -32,53 +34,47 @@ class AffinityStore(Protocol):
 
 
 class MemoryAffinityStore:
-    """LRU + TTL dicts (one per pool, keyed by the block hash) for a single gateway replica.
+    """One LRU + TTL dict for a single gateway replica, bounded by `max_entries`.
 
-    Bounded by `max_entries` over all pools: the least recently written entry goes first.
+    Keys are ints: the block hash XOR a per-pool salt (the pool name's xxh64), so pools never share
+    an entry (a collision needs two 64-bit hashes to meet) and eviction is one `popitem`.
     """
 
     def __init__(self, ttl_seconds: float, max_entries: int) -> None:
         self.ttl = ttl_seconds
         self.max_entries = max_entries
-        self._pools: dict[str, OrderedDict[int, tuple[str, float]]] = {}
-        self._size = 0
+        self._entries: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        self._salts: dict[str, int] = {}
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._entries)
+
+    def _salt(self, pool: str) -> int:
+        salt = self._salts.get(pool)
+        if salt is None:
+            salt = self._salts[pool] = xxhash.xxh64_intdigest(pool.encode())
+        return salt
 
     async def lookup(self, pool: str, hashes: Sequence[int]) -> list[str | None]:
-        entries = self._pools.get(pool)
-        if entries is None:
-            return [None] * len(hashes)
-        now = time.monotonic()
+        salt, entries, now = self._salt(pool), self._entries, time.monotonic()
         owners: list[str | None] = []
         for h in hashes:
-            entry = entries.get(h)
+            entry = entries.get(h ^ salt)
             owners.append(entry[0] if entry is not None and entry[1] > now else None)
         return owners
 
     def record(self, pool: str, hashes: Sequence[int], worker: str) -> None:
-        entries = self._pools.get(pool)
-        if entries is None:
-            entries = self._pools[pool] = OrderedDict()
+        salt, entries = self._salt(pool), self._entries
         value = (worker, time.monotonic() + self.ttl)
-        before = len(entries)
         for h in hashes:
-            entries[h] = value
-            entries.move_to_end(h)
-        self._size += len(entries) - before
-        while self._size > self.max_entries:
-            self._evict_oldest()
-
-    def _evict_oldest(self) -> None:
-        """Drop the least recently written entry of any pool (the oldest expiry is the oldest write)."""
-        oldest = min((e for e in self._pools.values() if e), key=lambda e: next(iter(e.values()))[1])
-        oldest.popitem(last=False)
-        self._size -= 1
+            key = h ^ salt
+            entries[key] = value
+            entries.move_to_end(key)
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
-        self._pools.clear()
-        self._size = 0
+        self._entries.clear()
