@@ -33,7 +33,7 @@ def _load_or_exit(path: str) -> GatewayConfig:
 def cmd_serve(args: argparse.Namespace) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully (`shutdown:` in the config; gateway/lifecycle.py)."""
     from gateway.app import begin_draining, create_app
-    from gateway.lifecycle import GracefulServer
+    from gateway.lifecycle import GracefulServer, tune_gc
 
     config = _load_or_exit(args.config)
     setup_logging(config.log_level)
@@ -48,6 +48,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(config)
     server = GracefulServer(app, args.host or config.host, args.port or config.port, config.shutdown,
                             on_drain=lambda: begin_draining(app), log_level=config.log_level)
+    tune_gc()
     server.run()
 
 

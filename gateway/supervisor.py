@@ -69,7 +69,7 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, super
     from gateway.app import begin_draining, create_app
     from gateway.cli import setup_logging
     from gateway.config import load_config
-    from gateway.lifecycle import GracefulServer
+    from gateway.lifecycle import GracefulServer, tune_gc
 
     config = load_config(config_path)
     setup_logging(config.log_level)
@@ -77,6 +77,7 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, super
     host, port = sock.getsockname()[:2]
     server = GracefulServer(app, host, port, config.shutdown, on_drain=lambda: begin_draining(app),
                             log_level=config.log_level)
+    tune_gc()
     server.run(sockets=[sock])
 
 
