@@ -178,5 +178,7 @@ class Supervisor:
                 log.warning("supervisor: serving process %s did not stop; killing it", child.pid)
                 child.kill()
                 child.join()
-            status = status or (child.exitcode or 0)
+            # Ended by the SIGTERM we sent before its own handler was installed (still starting): clean.
+            code = 0 if child.exitcode == -signal.SIGTERM else (child.exitcode or 0)
+            status = status or code
         return status

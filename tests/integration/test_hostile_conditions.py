@@ -8,6 +8,7 @@ import json
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import openai
@@ -171,15 +172,20 @@ async def test_clients_hanging_up_at_random_leak_nothing(start_sim: StartSim, st
 def test_slow_reader_back_pressure_reaches_the_engine(start_sim: StartSim, start_gateway: StartGateway) -> None:
     # A client that stops reading must not make the gateway buffer the stream: the relay pulls only
     # as fast as the client takes, so the engine's writes stall too (bounded by socket buffers).
-    sim = start_sim("vllm", max_context_tokens=1_000_000)
-    gw = start_gateway([pool("p", "vllm", [sim.url], 1_000_000)])
-    body = {**CHAT, "stream": True, "max_tokens": 200_000}  # ~40 MB of SSE if it were all sent
+    sim = start_sim("vllm", max_context_tokens=2_000_000)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 2_000_000)])
+    body = {**CHAT, "stream": True, "max_tokens": 1_000_000}  # ~190 MB of SSE if it were all sent
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=30) as response:
-        assert next(response.iter_raw())
+        first = next(response.iter_raw())
+        event_bytes = len(first.split(b"\n\n")[0]) + 2
         time.sleep(2.0)  # read nothing for 2 s
         record = sim.engine.records[-1]
         sent_while_stalled = record.completion_tokens_sent
         time.sleep(0.5)
         assert record.completion_tokens_sent == sent_while_stalled, "the engine kept writing into the gateway"
-    assert sent_while_stalled < 20_000  # what the socket buffers hold (~700 tokens, ~140 KB, here)
+    # What is in flight fits in the kernel's socket buffers (loopback autotunes them up to tcp_rmem /
+    # tcp_wmem's maximum: two connections, each with a send and a receive buffer) plus the gateway's
+    # own bounded buffers (aiohttp pauses reading at 128 KiB, uvicorn's writes at 64 KiB).
+    maxima = [int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2]) for name in ("tcp_rmem", "tcp_wmem")]
+    assert sent_while_stalled * event_bytes < 2 * sum(maxima) + (1 << 20) < 1_000_000 * event_bytes
     sim.engine.wait_for(lambda: record.aborted, timeout=5)

@@ -113,6 +113,9 @@ def test_new_connections_are_refused_once_the_drain_delay_is_over(
     sim = start_sim("vllm", tpot_s=0.05)
     gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2,
                                shutdown={"drain_delay": 0.5, "grace_period": 10})
+    deadline = time.monotonic() + 20
+    while len(_pids_answering(gw.url)) < 2:  # both serving before the signal
+        assert time.monotonic() < deadline
     body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "stream": True}
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body) as response:
         chunks = response.iter_raw()
