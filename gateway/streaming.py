@@ -196,7 +196,7 @@ def early_stream_error(first: bytes) -> AttemptFailed | None:
     Some engines (SGLang before 2026) validate a streaming request's length only after sending
     200 headers; the error arrives as `data: {"error": ...}`. Caught here, it is retried like a 400.
     """
-    if not first.startswith(b"data:") or b'"error"' not in first[:ERROR_BODY_LIMIT]:
+    if not first.startswith(b"data:") or first.find(b'"error"', 0, ERROR_BODY_LIMIT) < 0:  # no copy
         return None
     payload = first.split(b"\n", 1)[0][5:].strip()
     if not is_context_too_long(400, payload):

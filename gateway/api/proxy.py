@@ -224,7 +224,6 @@ class ProxyEndpoint:
         except TimeoutError:
             if not cap.expired():
                 raise
-            await body.aclose()
             await self._cut_at_cap(result, record, send, started, _over_cap_message(total))
         except OSError:  # the server says the client is gone
             record.client_gone("mid_stream")

@@ -22,6 +22,16 @@ def _pids_answering(url: str, tries: int = 60) -> set[int]:
     return {httpx.get(url + "/health", headers={"connection": "close"}).json()["pid"] for _ in range(tries)}
 
 
+def _both_serving(gw: GatewayProcess, timeout: float = 20.0) -> set[int]:
+    """The pids of the 2 serving processes, once both answer (the second may still be starting)."""
+    deadline = time.monotonic() + timeout
+    pids: set[int] = set()
+    while len(pids) < 2:
+        assert time.monotonic() < deadline, f"only {pids} answered:\n{gw.log_text()}"
+        pids |= _pids_answering(gw.url)
+    return pids
+
+
 def _sample(text: str, line_start: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
 
@@ -30,9 +40,7 @@ def test_two_processes_count_every_request_exactly_once(start_sim: StartSim,
                                                         start_gateway_process: StartGatewayProcess) -> None:
     sim = start_sim("vllm", tpot_s=0.001)
     gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2)
-    deadline = time.monotonic() + 20
-    while len(pids := _pids_answering(gw.url)) < 2:  # the second process may still be starting
-        assert time.monotonic() < deadline, f"only {pids} answered:\n{gw.log_text()}"
+    pids = _both_serving(gw)
     for i in range(REQUESTS):  # a new connection each: the kernel hands them to either process
         body = {"model": "kimi-k3", "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 3,
                 "stream": i % 2 == 0}
@@ -60,9 +68,7 @@ def test_a_killed_serving_process_is_replaced_and_its_counts_kept(
         start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
     sim = start_sim("vllm")
     gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2)
-    deadline = time.monotonic() + 20
-    while len(pids := _pids_answering(gw.url)) < 2:
-        assert time.monotonic() < deadline, f"only {pids} answered:\n{gw.log_text()}"
+    _both_serving(gw)
     with httpx.Client() as one_connection:  # a request served by a known process, which then dies
         victim = one_connection.get(gw.url + "/health").json()["pid"]
         body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
@@ -92,11 +98,7 @@ def test_serving_processes_die_with_a_killed_supervisor(start_sim: StartSim,
                                                         start_gateway_process: StartGatewayProcess) -> None:
     sim = start_sim("vllm")
     gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2)
-    serving = _pids_answering(gw.url)
-    deadline = time.monotonic() + 20
-    while len(serving) < 2:
-        assert time.monotonic() < deadline
-        serving |= _pids_answering(gw.url)
+    serving = _both_serving(gw)
     assert serving <= _children_of(gw.proc.pid)
     gw.proc.kill()  # no chance to clean up: the kernel's parent-death signal must end them
     gw.proc.wait(5)
@@ -113,9 +115,7 @@ def test_new_connections_are_refused_once_the_drain_delay_is_over(
     sim = start_sim("vllm", tpot_s=0.05)
     gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2,
                                shutdown={"drain_delay": 0.5, "grace_period": 10})
-    deadline = time.monotonic() + 20
-    while len(_pids_answering(gw.url)) < 2:  # both serving before the signal
-        assert time.monotonic() < deadline
+    _both_serving(gw)  # before the signal
     body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "stream": True}
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body) as response:
         chunks = response.iter_raw()
