@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +25,30 @@ def auth_section(alice: dict[str, Any] | None = None, **settings: Any) -> dict[s
         {"name": "alice", "sha256": hash_key(ALICE_KEY), **(alice or {})},
         {"name": "ops", "sha256": hash_key(OPS_KEY), "scopes": ["user", "admin"]},
     ]}
+
+
+def left_in_window(clock: Callable[[], float], window_s: float) -> float:
+    """Seconds left in the limiter window `clock` is in now (windows are floor(clock() / window_s))."""
+    return window_s - clock() % window_s
+
+
+def wait_clear_of_window_edge(clock: Callable[[], float], window_s: float = 60.0, need_s: float = 15.0) -> None:
+    """Sleep into the next window when fewer than `need_s` seconds are left in this one.
+
+    The limits count in fixed windows weighted by the one before, so a test that checks exact counts
+    must not straddle a window edge. The in-process limiter's clock is `time.monotonic`; the Redis
+    limiter's is Redis' `TIME`, which for the Redis on this machine is `time.time`.
+    """
+    left = left_in_window(clock, window_s)
+    if left < need_s:
+        time.sleep(left + 0.01)
+
+
+async def async_wait_clear_of_window_edge(clock: Callable[[], float], window_s: float, need_s: float) -> None:
+    """`wait_clear_of_window_edge` for tests running in an event loop."""
+    left = left_in_window(clock, window_s)
+    if left < need_s:
+        await asyncio.sleep(left + 0.01)
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from gateway.auth.limits import MemoryRateLimiter, RateLimiter
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.config import AuthConfig
 from gateway.metrics import GatewayMetrics
-from tests.integration.auth.conftest import REDIS_URL
+from tests.integration.auth.conftest import REDIS_URL, async_wait_clear_of_window_edge
 
 WINDOW_S = 1.0
 
@@ -29,12 +29,16 @@ def key(rpm: int | None = None, tpm: int | None = None, name: str = "alice") -> 
 @pytest.fixture(params=["memory", "redis"])
 async def limiter(request: pytest.FixtureRequest, key_prefix: str) -> AsyncIterator[RateLimiter]:
     lim: RateLimiter
+    clock = time.monotonic
     if request.param == "memory":
         lim = MemoryRateLimiter(window_s=WINDOW_S)
     else:
+        clock = time.time  # Redis' TIME: this machine's clock
         lim = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=key_prefix, redis_timeout=0.5), GatewayMetrics(),
                                window_s=WINDOW_S)
     await lim.start()
+    # The tests check exact counts: start them with at least half a window left.
+    await async_wait_clear_of_window_edge(clock, WINDOW_S, WINDOW_S / 2)
     yield lim
     await lim.stop()
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis
 
-from tests.integration.auth.conftest import ALICE_KEY, OPS_KEY, REDIS_URL, auth_section
+from tests.integration.auth.conftest import ALICE_KEY, OPS_KEY, REDIS_URL, auth_section, wait_clear_of_window_edge
 from tests.support import OwnRedis, RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -40,6 +40,7 @@ def chat(gw: RunningGateway, key: str = ALICE_KEY, max_retries: int = 0, **param
 
 def test_request_rate_limit_gives_429_with_retry_after(sim: RunningSim, start_gateway: StartGateway) -> None:
     gw = gateway(start_gateway, sim, {"requests_per_minute": 2})
+    wait_clear_of_window_edge(time.monotonic)
     chat(gw)
     chat(gw)
     with pytest.raises(openai.RateLimitError) as info:
@@ -56,6 +57,7 @@ def test_request_rate_limit_gives_429_with_retry_after(sim: RunningSim, start_ga
 def test_token_rate_limit(sim: RunningSim, start_gateway: StartGateway) -> None:
     # "Hi" is estimated at 41 prompt tokens (32 per request + 8 per message + 1): 341 with max_tokens=300.
     gw = gateway(start_gateway, sim, {"tokens_per_minute": 1000})
+    wait_clear_of_window_edge(time.monotonic)
     chat(gw, max_tokens=300)
     chat(gw, max_tokens=300)
     with pytest.raises(openai.RateLimitError) as info:
@@ -78,6 +80,7 @@ def test_limits_are_shared_by_replicas_through_redis(sim: RunningSim, start_gate
                                                      key_prefix: str) -> None:
     replicas = [gateway(start_gateway, sim, {"requests_per_minute": 3}, {"key_prefix": key_prefix},
                         redis_url=REDIS_URL) for _ in range(2)]
+    wait_clear_of_window_edge(time.time)  # Redis' TIME: this machine's clock
     chat(replicas[0])
     chat(replicas[1])
     chat(replicas[0])
