@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 MAX_TOKENS_LIMIT = 2**31 - 1
 
@@ -75,10 +86,22 @@ PART_MODALITY: dict[str, str] = {
 }
 
 
+# Roles whose `content` OpenAI requires; an assistant turn may carry only tool calls, and a legacy
+# `function` turn may carry null.
+CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
+
+
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: StrictStr | list[ContentPart] | None = None
+    content: StrictStr | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: StrictStr | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_present(cls, content: object, info: ValidationInfo) -> object:
+        if content is None and info.data.get("role") in CONTENT_REQUIRED_ROLES:
+            raise PydanticCustomError("missing", "Field required")
+        return content
 
 
 class StreamOptions(_Open):

@@ -66,6 +66,8 @@ def test_gateway_error_shape() -> None:
      "messages[0].content[0].text"),
     ({"model": "k", "messages": [{"role": "user", "content": [{"type": "sound"}]}]}, "messages[0].content[0]"),
     ({"model": "k", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"model": "k", "messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"model": "k", "messages": [{"role": "assistant"}, {"role": "tool", "content": None}]}, "messages[1].content"),
 ])
 def test_validation_errors_name_openai_style_params(payload: dict[str, object], param: str) -> None:
     from pydantic import ValidationError
@@ -74,3 +76,13 @@ def test_validation_errors_name_openai_style_params(payload: dict[str, object], 
         ChatCompletionRequest.model_validate(payload)
     message, found = describe_validation_error(info.value)
     assert found == param and param in message
+
+
+def test_only_assistant_and_function_turns_may_omit_content() -> None:
+    request = ChatCompletionRequest.model_validate({"model": "k", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "function", "name": "w", "content": None},
+    ]})
+    assert [m.content for m in request.messages] == ["weather?", None, None]
