@@ -39,6 +39,7 @@ from gateway.routing.pools import fitting_pools, larger_pools
 from gateway.state import AppState
 from gateway.streaming import (
     RETRYABLE,
+    AnswerTooLarge,
     AttemptFailed,
     Lease,
     Outcome,
@@ -142,7 +143,7 @@ class ProxyService:
             return
         prompt = payload.get("prompt")
         if isinstance(prompt, list):
-            ids = sum(len(p) if isinstance(p, list) else 1 for p in prompt)
+            ids = sum(max(len(p), 1) if isinstance(p, list) else 1 for p in prompt)
             if ids > config.max_prompt_ids:
                 raise InvalidRequest(f"The prompt has {ids} token ids; the limit is {config.max_prompt_ids}.",
                                      param="prompt", code="context_length_exceeded")
@@ -152,8 +153,9 @@ class ProxyService:
         """The whole request path up to an accepted upstream (or a final error).
 
         `principal` is the authenticated caller (auth on): its quota is charged the request's
-        estimated prompt tokens + its output limit (else the first fitting pool's reservation)
-        before routing; RateLimited (429) or RateLimitUnavailable (503) when refused.
+        estimated prompt tokens + its output limit (else the first fitting pool's reservation) times
+        the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
+        (429) or RateLimitUnavailable (503) when refused.
         """
         payload, request = await self.parse(api, body, headers)
         record.stream = request.stream
@@ -161,7 +163,7 @@ class ProxyService:
         record.estimate_method = request.estimate_method
         pools = fitting_pools(request, self.state.config.pools)
         if principal is not None and self.state.auth is not None:
-            await self.state.auth.check_quota(principal, request.context_tokens(pools[0].default_output_tokens))
+            await self.state.auth.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens))
         return await self._dispatch(api, payload, request, pools, record)
 
     async def _dispatch(self, api: Api, payload: dict[str, Any], request: RoutingRequest,
@@ -348,6 +350,11 @@ class ProxyService:
                 content = await read_rest(response, first, rest, state.config.max_body_bytes)
                 if not passed:  # an encoded (compressed) answer is relayed as it is
                     record.usage = _check_json_answer(content, content_type)
+            except AnswerTooLarge as exc:  # the request's doing: not held against the worker
+                record.outcome = "upstream_error"
+                raise UpstreamError(f"The answer is larger than this gateway relays without streaming "
+                                    f"({state.config.max_body_bytes} bytes); ask for fewer tokens or "
+                                    f"completions, or stream it.") from exc
             except Exception as exc:
                 record.outcome = "upstream_error"
                 ended(f"broken answer: {exc}")

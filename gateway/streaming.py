@@ -204,16 +204,23 @@ def early_stream_error(first: bytes) -> AttemptFailed | None:
     return AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long (in-stream error)", 400, payload)
 
 
+class AnswerTooLarge(ValueError):
+    """A non-streaming answer grew past the gateway's buffer limit (`max_body_bytes`): the request
+    asked for that much (huge `n`, a batch of prompts), so it is not the worker's fault."""
+
+
 async def read_rest(response: UpstreamResponse, first: bytes, chunks: AsyncIterator[bytes], limit: int) -> bytes:
     """The whole body of a non-streaming response, given its first chunk.
 
-    Raises TransportError if the engine fails midway, ValueError above `limit` bytes.
+    Raises TransportError if the engine fails midway, AnswerTooLarge above `limit` bytes.
     """
     body = bytearray(first)
     async for chunk in chunks:
-        body += chunk
         if len(body) > limit:
-            raise ValueError(f"engine response is larger than {limit} bytes")
+            break
+        body += chunk
+    if len(body) > limit:
+        raise AnswerTooLarge(f"engine response is larger than {limit} bytes")
     return bytes(body)
 
 

@@ -18,8 +18,11 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -127,10 +130,28 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: OutputTokens | None = None
 
 
-class CompletionRequest(_Generation):
-    """`POST /v1/completions` body: `prompt` is text, texts, token ids or lists of token ids."""
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+# One adapter per shape of a list prompt, picked by its first element: a plain union would try
+# list[str] first and build one error per element of a 4M-id prompt (~1 s of event loop).
+_PROMPT_LIST_SHAPES = {
+    "ids": TypeAdapter(TokenIds), "batch": TypeAdapter(list[TokenIds]), "texts": TypeAdapter(list[StrictStr]),
+}
+
+
+def _prompt_by_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    if isinstance(value, list) and value:
+        head = value[0]
+        shape = "ids" if type(head) is int else "batch" if isinstance(head, list) else "texts"
+        return _PROMPT_LIST_SHAPES[shape].validate_python(value)
+    return handler(value)
+
+
+class CompletionRequest(_Generation):
+    """`POST /v1/completions` body: `prompt` is text, texts, token ids or lists of token ids (each
+    list of ids non-empty)."""
+
+    prompt: Annotated[StrictStr | list[StrictStr] | TokenIds | list[TokenIds], WrapValidator(_prompt_by_shape)]
 
 
 _BRANCH_NAMES = frozenset({"str", "int", "bool", "float", "dict", "list", "none"})

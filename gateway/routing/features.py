@@ -24,7 +24,9 @@ class RoutingRequest:
     (`max_completion_tokens`, else `max_tokens`), None when it set neither, in which case each pool's
     `default_output_tokens` is reserved. `estimate_method` says how the prompt was counted:
     `bytes`, `bytes+pixels`, `bytes+default` or `token_ids`. `prefix` holds the sampled block
-    hashes of the canonical prompt (None when affinity is off).
+    hashes of the canonical prompt (None when affinity is off). `outputs` is how many completions
+    the engine generates (`n` times the prompts of a completions batch) and `batch_prompt_tokens` the
+    prompt tokens of all prompts together: they size the request's quota charge, not its context.
     """
 
     api: Api
@@ -37,11 +39,20 @@ class RoutingRequest:
     session_key: str | None = None
     include_usage: bool = False
     prefix: PrefixKey | None = None
+    outputs: int = 1
+    batch_prompt_tokens: int | None = None
 
     def context_tokens(self, default_output_tokens: int) -> int:
-        """Tokens of context needed on a pool that reserves `default_output_tokens` by default."""
+        """Tokens of context one sequence needs on a pool that reserves `default_output_tokens` by default."""
         out = self.output_tokens if self.output_tokens is not None else default_output_tokens
         return self.prompt_tokens + out
+
+    def quota_tokens(self, default_output_tokens: int) -> int:
+        """Tokens charged to a per-key token limit: every prompt plus the output limit of every
+        completion (as OpenAI's TPM counts a request: prompt + max_tokens * n)."""
+        out = self.output_tokens if self.output_tokens is not None else default_output_tokens
+        prompts = self.batch_prompt_tokens if self.batch_prompt_tokens is not None else self.prompt_tokens
+        return prompts + out * self.outputs
 
 
 def image_urls(wire: ChatCompletionRequest) -> list[str]:
@@ -112,7 +123,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
         api="chat", model=model, prompt_tokens=tokens, output_tokens=output, stream=bool(wire.stream),
         modalities=frozenset(modalities), estimate_method=method, session_key=session_key or wire.user,
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
-        prefix=prefix,
+        prefix=prefix, outputs=wire.n or 1,
     )
 
 
@@ -124,25 +135,30 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
     """
     prompt = wire.prompt
     method = "bytes"
+    prompts = 1
     if isinstance(prompt, str):
         first = prompt.encode("utf-8", "surrogatepass")
-        tokens = estimator.bytes_tokens(len(first))
+        tokens = total = estimator.bytes_tokens(len(first))
     elif not prompt:
         raise InvalidRequest("'prompt' must not be empty", param="prompt")
     elif isinstance(prompt[0], str):
         encoded = [p.encode("utf-8", "surrogatepass") for p in prompt]  # type: ignore[union-attr]
-        first, tokens = encoded[0], max(estimator.bytes_tokens(len(e)) for e in encoded)
+        each = [estimator.bytes_tokens(len(e)) for e in encoded]
+        first, tokens, total, prompts = encoded[0], max(each), sum(each), len(each)
     elif isinstance(prompt[0], int):
         first, tokens, method = _ids_bytes(prompt), len(prompt), "token_ids"  # type: ignore[arg-type]
+        total = tokens
     else:
         first, method = _ids_bytes(prompt[0]), "token_ids"  # type: ignore[arg-type]
-        tokens = max(len(p) for p in prompt)  # type: ignore[arg-type]
+        lengths = [len(p) for p in prompt]  # type: ignore[arg-type]
+        tokens, total, prompts = max(lengths), sum(lengths), len(lengths)
     prefix = hasher.hash(first, model) if hasher is not None else None
     return RoutingRequest(
         api="completions", model=model, prompt_tokens=tokens, output_tokens=wire.max_tokens,
         stream=bool(wire.stream), modalities=frozenset({"text"}), estimate_method=method,
         session_key=session_key or wire.user,
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage), prefix=prefix,
+        outputs=(wire.n or 1) * prompts, batch_prompt_tokens=total,
     )
 
 

@@ -189,3 +189,30 @@ def test_slow_reader_back_pressure_reaches_the_engine(start_sim: StartSim, start
     maxima = [int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2]) for name in ("tcp_rmem", "tcp_wmem")]
     assert sent_while_stalled * event_bytes < 2 * sum(maxima) + (1 << 20) < 1_000_000 * event_bytes
     sim.engine.wait_for(lambda: record.aborted, timeout=5)
+
+
+def test_an_answer_too_large_to_buffer_is_a_502_that_never_ejects_the_worker(start_sim: StartSim,
+                                                                             start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], max_body_bytes=2000)
+    for _ in range(5):  # more than `passive_failures` (3): the request asked for it, the worker is fine
+        response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 600})
+        assert response.status_code == 502
+        assert "larger than this gateway relays without streaming (2000 bytes)" in response.json()["error"]["message"]
+    gw.wait_until_idle()
+    assert gw.metric("kimi_gateway_worker_ejections_total") == 0
+    assert gw.metric('kimi_gateway_worker_ejected{pool="p"') == 0
+    assert httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 2}).status_code == 200
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 600, "stream": True}) as sse:
+        assert sse.status_code == 200 and b"data: [DONE]" in b"".join(sse.iter_raw())  # streams are not buffered
+
+
+def test_empty_token_id_lists_are_refused_and_counted_by_the_size_cap(start_sim: StartSim,
+                                                                      start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], max_prompt_ids=1000)
+    empty = httpx.post(gw.v1 + "/completions", json={"model": "kimi-k3", "prompt": [[1, 2], []]})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt[1]"
+    many = httpx.post(gw.v1 + "/completions", json={"model": "kimi-k3", "prompt": [[]] * 1001})
+    assert many.status_code == 400 and many.json()["error"]["code"] == "context_length_exceeded"
+    assert not sim.engine.records

@@ -76,6 +76,20 @@ def test_token_rate_limit(sim: RunningSim, start_gateway: StartGateway) -> None:
     assert len(sim.engine.records) == 3
 
 
+def test_token_limit_charges_every_completion_asked_for(sim: RunningSim, start_gateway: StartGateway) -> None:
+    gw = gateway(start_gateway, sim, {"tokens_per_minute": 1000})
+    wait_clear_of_window_edge(time.monotonic)
+    chat(gw, max_tokens=300, n=3)  # 41 prompt tokens + 3 x 300 output tokens = 941
+    with pytest.raises(openai.RateLimitError) as info:
+        chat(gw, max_tokens=100)
+    assert "Limit 1000, Used 941, Requested 141" in info.value.message
+    # A completions batch: each prompt and each of its outputs (2 prompts x n=2 x 200 tokens).
+    sdk = openai.OpenAI(base_url=gw.v1, api_key=ALICE_KEY, max_retries=0)
+    with pytest.raises(openai.RateLimitError) as batch:
+        sdk.completions.create(model="kimi-k3", prompt=[[1, 2, 3], [4, 5]], max_tokens=200, n=2)
+    assert "Requested 805" in batch.value.message
+
+
 def test_limits_are_shared_by_replicas_through_redis(sim: RunningSim, start_gateway: StartGateway,
                                                      key_prefix: str) -> None:
     replicas = [gateway(start_gateway, sim, {"requests_per_minute": 3}, {"key_prefix": key_prefix},
