@@ -123,8 +123,10 @@ class RedisAffinityStore:
                 continue
             started = time.perf_counter()
             try:
-                async with asyncio.timeout(max(self.config.lookup_timeout * 10, 0.5)):
-                    pipe = self.redis.pipeline(transaction=False)
+                # `async with` resets the pipeline (its connection back to the pool) even when the
+                # timeout cuts it.
+                async with asyncio.timeout(max(self.config.lookup_timeout * 10, 0.5)), \
+                        self.redis.pipeline(transaction=False) as pipe:
                     for pool, hashes, worker in batch:
                         await self._record(keys=[self.key(pool, h) for h in hashes], args=[worker, ttl], client=pipe)
                     await pipe.execute()

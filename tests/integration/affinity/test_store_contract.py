@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 from collections.abc import AsyncIterator
 
@@ -13,6 +14,7 @@ from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
 from gateway.config import AffinityConfig
 from gateway.metrics import GatewayMetrics
+from tests.support import OwnRedis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -110,4 +112,36 @@ async def test_unreachable_redis_fails_open_fast(unused_port: int) -> None:
         assert metrics.affinity_lookups.labels("pool", "skipped")._value.get() == 1
         store.record("pool", [1], "http://w:1")  # never raises
     finally:
+        await store.stop()
+
+
+@pytest.mark.anyio
+async def test_failed_writes_give_their_connections_back(own_redis: OwnRedis) -> None:
+    """A pipelined write that fails (Redis killed) or is cut by its timeout (Redis hung) must return
+    its connection to the pool; before the fix each one leaked a connection until the pool ran dry."""
+    metrics = GatewayMetrics()
+    store = RedisAffinityStore(own_redis.url, AffinityConfig(lookup_timeout=0.05, retry_after=0.1), metrics)
+    await store.start()
+    try:
+        store.record("pool", [1], "http://w:1")
+        await settle(store)
+        own_redis.kill()
+        store.record("pool", [2], "http://w:1")
+        await asyncio.sleep(0.3)
+        own_redis.start()
+        await asyncio.sleep(0.2)
+        assert own_redis.proc is not None
+        own_redis.proc.send_signal(signal.SIGSTOP)  # hung: the write's 0.5 s timeout cuts it
+        store.record("pool", [3], "http://w:1")
+        await asyncio.sleep(0.8)
+        own_redis.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.2)
+        assert metrics.redis_errors.labels("write")._value.get() == 2
+        assert not store.redis.connection_pool._in_use_connections
+        store.record("pool", [9], "http://w:1")  # and writes work again
+        await settle(store)
+        assert await store.lookup("pool", [9]) is not None
+    finally:
+        if own_redis.proc is not None:
+            own_redis.proc.send_signal(signal.SIGCONT)
         await store.stop()
