@@ -15,7 +15,14 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import principal_of
-from gateway.errors import GatewayError, MethodNotAllowed, PayloadTooLarge, RequestBodyTimeout, RequestTimeout
+from gateway.errors import (
+    GatewayError,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RequestBodyTimeout,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 from gateway.metrics import NO_POOL
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestRecord
@@ -135,6 +142,10 @@ class ProxyEndpoint:
                 if declared.isdigit() and int(declared) > state.config.max_body_bytes:
                     raise PayloadTooLarge(
                         f"The request body is larger than the limit of {state.config.max_body_bytes} bytes.")
+                encoding = headers.get("content-encoding", "").strip().lower()
+                if encoding not in ("", "identity"):  # RFC 9110 15.5.16: 415 for a content coding we lack
+                    raise UnsupportedMediaType(f"Content-Encoding '{encoding[:40]}' is not supported; "
+                                               f"send the JSON body uncompressed.")
                 try:
                     async with asyncio.timeout_at(deadline):
                         body = await read_body(receive, state.config.max_body_bytes)

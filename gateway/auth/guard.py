@@ -15,6 +15,7 @@ OpenAI's (https://platform.openai.com/docs/guides/error-codes):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
@@ -60,6 +61,17 @@ class AuthGuard:
             self.metrics.auth_failures.labels("invalid").inc()
             raise InvalidApiKey(WRONG_KEY, headers={"www-authenticate": 'Bearer error="invalid_token"'})
         return principal
+
+    def authenticate_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> Principal:
+        """The principal of an ASGI request's headers (lower-case names). Raises InvalidApiKey (401),
+        also for more than one `Authorization` header: a proxy that kept the other one would see
+        another caller."""
+        values = [value for name, value in headers if name == b"authorization"]
+        if len(values) > 1:
+            self.metrics.auth_failures.labels("invalid").inc()
+            raise InvalidApiKey(f"Send one Authorization header; this request has {len(values)}.",
+                                headers={"www-authenticate": 'Bearer error="invalid_request"'})
+        return self.authenticate(values[0].decode("latin-1") if values else None)
 
     def authorize(self, principal: Principal, scope: Scope) -> None:
         """Raises PermissionDenied (403) unless the principal has `scope`."""

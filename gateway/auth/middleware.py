@@ -66,13 +66,6 @@ def is_protected(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
-def _authorization(scope: ASGIScope) -> str | None:
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            return value.decode("latin-1")
-    return None
-
-
 class AuthMiddleware:
     """Every `/v1/*` request needs a key with the `user` scope (401/403 otherwise), so a route added
     under `/v1` later is protected without doing anything. `/health`, `/ready` and `/metrics` stay
@@ -87,7 +80,7 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            principal = guard.authenticate(_authorization(scope))
+            principal = guard.authenticate_headers(scope["headers"])
             guard.authorize(principal, "user")
         except GatewayError as exc:
             await error_response(exc)(scope, receive, send)
@@ -108,7 +101,7 @@ def require_scope(scope: Scope) -> Callable[[Endpoint], Endpoint]:
             guard = guard_of(request.scope)
             if guard is not None:
                 try:
-                    principal = principal_of(request.scope) or guard.authenticate(request.headers.get("authorization"))
+                    principal = principal_of(request.scope) or guard.authenticate_headers(request.scope["headers"])
                     guard.authorize(principal, scope)
                 except GatewayError as exc:
                     return error_response(exc)

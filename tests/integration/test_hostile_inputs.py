@@ -4,6 +4,7 @@ header injection attempts and HTTP/1.1 pipelining."""
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import socket
 import time
@@ -247,3 +248,18 @@ def test_unread_oversize_body_is_never_parsed_as_a_pipelined_request(start_sim: 
            if line.lower().startswith(b"x-request-id")]
     assert b"smuggled" not in ids
     assert all(r.headers.get("x-request-id") != "smuggled" for r in sim.engine.records)
+
+
+def test_compressed_bodies_get_415_and_identity_is_served(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    raw = json.dumps(CHAT).encode()
+    for encoding, body in (("gzip", gzip.compress(raw)), ("gzip", raw), ("br", raw), ("GZIP, identity", raw)):
+        answer = httpx.post(gw.v1 + "/chat/completions", content=body,
+                            headers={"content-type": "application/json", "content-encoding": encoding})
+        assert_openai_error(answer, 415, "unsupported_media_type")
+        assert "send the JSON body uncompressed" in answer.json()["error"]["message"]
+    assert not sim.engine.records
+    served = httpx.post(gw.v1 + "/chat/completions", content=raw,
+                        headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert served.status_code == 200 and len(sim.engine.records) == 1

@@ -63,6 +63,17 @@ def test_missing_or_wrong_key_is_openais_401(sim: RunningSim, start_gateway: Sta
     assert gw.metric('kimi_gateway_auth_failures_total{reason="invalid"}') == 3
 
 
+def test_two_authorization_headers_are_refused_in_any_order(sim: RunningSim, start_gateway: StartGateway) -> None:
+    gw = gateway(start_gateway, sim)
+    for first, second in ((ALICE_KEY, OPS_KEY), (OPS_KEY, ALICE_KEY), ("junk", ALICE_KEY)):
+        headers = [("authorization", f"Bearer {first}"), ("authorization", f"Bearer {second}")]
+        for method, url in (("GET", gw.v1 + "/models"), ("GET", gw.url + "/admin/workers")):
+            answer = httpx.request(method, url, headers=headers)
+            assert answer.status_code == 401, (first[:6], url)
+            assert answer.json()["error"]["message"] == "Send one Authorization header; this request has 2."
+    assert httpx.get(gw.url + "/admin/workers", headers={"authorization": f"Bearer {OPS_KEY}"}).status_code == 200
+
+
 def test_a_good_key_is_served(sim: RunningSim, start_gateway: StartGateway) -> None:
     gw = gateway(start_gateway, sim)
     for key in (ALICE_KEY, OPS_KEY):
