@@ -31,6 +31,7 @@ from gateway.errors import (
     UpstreamTimeout,
     error_bytes_from_upstream,
 )
+from gateway.protocol.body import decode_json_object
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.record import RequestRecord
 from gateway.routing.features import Api, RoutingRequest, chat_features, completion_features, image_urls
@@ -73,19 +74,6 @@ class RelayResponse:
     stream: UpstreamStream
     content_type: bytes = b"text/event-stream"
     headers: Headers = field(default_factory=list)
-
-
-def decode_json_object(body: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; InvalidRequest (400) for anything else."""
-    if not body:
-        raise InvalidRequest("The request body is empty; send a JSON object.", code="invalid_json")
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    return data
 
 
 class ProxyService:

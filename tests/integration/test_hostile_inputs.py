@@ -263,3 +263,17 @@ def test_compressed_bodies_get_415_and_identity_is_served(start_sim: StartSim, s
     served = httpx.post(gw.v1 + "/chat/completions", content=raw,
                         headers={"content-type": "application/json", "content-encoding": "identity"})
     assert served.status_code == 200 and len(sim.engine.records) == 1
+
+
+def test_64_bit_integers_reach_the_engine_exactly_and_larger_ones_are_400(start_sim: StartSim,
+                                                                          start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    head = json.dumps(CHAT)[:-1].encode()
+    over = httpx.post(gw.v1 + "/chat/completions", content=head + b', "seed": 18446744073709551616}')
+    assert_openai_error(over, 400, "integer_out_of_range")
+    assert over.json()["error"]["param"] == "seed"
+    assert not sim.engine.records
+    edge = httpx.post(gw.v1 + "/chat/completions", content=head + b', "seed": 18446744073709551615}')
+    assert edge.status_code == 200
+    assert sim.engine.records[0].body["seed"] == 18446744073709551615
