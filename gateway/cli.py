@@ -79,6 +79,8 @@ def cmd_sim(args: argparse.Namespace) -> None:
     from gateway.sim.server import run_sim
 
     setup_logging("warning")
+    print(f"sim {args.engine} on http://{args.host}:{args.port} (max context {args.max_context} tokens, "
+          f"ttft {args.ttft}s, tpot {args.tpot}s; faults: POST /sim/faults)", file=sys.stderr, flush=True)
     run_sim(args.engine, args.port, host=args.host, max_context_tokens=args.max_context,
             ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"],
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity,
@@ -126,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--verbose", "-v", action="store_true", help="print one JSON log line per request")
     demo.set_defaults(func=cmd_demo)
 
-    sim = sub.add_parser("sim", help="run one simulated engine (vLLM, SGLang or Ascend API)")
+    sim = sub.add_parser("sim", help="run one simulated engine (vLLM, SGLang or Ascend API)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sim.add_argument("--engine", choices=["vllm", "sglang", "ascend"], required=True)
     sim.add_argument("--port", type=int, required=True)
     sim.add_argument("--host", default="127.0.0.1")
