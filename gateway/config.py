@@ -121,7 +121,7 @@ class PoolConfig(_Strict):
 
 
 class TimeoutConfig(_Strict):
-    """Upstream timeouts, in seconds."""
+    """Timeouts, in seconds: upstream ones, the client's upload (`body_idle`) and the overall cap."""
 
     connect: float = Field(default=5.0, gt=0)
     read: float = Field(default=120.0, gt=0, description="longest allowed gap between upstream bytes")
@@ -138,6 +138,9 @@ class TimeoutConfig(_Strict):
         description="streaming: seconds without an engine byte before sending an SSE comment (`: keep-alive`) "
         "so idle proxies keep a long prefill's stream open; off by default because the first keep-alive "
         "commits the response (no failover to another worker after it)",
+    )
+    body_idle: float = Field(
+        default=30.0, gt=0, description="longest gap while the client uploads its request body (408 after it)"
     )
     total: float | None = Field(
         default=None, gt=0,

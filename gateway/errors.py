@@ -124,7 +124,8 @@ class RequestTimeout(GatewayError):
 
 
 class RequestBodyTimeout(InvalidRequest):
-    """408 `request_timeout`: the client was still sending its body when the overall cap passed."""
+    """408 `request_timeout`: the client's body stalled (`timeouts.body_idle`) or was still uploading
+    when the overall cap (`timeouts.total`) passed."""
 
     status = 408
     code = "request_timeout"

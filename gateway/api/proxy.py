@@ -41,12 +41,19 @@ class ClientGone(Exception):
     """The client disconnected while we were still reading its body."""
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
-    """The whole request body; PayloadTooLarge (413) beyond `limit` bytes, ClientGone on disconnect."""
+async def read_body(receive: Receive, limit: int, idle_s: float) -> bytes:
+    """The whole request body; PayloadTooLarge (413) beyond `limit` bytes, ClientGone on disconnect,
+    RequestBodyTimeout (408) when `idle_s` seconds pass without a byte of it (a stalled upload would
+    otherwise hold its connection for good)."""
     chunks: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout(idle_s):
+                message = await receive()
+        except TimeoutError:
+            raise RequestBodyTimeout(f"The request body stalled: no byte of it for {idle_s:g} seconds "
+                                     f"({size} bytes received).") from None
         if message["type"] == "http.disconnect":
             raise ClientGone
         chunk = message.get("body", b"")
@@ -148,7 +155,7 @@ class ProxyEndpoint:
                                                f"send the JSON body uncompressed.")
                 try:
                     async with asyncio.timeout_at(deadline):
-                        body = await read_body(receive, state.config.max_body_bytes)
+                        body = await read_body(receive, state.config.max_body_bytes, state.config.timeouts.body_idle)
                 except TimeoutError:
                     record.outcome = "timeout"
                     raise RequestBodyTimeout(f"The request body did not arrive within the gateway's overall time "

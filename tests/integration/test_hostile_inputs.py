@@ -8,7 +8,7 @@ import gzip
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h11
@@ -277,3 +277,29 @@ def test_64_bit_integers_reach_the_engine_exactly_and_larger_ones_are_400(start_
     edge = httpx.post(gw.v1 + "/chat/completions", content=head + b', "seed": 18446744073709551615}')
     assert edge.status_code == 200
     assert sim.engine.records[0].body["seed"] == 18446744073709551615
+
+
+def test_a_stalled_upload_gets_408_and_a_slow_live_one_is_served(start_sim: StartSim,
+                                                                 start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"body_idle": 0.5})
+    body = json.dumps(CHAT).encode()
+    host, port = gw.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body) + body[:10])  # then nothing more
+        started = time.monotonic()
+        answer = conn.recv(65536)
+        assert time.monotonic() - started < 3
+    assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer.replace(b" ", b"")
+    assert b"no byte of it for 0.5 seconds (10 bytes received)" in answer
+
+    def trickle() -> Iterator[bytes]:  # 8 pieces 0.2 s apart: 1.6 s in all, never idle for 0.5 s
+        step = len(body) // 8 + 1
+        for i in range(0, len(body), step):
+            time.sleep(0.2)
+            yield body[i:i + step]
+
+    served = httpx.post(gw.v1 + "/chat/completions", content=trickle(), timeout=10,
+                        headers={"content-type": "application/json"})
+    assert served.status_code == 200 and len(sim.engine.records) == 1
