@@ -284,13 +284,18 @@ class UpstreamStream:
                 for_client = await anext(chunks, b"")
                 if not for_client:
                     break
+            tap.end()
             if self.sse and not tap.done:
                 self._broken("the stream ended without data: [DONE]")
                 yield sse_error_event("The inference server ended the stream early; the response is incomplete.")
             else:
+                if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
+                    yield self._tail(carry)
                 self._ended(None)
         except TransportError as exc:
             if tap.done:
+                if carry:
+                    yield self._tail(carry)
                 self._ended(None)
                 return  # the answer was complete; only the connection's end was untidy
             self._broken(f"{type(exc).__name__} mid-stream after {tap.events} events")
@@ -298,6 +303,9 @@ class UpstreamStream:
                                   "the response is incomplete.")
         finally:
             await self.aclose()
+
+    def _tail(self, carry: bytes) -> bytes:
+        return drop_usage_events(carry) if self._strip_usage else carry
 
     async def _keepalives(self) -> AsyncIterator[bytes]:
         """SSE comment lines every `keepalive_interval` seconds until the first chunk is read."""

@@ -4,7 +4,9 @@
 `stream_options.include_usage` still gets its tokens counted. The gateway asks the engine for the
 final usage chunk (vLLM, SGLang and llama.cpp send it as OpenAI documents: a last chunk with
 `"choices": []` and a `usage` object, https://platform.openai.com/docs/api-reference/chat-streaming)
-and removes that chunk before it reaches the client, who receives exactly the stream it asked for.
+and removes that chunk before it reaches the client, together with the `"usage": null` that engines
+following OpenAI put on every other chunk once usage is asked for, so the client receives the
+stream it asked for.
 Applied only to engines whose `EngineSpec.supports_include_usage` is true.
 """
 
@@ -16,6 +18,9 @@ import orjson
 
 _EMPTY_CHOICES = b'"choices":[]'
 _EMPTY_CHOICES_SPACED = b'"choices": []'
+# Inside a JSON string a quote is escaped, so these bytes can only be a `usage` key with a null value.
+_NULL_USAGE = b',"usage":null'
+_NULL_USAGE_SPACED = b', "usage": null'
 
 
 def ask_for_usage(payload: dict[str, Any]) -> dict[str, Any]:
@@ -30,11 +35,16 @@ def ask_for_usage(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def drop_usage_events(data: bytes) -> bytes:
-    """`data` (whole SSE events) without the usage-only chunk(s) `ask_for_usage` asked for.
+    """`data` (whole SSE events) without the usage-only chunk(s) `ask_for_usage` asked for, and
+    without the `"usage": null` members of the other chunks.
 
-    Cheap when there is none (a substring test), and otherwise only the event holding the marker
-    is parsed; other events, comments and `[DONE]` pass unchanged, byte for byte.
+    Cheap when there is none (substring tests), and otherwise only the event holding the marker
+    is parsed; other bytes, comments and `[DONE]` pass unchanged.
     """
+    if _NULL_USAGE in data:
+        data = data.replace(_NULL_USAGE, b"")
+    if _NULL_USAGE_SPACED in data:
+        data = data.replace(_NULL_USAGE_SPACED, b"")
     at = _find_marker(data, 0)
     while at >= 0:
         lf, crlf = data.rfind(b"\n\n", 0, at), data.rfind(b"\r\n\r\n", 0, at)

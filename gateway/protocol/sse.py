@@ -51,6 +51,12 @@ class SSETap:
                 if line.startswith(b"data:") and b'"usage"' in line:
                     self._usage_line(line)
 
+    def end(self) -> None:
+        """The stream ended cleanly: read a last line that had no newline (`data: [DONE]` at EOF)."""
+        if self._carry:
+            carry, self._carry = self._carry, b""
+            self.feed(carry + b"\n")
+
     def _usage_line(self, line: bytes) -> None:
         try:
             usage = orjson.loads(line[5:].strip()).get("usage")

@@ -60,6 +60,15 @@ def test_connection_lost_after_done_is_not_an_error(start_sim: StartSim, start_g
     assert stream_bytes(gw, {**CHAT, "stream": True}) == EVENT + b"data: [DONE]\n\n"
 
 
+@pytest.mark.parametrize("tail", [b"data: [DONE]\n", b"data: [DONE]", b"data: [DONE]\n\n: trailing comment\n"])
+def test_a_complete_stream_keeps_its_unterminated_last_event(start_sim: StartSim, start_gateway: StartGateway,
+                                                              tail: bytes) -> None:
+    sim = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks([EVENT, EVENT, tail])))
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    assert stream_bytes(gw, {**CHAT, "stream": True}) == EVENT + EVENT + tail  # the tail was held back, then sent
+    assert gw.metric('kimi_gateway_requests_total{api="chat",pool="p",status_class="2xx"}') == 1
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_empty_200_from_an_engine_fails_over(start_sim: StartSim, start_gateway: StartGateway, stream: bool) -> None:
     empty = start_sim("vllm", faults=SimFaults(fail_status=200, fail_body=""))

@@ -64,6 +64,20 @@ def test_redis_up_follows_a_redis_outage(own_redis: OwnRedis, start_sim: StartSi
     redis_up_becomes(1)
 
 
+def test_a_client_that_did_not_ask_sees_no_usage_member_at_all(start_sim: StartSim,
+                                                                start_gateway: StartGateway) -> None:
+    sim = start_sim("sglang")  # puts "usage": null on every chunk once usage is asked for, as OpenAI does
+    gw = start_gateway([pool("p", "sglang", [sim.url], 131072)])
+    for api, body in (("chat", {"messages": MESSAGES}), ("completions", {"prompt": "count to five"})):
+        request = {"model": "kimi-k3", "max_tokens": 5, "stream": True, **body}
+        with httpx.stream("POST", f"{gw.v1}/{api.replace('chat', 'chat/completions')}", json=request) as response:
+            received = b"".join(response.iter_raw())
+        assert received.count(b"\ndata: ") >= 5 and received.endswith(b"data: [DONE]\n\n")
+        assert b'"usage"' not in received, api
+    assert all(r.body["stream_options"] == {"include_usage": True} for r in sim.engine.records)
+    assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 10
+
+
 def test_usage_chunk_arriving_in_its_own_read_never_reaches_the_client(
         start_sim: StartSim, start_gateway: StartGateway) -> None:
     token = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'

@@ -28,10 +28,14 @@ def test_ask_for_usage_keeps_the_clients_other_stream_options() -> None:
     assert ask_for_usage({"stream_options": None})["stream_options"] == {"include_usage": True}
 
 
-def test_only_the_usage_chunk_is_dropped_byte_for_byte() -> None:
-    with_null = {**TOKEN, "usage": None}  # SGLang and the simulator send "usage": null on every chunk
+def test_only_the_usage_chunk_and_null_usage_members_are_dropped() -> None:
+    with_null = {**TOKEN, "usage": None}  # engines following OpenAI add "usage": null once usage is asked for
     stream = _event(TOKEN) + _event(with_null) + _event(USAGE) + b"data: [DONE]\n\n"
-    assert drop_usage_events(stream) == _event(TOKEN) + _event(with_null) + b"data: [DONE]\n\n"
+    assert drop_usage_events(stream) == _event(TOKEN) * 2 + b"data: [DONE]\n\n"
+    spaced = b'data: {"id": "c1", "choices": [{"index": 0, "delta": {"content": "hi"}}], "usage": null}\n\n'
+    assert drop_usage_events(spaced) == spaced.replace(b', "usage": null', b"")
+    quoted = {**TOKEN, "choices": [{"index": 0, "delta": {"content": ',"usage":null'}}]}  # text, escaped
+    assert drop_usage_events(_event(quoted)) == _event(quoted)
 
 
 def test_spaced_json_and_crlf_separators() -> None:

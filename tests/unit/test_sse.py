@@ -59,3 +59,14 @@ def test_done_and_usage_are_seen_only_where_they_really_are(size: int) -> None:
             assert not tap.done  # the look-alike inside a JSON string is no end of stream
     assert tap.done and tap.events == 3
     assert tap.usage == {"prompt_tokens": 3, "completion_tokens": 1}
+
+
+def test_end_reads_a_last_line_without_a_newline() -> None:
+    tap = SSETap()
+    tap.feed(b'data: {"choices":[]}\n\ndata: [DO')
+    tap.feed(b"NE]")
+    assert not tap.done and tap.events == 1
+    tap.end()
+    assert tap.done and tap.events == 2
+    tap.end()  # idempotent
+    assert tap.events == 2
