@@ -26,6 +26,9 @@ class EngineSpec:
     kv_usage_metrics: tuple[str, ...]  # first one present wins (renamed across engine versions)
     too_long_markers: tuple[str, ...]
     supports_include_usage: bool = True
+    # Tokens of its max context the engine will not fill: SGLang refuses prompt + max_new_tokens
+    # >= context_len (TokenizerManager._validate_one_request), vLLM only > max_model_len.
+    context_slack_tokens: int = 0
 
 
 _VLLM_TOO_LONG = (
@@ -47,7 +50,7 @@ ENGINES: dict[str, EngineSpec] = {
                              "longer than the model's context length",  # "The input (N tokens) is longer than ..."
                              "exceeds the model's maximum context length",
                              "maximum context length",
-                         )),
+                         ), context_slack_tokens=1),
     # llama.cpp's server (xllamacpp 2026.10) exports no KV usage gauge.
     "llamacpp": EngineSpec("llamacpp", "/health", "llamacpp:requests_processing",
                            "llamacpp:requests_deferred", (), (

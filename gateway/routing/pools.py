@@ -4,15 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gateway.backends.engines import ENGINES
 from gateway.config import PoolConfig
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.routing.features import RoutingRequest
 
 
+def usable_context(pool: PoolConfig) -> int:
+    """Tokens of prompt + output the pool's engines accept: `max_context_tokens` less the engine's
+    slack (SGLang refuses a request that would fill its context exactly)."""
+    return pool.max_context_tokens - ENGINES[pool.engine].context_slack_tokens
+
+
 def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[PoolConfig]:
     """The pools that can serve `request`, cheapest (configured order) first.
 
-    A pool fits when it accepts every modality the request uses and its `max_context_tokens` is at
+    A pool fits when it accepts every modality the request uses and its `usable_context` is at
     least prompt + output tokens (output = the request's limit, else the pool's reservation).
     Raises InvalidRequest when no pool accepts a modality, ContextLengthExceeded (400,
     `context_length_exceeded`) when the request is larger than every such pool.
@@ -25,7 +32,7 @@ def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[
             f"{', '.join(sorted(set().union(*(set(p.modalities) for p in pools))))}.",
             param="messages", code="unsupported_content_type",
         )
-    fits = [p for p in by_modality if request.context_tokens(p.default_output_tokens) <= p.max_context_tokens]
+    fits = [p for p in by_modality if request.context_tokens(p.default_output_tokens) <= usable_context(p)]
     if fits:
         return fits
     largest = max(by_modality, key=lambda p: p.max_context_tokens)

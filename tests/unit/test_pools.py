@@ -34,8 +34,9 @@ def request(prompt: int, output: int | None = None, modalities: frozenset[str] =
     (131072 - 1023, None, "sglang-512k"),
     (131072 - 10, 10, "vllm-128k"),
     (131072 - 10, 11, "sglang-512k"),
-    (524288 - 8192, None, "sglang-512k"),
-    (524288 - 8191, None, "nvl72-1m"),
+    (524288 - 8193, None, "sglang-512k"),
+    (524288 - 8192, None, "nvl72-1m"),           # SGLang refuses a request that fills its context exactly
+    (524288 - 101, 100, "sglang-512k"),
     (1048576 - 1, 1, "nvl72-1m"),
 ])
 def test_cheapest_fitting_pool_first(prompt: int, output: int | None, first: str) -> None:
