@@ -11,7 +11,8 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -25,7 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 EngineKind = Literal["vllm", "sglang", "ascend", "llamacpp"]
 Modality = Literal["text", "image", "audio", "video", "file"]
@@ -41,9 +42,16 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """The one model the gateway serves and the names clients may call it by."""
 
-    name: str = "kimi-k3"
-    aliases: list[str] = Field(default_factory=lambda: ["Kimi-K3", "moonshotai/Kimi-K3"])
+    name: str = Field(default="kimi-k3", min_length=1)
+    aliases: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["Kimi-K3", "moonshotai/Kimi-K3"])
     owned_by: str = "moonshotai"
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> ModelConfig:
+        if len(set(self.names())) != len(self.names()):
+            raise ValueError(f"model name and aliases must differ, got {self.names()}")
+        return self
 
     def names(self) -> list[str]:
         """The canonical name first, then the aliases."""
@@ -63,7 +71,7 @@ class PoolConfig(_Strict):
     workers: list[str] = Field(min_length=1)
     max_context_tokens: int = Field(gt=0, description="tokens, prompt + output")
     served_model_name: str | None = Field(
-        default=None, description="name the engines serve the model under; `model` is rewritten to it"
+        default=None, min_length=1, description="name the engines serve the model under; `model` is rewritten to it"
     )
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
     default_output_tokens: int = Field(
@@ -87,6 +95,16 @@ class PoolConfig(_Strict):
         for url in urls:
             if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
                 raise ValueError(f"worker URL must be http(s)://host:port, got {url!r}")
+            parts = urlsplit(url)
+            if parts.username is not None or parts.password is not None:
+                raise ValueError(f"worker URL {parts.hostname!r}: no credentials in the URL (they would show in "
+                                 "/admin/workers); use the pool's api_key")
+            if parts.query or parts.fragment or "?" in url or "#" in url:
+                raise ValueError(f"worker URL must not have a query or fragment, got {url!r}")
+            try:
+                parts.port  # noqa: B018 (raises ValueError when out of range)
+            except ValueError:
+                raise ValueError(f"worker URL has an invalid port, got {url!r}") from None
             cleaned.append(url.rstrip("/"))
         if len(set(cleaned)) != len(cleaned):
             raise ValueError("worker URLs must be unique within a pool")
@@ -168,6 +186,13 @@ class EstimationConfig(_Strict):
     image_tokens_min: int = Field(default=64, ge=0)
     image_tokens_max: int = Field(default=16384, ge=1)
 
+    @model_validator(mode="after")
+    def _image_bounds(self) -> EstimationConfig:
+        if self.image_tokens_min > self.image_tokens_max:
+            raise ValueError(f"image_tokens_min ({self.image_tokens_min}) must not exceed image_tokens_max "
+                             f"({self.image_tokens_max})")
+        return self
+
 
 class HealthConfig(_Strict):
     """Active health probes of every worker."""
@@ -180,6 +205,12 @@ class HealthConfig(_Strict):
     )
     ejection_base: float = Field(default=5.0, gt=0, description="seconds of the first ejection; doubles each time")
     ejection_max: float = Field(default=300.0, gt=0, description="longest ejection, seconds")
+
+    @model_validator(mode="after")
+    def _ejection_order(self) -> HealthConfig:
+        if self.ejection_base > self.ejection_max:
+            raise ValueError(f"ejection_base ({self.ejection_base}) must not exceed ejection_max ({self.ejection_max})")
+        return self
 
 
 class AffinityConfig(_Strict):
@@ -379,8 +410,15 @@ class GatewayConfig(BaseSettings):
     max_messages: int = Field(default=20_000, ge=1, description="chat messages per request")
     max_content_parts: int = Field(default=50_000, ge=1, description="content parts per request, all messages")
     max_prompt_ids: int = Field(default=4 * 1024 * 1024, ge=1, description="token ids per completions request")
-    redis_url: str | None = None
+    redis_url: str | None = Field(default=None, description="redis://, rediss:// or unix:// URL (redis-py's schemes)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not re.match(r"^(redis|rediss|unix)://\S+$", url):
+            raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {url[:80]!r}")
+        return url
 
     @model_validator(mode="after")
     def _check_pools(self) -> GatewayConfig:
@@ -416,8 +454,17 @@ class ConfigError(ValueError):
 def interpolate_env(value: Any, environ: Mapping[str, str]) -> Any:
     """Replace `${NAME}` / `${NAME:-default}` in every string of a parsed YAML tree.
 
-    Raises ConfigError for a referenced variable that is unset and has no default.
+    Raises ConfigError naming every referenced variable that is unset and has no default, each
+    with its config path (`pools.0.api_key: ${VLLM_KEY}`).
     """
+    missing: list[str] = []
+    result = _interpolate(value, environ, "", missing)
+    if missing:
+        raise ConfigError("environment variables not set (and no ${NAME:-default}): " + "; ".join(missing))
+    return result
+
+
+def _interpolate(value: Any, environ: Mapping[str, str], path: str, missing: list[str]) -> Any:
     if isinstance(value, str):
 
         def sub(match: re.Match[str]) -> str:
@@ -426,13 +473,14 @@ def interpolate_env(value: Any, environ: Mapping[str, str]) -> Any:
                 return environ[name]
             if default is not None:
                 return default
-            raise ConfigError(f"environment variable {name} is not set (referenced as {match.group(0)})")
+            missing.append(f"{path or '(top level)'}: {match.group(0)}")
+            return ""
 
         return _ENV_REF.sub(sub, value)
     if isinstance(value, list):
-        return [interpolate_env(v, environ) for v in value]
+        return [_interpolate(v, environ, f"{path}.{i}" if path else str(i), missing) for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {k: interpolate_env(v, environ) for k, v in value.items()}
+        return {k: _interpolate(v, environ, f"{path}.{k}" if path else str(k), missing) for k, v in value.items()}
     return value
 
 
@@ -449,14 +497,36 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> G
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start})") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
-    return parse_config(data, environ)
+    try:
+        return parse_config(data, environ)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+    except SettingsError as exc:  # a KIMI_GATEWAY_* override that is not valid JSON
+        cause = f" ({exc.__cause__})" if exc.__cause__ else ""
+        raise ConfigError(f"{exc}{cause}; complex {ENV_PREFIX}* overrides are JSON") from exc
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that repeats a key (PyYAML lets the last one win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def explain_validation_error(exc: Exception) -> str:

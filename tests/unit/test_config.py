@@ -25,8 +25,11 @@ def test_env_interpolation_and_defaults() -> None:
     config = parse_config(data, environ={"W0": "http://w0:8000/"})
     assert config.pools[0].workers == ["http://w0:8000", "http://fallback:8000"]
     assert config.pools[0].api_key is None
-    with pytest.raises(ConfigError, match="W0 is not set"):
+    data["pools"][0]["api_key"] = "${KEY}"
+    with pytest.raises(ConfigError) as info:
         parse_config(data, environ={})
+    assert str(info.value) == ("environment variables not set (and no ${NAME:-default}): "
+                               "pools.0.workers.0: ${W0}; pools.0.api_key: ${KEY}")
 
 
 def test_env_overrides_top_level_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,11 +46,36 @@ def test_env_overrides_top_level_fields(monkeypatch: pytest.MonkeyPatch) -> None
     ({"max_context_tokens": 0}, "pools.0.max_context_tokens"),
     ({"policy": "random"}, "pools.0.policy"),
     ({"colour": "red"}, "pools.0.colour"),
+    ({"workers": ["http://user:secret@w:8000"]}, "pools.0.workers"),
+    ({"workers": ["http://w:8000/?x=1"]}, "pools.0.workers"),
+    ({"workers": ["http://w:99999"]}, "pools.0.workers"),
+    ({"served_model_name": ""}, "pools.0.served_model_name"),
 ])
 def test_errors_name_the_offending_path(change: dict[str, object], path: str) -> None:
     with pytest.raises(ValidationError) as info:
         parse_config({"pools": [{**POOL, **change}]}, environ={})
     assert explain_validation_error(info.value).startswith(f"{path}: ")
+
+
+@pytest.mark.parametrize(("top", "path", "words"), [
+    ({"redis_url": "not a url"}, "redis_url", "redis://"),
+    ({"health": {"ejection_base": 600}}, "health", "ejection_base (600.0) must not exceed ejection_max"),
+    ({"estimation": {"image_tokens_min": 10, "image_tokens_max": 5}}, "estimation", "image_tokens_min"),
+    ({"model": {"name": ""}}, "model.name", "at least 1 character"),
+    ({"model": {"aliases": ["kimi-k3"]}}, "model", "must differ"),
+])
+def test_settings_that_cannot_work_are_refused(top: dict[str, object], path: str, words: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        parse_config({"pools": [POOL], **top}, environ={})
+    explained = explain_validation_error(info.value)
+    assert explained.startswith(f"{path}: ") and words in explained
+    assert "secret" not in explained
+
+
+def test_worker_credentials_never_echo_in_the_error() -> None:
+    with pytest.raises(ValidationError) as info:
+        parse_config({"pools": [{**POOL, "workers": ["http://user:secret@w:8000"]}]}, environ={})
+    assert "secret" not in explain_validation_error(info.value).split("input_value")[0]
 
 
 def test_duplicate_pool_names_are_refused() -> None:
@@ -66,3 +94,23 @@ def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     (tmp_path / "broken.yaml").write_text("pools: [\n")
     with pytest.raises(SystemExit, match="not valid YAML"):
         main(["check-config", str(tmp_path / "broken.yaml")])
+
+
+def test_check_config_reports_bad_files_and_overrides_without_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good = "pools:\n  - {name: p, engine: vllm, workers: ['http://w:1'], max_context_tokens: 5000}\n"
+    cases = {
+        "binary.yaml": (b"\xff\xfe", "is not UTF-8 text"),
+        "twice.yaml": ((good + "port: 1\nport: 2\n").encode(), "duplicate key 'port'"),
+        "env.yaml": (good.replace("http://w:1", "${NOPE_URL}").encode(), "pools.0.workers.0: ${NOPE_URL}"),
+    }
+    for name, (content, words) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(SystemExit) as info:
+            main(["check-config", str(tmp_path / name)])
+        assert words in str(info.value.code) and str(tmp_path / name) in str(info.value.code), name
+    (tmp_path / "good.yaml").write_text(good)
+    monkeypatch.setenv("KIMI_GATEWAY_AUTH", '{"enabled": tru')
+    with pytest.raises(SystemExit) as info:
+        main(["check-config", str(tmp_path / "good.yaml")])
+    assert "KIMI_GATEWAY_* overrides are JSON" in str(info.value.code)
