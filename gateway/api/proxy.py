@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from gateway.auth.middleware import principal_of
+from gateway.auth.middleware import AUTH_ERROR, principal_of
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -125,6 +125,8 @@ class _HangUpWatch:
 class ProxyEndpoint:
     """ASGI app for `POST /v1/chat/completions` or `POST /v1/completions`."""
 
+    records_auth_errors = True  # the auth middleware hands refusals here (`AUTH_ERROR`) to be recorded
+
     def __init__(self, api: Api) -> None:
         self.api = api
 
@@ -143,6 +145,8 @@ class ProxyEndpoint:
         watch: _HangUpWatch | None = None
         try:
             try:
+                if (refused := scope.get(AUTH_ERROR)) is not None:
+                    raise refused
                 if scope["method"] != "POST":
                     raise MethodNotAllowed(f"Use POST for {scope['path']}.")
                 declared = headers.get("content-length", "")

@@ -44,6 +44,11 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 PRINCIPAL = "kimi_gateway.principal"
 """The ASGI scope key the middleware leaves the authenticated `Principal` under."""
 
+AUTH_ERROR = "kimi_gateway.auth_error"
+"""The ASGI scope key under which a refusal (401/403) is handed to an app that answers and records
+it itself (one with `records_auth_errors = True`: the proxy endpoints, so a refused request gets its
+access-log line, request id and `kimi_gateway_requests_total` count like any other)."""
+
 EXPOSED_HEADERS = ("x-request-id", "retry-after", "x-kimi-gateway-pool", "x-kimi-gateway-worker",
                    "x-kimi-gateway-route-reason", "x-kimi-gateway-attempts",
                    "x-kimi-gateway-estimated-prompt-tokens")
@@ -73,6 +78,7 @@ class AuthMiddleware:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._app_records_refusals = getattr(app, "records_auth_errors", False)
 
     async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
         guard = guard_of(scope) if scope["type"] == "http" and is_protected(scope["path"]) else None
@@ -83,7 +89,10 @@ class AuthMiddleware:
             principal = guard.authenticate_headers(scope["headers"])
             guard.authorize(principal, "user")
         except GatewayError as exc:
-            await error_response(exc)(scope, receive, send)
+            if self._app_records_refusals:
+                await self.app({**scope, AUTH_ERROR: exc}, receive, send)
+            else:
+                await error_response(exc)(scope, receive, send)
             return
         await self.app({**scope, PRINCIPAL: principal}, receive, send)
 

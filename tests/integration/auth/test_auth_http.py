@@ -128,9 +128,28 @@ def test_logs_never_contain_keys(sim: RunningSim, start_gateway: StartGateway,
     with pytest.raises(openai.BadRequestError):  # a 400 after authentication
         client(gw, ALICE_KEY).chat.completions.create(model="kimi-k3", messages=[], max_tokens=3)
     deadline = time.monotonic() + 5
-    while sum('"event":"request"' in r.getMessage() for r in caplog.records) < 2:
+    while sum('"event":"request"' in r.getMessage() for r in caplog.records) < 3:
         assert time.monotonic() < deadline, "the access log lines were not written"
         time.sleep(0.02)
     logged = "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in caplog.records)
     assert '"key":"alice"' in logged
     assert ALICE_KEY[:-1] not in logged and ENGINE_KEY not in logged
+
+
+def test_a_refused_request_is_logged_counted_and_keeps_its_request_id(
+        sim: RunningSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    gw = gateway(start_gateway, sim)
+    body = {"model": "kimi-k3", "messages": HELLO, "max_tokens": 3}
+    refused = httpx.post(gw.v1 + "/completions", json={"model": "kimi-k3", "prompt": "hi"},
+                         headers={"x-request-id": "req-401", "authorization": "Bearer nope"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "req-401"
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    assert refused.headers["www-authenticate"] == 'Bearer error="invalid_token"'
+    assert httpx.post(gw.v1 + "/chat/completions", json=body).status_code == 401
+    assert gw.metric('kimi_gateway_requests_total{api="completions",pool="none",status_class="4xx"}') == 1
+    assert gw.metric('kimi_gateway_requests_total{api="chat",pool="none",status_class="4xx"}') == 1
+    lines = [r.getMessage() for r in caplog.records if '"event":"request"' in r.getMessage()]
+    assert len(lines) == 2 and '"request_id":"req-401"' in lines[0] and '"status":401' in lines[0]
+    assert all('"key":null' in line and "nope" not in line for line in lines)
+    assert sim.engine.records == []
