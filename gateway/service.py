@@ -193,6 +193,9 @@ class ProxyService:
             policy = state.router.policy(pool.name)
             if policy.uses_affinity and pool.name not in matches:
                 matches[pool.name] = await self._affinity_matches(pool.name, request)
+                # Others may have taken the free slots or broken workers meanwhile: look again. From
+                # here to the attempt's Lease nothing awaits, so the room seen is the room taken.
+                continue
             match = matches.get(pool.name, {})
             candidates = [Candidate(w, w.load(), w.kv_usage, match.get(w.url, 0.0),
                                     int(match.get(w.url, 0.0) * request.prompt_tokens)) for w in workers]

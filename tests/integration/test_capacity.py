@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 import httpx
+import redis
 
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
+REDIS_URL = "redis://127.0.0.1:6379/0"
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -80,3 +83,41 @@ def test_saturated_pool_spills_over_to_a_larger_one(start_sim: StartSim, start_g
     assert second.headers["x-kimi-gateway-pool"] == "big"
     metrics = httpx.get(gw.url + "/metrics").text
     assert 'kimi_gateway_spillovers_total{cause="saturated",from_pool="small",to_pool="big"} 1.0' in metrics
+
+
+def _most_at_once(records: list[tuple[float, float]]) -> int:
+    """The largest number of (start, end) intervals open at one moment."""
+    edges = sorted([(start, 1) for start, _ in records] + [(end, -1) for _, end in records])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_limits_hold_when_the_affinity_lookup_awaits_redis(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    # The Redis lookup awaits between the room check and taking the slot; every request used to pass
+    # the check during that await, so 8 streams ran at once through a pool limited to 2.
+    prefix = f"test-cap-{uuid.uuid4().hex[:10]}"
+    sims = [start_sim("vllm", tpot_s=0.02) for _ in range(2)]
+    gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, max_in_flight=2,
+                             max_in_flight_per_worker=1, spillover=False)],
+                       redis_url=REDIS_URL, affinity={"key_prefix": prefix}, load={"enabled": False})
+    try:
+        def post(i: int) -> httpx.Response:
+            body = {**CHAT, "messages": [{"role": "user", "content": f"conversation {i}"}], "max_tokens": 10}
+            return httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30)
+
+        runs = [in_background(lambda i=i: post(i)) for i in range(8)]
+        for thread, _ in runs:
+            thread.join()
+        assert all(out[0].status_code == 200 for _, out in runs)
+        spans = [(r.received_at, r.finished_at or r.received_at) for s in sims for r in s.engine.records]
+        assert len(spans) == 8 and _most_at_once(spans) <= 2
+        assert all(_most_at_once([(r.received_at, r.finished_at or 0) for r in s.engine.records]) == 1 for s in sims)
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
