@@ -55,6 +55,13 @@ HANG_UP_BACKSTOP_S = 2.0
 """Seconds after the hang-up before uvicorn cancels what is still running (e.g. a body upload)."""
 
 SHUTDOWN_MESSAGE = "The gateway is shutting down"
+
+SHUTDOWN_GUARD = "kimi_gateway.shutdown_guard"
+"""Scope key of the `ShutdownGuard` a request runs under: the proxy asks it whether a hang-up was
+the server's (`hung_up`) and records that as a shutdown, not as a client disconnect."""
+
+REQUEST_ID = "kimi_gateway.request_id"
+"""Scope key where the proxy leaves the request id, so the guard's own 503 carries it too."""
 DISCONNECT: Message = {"type": "http.disconnect"}
 
 
@@ -106,10 +113,11 @@ class ShutdownGuard:
             await self.app(scope, receive, send)
             return
         response = _ResponseWatch(send)
+        scope[SHUTDOWN_GUARD] = self
         await self.app(scope, self._guard(receive), response.send)
         if self.hung_up and not response.complete:
             with contextlib.suppress(OSError):  # the client may be gone for real
-                await self._finish(response)
+                await self._finish(response, scope.get(REQUEST_ID))
 
     def _guard(self, receive: Receive) -> Receive:
         body_done = False
@@ -141,12 +149,15 @@ class ShutdownGuard:
         return guarded
 
     @staticmethod
-    async def _finish(response: _ResponseWatch) -> None:
+    async def _finish(response: _ResponseWatch, request_id: str | None) -> None:
         if not response.started:
             error = NoCapacity(f"{SHUTDOWN_MESSAGE}; retry the request.", code="shutting_down")
             body = error.to_bytes()
-            await response.send({"type": "http.response.start", "status": error.status, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"retry-after", b"1")]  # another replica can take it at once
+            if request_id is not None:
+                headers.append((b"x-request-id", request_id.encode()))
+            await response.send({"type": "http.response.start", "status": error.status, "headers": headers})
             await response.send({"type": "http.response.body", "body": body, "more_body": False})
         elif response.sse:
             event = sse_error_event(f"{SHUTDOWN_MESSAGE}; the response is incomplete.", code="shutting_down")

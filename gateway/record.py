@@ -17,12 +17,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("gateway.access")
 
 
+# The status class a 200 stream is counted under when it ended badly.
+_CUT_STATUS = {"upstream_error": 502, "timeout": 504, "shutting_down": 503}
+
+
 @dataclass(slots=True)
 class RequestRecord:
     """What happened to one client request. Times are `time.perf_counter()` seconds.
 
     `outcome` is `ok`, `error` (the client got an error status), `timeout` (over `timeouts.total`),
-    `upstream_error` (the stream broke after its first byte) or `client_disconnect`.
+    `upstream_error` (the stream broke after its first byte), `shutting_down` (cut at the end of the
+    shutdown grace period) or `client_disconnect`.
     """
 
     request_id: str
@@ -47,6 +52,14 @@ class RequestRecord:
     attempt_answered: bool = False  # that attempt's engine has sent its response headers
     _finished: bool = False
 
+    def cut_by_shutdown(self, response_started: bool) -> None:
+        """The server ended the request at the end of its shutdown grace period (gateway/lifecycle.py
+        answers the client: a 503 if nothing was sent, else one SSE error event)."""
+        self.outcome = "shutting_down"
+        self.error = "the gateway shut down before the response ended"
+        if not response_started:
+            self.status = 503
+
     def client_gone(self, stage: str) -> None:
         """The client hung up at `stage` (`before_response` or `mid_stream`)."""
         if self.disconnect_stage is None:
@@ -65,8 +78,8 @@ class RequestRecord:
         else:
             status = self.status
         counted = status
-        if status < 500 and self.outcome in ("upstream_error", "timeout"):
-            counted = 502 if self.outcome == "upstream_error" else 504  # a 200 stream that broke or was cut
+        if status < 500 and self.outcome in _CUT_STATUS:
+            counted = _CUT_STATUS[self.outcome]  # a 200 stream that broke or was cut
         metrics.requests.labels(self.api, self.pool, status_class(counted)).inc()
         metrics.request_seconds.labels(self.pool).observe(now - self.started)
         ttft = None

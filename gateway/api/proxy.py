@@ -23,6 +23,7 @@ from gateway.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
+from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
 from gateway.metrics import NO_POOL
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestRecord
@@ -139,6 +140,7 @@ class ProxyEndpoint:
         principal = principal_of(scope)  # set by the auth middleware when auth is on
         record = RequestRecord(request_id=_request_id(headers), api=self.api,
                                key=principal.name if principal is not None else None)
+        scope[REQUEST_ID] = record.request_id  # for a 503 the shutdown guard may have to send
         if state.tracing is not None:
             record.trace = state.tracing.begin(record, headers)
         result: BufferedResponse | RelayResponse | None = None
@@ -190,7 +192,11 @@ class ProxyEndpoint:
         except asyncio.CancelledError:
             if watch is None or not watch.absorb():
                 raise  # server shutdown: the finally below still closes the upstream
-            record.client_gone("mid_stream" if isinstance(result, RelayResponse) else "before_response")
+            guard = scope.get(SHUTDOWN_GUARD)
+            if guard is not None and guard.hung_up:  # the grace period ended: the guard answers the client
+                record.cut_by_shutdown(response_started=isinstance(result, RelayResponse))
+            else:
+                record.client_gone("mid_stream" if isinstance(result, RelayResponse) else "before_response")
         finally:
             if watch is not None:
                 await watch.stop()

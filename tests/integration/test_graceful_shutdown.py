@@ -150,6 +150,12 @@ async def test_requests_past_the_grace_period_are_ended_and_aborted_upstream(
         assert last_event(body)["error"]["code"] == "shutting_down"
     # ... or a 503 the client may retry elsewhere when nothing had been sent yet.
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+    assert answer.headers["retry-after"] == "1" and len(answer.headers["x-request-id"]) == 32
+    # The access log tells a shutdown from a client hang-up.
+    access = [json.loads(line[line.index("{"):]) for line in gw.log_text().splitlines() if '"event":"request"' in line]
+    assert len(access) == STREAMS + 1
+    assert {(a["outcome"], a["status"]) for a in access} == {("shutting_down", 200), ("shutting_down", 503)}
+    assert answer.headers["x-request-id"] in {a["request_id"] for a in access if a["status"] == 503}
     # Every engine request was aborted: no upstream request outlived the gateway.
     records = await sim.engine.async_wait_for(lambda: sim.engine.records if all(
         r.aborted for r in sim.engine.records) else None, timeout=5)
