@@ -34,6 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully (`shutdown:` in the config; gateway/lifecycle.py)."""
     from gateway.app import begin_draining, create_app
     from gateway.lifecycle import GracefulServer, tune_gc
+    from gateway.request_head import http_options
 
     config = _load_or_exit(args.config)
     setup_logging(config.log_level)
@@ -47,7 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sys.exit(supervisor.run())
     app = create_app(config)
     server = GracefulServer(app, args.host or config.host, args.port or config.port, config.shutdown,
-                            on_drain=lambda: begin_draining(app), log_level=config.log_level)
+                            on_drain=lambda: begin_draining(app), log_level=config.log_level,
+                            **http_options(config))
     tune_gc()
     server.run()
 

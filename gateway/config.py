@@ -160,6 +160,14 @@ class TimeoutConfig(_Strict):
     body_idle: float = Field(
         default=30.0, gt=0, description="longest gap while the client uploads its request body (408 after it)"
     )
+    header: float = Field(
+        default=10.0, gt=0, description="time for a client's request line and headers to arrive (408 after it)"
+    )
+    keep_alive: float = Field(
+        default=65.0, gt=0, description="seconds an idle client connection stays open between requests; keep "
+        "it above the idle timeout of the load balancer in front (60 s for AWS ALB) so it never reuses a "
+        "connection the gateway is closing",
+    )
     total: float | None = Field(
         default=None, gt=0,
         description="optional overall cap, arrival to last byte: a request still waiting gets 504 "
@@ -407,6 +415,9 @@ class GatewayConfig(BaseSettings):
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, description="request line + headers limit, bytes (431 above it)"
+    )
     max_messages: int = Field(default=20_000, ge=1, description="chat messages per request")
     max_content_parts: int = Field(default=50_000, ge=1, description="content parts per request, all messages")
     max_prompt_ids: int = Field(default=4 * 1024 * 1024, ge=1, description="token ids per completions request")

@@ -8,6 +8,7 @@ from urllib.parse import urlsplit
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.request_head import http_options
 from gateway.server import QuietServer, serve_many, uvicorn_config
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
@@ -30,7 +31,7 @@ def demo_servers(config: GatewayConfig, host: str, port: int) -> list[QuietServe
                             served_model_names=[pool.served_model_name or config.model.name],
                             ttft_s=DEMO_TTFT_S, tpot_s=DEMO_TPOT_S, default_output_tokens=40)
             servers.append(QuietServer(uvicorn_config(create_sim_app(sim), "127.0.0.1", parts.port)))
-    servers.append(QuietServer(uvicorn_config(create_app(config), host, port)))
+    servers.append(QuietServer(uvicorn_config(create_app(config), host, port, **http_options(config))))
     return servers
 
 

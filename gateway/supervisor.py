@@ -70,13 +70,14 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, super
     from gateway.cli import setup_logging
     from gateway.config import load_config
     from gateway.lifecycle import GracefulServer, tune_gc
+    from gateway.request_head import http_options
 
     config = load_config(config_path)
     setup_logging(config.log_level)
     app = create_app(config, metrics_dir=metrics_dir)
     host, port = sock.getsockname()[:2]
     server = GracefulServer(app, host, port, config.shutdown, on_drain=lambda: begin_draining(app),
-                            log_level=config.log_level)
+                            log_level=config.log_level, **http_options(config))
     tune_gc()
     server.run(sockets=[sock])
 

@@ -16,6 +16,7 @@ import yaml
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.request_head import http_options
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
@@ -66,7 +67,7 @@ def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
     def start(pools: list[dict[str, Any]], **settings: Any) -> RunningGateway:
         settings.setdefault("health", {"interval": 0.5, "timeout": 1.0})
         config = parse_config({"pools": pools, **settings}, environ={})
-        server = ThreadedServer(create_app(config)).start()
+        server = ThreadedServer(create_app(config), **http_options(config)).start()
         servers.append(server)
         return RunningGateway(server, config)
 

@@ -303,3 +303,36 @@ def test_a_stalled_upload_gets_408_and_a_slow_live_one_is_served(start_sim: Star
     served = httpx.post(gw.v1 + "/chat/completions", content=trickle(), timeout=10,
                         headers={"content-type": "application/json"})
     assert served.status_code == 200 and len(sim.engine.records) == 1
+
+
+def _raw(gw: RunningGateway, data: bytes, wait: float = 5.0) -> tuple[bytes, float]:
+    """Send `data` on a fresh connection; everything the gateway answers until it closes, and when."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as conn:
+        started = time.monotonic()
+        if data:
+            conn.sendall(data)
+        received = b""
+        while chunk := conn.recv(65536):
+            received += chunk
+        return received, time.monotonic() - started
+
+
+def test_request_heads_are_bounded_in_size_and_time(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], max_header_bytes=4096,
+                       timeouts={"header": 0.5})
+    line = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+    big, _ = _raw(gw, line + b"x-big: " + b"a" * 200_000)  # a header that never ends
+    assert big.startswith(b"HTTP/1.1 431 ") and b'"code":"request_header_fields_too_large"' in big
+    slow, took = _raw(gw, line + b"x-half: ")  # half a head, then nothing
+    assert slow.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in slow and 0.4 < took < 3
+    silent, took = _raw(gw, b"")  # connected, sent nothing
+    assert silent == b"" and 0.4 < took < 3
+    assert not sim.engine.records
+    # Ordinary requests, and a kept-alive connection used again after more than the head timeout.
+    with httpx.Client(base_url=gw.v1) as client:
+        for _ in range(2):
+            assert client.post("/chat/completions", json=CHAT).status_code == 200
+            time.sleep(0.7)
+    assert len(sim.engine.records) == 2
