@@ -28,7 +28,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if status == 404:
         return error_response(NotFound(f"Unknown path {request.url.path}."))
     if status == 405:
-        return error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}."))
+        return error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.",
+                                               headers=dict(getattr(exc, "headers", None) or {})))
     return error_response(GatewayError(str(getattr(exc, "detail", "error"))))
 
 

@@ -171,7 +171,10 @@ class Supervisor:
         self.sock.close()  # the processes' copies close when their drain delay ends
         deadline = time.monotonic() + self.stop_timeout + 30.0
         status = 0
-        for child in self._children:
+        # A process already dead when the stop began (waiting for its restart) was reported then;
+        # its exit code says nothing about this drain.
+        serving = [child for child in self._children if child.is_alive()]
+        for child in serving:
             while child.is_alive() and time.monotonic() < deadline:
                 self._forward_signals()
                 child.join(POLL_S)

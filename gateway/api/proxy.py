@@ -150,7 +150,7 @@ class ProxyEndpoint:
                 if (refused := scope.get(AUTH_ERROR)) is not None:
                     raise refused
                 if scope["method"] != "POST":
-                    raise MethodNotAllowed(f"Use POST for {scope['path']}.")
+                    raise MethodNotAllowed(f"Use POST for {scope['path']}.", headers={"allow": "POST"})
                 declared = headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > state.config.max_body_bytes:
                     raise PayloadTooLarge(

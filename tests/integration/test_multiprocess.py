@@ -82,6 +82,18 @@ def test_a_killed_serving_process_is_replaced_and_its_counts_kept(
     assert gw.proc.poll() is None  # the supervisor itself lives on
 
 
+def test_a_clean_stop_exits_0_while_a_dead_process_waits_for_its_restart(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2,
+                               shutdown={"drain_delay": 0.2, "grace_period": 1})
+    victim = next(iter(_both_serving(gw)))
+    os.kill(victim, signal.SIGKILL)  # a quick death: its replacement waits for the crash back-off
+    time.sleep(0.5)
+    gw.proc.send_signal(signal.SIGTERM)
+    assert gw.proc.wait(30) == 0, gw.log_text()  # the killed process was reported, not this drain's failure
+
+
 def _children_of(pid: int) -> set[int]:
     return {int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()}
 

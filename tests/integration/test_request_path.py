@@ -411,7 +411,10 @@ def test_unknown_path_method_and_large_body(three_pools: tuple[RunningGateway, d
                                             start_sim: StartSim, start_gateway: StartGateway) -> None:
     gw, _ = three_pools
     _assert_openai_error(httpx.get(gw.url + "/v1/nothing"), 404, "not_found")
-    _assert_openai_error(httpx.get(gw.v1 + "/chat/completions"), 405, "method_not_allowed")
+    wrong_method = httpx.get(gw.v1 + "/chat/completions")
+    _assert_openai_error(wrong_method, 405, "method_not_allowed")
+    assert wrong_method.headers["allow"] == "POST"  # RFC 9110: a 405 names the allowed methods
+    assert "GET" in httpx.delete(gw.url + "/ready").headers["allow"]
     sim = start_sim("vllm")
     small = start_gateway([pool("p", "vllm", [sim.url], 131072)], max_body_bytes=1000)
     _assert_openai_error(_post(small, b'{"model": "kimi-k3", "x": "' + b"a" * 2000 + b'"}'), 413,
