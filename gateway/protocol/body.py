@@ -3,9 +3,9 @@
 orjson turns an integer beyond 64 bits into a float, so a re-serialised body would carry
 `1.8446744073709552e+19` where the client sent `18446744073709551616`. Request parameters that
 are integers live at the top level (`seed`, `n`, `max_tokens`, ...), so a top-level float of
-2^63 or more is checked against the raw text (only then), and an integer outside the 64-bit range
-is a 400, as OpenAI answers an out-of-range `seed`. Deeper numbers (inside `tools` schemas, say)
-are forwarded as JSON numbers.
+2^63 or more is checked against the raw text (only then, with a few `bytes.find` scans whatever
+the body's size), and an integer outside the 64-bit range is a 400, as OpenAI answers an
+out-of-range `seed`. Deeper numbers (inside `tools` schemas, say) are forwarded as JSON numbers.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import orjson
 from gateway.errors import InvalidRequest
 
 _INT64_EDGE = 2.0**63
+MAX_SUSPECTS = 4  # top-level numbers >= 2^63 one request may have (no OpenAI parameter takes one)
+MAX_OCCURRENCES = 64  # places a suspect's key is looked at
+_VALUE = re.compile(rb"\s*:\s*(-?[0-9][0-9.eE+-]*)")
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # i64 and u64 together: what orjson keeps exact
 
 
@@ -40,13 +43,31 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
 
 
 def _check_integers(body: bytes, names: list[str]) -> None:
-    # Find each suspect's number text in the raw body: a C-speed search, where re-parsing a 64 MiB
-    # body with the stdlib would stall the event loop. An escaped quote (inside a string) is skipped.
+    """400 when a suspect's number text is an integer outside the 64-bit range. Costs at most
+    `MAX_SUSPECTS` x `MAX_OCCURRENCES` C-speed `bytes.find` steps, whatever the body's size: a key
+    can only appear unescaped as a key or a string (inside a string its quotes are escaped)."""
+    if len(names) > MAX_SUSPECTS:
+        raise InvalidRequest(f"More than {MAX_SUSPECTS} top-level numbers of 2^63 or more.", param=names[0],
+                             code="integer_out_of_range")
     for name in names:
-        key = re.escape(orjson.dumps(name))
-        for match in re.finditer(rb'(?<!\\)' + key + rb"\s*:\s*(-?[0-9][0-9.eE+-]*)", body):
-            text = match.group(1).decode("ascii")
-            if text.lstrip("-").isdigit() and not _INT_MIN <= int(text) <= _INT_MAX:
-                shown = text if len(text) <= 40 else text[:37] + "..."
-                raise InvalidRequest(f"The integer {shown} does not fit in 64 bits.", param=name,
-                                     code="integer_out_of_range")
+        key = orjson.dumps(name)
+        at, seen, float_written = body.find(key), 0, False
+        while at >= 0 and seen < MAX_OCCURRENCES:
+            seen += 1
+            match = _VALUE.match(body, at + len(key))
+            if match is not None:
+                text = match.group(1).decode("ascii")
+                if text.lstrip("-").isdigit() and not _INT_MIN <= int(text) <= _INT_MAX:
+                    _refuse(name, text)
+                float_written = float_written or not text.lstrip("-").isdigit()
+            at = body.find(key, at + len(key))
+        if not float_written:  # its key only written with escapes (or past the scan): take it for an integer
+            _refuse(name, None)
+
+
+def _refuse(name: str, text: str | None) -> None:
+    if text is None:
+        message = f"The value of '{name}' does not fit in 64 bits."
+    else:
+        message = f"The integer {text if len(text) <= 40 else text[:37] + '...'} does not fit in 64 bits."
+    raise InvalidRequest(message, param=name, code="integer_out_of_range")

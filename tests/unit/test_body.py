@@ -23,6 +23,16 @@ def test_top_level_integers_beyond_64_bits_are_400(body: bytes, param: str, show
     assert info.value.message == f"The integer {shown} does not fit in 64 bits."
 
 
+def test_an_escaped_key_or_too_many_huge_numbers_are_refused_without_scanning_long() -> None:
+    with pytest.raises(InvalidRequest) as escaped:
+        decode_json_object(b'{"\\u0073eed": 18446744073709551616}')
+    assert (escaped.value.param, escaped.value.message) == ("seed", "The value of 'seed' does not fit in 64 bits.")
+    many = b"{" + b", ".join(b'"k%d": 1e19' % i for i in range(5)) + b"}"
+    with pytest.raises(InvalidRequest, match="More than 4 top-level numbers"):
+        decode_json_object(many)
+    assert decode_json_object(many.replace(b', "k4": 1e19', b""))["k3"] == 1e19  # four float literals pass
+
+
 @pytest.mark.parametrize(("body", "expected"), [
     (b'{"seed": 18446744073709551615, "n": -9223372036854775808}',
      {"seed": 18446744073709551615, "n": -9223372036854775808}),
