@@ -427,7 +427,7 @@ class GatewayConfig(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str | None) -> str | None:
-        if url is not None and not re.match(r"^(redis|rediss|unix)://\S+$", url):
+        if url is not None and not re.match(r"^(redis|rediss|unix):\S+$", url, re.IGNORECASE):
             raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {url[:80]!r}")
         return url
 
@@ -532,6 +532,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: its keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
             if key in seen:
                 raise yaml.constructor.ConstructorError(

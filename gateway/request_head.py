@@ -40,6 +40,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._began_in_this_read = False
+        self._pending: tuple[int, str, str] | None = None  # a refusal waiting for the response before it
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -52,10 +54,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering after a refusal: drop what still comes
+        self._began_in_this_read = False
         super().data_received(data)
-        # Still inside a head after the parser took these bytes: they all belong to it (a read
-        # that also completed a head reset the count in on_headers_complete).
-        if self._in_head and not self.transport.is_closing():
+        # Still inside a head after the parser took these bytes. A head that began in an earlier
+        # read owns all of them; one that began in this read owns an unknown tail (the rest was the
+        # request before it), so counting starts with the next read: the limit is exact to a read.
+        if self._in_head and not self._began_in_this_read and not self.transport.is_closing():
             self._head_bytes += len(data)
             if self._head_bytes > self.max_header_bytes:
                 self._refuse(431, "request_header_fields_too_large",
@@ -64,6 +68,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
+        self._head_bytes = 0
+        self._began_in_this_read = True
         self._arm()
 
     def on_headers_complete(self) -> None:
@@ -81,6 +87,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._head_timer.cancel()
             self._head_timer = None
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._pending is not None and not self.transport.is_closing():
+            self._refuse(*self._pending)
+
     def _head_too_slow(self) -> None:
         self._head_timer = None
         if not self._in_head or self.transport.is_closing():
@@ -92,6 +103,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                      f"The request line and headers did not arrive within {self.header_timeout:g} seconds.")
 
     def _refuse(self, status: int, code: str, message: str) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined head behind a response still being sent: stop reading, refuse after it.
+            self._pending = (status, code, message)
+            self.transport.pause_reading()
+            return
         body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                        "code": code}})
         reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]

@@ -90,11 +90,14 @@ class AuthMiddleware:
             guard.authorize(principal, "user")
         except GatewayError as exc:
             if self._app_records_refusals:
-                await self.app({**scope, AUTH_ERROR: exc}, receive, send)
+                scope[AUTH_ERROR] = exc
+                await self.app(scope, receive, send)
             else:
                 await error_response(exc)(scope, receive, send)
             return
-        await self.app({**scope, PRINCIPAL: principal}, receive, send)
+        # In place, not a copy: outer middleware (the shutdown guard) reads what the proxy leaves here.
+        scope[PRINCIPAL] = principal
+        await self.app(scope, receive, send)
 
 
 def require_scope(scope: Scope) -> Callable[[Endpoint], Endpoint]:

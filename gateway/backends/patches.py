@@ -12,15 +12,16 @@ Applied only to engines whose `EngineSpec.supports_include_usage` is true.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 
 _EMPTY_CHOICES = b'"choices":[]'
 _EMPTY_CHOICES_SPACED = b'"choices": []'
-# Inside a JSON string a quote is escaped, so these bytes can only be a `usage` key with a null value.
-_NULL_USAGE = b',"usage":null'
-_NULL_USAGE_SPACED = b', "usage": null'
+# Inside a JSON string a quote is escaped, so `"usage"` can only be a key: with a null value, after
+# another member or first with one after it, in any spacing.
+_NULL_USAGE = re.compile(rb'\s*,\s*"usage"\s*:\s*null(?=\s*[,}])|"usage"\s*:\s*null\s*,\s*')
 
 
 def ask_for_usage(payload: dict[str, Any]) -> dict[str, Any]:
@@ -41,10 +42,8 @@ def drop_usage_events(data: bytes) -> bytes:
     Cheap when there is none (substring tests), and otherwise only the event holding the marker
     is parsed; other bytes, comments and `[DONE]` pass unchanged.
     """
-    if _NULL_USAGE in data:
-        data = data.replace(_NULL_USAGE, b"")
-    if _NULL_USAGE_SPACED in data:
-        data = data.replace(_NULL_USAGE_SPACED, b"")
+    if b'"usage"' in data:
+        data = _NULL_USAGE.sub(b"", data)
     at = _find_marker(data, 0)
     while at >= 0:
         lf, crlf = data.rfind(b"\n\n", 0, at), data.rfind(b"\r\n\r\n", 0, at)

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from gateway.auth.keys import hash_key
 from gateway.config import parse_config
 from tests.support import GatewayProcess, RunningSim, pool
 
@@ -161,3 +162,23 @@ async def test_requests_past_the_grace_period_are_ended_and_aborted_upstream(
         r.aborted for r in sim.engine.records) else None, timeout=5)
     assert len(records) == STREAMS + 1 and not any(r.completed for r in records)
     assert "Traceback" not in gw.log_text()
+
+
+@pytest.mark.anyio
+async def test_with_auth_on_the_shutdown_503_still_names_the_request(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
+    sim = start_sim("vllm")
+    key = "sk-shutdown-" + "k" * 40
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)],
+                               shutdown={"drain_delay": 0.2, "grace_period": 0.5},
+                               auth={"enabled": True, "keys": [{"name": "ops", "sha256": hash_key(key)}]})
+    async with httpx.AsyncClient(timeout=30) as client:
+        waiting = asyncio.create_task(client.post(
+            gw.url + "/v1/chat/completions", json={**CHAT, "x_sim_faults": {"hang_before_headers": True}},
+            headers={"authorization": f"Bearer {key}", "x-request-id": "hang-0"}))
+        await sim.engine.async_wait_for(lambda: len(sim.engine.records) == 1)
+        gw.proc.send_signal(signal.SIGTERM)
+        answer = await asyncio.wait_for(waiting, timeout=10)
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
+    assert answer.headers["x-request-id"] == "hang-0" and answer.headers["retry-after"] == "1"
+    assert await gw.wait_exit(timeout=10) == 0

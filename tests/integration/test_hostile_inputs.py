@@ -336,3 +336,17 @@ def test_request_heads_are_bounded_in_size_and_time(start_sim: StartSim, start_g
             assert client.post("/chat/completions", json=CHAT).status_code == 200
             time.sleep(0.7)
     assert len(sim.engine.records) == 2
+
+
+def test_a_head_refusal_never_lands_inside_the_response_before_it(start_sim: StartSim,
+                                                                  start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", ttft_s=0.0, tpot_s=0.05)  # 30 tokens: a 1.5 s stream
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"header": 0.5})
+    body = json.dumps({**CHAT, "stream": True, "max_tokens": 30}).encode()
+    stream_then_half_head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body) + b"GET /health HTTP/1.1\r\nHo")
+    received, _ = _raw(gw, stream_then_half_head)
+    first, _, after = received.partition(b"\r\n0\r\n\r\n")  # the end of the stream's chunked body
+    assert b"data: [DONE]" in first and b"HTTP/1.1 408" not in first  # the stream came whole ...
+    assert after.startswith(b"HTTP/1.1 408 ")  # ... and the refusal of the half head after it
+    assert sim.engine.records[0].completion_tokens_sent == 30

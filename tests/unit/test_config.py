@@ -72,6 +72,17 @@ def test_settings_that_cannot_work_are_refused(top: dict[str, object], path: str
     assert "secret" not in explained
 
 
+def test_yaml_merge_keys_and_redis_py_url_forms_are_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "merge.yaml"
+    path.write_text("pools:\n  - &base {name: a, engine: vllm, max_context_tokens: 5000, workers: ['http://w:1']}\n"
+                    "  - {<<: *base, name: b, max_context_tokens: 9000}\n")
+    merged = load_config(path, environ={}).pool("b")  # a merged key may be overridden: not a duplicate
+    assert (merged.engine, merged.workers, merged.max_context_tokens) == ("vllm", ["http://w:1"], 9000)
+    data = {"pools": [{**POOL, "name": "a"}, {**POOL, "name": "b", "max_context_tokens": 9000}]}
+    for url in ("REDIS://h:6379/0", "unix:/run/redis.sock", "unix:///run/redis.sock?db=2", "rediss://u:p@h:6380"):
+        assert parse_config({**data, "redis_url": url}, environ={}).redis_url == url
+
+
 def test_worker_credentials_never_echo_in_the_error() -> None:
     with pytest.raises(ValidationError) as info:
         parse_config({"pools": [{**POOL, "workers": ["http://user:secret@w:8000"]}]}, environ={})

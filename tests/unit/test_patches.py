@@ -36,6 +36,10 @@ def test_only_the_usage_chunk_and_null_usage_members_are_dropped() -> None:
     assert drop_usage_events(spaced) == spaced.replace(b', "usage": null', b"")
     quoted = {**TOKEN, "choices": [{"index": 0, "delta": {"content": ',"usage":null'}}]}  # text, escaped
     assert drop_usage_events(_event(quoted)) == _event(quoted)
+    first = b'data: {"usage": null, "id":"c1","choices":[]}\n\n'  # first member, other spacings
+    assert drop_usage_events(first) == b'data: {"id":"c1","choices":[]}\n\n'
+    odd = b'data: {"id":"c1" ,"usage":  null }\n\n'
+    assert drop_usage_events(odd) == b'data: {"id":"c1" }\n\n'
 
 
 def test_spaced_json_and_crlf_separators() -> None:
