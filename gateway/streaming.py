@@ -27,18 +27,12 @@ from gateway.backends.engines import is_context_too_long
 from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.sse import SSETap, sse_error_event
+from gateway.protocol.sse import SSETap, event_end, sse_error_event
 from gateway.record import RequestRecord
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
 KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WHATWG SSE spec)
 MAX_PARTIAL_EVENT = 1 << 20  # a longer unfinished event is passed on rather than held
-
-
-def event_end(data: bytes) -> int:
-    """Index just past the last complete SSE event in `data` (0 if none): after `\n\n` or `\r\n\r\n`."""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class Outcome(StrEnum):
@@ -277,8 +271,8 @@ class UpstreamStream:
                         carry, for_client = data[end:], data[:end]
                     else:
                         carry, for_client = b"", data
-                    if self._strip_usage and for_client:
-                        for_client = drop_usage_events(for_client)
+                    if for_client:
+                        for_client = self._patched(for_client)
                 if for_client:
                     yield for_client
                 for_client = await anext(chunks, b"")
@@ -290,12 +284,12 @@ class UpstreamStream:
                 yield sse_error_event("The inference server ended the stream early; the response is incomplete.")
             else:
                 if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
-                    yield self._tail(carry)
+                    yield self._patched(carry)
                 self._ended(None)
         except TransportError as exc:
             if tap.done:
                 if carry:
-                    yield self._tail(carry)
+                    yield self._patched(carry)
                 self._ended(None)
                 return  # the answer was complete; only the connection's end was untidy
             self._broken(f"{type(exc).__name__} mid-stream after {tap.events} events")
@@ -304,8 +298,9 @@ class UpstreamStream:
         finally:
             await self.aclose()
 
-    def _tail(self, carry: bytes) -> bytes:
-        return drop_usage_events(carry) if self._strip_usage else carry
+    def _patched(self, events: bytes) -> bytes:
+        """Whole events as the client gets them: without the usage patch's own bytes when it is on."""
+        return drop_usage_events(events) if self._strip_usage else events
 
     async def _keepalives(self) -> AsyncIterator[bytes]:
         """SSE comment lines every `keepalive_interval` seconds until the first chunk is read."""

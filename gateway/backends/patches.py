@@ -17,6 +17,8 @@ from typing import Any
 
 import orjson
 
+from gateway.protocol.sse import event_end
+
 _EMPTY_CHOICES = b'"choices":[]'
 _EMPTY_CHOICES_SPACED = b'"choices": []'
 # Inside a JSON string a quote is escaped, so `"usage"` can only be a key: with a null value, after
@@ -46,8 +48,7 @@ def drop_usage_events(data: bytes) -> bytes:
         data = _NULL_USAGE.sub(b"", data)
     at = _find_marker(data, 0)
     while at >= 0:
-        lf, crlf = data.rfind(b"\n\n", 0, at), data.rfind(b"\r\n\r\n", 0, at)
-        start = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        start = event_end(data, at)
         end = _event_end(data, at)
         if _is_usage_only(data[start:end]):
             data = data[:start] + data[end:]

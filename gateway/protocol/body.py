@@ -57,9 +57,10 @@ def _check_integers(body: bytes, names: list[str]) -> None:
             match = _VALUE.match(body, at + len(key))
             if match is not None:
                 text = match.group(1).decode("ascii")
-                if text.lstrip("-").isdigit() and not _INT_MIN <= int(text) <= _INT_MAX:
+                if not text.lstrip("-").isdigit():
+                    float_written = True
+                elif not _INT_MIN <= int(text) <= _INT_MAX:
                     _refuse(name, text)
-                float_written = float_written or not text.lstrip("-").isdigit()
             at = body.find(key, at + len(key))
         if not float_written:  # its key only written with escapes (or past the scan): take it for an integer
             _refuse(name, None)

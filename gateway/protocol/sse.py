@@ -66,6 +66,13 @@ class SSETap:
             self.usage = usage
 
 
+def event_end(data: bytes, stop: int | None = None) -> int:
+    """Index just past the last complete SSE event in `data[:stop]` (0 if none): after `\n\n` or
+    `\r\n\r\n`. Where the relay may cut a chunk, and where the event holding `stop` starts."""
+    lf, crlf = data.rfind(b"\n\n", 0, stop), data.rfind(b"\r\n\r\n", 0, stop)
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
 def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
     """One SSE `data:` event holding an OpenAI error object (what the OpenAI SDKs raise on)."""
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}

@@ -5,8 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.protocol.sse import SSETap, sse_error_event
-from gateway.streaming import event_end
+from gateway.protocol.sse import SSETap, event_end, sse_error_event
 
 STREAM = (
     b": ping\n\n"
