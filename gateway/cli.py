@@ -86,7 +86,8 @@ def cmd_sim(args: argparse.Namespace) -> None:
     run_sim(args.engine, args.port, host=args.host, max_context_tokens=args.max_context,
             ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"],
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity,
-            prefill_tokens_per_s=args.prefill_rate, log_level="warning")
+            prefill_tokens_per_s=args.prefill_rate, api_key=args.api_key, api_key_scope=args.api_key_scope,
+            log_level="warning")
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--max-num-seqs", type=int, help="requests running at once; the rest wait")
     sim.add_argument("--kv-capacity", type=int, help="prefix/KV cache size in tokens (enables the cache model)")
     sim.add_argument("--prefill-rate", type=float, help="uncached prompt tokens prefilled per second")
+    sim.add_argument("--api-key", help="require `Authorization: Bearer KEY` (as the engine's --api-key does)")
+    sim.add_argument("--api-key-scope", choices=["engine", "all"], default="engine",
+                     help="paths the key guards: the engine's own choice (vLLM: /v1/*; SGLang: all but "
+                          "/health and /metrics) or every path (an authenticating proxy in front)")
     sim.set_defaults(func=cmd_sim)
 
     engine = sub.add_parser("engine", help="run a real llama.cpp CPU worker (SmolLM2-135M)")

@@ -206,7 +206,12 @@ class HealthConfig(_Strict):
     """Active health probes of every worker."""
 
     interval: float = Field(default=5.0, gt=0, description="seconds between probes of one worker")
-    timeout: float = Field(default=2.0, gt=0, description="a probe slower than this is a failure")
+    timeout: float = Field(
+        default=2.0, gt=0, description="seconds for a whole probe (connect, headers, body); slower is a failure"
+    )
+    max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, description="a probe answer with a longer body is a failure (bytes; 1 MiB)"
+    )
     unhealthy_after: int = Field(default=1, ge=1, description="consecutive failed probes before unhealthy")
     passive_failures: int = Field(
         default=3, ge=1, description="consecutive upstream failures (5xx, timeouts, broken replies) to eject"
@@ -245,7 +250,12 @@ class LoadConfig(_Strict):
 
     enabled: bool = True
     interval: float = Field(default=1.0, gt=0, description="seconds between scrapes of one worker")
-    timeout: float = Field(default=1.0, gt=0)
+    timeout: float = Field(
+        default=1.0, gt=0, description="seconds for a whole scrape (connect, headers, body); slower fails it"
+    )
+    max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, description="a /metrics body longer than this fails the scrape (bytes; 1 MiB)"
+    )
 
 
 class ShutdownConfig(_Strict):

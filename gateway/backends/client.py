@@ -130,7 +130,8 @@ def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int, stream: bool) -
 
 
 def build_control_client(timeouts: TimeoutConfig) -> httpx.AsyncClient:
-    """The httpx client for health probes and `/metrics` scrapes (each call sets its own timeout)."""
+    """The httpx client for health probes and `/metrics` scrapes (each call sets its own deadline, body
+    cap and headers: `backends/control.py`)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=None),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0),

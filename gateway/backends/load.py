@@ -1,6 +1,7 @@
 """Load signals scraped from each engine's own /metrics (design §5 "load guard").
 
-Every `interval` seconds each worker's `/metrics` is fetched; only the lines of the three
+Every `interval` seconds each worker's `/metrics` is fetched (each worker on its own loop, within
+`timeout` seconds overall and at most `max_body_bytes`); only the lines of the three
 signals its engine kind exports (running, waiting, KV usage; names in `engines.py`) are kept and
 parsed with prometheus_client's parser, summing over label sets (several engines or models).
 A failed scrape leaves the last values in place; the engine view, corrected by how this replica's
@@ -10,17 +11,18 @@ many gateway replicas share the engines.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Iterable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.backends.control import ControlError, control_get, pool_headers
 from gateway.backends.engines import EngineSpec
-from gateway.backends.periodic import Periodic
+from gateway.backends.periodic import PeriodicEach
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import LoadConfig
+from gateway.config import LoadConfig, PoolConfig
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.load")
@@ -45,28 +47,40 @@ def parse_engine_load(text: str, spec: EngineSpec) -> tuple[float | None, float 
 
 
 class LoadScraper:
-    """Background task that refreshes every worker's engine load."""
+    """Background loops (one per worker) that refresh every worker's engine load.
+
+    A scrape has `timeout` seconds overall and reads at most `max_body_bytes` of `/metrics`; it
+    carries the pool's `api_key`. A failed scrape keeps the last values and is logged once per
+    change of cause (a warning), not every second.
+    """
 
     def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: LoadConfig,
-                 metrics: GatewayMetrics) -> None:
+                 metrics: GatewayMetrics, pools: Iterable[PoolConfig] = ()) -> None:
         self.registry = registry
         self.client = client
         self.config = config
         self.metrics = metrics
-        self.loop = Periodic("load-scraper", config.interval, self.scrape_all)
+        self.headers = pool_headers(pools)
+        self.failures: dict[str, str] = {}
+        """Worker id → why its last scrape failed (absent once one succeeds)."""
+        self.loop = PeriodicEach("load scrape", config.interval, list(registry), self.scrape, label=lambda w: w.id)
 
     async def scrape(self, worker: Worker) -> bool:
         """One scrape; True when the worker's load was updated."""
         try:
-            response = await self.client.get(worker.url + "/metrics", timeout=self.config.timeout)
-            if response.status_code != 200:
-                return False
-            running, waiting, kv = parse_engine_load(response.text, worker.engine)
-        except (httpx.HTTPError, ValueError) as exc:
-            log.debug("load scrape of %s failed: %s", worker.id, exc)
-            return False
+            answer = await control_get(self.client, worker.url + "/metrics", self.headers.get(worker.pool, {}),
+                                       self.config.timeout, self.config.max_body_bytes)
+            if answer.status != 200:
+                return self._failed(worker, f"/metrics answered HTTP {answer.status}")
+            running, waiting, kv = parse_engine_load(answer.body.decode("utf-8", "replace"), worker.engine)
+        except ControlError as exc:
+            return self._failed(worker, str(exc))
+        except ValueError as exc:
+            return self._failed(worker, f"unreadable /metrics ({exc})")
         if running is None and waiting is None and kv is None:
-            return False
+            return self._failed(worker, "/metrics has none of the engine's load metrics")
+        if self.failures.pop(worker.id, None) is not None:
+            log.info("load scrape of %s works again", worker.id)
         worker.engine_running, worker.engine_waiting, worker.kv_usage = running, waiting, kv
         worker.in_flight_at_scrape = worker.in_flight
         for signal, value in (("running", running), ("waiting", waiting), ("kv_usage", kv)):
@@ -74,5 +88,8 @@ class LoadScraper:
                 self.metrics.engine_load.labels(worker.pool, worker.id, signal).set(value)
         return True
 
-    async def scrape_all(self) -> None:
-        await asyncio.gather(*(self.scrape(w) for w in self.registry))
+    def _failed(self, worker: Worker, reason: str) -> bool:
+        if self.failures.get(worker.id) != reason:
+            log.warning("load scrape of %s failed: %s", worker.id, reason)
+        self.failures[worker.id] = reason
+        return False

@@ -1,13 +1,17 @@
-"""A background loop that runs one coroutine function every `interval` seconds until stopped."""
+"""Background loops: one coroutine function every `interval` seconds (`Periodic`), or one loop
+per item (`PeriodicEach`: per-worker probes and scrapes), until stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
 
 log = logging.getLogger("gateway.periodic")
+
+T = TypeVar("T")
 
 
 class Periodic:
@@ -39,3 +43,44 @@ class Periodic:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+
+
+class PeriodicEach(Generic[T]):
+    """One loop per item, each on its own task: `round_fn(item)` every `interval` seconds,
+    counted from the start of one call to the start of the next (a call that takes longer than the
+    interval is followed by the next at once). A slow or stuck item delays only its own loop: the
+    health prober and the load scraper run one per worker, so a worker that trickles its answer
+    cannot hold back the others' rounds. `label(item)` names the item's task.
+
+    `start()` launches the loops on the running event loop; `stop()` cancels and awaits them. An
+    exception in one call is logged and that item's loop goes on.
+    """
+
+    def __init__(self, name: str, interval: float, items: Sequence[T], round_fn: Callable[[T], Awaitable[object]],
+                 label: Callable[[T], str] = str) -> None:
+        self.name = name
+        self.interval = interval
+        self.items = list(items)
+        self.round_fn = round_fn
+        self.label = label
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def _run(self, item: T) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.round_fn(item)
+            except Exception:
+                log.exception("%s of %s failed", self.name, self.label(item))
+            await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._run(item), name=f"{self.name}:{self.label(item)}")
+                       for item in self.items]
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -2,9 +2,13 @@
 
 Engine endpoints:
     POST /v1/chat/completions, POST /v1/completions   (see `gateway.sim.generation`)
-    GET /health        200 with an empty body (or never answers with the `hang_health` fault)
+    GET /health        200 with an empty body (or never answers with the `hang_health` fault;
+                       trickles or never ends with `health_body`)
     GET /v1/models     OpenAI model list with the served names
-    GET /metrics       Prometheus text with the engine's own metric names
+    GET /metrics       Prometheus text with the engine's own metric names (or a trickling or
+                       endless body with `metrics_body`)
+With `SimConfig.api_key`, the engine's guarded paths (or every path: `api_key_scope`) answer 401
+to a request without the key.
 Test endpoints:
     GET /sim/requests, DELETE /sim/requests     request records (JSON list) / clear them
     GET /sim/faults, POST /sim/faults           global faults (JSON `SimFaults`; POST replaces)
@@ -17,6 +21,7 @@ Test endpoints:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -30,11 +35,12 @@ from gateway.sim.asgi import (
     Receive,
     Scope,
     Send,
+    lower_headers,
     read_body,
     send_bytes,
     send_json,
 )
-from gateway.sim.config import SimConfig, SimFaults
+from gateway.sim.config import BodyMode, SimConfig, SimFaults
 from gateway.sim.engine import SimEngine
 from gateway.sim.generation import handle_generation
 
@@ -68,6 +74,9 @@ class SimApp:
         if scope["type"] != "http":
             return
         path = scope["path"].rstrip("/") or "/"
+        if not self._authorized(scope, path):
+            await send_json(send, 401, {"error": "Unauthorized"})
+            return
         handler = self._routes.get((scope["method"], path))
         if handler is not None:
             await handler(scope, receive, send)
@@ -75,6 +84,40 @@ class SimApp:
             await send_json(send, 405, {"detail": "Method Not Allowed"})
         else:
             await send_json(send, 404, {"detail": "Not Found"})
+
+    def _authorized(self, scope: Scope, path: str) -> bool:
+        """False when the path is guarded by `api_key` and the request lacks `Bearer <api_key>`
+        (an exact match, as vLLM and SGLang compare it)."""
+        config = self.engine.config
+        if config.api_key is None or scope["method"] == "OPTIONS" or path.startswith("/sim/"):
+            return True
+        if config.api_key_scope == "engine":
+            if config.engine == "sglang":  # SGLang's middleware lets health and metrics through
+                guarded = not path.startswith(("/health", "/metrics"))
+            else:  # vLLM's (and vllm-ascend's) guards the OpenAI API only
+                guarded = path.startswith("/v1")
+            if not guarded:
+                return True
+        return lower_headers(scope).get("authorization") == f"Bearer {config.api_key}"
+
+    async def _hostile_body(self, mode: BodyMode, receive: Receive, send: Send) -> None:
+        """200, then a body that never ends: one byte every `trickle_interval_s` ("trickle") or
+        64 KiB writes as fast as the client reads ("endless"); returns once the client left."""
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4")]})
+        chunk = b"#" if mode == "trickle" else b"# " + b"x" * 65533 + b"\n"
+        async with DisconnectWatch(receive) as watch:
+            try:
+                while not watch.disconnected:
+                    # uvicorn's send waits while the client does not read, and returns at once
+                    # (dropping the data) after a disconnect, which the watch then reports.
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if mode == "trickle":
+                        await watch.sleep(self.engine.faults.trickle_interval_s)
+                    else:
+                        await asyncio.sleep(0)  # let the disconnect listener run between writes
+            except ClientDisconnected:
+                return
 
     @staticmethod
     async def _lifespan(receive: Receive, send: Send) -> None:
@@ -94,6 +137,9 @@ class SimApp:
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine.note_health_check()
+        if self.engine.faults.health_body != "normal":
+            await self._hostile_body(self.engine.faults.health_body, receive, send)
+            return
         if self.engine.faults.hang_health:
             async with DisconnectWatch(receive) as watch:
                 try:
@@ -108,6 +154,9 @@ class SimApp:
                                                  self.engine.dialect.owned_by, self.engine.started_at))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.engine.faults.metrics_body != "normal":
+            await self._hostile_body(self.engine.faults.metrics_body, receive, send)
+            return
         body = generate_latest(self.engine.registry)
         await send_bytes(send, 200, body, headers=[(b"content-type", CONTENT_TYPE_LATEST.encode())])
 

@@ -20,6 +20,12 @@ Engine = Literal["vllm", "sglang", "ascend"]
 ApiVersion = Literal["current", "legacy"]
 """Which generation of the engine's API to mimic (see `SimConfig.api_version`)."""
 
+BodyMode = Literal["normal", "trickle", "endless"]
+"""How a probe endpoint sends its body (see `SimFaults.health_body`)."""
+
+ApiKeyScope = Literal["engine", "all"]
+"""Which paths `SimConfig.api_key` guards (see there)."""
+
 
 class SimFaults(BaseModel):
     """Faults a simulated engine injects. Every field defaults to "off".
@@ -31,6 +37,10 @@ class SimFaults(BaseModel):
     - `hang_before_headers`: accept the request but never send headers (the request is recorded as
       aborted once the client gives up).
     - `hang_health`: `GET /health` accepts the connection but never answers.
+    - `health_body` / `metrics_body`: how `GET /health` / `GET /metrics` send their body:
+      "normal"; "trickle" (200 headers, then one byte every `trickle_interval_s` seconds, never
+      ending); "endless" (200 headers, then 64 KiB writes as fast as the client reads, never
+      ending). Both stop when the client leaves (hostile-endpoint tests of probes and scrapes).
     - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
       the chunked body, so the client sees an incomplete response (not a clean end).
     - `raw_stream_chunks`: streaming only; base64 byte strings sent as the whole response body,
@@ -45,6 +55,9 @@ class SimFaults(BaseModel):
     retry_after_s: int | None = Field(default=None, ge=0)
     hang_before_headers: bool = False
     hang_health: bool = False
+    health_body: BodyMode = "normal"
+    metrics_body: BodyMode = "normal"
+    trickle_interval_s: float = Field(default=0.1, gt=0.0)
     drop_after_chunks: int | None = Field(default=None, ge=0)
     raw_stream_chunks: list[str] | None = None
 
@@ -130,6 +143,14 @@ class SimConfig(BaseModel):
     """Prefill speed in tokens per second; None = the prefill takes `ttft_s` whatever the prompt."""
     decode_batch_slowdown: float = Field(default=0.0, ge=0.0)
     """Extra time per output token per additional running request, as a fraction of `tpot_s`."""
+    api_key: str | None = None
+    """With a key, guarded paths answer 401 `{"error": "Unauthorized"}` (both engines' answer)
+    unless the request carries `Authorization: Bearer <api_key>`; OPTIONS and `/sim/*` (test
+    controls, not part of an engine) are never guarded."""
+    api_key_scope: ApiKeyScope = "engine"
+    """"engine": what the engine itself guards with `--api-key`: vLLM and vllm-ascend only paths
+    under `/v1`, SGLang every path but `/health*` and `/metrics*`. "all": every path, as an
+    authenticating proxy in front of the engine would."""
     keep_records: bool = True
     """False: store no `SimRequestRecord`s (memory stays flat on long benchmarks); the counters
     of `GET /sim/stats` and `/metrics` are kept either way."""

@@ -19,7 +19,7 @@ import uvicorn
 
 from gateway.server import QuietServer, ThreadedServer, uvicorn_config
 from gateway.sim.app import create_sim_app
-from gateway.sim.config import ApiVersion, Engine, SimConfig, SimFaults
+from gateway.sim.config import ApiKeyScope, ApiVersion, Engine, SimConfig, SimFaults
 
 DEFAULT_MAX_CONTEXT_TOKENS = 131_072
 
@@ -87,6 +87,8 @@ def run_sim(
     prefill_tokens_per_s: float | None = None,
     decode_batch_slowdown: float = 0.0,
     keep_records: bool = True,
+    api_key: str | None = None,
+    api_key_scope: ApiKeyScope | str = "engine",
     config: SimConfig | None = None,
 ) -> None:
     """Serve one simulated engine until interrupted (blocking; `kimi-gateway sim --engine ...`).
@@ -114,5 +116,7 @@ def run_sim(
             "prefill_tokens_per_s": prefill_tokens_per_s,
             "decode_batch_slowdown": decode_batch_slowdown,
             "keep_records": keep_records,
+            "api_key": api_key,
+            "api_key_scope": api_key_scope,
         })
     uvicorn.Server(uvicorn_config(create_sim_app(config), host, port, log_level=log_level)).run()
