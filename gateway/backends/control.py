@@ -105,7 +105,7 @@ async def control_get(client: httpx.AsyncClient, url: str, headers: Mapping[str,
                     chunks.append(chunk)
             finally:
                 await response.aclose()  # an unread rest is not drained: the connection is dropped
-    except TimeoutError:
+    except (TimeoutError, httpx.TimeoutException):  # httpx's own timeout (set to the deadline) may win the race
         so_far = f", {received} bytes so far" if phase.name == "reading the body" else ""
         raise ControlError(f"no complete answer within {deadline:g} s ({phase.name}{so_far})", received) from None
     except httpx.HTTPError as exc:
@@ -135,7 +135,7 @@ def describe_transport_error(exc: BaseException, url: str) -> str:
         if isinstance(cause, ConnectionResetError | BrokenPipeError):
             return f"connection to {host} dropped by the worker"
     if isinstance(exc, httpx.RemoteProtocolError):
-        return f"broken HTTP answer ({exc})" if str(exc) else "the worker closed the connection without an answer"
+        return f"the worker broke the HTTP exchange ({str(exc) or 'no detail'})"
     if isinstance(exc, httpx.ReadError | httpx.WriteError):
         return f"connection to {host} dropped ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -50,8 +50,8 @@ class LoadScraper:
     """Background loops (one per worker) that refresh every worker's engine load.
 
     A scrape has `timeout` seconds overall and reads at most `max_body_bytes` of `/metrics`; it
-    carries the pool's `api_key`. A failed scrape keeps the last values and is logged once per
-    change of cause (a warning), not every second.
+    carries the pool's `api_key`. A failed scrape keeps the last values; the first of a run of
+    failures is logged (a warning), and the next success (info), not every one in between.
     """
 
     def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: LoadConfig,
@@ -89,7 +89,7 @@ class LoadScraper:
         return True
 
     def _failed(self, worker: Worker, reason: str) -> bool:
-        if self.failures.get(worker.id) != reason:
-            log.warning("load scrape of %s failed: %s", worker.id, reason)
+        if worker.id not in self.failures:  # once per run of failures, not every second
+            log.warning("load scrape of %s failed: %s (keeping its last load values)", worker.id, reason)
         self.failures[worker.id] = reason
         return False

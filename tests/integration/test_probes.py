@@ -193,7 +193,7 @@ async def raw_server(answer: Callable[[asyncio.StreamWriter], Any]) -> AsyncIter
 
 
 @pytest.mark.anyio
-async def test_trickled_headers_and_compressed_bodies_are_refused() -> None:
+async def test_hostile_answers_fail_with_their_cause() -> None:
     async def trickle_headers(writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
         while True:  # one header byte every 50 ms, for ever
@@ -206,7 +206,20 @@ async def test_trickled_headers_and_compressed_bodies_are_refused() -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         await writer.drain()
 
+    async def hang_up(writer: asyncio.StreamWriter) -> None:
+        pass  # the request is read, then the connection closed without a word
+
+    async def not_http(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")  # something else listens on the worker's port
+        await writer.drain()
+
     async with httpx.AsyncClient() as client:
+        async with raw_server(hang_up) as url, asyncio.timeout(5):
+            with pytest.raises(ControlError, match=r"^the worker broke the HTTP exchange \(Server disconnected"):
+                await control_get(client, url + "/health", {}, 2.0, MIB)
+        async with raw_server(not_http) as url, asyncio.timeout(5):
+            with pytest.raises(ControlError, match=r"^the worker broke the HTTP exchange \("):
+                await control_get(client, url + "/health", {}, 2.0, MIB)
         async with raw_server(trickle_headers) as url, asyncio.timeout(5):
             with pytest.raises(ControlError, match=r"within 0.3 s \(waiting for the response headers\)"):
                 await control_get(client, url + "/health", {}, 0.3, MIB)
