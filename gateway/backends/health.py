@@ -28,7 +28,7 @@ class HealthChecker:
     """
 
     def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: HealthConfig,
-                 metrics: GatewayMetrics, pools: Iterable[PoolConfig] = ()) -> None:
+                 metrics: GatewayMetrics, pools: Iterable[PoolConfig]) -> None:
         self.registry = registry
         self.client = client
         self.config = config

@@ -55,7 +55,7 @@ class LoadScraper:
     """
 
     def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: LoadConfig,
-                 metrics: GatewayMetrics, pools: Iterable[PoolConfig] = ()) -> None:
+                 metrics: GatewayMetrics, pools: Iterable[PoolConfig]) -> None:
         self.registry = registry
         self.client = client
         self.config = config

@@ -16,8 +16,9 @@ KEY = {"authorization": "Bearer sim-key-1"}
 
 
 def statuses(srv: ThreadedServer, headers: dict[str, str]) -> dict[str, int]:
-    return {path: httpx.get(srv.url + path, headers=headers).status_code
-            for path in ("/health", "/metrics", "/v1/models", "/get_model_info", "/sim/faults")}
+    with httpx.Client(base_url=srv.url, headers=headers) as client:
+        return {path: client.get(path).status_code
+                for path in ("/health", "/metrics", "/v1/models", "/get_model_info", "/sim/faults")}
 
 
 def test_vllm_key_guards_the_openai_api_only(start_sim: StartSim) -> None:
