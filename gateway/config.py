@@ -411,8 +411,16 @@ class GatewayConfig(BaseSettings):
         description="serving processes sharing the port (gateway/supervisor.py); each keeps its own health "
         "view and in-flight counts, so use Redis for affinity and limits when > 1",
     )
+    replicas: int = Field(
+        default=1, ge=1,
+        description="gateway replicas deployed with this config (compose, Kubernetes); check-config warns "
+        "when more than one would keep affinity, limits and drains per replica (no shared Redis)",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
-    pools: list[PoolConfig] = Field(min_length=1)
+    pools: list[PoolConfig] = Field(
+        min_length=1, description="in cost order; an entry `{plan: plans/plan-a.yaml}` takes the pool from a plan "
+        "file (gateway/plans/), relative to the config file",
+    )
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     estimation: EstimationConfig = Field(default_factory=EstimationConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -527,6 +535,12 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> G
         raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
+    from gateway.plans.models import PlanError, expand_plan_refs  # late: plans stay off the request path
+
+    try:
+        data = expand_plan_refs(data, Path(path).parent)
+    except PlanError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     try:
         return parse_config(data, environ)
     except ConfigError as exc:

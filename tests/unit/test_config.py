@@ -16,7 +16,9 @@ POOL = {"name": "p", "engine": "vllm", "workers": ["http://127.0.0.1:9"], "max_c
 
 @pytest.mark.parametrize("name", ["demo.yaml", "k3-production.yaml"])
 def test_shipped_configs_load(name: str) -> None:
-    config = load_config(REPO_ROOT / "config" / name, environ={})
+    # The production file enables auth: its key digests have no default.
+    environ = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64} if "production" in name else {}
+    config = load_config(REPO_ROOT / "config" / name, environ=environ)
     assert [p.max_context_tokens for p in config.pools] == sorted(p.max_context_tokens for p in config.pools)
 
 
