@@ -1,4 +1,4 @@
-"""`kimi-gateway` command line: serve, check-config, demo, sim, engine, hash-key."""
+"""`kimi-gateway` command line: serve, check-config, demo, sim, engine, plan, hash-key."""
 
 from __future__ import annotations
 
@@ -109,6 +109,13 @@ def cmd_hash_key(args: argparse.Namespace) -> None:
     print(hash_key(key))
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    """Capacity report of a plan (or of every plan a config's pools name); `--emit DIR` writes launch scripts."""
+    from gateway.plans.command import run_plan
+
+    sys.exit(run_plan(args.file, as_json=args.json, precision=args.precision, emit=args.emit))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimi-gateway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--threads", type=int)
     engine.set_defaults(func=cmd_engine)
+
+    plan = sub.add_parser("plan", help="capacity report of a K3 plan (config/plans/) and its engine launch scripts")
+    plan.add_argument("file", help="a plan file, or a config whose pools name plans")
+    plan.add_argument("--json", action="store_true", help="the report as JSON")
+    plan.add_argument("--precision", choices=["bf16", "mxfp8", "mxfp4"], help="what if the weights were this")
+    plan.add_argument("--emit", metavar="DIR", help="write one launch script per pool into DIR")
+    plan.set_defaults(func=cmd_plan)
 
     hash_key = sub.add_parser("hash-key", help="print an API key's SHA-256 for auth.keys[].sha256")
     hash_key.add_argument("key", help="the key, or - to read it from stdin")

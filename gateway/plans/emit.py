@@ -1,0 +1,155 @@
+"""Engine launch scripts from plans: one bash script per pool, for vLLM, SGLang or vllm-ascend.
+
+Each script starts ONE engine instance (one gateway worker) of its pool with the plan's parallel
+sizes, max model length (= the pool's `max_context_tokens`), precision, memory utilisation, served
+model name, port and API key variable. Flag names are the engines' own:
+
+- vLLM OpenAI server (`vllm serve`; vllm-ascend is a vLLM plugin with the same CLI):
+  --tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size, --enable-expert-parallel
+  (vLLM derives the EP size from TP x DP), --max-model-len, --gpu-memory-utilization,
+  --quantization / --dtype, --enable-chunked-prefill, --served-model-name, --api-key,
+  --distributed-executor-backend ray and --data-parallel-backend ray across nodes.
+- SGLang (`python3 -m sglang.launch_server`): --tp, --ep-size, --dp with --enable-dp-attention,
+  --context-length, --quantization / --dtype, --mem-fraction-static, --served-model-name,
+  --api-key, --nnodes, --node-rank, --dist-init-addr.
+
+The checked-in copies live in deploy/engines/ and a test regenerates them (no drift).
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from gateway.plans.models import LoadedPlan, Plan
+
+RAY_PORT = 6379  # Ray's default GCS port on the head node
+
+
+def _q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def _precision_flags(plan: Plan) -> list[str]:
+    quantization = plan.engine.quantization_flag()
+    if quantization is not None:
+        return [f"--quantization {_q(quantization)}"]
+    return ["--dtype bfloat16"] if plan.engine.precision == "bf16" else []
+
+
+def _vllm_args(plan: Plan) -> list[str]:
+    par, engine = plan.parallelism, plan.engine
+    args = [
+        '--host "${HOST:-0.0.0.0}"',
+        f"--port {engine.port}",
+        f"--served-model-name {_q(engine.served_model_name)}",
+    ]
+    if engine.api_key_env:
+        args.append(f'--api-key "${engine.api_key_env}"')
+    args += [f"--max-model-len {plan.max_context_tokens}", f"--tensor-parallel-size {par.tensor}"]
+    if par.pipeline > 1:
+        args.append(f"--pipeline-parallel-size {par.pipeline}")
+    if par.data > 1:
+        args.append(f"--data-parallel-size {par.data}")
+    if par.expert > 1:
+        args.append("--enable-expert-parallel")
+    args += _precision_flags(plan)
+    args.append(f"--gpu-memory-utilization {engine.memory_utilization:g}")
+    if engine.chunked_prefill:
+        args.append("--enable-chunked-prefill")
+    if engine.trust_remote_code:
+        args.append("--trust-remote-code")
+    if plan.hardware.nodes > 1:
+        args.append("--distributed-executor-backend ray")
+        if par.data > 1:
+            args.append("--data-parallel-backend ray")
+    return args + [_q(a) for a in engine.extra_args]
+
+
+def _sglang_args(plan: Plan) -> list[str]:
+    par, engine = plan.parallelism, plan.engine
+    args = [
+        '--model-path "${MODEL_PATH:-' + engine.model_path + '}"',
+        '--host "${HOST:-0.0.0.0}"',
+        f"--port {engine.port}",
+        f"--served-model-name {_q(engine.served_model_name)}",
+    ]
+    if engine.api_key_env:
+        args.append(f'--api-key "${engine.api_key_env}"')
+    args += [f"--context-length {plan.max_context_tokens}", f"--tp {par.tensor}"]
+    if par.data > 1:
+        args += [f"--dp {par.data}", "--enable-dp-attention"]
+    if par.expert > 1:
+        args.append(f"--ep-size {par.expert}")
+    args += _precision_flags(plan)
+    args.append(f"--mem-fraction-static {engine.memory_utilization:g}")
+    if engine.trust_remote_code:
+        args.append("--trust-remote-code")
+    if plan.hardware.nodes > 1:
+        args += [f"--nnodes {plan.hardware.nodes}", '--node-rank "$NODE_RANK"', '--dist-init-addr "$DIST_INIT_ADDR"']
+    return args + [_q(a) for a in engine.extra_args]
+
+
+def _command(lines: list[str], head: str) -> str:
+    return head + " \\\n" + " \\\n".join(f"  {line}" for line in lines) + "\n"
+
+
+def render_script(loaded: LoadedPlan) -> str:
+    """The launch script of one plan's engine instance, as text (bash, `set -euo pipefail`)."""
+    plan = loaded.plan
+    engine, hw, par = plan.engine, plan.hardware, plan.parallelism
+    source = f"{loaded.path.parent.name}/{loaded.path.name}"
+    server = {"vllm": "vLLM OpenAI server", "ascend": "vllm-ascend (vLLM's OpenAI server)",
+              "sglang": "SGLang launch_server"}[engine.kind]
+    out = [
+        "#!/usr/bin/env bash",
+        f"# {plan.pool.name}: {plan.title}.",
+        f"# One engine instance (one gateway worker) of pool {plan.pool.name}: {server} on "
+        f"{hw.nodes} node(s) x {hw.devices_per_node} {hw.accelerator},",
+        f"# TP {par.tensor} x PP {par.pipeline} x DP {par.data}, EP {par.expert}, {engine.precision}, "
+        f"max context {plan.max_context_tokens:,} tokens; the pool runs {plan.replicas} of these.",
+        f"# Generated from config/{source} by `kimi-gateway plan config/k3-production.yaml --emit deploy/engines`.",
+        "# Do not edit: change the plan and emit again (tests/unit/test_plans.py fails on drift).",
+        "# Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0)"
+        + (f", {engine.api_key_env} (required)" if engine.api_key_env else "")
+        + ("; NODE_RANK (0 on the head node)" if hw.nodes > 1 else "")
+        + ("; DIST_INIT_ADDR (node 0's host:port)" if hw.nodes > 1 and engine.kind == "sglang" else "")
+        + ("; HEAD_ADDRESS (node 0's host, on the other nodes)" if hw.nodes > 1 and engine.kind != "sglang" else "")
+        + ".",
+        "set -euo pipefail",
+    ]
+    if engine.api_key_env:
+        out.append(f': "${{{engine.api_key_env}:?set {engine.api_key_env}: the bearer key the gateway sends '
+                   f'pool {plan.pool.name}}}"')
+    if engine.kind == "sglang":
+        if hw.nodes > 1:
+            out.append(f': "${{NODE_RANK:?set NODE_RANK: this node\'s rank, 0..{hw.nodes - 1}}}"')
+            out.append(': "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"')
+        return "\n".join(out) + "\n" + _command(_sglang_args(plan), "exec python3 -m sglang.launch_server")
+    serve = _command(_vllm_args(plan), 'exec vllm serve "${MODEL_PATH:-' + engine.model_path + '}"')
+    if hw.nodes == 1:
+        return "\n".join(out) + "\n" + serve
+    out += [
+        f': "${{NODE_RANK:?set NODE_RANK: this node\'s rank, 0..{hw.nodes - 1}}}"',
+        f"# Node 0 starts the Ray head and serves; nodes 1..{hw.nodes - 1} join its cluster (start them within "
+        f"Ray's connect timeout): vLLM places its {hw.devices} workers on the cluster's devices.",
+        'if [ "$NODE_RANK" != 0 ]; then',
+        '  : "${HEAD_ADDRESS:?set HEAD_ADDRESS: the head node (rank 0) host}"',
+        f'  exec ray start --address "$HEAD_ADDRESS:{RAY_PORT}" --block',
+        "fi",
+        f"ray start --head --port {RAY_PORT}",
+    ]
+    return "\n".join(out) + "\n" + serve
+
+
+def emit_scripts(plans: list[LoadedPlan], out_dir: str | Path) -> list[Path]:
+    """Write `{pool}.sh` (mode 755) for each plan into `out_dir` (created if missing); return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for loaded in plans:
+        path = out / f"{loaded.plan.pool.name}.sh"
+        path.write_text(render_script(loaded), encoding="utf-8")
+        path.chmod(0o755)
+        paths.append(path)
+    return paths
