@@ -7,7 +7,7 @@
 # Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), NVL72_API_KEY (required); NODE_RANK (0 on the head node); HEAD_ADDRESS (node 0's host, on the other nodes).
 set -euo pipefail
 : "${NVL72_API_KEY:?set NVL72_API_KEY: the bearer key the gateway sends pool nvl72-1m}"
-: "${NODE_RANK:?set NODE_RANK: this node's rank, 0..17}"
+: "${NODE_RANK:?set NODE_RANK: the rank of this node, 0..17}"
 # Node 0 starts the Ray head and serves; nodes 1..17 join its cluster (start them within Ray's connect timeout): vLLM places its 72 workers on the cluster's devices.
 if [ "$NODE_RANK" != 0 ]; then
   : "${HEAD_ADDRESS:?set HEAD_ADDRESS: the head node (rank 0) host}"

@@ -7,7 +7,7 @@
 # Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), SGLANG_API_KEY (required); NODE_RANK (0 on the head node); DIST_INIT_ADDR (node 0's host:port).
 set -euo pipefail
 : "${SGLANG_API_KEY:?set SGLANG_API_KEY: the bearer key the gateway sends pool sglang-512k}"
-: "${NODE_RANK:?set NODE_RANK: this node's rank, 0..1}"
+: "${NODE_RANK:?set NODE_RANK: the rank of this node, 0..1}"
 : "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"
 exec python3 -m sglang.launch_server \
   --model-path "${MODEL_PATH:-moonshotai/Kimi-K3}" \

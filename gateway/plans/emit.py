@@ -123,14 +123,14 @@ def render_script(loaded: LoadedPlan) -> str:
                    f'pool {plan.pool.name}}}"')
     if engine.kind == "sglang":
         if hw.nodes > 1:
-            out.append(f': "${{NODE_RANK:?set NODE_RANK: this node\'s rank, 0..{hw.nodes - 1}}}"')
+            out.append(f': "${{NODE_RANK:?set NODE_RANK: the rank of this node, 0..{hw.nodes - 1}}}"')
             out.append(': "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"')
         return "\n".join(out) + "\n" + _command(_sglang_args(plan), "exec python3 -m sglang.launch_server")
     serve = _command(_vllm_args(plan), 'exec vllm serve "${MODEL_PATH:-' + engine.model_path + '}"')
     if hw.nodes == 1:
         return "\n".join(out) + "\n" + serve
     out += [
-        f': "${{NODE_RANK:?set NODE_RANK: this node\'s rank, 0..{hw.nodes - 1}}}"',
+        f': "${{NODE_RANK:?set NODE_RANK: the rank of this node, 0..{hw.nodes - 1}}}"',
         f"# Node 0 starts the Ray head and serves; nodes 1..{hw.nodes - 1} join its cluster (start them within "
         f"Ray's connect timeout): vLLM places its {hw.devices} workers on the cluster's devices.",
         'if [ "$NODE_RANK" != 0 ]; then',
