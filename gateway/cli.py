@@ -67,6 +67,20 @@ def cmd_check_config(args: argparse.Namespace) -> None:
         print(f"  pool {pool.name}: {pool.engine}, {len(pool.workers)} worker(s), "
               f"max context {pool.max_context_tokens:,} tokens, policy {pool.policy}, "
               f"modalities {'+'.join(pool.modalities)}, spillover {'on' if pool.spillover else 'off'}")
+    _check_production_safety(args.config, config, args.strict)
+
+
+def _check_production_safety(path: str, config: GatewayConfig, strict: bool) -> None:
+    """Warn about what is valid but unsafe to deploy (gateway/plans/safety.py); `strict` exits 1 on any."""
+    import os
+
+    from gateway.plans.safety import production_findings, read_tree
+
+    findings = production_findings(read_tree(path), config, os.environ)
+    for finding in findings:
+        print(f"warning: {finding}")
+    if findings and strict:
+        sys.exit(f"check-config --strict: {len(findings)} warning(s) in {path}")
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -129,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate a config file and explain errors")
     check.add_argument("config")
+    check.add_argument("--strict", action="store_true", help="fail on production-safety warnings too")
     check.set_defaults(func=cmd_check_config)
 
     demo = sub.add_parser("demo", help="simulated pools + the gateway in one process")

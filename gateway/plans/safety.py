@@ -1,0 +1,102 @@
+"""Production-safety checks of a gateway config: what `check-config` warns about (and `--strict` refuses).
+
+A config can be valid and still unsafe to deploy. Each finding names the config path it is about:
+
+- `host`: listening beyond loopback with auth off, so /v1/* and the admin API (drains) are open
+  to the network;
+- a `${VAR:-default}` whose VAR is unset (the default is deployed, e.g. a placeholder worker host),
+  and any worker or Redis host that is a reserved placeholder name (RFC 2606 / RFC 6761:
+  example.com/net/org, .example, .invalid, .test, .localhost);
+- `redis_url`: more than one gateway replica (`replicas`) with no Redis or a Redis on this host
+  (loopback or unix socket), so affinity, rate limits and drains stay per replica;
+- `pools.N.api_key`: a pool that sends no engine credential while other pools do.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from gateway.config import _ENV_REF, ENV_PREFIX, GatewayConfig
+from gateway.plans.models import expand_plan_refs
+
+_PLACEHOLDER = re.compile(r"(^|\.)(example\.(com|net|org)|example|invalid|test|localhost)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One production-safety warning: the config path it concerns and what is wrong."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+def env_references(tree: Any, path: str = "") -> list[tuple[str, str, str | None]]:
+    """Every `${NAME}` / `${NAME:-default}` in a parsed YAML tree as (config path, NAME, default or None)."""
+    if isinstance(tree, str):
+        return [(path or "(top level)", m.group(1), m.group(2)) for m in _ENV_REF.finditer(tree)]
+    if isinstance(tree, list):
+        return [ref for i, v in enumerate(tree) for ref in env_references(v, f"{path}.{i}" if path else str(i))]
+    if isinstance(tree, dict):
+        return [ref for k, v in tree.items() for ref in env_references(v, f"{path}.{k}" if path else str(k))]
+    return []
+
+
+def read_tree(path: str | Path) -> dict[str, Any]:
+    """A config file's YAML with its plan references expanded, before `${VAR}` interpolation."""
+    path = Path(path)
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return expand_plan_refs(data, path.parent) if isinstance(data, dict) else {}
+
+
+def _is_local(host: str | None) -> bool:
+    if host is None or host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
+                        environ: Mapping[str, str]) -> list[Finding]:
+    """The safety findings of `config`, loaded from `tree` (read_tree) with `environ`; empty when safe."""
+    findings: list[Finding] = []
+    if not _is_local(config.host) and not config.auth.enabled:
+        findings.append(Finding("host", f"listens on {config.host} (beyond loopback) with auth off: /v1/* and the "
+                                        "admin API (drain, undrain) are open to the network; enable auth"))
+    for path, name, default in env_references(tree):
+        overridden = f"{ENV_PREFIX}{path.split('.')[0].upper()}" in environ
+        if name not in environ and default is not None and not overridden:
+            findings.append(Finding(path, f"${{{name}}} is not set: falls back to {default!r}"))
+    for index, pool in enumerate(config.pools):
+        for w, url in enumerate(pool.workers):
+            host = urlsplit(url).hostname or ""
+            if _PLACEHOLDER.search(host):
+                findings.append(Finding(f"pools.{index}.workers.{w}", f"{url} is a placeholder host"))
+    redis_host = urlsplit(config.redis_url).hostname if config.redis_url else None
+    if redis_host and _PLACEHOLDER.search(redis_host) and redis_host.lower() != "localhost":
+        findings.append(Finding("redis_url", f"{redis_host} is a placeholder host"))
+    if config.replicas > 1:
+        local = config.redis_url is None or config.redis_url.lower().startswith("unix:") or _is_local(redis_host)
+        if local:
+            where = "not set" if config.redis_url is None else f"on this host ({config.redis_url})"
+            findings.append(Finding("redis_url", f"{config.replicas} gateway replicas but Redis is {where}: affinity, "
+                                                 "rate limits and drains would stay per replica"))
+    keyed = [p.name for p in config.pools if p.api_key is not None]
+    if keyed:
+        for index, pool in enumerate(config.pools):
+            if pool.api_key is None:
+                findings.append(Finding(f"pools.{index}.api_key", f"pool {pool.name} sends no engine credential "
+                                                                  f"while {', '.join(keyed)} do"))
+    return findings
