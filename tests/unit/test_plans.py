@@ -260,3 +260,10 @@ def test_scripts_are_valid_bash_and_refuse_a_missing_key(tmp_path: Path) -> None
     run = subprocess.run(["bash", str(ENGINES / "vllm-128k.sh")], capture_output=True, text=True, timeout=30,
                          env={"PATH": "/usr/bin:/bin"})
     assert run.returncode != 0 and "set VLLM_API_KEY" in run.stderr
+
+
+def test_readme_shows_the_planners_current_output(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", str(PRODUCTION)])
+    out = capsys.readouterr().out.rstrip()
+    assert f"```\n{out}\n```" in (REPO_ROOT / "README.md").read_text(), "README: paste `kimi-gateway plan` again"
