@@ -16,7 +16,7 @@ exec python3 -m sglang.launch_server \
   --served-model-name moonshotai/Kimi-K3 \
   --api-key "$SGLANG_API_KEY" \
   --context-length 524288 \
-  --tp 16 \
+  --tp-size 16 \
   --ep-size 16 \
   --quantization mxfp4 \
   --mem-fraction-static 0.88 \

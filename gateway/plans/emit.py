@@ -9,7 +9,7 @@ model name, port and API key variable. Flag names are the engines' own:
   (vLLM derives the EP size from TP x DP), --max-model-len, --gpu-memory-utilization,
   --quantization / --dtype, --enable-chunked-prefill, --served-model-name, --api-key,
   --distributed-executor-backend ray and --data-parallel-backend ray across nodes.
-- SGLang (`python3 -m sglang.launch_server`): --tp, --ep-size, --dp with --enable-dp-attention,
+- SGLang (`python3 -m sglang.launch_server`): --tp-size, --ep-size, --dp-size with --enable-dp-attention,
   --context-length, --quantization / --dtype, --mem-fraction-static, --served-model-name,
   --api-key, --nnodes, --node-rank, --dist-init-addr.
 
@@ -76,9 +76,9 @@ def _sglang_args(plan: Plan) -> list[str]:
     ]
     if engine.api_key_env:
         args.append(f'--api-key "${engine.api_key_env}"')
-    args += [f"--context-length {plan.max_context_tokens}", f"--tp {par.tensor}"]
+    args += [f"--context-length {plan.max_context_tokens}", f"--tp-size {par.tensor}"]
     if par.data > 1:
-        args += [f"--dp {par.data}", "--enable-dp-attention"]
+        args += [f"--dp-size {par.data}", "--enable-dp-attention"]
     if par.expert > 1:
         args.append(f"--ep-size {par.expert}")
     args += _precision_flags(plan)

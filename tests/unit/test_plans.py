@@ -234,7 +234,7 @@ def test_script_flags_follow_the_plan(name: str) -> None:
     p, text = loaded.plan, render_script(loaded)
     if p.engine.kind == "sglang":
         assert "exec python3 -m sglang.launch_server" in text
-        assert int(_flag(text, "--tp")) == p.parallelism.tensor
+        assert int(_flag(text, "--tp-size")) == p.parallelism.tensor
         assert int(_flag(text, "--ep-size")) == p.parallelism.expert
         assert float(_flag(text, "--mem-fraction-static")) == p.engine.memory_utilization
         assert int(_flag(text, "--nnodes")) == p.hardware.nodes
