@@ -160,8 +160,18 @@ class TimeoutConfig(_Strict):
     body_idle: float = Field(
         default=30.0, gt=0, description="longest gap while the client uploads its request body (408 after it)"
     )
+    body_min_rate: float = Field(
+        default=64 * 1024, gt=0,
+        description="bytes/s a request body must average: it must be whole within `body_idle` + bytes received / "
+        "`body_min_rate` seconds of its start (408 after), so a trickled upload cannot hold a connection for minutes",
+    )
     header: float = Field(
         default=10.0, gt=0, description="time for a client's request line and headers to arrive (408 after it)"
+    )
+    send_stall: float = Field(
+        default=30.0, gt=0,
+        description="seconds a response may make no progress toward a client that stopped reading (its socket "
+        "buffers full) before the gateway closes the connection and aborts the engine request",
     )
     keep_alive: float = Field(
         default=65.0, gt=0, description="seconds an idle client connection stays open between requests; keep "

@@ -116,6 +116,10 @@ class GatewayMetrics:
         self.client_disconnects = Counter("kimi_gateway_client_disconnects",
                                           "Clients that hung up before the response ended (stage).",
                                           ["pool", "stage"], registry=r)
+        self.client_send_stalls = Counter("kimi_gateway_client_send_stalls",
+                                          "Responses ended because the client took no byte of them for "
+                                          "timeouts.send_stall seconds (the engine request is aborted).", ["pool"],
+                                          registry=r)
 
         self.affinity_lookups = Counter("kimi_gateway_affinity_lookups",
                                         "Affinity lookups by result (hit, miss, error, skipped).",

@@ -61,7 +61,8 @@ class RequestRecord:
             self.status = 503
 
     def client_gone(self, stage: str) -> None:
-        """The client hung up at `stage` (`before_response` or `mid_stream`)."""
+        """The client hung up at `stage` (`before_response` or `mid_stream`), or stopped reading and was
+        cut off (`send_stalled`, gateway/request_head.py)."""
         if self.disconnect_stage is None:
             self.disconnect_stage = stage
             self.outcome = "client_disconnect"

@@ -11,6 +11,16 @@ line, holds gateway memory or a connection slot for as long as it likes, before 
 - no complete head within `timeouts.header` seconds of the connection opening or of the request's
   first byte → 408 (or a silent close when not one byte came), connection closed.
 
+The head is counted from the parser's callbacks (request target and header fields, plus a few
+bytes per line for the separators) once it is complete, and by the raw bytes of each read while it
+is still incomplete (in the read where it began, the bytes of the requests before it are taken
+off), so the limit holds to within a few bytes per header line.
+
+It also ends responses a client stopped reading (uvicorn waits for it for ever): when the
+socket's buffers are full and `timeouts.send_stall` seconds pass with no byte taken by the client,
+the connection is aborted. The app sees the client's disconnect (the proxy closes its upstream, so
+the engine aborts the request) and finds `SEND_STALLED` set in its scope.
+
 An idle keep-alive connection between requests is uvicorn's own `timeout_keep_alive`
 (`timeouts.keep_alive`). Cost per request: one timer armed and cancelled, one flag test per read.
 """
@@ -25,6 +35,26 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.config import GatewayConfig
 
+SEND_STALLED = "kimi_gateway.send_stalled"
+"""Scope key set (True) on the request whose connection was aborted because its client stopped
+reading for `timeouts.send_stall` seconds."""
+
+NOSNIFF = (b"x-content-type-options", b"nosniff")
+"""On every answer (uvicorn's default headers): a browser must not read a JSON or SSE answer as
+HTML or script (https://fetch.spec.whatwg.org/#x-content-type-options-header)."""
+
+_LINE_OVERHEAD = 4  # ": " and CRLF around each header field
+_REQUEST_LINE_OVERHEAD = 16  # method, spaces, "HTTP/1.1", CRLF, the blank line: at least this many
+
+
+async def _head_too_large(scope: Any, receive: Any, send: Any) -> None:
+    """ASGI answer for a complete head over the limit (its request never reaches the app)."""
+    body = orjson.dumps({"error": {"message": scope["kimi_gateway.head_message"], "type": "invalid_request_error",
+                                   "param": None, "code": "request_header_fields_too_large"}})
+    await send({"type": "http.response.start", "status": 431,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a head size limit (bytes) and a head time limit (seconds);
@@ -32,6 +62,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     max_header_bytes = 64 * 1024
     header_timeout = 10.0
+    send_stall = 30.0
     linger_s = 1.0  # after a refusal, read and drop the client's bytes this long before closing
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -42,6 +73,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False
         self._began_in_this_read = False
         self._pending: tuple[int, str, str] | None = None  # a refusal waiting for the response before it
+        self._head_offset = 0  # estimated bytes of this read before the current head began
+        self._read_consumed = 0  # estimated bytes of this read the parser gave to earlier requests
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._stalled_at = 0  # write-buffer bytes when the client last showed progress
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -49,18 +84,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_send_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering after a refusal: drop what still comes
         self._began_in_this_read = False
+        self._read_consumed = 0
         super().data_received(data)
         # Still inside a head after the parser took these bytes. A head that began in an earlier
-        # read owns all of them; one that began in this read owns an unknown tail (the rest was the
-        # request before it), so counting starts with the next read: the limit is exact to a read.
-        if self._in_head and not self._began_in_this_read and not self.transport.is_closing():
-            self._head_bytes += len(data)
+        # read owns all of them; one that began in this read owns what followed the requests before
+        # it (their heads and bodies as the parser reported them).
+        if self._in_head and not self.transport.is_closing():
+            self._head_bytes += len(data) - (self._head_offset if self._began_in_this_read else 0)
             if self._head_bytes > self.max_header_bytes:
                 self._refuse(431, "request_header_fields_too_large",
                              f"The request line and headers are larger than {self.max_header_bytes} bytes.")
@@ -70,13 +107,63 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         self._began_in_this_read = True
+        self._head_offset = self._read_consumed
         self._arm()
+
+    def on_body(self, body: bytes) -> None:
+        self._read_consumed += len(body)
+        super().on_body(body)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        size = (len(self.url) + _REQUEST_LINE_OVERHEAD
+                + sum(len(name) + len(value) + _LINE_OVERHEAD for name, value in self.headers))
+        self._read_consumed += max(0, size - self._head_bytes)  # its part in earlier reads was theirs
         self._head_bytes = 0
         self._disarm()
-        super().on_headers_complete()
+        if size <= self.max_header_bytes:
+            super().on_headers_complete()
+            return
+        # Whole in one read, so no read was counted: answer 431 in place of the app. uvicorn still
+        # owns the request (its body is parsed and dropped, pipelining stays in order).
+        self.scope["kimi_gateway.head_message"] = (
+            f"The request line and headers are larger than {self.max_header_bytes} bytes.")
+        app = self.app
+        self.app = _head_too_large
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._stalled_at = self.transport.get_write_buffer_size()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_stall, self._check_send)
+
+    def resume_writing(self) -> None:
+        self._stop_send_timer()
+        super().resume_writing()
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _check_send(self) -> None:
+        """`send_stall` seconds after writing paused (or after the last progress seen): abort the
+        connection if the client has not taken a byte since."""
+        self._send_timer = None
+        if self.transport.is_closing() or not self.flow.write_paused:
+            return
+        size = self.transport.get_write_buffer_size()
+        if size < self._stalled_at:  # slow, but reading
+            self._stalled_at = size
+            self._send_timer = self.loop.call_later(self.send_stall, self._check_send)
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.scope[SEND_STALLED] = True  # type: ignore[literal-required]
+        self.transport.abort()  # close() would wait for the client to read the buffer
 
     def _arm(self) -> None:
         if self._head_timer is None:
@@ -112,7 +199,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                                        "code": code}})
         reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+                             b"x-content-type-options: nosniff\r\nconnection: close\r\n\r\n%s"
+                             % (status, reason, len(body), body))
         self._disarm()
         self._refused = True
         # Closing with the client's bytes unread would send a TCP reset, which can destroy the
@@ -124,7 +212,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 def http_options(config: GatewayConfig) -> dict[str, Any]:
     """uvicorn settings for a gateway server: the guarded protocol with this config's head limits
-    (`max_header_bytes`, `timeouts.header`) and the idle keep-alive (`timeouts.keep_alive`)."""
+    (`max_header_bytes`, `timeouts.header`) and send stall (`timeouts.send_stall`), the idle
+    keep-alive (`timeouts.keep_alive`), and `NOSNIFF` on every answer."""
     protocol = type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {
-        "max_header_bytes": config.max_header_bytes, "header_timeout": config.timeouts.header})
-    return {"http": protocol, "timeout_keep_alive": config.timeouts.keep_alive}
+        "max_header_bytes": config.max_header_bytes, "header_timeout": config.timeouts.header,
+        "send_stall": config.timeouts.send_stall})
+    return {"http": protocol, "timeout_keep_alive": config.timeouts.keep_alive,
+            "headers": [(NOSNIFF[0].decode(), NOSNIFF[1].decode())]}

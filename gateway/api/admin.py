@@ -149,7 +149,7 @@ class DashboardPage:
             "content-security-policy": f"default-src 'none'; script-src {scripts}; style-src {styles}; "
                                        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; "
                                        "frame-ancestors 'none'",
-            "cache-control": "no-store", "referrer-policy": "no-referrer", "x-content-type-options": "nosniff",
+            "cache-control": "no-store", "referrer-policy": "no-referrer",
             "x-frame-options": "DENY"}
 
     async def serve(self, request: Request) -> Response:

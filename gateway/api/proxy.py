@@ -27,6 +27,7 @@ from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
 from gateway.metrics import NO_POOL
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestRecord
+from gateway.request_head import SEND_STALLED
 from gateway.routing.features import Api
 from gateway.service import BufferedResponse, ProxyService, RelayResponse
 
@@ -195,6 +196,9 @@ class ProxyEndpoint:
             guard = scope.get(SHUTDOWN_GUARD)
             if guard is not None and guard.hung_up:  # the grace period ended: the guard answers the client
                 record.cut_by_shutdown(response_started=isinstance(result, RelayResponse))
+            elif scope.get(SEND_STALLED):  # the client stopped reading: its connection was aborted
+                record.client_gone("send_stalled")
+                state.metrics.client_send_stalls.labels(record.pool).inc()
             else:
                 record.client_gone("mid_stream" if isinstance(result, RelayResponse) else "before_response")
         finally:

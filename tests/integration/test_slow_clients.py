@@ -1,0 +1,73 @@
+"""Clients that hold a connection without using it (issue 15): a reader that stops reading, a body
+trickled byte by byte, request heads over the size limit. Real sockets against a real gateway."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from gateway.sim.config import SimFaults
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
+EVENT = b'data: {"id":"a","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+BIG_COMMENT = b": " + b"x" * (256 * 1024 - 4) + b"\n\n"  # an SSE comment of 256 KiB
+
+
+def _post_head(body_length: int, stream_path: str = "/v1/chat/completions", extra: bytes = b"") -> bytes:
+    return (b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n%s\r\n" % (stream_path.encode(), body_length, extra))
+
+
+def _connect(gw: RunningGateway, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf is not None:  # before connect, so the window is small from the handshake on
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", gw.server.port))
+    return sock
+
+
+def _read_all(sock: socket.socket, timeout: float) -> bytes:
+    """Everything until the gateway closes the connection (or `timeout` seconds without a byte)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_client_that_stops_reading_is_cut_and_the_engine_request_aborted(
+        start_sim: StartSim, start_gateway: StartGateway, path: str) -> None:
+    # 40 MiB over ~3 s (the sim pauses 20 ms between writes): the engine is still sending when
+    # the gateway gives up on the client (about 1 s after the ~4 MB of socket buffers toward it filled).
+    chunks = [EVENT, *[BIG_COMMENT] * 160, b"data: [DONE]\n\n"]
+    sim = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks(chunks)))
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"send_stall": 1.0})
+    request = {**CHAT, "stream": True} if path.endswith("chat/completions") else {
+        "model": "kimi-k3", "prompt": "hi", "stream": True}
+    body = json.dumps(request).encode()
+    sock = _connect(gw, rcvbuf=4096)
+    sock.sendall(_post_head(len(body), path) + body)  # and then never read
+    record = sim.engine.wait_for(lambda: next((r for r in sim.engine.records if r.aborted), None), timeout=20)
+    assert not record.completed
+    gw.wait_until_idle()
+    assert gw.metric('kimi_gateway_client_send_stalls_total{pool="p"}') == 1
+    assert gw.metric('kimi_gateway_client_disconnects_total{pool="p",stage="send_stalled"}') == 1
+    received = _read_all(sock, timeout=5)  # the gateway ended the connection: what was buffered, then the end
+    assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+    sock.close()
+    # A client that reads gets the whole answer: writing pauses and resumes all along, never stalls.
+    with httpx.stream("POST", gw.url + path, json=request) as response:
+        assert sum(len(chunk) for chunk in response.iter_raw()) > 160 * len(BIG_COMMENT)
+    assert gw.metric("kimi_gateway_client_send_stalls_total") == 1
