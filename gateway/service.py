@@ -8,6 +8,7 @@ exhausted upstreams. Failover happens only before the engine's first body byte.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -55,6 +56,10 @@ from gateway.streaming import (
 UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 Headers = list[tuple[bytes, bytes]]
+
+
+SSE_CONTENT_TYPE = b"text/event-stream; charset=utf-8"
+JSON_CONTENT_TYPE = b"application/json"
 
 
 @dataclass(slots=True)
@@ -314,7 +319,7 @@ class ProxyService:
             except TimeoutError:
                 response = None  # first_chunk closed it
                 raise AttemptFailed(Outcome.TIMEOUT, f"no first byte within {budget:.1f}s") from None
-            content_type = response.headers.get("content-type", "application/json").encode("latin-1")
+            content_type = _relayed_content_type(response, request.stream)
             passed = _passed_headers(response)
             record.status = response.status_code
 
@@ -422,10 +427,26 @@ def _upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool =
                              code="invalid_json") from None
 
 
+def _relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
+    """The content type the client gets for an engine's 200: the API's own (`text/event-stream` for a
+    stream, `application/json` otherwise), never the engine's text. Raises AttemptFailed
+    (protocol_error: tried elsewhere, held against the worker) for any other declared type, so an
+    engine's `text/html` is never served from the gateway's origin."""
+    declared = response.headers.get("content-type", "" if stream else "application/json")
+    if declared.partition(";")[0].strip().lower() == ("text/event-stream" if stream else "application/json"):
+        return SSE_CONTENT_TYPE if stream else JSON_CONTENT_TYPE
+    raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered 200 with content type {declared[:60]!r}")
+
+
 def _passed_headers(response: UpstreamResponse) -> Headers:
-    """Upstream headers the client needs besides content-type (an encoding the engine applied)."""
+    """Upstream headers the client needs besides content-type (an encoding the engine applied).
+    Raises AttemptFailed (protocol_error) for an encoding that is not an HTTP token."""
     encoding = response.headers.get("content-encoding")
-    return [(b"content-encoding", encoding.encode("latin-1"))] if encoding else []
+    if not encoding:
+        return []
+    if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,40}", encoding.strip()):  # RFC 9110 token
+        raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered with content encoding {encoding[:60]!r}")
+    return [(b"content-encoding", encoding.strip().encode("ascii"))]
 
 
 def _check_json_answer(content: bytes, content_type: bytes) -> dict[str, Any] | None:
