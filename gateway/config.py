@@ -160,10 +160,13 @@ class TimeoutConfig(_Strict):
     body_idle: float = Field(
         default=30.0, gt=0, description="longest gap while the client uploads its request body (408 after it)"
     )
+    body_deadline: float = Field(
+        default=10.0, gt=0,
+        description="seconds any request body may take, plus one per `body_min_rate` bytes received (408 after), "
+        "so a body trickled a byte at a time cannot hold a connection for minutes",
+    )
     body_min_rate: float = Field(
-        default=64 * 1024, gt=0,
-        description="bytes/s a request body must average: it must be whole within `body_idle` + bytes received / "
-        "`body_min_rate` seconds of its start (408 after), so a trickled upload cannot hold a connection for minutes",
+        default=64 * 1024, gt=0, description="bytes/s of request body that earn one more second (`body_deadline`)"
     )
     header: float = Field(
         default=10.0, gt=0, description="time for a client's request line and headers to arrive (408 after it)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -43,17 +44,27 @@ class ClientGone(Exception):
     """The client disconnected while we were still reading its body."""
 
 
-async def read_body(receive: Receive, limit: int, idle_s: float) -> bytes:
+async def read_body(receive: Receive, limit: int, idle_s: float, base_s: float = math.inf,
+                    min_rate: float = math.inf) -> bytes:
     """The whole request body; PayloadTooLarge (413) beyond `limit` bytes, ClientGone on disconnect,
     RequestBodyTimeout (408) when `idle_s` seconds pass without a byte of it (a stalled upload would
-    otherwise hold its connection for good)."""
+    otherwise hold its connection for good), or when it is still incomplete `base_s` seconds plus one
+    second per `min_rate` bytes received after the first read began (a body trickled a byte at a
+    time, each gap under `idle_s`; Apache's mod_reqtimeout `body=...,MinRate=...` in one deadline)."""
     chunks: list[bytes] = []
     size = 0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     while True:
+        left = start + base_s + size / min_rate - loop.time()
         try:
-            async with asyncio.timeout(idle_s):
+            async with asyncio.timeout(min(idle_s, left)):
                 message = await receive()
         except TimeoutError:
+            if left < idle_s:
+                raise RequestBodyTimeout(
+                    f"The request body arrived too slowly: {size} bytes in {loop.time() - start:.1f} seconds (it "
+                    f"may take {base_s:g} seconds plus one per {min_rate:g} bytes).") from None
             raise RequestBodyTimeout(f"The request body stalled: no byte of it for {idle_s:g} seconds "
                                      f"({size} bytes received).") from None
         if message["type"] == "http.disconnect":
@@ -162,7 +173,9 @@ class ProxyEndpoint:
                                                f"send the JSON body uncompressed.")
                 try:
                     async with asyncio.timeout_at(deadline):
-                        body = await read_body(receive, state.config.max_body_bytes, state.config.timeouts.body_idle)
+                        timeouts = state.config.timeouts
+                        body = await read_body(receive, state.config.max_body_bytes, timeouts.body_idle,
+                                               timeouts.body_deadline, timeouts.body_min_rate)
                 except TimeoutError:
                     record.outcome = "timeout"
                     raise RequestBodyTimeout(f"The request body did not arrive within the gateway's overall time "
@@ -215,6 +228,10 @@ class ProxyEndpoint:
         if record.outcome == "ok":
             record.outcome = "error"
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+        if isinstance(exc, (RequestBodyTimeout, PayloadTooLarge)):
+            # The rest of the body may still be on its way: close the connection after the answer, or
+            # uvicorn keeps reading (and dropping) a trickled body for as long as it comes.
+            extra.append((b"connection", b"close"))
         if record.pool != NO_POOL:
             extra.append((b"x-kimi-gateway-pool", record.pool.encode()))
         if record.worker is not None:  # e.g. the worker a 504 waited for

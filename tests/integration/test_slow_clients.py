@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
 
 import httpx
@@ -71,3 +72,34 @@ def test_a_client_that_stops_reading_is_cut_and_the_engine_request_aborted(
     with httpx.stream("POST", gw.url + path, json=request) as response:
         assert sum(len(chunk) for chunk in response.iter_raw()) > 160 * len(BIG_COMMENT)
     assert gw.metric("kimi_gateway_client_send_stalls_total") == 1
+
+
+@pytest.mark.parametrize(("first", "rate"), [
+    (0, 64 * 1024),  # one byte at a time from the start: cut after body_deadline
+    (200_000, 1024 * 1024),  # a quick start earns ~0.2 s more, then the trickle is cut
+])
+def test_a_body_trickled_a_byte_at_a_time_gets_408_at_its_deadline(
+        start_sim: StartSim, start_gateway: StartGateway, first: int, rate: int) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)],
+                       timeouts={"body_idle": 0.5, "body_deadline": 1.0, "body_min_rate": rate})
+    body = json.dumps({**CHAT, "user": "u" * first}).encode()
+    sock = _connect(gw)
+    started = time.monotonic()
+    sock.sendall(_post_head(len(body)) + body[:first + 1])
+    sock.setblocking(False)
+    answer = b""
+    for byte in body[first + 1:first + 13]:  # 12 bytes 0.3 s apart (3.6 s), each gap under body_idle
+        time.sleep(0.3)
+        try:
+            answer += sock.recv(65536)
+            break
+        except BlockingIOError:
+            sock.send(bytes([byte]))
+    cut_after = time.monotonic() - started
+    answer += _read_all(sock, timeout=5)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"arrived too slowly" in answer
+    assert cut_after < 1.0 + first / rate + 1.0
+    assert not sim.engine.records
