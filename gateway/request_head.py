@@ -52,7 +52,8 @@ async def _head_too_large(scope: Any, receive: Any, send: Any) -> None:
     body = orjson.dumps({"error": {"message": scope["kimi_gateway.head_message"], "type": "invalid_request_error",
                                    "param": None, "code": "request_header_fields_too_large"}})
     await send({"type": "http.response.start", "status": 431,
-                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
 
 

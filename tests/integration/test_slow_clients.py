@@ -4,6 +4,7 @@ trickled byte by byte, request heads over the size limit. Real sockets against a
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -68,9 +69,10 @@ def test_a_client_that_stops_reading_is_cut_and_the_engine_request_aborted(
     received = _read_all(sock, timeout=5)  # the gateway ended the connection: what was buffered, then the end
     assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
     sock.close()
-    # A client that reads gets the whole answer: writing pauses and resumes all along, never stalls.
-    with httpx.stream("POST", gw.url + path, json=request) as response:
-        assert sum(len(chunk) for chunk in response.iter_raw()) > 160 * len(BIG_COMMENT)
+    # A client that reads gets the whole answer (10 MiB): writing pauses and resumes all along, never stalls.
+    faults = {"raw_stream_chunks": SimFaults.encode_chunks([EVENT, *[BIG_COMMENT] * 40, b"data: [DONE]\n\n"])}
+    with httpx.stream("POST", gw.url + path, json={**request, "x_sim_faults": faults}) as response:
+        assert sum(len(chunk) for chunk in response.iter_raw()) > 40 * len(BIG_COMMENT)
     assert gw.metric("kimi_gateway_client_send_stalls_total") == 1
 
 
@@ -103,3 +105,49 @@ def test_a_body_trickled_a_byte_at_a_time_gets_408_at_its_deadline(
     assert b"arrived too slowly" in answer
     assert cut_after < 1.0 + first / rate + 1.0
     assert not sim.engine.records
+
+
+def _head_answers(gw: RunningGateway, data: bytes) -> list[bytes]:
+    """The status lines the gateway answers `data` (sent in one write) with, until it closes."""
+    sock = _connect(gw)
+    sock.sendall(data)
+    received = _read_all(sock, timeout=5)
+    sock.close()
+    return re.findall(rb"HTTP/1\.1 \d{3} [^\r]*", received)
+
+
+@pytest.mark.parametrize("fields", [
+    [b"x-big: " + b"a" * 100_000],  # one large field
+    [b"x-f%d: %s" % (i, b"b" * 40) for i in range(2_000)],  # many small ones (~100 KB)
+    [b"x-big: " + b"a" * (64 * 1024 - 200)],  # just over, with the request line and the other fields
+])
+def test_a_whole_request_head_over_the_limit_in_one_read_gets_431(start_sim: StartSim, start_gateway: StartGateway,
+                                                                 fields: list[bytes]) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    body = json.dumps(CHAT).encode()
+    head = _post_head(len(body), extra=b"".join(field + b"\r\n" for field in fields))
+    if len(head) < 64 * 1024:  # the third case: pad to just past the limit
+        head = head[:-2] + b"x-pad: " + b"p" * (64 * 1024 + 8 - len(head) - 9) + b"\r\n\r\n"
+    assert len(head) > 64 * 1024
+    assert _head_answers(gw, head + body) == [b"HTTP/1.1 431 Request Header Fields Too Large"]
+    assert not sim.engine.records
+    # Pipelined behind a request that is served: that one is answered, the big one refused.
+    small = _post_head(len(body)) + body
+    assert _head_answers(gw, small + head + body) == [b"HTTP/1.1 200 OK",
+                                                      b"HTTP/1.1 431 Request Header Fields Too Large"]
+    # A head a little under the limit is served.
+    under = head[:-2 - (len(head) - 64 * 1024) - 64].replace(b"\r\n", b"\r\nconnection: close\r\n", 1) + b"\r\n\r\n"
+    assert len(under) < 64 * 1024
+    assert _head_answers(gw, under + body) == [b"HTTP/1.1 200 OK"]
+
+
+def test_an_unfinished_head_over_the_limit_in_its_first_read_gets_431_at_once(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    gw = start_gateway([pool("p", "vllm", [start_sim("vllm").url], 131072)], timeouts={"header": 30})
+    sock = _connect(gw)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 150_000)  # never ends
+    started = time.monotonic()
+    answer = _read_all(sock, timeout=10)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 431 ") and time.monotonic() - started < 5
