@@ -1,7 +1,8 @@
 """Optional OpenTelemetry traces: one span per request with `route`, `upstream` and `relay` children.
 
-Off (and free) while `tracing.otlp_endpoint` is unset. When on, every request gets a
-`kimi_gateway.request` span (a child of the client's W3C `traceparent` when it sent one):
+Off (and free) while `tracing.otlp_endpoint` is unset. When on, a share of requests
+(`sample_ratio`, decided here whatever the client's sampled flag says) gets a `kimi_gateway.request`
+span (in the trace of the client's W3C `traceparent` when it sent one; its `tracestate` is dropped):
 
 - `route`: arrival → the first upstream attempt (parsing, estimation, pool and worker choice);
 - `upstream` (one per attempt): the request to the engine until its first body byte or the
@@ -31,7 +32,7 @@ try:  # the `tracing` extra
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
     from opentelemetry.trace import SpanKind, Status, StatusCode
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 except ImportError:  # pragma: no cover - depends on the install
@@ -49,7 +50,7 @@ class Tracing:
             raise ConfigError("tracing.otlp_endpoint is set but OpenTelemetry is not installed: "
                               "pip install 'kimi-gateway[tracing]'")
         self.provider = TracerProvider(resource=Resource.create({"service.name": config.service_name}),
-                                       sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+                                       sampler=TraceIdRatioBased(config.sample_ratio))
         exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint)
         self.provider.add_span_processor(
             BatchSpanProcessor(exporter, schedule_delay_millis=int(config.export_delay * 1000)))
@@ -57,8 +58,13 @@ class Tracing:
         self.propagator = TraceContextTextMapPropagator()
 
     def begin(self, record: RequestRecord, headers: Mapping[str, str]) -> RequestTrace:
-        """Start the request span (its start is `record.started`), under the client's `traceparent`."""
-        return RequestTrace(self, record, self.propagator.extract(headers))
+        """Start the request span (its start is `record.started`), under the client's `traceparent`.
+
+        Only its trace and parent span ids are taken: whether the request is traced is this
+        gateway's sampler's decision (`sample_ratio`, by trace id), not the client's sampled flag,
+        and the client's `tracestate` (vendor data) is not passed on to the engines."""
+        traceparent = headers.get("traceparent")
+        return RequestTrace(self, record, self.propagator.extract({"traceparent": traceparent} if traceparent else {}))
 
     def shutdown(self) -> None:
         """Export what is buffered, then stop (at the end of the lifespan)."""

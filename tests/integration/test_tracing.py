@@ -109,3 +109,27 @@ def test_tracing_off_sends_no_traceparent(start_sim: StartSim, start_gateway: St
     httpx.post(gw.v1 + "/chat/completions", json={"model": "kimi-k3", "max_tokens": 1,
                                                    "messages": [{"role": "user", "content": "hi"}]})
     assert "traceparent" not in sim.engine.records[-1].headers
+
+
+@pytest.mark.parametrize(("ratio", "client_flags", "traced"), [
+    (0.0, "01", False),  # the client's sampled flag does not force a trace
+    (1.0, "00", True),  # nor does its unsampled flag stop one
+])
+def test_the_gateways_sampler_decides_and_tracestate_is_not_passed_on(
+        start_sim: StartSim, start_gateway: StartGateway, collector: Collector, ratio: float, client_flags: str,
+        traced: bool) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)],
+                       tracing={"otlp_endpoint": collector.server.url + "/v1/traces", "sample_ratio": ratio})
+    headers = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-{client_flags}", "tracestate": "vendor=secret-value"}
+    response = httpx.post(gw.v1 + "/chat/completions", headers=headers, json={
+        "model": "kimi-k3", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200
+    gw.server.app.state.gateway.tracing.provider.force_flush()  # exports what was sampled, now
+    sent = sim.engine.records[-1].headers
+    assert "tracestate" not in sent
+    assert sent["traceparent"].startswith(f"00-{CLIENT_TRACE}-") and sent["traceparent"].endswith(
+        "-01" if traced else "-00")
+    assert bool(collector.spans) is traced
+    everything = b"".join(s.SerializeToString() for s in collector.spans)
+    assert b"secret-value" not in everything
