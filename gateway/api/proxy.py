@@ -97,6 +97,24 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
         await task
 
 
+def _require_json_content_type(headers: dict[str, str]) -> None:
+    """With auth off, refuse (415) a body a browser may post from any site without a CORS preflight:
+    `text/plain`, form types, or none at all from a page (an `Origin` header). JSON is not a "simple"
+    type (Fetch standard, CORS-safelisted request-header), so a foreign page cannot send it unasked.
+    The SDKs send JSON; curl needs `-H 'Content-Type: application/json'` (its `-d` says form)."""
+    declared = headers.get("content-type")
+    if declared is None:
+        if "origin" not in headers:
+            return
+        media = ""
+    else:
+        media = declared.partition(";")[0].strip().lower()
+        if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+            return
+    raise UnsupportedMediaType(f"Send the request body as JSON with 'Content-Type: application/json' (got "
+                               f"{media[:60] or 'none'!r}).", param="content-type")
+
+
 def _over_cap_message(total: float | None) -> str:
     return f"The request exceeded the gateway's overall time limit of {total:g} seconds."
 
@@ -167,6 +185,8 @@ class ProxyEndpoint:
                 if declared.isdigit() and int(declared) > state.config.max_body_bytes:
                     raise PayloadTooLarge(
                         f"The request body is larger than the limit of {state.config.max_body_bytes} bytes.")
+                if state.auth is None:
+                    _require_json_content_type(headers)
                 encoding = headers.get("content-encoding", "").strip().lower()
                 if encoding not in ("", "identity"):  # RFC 9110 15.5.16: 415 for a content coding we lack
                     raise UnsupportedMediaType(f"Content-Encoding '{encoding[:40]}' is not supported; "

@@ -3,6 +3,7 @@ engine content types, `nosniff`, simple cross-site requests, DNS rebinding again
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -83,3 +84,26 @@ def test_every_answer_says_nosniff(start_sim: StartSim, start_gateway: StartGate
     response = httpx.get(gw.url + path)
     assert response.headers["x-content-type-options"] == "nosniff"
     assert response.headers.get_list("x-content-type-options") == ["nosniff"]
+
+
+@pytest.mark.parametrize(("headers", "content"), [
+    ({"content-type": "text/plain", "origin": "https://evil.example"}, b'{"model": "kimi-k3"}'),
+    ({"content-type": "text/plain;charset=UTF-8"}, b'{"model": "kimi-k3"}'),
+    ({"content-type": "application/x-www-form-urlencoded"}, b'{"model": "kimi-k3"}'),
+    ({"content-type": "multipart/form-data; boundary=x"}, b'--x\r\n\r\n{}\r\n--x--'),
+    ({"origin": "https://evil.example"}, b'{"model": "kimi-k3"}'),  # a Blob body: no content type at all
+])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_with_auth_off_a_body_a_page_can_post_cross_site_is_refused_415(
+        start_sim: StartSim, start_gateway: StartGateway, headers: dict[str, str], content: bytes, path: str) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    request = {**CHAT, "messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {
+        "model": "kimi-k3", "prompt": "hi", "max_tokens": 2}
+    body = content.replace(b'{"model": "kimi-k3"}', json.dumps(request).encode())
+    refused = httpx.post(gw.url + path, content=body, headers=headers)
+    assert refused.status_code == 415 and refused.json()["error"]["code"] == "unsupported_media_type", refused.text
+    assert not sim.engine.records
+    for allowed in ({"content-type": "application/json"}, {"content-type": "application/json; charset=utf-8"},
+                    {}):  # no Origin and no type: a script, not a page
+        assert httpx.post(gw.url + path, content=json.dumps(request).encode(), headers=allowed).status_code == 200
