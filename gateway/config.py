@@ -419,6 +419,12 @@ class GatewayConfig(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    admin_origins: list[str] = Field(
+        default_factory=list,
+        description="origins (scheme://host[:port]) whose pages may change admin state (drain) besides the "
+        "listening address, `host` and localhost: the status page's URL when it is reached by a DNS name or "
+        "through a proxy. The browser's `Origin` is compared with these, never with `Host` (DNS rebinding)",
+    )
     processes: int = Field(
         default=1, ge=1, le=64,
         description="serving processes sharing the port (gateway/supervisor.py); each keeps its own health "
@@ -454,6 +460,15 @@ class GatewayConfig(BaseSettings):
     max_prompt_ids: int = Field(default=4 * 1024 * 1024, ge=1, description="token ids per completions request")
     redis_url: str | None = Field(default=None, description="redis://, rediss:// or unix:// URL (redis-py's schemes)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("admin_origins")
+    @classmethod
+    def _check_admin_origins(cls, origins: list[str]) -> list[str]:
+        cleaned = [o.rstrip("/").lower() for o in origins]
+        for origin in cleaned:
+            if not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"an origin is scheme://host[:port] with no path, got {origin!r}")
+        return cleaned
 
     @field_validator("redis_url")
     @classmethod

@@ -28,6 +28,7 @@ import hashlib
 import re
 import time
 from importlib import resources
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -80,6 +81,38 @@ async def get_worker(request: Request) -> JSONResponse:
         return error_response(exc)
 
 
+def _host_port(origin: str) -> str:
+    """`scheme://host[:port]` → `host:port` (lower case, IPv6 in brackets, the scheme's default port
+    filled in); "" for anything else (`null`, a path, a bad port), which matches nothing."""
+    try:
+        parts = urlsplit(origin.strip())
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    except ValueError:
+        return ""
+    host = parts.hostname
+    if not host or port is None or parts.path not in ("", "/"):
+        return ""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _own_origins(request: Request) -> set[str]:
+    """`host:port` of the pages allowed to change admin state: the listening address (and localhost
+    when it is loopback), the configured `host` and `admin_origins`. Not the request's `Host`: a
+    DNS-rebinding page gets its own name there."""
+    config = _state(request).config
+    allowed = {_host_port(origin) for origin in config.admin_origins}
+    server = request.scope.get("server")
+    if server:
+        port = server[1]
+        names = {str(server[0]).lower()}
+        if config.host not in ("0.0.0.0", "::", ""):
+            names.add(config.host.lower().strip("[]"))
+        if names & {"127.0.0.1", "::1", "localhost"}:
+            names |= {"localhost", "127.0.0.1", "::1"}
+        allowed |= {f"[{name}]:{port}" if ":" in name else f"{name}:{port}" for name in names}
+    return allowed
+
+
 def _cross_origin(request: Request) -> bool:
     """True for a request a browser sent from another site's page. State changes refuse it: with
     auth off a `POST` is a CORS "simple request", sent cross-origin without a preflight, so any
@@ -87,13 +120,14 @@ def _cross_origin(request: Request) -> bool:
     origin = request.headers.get("origin")
     if origin is None:
         return False
-    return origin.split("://", 1)[-1].rstrip("/").lower() != request.headers.get("host", "").lower()
+    return _host_port(origin) not in _own_origins(request)
 
 
 async def _set_draining(request: Request, draining: bool) -> JSONResponse:
     if _cross_origin(request):
-        return error_response(PermissionDenied("Admin changes are refused from another site's page (Origin "
-                                               "differs from Host).", code="cross_origin_refused"))
+        return error_response(PermissionDenied("Admin changes are refused from another site's page (its Origin is "
+                                               "not this gateway's address nor in admin_origins).",
+                                               code="cross_origin_refused"))
     try:
         worker = _worker(request)
     except NotFound as exc:

@@ -232,3 +232,28 @@ def test_a_page_on_another_site_cannot_drain_workers(start_sim: StartSim, start_
     same_site = httpx.post(gw.url + "/admin/workers/p/0/drain", headers={"origin": gw.url})
     assert same_site.status_code == 200 and same_site.json()["draining"] is True  # the status page's own origin
     assert httpx.post(gw.url + "/admin/workers/p/0/undrain").status_code == 200  # curl sends no Origin
+
+
+@pytest.mark.parametrize("origin", [
+    "http://rebound.example:{port}",  # DNS rebinding: the attacker's name now resolves to the gateway
+    "http://rebound.example",
+    "https://127.0.0.1.evil.example:{port}",
+    "null",  # a sandboxed frame or a file: page
+])
+def test_a_page_whose_host_header_matches_its_origin_still_cannot_drain(
+        start_sim: StartSim, start_gateway: StartGateway, origin: str) -> None:
+    """Auth off: the Origin is compared with the gateway's own addresses, not with `Host`, which a
+    DNS-rebinding page sets to its own name."""
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], admin_origins=["https://gateway.example"])
+    port = gw.server.port
+    origin = origin.format(port=port)
+    host = origin.split("://")[-1] if "://" in origin else f"127.0.0.1:{port}"
+    forged = httpx.post(gw.url + "/admin/workers/p/0/drain", content=b"x",
+                        headers={"origin": origin, "host": host, "content-type": "text/plain"})
+    assert forged.status_code == 403 and forged.json()["error"]["code"] == "cross_origin_refused"
+    assert httpx.get(gw.url + "/admin/workers/p/0").json()["draining"] is False
+    for own in (f"http://localhost:{port}", f"http://127.0.0.1:{port}", "https://gateway.example",
+                "https://GATEWAY.example:443"):  # the listening address and the configured origin
+        answer = httpx.post(gw.url + "/admin/workers/p/0/drain", headers={"origin": own, "host": "anything"})
+        assert answer.status_code == 200, (own, answer.text)
