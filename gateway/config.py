@@ -330,6 +330,10 @@ class AuthConfig(_Strict):
     redis_timeout: float = Field(default=0.05, gt=0, description="seconds; a slower rate-limit check is a failure")
     redis_retry_after: float = Field(default=1.0, gt=0, description="seconds to skip Redis after a failure")
     key_prefix: str = Field(default="kgw:rl", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
+    metric_key_names: bool = Field(
+        default=False, description="label per-key metrics on the open /metrics with the key's name; off: with its "
+        "id, the first 12 hex digits of its sha256, which does not reveal who holds it",
+    )
 
     @model_validator(mode="after")
     def _check_keys(self) -> AuthConfig:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token
+from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token, key_id
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.config import AuthConfig, GatewayConfig
@@ -38,6 +38,9 @@ class AuthGuard:
         self.keys = keys
         self.limiter = limiter
         self.metrics = metrics
+        # `key` label of the open /metrics: a key id unless names are configured to show.
+        self.metric_labels = {key.name: key.name if config.metric_key_names else key_id(key.sha256)
+                              for key in config.keys}
 
     @classmethod
     def build(cls, config: GatewayConfig, metrics: GatewayMetrics) -> AuthGuard | None:
@@ -97,7 +100,7 @@ class AuthGuard:
         if verdict.allowed:
             return
         assert verdict.limit is not None
-        self.metrics.rate_limited.labels(principal.name, verdict.limit).inc()
+        self.metrics.rate_limited.labels(self.metric_labels.get(principal.name, "unknown"), verdict.limit).inc()
         raise rate_limited(principal, verdict)
 
     async def start(self) -> None:

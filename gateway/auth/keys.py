@@ -34,6 +34,12 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def key_id(sha256_hex: str) -> str:
+    """A key's id for metric labels: the first 12 hex digits of its SHA-256 (as in `auth.keys[].sha256`
+    and `kimi-gateway hash-key`), which names neither the key nor its holder."""
+    return sha256_hex[:12]
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who is calling: the key's configured name (never the key), its scopes and its limits.

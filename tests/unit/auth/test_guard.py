@@ -80,7 +80,7 @@ async def test_rate_limited_is_openais_429() -> None:
     assert error["message"].startswith("Rate limit reached for API key alice on requests per min (RPM): "
                                        "Limit 1, Used 1, Requested 1. Please try again in ")
     assert 1 <= int(info.value.headers["retry-after"]) <= 120
-    assert g.metrics.rate_limited.labels("alice", "requests")._value.get() == 1
+    assert g.metrics.rate_limited.labels(hash_key(USER_KEY)[:12], "requests")._value.get() == 1  # key id
     ops = g.authenticate(f"Bearer {ADMIN_KEY}")
     for _ in range(5):
         await g.check_quota(ops, 10**9)  # no limits, no limiter call
