@@ -35,23 +35,31 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from gateway.app import begin_draining, create_app
     from gateway.lifecycle import GracefulServer, tune_gc
     from gateway.request_head import http_options
+    from gateway.supervisor import Supervisor, bind_socket
 
     config = _load_or_exit(args.config)
     setup_logging(config.log_level)
     processes = args.processes or config.processes
+    host, port = args.host or config.host, args.port or config.port
+    # The port is bound before anything starts, so one already in use ends the command at once
+    # with status 1 (uvicorn binds after the app's start-up and then waits on its shutdown).
     if processes > 1:
-        from gateway.supervisor import Supervisor
-
         shutdown = config.shutdown
-        supervisor = Supervisor(args.config, args.host or config.host, args.port or config.port, processes,
-                                shutdown.drain_delay + shutdown.grace_period)
+        try:
+            supervisor = Supervisor(args.config, host, port, processes, shutdown.drain_delay + shutdown.grace_period)
+        except OSError as exc:
+            sys.exit(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
         sys.exit(supervisor.run())
+    try:
+        sock = bind_socket(host, port)
+    except OSError as exc:
+        sys.exit(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
     app = create_app(config)
-    server = GracefulServer(app, args.host or config.host, args.port or config.port, config.shutdown,
-                            on_drain=lambda: begin_draining(app), log_level=config.log_level,
-                            **http_options(config))
+    server = GracefulServer(app, host, port, config.shutdown, on_drain=lambda: begin_draining(app),
+                            log_level=config.log_level, **http_options(config))
     tune_gc()
-    server.run()
+    logging.getLogger("gateway.cli").info("kimi-gateway serving on http://%s:%d", *sock.getsockname()[:2])
+    server.run(sockets=[sock])
 
 
 def cmd_check_config(args: argparse.Namespace) -> None:
