@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import string
-import time
 
 import pytest
 
@@ -61,16 +60,12 @@ def test_block_hashes_skip_the_partial_block_and_respect_max_blocks() -> None:
     assert len(short_digest(b"img")) == 8
 
 
-def test_hashing_a_50kb_prompt_is_well_under_a_millisecond() -> None:
+def test_hashing_a_50kb_prompt_gives_one_hash_per_full_block() -> None:
+    # Its speed (~0.13 ms per 50 KB prompt) is a benchmark figure, not a unit test's business.
     data = _text(50_000).encode()
-    block_hashes(data, 64)
-    runs = 50
-    start = time.perf_counter()
-    for _ in range(runs):
-        hashes = block_hashes(data, 64)
-    per_prompt = (time.perf_counter() - start) / runs
-    assert len(hashes) == 781
-    assert per_prompt < 0.002, f"{per_prompt * 1e3:.3f} ms per 50 KB prompt"  # ~0.13 ms measured
+    hashes = block_hashes(data, 64)
+    assert len(hashes) == 781 == len(data) // 64
+    assert len(set(hashes)) == len(hashes)  # chained: equal blocks at different places differ
 
 
 # --- prompt keys -----------------------------------------------------------------------------
