@@ -14,9 +14,10 @@ from the plan file through gateway.plans (the same loader the gateway and `kimi-
 - ConfigMap `<pool>-launch`: the plan's launch script (gateway.plans.emit.render_script, the text
   of deploy/engines/<pool>.sh), which the engine container runs;
 - a patch of the gateway Deployment: one `<WORKER_ENV>_<i>` URL per engine instance (the variables
-  the plan's pool reads), the engine key from the Secret `kimi-engine-keys`, the replica count of
-  the config's `replicas`, and terminationGracePeriodSeconds = preStop + shutdown.drain_delay +
+  the plan's pool reads), the engine key from the Secret `kimi-engine-keys`, and
+  terminationGracePeriodSeconds = preStop + shutdown.drain_delay +
   shutdown.grace_period + a margin;
+- the HorizontalPodAutoscaler's minReplicas: the config's `replicas`;
 - a NetworkPolicy: engine ports only from the gateway pods, and any port between the pods of one
   multi-node instance (NCCL, Ray, the process group).
 
@@ -245,7 +246,6 @@ def gateway_patch(loaded: LoadedPlan, config: dict[str, Any], plan_key: str, car
         "kind": "Deployment",
         "metadata": {"name": "kimi-gateway"},
         "spec": {
-            "replicas": int(config.get("replicas", 1)),
             "template": {"spec": {
                 "terminationGracePeriodSeconds": termination_grace_seconds(gateway_shutdown(config)),
                 "containers": [{"name": "gateway", "env": env, "envFrom": env_from}],
