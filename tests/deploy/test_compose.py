@@ -23,6 +23,7 @@ COMPOSE = DEPLOY / "compose" / "compose.yaml"
 PRODUCTION = REPO_ROOT / "config" / "k3-production.yaml"
 CHECK_JSONSCHEMA = tool("check-jsonschema")
 PROMTOOL = tool("promtool")
+HAPROXY = tool("haproxy")
 needs_check_jsonschema = pytest.mark.skipif(CHECK_JSONSCHEMA is None,
                                             reason="check-jsonschema not installed (PyPI, dev extra)")
 _COMPOSE_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
@@ -137,3 +138,13 @@ def test_compose_prometheus_config_is_valid_with_the_alert_rules(tmp_path: Path)
     scrape = yaml.safe_load((tmp_path / "prometheus.yml").read_text())["scrape_configs"][0]
     assert scrape["job_name"] == "kimi-gateway"  # KimiGatewayDown selects it
     assert scrape["dns_sd_configs"][0]["names"] == ["gateway"]
+
+
+@pytest.mark.skipif(HAPROXY is None, reason="haproxy not installed (Debian package haproxy)")
+def test_haproxy_config_is_valid(tmp_path: Path) -> None:
+    config = DEPLOY / "compose" / "haproxy.cfg"
+    result = run([str(HAPROXY), "-c", "-f", str(config)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = tmp_path / "haproxy.cfg"
+    broken.write_text(config.read_text().replace("balance leastconn", "balance fewestconn"))
+    assert run([str(HAPROXY), "-c", "-f", str(broken)]).returncode != 0

