@@ -49,18 +49,19 @@ def test_compose_file_matches_the_compose_specification() -> None:
 
 
 @needs_check_jsonschema
-@pytest.mark.parametrize("breakage", ["unknown_key", "wrong_type"])
-def test_the_schema_check_fails_a_broken_compose_file(tmp_path: Path, breakage: str) -> None:
-    data = compose()
-    if breakage == "unknown_key":
-        data["services"]["gateway"]["replica"] = 2
-    else:
-        data["services"]["gateway"]["depends_on"] = 5  # a list or a mapping
-    broken = tmp_path / "compose.yaml"
-    broken.write_text(yaml.safe_dump(data))
-    result = validate(broken)
+def test_the_schema_check_fails_broken_compose_files(tmp_path: Path) -> None:
+    """An unknown service key and a wrong type: each file is reported as failing."""
+    unknown_key, wrong_type = compose(), compose()
+    unknown_key["services"]["gateway"]["replica"] = 2
+    wrong_type["services"]["gateway"]["depends_on"] = 5  # a list or a mapping
+    paths = []
+    for name, data in [("unknown-key", unknown_key), ("wrong-type", wrong_type)]:
+        paths.append(tmp_path / f"{name}.yaml")
+        paths[-1].write_text(yaml.safe_dump(data))
+    result = run([str(CHECK_JSONSCHEMA), "--builtin-schema", "vendor.compose-spec", *map(str, paths)])
     assert result.returncode != 0
-    assert "gateway" in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert "unknown-key.yaml" in output and "wrong-type.yaml" in output, output
 
 
 def sim_args(service: dict[str, Any]) -> dict[str, str]:

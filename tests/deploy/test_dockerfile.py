@@ -97,6 +97,7 @@ def test_dockerignore_lets_in_what_the_dockerfile_copies() -> None:
         if word == "COPY" and not args.startswith("--from"):
             sources += [s.rstrip("/") for s in args.split()[:-1]]
     assert sources and set(sources) <= allowed, (sources, allowed)
+    assert all((REPO_ROOT / source).exists() for source in sources), sources
 
 
 def health_command() -> list[str]:
