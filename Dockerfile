@@ -1,7 +1,8 @@
 # kimi-gateway container image. Build from the repository root:
 #   docker build -t kimi-gateway .
-# Two stages: `build` installs the gateway into a virtualenv with pip from pyproject.toml (as
-# scripts/bootstrap, which CI runs, does; without the test and llama.cpp extras), `runtime` copies
+# Two stages: `build` installs the gateway into a virtualenv with pip from pyproject.toml and the
+# pinned constraints.txt (as scripts/bootstrap, which CI runs, does; without the test and llama.cpp
+# extras), `runtime` copies
 # only that virtualenv and the example configs onto a slim Python and runs as an unprivileged user.
 # uvloop, httptools and hiredis are plain dependencies (manylinux wheels, no compiler needed); the
 # build fails if one of them does not import. Linted by hadolint (tests/deploy/test_dockerfile.py).
@@ -13,11 +14,14 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 RUN python -m venv /opt/kimi-gateway
-COPY pyproject.toml README.md ./
+# constraints.txt pins the versions CI tested (scripts/bootstrap installs with it); the [t] makes
+# the COPY work before that file exists, and `touch` then leaves pip an empty constraints file.
+COPY pyproject.toml README.md constraints.tx[t] ./
 COPY gateway/ gateway/
 # A regular (not editable) install: the runtime stage gets no source tree. The tracing extra is
 # included so `tracing.otlp_endpoint` works in the image.
-RUN /opt/kimi-gateway/bin/python -m pip install '.[tracing]' \
+RUN touch constraints.txt \
+ && /opt/kimi-gateway/bin/python -m pip install -c constraints.txt '.[tracing]' \
  && /opt/kimi-gateway/bin/python -c "import uvloop, httptools, hiredis, gateway.cli"
 
 FROM ${PYTHON_IMAGE} AS runtime
