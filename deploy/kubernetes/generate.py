@@ -188,6 +188,9 @@ def engine_objects(loaded: LoadedPlan) -> list[dict[str, Any]]:
                         "enableServiceLinks": False,
                         # Loading ~1.4 TB of weights takes minutes; an engine ends its requests itself.
                         "terminationGracePeriodSeconds": 60,
+                        # GPU/NPU nodes are commonly tainted with their device resource's name.
+                        "tolerations": [{"key": device_resource(hw.accelerator), "operator": "Exists",
+                                         "effect": "NoSchedule"}],
                         "containers": [container],
                         "volumes": [
                             {"name": "launch", "configMap": {"name": f"{pool}-launch", "defaultMode": 0o555}},
