@@ -2,8 +2,8 @@
 #   docker build -t kimi-gateway .
 # Two stages: `build` installs the gateway into a virtualenv with pip from pyproject.toml and the
 # pinned constraints.txt (as scripts/bootstrap, which CI runs, does; without the test and llama.cpp
-# extras), `runtime` copies
-# only that virtualenv and the example configs onto a slim Python and runs as an unprivileged user.
+# extras); `runtime` copies only that virtualenv and the example configs onto a slim Python and
+# runs as an unprivileged user.
 # uvloop, httptools and hiredis are plain dependencies (manylinux wheels, no compiler needed); the
 # build fails if one of them does not import. Linted by hadolint (tests/deploy/test_dockerfile.py).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
