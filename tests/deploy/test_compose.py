@@ -86,6 +86,9 @@ def test_simulated_engines_are_the_plans_pools() -> None:
             assert int(args["--max-context"]) == plan.max_context_tokens, name
             assert args["--served-model-name"] == plan.engine.served_model_name, name
             assert args["--host"] == "0.0.0.0", name
+            # The image's HEALTHCHECK probes /health on KIMI_GATEWAY_PORT (the Dockerfile's 8000 unless set).
+            health_port = services[name].get("environment", {}).get("KIMI_GATEWAY_PORT", "8000")
+            assert int(health_port) == plan.engine.port, name
             assert plan.engine.api_key_env is not None
             assert args["--api-key"] == gateway_env[plan.engine.api_key_env], name
     assert set(sims) == expected
