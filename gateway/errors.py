@@ -167,13 +167,14 @@ class RateLimitUnavailable(GatewayError):
     code = "rate_limit_unavailable"
 
 
-def error_bytes_from_upstream(status: int, body: bytes, code: str | None = None) -> bytes:
+def error_bytes_from_upstream(status: int, body: bytes, code: str | None = None, param: str | None = None) -> bytes:
     """An engine's 4xx answer as exactly an OpenAI error object `{"error": {message, type, param, code}}`.
 
     vLLM and SGLang answer `{"object": "error", "message", "type", "param", "code"}` (flat, older) or
     `{"error": {...}}`; llama.cpp answers `{"error": {"code", "message", "type", ...}}`. The message
     is kept; `type` follows the status; `param` and `code` are kept only when they are strings
-    (`code` may be given, e.g. `context_length_exceeded`); anything else an engine adds is dropped.
+    (`code` and `param` may be given, e.g. `context_length_exceeded` and `messages`: they win);
+    anything else an engine adds is dropped.
     """
     try:
         data = orjson.loads(body)
@@ -184,7 +185,7 @@ def error_bytes_from_upstream(status: int, body: bytes, code: str | None = None)
     message = source.get("message")
     if not isinstance(message, str) or not message:
         message = body[:2000].decode("utf-8", "replace") or f"The inference server answered HTTP {status}."
-    param = source.get("param")
+    param = param or source.get("param")
     engine_code = source.get("code")
     return orjson.dumps({"error": {
         "message": message,

@@ -8,6 +8,7 @@ exhausted upstreams. Failover happens only before the engine's first body byte.
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections.abc import Mapping
@@ -21,6 +22,7 @@ from gateway.affinity.hashing import longest_match
 from gateway.auth.keys import Principal
 from gateway.backends.client import UpstreamResponse, first_byte_budget, request_timeout
 from gateway.backends.patches import ask_for_usage
+from gateway.backends.registry import DEFAULT_RETRY_AFTER_S, WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.errors import (
@@ -166,11 +168,23 @@ class ProxyService:
         pool = pools[0]
         record.pool = pool.name
         metrics.estimated_prompt_tokens.labels(pool.name, request.estimate_method).observe(request.prompt_tokens)
+        failures = _Failures()
+        try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
+            return await self._dispatch_loop(api, payload, request, pools, record, failures)
+        finally:
+            failures.charge(state.registry)
+
+    async def _dispatch_loop(self, api: Api, payload: dict[str, Any], request: RoutingRequest,
+                             pools: list[PoolConfig], record: RequestRecord,
+                             failures: _Failures) -> BufferedResponse | RelayResponse:
+        state = self.state
+        metrics = state.metrics
+        pool = pools[0]
         tried: set[Worker] = set()
         too_long_retried = False
         last: AttemptFailed | None = None
         matches: dict[str, dict[str, float]] = {}  # pool -> worker URL -> matched share of the prompt
-        bodies: dict[tuple[str, bool], bytes] = {}  # (served model name, usage patch) -> upstream body
+        bodies: dict[tuple[str, bool, bool], bytes] = {}  # (served name, usage patch, max_tokens) -> body
         queue_deadline: float | None = None  # set when the request first waits for a slot
         while record.attempts < state.config.max_attempts:
             workers = state.registry.candidates(pool.name, tried)
@@ -214,7 +228,7 @@ class ProxyService:
             # Count a stream's tokens even when its client did not ask for usage (backends/patches.py).
             patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
             try:
-                key = (self._served[pool.name], patch_usage)
+                key = (self._served[pool.name], patch_usage, api not in worker.engine.max_completion_tokens_apis)
                 if key not in bodies:
                     bodies[key] = _upstream_body(payload, *key)
                 record.open_attempt, record.attempt_answered = worker, False
@@ -227,7 +241,7 @@ class ProxyService:
                     record.trace.end_attempt(failure.outcome)
                 tried.add(worker)
                 last = failure
-                step = self._after_failure(failure, worker, pool, pools, request, record, too_long_retried)
+                step = self._after_failure(failure, worker, pool, pools, request, record, too_long_retried, failures)
                 if isinstance(step, BufferedResponse):
                     return step
                 if step is not pool:
@@ -246,13 +260,15 @@ class ProxyService:
                                                      worker.url)
             result.headers.extend(self._route_headers(record))
             return result
-        raise self._exhausted(last, record)
+        raise self._exhausted(last, record, pools, failures)
 
     def _after_failure(self, failure: AttemptFailed, worker: Worker, pool: PoolConfig, pools: list[PoolConfig],
                        request: RoutingRequest, record: RequestRecord,
-                       too_long_retried: bool) -> PoolConfig | BufferedResponse:
+                       too_long_retried: bool, failures: _Failures) -> PoolConfig | BufferedResponse:
         """What a failed attempt leads to: the pool to try next (the same one, or the next larger
-        one once after an engine's "too long"), or the engine's own error for the client.
+        one once after an engine's "too long"), or the engine's own error for the client, also
+        when a second worker failed exactly as the one before (the request's fault, held
+        against neither).
 
         Raises UpstreamError / UpstreamTimeout for failures no other worker should repeat.
         """
@@ -273,8 +289,16 @@ class ProxyService:
         registry = self.state.registry
         if outcome is Outcome.STATUS_429:  # busy, not broken
             registry.throttled(worker, failure.retry_after)
+            failures.note_busy(failure)
         elif outcome is Outcome.CONNECT_ERROR:
             registry.connect_failed(worker, failure.detail)
+        elif _may_be_the_requests_fault(failure):
+            suspect = failures.suspect
+            if suspect is not None and suspect[0] is not worker and _same_failure(suspect[1], failure):
+                failures.suspect = None  # two workers, one answer: the request's doing
+                return self._request_fault(failure, record)
+            failures.charge(registry)  # the earlier one differed: that worker's own failure
+            failures.suspect = (worker, failure)
         else:
             registry.request_failed(worker, failure.detail)
         return pool
@@ -381,27 +405,76 @@ class ProxyService:
             self.state.registry.request_failed(worker, "no response headers within the overall cap")
 
     def _engine_error(self, failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
-        """Pass an engine's own 4xx answer to the client, as an OpenAI error object."""
+        """Pass an engine's own 4xx answer to the client, as an OpenAI error object. An engine's
+        "too long" names the request's prompt as `param` (`messages`, or `prompt` on completions),
+        as OpenAI's context_length_exceeded does; the engines name other things or nothing."""
         status = failure.status or 502
         record.status = status
         record.error = failure.detail
-        code = "context_length_exceeded" if failure.outcome is Outcome.TOO_LONG else None
-        body = error_bytes_from_upstream(status, failure.body, code)
+        too_long = failure.outcome is Outcome.TOO_LONG
+        param = ("messages" if record.api == "chat" else "prompt") if too_long else None
+        body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
         return BufferedResponse(status, body, b"application/json", self._route_headers(record))
 
-    def _exhausted(self, last: AttemptFailed | None, record: RequestRecord) -> GatewayError:
-        """The error for a request no worker accepted."""
-        if last is None or last.outcome in (Outcome.CONNECT_ERROR,):
-            return NoCapacity(f"No healthy inference server is available for pool {record.pool}; try again shortly.",
-                              headers={"retry-after": "1"})
+    def _request_fault(self, failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+        """The engine's error for a request two workers failed the same way: passed on as the
+        engine gave it, with `x-should-retry: false` (the OpenAI SDKs then do not resend it)."""
+        response = self._engine_error(failure, record)
+        record.error = f"two workers failed the request the same way ({failure.detail}): the request's fault"
+        response.headers.append((b"x-should-retry", b"false"))
+        return response
+
+    def _exhausted(self, last: AttemptFailed | None, record: RequestRecord, pools: list[PoolConfig],
+                   failures: _Failures) -> GatewayError:
+        """The error for a request no worker accepted, naming the pool it was meant for (`pools[0]`),
+        the pools it spilled over to and why no worker took it."""
+        where = f"pool {pools[0].name}"
+        if record.pool != pools[0].name:
+            where += f" (and the pools it spilled over to, up to {record.pool})"
+        if last is None or last.outcome is Outcome.CONNECT_ERROR:
+            wait, cause = self._unavailable(pools)
+            if last is not None:
+                cause = f"{last.detail}; {cause}"
+            return NoCapacity(f"No inference server of {where} can take the request now ({cause}); "
+                              f"try again in {wait} s.", headers={"retry-after": str(wait)})
         if last.outcome is Outcome.TIMEOUT:
-            return UpstreamTimeout(f"The inference server did not answer in time ({last.detail}).")
+            return UpstreamTimeout(f"The inference server of {where} did not answer in time ({last.detail}).")
         if last.outcome is Outcome.STATUS_429:
-            retry = str(int(last.retry_after or 1))
-            return NoCapacity("All inference servers are busy; try again shortly.", headers={"retry-after": retry},
-                              code="upstream_overloaded")
-        return UpstreamError(f"The inference servers failed to answer ({last.detail}) after {record.attempts} "
-                             f"attempt{'s' if record.attempts != 1 else ''}.")
+            busy = failures.busy or last
+            wait = max(1, math.ceil(busy.retry_after if busy.retry_after is not None else DEFAULT_RETRY_AFTER_S))
+            return NoCapacity(f"Every inference server of {where} is busy (HTTP 429); try again in {wait} s.",
+                              headers={**busy.headers, "retry-after": str(wait)}, code="upstream_overloaded")
+        return UpstreamError(f"The inference servers of {where} failed to answer ({last.detail}) after "
+                             f"{record.attempts} attempt{'s' if record.attempts != 1 else ''}.")
+
+    def _unavailable(self, pools: list[PoolConfig]) -> tuple[int, str]:
+        """For a request that found no candidate: the shortest honest wait in whole seconds (the
+        soonest a worker of its pools is back: a 429's back-off or an ejection ending, or the
+        next health probe for an unhealthy one; at least 1) and the workers' states as the cause."""
+        registry = self.state.registry
+        now = registry.clock()
+        waits: list[float] = []
+        states: list[str] = []
+        for pool in pools:
+            for worker in registry.pools[pool.name]:
+                if worker.draining:
+                    states.append(f"{worker.id} draining")
+                    continue
+                if not worker.healthy:
+                    waits.append(registry.health.interval)
+                    state = "unhealthy"
+                elif worker.ejected_until > now:
+                    waits.append(worker.ejected_until - now)
+                    state = "ejected"
+                elif worker.busy_until > now:
+                    waits.append(worker.busy_until - now)
+                    state = "busy (429)"
+                else:
+                    waits.append(0.0)
+                    state = "tried"
+                states.append(f"{worker.id} {state}" + (f": {worker.last_error}" if worker.last_error else ""))
+        shown = "; ".join(states[:8]) + (f"; and {len(states) - 8} more" if len(states) > 8 else "")
+        return max(1, math.ceil(min(waits, default=1.0))), shown or "no workers"
 
     @staticmethod
     def _route_headers(record: RequestRecord) -> Headers:
@@ -417,11 +490,22 @@ class ProxyService:
         return headers
 
 
-def _upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = False) -> bytes:
-    """The client's JSON object with `model` rewritten to the pool's served name, and with the
-    usage patch's `stream_options` when `ask_usage` (the only body edits the gateway makes)."""
+def _upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = False,
+                   output_as_max_tokens: bool = False) -> bytes:
+    """The client's JSON object as the engine gets it. The only edits: `model` becomes the pool's
+    served name; top-level fields set to null are left out (null means "the default" in OpenAI's
+    API, but some engine versions fail on it, e.g. `max_tokens: null` on vLLM's completions);
+    the usage patch's `stream_options` when `ask_usage`; and with `output_as_max_tokens` (an
+    engine that ignores `max_completion_tokens` on this API, `EngineSpec.max_completion_tokens_apis`)
+    `max_completion_tokens` is sent as `max_tokens`, which it replaces, as OpenAI ranks them."""
+    body = {name: value for name, value in payload.items() if value is not None}
+    if ask_usage:
+        body = ask_for_usage(body)
+    if output_as_max_tokens and "max_completion_tokens" in body:
+        body["max_tokens"] = body.pop("max_completion_tokens")
+    body["model"] = served_model
     try:
-        return orjson.dumps({**(ask_for_usage(payload) if ask_usage else payload), "model": served_model})
+        return orjson.dumps(body)
     except TypeError as exc:  # orjson writes at most 254 levels of nesting; it reads 1024
         raise InvalidRequest(f"The request body cannot be forwarded: {exc} (nested too deeply).",
                              code="invalid_json") from None
@@ -436,6 +520,46 @@ def _relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
     if declared.partition(";")[0].strip().lower() == ("text/event-stream" if stream else "application/json"):
         return SSE_CONTENT_TYPE if stream else JSON_CONTENT_TYPE
     raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered 200 with content type {declared[:60]!r}")
+
+
+@dataclass(slots=True)
+class _Failures:
+    """What a request's failed attempts showed that one attempt cannot judge alone.
+
+    `suspect` is a 5xx not yet held against its worker: if the next worker fails the same way,
+    the request caused both (a client must never be able to eject a pool); otherwise it is
+    charged (`charge`). `busy` is the 429 with the shortest Retry-After.
+    """
+
+    suspect: tuple[Worker, AttemptFailed] | None = None
+    busy: AttemptFailed | None = None
+
+    def charge(self, registry: WorkerRegistry) -> None:
+        """Hold the suspect 5xx against its worker after all (passive health)."""
+        if self.suspect is not None:
+            worker, failure = self.suspect
+            self.suspect = None
+            registry.request_failed(worker, failure.detail)
+
+    def note_busy(self, failure: AttemptFailed) -> None:
+        def wait(f: AttemptFailed) -> float:
+            return DEFAULT_RETRY_AFTER_S if f.retry_after is None else f.retry_after
+        if self.busy is None or wait(failure) < wait(self.busy):
+            self.busy = failure
+
+
+# 502/503/504 say "busy or broken in between", never "this request": they are not compared.
+_NOT_THE_REQUEST = frozenset({502, 503, 504})
+_VOLATILE = re.compile(rb"[0-9a-fA-F][0-9a-fA-F-]{15,}")  # request ids, UUIDs: differ per attempt
+
+
+def _may_be_the_requests_fault(failure: AttemptFailed) -> bool:
+    return failure.outcome is Outcome.STATUS_5XX and failure.status not in _NOT_THE_REQUEST
+
+
+def _same_failure(first: AttemptFailed, second: AttemptFailed) -> bool:
+    """Two engine answers with the same status and the same error body (ids aside)."""
+    return first.status == second.status and _VOLATILE.sub(b"#", first.body) == _VOLATILE.sub(b"#", second.body)
 
 
 def _passed_headers(response: UpstreamResponse) -> Headers:

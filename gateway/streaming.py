@@ -55,16 +55,18 @@ RETRYABLE = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT, Outcome.PROTOCOL_
 
 class AttemptFailed(Exception):
     """An attempt failed before the engine's first body byte. `status`/`body` are the engine's answer
-    when it gave one (4xx/5xx), `retry_after` its Retry-After header in seconds."""
+    when it gave one (4xx/5xx), `retry_after` its Retry-After header in seconds, `headers` the
+    engine's `x-ratelimit-*` headers of a 429 (lower-case names), passed on to the client."""
 
     def __init__(self, outcome: Outcome, detail: str, status: int | None = None, body: bytes = b"",
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)
         self.outcome = outcome
         self.detail = detail
         self.status = status
         self.body = body
         self.retry_after = retry_after
+        self.headers = headers or {}
 
 
 class Lease:
@@ -137,8 +139,9 @@ async def open_upstream(client: UpstreamClient, url: str, body: bytes, headers: 
     if status < 400:  # 204, redirects...: not an answer we can relay
         raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered HTTP {status}", status, error_body)
     if status == 429:
+        limits = {k.lower(): v for k, v in response.headers.items() if k.lower().startswith("x-ratelimit-")}
         raise AttemptFailed(Outcome.STATUS_429, "engine is rate limiting (429)", status, error_body,
-                            _retry_after(response))
+                            _retry_after(response), limits)
     if status >= 500:
         raise AttemptFailed(Outcome.STATUS_5XX, f"engine answered HTTP {status}", status, error_body,
                             _retry_after(response))

@@ -6,6 +6,9 @@ Sources: vLLM's metrics (`vllm:num_requests_running`, `vllm:num_requests_waiting
 `llamacpp:requests_processing` / `llamacpp:requests_deferred` with `--metrics`. vllm-ascend keeps
 vLLM's API and names. The "prompt too long" wordings are the engines' own 400 messages (vLLM's
 serving_engine / input processor, SGLang's tokenizer manager, llama.cpp's `exceed_context_size_error`).
+Which APIs honour `max_completion_tokens`: vLLM's and SGLang's `CompletionRequest` (their
+`entrypoints/openai/protocol.py`) have only `max_tokens` (default 16), their `ChatCompletionRequest`
+both; llama.cpp's server (xllamacpp 2026.10, measured) reads it on both APIs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class EngineSpec:
     # Tokens of its max context the engine will not fill: SGLang refuses prompt + max_new_tokens
     # >= context_len (TokenizerManager._validate_one_request), vLLM only > max_model_len.
     context_slack_tokens: int = 0
+    # APIs ("chat", "completions") on which the engine reads `max_completion_tokens`; elsewhere it
+    # ignores the field and generates its default (16 tokens), so the gateway sends `max_tokens`.
+    max_completion_tokens_apis: frozenset[str] = frozenset({"chat"})
 
 
 _VLLM_TOO_LONG = (
@@ -56,7 +62,7 @@ ENGINES: dict[str, EngineSpec] = {
                            "llamacpp:requests_deferred", (), (
                                "exceed_context_size_error",
                                "exceeds the available context size",
-                           )),
+                           ), max_completion_tokens_apis=frozenset({"chat", "completions"})),
 }
 
 # Any engine's wording counts: a pool mislabelled in config still gets the right retry.

@@ -119,6 +119,9 @@ class _Generation(_Open):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     max_tokens: OutputTokens | None = None
+    # OpenAI's newer name for the output limit; it wins over `max_tokens` (also on completions,
+    # where the gateway translates it for engines that only read `max_tokens`).
+    max_completion_tokens: OutputTokens | None = None
     n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
     user: StrictStr | None = None
 
@@ -127,7 +130,6 @@ class ChatCompletionRequest(_Generation):
     """`POST /v1/chat/completions` body (the fields routing reads)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: OutputTokens | None = None
 
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]

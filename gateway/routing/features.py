@@ -55,6 +55,12 @@ class RoutingRequest:
         return prompts + out * self.outputs
 
 
+def output_limit(wire: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """The output tokens a request asks for: `max_completion_tokens`, which OpenAI ranks over the
+    deprecated `max_tokens`, else `max_tokens`; None when it sets neither."""
+    return wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens
+
+
 def image_urls(wire: ChatCompletionRequest) -> list[str]:
     """The image URLs of a chat request that are not `data:` URIs, in order, each once."""
     urls: dict[str, None] = {}
@@ -116,7 +122,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     if "response_format" in extra:
         text_bytes += len(orjson.dumps(extra["response_format"]))
     tokens += estimator.bytes_tokens(text_bytes)
-    output = wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens
+    output = output_limit(wire)
     method = "+".join(sorted(methods, key=["bytes", "pixels", "default"].index))
     prefix = hasher.hash(b"".join(canonical), model) if hasher is not None else None
     return RoutingRequest(
@@ -154,7 +160,7 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
         tokens, total, prompts = max(lengths), sum(lengths), len(lengths)
     prefix = hasher.hash(first, model) if hasher is not None else None
     return RoutingRequest(
-        api="completions", model=model, prompt_tokens=tokens, output_tokens=wire.max_tokens,
+        api="completions", model=model, prompt_tokens=tokens, output_tokens=output_limit(wire),
         stream=bool(wire.stream), modalities=frozenset({"text"}), estimate_method=method,
         session_key=session_key or wire.user,
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage), prefix=prefix,

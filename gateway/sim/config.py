@@ -43,6 +43,9 @@ class SimFaults(BaseModel):
       ending). Both stop when the client leaves (hostile-endpoint tests of probes and scrapes).
     - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
       the chunked body, so the client sees an incomplete response (not a clean end).
+    - `null_max_tokens_500`: `/v1/completions` with `"max_tokens": null` gets HTTP 500 (an engine
+      version that fails on the null instead of using its default, as reported in issue 10; the
+      same answer on every worker, so it is the request's fault, not the workers').
     - `raw_stream_chunks`: streaming only; base64 byte strings sent as the whole response body,
       each as its own write with a ~20 ms pause in between (byte-exact relay tests).
     """
@@ -59,6 +62,7 @@ class SimFaults(BaseModel):
     metrics_body: BodyMode = "normal"
     trickle_interval_s: float = Field(default=0.1, gt=0.0)
     drop_after_chunks: int | None = Field(default=None, ge=0)
+    null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None
 
     @field_validator("raw_stream_chunks")

@@ -45,6 +45,10 @@ from gateway.sim.tokens import (
 RAW_CHUNK_PAUSE_S = 0.02
 """Pause between `raw_stream_chunks` writes, so each leaves as its own TCP segment."""
 
+NULL_MAX_TOKENS_MESSAGE = "'>' not supported between instances of 'NoneType' and 'int'"
+"""What the `null_max_tokens_500` fault answers: the TypeError of a completions path that compares
+a null `max_tokens` with the room left in the context."""
+
 _FAULT_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "TooManyRequestsError",
                 500: "InternalServerError", 501: "NotImplementedError", 503: "ServiceUnavailableError"}
 
@@ -160,6 +164,10 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
     if error is not None:
         await responder.reply(error)
         return
+    if faults.null_max_tokens_500 and kind == "text" and "max_tokens" in body and body["max_tokens"] is None:
+        engine.update(record, fault="null_max_tokens_500")
+        await responder.reply(dialect.error(NULL_MAX_TOKENS_MESSAGE, "InternalServerError", 500))
+        return
     try:
         plan = _plan(engine, kind, body, stream)
     except PromptError as exc:
@@ -167,8 +175,8 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
         return
     engine.update(record, prompt_tokens=plan.total_prompt_tokens)
     for tokens in plan.prompt_tokens:
-        error = dialect.check_context(tokens, requested_output_tokens(body), engine.config.max_context_tokens,
-                                      stream)
+        error = dialect.check_context(tokens, requested_output_tokens(body, kind == "chat"),
+                                      engine.config.max_context_tokens, stream)
         if error is not None:
             await _reply_context_error(responder, error)
             return
@@ -203,7 +211,7 @@ def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -
         prompt_tokens = [chat_prompt_tokens(body.get("messages"), config)]
     else:
         prompt_tokens = completion_prompt_tokens(body.get("prompt"), config)
-    requested = requested_output_tokens(body)
+    requested = requested_output_tokens(body, kind == "chat")
     output_tokens = requested if requested is not None else config.default_output_tokens
     finish_reason = "length" if requested is not None else "stop"
     return _Plan(kind, stream, prompt_tokens, output_tokens, finish_reason, r.StreamFormat.from_body(body))

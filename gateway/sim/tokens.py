@@ -152,9 +152,12 @@ def _ids_bytes(ids: list[int]) -> bytes:
         return b""
 
 
-def requested_output_tokens(body: dict[str, Any]) -> int | None:
-    """`max_completion_tokens`, else `max_tokens`, or None when the request gives neither."""
-    for name in ("max_completion_tokens", "max_tokens"):
+def requested_output_tokens(body: dict[str, Any], chat: bool = True) -> int | None:
+    """`max_completion_tokens`, else `max_tokens`, or None when the request gives neither.
+
+    With `chat` False (`/v1/completions`) only `max_tokens` counts: vLLM's and SGLang's
+    `CompletionRequest` have no `max_completion_tokens` and ignore it."""
+    for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
         value = body.get(name)
         if value is not None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

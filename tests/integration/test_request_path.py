@@ -440,8 +440,14 @@ def test_failing_worker_before_first_byte_fails_over(start_sim: StartSim, start_
     assert bad.engine.records, "round robin must have tried the failing worker"
 
 
-def test_every_worker_failing_is_a_502(start_sim: StartSim, start_gateway: StartGateway) -> None:
-    sims = [start_sim("vllm", faults=SimFaults(fail_status=500)) for _ in range(2)]
+@pytest.mark.parametrize("faults", [
+    [SimFaults(fail_status=503), SimFaults(fail_status=503)],  # busy or broken: never the request's fault
+    [SimFaults(fail_status=500, fail_body='{"error": {"message": "CUDA error"}}'),
+     SimFaults(fail_status=500, fail_body='{"error": {"message": "engine loop dead"}}')],  # two causes
+])
+def test_every_worker_failing_is_a_502(start_sim: StartSim, start_gateway: StartGateway,
+                                       faults: list[SimFaults]) -> None:
+    sims = [start_sim("vllm", faults=f) for f in faults]
     gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072)])
     response = httpx.post(gw.v1 + "/chat/completions",
                           json={"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]})

@@ -58,6 +58,9 @@ def test_requested_output_tokens() -> None:
     assert requested_output_tokens({"max_tokens": 5}) == 5
     assert requested_output_tokens({"max_tokens": 5, "max_completion_tokens": 2}) == 2
     assert requested_output_tokens({"max_tokens": None, "max_completion_tokens": None}) is None
+    # /v1/completions of vLLM and SGLang read only max_tokens (their CompletionRequest has no other).
+    assert requested_output_tokens({"max_completion_tokens": 200}, chat=False) is None
+    assert requested_output_tokens({"max_tokens": 5, "max_completion_tokens": 2}, chat=False) == 5
     for bad in (-1, "3", True):
         with pytest.raises(PromptError):
             requested_output_tokens({"max_tokens": bad})
