@@ -50,6 +50,7 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
 
     routes = [
         Route("/v1/models", models.list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", models.retrieve_model, methods=["GET"]),
         Route("/health", ops.health, methods=["GET"]),
         Route("/ready", ops.ready, methods=["GET"]),
         Route("/metrics", ops.metrics, methods=["GET"]),

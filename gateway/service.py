@@ -432,11 +432,12 @@ class ProxyService:
         if record.pool != pools[0].name:
             where += f" (and the pools it spilled over to, up to {record.pool})"
         if last is None or last.outcome is Outcome.CONNECT_ERROR:
-            wait, cause = self._unavailable(pools)
+            wait, cause, busy = self._unavailable(pools)
             if last is not None:
                 cause = f"{last.detail}; {cause}"
             return NoCapacity(f"No inference server of {where} can take the request now ({cause}); "
-                              f"try again in {wait} s.", headers={"retry-after": str(wait)})
+                              f"try again in {wait} s.", headers={"retry-after": str(wait)},
+                              code="upstream_overloaded" if busy else None)
         if last.outcome is Outcome.TIMEOUT:
             return UpstreamTimeout(f"The inference server of {where} did not answer in time ({last.detail}).")
         if last.outcome is Outcome.STATUS_429:
@@ -447,14 +448,16 @@ class ProxyService:
         return UpstreamError(f"The inference servers of {where} failed to answer ({last.detail}) after "
                              f"{record.attempts} attempt{'s' if record.attempts != 1 else ''}.")
 
-    def _unavailable(self, pools: list[PoolConfig]) -> tuple[int, str]:
+    def _unavailable(self, pools: list[PoolConfig]) -> tuple[int, str, bool]:
         """For a request that found no candidate: the shortest honest wait in whole seconds (the
         soonest a worker of its pools is back: a 429's back-off or an ejection ending, or the
-        next health probe for an unhealthy one; at least 1) and the workers' states as the cause."""
+        next health probe for an unhealthy one; at least 1), the workers' states as the cause,
+        and whether every worker out of service is only busy (429 back-offs)."""
         registry = self.state.registry
         now = registry.clock()
         waits: list[float] = []
         states: list[str] = []
+        busy = 0
         for pool in pools:
             for worker in registry.pools[pool.name]:
                 if worker.draining:
@@ -469,12 +472,13 @@ class ProxyService:
                 elif worker.busy_until > now:
                     waits.append(worker.busy_until - now)
                     state = "busy (429)"
+                    busy += 1
                 else:
                     waits.append(0.0)
                     state = "tried"
                 states.append(f"{worker.id} {state}" + (f": {worker.last_error}" if worker.last_error else ""))
         shown = "; ".join(states[:8]) + (f"; and {len(states) - 8} more" if len(states) > 8 else "")
-        return max(1, math.ceil(min(waits, default=1.0))), shown or "no workers"
+        return max(1, math.ceil(min(waits, default=1.0))), shown or "no workers", 0 < busy == len(states)
 
     @staticmethod
     def _route_headers(record: RequestRecord) -> Headers:

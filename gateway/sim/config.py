@@ -33,7 +33,8 @@ class SimFaults(BaseModel):
     - `fail_status` / `fail_count` / `fail_body` / `retry_after_s`: answer generation requests with
       this HTTP status before doing any work. `fail_count` is how many requests fail (`None` = all);
       with global faults it counts down. `fail_body` is the exact JSON text to send (default: an
-      error object in the engine's style). `retry_after_s` adds a `Retry-After` header.
+      error object in the engine's style). `retry_after_s` adds a `Retry-After` header,
+      `fail_headers` any others (e.g. the `x-ratelimit-*` of a rate-limiting proxy in front).
     - `hang_before_headers`: accept the request but never send headers (the request is recorded as
       aborted once the client gives up).
     - `hang_health`: `GET /health` accepts the connection but never answers.
@@ -56,6 +57,7 @@ class SimFaults(BaseModel):
     fail_count: int | None = Field(default=None, ge=0)
     fail_body: str | None = None
     retry_after_s: int | None = Field(default=None, ge=0)
+    fail_headers: dict[str, str] | None = None
     hang_before_headers: bool = False
     hang_health: bool = False
     health_body: BodyMode = "normal"

@@ -193,6 +193,7 @@ async def _fail(engine: SimEngine, record: SimRequestRecord, responder: _Respond
         err_type = _FAULT_TYPES.get(status, "InternalServerError")
         reply = engine.dialect.error(f"Simulated failure (HTTP {status}).", err_type, status)
     extra = [(b"retry-after", str(faults.retry_after_s).encode())] if faults.retry_after_s is not None else []
+    extra += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (faults.fail_headers or {}).items()]
     await responder.reply(reply, extra)
 
 
