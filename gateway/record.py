@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,8 @@ class RequestRecord:
     trace: RequestTrace | None = None  # OpenTelemetry spans (gateway/tracing.py) when tracing is on
     open_attempt: Any = None  # the Worker of an upstream attempt still running (a cut one stays set)
     attempt_answered: bool = False  # that attempt's engine has sent its response headers
+    reached_engine: bool = False  # an engine accepted the request or may have worked on it (quota settle)
+    on_finish: Callable[[RequestRecord], None] | None = None  # called once by `finish` (quota settle)
     _finished: bool = False
 
     def cut_by_shutdown(self, response_started: bool) -> None:
@@ -72,6 +75,8 @@ class RequestRecord:
         if self._finished:
             return
         self._finished = True
+        if self.on_finish is not None:
+            self.on_finish(self)
         now = time.perf_counter()
         if self.disconnect_stage is not None:
             metrics.client_disconnects.labels(self.pool, self.disconnect_stage).inc()

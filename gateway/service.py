@@ -150,16 +150,31 @@ class ProxyService:
         `principal` is the authenticated caller (auth on): its quota is charged the request's
         estimated prompt tokens + its output limit (else the first fitting pool's reservation) times
         the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
-        (429) or RateLimitUnavailable (503) when refused.
+        (429) or RateLimitUnavailable (503) when refused. The charge is settled when the request
+        ends (`quota_used`): at once for an answer or error given here, at the record's finish for
+        a stream.
         """
         payload, request = await self.parse(api, body, headers)
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
         pools = fitting_pools(request, self.state.config.pools)
-        if principal is not None and self.state.auth is not None:
-            await self.state.auth.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens))
-        return await self._dispatch(api, payload, request, pools, record)
+        auth = self.state.auth
+        if principal is None or auth is None:
+            return await self._dispatch(api, payload, request, pools, record)
+        reservation = await auth.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens))
+        if reservation is None:
+            return await self._dispatch(api, payload, request, pools, record)
+        record.on_finish = lambda done: auth.settle_soon(reservation, quota_used(
+            done, request, reservation.tokens, done.outcome != "ok" or done.status >= 400))
+        try:
+            result = await self._dispatch(api, payload, request, pools, record)
+        except GatewayError:
+            await auth.settle(reservation, quota_used(record, request, reservation.tokens, failed=True))
+            raise
+        if isinstance(result, BufferedResponse):
+            await auth.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
+        return result
 
     async def _dispatch(self, api: Api, payload: dict[str, Any], request: RoutingRequest,
                         pools: list[PoolConfig], record: RequestRecord) -> BufferedResponse | RelayResponse:
@@ -236,6 +251,7 @@ class ProxyService:
                 record.open_attempt = None
             except AttemptFailed as failure:
                 record.open_attempt = None
+                record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
                 metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
                 if record.trace is not None:
                     record.trace.end_attempt(failure.outcome)
@@ -250,6 +266,7 @@ class ProxyService:
                     pool = step
                     record.pool = pool.name
                 continue
+            record.reached_engine = True
             metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
             if record.trace is not None:
                 record.trace.end_attempt(Outcome.OK)
@@ -398,6 +415,7 @@ class ProxyService:
         if worker is None:
             return
         record.open_attempt = None
+        record.reached_engine = True  # the engine may have been working on it all along
         self.state.metrics.upstream_attempts.labels(worker.pool, worker.id, Outcome.TIMEOUT).inc()
         if record.trace is not None:
             record.trace.end_attempt(Outcome.TIMEOUT)
@@ -524,6 +542,25 @@ def _relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
     if declared.partition(";")[0].strip().lower() == ("text/event-stream" if stream else "application/json"):
         return SSE_CONTENT_TYPE if stream else JSON_CONTENT_TYPE
     raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered 200 with content type {declared[:60]!r}")
+
+
+def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, failed: bool) -> int | None:
+    """The tokens a request that ended (`failed`: with an error, or a stream cut short) counts
+    against its key's token limit: the engine's usage (prompt + completion tokens) when it
+    reported one; the reservation when the client hung up, or a complete answer came without
+    usage (nothing to settle by); the prompt estimate when an engine accepted the request (or
+    may have been working on it) and it failed later; None, "release it all", when no engine
+    worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
+    usage = record.usage
+    if usage is not None:
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            return prompt + completion
+    if record.disconnect_stage is not None or (record.reached_engine and not failed):
+        return reserved
+    if record.reached_engine:
+        return request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
+    return None
 
 
 @dataclass(slots=True)

@@ -14,8 +14,10 @@ OpenAI's (https://platform.openai.com/docs/guides/error-codes):
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token, key_id
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
@@ -30,6 +32,17 @@ WRONG_KEY = "Incorrect API key provided."  # never echo the key, not even masked
 PER_MIN = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
 
+@dataclass(slots=True)
+class Reservation:
+    """What `AuthGuard.check_quota` counted for one request: 1 request and `tokens` tokens in the
+    limiter's fixed window number `window`; `settled` once `AuthGuard.settle` took its part back."""
+
+    principal: Principal
+    tokens: int
+    window: int
+    settled: bool = False
+
+
 class AuthGuard:
     """Authentication (key ring), authorization (scopes) and per-key quotas (a rate limiter)."""
 
@@ -41,6 +54,7 @@ class AuthGuard:
         # `key` label of the open /metrics: a key id unless names are configured to show.
         self.metric_labels = {key.name: key.name if config.metric_key_names else key_id(key.sha256)
                               for key in config.keys}
+        self._settling: set[asyncio.Task[None]] = set()  # settles started from sync code (`settle_soon`)
 
     @classmethod
     def build(cls, config: GatewayConfig, metrics: GatewayMetrics) -> AuthGuard | None:
@@ -82,31 +96,55 @@ class AuthGuard:
             self.metrics.auth_failures.labels("forbidden").inc()
             raise PermissionDenied(f"You have insufficient permissions for this operation. Missing scope: {scope}.")
 
-    async def check_quota(self, principal: Principal, tokens: int) -> None:
+    async def check_quota(self, principal: Principal, tokens: int) -> Reservation | None:
         """Count one request of `tokens` tokens (estimated prompt + requested output) against the
-        key's limits. Raises RateLimited (429), or RateLimitUnavailable (503) when the limiter cannot
-        answer and `fail_mode` is `closed`; with `open` the request goes on."""
+        key's limits: the Reservation to settle when the request ends, None when nothing was
+        counted (a key without limits, or the limiter down and `fail_mode: open`). Raises
+        RateLimited (429), or RateLimitUnavailable (503) when the limiter cannot answer and
+        `fail_mode` is `closed`."""
         if not principal.limited:
-            return
+            return None
         verdict = await self.limiter.acquire(principal, tokens)
         if verdict is None:
             if self.config.fail_mode == "open":
                 self.metrics.rate_limit_unavailable.labels("allowed").inc()
-                return
+                return None
             self.metrics.rate_limit_unavailable.labels("refused").inc()
             retry = max(1, math.ceil(self.config.redis_retry_after))
             raise RateLimitUnavailable("Rate limits cannot be checked right now; please try again shortly.",
                                        headers={"retry-after": str(retry)})
         if verdict.allowed:
-            return
+            return None if verdict.window is None else Reservation(principal, tokens, verdict.window)
         assert verdict.limit is not None
         self.metrics.rate_limited.labels(self.metric_labels.get(principal.name, "unknown"), verdict.limit).inc()
         raise rate_limited(principal, verdict)
+
+    async def settle(self, reservation: Reservation, used_tokens: int | None) -> None:
+        """Settle a reservation once its request ended: charge `used_tokens` instead of the tokens
+        reserved (more or less), or, with None (no engine worked on the request), take the request
+        and all its tokens back. Once per reservation; never raises."""
+        if reservation.settled:
+            return
+        reservation.settled = True
+        requests, tokens = (1, reservation.tokens) if used_tokens is None else (0, reservation.tokens - used_tokens)
+        if requests or tokens:
+            await self.limiter.refund(reservation.principal, reservation.window, requests, tokens)
+
+    def settle_soon(self, reservation: Reservation, used_tokens: int | None) -> None:
+        """`settle` from synchronous code on the event loop (a request's end): runs as a task that
+        `stop()` waits for."""
+        if reservation.settled:
+            return
+        task = asyncio.get_running_loop().create_task(self.settle(reservation, used_tokens))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     async def start(self) -> None:
         await self.limiter.start()
 
     async def stop(self) -> None:
+        if self._settling:
+            await asyncio.gather(*self._settling, return_exceptions=True)
         await self.limiter.stop()
 
 

@@ -1,11 +1,13 @@
 """Per-key rate limits: the sliding-window rule, the `RateLimiter` interface, the in-process limiter.
 
 Two limits per key, both per minute: requests (`requests_per_minute`, each request costs 1) and
-tokens (`tokens_per_minute`, each request costs its estimated prompt tokens + the output tokens it
-asked for, else the first fitting pool's `default_output_tokens`). Like OpenAI, tokens are counted
-up front from the request and never refunded from the actual usage
+tokens (`tokens_per_minute`). Like OpenAI, a request is charged up front with its estimated prompt
+tokens + the output tokens it asked for, else the first fitting pool's `default_output_tokens`
 (https://platform.openai.com/docs/guides/rate-limits: "your rate limit is calculated as the
-maximum of max_tokens and the estimated number of tokens based on the character count").
+maximum of max_tokens and the estimated number of tokens based on the character count"). Unlike
+a flat charge, the reservation is settled when the request ends (`RateLimiter.refund`, called by
+`AuthGuard.settle`): down (or up) to what it used, and in full, request included, when it failed
+before any engine worked on it, so clients retrying through an outage do not exhaust their key.
 
 Algorithm: a *sliding window counter* (the approximation Cloudflare and nginx-style limiters use).
 Time is cut into fixed one-minute windows; the use over the last 60 s is estimated as
@@ -52,7 +54,8 @@ class Verdict:
     When refused: the limit that refused it (`requests` or `tokens`), that limit's value per window,
     the estimated use of the last window before this request (`used`), what this request needed
     (`requested`), and `retry_after`, seconds until it would fit (`math.inf`: never — the request
-    alone is larger than the limit).
+    alone is larger than the limit). When allowed by a limiter that counted it: `window`, the
+    number of the fixed window it was counted in (what `RateLimiter.refund` takes back from).
     """
 
     allowed: bool
@@ -61,6 +64,7 @@ class Verdict:
     used: int = 0
     requested: int = 0
     retry_after: float = 0.0
+    window: int | None = None
 
 
 ALLOWED = Verdict(True)
@@ -108,6 +112,14 @@ class RateLimiter(Protocol):
 
         None when the limiter could not answer (Redis down, timed out, circuit open: the
         implementation counts it); the caller then fails open or closed as configured.
+        """
+        ...
+
+    async def refund(self, principal: Principal, window: int, requests: int, tokens: int) -> None:
+        """Take `requests` and `tokens` back from what fixed window number `window` counted (negative
+        `tokens` add: a request that used more than it reserved). Counts never go below 0; a window
+        older than the one before the key's current one is gone, and so is the refund. Never raises
+        (a Redis failure is counted and the refund lost: the key stays charged, as without settling).
         """
         ...
 
@@ -162,7 +174,20 @@ class MemoryRateLimiter:
         if verdict.allowed:
             windows.requests += 1
             windows.tokens += tokens
+            return Verdict(True, window=index)
         return verdict
+
+    async def refund(self, principal: Principal, window: int, requests: int, tokens: int) -> None:
+        windows = self._keys.get(principal.name)
+        if windows is None:
+            return
+        # Windows roll lazily on acquire: `index` is the last one counted in, as in the Redis hash.
+        if window == windows.index:
+            windows.requests = max(0.0, windows.requests - requests)
+            windows.tokens = max(0.0, windows.tokens - tokens)
+        elif window == windows.index - 1:
+            windows.prev_requests = max(0.0, windows.prev_requests - requests)
+            windows.prev_tokens = max(0.0, windows.prev_tokens - tokens)
 
     async def start(self) -> None:
         return None

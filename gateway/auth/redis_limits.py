@@ -7,7 +7,8 @@ windows after its last write, so an idle key costs nothing and the store holds a
 configured key (~150 bytes each).
 
 Cost: one EVALSHA per limited request — HMGET + HSET + PEXPIRE of that one key inside a Lua script,
-so the check and the count are atomic across replicas, in one round trip. At 1,000 requests/s
+so the check and the count are atomic across replicas, in one round trip — and one more, smaller
+one (`REFUND_LUA`: HMGET + HSET) when the request ends using less than it reserved. At 1,000 requests/s
 that is 1,000 small scripts/s, a few percent of one Redis core. The script reads Redis' own clock
 (`TIME`), so replicas whose clocks disagree still agree on the windows. One key per script call
 keeps it valid on Redis Cluster.
@@ -31,7 +32,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.auth.keys import Principal
-from gateway.auth.limits import ALLOWED, WINDOW_S, LimitKind, Verdict
+from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
 from gateway.config import AuthConfig
 from gateway.metrics import GatewayMetrics
 
@@ -42,7 +43,7 @@ LOG_EVERY_S = 10.0
 # KEYS[1]: the key's hash. ARGV: window (ms), requests limit, tokens limit (-1: no limit), tokens,
 # and optionally the time in ms (tests compare the script with limits.py on one clock; the gateway
 # never passes it, so the script reads Redis' clock).
-# Returns {allowed 0/1, wait ms (-1: never), limit kind, limit, used, requested}.
+# Returns {allowed 0/1, wait ms (-1: never), limit kind, limit, used, requested, window number}.
 # `wait` is limits.wait_seconds in milliseconds: keep the two equal.
 LUA = """
 if redis.replicate_commands then redis.replicate_commands() end
@@ -81,11 +82,32 @@ for _, c in ipairs(checks) do
 end
 if worst > 0 then
   if worst == math.huge then worst = -1 else worst = math.ceil(worst) end
-  return {0, worst, kind, limit, used, requested}
+  return {0, worst, kind, limit, used, requested, index}
 end
 redis.call('HSET', KEYS[1], 'w', index, 'r', r + 1, 't', t + tokens, 'pr', pr, 'pt', pt)
 redis.call('PEXPIRE', KEYS[1], 2 * window)
-return {1, 0, '', 0, 0, 0}
+return {1, 0, '', 0, 0, 0, index}
+"""
+
+# KEYS[1]: the key's hash. ARGV: the window number the request was counted in, requests, tokens to
+# take back. The hash's `w` is the last window counted in (windows roll lazily, as in LUA), so the
+# refund lands on `r`/`t` when that is the request's window, on `pr`/`pt` when it is the one after,
+# and nowhere when the request's window is older. Counts stay >= 0; the expiry is left as it is.
+REFUND_LUA = """
+local s = redis.call('HMGET', KEYS[1], 'w', 'r', 't', 'pr', 'pt')
+local w = tonumber(s[1])
+if not w then return 0 end
+local target, dr, dt = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if target == w then
+  redis.call('HSET', KEYS[1], 'r', math.max(0, (tonumber(s[2]) or 0) - dr),
+             't', math.max(0, (tonumber(s[3]) or 0) - dt))
+elseif target == w - 1 then
+  redis.call('HSET', KEYS[1], 'pr', math.max(0, (tonumber(s[4]) or 0) - dr),
+             'pt', math.max(0, (tonumber(s[5]) or 0) - dt))
+else
+  return 0
+end
+return 1
 """
 
 
@@ -104,6 +126,7 @@ class RedisRateLimiter:
             retry=Retry(NoBackoff(), 0), max_connections=128, health_check_interval=0,
         )
         self._script = self.redis.register_script(LUA)
+        self._refund = self.redis.register_script(REFUND_LUA)
         self._skip_until = 0.0
         self._last_log = 0.0
 
@@ -139,12 +162,24 @@ class RedisRateLimiter:
             self._failed(exc)
             return None
         self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
-        allowed, wait_ms, kind, limit, used, requested = reply
+        allowed, wait_ms, kind, limit, used, requested, window = reply
         if allowed:
-            return ALLOWED
+            return Verdict(True, window=int(window))
         retry_after = math.inf if wait_ms < 0 else wait_ms / 1000
         limit_kind: LimitKind = "tokens" if kind in (b"tokens", "tokens") else "requests"
         return Verdict(False, limit_kind, int(limit), int(used), int(requested), retry_after)
+
+    async def refund(self, principal: Principal, window: int, requests: int, tokens: int) -> None:
+        if not self.available:
+            return
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.config.redis_timeout):
+                await self._refund(keys=[self.key(principal.name)], args=[window, requests, tokens])
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(exc)
+            return
+        self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
 
     async def start(self) -> None:
         return None

@@ -69,6 +69,44 @@ async def test_token_limit_refusals_cost_nothing(limiter: RateLimiter) -> None:
 
 
 @pytest.mark.anyio
+async def test_refund_settles_what_was_counted(limiter: RateLimiter) -> None:
+    alice = key(rpm=2, tpm=100)
+    first = await limiter.acquire(alice, 80)
+    assert first is not None and first.allowed and first.window is not None
+    refused = await limiter.acquire(alice, 30)
+    assert refused is not None and (refused.allowed, refused.used) == (False, 80)
+    await limiter.refund(alice, first.window, 0, 60)  # the request used 20 of its 80
+    assert (await limiter.acquire(alice, 30)).allowed  # 20 + 30
+    refused = await limiter.acquire(alice, 1)
+    assert refused is not None and (refused.allowed, refused.limit, refused.used) == (False, "requests", 2)
+    await limiter.refund(alice, first.window, 1, 30)  # the second one never reached an engine
+    assert (await limiter.acquire(alice, 10)).allowed
+    await limiter.refund(alice, first.window, 1, 0)  # (room for one more request: the tokens decide below)
+    await limiter.refund(alice, first.window, 0, -60)  # used more than it reserved: charged on top
+    refused = await limiter.acquire(alice, 50)
+    assert refused is not None and (refused.limit, refused.used) == ("tokens", 90)  # 20 + 10 + 60
+    await limiter.refund(alice, first.window, 10, 10**6)  # never below zero
+    assert (await limiter.acquire(alice, 100)).allowed
+    assert (await limiter.acquire(key(tpm=100, name="bob"), 100)).allowed  # other keys untouched
+
+
+@pytest.mark.anyio
+async def test_refund_reaches_the_previous_window_only(limiter: RateLimiter) -> None:
+    clock = time.monotonic if isinstance(limiter, MemoryRateLimiter) else time.time
+    alice = key(tpm=100)
+    first = await limiter.acquire(alice, 90)
+    assert first is not None and first.window is not None
+    await asyncio.sleep(WINDOW_S - clock() % WINDOW_S + 0.02)  # into the next window
+    await limiter.refund(alice, first.window, 0, 80)  # lands on the previous window's count
+    assert (await limiter.acquire(alice, 85)).allowed  # 10 x (share left) + 85 fits; 90 x share would not
+    late = await limiter.acquire(alice, 1)
+    assert late is not None and late.window == first.window + 1
+    await asyncio.sleep(2 * WINDOW_S)
+    await limiter.refund(alice, first.window, 1, 10)  # that window is gone: nothing to take back, no error
+    assert (await limiter.acquire(alice, 100)).allowed
+
+
+@pytest.mark.anyio
 async def test_redis_key_layout(key_prefix: str) -> None:
     limiter = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=key_prefix, redis_timeout=0.5), GatewayMetrics())
     try:
@@ -116,7 +154,7 @@ async def test_lua_script_equals_the_python_rule(key_prefix: str) -> None:
             expected = await memory.acquire(principal, tokens)
             reply = await lua._script(keys=[lua.key(principal.name)], args=[
                 60_000, principal.requests_per_minute or -1, principal.tokens_per_minute or -1, tokens, clock_ms[0]])
-            allowed, wait_ms, kind, limit, used, requested = reply
+            allowed, wait_ms, kind, limit, used, requested = reply[:6]
             assert bool(allowed) == expected.allowed, f"step {step}"
             if not expected.allowed:
                 assert (kind.decode(), limit, used, requested) == (

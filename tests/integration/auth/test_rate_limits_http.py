@@ -58,16 +58,17 @@ def test_request_rate_limit_gives_429_with_retry_after(sim: RunningSim, start_ga
 
 
 def test_token_rate_limit(sim: RunningSim, start_gateway: StartGateway) -> None:
-    # "Hi" is estimated at 41 prompt tokens (32 per request + 8 per message + 1): 341 with max_tokens=300.
+    # "Hi" is estimated at 41 prompt tokens (32 per request + 8 per message + 1): 441 with max_tokens=400.
+    # Each is settled against the engine's usage once answered: 5 prompt + 400 completion tokens.
     gw = gateway(start_gateway, sim, {"tokens_per_minute": 1000}, auth={"metric_key_names": True})
     wait_clear_of_window_edge(time.monotonic)
-    chat(gw, max_tokens=300)
-    chat(gw, max_tokens=300)
+    chat(gw, max_tokens=400)
+    chat(gw, max_tokens=400)
     with pytest.raises(openai.RateLimitError) as info:
-        chat(gw, max_tokens=300)
+        chat(gw, max_tokens=400)
     assert info.value.type == "tokens"
-    assert "on tokens per min (TPM): Limit 1000, Used 682, Requested 341" in info.value.message
-    chat(gw, max_tokens=200)  # 241 more still fit: the refused request cost nothing
+    assert "on tokens per min (TPM): Limit 1000, Used 810, Requested 441" in info.value.message
+    chat(gw, max_tokens=100)  # 141 more still fit: the refused request cost nothing
 
     # Larger than the whole limit: "Request too large", and the SDK does not retry (x-should-retry: false).
     with pytest.raises(openai.RateLimitError) as too_large:
@@ -82,15 +83,16 @@ def test_token_rate_limit(sim: RunningSim, start_gateway: StartGateway) -> None:
 def test_token_limit_charges_every_completion_asked_for(sim: RunningSim, start_gateway: StartGateway) -> None:
     gw = gateway(start_gateway, sim, {"tokens_per_minute": 1000})
     wait_clear_of_window_edge(time.monotonic)
-    chat(gw, max_tokens=300, n=3)  # 41 prompt tokens + 3 x 300 output tokens = 941
+    chat(gw, max_tokens=300, n=3)  # 41 prompt tokens + 3 x 300 output tokens = 941: fits
     with pytest.raises(openai.RateLimitError) as info:
-        chat(gw, max_tokens=100)
-    assert "Limit 1000, Used 941, Requested 141" in info.value.message
-    # A completions batch: each prompt and each of its outputs (2 prompts x n=2 x 200 tokens).
+        chat(gw, max_tokens=320, n=3)  # 41 + 3 x 320 = 1001: larger than the whole limit
+    assert "Limit 1000, Requested 1001" in info.value.message
+    # A completions batch: each prompt and each of its outputs (2 prompts x n=2 x 200 tokens), on
+    # top of the first request's use (settled to the simulator's usage: one choice, 5 + 300 tokens).
     sdk = openai.OpenAI(base_url=gw.v1, api_key=ALICE_KEY, max_retries=0)
     with pytest.raises(openai.RateLimitError) as batch:
         sdk.completions.create(model="kimi-k3", prompt=[[1, 2, 3], [4, 5]], max_tokens=200, n=2)
-    assert "Requested 805" in batch.value.message
+    assert "Used 305, Requested 805" in batch.value.message
 
 
 def test_limits_are_shared_by_replicas_through_redis(sim: RunningSim, start_gateway: StartGateway,
