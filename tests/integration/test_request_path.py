@@ -136,7 +136,7 @@ def test_image_data_uri_from_shared_images(three_pools: tuple[RunningGateway, di
 ])
 def test_routing_at_exact_pool_boundary(three_pools: tuple[RunningGateway, dict[str, RunningSim]],
                                         pool_name: str, limit: int, next_pool: str) -> None:
-    gw, _ = three_pools
+    gw, sims = three_pools
     estimator = TokenEstimator(gw.config.estimation)
     prompt_tokens = limit - 10000
     text = prompt_of_estimate(prompt_tokens, estimator)
@@ -144,10 +144,17 @@ def test_routing_at_exact_pool_boundary(three_pools: tuple[RunningGateway, dict[
 
     def routed(max_tokens: int | None) -> str:
         extra = {} if max_tokens is None else {"max_tokens": max_tokens}
+        before = {name: len(sim.engine.records) for name, sim in sims.items()}
         raw = c.chat.completions.with_raw_response.create(
             model="kimi-k3", messages=[{"role": "user", "content": text}], **extra)  # type: ignore[arg-type]
         assert raw.headers["x-kimi-gateway-estimated-prompt-tokens"].startswith(f"{prompt_tokens};")
-        return raw.headers["x-kimi-gateway-pool"]
+        # Chosen right the first time: one attempt, and no other engine saw the request (an engine's
+        # "too long" and the retry on the next pool would hide a wrong first choice).
+        assert raw.headers["x-kimi-gateway-attempts"] == "1"
+        chosen = raw.headers["x-kimi-gateway-pool"]
+        assert {n: len(s.engine.records) - before[n] for n, s in sims.items()} == {
+            n: int(n == chosen) for n in sims}
+        return chosen
 
     assert routed(10000) == pool_name           # prompt + output == the usable limit: fits
     assert routed(10001) == next_pool           # one token over: the next pool
@@ -167,6 +174,25 @@ def test_output_reservation_decides_when_max_tokens_absent(start_sim: StartSim,
         raw = c.chat.completions.with_raw_response.create(
             model="kimi-k3", messages=[{"role": "user", "content": prompt_of_estimate(prompt_tokens, estimator)}])
         assert raw.headers["x-kimi-gateway-pool"] == expected, prompt_tokens
+        assert raw.headers["x-kimi-gateway-attempts"] == "1"
+    assert len(small.engine.records) == 1 and len(big.engine.records) == 1
+
+
+@pytest.mark.parametrize(("limits", "expected"), [
+    ({"max_tokens": 100, "max_completion_tokens": 3000}, "big"),  # max_completion_tokens wins (OpenAI)
+    ({"max_tokens": 3000, "max_completion_tokens": 100}, "small"),
+    ({"max_completion_tokens": 3000}, "big"),
+])
+def test_max_completion_tokens_decides_the_output_reservation(start_sim: StartSim, start_gateway: StartGateway,
+                                                              limits: dict[str, int], expected: str) -> None:
+    small, big = start_sim("vllm", max_context_tokens=2048), start_sim("sglang", max_context_tokens=8192)
+    gw = start_gateway([pool("small", "vllm", [small.url], 2048), pool("big", "sglang", [big.url], 8192)])
+    response = httpx.post(gw.v1 + "/chat/completions",
+                          json={"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], **limits})
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kimi-gateway-pool"] == expected
+    assert response.headers["x-kimi-gateway-attempts"] == "1"
+    assert (len(small.engine.records), len(big.engine.records)) == ((1, 0) if expected == "small" else (0, 1))
 
 
 def test_over_the_largest_pool_is_context_length_exceeded(
@@ -305,6 +331,29 @@ def test_engine_too_long_is_retried_on_the_next_pool(start_sim: StartSim, start_
     assert len(big.engine.records) == 2
     metrics = httpx.get(gw.url + "/metrics").text
     assert 'kimi_gateway_spillovers_total{cause="too_long",from_pool="small",to_pool="big"} 2.0' in metrics
+
+
+def test_in_band_too_long_of_a_legacy_sglang_stream_is_retried(start_sim: StartSim,
+                                                              start_gateway: StartGateway) -> None:
+    # SGLang before 2026-04 answers a streaming request that is too long with 200 and an SSE error event.
+    small = start_sim("sglang", api_version="legacy", max_context_tokens=4096, bytes_per_token=1.0)
+    big = start_sim("vllm", max_context_tokens=65536)
+    gw = start_gateway([pool("small", "sglang", [small.url], 4096), pool("big", "vllm", [big.url], 65536)])
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "word " * 1000}], "max_tokens": 4,
+            "stream": True}
+    direct = httpx.post(small.url + "/v1/chat/completions", json=body)
+    assert direct.status_code == 200 and b'"error"' in direct.content  # the dialect is what it claims
+    small.engine.clear_records()
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body) as response:
+        received = response.read()
+    assert response.status_code == 200
+    assert (response.headers["x-kimi-gateway-pool"], response.headers["x-kimi-gateway-attempts"]) == ("big", "2")
+    events = [e for e in received.split(b"\n\n") if e]
+    assert b'"error"' not in received and events[-1] == b"data: [DONE]" and received.count(b"[DONE]") == 1
+    assert len([e for e in events if b'"content"' in e]) >= 4
+    assert [r.status for r in small.engine.records] == [200] and len(big.engine.records) == 1
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'kimi_gateway_upstream_attempts_total{outcome="too_long",pool="small",worker="small/0"} 1.0' in metrics
 
 
 def test_engine_too_long_on_the_largest_pool_reaches_the_client(start_sim: StartSim,
