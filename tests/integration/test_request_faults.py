@@ -71,6 +71,31 @@ def test_a_500_then_another_500_with_a_different_cause_counts_both(start_sim: St
     assert _ejections(gw) == 2
 
 
+def test_the_same_error_with_another_status_is_not_the_same_failure(start_sim: StartSim,
+                                                                    start_gateway: StartGateway) -> None:
+    same_body = '{"error": {"message": "internal error"}}'
+    sims = [start_sim("vllm", faults=SimFaults(fail_status=status, fail_body=same_body)) for status in (500, 501)]
+    gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin")], health=HEALTH)
+    for _ in range(3):
+        response = httpx.post(gw.v1 + "/chat/completions",
+                              json={"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 502 and "x-should-retry" not in response.headers
+    assert _ejections(gw) == 2
+
+
+def test_too_long_is_retried_on_one_larger_pool_only(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    # Both smaller engines count 1 token a byte, far above the gateway's estimate: each says "too long".
+    sims = [start_sim("vllm", max_context_tokens=ctx, bytes_per_token=1.0) for ctx in (4096, 8192)]
+    big = start_sim("vllm", max_context_tokens=65536)
+    gw = start_gateway([pool("small", "vllm", [sims[0].url], 4096), pool("mid", "vllm", [sims[1].url], 8192),
+                        pool("big", "vllm", [big.url], 65536)])
+    response = httpx.post(gw.v1 + "/chat/completions", json={
+        "model": "kimi-k3", "messages": [{"role": "user", "content": "word " * 2000}], "max_tokens": 4})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert (response.headers["x-kimi-gateway-pool"], response.headers["x-kimi-gateway-attempts"]) == ("mid", "2")
+    assert [len(s.engine.records) for s in (*sims, big)] == [1, 1, 0]
+
+
 def test_null_max_tokens_on_completions_is_not_forwarded(start_sim: StartSim, start_gateway: StartGateway) -> None:
     # An engine version that answers 500 to `"max_tokens": null` on completions (issue 10's report).
     sims = [start_sim("vllm", faults=SimFaults(null_max_tokens_500=True)) for _ in range(2)]

@@ -99,6 +99,10 @@ AFFINITY_CASES = [
                  id="hot prefix: only a shared system prompt matches (500 tokens < 1024)"),
     pytest.param((0, 0, 0), (0.3, 0.0, 0.0), None, {"min_match_ratio": 0.5}, (None, "no_match"),
                  id="below min_match_ratio"),
+    pytest.param((1, 0, 0), (0.1, 0.0, 0.0), None, {"min_match_tokens": 1000}, (0, "affinity"),
+                 id="a match of exactly min_match_tokens counts"),
+    pytest.param((1, 0, 0), (0.0999, 0.0, 0.0), None, {"min_match_tokens": 1000}, (None, "no_match"),
+                 id="one token short of min_match_tokens does not"),
 ]
 
 

@@ -87,6 +87,8 @@ async def test_refund_settles_what_was_counted(limiter: RateLimiter) -> None:
     assert refused is not None and (refused.limit, refused.used) == ("tokens", 90)  # 20 + 10 + 60
     await limiter.refund(alice, first.window, 10, 10**6)  # never below zero
     assert (await limiter.acquire(alice, 100)).allowed
+    refused = await limiter.acquire(alice, 1)
+    assert refused is not None and (refused.allowed, refused.limit, refused.used) == (False, "tokens", 100)
     assert (await limiter.acquire(key(tpm=100, name="bob"), 100)).allowed  # other keys untouched
 
 
@@ -97,10 +99,10 @@ async def test_refund_reaches_the_previous_window_only(limiter: RateLimiter) -> 
     first = await limiter.acquire(alice, 90)
     assert first is not None and first.window is not None
     await asyncio.sleep(WINDOW_S - clock() % WINDOW_S + 0.02)  # into the next window
-    await limiter.refund(alice, first.window, 0, 80)  # lands on the previous window's count
-    assert (await limiter.acquire(alice, 85)).allowed  # 10 x (share left) + 85 fits; 90 x share would not
-    late = await limiter.acquire(alice, 1)
+    late = await limiter.acquire(alice, 1)  # counted in the new window: the old one is now the previous
     assert late is not None and late.window == first.window + 1
+    await limiter.refund(alice, first.window, 0, 80)  # lands on the previous window's count
+    assert (await limiter.acquire(alice, 85)).allowed  # 1 + 10 x (share left) + 85 fits; 90 x share would not
     await asyncio.sleep(2 * WINDOW_S)
     await limiter.refund(alice, first.window, 1, 10)  # that window is gone: nothing to take back, no error
     assert (await limiter.acquire(alice, 100)).allowed
