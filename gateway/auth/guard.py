@@ -10,6 +10,9 @@ OpenAI's (https://platform.openai.com/docs/guides/error-codes):
   Requested R. Please try again in Ns."); a request larger than its key's whole token limit gets
   OpenAI's "Request too large" 429 with `x-should-retry: false` (the OpenAI SDKs then do not retry);
 - 503 `rate_limit_unavailable` with `Retry-After` when Redis cannot answer and `fail_mode: closed`.
+
+A quota check returns a `Reservation`; the request path settles it when the request ends
+(`settle`: to the tokens used, or all of it back when no engine worked on the request).
 """
 
 from __future__ import annotations
