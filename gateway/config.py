@@ -87,6 +87,12 @@ class PoolConfig(_Strict):
     max_in_flight: int | None = Field(default=None, ge=1, description="requests in the whole pool at once")
     max_queue: int = Field(default=256, ge=0, description="requests that may wait for a free slot")
     queue_timeout: float = Field(default=10.0, ge=0, description="seconds a request may wait for a slot")
+    upstream_keep_alive: float = Field(
+        default=4.0, gt=0,
+        description="seconds an idle connection to this pool's engines is kept for reuse; keep it below the "
+        "engines' own idle keep-alive (5 s: uvicorn's default, which vLLM and SGLang run with, and llama.cpp's) "
+        "so the gateway never sends a request on a connection the engine is closing",
+    )
 
     @field_validator("workers")
     @classmethod

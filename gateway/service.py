@@ -313,7 +313,7 @@ class ProxyService:
             try:
                 async with asyncio.timeout(budget):
                     response = await open_upstream(state.upstream, worker.url + UPSTREAM_PATHS[api], body, headers,
-                                                   timeout)
+                                                   timeout, pool.name)
                     record.attempt_answered = True
                     first, rest, pending = await first_chunk(response, keepalive)
             except TimeoutError:

@@ -118,13 +118,14 @@ async def _read_error(response: UpstreamResponse) -> bytes:
 
 
 async def open_upstream(client: UpstreamClient, url: str, body: bytes, headers: dict[str, str],
-                        timeout: UpstreamTimeouts) -> UpstreamResponse:
-    """POST `body` and return the response once 2xx headers arrived (body not read yet).
+                        timeout: UpstreamTimeouts, pool: str | None = None) -> UpstreamResponse:
+    """POST `body` (on `pool`'s connections) and return the response once 2xx headers arrived
+    (body not read yet).
 
     Raises AttemptFailed: transport errors, 5xx, 429, the engine's "context too long", other 4xx.
     """
     try:
-        response = await client.post(url, body, headers, timeout)
+        response = await client.post(url, body, headers, timeout, pool)
     except TransportError as exc:
         raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} from {url}") from exc
     status = response.status_code

@@ -17,11 +17,14 @@ from __future__ import annotations
 import functools
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import aiohttp
 import httpx
 
 from gateway.config import TimeoutConfig
+
+DEFAULT_KEEP_ALIVE_S = 4.0  # below the 5 s idle keep-alive of uvicorn (vLLM, SGLang) and cpp-httplib (llama.cpp)
 
 # What a failed exchange with an engine raises (aiohttp's timeouts are TimeoutErrors too).
 TransportError = (aiohttp.ClientError, TimeoutError)
@@ -75,34 +78,77 @@ class UpstreamResponse:
             self._raw.close()
 
 
+class _Reuse:
+    """Per-request trace context: did the request go out on a pooled (reused) connection?"""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(session: aiohttp.ClientSession, context: SimpleNamespace,
+                    params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    context.trace_request_ctx.reused = True
+
+
 class UpstreamClient:
-    """A keep-alive pool to every engine, with no connection cap (the engines' own queues and the
-    pool gates bound load). Call `start()` on the event loop that will use it, `aclose()` at the end."""
+    """Keep-alive pools to every engine, one per gateway pool (each with its pool's
+    `upstream_keep_alive`), with no connection cap (the engines' own queues and the pool gates
+    bound load). Call `start()` on the event loop that will use it, `aclose()` at the end.
 
-    def __init__(self, timeouts: TimeoutConfig) -> None:
+    A request that fails on a reused connection before any response byte (the engine had closed
+    it: `ServerDisconnectedError`, a reset) is sent once more on a new connection: the engine
+    never saw it (RFC 9112 9.3.1.1), and it is no sign of a broken worker.
+    """
+
+    def __init__(self, timeouts: TimeoutConfig, keep_alive: Mapping[str, float] | None = None) -> None:
         self._timeouts = timeouts
-        self._session: aiohttp.ClientSession | None = None
+        self._keep_alive = dict(keep_alive or {})
+        self._sessions: dict[str | None, aiohttp.ClientSession] = {}
+        self._fresh: aiohttp.ClientSession | None = None
 
-    async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=10)
-        self._session = aiohttp.ClientSession(
+    def _session(self, connector: aiohttp.BaseConnector, traced: bool) -> aiohttp.ClientSession:
+        traces = []
+        if traced:
+            trace = aiohttp.TraceConfig(trace_config_ctx_factory=SimpleNamespace)
+            trace.on_connection_reuseconn.append(_on_reuse)
+            traces.append(trace)
+        return aiohttp.ClientSession(
             connector=connector, auto_decompress=False, trust_env=False,
-            headers={"accept-encoding": "identity"}, skip_auto_headers=("User-Agent",),
+            headers={"accept-encoding": "identity"}, skip_auto_headers=("User-Agent",), trace_configs=traces,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeouts.connect,
                                           sock_read=self._timeouts.read),
         )
 
+    async def start(self) -> None:
+        for pool, seconds in [(None, DEFAULT_KEEP_ALIVE_S), *self._keep_alive.items()]:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=seconds, ttl_dns_cache=10)
+            self._sessions[pool] = self._session(connector, traced=True)
+        # Only for the resend after a dead pooled connection: always a new connection.
+        self._fresh = self._session(aiohttp.TCPConnector(limit=0, force_close=True, ttl_dns_cache=10), traced=False)
+
     async def post(self, url: str, body: bytes, headers: Mapping[str, str],
-                   timeouts: UpstreamTimeouts) -> UpstreamResponse:
-        """POST `body` and return once the response headers arrived. Raises TransportError."""
-        assert self._session is not None, "UpstreamClient.start() was not called"
-        raw = await self._session.post(url, data=body, headers=headers, timeout=_client_timeout(timeouts),
-                                       allow_redirects=False)
+                   timeouts: UpstreamTimeouts, pool: str | None = None) -> UpstreamResponse:
+        """POST `body` on `pool`'s connections and return once the response headers arrived.
+        Raises TransportError."""
+        session = self._sessions.get(pool) or self._sessions.get(None)
+        assert session is not None and self._fresh is not None, "UpstreamClient.start() was not called"
+        reuse = _Reuse()
+        timeout = _client_timeout(timeouts)
+        try:
+            raw = await session.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False,
+                                     trace_request_ctx=reuse)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if not reuse.reused or isinstance(exc, aiohttp.ClientConnectorError):
+                raise
+            raw = await self._fresh.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
         return UpstreamResponse(raw)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for session in [*self._sessions.values(), self._fresh]:
+            if session is not None:
+                await session.close()
 
 
 @functools.lru_cache(maxsize=1024)
@@ -129,11 +175,14 @@ def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int, stream: bool) -
     return UpstreamTimeouts(connect=timeouts.connect, read=read)
 
 
-def build_control_client(timeouts: TimeoutConfig) -> httpx.AsyncClient:
+def build_control_client(timeouts: TimeoutConfig, keep_alive: float = DEFAULT_KEEP_ALIVE_S) -> httpx.AsyncClient:
     """The httpx client for health probes and `/metrics` scrapes (each call sets its own deadline, body
-    cap and headers: `backends/control.py`)."""
+    cap and headers: `backends/control.py`).
+
+    Idle connections are kept `keep_alive` seconds: below the engines' own idle keep-alive, so a
+    probe never goes out on a connection the engine is closing (and fails the worker for it)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=timeouts.connect, read=timeouts.read, write=timeouts.write, pool=None),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=30.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=keep_alive),
         follow_redirects=False, trust_env=False,
     )

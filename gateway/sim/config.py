@@ -154,6 +154,15 @@ class SimConfig(BaseModel):
     keep_records: bool = True
     """False: store no `SimRequestRecord`s (memory stays flat on long benchmarks); the counters
     of `GET /sim/stats` and `/metrics` are kept either way."""
+    keep_alive_s: float = Field(default=5.0, gt=0.0)
+    """Seconds an idle HTTP connection stays open between requests: uvicorn's
+    `timeout_keep_alive`, whose default of 5 s vLLM and SGLang run with."""
+    idle_close_unannounced: bool = False
+    """True: a connection idle for `keep_alive_s` is dropped without telling the client, which
+    learns it only when it sends its next request there (the connection is reset before any
+    response byte). This is the race a pooled client meets when the engine's idle close crosses
+    its request on the wire, or when a NAT or proxy in between forgot the connection, made
+    deterministic. False: the idle close is a FIN the client sees at once (uvicorn)."""
 
     @property
     def model_name(self) -> str:

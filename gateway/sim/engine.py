@@ -155,6 +155,7 @@ class SimEngine:
         self._hit_rate = HitRateWindow()
         self._finished: Counter[str] = Counter()
         self._health_checks = 0
+        self._idle_resets = 0
         self._hash_seed = seed_for(config.model_name)
         self.registry = build_registry(self.stats, self.dialect, config.model_name)
 
@@ -434,6 +435,17 @@ class SimEngine:
         """How many `GET /health` requests arrived."""
         with self._cond:
             return self._health_checks
+
+    def note_idle_reset(self) -> None:
+        """Count one request reset on a connection dropped idle (`idle_close_unannounced`)."""
+        with self._cond:
+            self._idle_resets += 1
+
+    @property
+    def idle_resets(self) -> int:
+        """Requests that arrived on a connection dropped idle and were reset unanswered."""
+        with self._cond:
+            return self._idle_resets
 
     def _kv_usage(self) -> float:
         if self.kv is not None:
