@@ -159,19 +159,29 @@ def _client_timeout(timeouts: UpstreamTimeouts) -> aiohttp.ClientTimeout:
 
 
 def first_byte_budget(timeouts: TimeoutConfig, prompt_tokens: int) -> float:
-    """Seconds to wait for an engine's first byte: a base plus a prefill allowance per 1K tokens."""
+    """Seconds to wait for an engine's first content: a base plus a prefill allowance per 1K tokens."""
     return timeouts.first_byte_base + timeouts.first_byte_per_1k_tokens * prompt_tokens / 1000.0
 
 
-def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int, stream: bool) -> UpstreamTimeouts:
+def answer_budget(timeouts: TimeoutConfig, prompt_tokens: int, output_tokens: int) -> float:
+    """Seconds a non-streaming answer may take (its headers come with its last byte): the
+    first-byte budget, `generation`, and `generation_per_token` per requested output token."""
+    return (first_byte_budget(timeouts, prompt_tokens) + timeouts.generation
+            + timeouts.generation_per_token * output_tokens)
+
+
+def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int, stream: bool,
+                    output_tokens: int = 0) -> UpstreamTimeouts:
     """Timeouts of one upstream request.
 
     Streaming: each read may wait the first-byte budget (prefill) or the gap limit, whichever is
-    longer. Non-streaming: the first byte comes with the whole answer, so the read may also take
-    the generation allowance.
+    longer. Non-streaming: the first byte comes with the whole answer, so a read may take the
+    whole `answer_budget`.
     """
-    budget = first_byte_budget(timeouts, prompt_tokens)
-    read = max(timeouts.read, budget) if stream else budget + timeouts.generation
+    if stream:
+        read = max(timeouts.read, first_byte_budget(timeouts, prompt_tokens))
+    else:
+        read = answer_budget(timeouts, prompt_tokens, output_tokens)
     return UpstreamTimeouts(connect=timeouts.connect, read=read)
 
 

@@ -41,6 +41,8 @@ class SimFaults(BaseModel):
       "normal"; "trickle" (200 headers, then one byte every `trickle_interval_s` seconds, never
       ending); "endless" (200 headers, then 64 KiB writes as fast as the client reads, never
       ending). Both stop when the client leaves (hostile-endpoint tests of probes and scrapes).
+    - `black_hole`: every request (generation, `/health`, `/metrics`) is accepted and never
+      answered, as by a wedged engine process.
     - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
       the chunked body, so the client sees an incomplete response (not a clean end).
     - `raw_stream_chunks`: streaming only; base64 byte strings sent as the whole response body,
@@ -58,6 +60,7 @@ class SimFaults(BaseModel):
     health_body: BodyMode = "normal"
     metrics_body: BodyMode = "normal"
     trickle_interval_s: float = Field(default=0.1, gt=0.0)
+    black_hole: bool = False
     drop_after_chunks: int | None = Field(default=None, ge=0)
     raw_stream_chunks: list[str] | None = None
 

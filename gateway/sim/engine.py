@@ -35,7 +35,7 @@ class SimRequestRecord:
     names; `body` is the parsed JSON as received (including any `x_sim_faults`; the raw text when
     it is not JSON). `aborted` is True when the client disconnected before the response completed
     (`finished_at` is then when that was noticed); `fault` names an injected fault that shaped the
-    answer ("fail_status", "hang_before_headers", "drop_after_chunks", "raw_stream_chunks").
+    answer ("fail_status", "hang_before_headers", "black_hole", "drop_after_chunks", "raw_stream_chunks").
     `cached_tokens` of `prompt_tokens` were found in the prefix cache at admission;
     `prefill_tokens` (the rest) had to be computed.
     """
