@@ -187,7 +187,6 @@ class Held(StrEnum):
 
 
 _EMPTY_VALUES: tuple[object, ...] = (None, "", [], {})
-_CONTENTLESS_KEYS = frozenset({"role", "content", "reasoning_content", "reasoning", "tool_calls", "refusal"})
 
 
 def classify_event(event: bytes) -> tuple[Held, bytes]:
@@ -195,9 +194,10 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
     `(verdict, data)` where data is its joined `data:` payload.
 
     Content-less: comments only (`: keep-alive`), or chunks whose every choice has no finish
-    reason, no `text`, and a delta of only `role` and empty content, reasoning or tool-call fields
-    (OpenAI's chat chunk format; vLLM and SGLang open a stream with `{"role": "assistant",
-    "content": ""}`). Anything else counts as content, so an unknown shape is never held back.
+    reason, no `text`, and a delta of `role` and empty fields only (content, reasoning, tool calls:
+    null, "", [] or {}; OpenAI's chat chunk format, and vLLM and SGLang open a stream with
+    `{"role": "assistant", "content": ""}`). Anything else counts as content, so an unknown shape
+    is never held back.
     """
     data = b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
     if not data:
@@ -223,9 +223,8 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
         delta = choice.get("delta")
         if delta is None:
             continue
-        if not isinstance(delta, dict) or any(
-                value not in _EMPTY_VALUES for key, value in delta.items() if key != "role") or (
-                not delta.keys() <= _CONTENTLESS_KEYS):
+        if not isinstance(delta, dict) or any(value not in _EMPTY_VALUES for key, value in delta.items()
+                                              if key != "role"):
             return Held.CONTENT, data
     return Held.EMPTY, data
 

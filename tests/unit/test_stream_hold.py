@@ -30,6 +30,7 @@ def delta(d: dict[str, object], finish: str | None = None) -> bytes:
     delta({"content": None}),
     delta({"content": "", "reasoning_content": None, "tool_calls": []}),
     delta({"reasoning": ""}),
+    delta({"role": "assistant", "content": None, "function_call": None, "audio": None}),
     event([{"index": 0, "text": "", "finish_reason": None}]),  # completions
     event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},
            {"index": 1, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]),  # n=2
