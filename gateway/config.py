@@ -158,10 +158,9 @@ class TimeoutConfig(_Strict):
     )
     response_header: float = Field(
         default=30.0, gt=0,
-        description="streaming: seconds for an engine's response headers, which vLLM and SGLang send once the "
-        "request is tokenized, before the prefill (engines that hold them until the first token, llama.cpp, get "
-        "the first-byte budget instead). A worker that sent no headers is not generating: the request moves to "
-        "another worker and the timeout counts toward the worker's outlier ejection",
+        description="streaming: seconds for an engine's response headers, which vLLM, SGLang and llama.cpp send "
+        "once the request is tokenized, before the prefill. A worker that sent no headers is not generating: the "
+        "request moves to another worker and the timeout counts toward the worker's outlier ejection",
     )
     generation: float = Field(
         default=60.0, gt=0,

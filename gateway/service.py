@@ -309,11 +309,9 @@ class ProxyService:
         timeout = request_timeout(timeouts, request.prompt_tokens, request.stream, output)
         # The wait for a stream's first content, or for a whole answer, has its own budget: aiohttp's
         # read timeout is per read and must also allow a long prefill, so it cannot catch a worker
-        # that hangs quickly. Headers have a shorter one where the engine sends them before the prefill.
+        # that hangs quickly. A stream's headers have a shorter one: engines send them before the prefill.
         budget = first_byte_budget(timeouts, request.prompt_tokens) if request.stream else timeout.read
-        header_wait = budget
-        if request.stream and worker.engine.stream_headers_early:
-            header_wait = min(timeouts.response_header, budget)
+        header_wait = min(timeouts.response_header, budget) if request.stream else budget
         loop = asyncio.get_running_loop()
         started = loop.time()
         moved = False

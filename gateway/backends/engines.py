@@ -29,9 +29,6 @@ class EngineSpec:
     # Tokens of its max context the engine will not fill: SGLang refuses prompt + max_new_tokens
     # >= context_len (TokenizerManager._validate_one_request), vLLM only > max_model_len.
     context_slack_tokens: int = 0
-    # A stream's 200 headers go out before the prefill (vLLM, SGLang: once the request is
-    # tokenized); llama.cpp's server waits for the first result, so they come with the first token.
-    stream_headers_early: bool = True
 
 
 _VLLM_TOO_LONG = (
@@ -59,7 +56,7 @@ ENGINES: dict[str, EngineSpec] = {
                            "llamacpp:requests_deferred", (), (
                                "exceed_context_size_error",
                                "exceeds the available context size",
-                           ), stream_headers_early=False),
+                           )),
 }
 
 # Any engine's wording counts: a pool mislabelled in config still gets the right retry.
