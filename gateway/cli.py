@@ -109,7 +109,7 @@ def cmd_sim(args: argparse.Namespace) -> None:
             ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"],
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity,
             prefill_tokens_per_s=args.prefill_rate, api_key=args.api_key, api_key_scope=args.api_key_scope,
-            log_level="warning")
+            keep_alive_s=args.keep_alive, log_level="warning")
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--api-key-scope", choices=["engine", "all"], default="engine",
                      help="paths the key guards: the engine's own choice (vLLM: /v1/*; SGLang: all but "
                           "/health and /metrics) or every path (an authenticating proxy in front)")
+    sim.add_argument("--keep-alive", type=float, default=5.0,
+                     help="seconds an idle connection stays open (uvicorn's timeout_keep_alive)")
     sim.set_defaults(func=cmd_sim)
 
     engine = sub.add_parser("engine", help="run a real llama.cpp CPU worker (SmolLM2-135M)")

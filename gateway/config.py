@@ -87,6 +87,12 @@ class PoolConfig(_Strict):
     max_in_flight: int | None = Field(default=None, ge=1, description="requests in the whole pool at once")
     max_queue: int = Field(default=256, ge=0, description="requests that may wait for a free slot")
     queue_timeout: float = Field(default=10.0, ge=0, description="seconds a request may wait for a slot")
+    upstream_keep_alive: float = Field(
+        default=4.0, gt=0,
+        description="seconds an idle connection to this pool's engines is kept for reuse; keep it below the "
+        "engines' own idle keep-alive (5 s: uvicorn's default, which vLLM and SGLang run with, and llama.cpp's) "
+        "so the gateway never sends a request on a connection the engine is closing",
+    )
 
     @field_validator("workers")
     @classmethod
@@ -144,18 +150,40 @@ class TimeoutConfig(_Strict):
     connect: float = Field(default=5.0, gt=0)
     read: float = Field(default=120.0, gt=0, description="longest allowed gap between upstream bytes")
     write: float = Field(default=30.0, gt=0)
-    first_byte_base: float = Field(default=60.0, gt=0, description="first-byte budget for a short prompt")
+    first_byte_base: float = Field(
+        default=60.0, gt=0, description="streaming: budget for the engine's first content (prefill) for a short prompt"
+    )
     first_byte_per_1k_tokens: float = Field(
         default=0.5, ge=0, description="extra first-byte budget per 1,000 estimated prompt tokens (prefill)"
     )
+    response_header: float = Field(
+        default=30.0, gt=0,
+        description="streaming: seconds for an engine's response headers, which vLLM, SGLang and llama.cpp send "
+        "once the request is tokenized, before the prefill. A worker that sent no headers is not generating: the "
+        "request moves to another worker and the timeout counts toward the worker's outlier ejection",
+    )
     generation: float = Field(
-        default=600.0, gt=0, description="non-streaming: time for the whole answer after the first-byte budget"
+        default=60.0, gt=0,
+        description="non-streaming: fixed time for the answer beyond the first-byte budget, before the per-token "
+        "allowance (the engine's headers come with its whole answer)",
+    )
+    generation_per_token: float = Field(
+        default=0.1, ge=0,
+        description="non-streaming: seconds of budget per requested output token (max_completion_tokens, else "
+        "max_tokens, else the pool's default_output_tokens); 0.1 s is a slow engine under a full batch",
+    )
+    hold_headers: float | None = Field(
+        default=20.0, gt=0,
+        description="streaming: seconds the gateway may hold the client's response headers while the engine has "
+        "sent no content (prefill), so that it can still fail over to another worker; then it commits (200 and the "
+        "chunks held so far) and sends keep-alives. Keep it below the idle timeout of the load balancer in front "
+        "(60 s for AWS ALB). None: hold until the first content",
     )
     keepalive_interval: float | None = Field(
-        default=None, gt=0,
-        description="streaming: seconds without an engine byte before sending an SSE comment (`: keep-alive`) "
-        "so idle proxies keep a long prefill's stream open; off by default because the first keep-alive "
-        "commits the response (no failover to another worker after it)",
+        default=15.0, gt=0,
+        description="streaming: once the response is committed and the engine is still prefilling, seconds "
+        "between SSE comments (`: keep-alive`) that keep idle proxies from cutting the stream (the OpenAI SDKs "
+        "ignore them). None: no keep-alives",
     )
     body_idle: float = Field(
         default=30.0, gt=0, description="longest gap while the client uploads its request body (408 after it)"

@@ -48,12 +48,16 @@ from gateway.streaming import (
     Lease,
     Outcome,
     UpstreamStream,
-    early_stream_error,
     first_chunk,
+    first_content,
     mark_first_byte,
     open_upstream,
     read_rest,
 )
+
+# A 504 after the whole answer budget: a client retry would repeat the same long generation. The
+# OpenAI SDKs honour this header (their `_should_retry` reads `x-should-retry` before the status).
+NO_CLIENT_RETRY = {"x-should-retry": "false"}
 
 UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
@@ -298,9 +302,10 @@ class ProxyService:
         if outcome is Outcome.AUTH_ERROR:
             raise UpstreamError(f"The inference server of pool {pool.name} refused the gateway's "
                                 "credentials; check the pool's api_key.")
-        if outcome is Outcome.TIMEOUT and not request.stream:
-            # The engine may have been generating all along: do not make another one repeat it.
-            raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).")
+        if outcome is Outcome.TIMEOUT and not request.stream and failure.answered:
+            # The engine was generating (it had answered): do not make another one repeat it.
+            raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).",
+                                  headers=dict(NO_CLIENT_RETRY))
         if outcome not in RETRYABLE:
             return self._engine_error(failure, record)
         registry = self.state.registry
@@ -309,6 +314,8 @@ class ProxyService:
             failures.note_busy(failure)
         elif outcome is Outcome.CONNECT_ERROR:
             registry.connect_failed(worker, failure.detail)
+        elif outcome is Outcome.MOVED:  # a moved attempt's worker is already marked unhealthy
+            pass
         elif _may_be_the_requests_fault(failure):
             suspect = failures.suspect
             if suspect is not None and suspect[0] is not worker and _same_failure(suspect[1], failure):
@@ -341,25 +348,52 @@ class ProxyService:
         if pool.api_key is not None:
             headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
         timeouts = state.config.timeouts
-        timeout = request_timeout(timeouts, request.prompt_tokens, request.stream)
+        output = request.output_tokens if request.output_tokens is not None else pool.default_output_tokens
+        timeout = request_timeout(timeouts, request.prompt_tokens, request.stream, output)
+        # The wait for a stream's first content, or for a whole answer, has its own budget: aiohttp's
+        # read timeout is per read and must also allow a long prefill, so it cannot catch a worker
+        # that hangs quickly. A stream's headers have a shorter one: engines send them before the prefill.
+        budget = first_byte_budget(timeouts, request.prompt_tokens) if request.stream else timeout.read
+        header_wait = min(timeouts.response_header, budget) if request.stream else budget
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        moved = False
         lease = Lease(worker, state.metrics, state.registry.gates[pool.name])
         response = None
         try:
-            keepalive = timeouts.keepalive_interval if request.stream else None
-            # The whole wait for the first byte has its own budget: httpx's read timeout is per read
-            # and must also allow a long prefill, so it cannot catch a worker that hangs quickly.
-            budget = first_byte_budget(timeouts, request.prompt_tokens)
-            if not request.stream:
-                budget += timeouts.generation
             try:
-                async with asyncio.timeout(budget):
-                    response = await open_upstream(state.upstream, worker.url + UPSTREAM_PATHS[api], body, headers,
-                                                   timeout)
+                async with asyncio.timeout(header_wait) as deadline:
+
+                    def move() -> None:
+                        """The worker failed its health probe: this attempt goes elsewhere."""
+                        nonlocal moved
+                        moved = True
+                        deadline.reschedule(loop.time())
+
+                    state.registry.awaiting_headers(worker, move)
+                    try:
+                        response = await open_upstream(state.upstream, worker.url + UPSTREAM_PATHS[api], body,
+                                                       headers, timeout, pool.name)
+                    finally:
+                        state.registry.headers_done(worker, move)
                     record.attempt_answered = True
-                    first, rest, pending = await first_chunk(response, keepalive)
+                    deadline.reschedule(started + budget)
+                    content = True
+                    if request.stream:
+                        hold = timeouts.hold_headers
+                        if hold is not None:  # counted from the client's arrival: its proxies' idle timers run since
+                            hold = max(0.0, hold - (time.perf_counter() - record.started))
+                        sse = response.headers.get("content-type", "").startswith("text/event-stream")
+                        first, rest, content = await first_content(response, hold, sse)
+                    else:
+                        first, rest = await first_chunk(response)
             except TimeoutError:
-                response = None  # first_chunk closed it
-                raise AttemptFailed(Outcome.TIMEOUT, f"no first byte within {budget:.1f}s") from None
+                response = None  # first_content / first_chunk closed it
+                if moved:
+                    raise AttemptFailed(Outcome.MOVED, "its health probe failed before it answered") from None
+                if not record.attempt_answered:
+                    raise AttemptFailed(Outcome.TIMEOUT, f"no response headers within {header_wait:.1f}s") from None
+                raise AttemptFailed(Outcome.TIMEOUT, f"no first content within {budget:.1f}s", answered=True) from None
             content_type = _relayed_content_type(response, request.stream)
             passed = _passed_headers(response)
             record.status = response.status_code
@@ -371,22 +405,18 @@ class ProxyService:
                 else:
                     state.registry.request_failed(worker, failure)
 
-            if first is None:  # still prefilling: commit the stream and send keep-alives meanwhile
-                stream = UpstreamStream(response, None, rest, lease, record, pending, keepalive or 0.0, ended,
-                                        strip_usage)
-                response = None
-                return RelayResponse(stream, content_type, passed)
-            mark_first_byte(record)
-            if request.stream:
-                if (early := early_stream_error(first)) is not None:
-                    raise early
-                stream = UpstreamStream(response, first, rest, lease, record, on_end=ended, strip_usage=strip_usage)
+            if request.stream:  # `content` False: still prefilling, commit the stream and send keep-alives
+                if content:
+                    mark_first_byte(record)
+                stream = UpstreamStream(response, first, rest, lease, record, not content, timeouts.keepalive_interval,
+                                        ended, strip_usage)
                 response = None  # the stream owns it now
                 return RelayResponse(stream, content_type, passed)
+            mark_first_byte(record)
             try:
-                content = await read_rest(response, first, rest, state.config.max_body_bytes)
+                answer = await read_rest(response, first, rest, state.config.max_body_bytes)
                 if not passed:  # an encoded (compressed) answer is relayed as it is
-                    record.usage = _check_json_answer(content, content_type)
+                    record.usage = _check_json_answer(answer, content_type)
             except AnswerTooLarge as exc:  # the request's doing: not held against the worker
                 record.outcome = "upstream_error"
                 raise UpstreamError(f"The answer is larger than this gateway relays without streaming "
@@ -398,7 +428,7 @@ class ProxyService:
                 raise UpstreamError(f"The inference server failed while sending its answer ({exc}).") from exc
             ended(None)
             lease.release()
-            return BufferedResponse(200, content, content_type, passed)
+            return BufferedResponse(200, answer, content_type, passed)
         except BaseException:
             lease.release()
             raise
@@ -449,7 +479,7 @@ class ProxyService:
         where = f"pool {pools[0].name}"
         if record.pool != pools[0].name:
             where += f" (and the pools it spilled over to, up to {record.pool})"
-        if last is None or last.outcome is Outcome.CONNECT_ERROR:
+        if last is None or last.outcome in (Outcome.CONNECT_ERROR, Outcome.MOVED):
             wait, cause, busy = self._unavailable(pools)
             if last is not None:
                 cause = f"{last.detail}; {cause}"
@@ -457,7 +487,9 @@ class ProxyService:
                               f"try again in {wait} s.", headers={"retry-after": str(wait)},
                               code="upstream_overloaded" if busy else None)
         if last.outcome is Outcome.TIMEOUT:
-            return UpstreamTimeout(f"The inference server of {where} did not answer in time ({last.detail}).")
+            # A non-streaming one spent its whole answer budget on each worker: the SDK must not resend it.
+            return UpstreamTimeout(f"The inference server of {where} did not answer in time ({last.detail}).",
+                                   headers=None if record.stream else dict(NO_CLIENT_RETRY))
         if last.outcome is Outcome.STATUS_429:
             busy = failures.busy or last
             wait = max(1, math.ceil(busy.retry_after if busy.retry_after is not None else DEFAULT_RETRY_AFTER_S))

@@ -67,7 +67,7 @@ class AppState:
         `metrics_dir`: prometheus_client's multiprocess directory when several processes serve
         (gateway/supervisor.py), else None.
         """
-        http = build_control_client(config.timeouts)
+        http = build_control_client(config.timeouts, min(p.upstream_keep_alive for p in config.pools))
         metrics = GatewayMetrics(metrics_dir)
         registry = WorkerRegistry(config, metrics)
         hasher: PrefixHasher | None = None
@@ -79,7 +79,8 @@ class AppState:
             else:
                 affinity = MemoryAffinityStore(config.affinity.ttl_seconds, config.affinity.memory_max_entries)
         images = ImageFetcher(config.image_fetch, metrics.image_fetches) if config.image_fetch.enabled else None
-        return cls(config=config, upstream=UpstreamClient(config.timeouts), http=http, registry=registry,
+        upstream = UpstreamClient(config.timeouts, {p.name: p.upstream_keep_alive for p in config.pools})
+        return cls(config=config, upstream=upstream, http=http, registry=registry,
                    router=Router(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics, config.pools),

@@ -10,9 +10,12 @@ upstream response in `finally` is what makes the engine abort a request whose cl
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from enum import StrEnum
+
+import orjson
 
 from gateway.backends.capacity import PoolGate
 from gateway.backends.client import (
@@ -47,19 +50,22 @@ class Outcome(StrEnum):
     TOO_LONG = "too_long"
     CLIENT_ERROR = "client_error"
     AUTH_ERROR = "auth_error"
+    MOVED = "moved"  # its worker failed a health probe before answering: the request went elsewhere
 
 
 RETRYABLE = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR, Outcome.STATUS_5XX,
-                       Outcome.STATUS_429})
+                       Outcome.STATUS_429, Outcome.MOVED})
 
 
 class AttemptFailed(Exception):
-    """An attempt failed before the engine's first body byte. `status`/`body` are the engine's answer
+    """An attempt failed before anything reached the client. `status`/`body` are the engine's answer
     when it gave one (4xx/5xx), `retry_after` its Retry-After header in seconds, `headers` the
-    engine's `x-ratelimit-*` headers of a 429 (lower-case names), passed on to the client."""
+    engine's `x-ratelimit-*` headers of a 429 (lower-case names), passed on to the client, and
+    `answered` whether the engine had sent its response headers (it was working on the request)."""
 
     def __init__(self, outcome: Outcome, detail: str, status: int | None = None, body: bytes = b"",
-                 retry_after: float | None = None, headers: dict[str, str] | None = None) -> None:
+                 retry_after: float | None = None, headers: dict[str, str] | None = None,
+                 answered: bool = False) -> None:
         super().__init__(detail)
         self.outcome = outcome
         self.detail = detail
@@ -67,6 +73,7 @@ class AttemptFailed(Exception):
         self.body = body
         self.retry_after = retry_after
         self.headers = headers or {}
+        self.answered = answered
 
 
 class Lease:
@@ -120,13 +127,14 @@ async def _read_error(response: UpstreamResponse) -> bytes:
 
 
 async def open_upstream(client: UpstreamClient, url: str, body: bytes, headers: dict[str, str],
-                        timeout: UpstreamTimeouts) -> UpstreamResponse:
-    """POST `body` and return the response once 2xx headers arrived (body not read yet).
+                        timeout: UpstreamTimeouts, pool: str | None = None) -> UpstreamResponse:
+    """POST `body` (on `pool`'s connections) and return the response once 2xx headers arrived
+    (body not read yet).
 
     Raises AttemptFailed: transport errors, 5xx, 429, the engine's "context too long", other 4xx.
     """
     try:
-        response = await client.post(url, body, headers, timeout)
+        response = await client.post(url, body, headers, timeout, pool)
     except TransportError as exc:
         raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} from {url}") from exc
     status = response.status_code
@@ -153,52 +161,151 @@ async def open_upstream(client: UpstreamClient, url: str, body: bytes, headers: 
     raise AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered HTTP {status}", status, error_body)
 
 
-async def first_chunk(response: UpstreamResponse, patience: float | None = None
-                      ) -> tuple[bytes | None, AsyncIterator[bytes], asyncio.Task[bytes] | None]:
-    """Wait for the first body bytes of an accepted response: `(first, rest, None)`.
+async def first_chunk(response: UpstreamResponse) -> tuple[bytes, AsyncIterator[bytes]]:
+    """Wait for the first body bytes of an accepted response: `(first, rest)`.
 
-    With `patience` (seconds), stop waiting after that long and return `(None, rest, pending)`
-    where `pending` is the still-running read of the first chunk (the caller owns it).
     Raises AttemptFailed (and closes the response) if the engine fails or ends before sending any.
     """
     chunks = response.chunks()
     try:
-        if patience is None:
-            first = await anext(chunks, b"")
-        else:
-            pending = asyncio.ensure_future(anext(chunks, b""))
-            try:
-                await asyncio.wait((pending,), timeout=patience)
-            except BaseException:  # the handler was cancelled (client gone, shutdown)
-                pending.cancel()
-                raise
-            if not pending.done():
-                return None, chunks, pending
-            first = pending.result()
+        first = await anext(chunks, b"")
     except TransportError as exc:
         await response.aclose()
-        raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} before the first byte") from exc
+        raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} before the first byte",
+                            answered=True) from exc
     except BaseException:
         await response.aclose()
         raise
     if not first:
         await response.aclose()
-        raise AttemptFailed(Outcome.PROTOCOL_ERROR, "engine answered 200 with an empty body")
-    return first, chunks, None
+        raise AttemptFailed(Outcome.PROTOCOL_ERROR, "engine answered 200 with an empty body", answered=True)
+    return first, chunks
 
 
-def early_stream_error(first: bytes) -> AttemptFailed | None:
-    """An SSE error event as a 200 stream's first event that says "context too long".
+class Held(StrEnum):
+    """What one SSE event of a stream that has shown no content yet says."""
 
-    Some engines (SGLang before 2026) validate a streaming request's length only after sending
-    200 headers; the error arrives as `data: {"error": ...}`. Caught here, it is retried like a 400.
+    EMPTY = "empty"  # nothing for the client yet: a role-only or empty delta, a comment
+    CONTENT = "content"  # content, reasoning, a tool call, a finish, usage, [DONE], or a shape we do not know
+    ERROR = "error"  # an error object
+
+
+_EMPTY_VALUES: tuple[object, ...] = (None, "", [], {})
+
+
+def classify_event(event: bytes) -> tuple[Held, bytes]:
+    """Whether one SSE event (its lines, without the blank line) carries anything for the client:
+    `(verdict, data)` where data is its joined `data:` payload.
+
+    Content-less: comments only (`: keep-alive`), or chunks whose every choice has no finish
+    reason, no `text`, and a delta of `role` and empty fields only (content, reasoning, tool calls:
+    null, "", [] or {}; OpenAI's chat chunk format, and vLLM and SGLang open a stream with
+    `{"role": "assistant", "content": ""}`). Anything else counts as content, so an unknown shape
+    is never held back.
     """
-    if not first.startswith(b"data:") or first.find(b'"error"', 0, ERROR_BODY_LIMIT) < 0:  # no copy
-        return None
-    payload = first.split(b"\n", 1)[0][5:].strip()
-    if not is_context_too_long(400, payload):
-        return None
-    return AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long (in-stream error)", 400, payload)
+    data = b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
+    if not data:
+        return Held.EMPTY, data
+    if data.strip() == b"[DONE]":
+        return Held.CONTENT, data
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return Held.CONTENT, data
+    if not isinstance(chunk, dict):
+        return Held.CONTENT, data
+    if "error" in chunk:
+        return Held.ERROR, data
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices or chunk.get("usage") not in (None, {}):
+        return Held.CONTENT, data  # `choices: []` is the usage chunk at the end
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+            return Held.CONTENT, data
+        if choice.get("text") not in _EMPTY_VALUES:
+            return Held.CONTENT, data
+        delta = choice.get("delta")
+        if delta is None:
+            continue
+        if not isinstance(delta, dict) or any(value not in _EMPTY_VALUES for key, value in delta.items()
+                                              if key != "role"):
+            return Held.CONTENT, data
+    return Held.EMPTY, data
+
+
+async def first_content(response: UpstreamResponse, hold: float | None,
+                        sse: bool) -> tuple[bytes, AsyncIterator[bytes], bool]:
+    """Read a stream until its first content, holding what comes before: `(held, rest, content)`.
+
+    `held` is every byte read so far, unchanged; `content` is False when `hold` seconds passed
+    first (a long prefill: the caller commits the response and relays the rest). Events without
+    content (`classify_event`) are held so that an engine that fails before its first token fails
+    over to another worker unseen by the client. A non-SSE body counts its first byte as content.
+    Raises AttemptFailed (and closes the response) when the engine fails, ends or sends an error
+    event before any content; an error saying the prompt is too long is Outcome.TOO_LONG.
+    """
+    chunks = response.chunks()
+    held = b""
+    scanned = 0
+    try:
+        try:
+            async with asyncio.timeout(hold) as window:
+                while True:
+                    chunk = await anext(chunks, b"")
+                    if not chunk:
+                        if held and sse and _scan(held, scanned, len(held)):
+                            return held, chunks, True  # a whole answer whose last event lacks its blank line
+                        raise AttemptFailed(Outcome.PROTOCOL_ERROR, "engine ended the stream before any content"
+                                            if held else "engine answered 200 with an empty body", answered=True)
+                    held += chunk
+                    if not sse or len(held) > MAX_PARTIAL_EVENT:
+                        return held, chunks, True
+                    end = event_end(held)
+                    if end > scanned:
+                        if _scan(held, scanned, end):
+                            return held, chunks, True
+                        scanned = end
+        except TimeoutError:
+            if window.expired():
+                return held, chunks, False
+            raise
+    except TransportError as exc:
+        await response.aclose()
+        raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} before any content",
+                            answered=True) from exc
+    except BaseException:
+        await response.aclose()
+        raise
+
+
+def _scan(data: bytes, start: int, end: int) -> bool:
+    """True when an event of `data[start:end]` has content; raises AttemptFailed on an error event."""
+    for event in re.split(rb"\r?\n\r?\n", data[start:end]):
+        verdict, payload = classify_event(event)
+        if verdict is Held.CONTENT:
+            return True
+        if verdict is Held.ERROR:
+            raise _error_event(payload)
+    return False
+
+
+def _error_event(payload: bytes) -> AttemptFailed:
+    """The failure an engine's in-stream error event (before any content) stands for.
+
+    Some engines (SGLang before 2026) validate a streaming request only after sending 200 headers;
+    the error then arrives as `data: {"error": ...}`. "Context too long" is retried like a 400; an
+    error with a 4xx `code` is the engine's answer to the request; anything else fails over.
+    """
+    if is_context_too_long(400, payload):
+        return AttemptFailed(Outcome.TOO_LONG, "engine says the prompt is too long (in-stream error)", 400, payload,
+                             answered=True)
+    error = orjson.loads(payload).get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and 400 <= code < 500 and code not in (401, 403, 407, 429):
+        return AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered with an in-stream error {code}", code, payload,
+                             answered=True)
+    return AttemptFailed(Outcome.PROTOCOL_ERROR, "engine sent an error event before any content: "
+                         + payload[:200].decode("utf-8", "replace"), answered=True)
 
 
 class AnswerTooLarge(ValueError):
@@ -222,20 +329,23 @@ async def read_rest(response: UpstreamResponse, first: bytes, chunks: AsyncItera
 
 
 class UpstreamStream:
-    """An accepted streaming response: the primed first chunk, then the rest, relayed as bytes.
+    """An accepted streaming response: the bytes held before it was accepted, then the rest,
+    relayed as bytes.
 
-    Owns the upstream response and the worker lease; `aclose()` (idempotent, also safe when the
-    body was never iterated) closes both. Facts for the record: first byte time, usage, outcome.
+    `waiting` says the response was committed before the engine's first content (a prefill longer
+    than `timeouts.hold_headers`): until its next byte arrives, an SSE comment goes out every
+    `keepalive_interval` seconds (None: none). Owns the upstream response and the worker lease;
+    `aclose()` (idempotent, also safe when the body was never iterated) closes both. Facts for
+    the record: first byte time, usage, outcome.
     """
 
-    def __init__(self, response: UpstreamResponse, first: bytes | None, rest: AsyncIterator[bytes], lease: Lease,
-                 record: RequestRecord, pending: asyncio.Task[bytes] | None = None,
-                 keepalive_interval: float = 15.0, on_end: Callable[[str | None], None] | None = None,
-                 strip_usage: bool = False) -> None:
+    def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], lease: Lease,
+                 record: RequestRecord, waiting: bool = False, keepalive_interval: float | None = None,
+                 on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False) -> None:
         self.response = response
         self._on_end = on_end
         self._first = first
-        self._pending = pending
+        self._waiting = waiting
         self._keepalive = keepalive_interval
         self._rest = rest
         self._lease = lease
@@ -259,26 +369,37 @@ class UpstreamStream:
         carry = b""
         try:
             for_client = self._first
-            if for_client is None:  # a long prefill: keep idle proxies from cutting the stream
-                async for comment in self._keepalives():
-                    yield comment
-                for_client = await self._pending  # type: ignore[misc]
-                mark_first_byte(self._record)
             chunks = self._rest
+            waiting = self._waiting
             while True:
-                tap.feed(for_client)
-                if self.sse:
-                    data = carry + for_client if carry else for_client
-                    end = event_end(data)
-                    if end < len(data) and len(data) - end <= MAX_PARTIAL_EVENT:
-                        carry, for_client = data[end:], data[:end]
-                    else:
-                        carry, for_client = b"", data
-                    if for_client:
-                        for_client = self._patched(for_client)
                 if for_client:
-                    yield for_client
-                for_client = await anext(chunks, b"")
+                    tap.feed(for_client)
+                    if self.sse:
+                        data = carry + for_client if carry else for_client
+                        end = event_end(data)
+                        if end < len(data) and len(data) - end <= MAX_PARTIAL_EVENT:
+                            carry, for_client = data[end:], data[:end]
+                        else:
+                            carry, for_client = b"", data
+                        if for_client:
+                            for_client = self._patched(for_client)
+                    if for_client:
+                        yield for_client
+                if waiting:  # a long prefill: keep idle proxies from cutting the stream
+                    waiting = False
+                    pending = asyncio.ensure_future(anext(chunks, b""))
+                    try:
+                        while not pending.done():
+                            await asyncio.wait((pending,), timeout=self._keepalive if self.sse else None)
+                            if not pending.done():
+                                yield KEEPALIVE_COMMENT
+                    finally:
+                        if not pending.done():
+                            pending.cancel()
+                    for_client = pending.result()
+                    mark_first_byte(self._record)
+                else:
+                    for_client = await anext(chunks, b"")
                 if not for_client:
                     break
             tap.end()
@@ -305,14 +426,6 @@ class UpstreamStream:
         """Whole events as the client gets them: without the usage patch's own bytes when it is on."""
         return drop_usage_events(events) if self._strip_usage else events
 
-    async def _keepalives(self) -> AsyncIterator[bytes]:
-        """SSE comment lines every `keepalive_interval` seconds until the first chunk is read."""
-        assert self._pending is not None
-        while not self._pending.done():
-            await asyncio.wait((self._pending,), timeout=self._keepalive)
-            if not self._pending.done():
-                yield KEEPALIVE_COMMENT
-
     def _broken(self, detail: str) -> None:
         self._record.outcome = "upstream_error"
         self._record.error = detail
@@ -329,8 +442,6 @@ class UpstreamStream:
         if self._closed:
             return
         self._closed = True
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()
         try:
             await self.response.aclose()
         finally:

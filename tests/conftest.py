@@ -20,6 +20,7 @@ from gateway.request_head import http_options
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
+from gateway.sim.keepalive import sim_http_options
 from tests.support import REPO_ROOT, SHARED_DATA, GatewayProcess, OwnRedis, RunningGateway, RunningSim
 
 
@@ -50,8 +51,9 @@ def start_sim() -> Iterator[Callable[..., RunningSim]]:
 
     def start(engine: str = "vllm", **fields: Any) -> RunningSim:
         fields.setdefault("max_context_tokens", 131072)
-        app = create_sim_app(SimConfig(engine=engine, **fields))
-        server = ThreadedServer(app).start()
+        config = SimConfig(engine=engine, **fields)
+        app = create_sim_app(config)
+        server = ThreadedServer(app, **sim_http_options(config, app.engine)).start()
         servers.append(server)
         return RunningSim(server, app.engine)
 

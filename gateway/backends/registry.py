@@ -44,6 +44,8 @@ class WorkerRegistry:
             for pool in config.pools
         }
         self.gates: dict[str, PoolGate] = {pool.name: PoolGate(pool) for pool in config.pools}
+        # Per worker: how to move each in-flight attempt still waiting for response headers.
+        self._header_waits: dict[Worker, set[Callable[[], None]]] = {}
         if metrics is not None:  # every worker's series exists from the start (alerts see a 0, not nothing)
             for worker in self:
                 metrics.worker_draining.labels(worker.pool, worker.id).set(0)
@@ -82,10 +84,25 @@ class WorkerRegistry:
         worker.last_error = reason
         self._set_healthy(worker, False, reason)
 
+    def awaiting_headers(self, worker: Worker, move: Callable[[], None]) -> None:
+        """An attempt on `worker` waits for its response headers; `move()` is called (once) if the
+        worker turns unhealthy meanwhile: an engine that has not answered is not generating, so
+        the attempt should go to another worker rather than wait out its timeout."""
+        self._header_waits.setdefault(worker, set()).add(move)
+
+    def headers_done(self, worker: Worker, move: Callable[[], None]) -> None:
+        """The attempt registered with `move` got its headers, or ended: no more moving."""
+        waits = self._header_waits.get(worker)
+        if waits is not None:
+            waits.discard(move)
+
     def _set_healthy(self, worker: Worker, healthy: bool, reason: str | None) -> None:
         if worker.healthy != healthy:
             log.warning("worker %s is now %s%s", worker.id, "healthy" if healthy else "unhealthy",
                         f" ({reason})" if reason else "")
+            if not healthy:
+                for move in self._header_waits.pop(worker, ()):
+                    move()
         worker.healthy = healthy
         if healthy:
             worker.last_error = None

@@ -2,7 +2,7 @@
 
 Engine endpoints:
     POST /v1/chat/completions, POST /v1/completions   (see `gateway.sim.generation`)
-    GET /health        200 with an empty body (or never answers with the `hang_health` fault;
+    GET /health        200 with an empty body (or never answers with the `hang_health` or `black_hole` fault;
                        trickles or never ends with `health_body`)
     GET /v1/models     OpenAI model list with the served names
     GET /metrics       Prometheus text with the engine's own metric names (or a trickling or
@@ -137,10 +137,11 @@ class SimApp:
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine.note_health_check()
-        if self.engine.faults.health_body != "normal":
-            await self._hostile_body(self.engine.faults.health_body, receive, send)
+        faults = self.engine.faults
+        if faults.health_body != "normal" and not faults.black_hole:
+            await self._hostile_body(faults.health_body, receive, send)
             return
-        if self.engine.faults.hang_health:
+        if faults.hang_health or faults.black_hole:
             async with DisconnectWatch(receive) as watch:
                 try:
                     await watch.until_disconnected()
@@ -154,6 +155,12 @@ class SimApp:
                                                  self.engine.dialect.owned_by, self.engine.started_at))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.engine.faults.black_hole:
+            async with DisconnectWatch(receive) as watch:
+                try:
+                    await watch.until_disconnected()
+                except ClientDisconnected:
+                    return
         if self.engine.faults.metrics_body != "normal":
             await self._hostile_body(self.engine.faults.metrics_body, receive, send)
             return

@@ -42,6 +42,8 @@ class SimFaults(BaseModel):
       "normal"; "trickle" (200 headers, then one byte every `trickle_interval_s` seconds, never
       ending); "endless" (200 headers, then 64 KiB writes as fast as the client reads, never
       ending). Both stop when the client leaves (hostile-endpoint tests of probes and scrapes).
+    - `black_hole`: every request (generation, `/health`, `/metrics`) is accepted and never
+      answered, as by a wedged engine process.
     - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
       the chunked body, so the client sees an incomplete response (not a clean end).
     - `null_max_tokens_500`: `/v1/completions` with `"max_tokens": null` gets HTTP 500 (an engine
@@ -63,6 +65,7 @@ class SimFaults(BaseModel):
     health_body: BodyMode = "normal"
     metrics_body: BodyMode = "normal"
     trickle_interval_s: float = Field(default=0.1, gt=0.0)
+    black_hole: bool = False
     drop_after_chunks: int | None = Field(default=None, ge=0)
     null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None
@@ -160,6 +163,15 @@ class SimConfig(BaseModel):
     keep_records: bool = True
     """False: store no `SimRequestRecord`s (memory stays flat on long benchmarks); the counters
     of `GET /sim/stats` and `/metrics` are kept either way."""
+    keep_alive_s: float = Field(default=5.0, gt=0.0)
+    """Seconds an idle HTTP connection stays open between requests: uvicorn's
+    `timeout_keep_alive`, whose default of 5 s vLLM and SGLang run with."""
+    idle_close_unannounced: bool = False
+    """True: a connection idle for `keep_alive_s` is dropped without telling the client, which
+    learns it only when it sends its next request there (the connection is reset before any
+    response byte). This is the race a pooled client meets when the engine's idle close crosses
+    its request on the wire, or when a NAT or proxy in between forgot the connection, made
+    deterministic. False: the idle close is a FIN the client sees at once (uvicorn)."""
 
     @property
     def model_name(self) -> str:

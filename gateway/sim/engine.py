@@ -35,7 +35,7 @@ class SimRequestRecord:
     names; `body` is the parsed JSON as received (including any `x_sim_faults`; the raw text when
     it is not JSON). `aborted` is True when the client disconnected before the response completed
     (`finished_at` is then when that was noticed); `fault` names an injected fault that shaped the
-    answer ("fail_status", "hang_before_headers", "drop_after_chunks", "raw_stream_chunks").
+    answer ("fail_status", "hang_before_headers", "black_hole", "drop_after_chunks", "raw_stream_chunks").
     `cached_tokens` of `prompt_tokens` were found in the prefix cache at admission;
     `prefill_tokens` (the rest) had to be computed.
     """
@@ -155,6 +155,7 @@ class SimEngine:
         self._hit_rate = HitRateWindow()
         self._finished: Counter[str] = Counter()
         self._health_checks = 0
+        self._idle_resets = 0
         self._hash_seed = seed_for(config.model_name)
         self.registry = build_registry(self.stats, self.dialect, config.model_name)
 
@@ -434,6 +435,17 @@ class SimEngine:
         """How many `GET /health` requests arrived."""
         with self._cond:
             return self._health_checks
+
+    def note_idle_reset(self) -> None:
+        """Count one request reset on a connection dropped idle (`idle_close_unannounced`)."""
+        with self._cond:
+            self._idle_resets += 1
+
+    @property
+    def idle_resets(self) -> int:
+        """Requests that arrived on a connection dropped idle and were reset unanswered."""
+        with self._cond:
+            return self._idle_resets
 
     def _kv_usage(self) -> float:
         if self.kv is not None:

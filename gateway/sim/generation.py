@@ -154,8 +154,8 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
     engine.update(record, stream=stream)
     responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None)
 
-    if faults.hang_before_headers:
-        engine.update(record, fault="hang_before_headers")
+    if faults.hang_before_headers or faults.black_hole:
+        engine.update(record, fault="black_hole" if faults.black_hole else "hang_before_headers")
         await watch.until_disconnected()
     if fail:
         await _fail(engine, record, responder, faults)

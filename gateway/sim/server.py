@@ -20,6 +20,7 @@ import uvicorn
 from gateway.server import QuietServer, ThreadedServer, uvicorn_config
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import ApiKeyScope, ApiVersion, Engine, SimConfig, SimFaults
+from gateway.sim.keepalive import sim_http_options
 
 DEFAULT_MAX_CONTEXT_TOKENS = 131_072
 
@@ -49,8 +50,9 @@ def sim_server(config: SimConfig | None = None, host: str = "127.0.0.1", port: i
     `srv.app.engine` the `SimEngine` with the request records.
     """
     fields, uvicorn_kwargs = _split(kwargs)
-    return ThreadedServer(create_sim_app(build_sim_config(config, **fields)), host=host, port=port,
-                          **uvicorn_kwargs)
+    sim = build_sim_config(config, **fields)
+    app = create_sim_app(sim)
+    return ThreadedServer(app, host=host, port=port, **{**sim_http_options(sim, app.engine), **uvicorn_kwargs})
 
 
 def sim_uvicorn_server(config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0,
@@ -61,8 +63,9 @@ def sim_uvicorn_server(config: SimConfig | None = None, host: str = "127.0.0.1",
     server leaves signal handling to its owner (`serve_many` stops every server on SIGINT/SIGTERM).
     """
     fields, uvicorn_kwargs = _split(kwargs)
-    app = create_sim_app(build_sim_config(config, **fields))
-    return QuietServer(uvicorn_config(app, host, port, **uvicorn_kwargs))
+    sim = build_sim_config(config, **fields)
+    app = create_sim_app(sim)
+    return QuietServer(uvicorn_config(app, host, port, **{**sim_http_options(sim, app.engine), **uvicorn_kwargs}))
 
 
 def run_sim(
@@ -89,6 +92,7 @@ def run_sim(
     keep_records: bool = True,
     api_key: str | None = None,
     api_key_scope: ApiKeyScope | str = "engine",
+    keep_alive_s: float = 5.0,
     config: SimConfig | None = None,
 ) -> None:
     """Serve one simulated engine until interrupted (blocking; `kimi-gateway sim --engine ...`).
@@ -118,5 +122,7 @@ def run_sim(
             "keep_records": keep_records,
             "api_key": api_key,
             "api_key_scope": api_key_scope,
+            "keep_alive_s": keep_alive_s,
         })
-    uvicorn.Server(uvicorn_config(create_sim_app(config), host, port, log_level=log_level)).run()
+    app = create_sim_app(config)
+    uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level, **sim_http_options(config, app.engine))).run()

@@ -47,16 +47,24 @@ def test_streaming_request_fails_over_from_a_worker_that_hangs_before_headers(st
     assert 'kimi_gateway_upstream_attempts_total{outcome="timeout",pool="p",worker="p/0"} 1.0' in metrics
 
 
-def test_non_streaming_request_to_a_hung_worker_is_a_504_and_not_retried(start_sim: StartSim,
-                                                                         start_gateway: StartGateway) -> None:
+def test_non_streaming_request_to_a_hung_worker_goes_to_another_after_its_budget(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    # A worker that sent no headers is not generating (issue 10 §2): after the answer budget the
+    # request is retried elsewhere, and the hang counts toward the worker's outlier ejection.
     hung = start_sim("vllm", faults=SimFaults(hang_before_headers=True))
     good = start_sim("vllm")
     gw = start_gateway([pool("p", "vllm", [hung.url, good.url], 131072, policy="round_robin")],
-                       timeouts={**SHORT_FIRST_BYTE, "generation": 0.5})
+                       health={"interval": 60},
+                       timeouts={**SHORT_FIRST_BYTE, "generation": 0.5, "generation_per_token": 0})
+    started = time.monotonic()
     response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
-    assert response.status_code == 504 and response.json()["error"]["code"] == "upstream_timeout"
-    assert not good.engine.records
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kimi-gateway-worker"] == "p/1" and response.headers["x-kimi-gateway-attempts"] == "2"
+    assert 0.9 < time.monotonic() - started < 5  # one answer budget (0.5 + 0.5 s) on the hung worker
     hung.engine.wait_for(lambda: all(r.aborted for r in hung.engine.records) or None, timeout=5)
+    assert gw.metric('kimi_gateway_upstream_attempts_total{outcome="timeout",pool="p",worker="p/0"}') == 1
+    hung_state = httpx.get(gw.url + "/admin/workers/p/0").json()
+    assert hung_state["consecutive_failures"] == 1 and "no response headers" in hung_state["last_error"]
 
 
 # --- a worker process killed mid-stream ----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""SSE keep-alive comments while a long prefill sends nothing (timeouts.keepalive_interval)."""
+"""SSE keep-alive comments while a long prefill sends nothing: the response is committed after
+`timeouts.hold_headers`, then a comment goes out every `timeouts.keepalive_interval`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "ma
 
 def test_keepalives_during_prefill_then_the_stream(start_sim: StartSim, start_gateway: StartGateway) -> None:
     sim = start_sim("vllm", ttft_s=1.0)
-    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"keepalive_interval": 0.2})
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)],
+                       timeouts={"hold_headers": 0.2, "keepalive_interval": 0.2})
     started = time.monotonic()
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=CHAT) as response:
         assert response.status_code == 200
@@ -36,14 +38,16 @@ def test_keepalives_during_prefill_then_the_stream(start_sim: StartSim, start_ga
 
 def test_quick_first_token_sends_no_keepalive(start_sim: StartSim, start_gateway: StartGateway) -> None:
     sim = start_sim("vllm", ttft_s=0.0)
-    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"keepalive_interval": 0.5})
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)],
+                       timeouts={"hold_headers": 0.5, "keepalive_interval": 0.5})
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=CHAT) as response:
         assert b"keep-alive" not in b"".join(response.iter_raw())
 
 
 def test_hang_up_during_keepalives_aborts_the_engine(start_sim: StartSim, start_gateway: StartGateway) -> None:
     sim = start_sim("vllm", ttft_s=30.0)
-    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"keepalive_interval": 0.1})
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)],
+                       timeouts={"hold_headers": 0.1, "keepalive_interval": 0.1})
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=CHAT) as response:
         assert next(response.iter_raw()).startswith(b": keep-alive")
     record = sim.engine.wait_for(lambda: next((r for r in sim.engine.records if r.aborted), None), timeout=5)
@@ -54,7 +58,8 @@ def test_hang_up_during_keepalives_aborts_the_engine(start_sim: StartSim, start_
 def test_engine_failing_during_prefill_after_keepalives_is_an_error_event(
         start_sim: StartSim, start_gateway: StartGateway) -> None:
     sim = start_sim("vllm", ttft_s=0.6)
-    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"keepalive_interval": 0.1})
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)],
+                       timeouts={"hold_headers": 0.1, "keepalive_interval": 0.1})
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=CHAT) as response:
         parts = response.iter_raw()
         assert next(parts).startswith(b": keep-alive")
