@@ -145,18 +145,25 @@ class ProxyService:
                      principal: Principal | None = None) -> BufferedResponse | RelayResponse:
         """The whole request path up to an accepted upstream (or a final error).
 
-        `principal` is the authenticated caller (auth on): its quota is charged the request's
+        `principal` is the authenticated caller (auth on): one request is counted against its
+        request limit before the body is even parsed (so invalid or oversized bodies are not free
+        and a key over its limit fetches no image URL); its token limit is charged the request's
         estimated prompt tokens + its output limit (else the first fitting pool's reservation) times
         the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
         (429) or RateLimitUnavailable (503) when refused.
         """
+        guard = self.state.auth if principal is not None else None
+        if guard is not None:
+            assert principal is not None
+            await guard.count_request(principal)  # before any parsing, measuring or image fetch
         payload, request = await self.parse(api, body, headers)
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
         pools = fitting_pools(request, self.state.config.pools)
-        if principal is not None and self.state.auth is not None:
-            await self.state.auth.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens))
+        if guard is not None:
+            assert principal is not None
+            await guard.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens), requests=0)
         return await self._dispatch(api, payload, request, pools, record)
 
     async def _dispatch(self, api: Api, payload: dict[str, Any], request: RoutingRequest,

@@ -82,13 +82,25 @@ class AuthGuard:
             self.metrics.auth_failures.labels("forbidden").inc()
             raise PermissionDenied(f"You have insufficient permissions for this operation. Missing scope: {scope}.")
 
-    async def check_quota(self, principal: Principal, tokens: int) -> None:
-        """Count one request of `tokens` tokens (estimated prompt + requested output) against the
-        key's limits. Raises RateLimited (429), or RateLimitUnavailable (503) when the limiter cannot
-        answer and `fail_mode` is `closed`; with `open` the request goes on."""
-        if not principal.limited:
+    async def count_request(self, principal: Principal) -> None:
+        """Count one request against the key's request limit only (no tokens), as soon as the request
+        arrives: before its body is parsed, measured or its image URLs fetched, so a request that
+        turns out invalid or too long still costs its sender one request. Raises as `check_quota`."""
+        if principal.requests_per_minute is None:
             return
-        verdict = await self.limiter.acquire(principal, tokens)
+        await self._acquire(principal, 0, 1)
+
+    async def check_quota(self, principal: Principal, tokens: int, requests: int = 1) -> None:
+        """Count `requests` requests (1; 0 when `count_request` already counted it) of `tokens` tokens
+        (estimated prompt + requested output) against the key's limits. Raises RateLimited (429), or
+        RateLimitUnavailable (503) when the limiter cannot answer and `fail_mode` is `closed`; with
+        `open` the request goes on."""
+        if not principal.limited or (requests == 0 and principal.tokens_per_minute is None):
+            return
+        await self._acquire(principal, tokens, requests)
+
+    async def _acquire(self, principal: Principal, tokens: int, requests: int) -> None:
+        verdict = await self.limiter.acquire(principal, tokens, requests)
         if verdict is None:
             if self.config.fail_mode == "open":
                 self.metrics.rate_limit_unavailable.labels("allowed").inc()
