@@ -13,15 +13,17 @@ that is 1,000 small scripts/s, a few percent of one Redis core. The script reads
 (`TIME`), so replicas whose clocks disagree still agree on the windows. One key per script call
 keeps it valid on Redis Cluster.
 
-Failure policy (like the affinity store): a hard timeout per call (`auth.redis_timeout`); any error
+Failure policy (like the affinity store): a hard timeout per call (`auth.redis_timeout`) of the
+call's own time: a deadline the event loop passed while busy with other work is extended
+(`gateway/looplag.py`), so the gateway's own stalls are not read as a Redis outage; any error
 or timeout returns None (the guard then fails open or closed, `auth.fail_mode`), is counted in
 `kimi_gateway_redis_errors_total{op="rate_limit"}`, logged at most once per 10 s, and Redis is
-skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again.
+skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again. A call
+that expires while the loop is still lagging fails that one request only (no breaker, no error).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -34,6 +36,7 @@ from redis.exceptions import RedisError
 from gateway.auth.keys import Principal
 from gateway.auth.limits import ALLOWED, WINDOW_S, LimitKind, Verdict
 from gateway.config import AuthConfig
+from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.auth")
@@ -128,18 +131,29 @@ class RedisRateLimiter:
             log.warning("redis rate limit check failed (%s: %s); failing %s for %.1fs", type(exc).__name__, exc,
                         self.config.fail_mode, self.config.redis_retry_after)
 
+    def _loop_busy(self, waited: float) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            log.warning("rate limit check gave up after %.3fs with the event loop still busy; failing %s for "
+                        "this request only (Redis is not blamed)", waited, self.config.fail_mode)
+
     async def acquire(self, principal: Principal, tokens: int, requests: int = 1) -> Verdict | None:
         if not self.available:
             return None
         rpm, tpm = principal.requests_per_minute, principal.tokens_per_minute
         started = time.perf_counter()
+        timer = StoreTimeout(self.config.redis_timeout)
         try:
-            async with asyncio.timeout(self.config.redis_timeout):
+            async with timer:
                 reply = await self._script(keys=[self.key(principal.name)],
                                            args=[self.window_ms, -1 if rpm is None else rpm,
                                                  -1 if tpm is None else tpm, tokens, "", requests])
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
+            if timer.expired_late:  # the event loop was still busy at the deadline: not Redis' fault
+                self._loop_busy(time.perf_counter() - started)
+            else:
+                self._failed(exc)
             return None
         self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
         allowed, wait_ms, kind, limit, used, requested = reply
