@@ -15,27 +15,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
 
 from gateway.affinity.hashing import longest_match
 from gateway.auth.keys import Principal
 from gateway.backends.client import UpstreamResponse, first_byte_budget, request_timeout
-from gateway.backends.patches import ask_for_usage
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.errors import (
     GatewayError,
-    InvalidRequest,
-    ModelNotFound,
     NoCapacity,
     UpstreamError,
     UpstreamTimeout,
     error_bytes_from_upstream,
 )
-from gateway.protocol.body import decode_json_object
-from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from gateway.parsing import Body, BodyParser, Payload, encode_for
 from gateway.record import RequestRecord
-from gateway.routing.features import Api, RoutingRequest, chat_features, completion_features, image_urls
+from gateway.routing.features import Api, RoutingRequest
 from gateway.routing.policy import Candidate
 from gateway.routing.pools import fitting_pools, larger_pools
 from gateway.state import AppState
@@ -89,59 +84,32 @@ class ProxyService:
         config = state.config
         self._models = {name.lower(): config.model.name for name in config.model.names()}
         self._served = {p.name: p.served_model_name or config.model.name for p in config.pools}
+        self.parser = BodyParser(config, state.estimator, state.hasher)
 
-    async def parse(self, api: Api, body: bytes, headers: Mapping[str, str]) -> tuple[dict[str, Any], RoutingRequest]:
-        """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound.
+    async def parse(self, api: Api, body: Body, headers: Mapping[str, str]) -> tuple[Payload, RoutingRequest]:
+        """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound,
+        ContextLengthExceeded (also from a cheap lower bound of its tokens, before validation).
 
+        A body over `parse_offload_bytes`, or with more than `parse_offload_items` items, is parsed
+        in a parse process (`gateway/parsing.py`), so the event loop keeps serving meanwhile; its
+        payload is then a `ForwardBody`, the engine's body already encoded.
         With `image_fetch.enabled`, the chat request's http(s) image URLs are fetched first to
         measure their pixel size (`ImageFetcher.measure`: bounded in time, never failing the request).
         """
-        payload = decode_json_object(body)
-        self._check_size(api, payload)
-        try:
-            wire = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(payload)
-        except ValidationError as exc:
-            message, param = describe_validation_error(exc)
-            raise InvalidRequest(message, param=param) from None
-        model = self._models.get(wire.model.lower())
-        if model is None:
-            raise ModelNotFound(f"The model `{wire.model[:200]}` does not exist or you do not have access to it.",
-                                param="model")
+        state, parser = self.state, self.parser
         session = headers.get("x-session-id")
-        estimator = self.state.estimator
-        hasher = self.state.hasher
-        if isinstance(wire, ChatCompletionRequest):
-            images = self.state.images
-            measured = await images.measure(image_urls(wire)) if images is not None else None
-            request = chat_features(wire, model, estimator, hasher, session, measured)
-        else:
-            request = completion_features(wire, model, estimator, hasher, session)
-        return payload, request
+        if isinstance(body, bytes) and len(body) <= state.config.parse_offload_bytes:
+            payload, items = parser.decode(api, body)
+            if items <= state.config.parse_offload_items:
+                wire, model, urls = parser.validate(api, payload)
+                measured = await state.images.measure(urls) if state.images is not None and urls else None
+                return payload, parser.features(wire, model, session, measured)
+        parsed = await state.parse_pool.parse(api, body, session,
+                                              state.images.measure if state.images is not None else None)
+        assert parsed.request is not None and parsed.forward is not None
+        return parsed.forward, parsed.request
 
-    def _check_size(self, api: Api, payload: dict[str, Any]) -> None:
-        """Cheap bounds checked before validation, so one huge request cannot stall the event loop."""
-        config = self.state.config
-        if api == "chat":
-            messages = payload.get("messages")
-            if not isinstance(messages, list):
-                return
-            if len(messages) > config.max_messages:
-                raise InvalidRequest(f"Too many messages: {len(messages)}; the limit is {config.max_messages}.",
-                                     param="messages", code="too_many_messages")
-            parts = sum(len(m["content"]) for m in messages
-                        if isinstance(m, dict) and isinstance(m.get("content"), list))
-            if parts > config.max_content_parts:
-                raise InvalidRequest(f"Too many content parts: {parts}; the limit is {config.max_content_parts}.",
-                                     param="messages", code="too_many_content_parts")
-            return
-        prompt = payload.get("prompt")
-        if isinstance(prompt, list):
-            ids = sum(max(len(p), 1) if isinstance(p, list) else 1 for p in prompt)
-            if ids > config.max_prompt_ids:
-                raise InvalidRequest(f"The prompt has {ids} token ids; the limit is {config.max_prompt_ids}.",
-                                     param="prompt", code="context_length_exceeded")
-
-    async def handle(self, api: Api, body: bytes, headers: Mapping[str, str], record: RequestRecord,
+    async def handle(self, api: Api, body: Body, headers: Mapping[str, str], record: RequestRecord,
                      principal: Principal | None = None) -> BufferedResponse | RelayResponse:
         """The whole request path up to an accepted upstream (or a final error).
 
@@ -166,7 +134,7 @@ class ProxyService:
             await guard.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens), requests=0)
         return await self._dispatch(api, payload, request, pools, record)
 
-    async def _dispatch(self, api: Api, payload: dict[str, Any], request: RoutingRequest,
+    async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest,
                         pools: list[PoolConfig], record: RequestRecord) -> BufferedResponse | RelayResponse:
         state = self.state
         metrics = state.metrics
@@ -223,7 +191,7 @@ class ProxyService:
             try:
                 key = (self._served[pool.name], patch_usage)
                 if key not in bodies:
-                    bodies[key] = _upstream_body(payload, *key)
+                    bodies[key] = encode_for(payload, *key)
                 record.open_attempt, record.attempt_answered = worker, False
                 result = await self._attempt(api, pool, worker, bodies[key], request, record, patch_usage)
                 record.open_attempt = None
@@ -422,16 +390,6 @@ class ProxyService:
             headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
                             f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
         return headers
-
-
-def _upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = False) -> bytes:
-    """The client's JSON object with `model` rewritten to the pool's served name, and with the
-    usage patch's `stream_options` when `ask_usage` (the only body edits the gateway makes)."""
-    try:
-        return orjson.dumps({**(ask_for_usage(payload) if ask_usage else payload), "model": served_model})
-    except TypeError as exc:  # orjson writes at most 254 levels of nesting; it reads 1024
-        raise InvalidRequest(f"The request body cannot be forwarded: {exc} (nested too deeply).",
-                             code="invalid_json") from None
 
 
 def _relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:

@@ -16,7 +16,8 @@ seen while a body shape is sent and answered is that request's worst stall (plus
 trip, reported as `probe p50`). The body is sent from this process; the probe runs in its own
 process so that the sender's copying is not measured.
 
-Shapes (each the largest the limits allow; the first four are chat requests):
+Shapes (each the largest the limits allow; all but `ids` are chat requests):
+- `small`: one short message, the noise floor (what a busy machine's scheduling alone costs);
 - `text`: one user message whose content is one string filling the body limit;
 - `messages`: `max_messages` user messages filling it;
 - `parts`: one message of `max_content_parts` text parts filling it;
@@ -128,8 +129,12 @@ def _ids(limit: int) -> tuple[str, dict[str, Any]]:
     return "completions", {"model": MODEL, "prompt": [100_000 + i % 50_000 for i in range(MAX_IDS)], "max_tokens": 8}
 
 
+def _small(limit: int) -> tuple[str, dict[str, Any]]:
+    return "chat", _chat([{"role": "user", "content": "Hello!"}])
+
+
 SHAPES: dict[str, Callable[[int], tuple[str, dict[str, Any]]]] = {
-    "text": _text, "messages": _messages, "parts": _parts, "parts-tiny": _parts_tiny,
+    "small": _small, "text": _text, "messages": _messages, "parts": _parts, "parts-tiny": _parts_tiny,
     "images-same": _images_same, "images": _images, "ids": _ids,
 }
 
