@@ -347,7 +347,10 @@ class ParsePool:
                 parsed = await self._run(_parse_file, api, path, session, await measure(parsed.urls))
             return parsed
         finally:  # freeing a large file's pages takes a while: not on the event loop either
-            asyncio.get_running_loop().run_in_executor(None, _remove, path)
+            try:
+                asyncio.get_running_loop().run_in_executor(None, _remove, path)
+            except RuntimeError:  # the loop's executor is shut down (the server is stopping)
+                _remove(path)
 
     async def _run(self, work: Callable[..., T], *args: Any) -> T:
         executor = self._pool()
