@@ -93,40 +93,46 @@ async def test_affinity_lookup_survives_a_held_loop() -> None:
         await delete_prefix(prefix)
 
 
+def hold_iterations(count: int, hold_s: float) -> None:
+    """Hold each of the next `count` event-loop iterations for `hold_s` seconds (a loop that keeps
+    lagging): a timer due meanwhile always runs at least about `hold_s` late."""
+    loop = asyncio.get_running_loop()
+
+    def hold(left: int) -> None:
+        time.sleep(hold_s)
+        if left > 1:
+            loop.call_soon(hold, left - 1)
+
+    loop.call_soon(hold, count)
+
+
 @pytest.mark.anyio
 async def test_store_timeout_still_expires_when_the_store_is_slow() -> None:
-    # Idle loop, nothing answers: expires on time, not blamed on the loop.
+    # Nothing answers: it expires (a busy machine may delay its timer: then it had extensions).
     started = time.monotonic()
-    timer = StoreTimeout(0.05)
     with pytest.raises(TimeoutError):
-        async with timer:
+        async with StoreTimeout(0.05):
             await asyncio.sleep(5)
-    assert 0.04 < time.monotonic() - started < 1.0
-    assert not timer.expired_late  # (a busy machine may still delay its timer: then it had one extension)
+    assert 0.04 < time.monotonic() - started < 2.0
 
-    # Held across the deadline once: one fresh budget after the hold, then it expires on time.
+    # Held across the deadline: a fresh budget after the hold, then it expires all the same.
     started = time.monotonic()
     timer = StoreTimeout(0.05)
     with pytest.raises(TimeoutError):
         async with timer:
             await while_the_loop_is_held(lambda: asyncio.sleep(5), 0, 0.2)
-    assert 0.24 < time.monotonic() - started < 1.5
-    assert timer.extensions >= 1 and not timer.expired_late
+    assert 0.24 < time.monotonic() - started < 2.0
+    assert timer.extensions >= 1
 
-    # A loop that keeps lagging: at most MAX_EXTENSIONS fresh budgets, then it expires, marked late.
-    async def lagging_loop() -> None:
-        while True:
-            await asyncio.sleep(0)
-            time.sleep(0.02)  # noqa: ASYNC251 - the point: a loop that keeps stalling
 
-    lag = asyncio.ensure_future(lagging_loop())
+@pytest.mark.anyio
+async def test_store_timeout_gives_up_on_a_loop_that_keeps_lagging() -> None:
+    # Every deadline runs ~50 ms late: at most max_extensions fresh budgets, then it expires, marked late.
     timer = StoreTimeout(0.01, max_extensions=2)
-    try:
-        with pytest.raises(TimeoutError):
-            async with timer:
-                await asyncio.sleep(5)
-    finally:
-        lag.cancel()
+    hold_iterations(8, 0.05)
+    with pytest.raises(TimeoutError):
+        async with timer:
+            await asyncio.sleep(5)
     assert (timer.extensions, timer.expired_late) == (2, True)
 
 
