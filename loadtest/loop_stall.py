@@ -54,7 +54,7 @@ import httpx
 import orjson
 import yaml
 
-from loadtest.procs import ProcessGroup, child_env, free_port, python_argv
+from loadtest.procs import ManagedProcess, ProcessGroup, child_env, free_port, python_argv
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -165,6 +165,8 @@ def _probe(port: int, control: Connection) -> None:  # pragma: no cover - runs i
             seen += data
         return time.perf_counter() - started
 
+    round_trip()
+    control.send("ready")
     while True:
         command = control.recv()
         if command == "quit":
@@ -217,9 +219,12 @@ def start(group: ProcessGroup, gateway_repo: Path, log_dir: Path) -> int:
               "load": {"enabled": False}, "log_level": "warning"}
     path = log_dir / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))
-    gw_env = child_env({"PYTHONPATH": str(gateway_repo)})
-    gateway = group.spawn("gateway", python_argv("gateway.cli", "serve", "-c", str(path), "--port", str(port)),
-                          env=gw_env)
+    # `python -m` puts the working directory first on sys.path: run in the checkout that serves.
+    gateway = ManagedProcess("gateway", python_argv("gateway.cli", "serve", "-c", str(path), "--port", str(port)),
+                             log_dir / "gateway.log", env=child_env({"PYTHONPATH": str(gateway_repo)}),
+                             cwd=gateway_repo)
+    group.children.append(gateway)
+    gateway.start()
     gateway.wait_http(f"http://127.0.0.1:{port}/ready", 60)
     return port
 
@@ -245,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         ours, theirs = mp.Pipe()
         probe = mp.get_context("spawn").Process(target=_probe, args=(port, theirs), daemon=True)
         probe.start()
+        if not ours.poll(60) or ours.recv() != "ready":
+            raise RuntimeError("the /health probe process did not start")
         try:
             header = ("| shape | body MB | answer | worst stall ms (median) | worst stall ms (max) "
                       "| probe p50 ms | request ms |")
