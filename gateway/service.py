@@ -82,7 +82,6 @@ class ProxyService:
     def __init__(self, state: AppState) -> None:
         self.state = state
         config = state.config
-        self._models = {name.lower(): config.model.name for name in config.model.names()}
         self._served = {p.name: p.served_model_name or config.model.name for p in config.pools}
         self.parser = BodyParser(config, state.estimator, state.hasher)
 
