@@ -306,7 +306,14 @@ def _remove(path: str) -> None:
 _PROCESS_PARSER: list[BodyParser] = []  # in a parse process only: its one parser, built by `_start_process`
 
 
+PARSE_NICENESS = 10
+"""Added to a parse process's nice value: on a busy machine the serving process (every stream, every
+Redis check) goes first, the bulk work of parsing large bodies after it."""
+
+
 def _start_process(config: GatewayConfig) -> None:  # pragma: no cover - runs in the parse process
+    with contextlib.suppress(OSError):
+        os.nice(PARSE_NICENESS)
     _PROCESS_PARSER.append(BodyParser(config))
 
 
