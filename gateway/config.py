@@ -490,6 +490,14 @@ class GatewayConfig(BaseSettings):
     max_messages: int = Field(default=20_000, ge=1, description="chat messages per request")
     max_content_parts: int = Field(default=50_000, ge=1, description="content parts per request, all messages")
     max_prompt_ids: int = Field(default=4 * 1024 * 1024, ge=1, description="token ids per completions request")
+    parse_offload_bytes: int = Field(
+        default=256 * 1024, ge=0,
+        description="bodies larger than this (bytes) are parsed in a parse process, not on the event loop")
+    parse_offload_items: int = Field(
+        default=1_000, ge=0,
+        description="bodies with more messages + content parts (or prompt elements) are parsed in a parse process")
+    parse_processes: int = Field(default=2, ge=1, le=64,
+                                 description="parse processes per serving process, started on first use")
     redis_url: str | None = Field(default=None, description="redis://, rediss:// or unix:// URL (redis-py's schemes)")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -16,28 +16,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
 
 from gateway.affinity.hashing import longest_match
 from gateway.auth.keys import Principal
 from gateway.backends.client import UpstreamResponse, first_byte_budget, request_timeout
-from gateway.backends.patches import ask_for_usage
 from gateway.backends.registry import DEFAULT_RETRY_AFTER_S, WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.errors import (
     GatewayError,
-    InvalidRequest,
-    ModelNotFound,
     NoCapacity,
     UpstreamError,
     UpstreamTimeout,
     error_bytes_from_upstream,
 )
-from gateway.protocol.body import decode_json_object
-from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from gateway.parsing import Body, BodyParser, Payload, encode_for
 from gateway.record import RequestRecord
-from gateway.routing.features import Api, RoutingRequest, chat_features, completion_features, image_urls
+from gateway.routing.features import Api, RoutingRequest
 from gateway.routing.policy import Candidate
 from gateway.routing.pools import fitting_pools, larger_pools
 from gateway.state import AppState
@@ -93,94 +88,74 @@ class ProxyService:
     def __init__(self, state: AppState) -> None:
         self.state = state
         config = state.config
-        self._models = {name.lower(): config.model.name for name in config.model.names()}
         self._served = {p.name: p.served_model_name or config.model.name for p in config.pools}
+        self.parser = BodyParser(config, state.estimator, state.hasher)
 
-    async def parse(self, api: Api, body: bytes, headers: Mapping[str, str]) -> tuple[dict[str, Any], RoutingRequest]:
-        """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound.
+    async def parse(self, api: Api, body: Body, headers: Mapping[str, str]) -> tuple[Payload, RoutingRequest]:
+        """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound,
+        ContextLengthExceeded (also from a cheap lower bound of its tokens, before validation).
 
+        A body over `parse_offload_bytes`, or with more than `parse_offload_items` items, is parsed
+        in a parse process (`gateway/parsing.py`), so the event loop keeps serving meanwhile; its
+        payload is then a `ForwardBody`, the engine's body already encoded.
         With `image_fetch.enabled`, the chat request's http(s) image URLs are fetched first to
         measure their pixel size (`ImageFetcher.measure`: bounded in time, never failing the request).
         """
-        payload = decode_json_object(body)
-        self._check_size(api, payload)
-        try:
-            wire = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(payload)
-        except ValidationError as exc:
-            message, param = describe_validation_error(exc)
-            raise InvalidRequest(message, param=param) from None
-        model = self._models.get(wire.model.lower())
-        if model is None:
-            raise ModelNotFound(f"The model `{wire.model[:200]}` does not exist or you do not have access to it.",
-                                param="model")
+        state, parser = self.state, self.parser
         session = headers.get("x-session-id")
-        estimator = self.state.estimator
-        hasher = self.state.hasher
-        if isinstance(wire, ChatCompletionRequest):
-            images = self.state.images
-            measured = await images.measure(image_urls(wire)) if images is not None else None
-            request = chat_features(wire, model, estimator, hasher, session, measured)
-        else:
-            request = completion_features(wire, model, estimator, hasher, session)
-        return payload, request
+        if isinstance(body, bytes) and len(body) <= state.config.parse_offload_bytes:
+            payload, items = parser.decode(api, body)
+            if items <= state.config.parse_offload_items:
+                wire, model, urls = parser.validate(api, payload)
+                measured = await state.images.measure(urls) if state.images is not None and urls else None
+                return payload, parser.features(wire, model, session, measured)
+        parsed = await state.parse_pool.parse(api, body, session,
+                                              state.images.measure if state.images is not None else None)
+        assert parsed.request is not None and parsed.forward is not None
+        return parsed.forward, parsed.request
 
-    def _check_size(self, api: Api, payload: dict[str, Any]) -> None:
-        """Cheap bounds checked before validation, so one huge request cannot stall the event loop."""
-        config = self.state.config
-        if api == "chat":
-            messages = payload.get("messages")
-            if not isinstance(messages, list):
-                return
-            if len(messages) > config.max_messages:
-                raise InvalidRequest(f"Too many messages: {len(messages)}; the limit is {config.max_messages}.",
-                                     param="messages", code="too_many_messages")
-            parts = sum(len(m["content"]) for m in messages
-                        if isinstance(m, dict) and isinstance(m.get("content"), list))
-            if parts > config.max_content_parts:
-                raise InvalidRequest(f"Too many content parts: {parts}; the limit is {config.max_content_parts}.",
-                                     param="messages", code="too_many_content_parts")
-            return
-        prompt = payload.get("prompt")
-        if isinstance(prompt, list):
-            ids = sum(max(len(p), 1) if isinstance(p, list) else 1 for p in prompt)
-            if ids > config.max_prompt_ids:
-                raise InvalidRequest(f"The prompt has {ids} token ids; the limit is {config.max_prompt_ids}.",
-                                     param="prompt", code="context_length_exceeded")
-
-    async def handle(self, api: Api, body: bytes, headers: Mapping[str, str], record: RequestRecord,
+    async def handle(self, api: Api, body: Body, headers: Mapping[str, str], record: RequestRecord,
                      principal: Principal | None = None) -> BufferedResponse | RelayResponse:
         """The whole request path up to an accepted upstream (or a final error).
 
-        `principal` is the authenticated caller (auth on): its quota is charged the request's
+        `principal` is the authenticated caller (auth on): one request is counted against its
+        request limit before the body is even parsed (so invalid or oversized bodies are not free
+        and a key over its limit fetches no image URL); its token limit is charged the request's
         estimated prompt tokens + its output limit (else the first fitting pool's reservation) times
         the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
         (429) or RateLimitUnavailable (503) when refused. The charge is settled when the request
         ends (`quota_used`): at once for an answer or error given here, at the record's finish for
         a stream.
         """
+        guard = self.state.auth if principal is not None else None
+        counted = None
+        if guard is not None:
+            assert principal is not None
+            counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
         payload, request = await self.parse(api, body, headers)
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
         pools = fitting_pools(request, self.state.config.pools)
-        auth = self.state.auth
-        if principal is None or auth is None:
+        if guard is None:
             return await self._dispatch(api, payload, request, pools, record)
-        reservation = await auth.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens))
+        assert principal is not None
+        reservation = await guard.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens),
+                                              requests=0, counted=counted)
         if reservation is None:
             return await self._dispatch(api, payload, request, pools, record)
-        record.on_finish = lambda done: auth.settle_soon(reservation, quota_used(
+        record.on_finish = lambda done: guard.settle_soon(reservation, quota_used(
             done, request, reservation.tokens, done.outcome != "ok" or done.status >= 400))
         try:
             result = await self._dispatch(api, payload, request, pools, record)
         except GatewayError:
-            await auth.settle(reservation, quota_used(record, request, reservation.tokens, failed=True))
+            await guard.settle(reservation, quota_used(record, request, reservation.tokens, failed=True))
             raise
         if isinstance(result, BufferedResponse):
-            await auth.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
+            await guard.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
         return result
 
-    async def _dispatch(self, api: Api, payload: dict[str, Any], request: RoutingRequest,
+    async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest,
                         pools: list[PoolConfig], record: RequestRecord) -> BufferedResponse | RelayResponse:
         state = self.state
         metrics = state.metrics
@@ -249,7 +224,7 @@ class ProxyService:
             try:
                 key = (self._served[pool.name], patch_usage, api not in worker.engine.max_completion_tokens_apis)
                 if key not in bodies:
-                    bodies[key] = _upstream_body(payload, *key)
+                    bodies[key] = encode_for(payload, *key)
                 record.open_attempt, record.attempt_answered = worker, False
                 result = await self._attempt(api, pool, worker, bodies[key], request, record, patch_usage)
                 record.open_attempt = None
@@ -542,27 +517,6 @@ class ProxyService:
             headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
                             f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
         return headers
-
-
-def _upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = False,
-                   output_as_max_tokens: bool = False) -> bytes:
-    """The client's JSON object as the engine gets it. The only edits: `model` becomes the pool's
-    served name; top-level fields set to null are left out (null means "the default" in OpenAI's
-    API, but some engine versions fail on it, e.g. `max_tokens: null` on vLLM's completions);
-    the usage patch's `stream_options` when `ask_usage`; and with `output_as_max_tokens` (an
-    engine that ignores `max_completion_tokens` on this API, `EngineSpec.max_completion_tokens_apis`)
-    `max_completion_tokens` is sent as `max_tokens`, which it replaces, as OpenAI ranks them."""
-    body = {name: value for name, value in payload.items() if value is not None}
-    if ask_usage:
-        body = ask_for_usage(body)
-    if output_as_max_tokens and "max_completion_tokens" in body:
-        body["max_tokens"] = body.pop("max_completion_tokens")
-    body["model"] = served_model
-    try:
-        return orjson.dumps(body)
-    except TypeError as exc:  # orjson writes at most 254 levels of nesting; it reads 1024
-        raise InvalidRequest(f"The request body cannot be forwarded: {exc} (nested too deeply).",
-                             code="invalid_json") from None
 
 
 def _relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:

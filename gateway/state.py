@@ -19,6 +19,7 @@ from gateway.backends.load import LoadScraper
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.parsing import ParsePool
 from gateway.routing.image_fetch import ImageFetcher
 from gateway.routing.router import Router
 from gateway.routing.tokens import TokenEstimator
@@ -51,6 +52,8 @@ class AppState:
     tracing: Tracing | None = None
     """OpenTelemetry exporter; None while `tracing.otlp_endpoint` is unset."""
     """Measures client image URLs (own httpx client); None when `image_fetch.enabled` is false."""
+    parse_pool: ParsePool = field(init=False)
+    """Where large request bodies are parsed (`gateway/parsing.py`)."""
     started_unix: int = 0
     draining: bool = False
     """True once shutdown began (`begin_draining`): `/ready` answers 503 from then on."""
@@ -59,6 +62,7 @@ class AppState:
 
     def __post_init__(self) -> None:
         self.status = StatusWindow(self.metrics)
+        self.parse_pool = ParsePool(self.config)
 
     @classmethod
     def build(cls, config: GatewayConfig, metrics_dir: str | None = None) -> AppState:
@@ -122,5 +126,6 @@ class AppState:
             await self.images.aclose()
         await self.upstream.aclose()
         await self.http.aclose()
+        self.parse_pool.close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # a blocking flush of the last spans

@@ -12,9 +12,11 @@ SETs/s (about 50 batches/s) — a few percent of one Redis core. Each key is ~60
 value plus Redis' per-key overhead (~70 bytes) ≈ 130 bytes; keys live `ttl_seconds`, so memory is
 bounded by the distinct prefix blocks seen in 10 minutes (e.g. 1M distinct blocks ≈ 130 MB).
 
-Failure policy: every call has a hard timeout (`lookup_timeout`); any error or timeout is a miss
-(fail open), counted in `kimi_gateway_redis_errors_total`, logged at most once per 10 s, and Redis
-is skipped for `retry_after` seconds (a simple circuit breaker) before it is tried again.
+Failure policy: every call has a hard timeout (`lookup_timeout`) of its own time (a deadline the
+event loop passed while busy elsewhere is extended, `gateway/looplag.py`: the gateway's own stalls
+are not a Redis outage); any error or timeout is a miss (fail open), counted in
+`kimi_gateway_redis_errors_total`, logged at most once per 10 s, and Redis is skipped for
+`retry_after` seconds (a simple circuit breaker) before it is tried again.
 `kimi_gateway_redis_up` follows the breaker; a PING every `PING_EVERY_S` keeps it true when no
 request calls Redis (a gauge stuck at 0 after an outage would keep "Redis down" alerts firing).
 """
@@ -33,6 +35,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.config import AffinityConfig
+from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.affinity")
@@ -95,11 +98,13 @@ class RedisAffinityStore:
             self.metrics.affinity_lookups.labels(pool, "skipped").inc()
             return None
         started = time.perf_counter()
+        timer = StoreTimeout(self.config.lookup_timeout)
         try:
-            async with asyncio.timeout(self.config.lookup_timeout):
+            async with timer:
                 values = await self.redis.mget([self.key(pool, h) for h in hashes])
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("lookup", exc)
+            if not timer.expired_late:  # a loop still busy at the deadline is not Redis' fault
+                self._failed("lookup", exc)
             self.metrics.affinity_lookups.labels(pool, "error").inc()
             return None
         self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - started)
@@ -122,27 +127,30 @@ class RedisAffinityStore:
                 self.metrics.affinity_writes_dropped.inc(len(batch))
                 continue
             started = time.perf_counter()
+            timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
             try:
                 # `async with` resets the pipeline (its connection back to the pool) even when the
                 # timeout cuts it.
-                async with asyncio.timeout(max(self.config.lookup_timeout * 10, 0.5)), \
-                        self.redis.pipeline(transaction=False) as pipe:
+                async with timer, self.redis.pipeline(transaction=False) as pipe:
                     for pool, hashes, worker in batch:
                         await self._record(keys=[self.key(pool, h) for h in hashes], args=[worker, ttl], client=pipe)
                     await pipe.execute()
             except (RedisError, OSError, TimeoutError) as exc:
-                self._failed("write", exc)
+                if not timer.expired_late:
+                    self._failed("write", exc)
                 continue
             self.metrics.redis_seconds.labels("write").observe(time.perf_counter() - started)
             self._set_up(True)
 
     async def _ping_forever(self) -> None:
         while True:
+            timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
             try:
-                async with asyncio.timeout(max(self.config.lookup_timeout * 10, 0.5)):
+                async with timer:
                     await self.redis.ping()
             except (RedisError, OSError, TimeoutError) as exc:
-                self._failed("ping", exc)
+                if not timer.expired_late:
+                    self._failed("ping", exc)
             else:
                 self._set_up(True)
             await asyncio.sleep(PING_EVERY_S)

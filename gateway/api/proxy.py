@@ -26,6 +26,7 @@ from gateway.errors import (
 )
 from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
 from gateway.metrics import NO_POOL
+from gateway.parsing import Body, body_of
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestRecord
 from gateway.request_head import SEND_STALLED
@@ -45,12 +46,13 @@ class ClientGone(Exception):
 
 
 async def read_body(receive: Receive, limit: int, idle_s: float, base_s: float = math.inf,
-                    min_rate: float = math.inf) -> bytes:
+                    min_rate: float = math.inf, join_max: int = 2**62) -> Body:
     """The whole request body; PayloadTooLarge (413) beyond `limit` bytes, ClientGone on disconnect,
     RequestBodyTimeout (408) when `idle_s` seconds pass without a byte of it (a stalled upload would
     otherwise hold its connection for good), or when it is still incomplete `base_s` seconds plus one
     second per `min_rate` bytes received after the first read began (a body trickled a byte at a
-    time, each gap under `idle_s`; Apache's mod_reqtimeout `body=...,MinRate=...` in one deadline)."""
+    time, each gap under `idle_s`; Apache's mod_reqtimeout `body=...,MinRate=...` in one deadline).
+    Over `join_max` bytes its chunks are not joined (`parsing.body_of`)."""
     chunks: list[bytes] = []
     size = 0
     loop = asyncio.get_running_loop()
@@ -75,7 +77,7 @@ async def read_body(receive: Receive, limit: int, idle_s: float, base_s: float =
             raise PayloadTooLarge(f"The request body is larger than the limit of {limit} bytes.")
         chunks.append(chunk)
         if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            return body_of(chunks, size, join_max)
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -195,7 +197,8 @@ class ProxyEndpoint:
                     async with asyncio.timeout_at(deadline):
                         timeouts = state.config.timeouts
                         body = await read_body(receive, state.config.max_body_bytes, timeouts.body_idle,
-                                               timeouts.body_deadline, timeouts.body_min_rate)
+                                               timeouts.body_deadline, timeouts.body_min_rate,
+                                               state.config.parse_offload_bytes)
                 except TimeoutError:
                     record.outcome = "timeout"
                     raise RequestBodyTimeout(f"The request body did not arrive within the gateway's overall time "

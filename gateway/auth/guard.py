@@ -37,13 +37,17 @@ PER_MIN = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)
 
 @dataclass(slots=True)
 class Reservation:
-    """What `AuthGuard.check_quota` counted for one request: 1 request and `tokens` tokens in the
-    limiter's fixed window number `window`; `settled` once `AuthGuard.settle` took its part back."""
+    """What the quota checks counted for one request: `requests` requests (1, or 0 when
+    `AuthGuard.count_request` counted it on arrival: that Reservation is `counted`) and `tokens`
+    tokens in the limiter's fixed window number `window`; `settled` once `AuthGuard.settle` took
+    its part back."""
 
     principal: Principal
     tokens: int
     window: int
     settled: bool = False
+    requests: int = 1
+    counted: Reservation | None = None
 
 
 class AuthGuard:
@@ -99,15 +103,34 @@ class AuthGuard:
             self.metrics.auth_failures.labels("forbidden").inc()
             raise PermissionDenied(f"You have insufficient permissions for this operation. Missing scope: {scope}.")
 
-    async def check_quota(self, principal: Principal, tokens: int) -> Reservation | None:
-        """Count one request of `tokens` tokens (estimated prompt + requested output) against the
-        key's limits: the Reservation to settle when the request ends, None when nothing was
-        counted (a key without limits, or the limiter down and `fail_mode: open`). Raises
-        RateLimited (429), or RateLimitUnavailable (503) when the limiter cannot answer and
-        `fail_mode` is `closed`."""
-        if not principal.limited:
+    async def count_request(self, principal: Principal) -> Reservation | None:
+        """Count one request against the key's request limit only (no tokens), as soon as the request
+        arrives: before its body is parsed, measured or its image URLs fetched, so a request that
+        turns out invalid or too long still costs its sender one request. Returns the Reservation
+        to hand to `check_quota` (None when nothing was counted). Raises as `check_quota`."""
+        if principal.requests_per_minute is None:
             return None
-        verdict = await self.limiter.acquire(principal, tokens)
+        window = await self._acquire(principal, 0, 1)
+        return None if window is None else Reservation(principal, 0, window)
+
+    async def check_quota(self, principal: Principal, tokens: int, requests: int = 1,
+                          counted: Reservation | None = None) -> Reservation | None:
+        """Count `requests` requests (1; 0 when `count_request` already counted it, whose Reservation
+        is `counted`) of `tokens` tokens (estimated prompt + requested output) against the key's
+        limits: the Reservation to settle when the request ends (it settles `counted` too), None
+        when nothing was counted (a key without limits, or the limiter down and `fail_mode: open`).
+        Raises RateLimited (429), or RateLimitUnavailable (503) when the limiter cannot answer and
+        `fail_mode` is `closed`."""
+        if not principal.limited or (requests == 0 and principal.tokens_per_minute is None):
+            return counted
+        window = await self._acquire(principal, tokens, requests)
+        if window is None:
+            return counted
+        return Reservation(principal, tokens, window, requests=requests, counted=counted)
+
+    async def _acquire(self, principal: Principal, tokens: int, requests: int) -> int | None:
+        """The limiter's window number the charge was counted in; None when it was not counted."""
+        verdict = await self.limiter.acquire(principal, tokens, requests)
         if verdict is None:
             if self.config.fail_mode == "open":
                 self.metrics.rate_limit_unavailable.labels("allowed").inc()
@@ -117,7 +140,7 @@ class AuthGuard:
             raise RateLimitUnavailable("Rate limits cannot be checked right now; please try again shortly.",
                                        headers={"retry-after": str(retry)})
         if verdict.allowed:
-            return None if verdict.window is None else Reservation(principal, tokens, verdict.window)
+            return verdict.window
         assert verdict.limit is not None
         self.metrics.rate_limited.labels(self.metric_labels.get(principal.name, "unknown"), verdict.limit).inc()
         raise rate_limited(principal, verdict)
@@ -129,9 +152,14 @@ class AuthGuard:
         if reservation.settled:
             return
         reservation.settled = True
-        requests, tokens = (1, reservation.tokens) if used_tokens is None else (0, reservation.tokens - used_tokens)
+        if used_tokens is None:
+            requests, tokens = reservation.requests, reservation.tokens
+        else:  # a request-count-only reservation has no tokens to settle
+            requests, tokens = 0, (reservation.tokens - used_tokens if reservation.tokens else 0)
         if requests or tokens:
             await self.limiter.refund(reservation.principal, reservation.window, requests, tokens)
+        if reservation.counted is not None and used_tokens is None:
+            await self.settle(reservation.counted, None)
 
     def settle_soon(self, reservation: Reservation, used_tokens: int | None) -> None:
         """`settle` from synchronous code on the event loop (a request's end): runs as a task that

@@ -15,7 +15,11 @@ Time is cut into fixed one-minute windows; the use over the last 60 s is estimat
     previous window's count * (share of it still inside the last 60 s) + current window's count
 
 A request passes only if that estimate + its cost stays within the limit, and then both of its
-costs are added (a refused request costs nothing, so the Retry-After it gets stays true). Why this
+costs are added (a refused request costs nothing, so the Retry-After it gets stays true). The
+gateway asks twice per request (`AuthGuard.count_request`, then `check_quota`): the request is
+counted against the request limit as soon as it arrives, before its body is parsed or its image
+URLs fetched (a body that turns out invalid or too long still cost its sender one request, so
+such bodies cannot be sent for free); its tokens once they are estimated. Why this
 and not the alternatives:
 
 - a plain fixed window lets a client spend twice its limit across a window edge (all at 0:59, all
@@ -90,13 +94,16 @@ def wait_seconds(limit: int | None, prev: float, cur: float, cost: int, elapsed:
 
 
 def decide(principal: Principal, tokens: int, prev: tuple[float, float], cur: tuple[float, float],
-           elapsed: float, window: float) -> Verdict:
-    """The verdict for one request of `tokens` tokens, given (requests, tokens) used in the previous
-    and the current window. When both limits refuse, the one with the longer wait is reported."""
+           elapsed: float, window: float, requests: int = 1) -> Verdict:
+    """The verdict for `requests` requests (1, or 0 when only tokens are charged) of `tokens` tokens,
+    given (requests, tokens) used in the previous and the current window. When both limits refuse,
+    the one with the longer wait is reported. A cost of 0 always fits."""
     worst = ALLOWED
     checks: tuple[tuple[LimitKind, int | None, int], ...] = (
-        ("requests", principal.requests_per_minute, 1), ("tokens", principal.tokens_per_minute, tokens))
+        ("requests", principal.requests_per_minute, requests), ("tokens", principal.tokens_per_minute, tokens))
     for i, (kind, limit, cost) in enumerate(checks):
+        if cost <= 0:  # not charged this time (see `requests`); a lowered limit must not refuse it
+            continue
         wait = wait_seconds(limit, prev[i], cur[i], cost, elapsed, window)
         if wait > 0 and wait > worst.retry_after:
             used = math.floor(prev[i] * (window - elapsed) / window + cur[i])
@@ -107,8 +114,9 @@ def decide(principal: Principal, tokens: int, prev: tuple[float, float], cur: tu
 class RateLimiter(Protocol):
     """Per-key request and token limits. Implementations never raise from `acquire`."""
 
-    async def acquire(self, principal: Principal, tokens: int) -> Verdict | None:
-        """Check one request of `tokens` tokens against the key's limits and, if it passes, count it.
+    async def acquire(self, principal: Principal, tokens: int, requests: int = 1) -> Verdict | None:
+        """Check `requests` requests (1; 0 to charge tokens only) of `tokens` tokens against the key's
+        limits and, if they pass, count them.
 
         None when the limiter could not answer (Redis down, timed out, circuit open: the
         implementation counts it); the caller then fails open or closed as configured.
@@ -161,7 +169,7 @@ class MemoryRateLimiter:
         self._clock = clock
         self._keys: dict[str, _Windows] = {}
 
-    async def acquire(self, principal: Principal, tokens: int) -> Verdict:
+    async def acquire(self, principal: Principal, tokens: int, requests: int = 1) -> Verdict:
         now = self._clock()
         index = math.floor(now / self.window)
         elapsed = now - index * self.window
@@ -170,9 +178,9 @@ class MemoryRateLimiter:
             windows = self._keys[principal.name] = _Windows(index)
         windows.roll(index)
         verdict = decide(principal, tokens, (windows.prev_requests, windows.prev_tokens),
-                         (windows.requests, windows.tokens), elapsed, self.window)
+                         (windows.requests, windows.tokens), elapsed, self.window, requests)
         if verdict.allowed:
-            windows.requests += 1
+            windows.requests += requests
             windows.tokens += tokens
             return Verdict(True, window=index)
         return verdict

@@ -6,22 +6,26 @@ with five fields: `w` (the current one-minute window's number, Redis time ÷ 60 
 windows after its last write, so an idle key costs nothing and the store holds at most one hash per
 configured key (~150 bytes each).
 
-Cost: one EVALSHA per limited request — HMGET + HSET + PEXPIRE of that one key inside a Lua script,
-so the check and the count are atomic across replicas, in one round trip — and one more, smaller
-one (`REFUND_LUA`: HMGET + HSET) when the request ends using less than it reserved. At 1,000 requests/s
+Cost: one EVALSHA per limit a request is charged — HMGET + HSET + PEXPIRE of that one key inside a
+Lua script, so the check and the count are atomic across replicas, in one round trip; a key with
+both limits costs two (the request is counted on arrival, its tokens once estimated: `limits.py`) —
+and one more, smaller one (`REFUND_LUA`: HMGET + HSET) when the request ends using less than it
+reserved. At 1,000 requests/s
 that is 1,000 small scripts/s, a few percent of one Redis core. The script reads Redis' own clock
 (`TIME`), so replicas whose clocks disagree still agree on the windows. One key per script call
 keeps it valid on Redis Cluster.
 
-Failure policy (like the affinity store): a hard timeout per call (`auth.redis_timeout`); any error
+Failure policy (like the affinity store): a hard timeout per call (`auth.redis_timeout`) of the
+call's own time: a deadline the event loop passed while busy with other work is extended
+(`gateway/looplag.py`), so the gateway's own stalls are not read as a Redis outage; any error
 or timeout returns None (the guard then fails open or closed, `auth.fail_mode`), is counted in
 `kimi_gateway_redis_errors_total{op="rate_limit"}`, logged at most once per 10 s, and Redis is
-skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again.
+skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again. A call
+that expires while the loop is still lagging fails that one request only (no breaker, no error).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -34,6 +38,7 @@ from redis.exceptions import RedisError
 from gateway.auth.keys import Principal
 from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
 from gateway.config import AuthConfig
+from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.auth")
@@ -41,8 +46,9 @@ log = logging.getLogger("gateway.auth")
 LOG_EVERY_S = 10.0
 
 # KEYS[1]: the key's hash. ARGV: window (ms), requests limit, tokens limit (-1: no limit), tokens,
-# and optionally the time in ms (tests compare the script with limits.py on one clock; the gateway
-# never passes it, so the script reads Redis' clock).
+# optionally the time in ms (tests compare the script with limits.py on one clock; the gateway
+# passes "", so the script reads Redis' clock), and optionally the requests charged (default 1; 0
+# when only tokens are charged: `limits.decide`'s `requests`).
 # Returns {allowed 0/1, wait ms (-1: never), limit kind, limit, used, requested, window number}.
 # `wait` is limits.wait_seconds in milliseconds: keep the two equal.
 LUA = """
@@ -64,14 +70,15 @@ if w ~= index then
   r, t = 0, 0
 end
 local function wait(limit, prev, cur, cost)
-  if limit < 0 then return 0 end
+  if limit < 0 or cost <= 0 then return 0 end
   if cost > limit then return math.huge end
   if prev * (window - elapsed) / window + cur + cost <= limit then return 0 end
   if cur + cost <= limit then return window - window * (limit - cur - cost) / prev - elapsed end
   return (window - elapsed) + math.max(0, window - window * (limit - cost) / cur)
 end
 local tokens = tonumber(ARGV[4])
-local checks = {{'requests', tonumber(ARGV[2]), pr, r, 1}, {'tokens', tonumber(ARGV[3]), pt, t, tokens}}
+local requests = tonumber(ARGV[6]) or 1
+local checks = {{'requests', tonumber(ARGV[2]), pr, r, requests}, {'tokens', tonumber(ARGV[3]), pt, t, tokens}}
 local worst, kind, limit, used, requested = 0, '', 0, 0, 0
 for _, c in ipairs(checks) do
   local ms = wait(c[2], c[3], c[4], c[5])
@@ -84,7 +91,7 @@ if worst > 0 then
   if worst == math.huge then worst = -1 else worst = math.ceil(worst) end
   return {0, worst, kind, limit, used, requested, index}
 end
-redis.call('HSET', KEYS[1], 'w', index, 'r', r + 1, 't', t + tokens, 'pr', pr, 'pt', pt)
+redis.call('HSET', KEYS[1], 'w', index, 'r', r + requests, 't', t + tokens, 'pr', pr, 'pt', pt)
 redis.call('PEXPIRE', KEYS[1], 2 * window)
 return {1, 0, '', 0, 0, 0, index}
 """
@@ -148,18 +155,29 @@ class RedisRateLimiter:
             log.warning("redis rate limit check failed (%s: %s); failing %s for %.1fs", type(exc).__name__, exc,
                         self.config.fail_mode, self.config.redis_retry_after)
 
-    async def acquire(self, principal: Principal, tokens: int) -> Verdict | None:
+    def _loop_busy(self, waited: float) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            log.warning("rate limit check gave up after %.3fs with the event loop still busy; failing %s for "
+                        "this request only (Redis is not blamed)", waited, self.config.fail_mode)
+
+    async def acquire(self, principal: Principal, tokens: int, requests: int = 1) -> Verdict | None:
         if not self.available:
             return None
         rpm, tpm = principal.requests_per_minute, principal.tokens_per_minute
         started = time.perf_counter()
+        timer = StoreTimeout(self.config.redis_timeout)
         try:
-            async with asyncio.timeout(self.config.redis_timeout):
+            async with timer:
                 reply = await self._script(keys=[self.key(principal.name)],
                                            args=[self.window_ms, -1 if rpm is None else rpm,
-                                                 -1 if tpm is None else tpm, tokens])
+                                                 -1 if tpm is None else tpm, tokens, "", requests])
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
+            if timer.expired_late:  # the event loop was still busy at the deadline: not Redis' fault
+                self._loop_busy(time.perf_counter() - started)
+            else:
+                self._failed(exc)
             return None
         self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
         allowed, wait_ms, kind, limit, used, requested, window = reply
@@ -173,11 +191,15 @@ class RedisRateLimiter:
         if not self.available:
             return
         started = time.perf_counter()
+        timer = StoreTimeout(self.config.redis_timeout)
         try:
-            async with asyncio.timeout(self.config.redis_timeout):
+            async with timer:
                 await self._refund(keys=[self.key(principal.name)], args=[window, requests, tokens])
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
+            if timer.expired_late:  # the event loop was still busy at the deadline: not Redis' fault
+                self._loop_busy(time.perf_counter() - started)
+            else:
+                self._failed(exc)
             return
         self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
 

@@ -88,6 +88,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     modalities = {"text"}
     methods = {"bytes"}
     extra = wire.model_extra or {}
+    images: dict[str, tuple[int, str, bytes]] = {}  # URL -> tokens, method, digest: each image measured once
     try:
         canonical = [canonical_prelude(extra.get("tools") or extra.get("functions"))]
         calls_json = [orjson.dumps(m.model_extra["tool_calls"]) if m.model_extra and "tool_calls" in m.model_extra
@@ -110,10 +111,12 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
                     text_bytes += len(encoded)
                 elif part.type == "image_url":
                     url = part.image_url.url
-                    estimate = estimator.image_tokens(url, f"messages[{i}].content[{j}].image_url.url", measured)
-                    tokens += estimate.tokens
-                    methods.add(estimate.method)
-                    parts.append(image_digest(url))
+                    if (seen := images.get(url)) is None:
+                        estimate = estimator.image_tokens(url, f"messages[{i}].content[{j}].image_url.url", measured)
+                        seen = images[url] = (estimate.tokens, estimate.method, image_digest(url))
+                    tokens += seen[0]
+                    methods.add(seen[1])
+                    parts.append(seen[2])
         # Tool calls are rendered into the prompt by the chat template too.
         if (calls := calls_json[i]) is not None:
             parts.append(calls)

@@ -152,10 +152,12 @@ async def test_lua_script_equals_the_python_rule(key_prefix: str) -> None:
         for step in range(400):
             clock_ms[0] += rng.choice([0, 10, 700, 3_000, 9_000, 25_000, 61_000])
             principal = rng.choice(keys)
-            tokens = rng.choice([1, 50, 200, 499, 600])
-            expected = await memory.acquire(principal, tokens)
+            tokens = rng.choice([0, 1, 50, 200, 499, 600])
+            requests = rng.choice([0, 1, 1])  # 0: tokens only (the request was counted on arrival)
+            expected = await memory.acquire(principal, tokens, requests)
             reply = await lua._script(keys=[lua.key(principal.name)], args=[
-                60_000, principal.requests_per_minute or -1, principal.tokens_per_minute or -1, tokens, clock_ms[0]])
+                60_000, principal.requests_per_minute or -1, principal.tokens_per_minute or -1, tokens, clock_ms[0],
+                requests])
             allowed, wait_ms, kind, limit, used, requested = reply[:6]
             assert bool(allowed) == expected.allowed, f"step {step}"
             if not expected.allowed:

@@ -32,7 +32,7 @@ KEYS = [ApiKeyConfig(name="alice", sha256=hash_key(USER_KEY), requests_per_minut
 class DownLimiter:
     """A limiter whose store never answers (Redis down)."""
 
-    async def acquire(self, principal: Principal, tokens: int) -> Verdict | None:
+    async def acquire(self, principal: Principal, tokens: int, requests: int = 1) -> Verdict | None:
         return None
 
     async def start(self) -> None: ...

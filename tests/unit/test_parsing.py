@@ -1,0 +1,113 @@
+"""gateway/parsing.py without processes: the engine's body a parse process prepares, the cheap lower
+bound (it refuses only what the full estimate refuses too), and when a body is kept in chunks."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.config import parse_config
+from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.parsing import BodyParser, ChunkedBody, ForwardBody, body_of, encode_for, upstream_body
+from gateway.routing.pools import fitting_pools
+
+PAYLOADS: list[dict[str, Any]] = [
+    {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "stream": True, "top_k": 5,
+     "seed": 18446744073709551615},
+    {"model": "kimi-k3", "messages": [], "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+    {"stream_options": {"x": 1}, "model": "kimi-k3"},
+    {"model": "kimi-k3"},
+    {"prompt": [1, 2, 3], "model": "kimi-k3", "tools": [{"a": [1, {"b": None}]}]},
+]
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_forward_body_equals_the_payload_encoding(payload: dict[str, Any]) -> None:
+    keys = [("kimi-k3", False), ("moonshotai/Kimi-K3", True), ("kimi-k3", True), ("other", False)]
+    for first in keys:
+        forward = ForwardBody.of(payload, *first)
+        assert forward.encode(*first) is forward.first
+        for key in keys:
+            expected = upstream_body(payload, *key)
+            assert orjson.loads(forward.encode(*key)) == orjson.loads(expected), (first, key)
+            assert orjson.loads(encode_for(forward, *key)) == orjson.loads(encode_for(payload, *key))
+
+
+def test_forward_body_refuses_what_cannot_be_written() -> None:
+    deep: Any = 1
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(InvalidRequest):
+        ForwardBody.of({"model": "m", "x": deep}, "m", False)
+
+
+def test_body_of_joins_small_bodies_only() -> None:
+    assert body_of([b"ab"], 2, 0) == b"ab"
+    assert body_of([b"ab", b"cd"], 4, 4) == b"abcd"
+    chunked = body_of([b"ab", b"cd"], 4, 3)
+    assert isinstance(chunked, ChunkedBody) and len(chunked) == 4 and chunked.chunks == [b"ab", b"cd"]
+
+
+CONFIG = parse_config({"pools": [
+    {"name": "small", "engine": "vllm", "workers": ["http://127.0.0.1:1"], "max_context_tokens": 4096},
+    {"name": "large", "engine": "sglang", "workers": ["http://127.0.0.1:2"], "max_context_tokens": 20_000},
+]}, environ={})
+
+
+def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
+    if rng.random() < 0.6:
+        messages: list[dict[str, Any]] = []
+        for _ in range(rng.randint(1, 300)):
+            if rng.random() < 0.5:
+                messages.append({"role": "user", "content": "é" * rng.choice([0, 10, 300, 3000])})
+            else:
+                parts: list[dict[str, Any]] = [{"type": "text", "text": "w " * rng.choice([1, 50, 500])}
+                                               for _ in range(rng.randint(0, 3))]
+                parts += [{"type": "image_url", "image_url": {"url": f"https://x.test/{i}.png"}}
+                          for i in range(rng.choice([0, 0, 1, 5, 20]))]
+                messages.append({"role": "user", "content": parts})
+        body: dict[str, Any] = {"model": "kimi-k3", "messages": messages}
+        if rng.random() < 0.5:
+            body[rng.choice(["max_tokens", "max_completion_tokens"])] = rng.choice([1, 1000, 15_000])
+        return "chat", body
+    prompt: Any = rng.choice([
+        "t" * rng.choice([10, 50_000, 200_000]),
+        [7] * rng.choice([10, 19_000, 25_000]),
+        [[7] * rng.choice([1, 5_000, 21_000]) for _ in range(rng.randint(1, 4))],
+        ["t" * rng.choice([10, 90_000, 200_000]) for _ in range(rng.randint(1, 3))],
+    ])
+    body = {"model": "kimi-k3", "prompt": prompt}
+    if rng.random() < 0.5:
+        body["max_tokens"] = rng.choice([1, 1000, 15_000])
+    return "completions", body
+
+
+def test_the_lower_bound_refuses_only_what_the_estimate_refuses() -> None:
+    parser = BodyParser(CONFIG)
+    rng = random.Random(15)
+    refused_early = 0
+    for _ in range(400):
+        api, payload = random_body(rng)
+        try:
+            parser.check_size(api, payload)
+        except ContextLengthExceeded:
+            refused_early += 1
+            wire, model, _ = parser.validate(api, payload)
+            with pytest.raises(ContextLengthExceeded):
+                fitting_pools(parser.features(wire, model, None, None), CONFIG.pools)
+    assert refused_early > 40  # the bound does refuse the plainly oversized ones
+
+
+def test_the_lower_bound_refuses_before_validation() -> None:
+    parser = BodyParser(CONFIG)
+    not_even_valid = [{"role": "robot", "content": [{"type": "image_url"}] * 400}]
+    with pytest.raises(ContextLengthExceeded) as info:
+        parser.check_size("chat", {"model": "kimi-k3", "messages": not_even_valid})
+    assert "at least" in info.value.message and "20000 tokens" in info.value.message
+    with pytest.raises(ContextLengthExceeded):
+        parser.check_size("completions", {"model": "kimi-k3", "prompt": [[1], [2] * 20_001, "x"]})
+    # Within the limits: the count is returned, nothing refused.
+    assert parser.check_size("completions", {"model": "kimi-k3", "prompt": [[1], [2] * 5, 3]}) == 7
