@@ -8,6 +8,7 @@ from gateway.auth.guard import AuthGuard, Reservation
 from gateway.auth.keys import KeyRing, Principal
 from gateway.auth.limits import MemoryRateLimiter
 from gateway.config import AuthConfig
+from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
@@ -57,3 +58,25 @@ async def test_settle_once_and_release_in_full() -> None:
     third = await guard.check_quota(alice, 80)
     assert third is not None and third.window == first.window
     assert await guard.check_quota(Principal("ops", frozenset({"user"}), None, None), 10**9) is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("tpm", [100, None])
+async def test_the_arrival_count_is_released_with_the_request_it_belongs_to(tpm: int | None) -> None:
+    """The request counted on arrival (`count_request`) comes back when no engine worked on the
+    request, and stays when one did or when the request was the client's mistake."""
+    limiter = MemoryRateLimiter(clock=lambda: 30.0)
+    guard = AuthGuard(AuthConfig(), KeyRing([]), limiter, GatewayMetrics())
+    alice = Principal("alice", frozenset({"user"}), 2, tpm)
+    for _ in range(5):  # an outage: five failed requests, none of them counted in the end
+        counted = await guard.count_request(alice)
+        assert counted is not None and counted.requests == 1 and counted.tokens == 0
+        charge = await guard.check_quota(alice, 60, requests=0, counted=counted)
+        assert charge is not None and charge.counted is (None if tpm is None else counted)
+        await guard.settle(charge, None)
+    served = await guard.check_quota(alice, 60, requests=0, counted=await guard.count_request(alice))
+    assert served is not None
+    await guard.settle(served, 30)  # an engine answered: the request stays counted, the tokens settle
+    await guard.count_request(alice)  # a 400 from the gateway: counted, never settled
+    with pytest.raises(RateLimited):
+        await guard.count_request(alice)  # 2 requests a minute, both used
