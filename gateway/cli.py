@@ -54,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sock = bind_socket(host, port)
     except OSError as exc:
         sys.exit(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
-    app = create_app(config)
+    app = create_app(config, config_path=args.config)
     server = GracefulServer(app, host, port, config.shutdown, on_drain=lambda: begin_draining(app),
                             log_level=config.log_level, **http_options(config))
     tune_gc()

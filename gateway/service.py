@@ -90,7 +90,6 @@ class ProxyService:
         self.state = state
         config = state.config
         self._models = {name.lower(): config.model.name for name in config.model.names()}
-        self._served = {p.name: p.served_model_name or config.model.name for p in config.pools}
 
     async def parse(self, api: Api, body: bytes, headers: Mapping[str, str]) -> tuple[dict[str, Any], RoutingRequest]:
         """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound.
@@ -243,7 +242,8 @@ class ProxyService:
             # Count a stream's tokens even when its client did not ask for usage (backends/patches.py).
             patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
             try:
-                key = (self._served[pool.name], patch_usage, api not in worker.engine.max_completion_tokens_apis)
+                key = (pool.served_model_name or state.config.model.name, patch_usage,
+                       api not in worker.engine.max_completion_tokens_apis)
                 if key not in bodies:
                     bodies[key] = _upstream_body(payload, *key)
                 record.open_attempt, record.attempt_answered = worker, False
