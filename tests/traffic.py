@@ -13,11 +13,13 @@ class Traffic:
     """`clients` loops, each sending one streamed chat completion of `max_tokens` after another
     until `stop()`. A request counts as ok only when its stream ends with a finish reason and
     exactly `max_tokens` content chunks; anything else (an HTTP error, a cut stream, a short
-    answer) is kept in `failures`. The SDK's own retries are off, so none is hidden."""
+    answer) is kept in `failures`. The SDK's own retries are off, so none is hidden. `api_key`
+    is the client key sent (any string with auth off)."""
 
     base_url: str
     clients: int = 6
     max_tokens: int = 12
+    api_key: str = "unused"
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -38,7 +40,7 @@ class Traffic:
             raise AssertionError(f"incomplete stream: {chunks} chunks, finish_reason {finish}")
 
     async def _loop(self) -> None:
-        async with openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0,
+        async with openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key, max_retries=0,
                                       timeout=30) as client:
             while not self._stopping.is_set():
                 try:

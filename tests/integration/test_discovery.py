@@ -126,11 +126,11 @@ def sims(request: pytest.FixtureRequest) -> Iterator[Sims]:
 
 
 async def poll(check: Callable[[], Any], seconds: float = 10.0) -> Any:
-    """`check()`'s first truthy value, polled every 20 ms; fails after `seconds`."""
+    """`check()`'s first truthy value, polled every 5 ms; fails after `seconds`."""
     deadline = time.monotonic() + seconds
     while not (value := await asyncio.to_thread(check)):
         assert time.monotonic() < deadline, f"condition not met within {seconds} s"
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.005)
     return value
 
 
@@ -139,7 +139,7 @@ def urls(workers: list[dict[str, Any]]) -> list[str]:
 
 
 def pool_view(gateway: RunningGateway) -> dict[str, Any]:
-    pools: list[dict[str, Any]] = httpx.get(gateway.url + "/admin/workers").json()["pools"]
+    pools: list[dict[str, Any]] = httpx.get(gateway.url + "/admin/workers", timeout=30).json()["pools"]
     return pools[0]
 
 
@@ -158,7 +158,7 @@ async def test_pods_join_and_leave_while_traffic_flows_with_no_failed_request(
     start_view = pool_view(gateway)
     assert urls(start_view["workers"]) == sorted([first, second])
     first_id = next(w["id"] for w in start_view["workers"] if w["url"] == first)
-    traffic = Traffic(gateway.url, clients=6).start()
+    traffic = Traffic(gateway.url, clients=6, max_tokens=30).start()
     try:
         await traffic.wait_ok(12)
 
@@ -177,15 +177,15 @@ async def test_pods_join_and_leave_while_traffic_flows_with_no_failed_request(
             view = pool_view(gateway)
             return view if first not in urls(view["workers"]) else None
 
-        await poll(without_first)
+        removed = await poll(without_first, seconds=10)
         removed_at = time.monotonic()
         await traffic.wait_ok(12)
         records = sims.engines[first].records
         assert [r for r in records if r.received_at > removed_at + 0.2] == [], "a removed worker got new requests"
         assert [r for r in records if r.aborted] == [], "a stream on the removed worker was cut"
-        # Streams that were open on it when it was removed went on and finished there.
-        assert any(r.finished_at is not None and r.finished_at > removed_at for r in records), \
-            "no stream was in flight on the removed worker"
+        # Streams were open on it when it was removed (the gateway's own count); they ran to the end.
+        assert next(w["in_flight"] for w in removed["retiring"] if w["url"] == first) > 0
+        assert any(r.finished_at is not None and r.finished_at > removed_at for r in records)
         # Once its streams are done it is forgotten: loops stopped, metric series removed.
         await poll(lambda: not pool_view(gateway)["retiring"])
         metrics = await asyncio.to_thread(httpx.get, gateway.url + "/metrics")
