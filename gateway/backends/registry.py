@@ -158,8 +158,9 @@ class WorkerRegistry:
                 changes.append(f"worker {worker.id} ({worker.url}) removed; {worker.in_flight} in flight finish")
         if workers != current:
             self.pools = {**self.pools, name: workers}
-        for line in changes:
-            log.info("%s", line)
+        if not initial:
+            for line in changes:
+                log.info("%s", line)
         return changes
 
     def sweep(self) -> list[Worker]:

@@ -134,3 +134,22 @@ async def test_sighup_and_admin_reload_change_pools_while_streams_flow(
         await traffic.stop()
     assert traffic.failures == []
     assert traffic.ok >= 48
+
+
+async def test_sighup_to_the_supervisor_reloads_every_serving_process(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess, tmp_path: Path) -> None:
+    first, second = start_sim("vllm", max_context_tokens=8192), start_sim("vllm", max_context_tokens=8192)
+    gateway = start_gateway_process([pool("p", "vllm", [first.url], 8192)], processes=2,
+                                    shutdown={"drain_delay": 0, "grace_period": 5})
+
+    def pids() -> set[int]:
+        return {httpx.get(gateway.url + "/health", headers={"connection": "close"}).json()["pid"] for _ in range(20)}
+
+    await poll(lambda: len(pids()) == 2, seconds=20)
+    write_config(tmp_path / "gateway.yaml", [pool("p", "vllm", [first.url, second.url], 8192)])
+    os.kill(gateway.proc.pid, signal.SIGHUP)
+    await poll(lambda: gateway.log_text().count("reload applied") == 2)
+    assert gateway.proc.poll() is None  # the supervisor passed the signal on instead of dying of it
+    views = await asyncio.to_thread(lambda: [httpx.get(gateway.url + "/admin/workers",
+                                                       headers={"connection": "close"}).json() for _ in range(20)])
+    assert all([w["url"] for w in view["pools"][0]["workers"]] == [first.url, second.url] for view in views)
