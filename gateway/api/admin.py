@@ -164,8 +164,9 @@ async def reload(request: Request) -> JSONResponse:
     from gateway.reload import ReloadRefused, reload_config  # late: reload imports the state
 
     if _cross_origin(request):
-        return error_response(PermissionDenied("Admin changes are refused from another site's page (Origin "
-                                               "differs from Host).", code="cross_origin_refused"))
+        return error_response(PermissionDenied("Admin changes are refused from another site's page (its Origin is "
+                                               "not this gateway's address nor in admin_origins).",
+                                               code="cross_origin_refused"))
     try:
         result = await reload_config(_state(request))
     except ReloadRefused as exc:

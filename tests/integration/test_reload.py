@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from gateway.auth.keys import hash_key
-from tests.support import GatewayProcess, RunningSim, pool
+from tests.support import GatewayProcess, RunningGateway, RunningSim, pool
 from tests.traffic import Traffic
 
 pytestmark = pytest.mark.anyio
@@ -153,3 +153,16 @@ async def test_sighup_to_the_supervisor_reloads_every_serving_process(
     views = await asyncio.to_thread(lambda: [httpx.get(gateway.url + "/admin/workers",
                                                        headers={"connection": "close"}).json() for _ in range(20)])
     assert all([w["url"] for w in view["pools"][0]["workers"]] == [first.url, second.url] for view in views)
+
+
+def test_admin_reload_refuses_another_sites_page_and_a_gateway_without_a_file(
+        start_sim: StartSim, start_gateway: Callable[..., RunningGateway]) -> None:
+    sim = start_sim("vllm")
+    gateway = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    foreign = httpx.post(gateway.url + "/admin/reload", headers={"origin": "http://evil.example"})
+    assert foreign.status_code == 403 and foreign.json()["error"]["code"] == "cross_origin_refused"
+    no_file = httpx.post(gateway.url + "/admin/reload")  # built from a config object (tests, embedding)
+    assert no_file.status_code == 400
+    assert no_file.json()["error"] == {"message": "The new config was refused; the running one stays: this gateway "
+                                       "was not started from a config file", "type": "invalid_request_error",
+                                       "param": None, "code": "invalid_config"}
