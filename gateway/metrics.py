@@ -162,7 +162,11 @@ class GatewayMetrics:
 
     def forget_worker(self, worker_id: str) -> None:
         """Remove every series labelled with `worker_id` (a worker discovery or a reload removed,
-        once its requests finished), so dashboards stop showing an engine that is gone."""
+        once its requests finished), so dashboards stop showing an engine that is gone. Not with
+        several serving processes: prometheus_client's multiprocess files cannot drop a series, so
+        there they stay (at their last values) until the processes restart."""
+        if self.multiprocess_dir is not None:
+            return
         for metric in (self.upstream_attempts, self.in_flight, self.worker_healthy, self.worker_draining,
                        self.worker_ejected, self.ejections, self.engine_load):
             metric.forget(1, worker_id)
