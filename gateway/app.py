@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,18 +36,23 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(GatewayError(str(getattr(exc, "detail", "error"))))
 
 
-def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir: str | None = None) -> Starlette:
+def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir: str | None = None,
+               config_path: str | None = None) -> Starlette:
     """The gateway ASGI app. `state` may be given by tests; otherwise it is built at start-up
-    (`metrics_dir`: see `AppState.build`)."""
+    (`metrics_dir`, `config_path`: see `AppState.build`). With a config file, SIGHUP reloads it
+    (gateway/reload.py) when the app runs in the main thread."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, ProxyService]]:
-        app_state = state or AppState.build(config, metrics_dir)
+        app_state = state or AppState.build(config, metrics_dir, config_path)
         await app_state.start()
         app.state.gateway = app_state  # how the server's signal handler reaches it: `begin_draining(app)`
+        hangup = _reload_on_sighup(app_state)
         try:
             yield {"service": ProxyService(app_state)}
         finally:
+            if hangup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             app.state.gateway = None
             await app_state.stop()
 
@@ -90,6 +98,27 @@ def _wrapped(endpoint: ASGIApp, middleware: list[Middleware]) -> ASGIApp:
     for cls, args, kwargs in reversed(middleware):
         app = cls(app, *args, **kwargs)
     return app
+
+
+def _reload_on_sighup(state: AppState) -> bool:
+    """Install SIGHUP → reload on the running loop; False where it cannot be (not the main thread,
+    no config file, no SIGHUP on the platform)."""
+    if state.config_path is None or not hasattr(signal, "SIGHUP"):
+        return False
+    from gateway.reload import reload_logged
+
+    loop = asyncio.get_running_loop()
+    running: set[asyncio.Task[None]] = set()  # keeps each reload task referenced until it ends
+
+    def on_hangup() -> None:
+        task = loop.create_task(reload_logged(state), name="config reload")
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+        loop.add_signal_handler(signal.SIGHUP, on_hangup)
+        return True
+    return False
 
 
 def begin_draining(app: Starlette) -> None:

@@ -54,7 +54,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         sock = bind_socket(host, port)
     except OSError as exc:
         sys.exit(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
-    app = create_app(config)
+    app = create_app(config, config_path=args.config)
     server = GracefulServer(app, host, port, config.shutdown, on_drain=lambda: begin_draining(app),
                             log_level=config.log_level, **http_options(config))
     tune_gc()
@@ -72,7 +72,8 @@ def cmd_check_config(args: argparse.Namespace) -> None:
         sys.exit(f"config error in {args.config}: {exc}")
     print(f"{args.config}: OK — model {config.model.name} (aliases: {', '.join(config.model.aliases) or 'none'})")
     for pool in config.pools:
-        print(f"  pool {pool.name}: {pool.engine}, {len(pool.workers)} worker(s), "
+        found = f" + from DNS {pool.discover.name} ({pool.discover.record.upper()})" if pool.discover else ""
+        print(f"  pool {pool.name}: {pool.engine}, {len(pool.workers)} worker(s){found}, "
               f"max context {pool.max_context_tokens:,} tokens, policy {pool.policy}, "
               f"modalities {'+'.join(pool.modalities)}, spillover {'on' if pool.spillover else 'off'}")
     _check_production_safety(args.config, config, args.strict)

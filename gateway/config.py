@@ -7,6 +7,7 @@ with `KIMI_GATEWAY_<FIELD>` variables (e.g. `KIMI_GATEWAY_REDIS_URL`, `KIMI_GATE
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -58,17 +59,42 @@ class ModelConfig(_Strict):
         return [self.name, *self.aliases]
 
 
+class DiscoverConfig(_Strict):
+    """A pool's workers found in DNS, e.g. a Kubernetes headless Service (gateway/backends/discovery.py).
+
+    `record: a` asks for the name's A and AAAA records (one worker per address, on `port`);
+    `record: srv` asks for SRV records (RFC 2782: target host and port per worker; each target's
+    A/AAAA addresses), e.g. `_http._tcp.vllm.k3.svc.cluster.local` for a named Service port.
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,253}$", description="DNS name to resolve")
+    record: Literal["a", "srv"] = Field(default="a", description="a: A + AAAA records; srv: SRV records")
+    port: int | None = Field(default=None, ge=1, le=65535, description="the engines' port (record: a)")
+    scheme: Literal["http", "https"] = "http"
+
+    @model_validator(mode="after")
+    def _port_for_a(self) -> DiscoverConfig:
+        if self.record == "a" and self.port is None:
+            raise ValueError("record: a needs a port (SRV records carry their own)")
+        if self.record == "srv" and self.port is not None:
+            raise ValueError("record: srv takes the port from the SRV records; drop `port`")
+        return self
+
+
 class PoolConfig(_Strict):
     """A pool: interchangeable workers of one engine kind that share a max context.
 
-    `workers` are engine base URLs (`http://host:port`, no `/v1`). Pools are listed in cost order,
-    cheapest first; the gateway takes the cheapest pool whose `max_context_tokens` fits
+    `workers` are engine base URLs (`http://host:port`, no `/v1`); `discover` adds the workers a
+    DNS name resolves to, re-resolved every `discovery.interval` seconds. Pools are listed in cost
+    order, cheapest first; the gateway takes the cheapest pool whose `max_context_tokens` fits
     prompt + output tokens.
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     engine: EngineKind
-    workers: list[str] = Field(min_length=1)
+    discover: DiscoverConfig | None = Field(default=None, description="workers from DNS (headless Service)")
+    workers: list[str] = Field(default_factory=list, validate_default=True,
+                               description="engine base URLs; may be empty with `discover`")
     max_context_tokens: int = Field(gt=0, description="tokens, prompt + output")
     served_model_name: str | None = Field(
         default=None, min_length=1, description="name the engines serve the model under; `model` is rewritten to it"
@@ -96,7 +122,9 @@ class PoolConfig(_Strict):
 
     @field_validator("workers")
     @classmethod
-    def _check_urls(cls, urls: list[str]) -> list[str]:
+    def _check_urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
+        if not urls and info.data.get("discover") is None:
+            raise ValueError("a pool needs at least one worker URL, or `discover` (workers from DNS)")
         cleaned = []
         for url in urls:
             if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
@@ -444,6 +472,26 @@ class TracingConfig(_Strict):
     export_delay: float = Field(default=2.0, gt=0, description="seconds between batch exports")
 
 
+class DiscoveryConfig(_Strict):
+    """How pools with `discover:` are resolved: the DNS servers asked, how often, how long to wait."""
+
+    nameservers: list[str] = Field(
+        default_factory=list, description="IP addresses of the DNS servers; empty: the system's (/etc/resolv.conf)")
+    port: int = Field(default=53, ge=1, le=65535, description="UDP/TCP port of `nameservers`")
+    interval: float = Field(default=5.0, gt=0, description="seconds between resolutions of one pool's name")
+    timeout: float = Field(default=2.0, gt=0, description="seconds for one resolution; slower keeps the last set")
+
+    @field_validator("nameservers")
+    @classmethod
+    def _addresses(cls, servers: list[str]) -> list[str]:
+        for server in servers:
+            try:
+                ipaddress.ip_address(server)
+            except ValueError:
+                raise ValueError(f"a nameserver is an IP address, got {server!r}") from None
+        return servers
+
+
 class GatewayConfig(BaseSettings):
     """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
 
@@ -481,6 +529,7 @@ class GatewayConfig(BaseSettings):
     cors: CorsConfig = Field(default_factory=CorsConfig)
     image_fetch: ImageFetchConfig = Field(default_factory=ImageFetchConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")

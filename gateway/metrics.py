@@ -28,7 +28,7 @@ NO_POOL = "none"
 class _MemoLabels:
     """`labels(*values)` memoised per metric: prometheus_client's own validates, converts and takes
     a lock on every call, and the request path makes ~15 such calls (2.6 % of a loaded gateway's
-    CPU in a profile). Children are never removed here, so the memo never goes stale."""
+    CPU in a profile). Children are removed only through `forget`, which drops them from the memo too."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._memo: dict[tuple[str, ...], Any] = {}
@@ -41,6 +41,12 @@ class _MemoLabels:
         if child is None:
             child = self._memo[values] = super().labels(*values)  # type: ignore[misc]
         return child
+
+    def forget(self, position: int, value: str) -> None:
+        """Remove every child whose label at `position` is `value` (a worker that is gone)."""
+        for values in [v for v in self._memo if len(v) > position and v[position] == value]:
+            del self._memo[values]
+            self.remove(*values)  # type: ignore[attr-defined]
 
 
 class Counter(_MemoLabels, _Counter):
@@ -153,6 +159,17 @@ class GatewayMetrics:
         self.image_fetches = Counter("kimi_gateway_image_fetches",
                                      "Client image URLs fetched to measure their size (result: ok, refused, error, "
                                      "timeout, too_large, skipped).", ["result"], registry=r)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Remove every series labelled with `worker_id` (a worker discovery or a reload removed,
+        once its requests finished), so dashboards stop showing an engine that is gone. Not with
+        several serving processes: prometheus_client's multiprocess files cannot drop a series, so
+        there they stay (at their last values) until the processes restart."""
+        if self.multiprocess_dir is not None:
+            return
+        for metric in (self.upstream_attempts, self.in_flight, self.worker_healthy, self.worker_draining,
+                       self.worker_ejected, self.ejections, self.engine_load):
+            metric.forget(1, worker_id)
 
     def track_redis(self) -> Gauge:
         """`kimi_gateway_redis_up`, created by the one Redis affinity store: a gateway without Redis

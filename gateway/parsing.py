@@ -392,6 +392,14 @@ class ParsePool:
                 executor.shutdown(wait=False, cancel_futures=True)
             raise GatewayError("A request parser process ended unexpectedly; please retry.") from None
 
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """Parse with `config` from now on (a reload): the processes started with the old one finish
+        what they hold and end; the next body starts new ones."""
+        self.config = config
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=False)
+            self._executor = None
+
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

@@ -88,8 +88,14 @@ class ProxyService:
     def __init__(self, state: AppState) -> None:
         self.state = state
         config = state.config
-        self._served = {p.name: p.served_model_name or config.model.name for p in config.pools}
-        self.parser = BodyParser(config, state.estimator, state.hasher)
+        self._parser = BodyParser(config, state.estimator, state.hasher)
+
+    @property
+    def parser(self) -> BodyParser:
+        """The body parser for the running config (a reload replaces `state.config`)."""
+        if self._parser.config is not self.state.config:
+            self._parser = BodyParser(self.state.config, self.state.estimator, self.state.hasher)
+        return self._parser
 
     async def parse(self, api: Api, body: Body, headers: Mapping[str, str]) -> tuple[Payload, RoutingRequest]:
         """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound,
@@ -222,7 +228,8 @@ class ProxyService:
             # Count a stream's tokens even when its client did not ask for usage (backends/patches.py).
             patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
             try:
-                key = (self._served[pool.name], patch_usage, api not in worker.engine.max_completion_tokens_apis)
+                key = (pool.served_model_name or state.config.model.name, patch_usage,
+                       api not in worker.engine.max_completion_tokens_apis)
                 if key not in bodies:
                     bodies[key] = encode_for(payload, *key)
                 record.open_attempt, record.attempt_answered = worker, False

@@ -13,9 +13,11 @@ from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
 from gateway.auth.guard import AuthGuard
 from gateway.backends.client import UpstreamClient, build_control_client
+from gateway.backends.discovery import DnsDiscovery
 from gateway.backends.drains import DrainBoard
 from gateway.backends.health import HealthChecker
 from gateway.backends.load import LoadScraper
+from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
@@ -25,6 +27,9 @@ from gateway.routing.router import Router
 from gateway.routing.tokens import TokenEstimator
 from gateway.status import StatusWindow
 from gateway.tracing import Tracing
+
+SWEEP_EVERY_S = 1.0
+"""Seconds between looks for retired workers whose requests all finished."""
 
 
 @dataclass(slots=True)
@@ -57,19 +62,34 @@ class AppState:
     started_unix: int = 0
     draining: bool = False
     """True once shutdown began (`begin_draining`): `/ready` answers 503 from then on."""
+    config_path: str | None = None
+    """The config file, read again on a reload (SIGHUP, `POST /admin/reload`; gateway/reload.py)."""
     status: StatusWindow = field(init=False)
     """Recent deltas of `metrics` for the status page (`GET /admin/status`)."""
+    discovery: DnsDiscovery = field(init=False)
+    """Pools' workers from DNS (`discover:`); no loops when no pool discovers."""
+    sweeper: Periodic = field(init=False)
+    """Forgets retired workers once their requests finished (WorkerRegistry.sweep)."""
+    reload_lock: asyncio.Lock = field(init=False)
 
     def __post_init__(self) -> None:
         self.status = StatusWindow(self.metrics)
         self.parse_pool = ParsePool(self.config)
+        self.discovery = DnsDiscovery(self.registry, self.config.discovery, self.config.pools)
+        self.registry.watchers.extend([self.health, self.load])
+        self.sweeper = Periodic("retired-worker sweep", SWEEP_EVERY_S, self._sweep)
+        self.reload_lock = asyncio.Lock()
+
+    async def _sweep(self) -> None:
+        self.registry.sweep()
 
     @classmethod
-    def build(cls, config: GatewayConfig, metrics_dir: str | None = None) -> AppState:
+    def build(cls, config: GatewayConfig, metrics_dir: str | None = None,
+              config_path: str | None = None) -> AppState:
         """Build the state (no I/O yet: an unreachable Redis does not block start-up).
 
         `metrics_dir`: prometheus_client's multiprocess directory when several processes serve
-        (gateway/supervisor.py), else None.
+        (gateway/supervisor.py), else None. `config_path`: the file `config` came from (reloads).
         """
         http = build_control_client(config.timeouts, min(p.upstream_keep_alive for p in config.pools))
         metrics = GatewayMetrics(metrics_dir)
@@ -92,13 +112,15 @@ class AppState:
                    drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),
                    hasher=hasher, affinity=affinity, auth=AuthGuard.build(config, metrics),
                    images=images, tracing=Tracing(config.tracing) if config.tracing.otlp_endpoint else None,
-                   started_unix=int(time.time()))
+                   started_unix=int(time.time()), config_path=config_path)
 
     async def start(self) -> None:
         await self.upstream.start()
         self.health.loop.start()
         if self.config.load.enabled:
             self.load.loop.start()
+        self.discovery.start()
+        self.sweeper.start()
         if self.affinity is not None:
             await self.affinity.start()
         if self.auth is not None:
@@ -116,6 +138,8 @@ class AppState:
 
     async def stop(self) -> None:
         await self.drains.stop()
+        await self.discovery.stop()
+        await self.sweeper.stop()
         await self.health.loop.stop()
         await self.load.loop.stop()
         if self.affinity is not None:

@@ -74,7 +74,7 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, super
 
     config = load_config(config_path)
     setup_logging(config.log_level)
-    app = create_app(config, metrics_dir=metrics_dir)
+    app = create_app(config, metrics_dir=metrics_dir, config_path=config_path)
     host, port = sock.getsockname()[:2]
     server = GracefulServer(app, host, port, config.shutdown, on_drain=lambda: begin_draining(app),
                             log_level=config.log_level, **http_options(config))
@@ -119,10 +119,17 @@ class Supervisor:
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
         self._signals += 1
 
+    def _on_hangup(self, sig: int, frame: FrameType | None) -> None:
+        """SIGHUP: every serving process reloads the config (gateway/reload.py)."""
+        for child in self._children:
+            if child is not None and child.pid is not None and child.is_alive():
+                os.kill(child.pid, signal.SIGHUP)
+
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; returns the exit status (0 when every process ended cleanly)."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_hangup)
         host, port = self.sock.getsockname()[:2]
         try:
             self._children = [None] * self.processes  # type: ignore[list-item]

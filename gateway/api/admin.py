@@ -8,6 +8,9 @@ Routes (each JSON one wrapped in `require_scope("admin")`: 401/403 with auth on,
   (its in-flight streams finish) / put it back; idempotent; answer the worker's new state.
   Worker ids are `pool/index` as in headers and metric labels, addressed as a resource the way
   SGLang's gateway (`/workers/{id}`) and Dynamo's drain/resume API do.
+- `POST /admin/reload`: read the config file again and apply its pools and discovery
+  (gateway/reload.py, as SIGHUP does); answers what changed, or 400 `invalid_config` with the
+  reason while the running config stays.
 - `GET /admin/status`: pools and workers plus recent traffic (`StatusWindow`), for the page.
 - `GET /dashboard`: the status page (`static/dashboard.html`). The HTML holds no data and is
   public; everything it shows comes from `/admin/status`, which needs the admin key. A browser
@@ -37,7 +40,7 @@ from starlette.routing import Route
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import require_scope
 from gateway.backends.worker import Worker
-from gateway.errors import NotFound, PermissionDenied
+from gateway.errors import InvalidRequest, NotFound, PermissionDenied
 from gateway.state import AppState
 
 
@@ -48,13 +51,18 @@ def _state(request: Request) -> AppState:
 def pools_view(state: AppState) -> list[dict[str, object]]:
     """Every configured pool, in config (cost) order, with its workers' snapshots.
 
-    Shape: `[{"name", "engine", "max_context_tokens", "policy", "ready", "workers": [snapshot]}]`;
-    `ready` is false when no worker is healthy, undrained and not ejected.
+    Shape: `[{"name", "engine", "max_context_tokens", "policy", "ready", "workers": [snapshot],
+    "retiring": [snapshot], "discovery": DnsDiscovery.status or None}]`; `ready` is false when no
+    worker is healthy, undrained and not ejected; `retiring` lists removed workers (discovery, a
+    reload) whose requests are still finishing.
     """
-    unready = set(state.registry.unready_pools())
+    registry = state.registry
+    unready = set(registry.unready_pools())
     return [{"name": pool.name, "engine": pool.engine, "max_context_tokens": pool.max_context_tokens,
              "policy": pool.policy, "ready": pool.name not in unready,
-             "workers": [w.snapshot() for w in state.registry.pools[pool.name]]}
+             "workers": [w.snapshot() for w in registry.pools.get(pool.name, ())],
+             "retiring": [w.snapshot() for w in registry.retiring if w.pool == pool.name],
+             "discovery": state.discovery.status.get(pool.name) if pool.discover is not None else None}
             for pool in state.config.pools]
 
 
@@ -149,6 +157,24 @@ async def undrain(request: Request) -> JSONResponse:
     return await _set_draining(request, False)
 
 
+async def reload(request: Request) -> JSONResponse:
+    """`POST /admin/reload`: re-read the config file and apply it (gateway/reload.py). Answers
+    `{"reloaded": true, "changes": [line], "restart_required": [section]}`; 400 `invalid_config`
+    with the reason when the file is unreadable or invalid (the running config stays)."""
+    from gateway.reload import ReloadRefused, reload_config  # late: reload imports the state
+
+    if _cross_origin(request):
+        return error_response(PermissionDenied("Admin changes are refused from another site's page (its Origin is "
+                                               "not this gateway's address nor in admin_origins).",
+                                               code="cross_origin_refused"))
+    try:
+        result = await reload_config(_state(request))
+    except ReloadRefused as exc:
+        return error_response(InvalidRequest(f"The new config was refused; the running one stays: {exc}",
+                                             code="invalid_config"))
+    return JSONResponse(result.as_dict())
+
+
 async def status(request: Request) -> JSONResponse:
     """`GET /admin/status`: what the status page shows, in one JSON object.
 
@@ -198,6 +224,7 @@ def routes() -> list[Route]:
         Route("/admin/workers/{pool}/{index}", admin(get_worker), methods=["GET"]),
         Route("/admin/workers/{pool}/{index}/drain", admin(drain), methods=["POST"]),
         Route("/admin/workers/{pool}/{index}/undrain", admin(undrain), methods=["POST"]),
+        Route("/admin/reload", admin(reload), methods=["POST"]),
         Route("/admin/status", admin(status), methods=["GET"]),
         Route("/dashboard", DashboardPage().serve, methods=["GET"]),
     ]

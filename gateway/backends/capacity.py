@@ -21,13 +21,17 @@ class PoolGate:
     """Slots of one pool. Released leases wake the waiters, which then re-check for room."""
 
     def __init__(self, config: PoolConfig) -> None:
+        self.in_flight = 0
+        self.waiting = 0
+        self._freed = asyncio.Event()
+        self.configure(config)
+
+    def configure(self, config: PoolConfig) -> None:
+        """Take the pool's limits (at start-up and on a reload); counts and waiters stay."""
         self.per_worker = config.max_in_flight_per_worker
         self.total = config.max_in_flight
         self.max_queue = config.max_queue
         self.queue_timeout = config.queue_timeout
-        self.in_flight = 0
-        self.waiting = 0
-        self._freed = asyncio.Event()
 
     @property
     def limited(self) -> bool:

@@ -36,6 +36,18 @@ class HealthChecker:
         self.headers = pool_headers(pools)
         self.loop = PeriodicEach("health probe", config.interval, list(registry), self.probe, label=lambda w: w.id)
 
+    def worker_added(self, worker: Worker) -> None:
+        """A worker joined (discovery, reload): its loop starts (its first round at once)."""
+        self.loop.add(worker)
+
+    def worker_gone(self, worker: Worker) -> None:
+        """A retired worker finished its requests: its loop stops."""
+        self.loop.remove(worker)
+
+    def set_pools(self, pools: Iterable[PoolConfig]) -> None:
+        """The pools' credentials after a reload."""
+        self.headers = pool_headers(pools)
+
     async def probe(self, worker: Worker) -> bool:
         """One probe; updates the worker's state and metrics; returns the verdict."""
         reason: str | None = None

@@ -65,6 +65,19 @@ class LoadScraper:
         """Worker id → why its last scrape failed (absent once one succeeds)."""
         self.loop = PeriodicEach("load scrape", config.interval, list(registry), self.scrape, label=lambda w: w.id)
 
+    def worker_added(self, worker: Worker) -> None:
+        """A worker joined (discovery, reload): its loop starts (its first round at once)."""
+        self.loop.add(worker)
+
+    def worker_gone(self, worker: Worker) -> None:
+        """A retired worker finished its requests: its loop stops."""
+        self.loop.remove(worker)
+        self.failures.pop(worker.id, None)
+
+    def set_pools(self, pools: Iterable[PoolConfig]) -> None:
+        """The pools' credentials after a reload."""
+        self.headers = pool_headers(pools)
+
     async def scrape(self, worker: Worker) -> bool:
         """One scrape; True when the worker's load was updated."""
         try:

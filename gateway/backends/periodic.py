@@ -53,7 +53,8 @@ class PeriodicEach(Generic[T]):
     cannot hold back the others' rounds. `label(item)` names the item's task.
 
     `start()` launches the loops on the running event loop; `stop()` cancels and awaits them. An
-    exception in one call is logged and that item's loop goes on.
+    exception in one call is logged and that item's loop goes on. Items come and go at run time
+    (`add`, `remove`: workers found by discovery or a config reload); items must be hashable.
     """
 
     def __init__(self, name: str, interval: float, items: Sequence[T], round_fn: Callable[[T], Awaitable[object]],
@@ -63,7 +64,8 @@ class PeriodicEach(Generic[T]):
         self.items = list(items)
         self.round_fn = round_fn
         self.label = label
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[T, asyncio.Task[None]] = {}
+        self._started = False
 
     async def _run(self, item: T) -> None:
         loop = asyncio.get_running_loop()
@@ -75,12 +77,33 @@ class PeriodicEach(Generic[T]):
                 log.exception("%s of %s failed", self.name, self.label(item))
             await asyncio.sleep(max(0.0, started + self.interval - loop.time()))
 
+    def _launch(self, item: T) -> None:
+        self._tasks[item] = asyncio.create_task(self._run(item), name=f"{self.name}:{self.label(item)}")
+
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run(item), name=f"{self.name}:{self.label(item)}")
-                       for item in self.items]
+        self._started = True
+        for item in self.items:
+            self._launch(item)
+
+    def add(self, item: T) -> None:
+        """Loop over `item` too: at once when started (its first round runs now), else from `start()`."""
+        if item in self.items:
+            return
+        self.items.append(item)
+        if self._started:
+            self._launch(item)
+
+    def remove(self, item: T) -> None:
+        """Stop `item`'s loop (cancelled, not awaited: a round in progress ends at its next await)."""
+        if item in self.items:
+            self.items.remove(item)
+        task = self._tasks.pop(item, None)
+        if task is not None:
+            task.cancel()
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        self._started = False
+        tasks, self._tasks = list(self._tasks.values()), {}
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

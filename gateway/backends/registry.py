@@ -12,23 +12,41 @@ Two kinds of health, kept apart:
 A 429 keeps a worker out of new requests for its `Retry-After` (default 1 s) without counting as
 a failure. A worker an operator drained (admin API) gets no new requests until undrained; its
 in-flight requests finish as usual.
+
+The worker set changes at run time (DNS discovery, a config reload: `configure`, `set_discovered`).
+Each change swaps in new lists (never edited in place), so the request path reads a consistent set
+without locks. A new worker is unhealthy until its first probe passes (a static worker known at
+start-up begins healthy, as before). A removed worker is retired: no new requests; its in-flight
+requests finish; once it has none `sweep` stops its probe and scrape loops (`WorkerWatcher`) and
+removes its metric series. A removed URL that comes back while still retiring is the same worker
+again. Indices are never reused within a pool, so a worker id names one engine for its lifetime.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Protocol
 
 from gateway.backends.capacity import PoolGate
 from gateway.backends.engines import ENGINES
 from gateway.backends.worker import Worker
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, PoolConfig
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.health")
 
 DEFAULT_RETRY_AFTER_S = 1.0
+
+
+class WorkerWatcher(Protocol):
+    """Told when a worker joins (`worker_added`) and when a retired one is gone (`worker_gone`):
+    the health prober and the load scraper start and stop its loop."""
+
+    def worker_added(self, worker: Worker) -> None: ...
+
+    def worker_gone(self, worker: Worker) -> None: ...
 
 
 class WorkerRegistry:
@@ -39,17 +57,19 @@ class WorkerRegistry:
         self.health = config.health
         self.metrics = metrics
         self.clock = clock
-        self.pools: dict[str, list[Worker]] = {
-            pool.name: [Worker(pool.name, i, url, ENGINES[pool.engine]) for i, url in enumerate(pool.workers)]
-            for pool in config.pools
-        }
-        self.gates: dict[str, PoolGate] = {pool.name: PoolGate(pool) for pool in config.pools}
+        self.pools: dict[str, list[Worker]] = {}
+        self.gates: dict[str, PoolGate] = {}
+        """Every pool's gate; a removed pool's stays (requests still hold it; a few bytes a name)."""
+        self.retiring: list[Worker] = []
+        """Removed workers whose in-flight requests have not finished yet."""
+        self.discovered: dict[str, list[str]] = {}
+        """Pool → worker URLs its `discover` name resolved to last."""
+        self.watchers: list[WorkerWatcher] = []
         # Per worker: how to move each in-flight attempt still waiting for response headers.
         self._header_waits: dict[Worker, set[Callable[[], None]]] = {}
-        if metrics is not None:  # every worker's series exists from the start (alerts see a 0, not nothing)
-            for worker in self:
-                metrics.worker_draining.labels(worker.pool, worker.id).set(0)
-                metrics.worker_ejected.labels(worker.pool, worker.id).set(0)
+        self._next_index: dict[str, int] = {}
+        self._configs: dict[str, PoolConfig] = {}
+        self.configure(config.pools, initial=True)
 
     def __iter__(self) -> Iterator[Worker]:
         for workers in self.pools.values():
@@ -57,14 +77,107 @@ class WorkerRegistry:
 
     def find(self, pool: str, index: int) -> Worker | None:
         """The worker `pool/index`, or None when there is no such pool or index."""
-        workers = self.pools.get(pool)
-        return workers[index] if workers is not None and 0 <= index < len(workers) else None
+        return next((w for w in self.pools.get(pool, ()) if w.index == index), None)
 
     def candidates(self, pool: str, exclude: Collection[Worker] = ()) -> list[Worker]:
         """Workers of `pool` that may take a request now: healthy, not drained, not ejected, not
-        told to back off by a 429, and not in `exclude` (already tried by this request)."""
+        told to back off by a 429, and not in `exclude` (already tried by this request). Empty
+        for a pool a reload removed."""
         now = self.clock()
-        return [w for w in self.pools[pool] if w.in_service(now) and w.busy_until <= now and w not in exclude]
+        return [w for w in self.pools.get(pool, ()) if w.in_service(now) and w.busy_until <= now
+                and w not in exclude]
+
+    # --- membership: discovery and reload ------------------------------------------------------
+
+    def configure(self, pools: Sequence[PoolConfig], initial: bool = False) -> list[str]:
+        """Make the pools and their workers match `pools` (a reload); returns one line per change.
+
+        A pool's workers are its `workers` plus, with `discover`, what its name resolved to last.
+        Workers are matched by URL (and engine kind); the rest are retired. `initial`: the start-up
+        set, whose workers begin healthy.
+        """
+        changes: list[str] = []
+        for gone in [name for name in self.pools if name not in {p.name for p in pools}]:
+            changes.append(f"pool {gone} removed")
+            self._configs.pop(gone, None)
+            self.discovered.pop(gone, None)
+            changes += self._set_urls(gone, None, [], initial)
+        for pool in pools:
+            if pool.name not in self.gates:
+                self.gates[pool.name] = PoolGate(pool)
+                changes.append(f"pool {pool.name} added")
+            elif self._configs.get(pool.name) != pool:
+                self.gates[pool.name].configure(pool)
+                changes.append(f"pool {pool.name} changed")
+            self._configs[pool.name] = pool
+            if pool.discover is None:
+                self.discovered.pop(pool.name, None)
+            urls = list(dict.fromkeys([*pool.workers, *self.discovered.get(pool.name, [])]))
+            changes += self._set_urls(pool.name, pool, urls, initial)
+        self.pools = {p.name: self.pools.get(p.name, []) for p in pools}  # config (cost) order
+        return changes
+
+    def set_discovered(self, pool: str, urls: Sequence[str]) -> list[str]:
+        """The worker URLs `pool`'s DNS name resolves to now (beside its static `workers`)."""
+        config = self._configs.get(pool)
+        if config is None:
+            return []
+        self.discovered[pool] = list(urls)
+        return self._set_urls(pool, config, list(dict.fromkeys([*config.workers, *urls])), False)
+
+    def _set_urls(self, name: str, pool: PoolConfig | None, urls: list[str], initial: bool) -> list[str]:
+        engine = ENGINES[pool.engine] if pool is not None else None
+        current = self.pools.get(name, [])
+        keep = {w.url: w for w in current if w.engine is engine}
+        back = {w.url: w for w in self.retiring if w.pool == name and w.engine is engine}
+        workers: list[Worker] = []
+        changes: list[str] = []
+        for url in urls:
+            worker = keep.get(url)
+            if worker is None and (worker := back.get(url)) is not None:
+                self.retiring.remove(worker)
+                worker.retired = False
+                changes.append(f"worker {worker.id} ({url}) back before it was gone")
+            elif worker is None:
+                assert engine is not None
+                index = self._next_index.get(name, 0)
+                self._next_index[name] = index + 1
+                worker = Worker(name, index, url, engine, healthy=initial)
+                if not initial:
+                    worker.last_error = "not probed yet"
+                if self.metrics is not None:  # the series exist from the start (alerts see a 0, not nothing)
+                    self.metrics.worker_draining.labels(name, worker.id).set(0)
+                    self.metrics.worker_ejected.labels(name, worker.id).set(0)
+                    self.metrics.worker_healthy.labels(name, worker.id).set(1 if initial else 0)
+                for watcher in self.watchers:
+                    watcher.worker_added(worker)
+                changes.append(f"worker {worker.id} ({url}) added")
+            workers.append(worker)
+        for worker in current:
+            if worker not in workers:
+                worker.retired = True
+                self.retiring.append(worker)
+                changes.append(f"worker {worker.id} ({worker.url}) removed; {worker.in_flight} in flight finish")
+        if workers != current:
+            self.pools = {**self.pools, name: workers}
+        if not initial:
+            for line in changes:
+                log.info("%s", line)
+        return changes
+
+    def sweep(self) -> list[Worker]:
+        """Forget the retired workers with nothing in flight: their loops stop, their metric series
+        go. Returns them."""
+        done = [w for w in self.retiring if w.in_flight <= 0]
+        if done:
+            self.retiring = [w for w in self.retiring if w not in done]
+        for worker in done:
+            for watcher in self.watchers:
+                watcher.worker_gone(worker)
+            if self.metrics is not None:
+                self.metrics.forget_worker(worker.id)
+            log.info("worker %s (%s) is gone", worker.id, worker.url)
+        return done
 
     # --- active health -------------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ class Worker:
     `in_flight` counts this replica's open upstream requests; `healthy` is the verdict of probes
     and refused connections; `ejected_until` / `busy_until` (monotonic seconds) keep an outlier
     or a worker that answered 429 out of new requests until then; `draining` (set by an operator
-    through the admin API) keeps it out of new requests while its in-flight ones finish.
+    through the admin API) keeps it out of new requests while its in-flight ones finish;
+    `retired` marks a worker discovery or a reload removed (out of its pool, finishing its requests).
     """
 
     pool: str
@@ -25,6 +26,7 @@ class Worker:
     engine: EngineSpec
     healthy: bool = True
     draining: bool = False
+    retired: bool = False
     in_flight: int = 0
     consecutive_failures: int = 0
     failed_probes: int = 0
@@ -73,7 +75,7 @@ class Worker:
         """
         now = time.monotonic()
         return {"id": self.id, "pool": self.pool, "index": self.index, "url": self.url, "engine": self.engine.kind,
-                "state": self.state(now), "healthy": self.healthy, "draining": self.draining,
+                "state": self.state(now), "retired": self.retired, "healthy": self.healthy, "draining": self.draining,
                 "in_flight": self.in_flight, "load": self.load(), "engine_running": self.engine_running,
                 "engine_waiting": self.engine_waiting, "kv_usage": self.kv_usage, "ejections": self.ejections,
                 "ejected": self.ejected_until > now, "ejected_for_s": round(max(self.ejected_until - now, 0.0), 3),
