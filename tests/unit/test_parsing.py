@@ -11,7 +11,7 @@ import pytest
 
 from gateway.config import parse_config
 from gateway.errors import ContextLengthExceeded, InvalidRequest
-from gateway.parsing import BodyParser, ChunkedBody, ForwardBody, body_of, encode_for, upstream_body
+from gateway.parsing import BodyParser, ChunkedBody, ForwardBody, ParsePool, body_of, encode_for, upstream_body
 from gateway.routing.pools import fitting_pools
 
 PAYLOADS: list[dict[str, Any]] = [
@@ -111,3 +111,21 @@ def test_the_lower_bound_refuses_before_validation() -> None:
         parser.check_size("completions", {"model": "kimi-k3", "prompt": [[1], [2] * 20_001, "x"]})
     # Within the limits: the count is returned, nothing refused.
     assert parser.check_size("completions", {"model": "kimi-k3", "prompt": [[1], [2] * 5, 3]}) == 7
+
+
+@pytest.mark.anyio
+async def test_a_reload_reaches_the_parse_processes() -> None:
+    """The parse processes bound requests by the pools they were started with: a reload that adds a
+    larger pool (ParsePool.reconfigure, called by gateway/reload.py) must let its requests through."""
+    grown = CONFIG.model_copy(update={"pools": [*CONFIG.pools, CONFIG.pools[1].model_copy(
+        update={"name": "huge", "max_context_tokens": 400_000})]})
+    body = orjson.dumps({"model": "kimi-k3", "prompt": "t" * 1_000_000})  # >= 125,000 tokens at any rate
+    pool = ParsePool(CONFIG.model_copy(update={"parse_processes": 1}))
+    try:
+        with pytest.raises(ContextLengthExceeded):
+            await pool.parse("completions", body, None, None)
+        pool.reconfigure(grown.model_copy(update={"parse_processes": 1}))
+        parsed = await pool.parse("completions", body, None, None)
+        assert parsed.request is not None and parsed.request.prompt_tokens > 125_000
+    finally:
+        pool.close()
