@@ -259,6 +259,16 @@ class HealthConfig(_Strict):
     )
     ejection_base: float = Field(default=5.0, gt=0, description="seconds of the first ejection; doubles each time")
     ejection_max: float = Field(default=300.0, gt=0, description="longest ejection, seconds")
+    verify_models: bool = Field(
+        default=True, description="read each worker's /v1/models (vLLM, SGLang, vllm-ascend) when it starts or "
+        "recovers and every `models_refresh` s; a worker lacking the served model name or reporting another "
+        "max_model_len than the pool's max_context_tokens is `misconfigured` and gets no traffic",
+    )
+    models_refresh: float = Field(
+        default=60.0, gt=0, description="seconds between /v1/models checks of a healthy, well-configured worker "
+        "(a misconfigured one is checked at every probe)",
+    )
+
 
     @model_validator(mode="after")
     def _ejection_order(self) -> HealthConfig:

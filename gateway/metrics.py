@@ -110,6 +110,10 @@ class GatewayMetrics:
                                      ["pool", "worker"], multiprocess_mode="livemax", registry=r)
         self.worker_ejected = Gauge("kimi_gateway_worker_ejected", "1 while the worker is ejected as an outlier.",
                                     ["pool", "worker"], multiprocess_mode="livemax", registry=r)
+        self.worker_misconfigured = Gauge(
+            "kimi_gateway_worker_misconfigured", "1 while the worker's /v1/models lacks the pool's served model "
+            "name or reports another max_model_len than its max_context_tokens: no traffic.",
+            ["pool", "worker"], multiprocess_mode="livemax", registry=r)
         self.ejections = Counter("kimi_gateway_worker_ejections",
                                  "Outlier ejections after consecutive failed requests.", ["pool", "worker"],
                                  registry=r)
