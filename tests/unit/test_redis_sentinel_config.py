@@ -56,3 +56,13 @@ def test_a_wrong_sentinel_url_does_not_echo_its_password() -> None:
     with pytest.raises(ValidationError) as caught:
         config(redis_url="redis+sentinel://:hunter2@h/kgw/x")
     assert "hunter2" not in explain_validation_error(caught.value)
+
+
+@pytest.mark.parametrize(("url", "warned"), [("redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/kgw", True),
+                                             ("redis+sentinel://10.0.0.1,10.0.0.2,10.0.0.3/kgw", False)])
+def test_check_config_judges_a_sentinel_url_by_its_sentinels(url: str, warned: bool) -> None:
+    from gateway.plans.safety import production_findings
+
+    tree = {"pools": POOLS, "replicas": 2, "redis_url": url}
+    findings = production_findings(tree, config(replicas=2, redis_url=url), environ={})
+    assert any("2 gateway replicas but Redis is on this host" in f.message for f in findings) is warned
