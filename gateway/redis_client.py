@@ -143,6 +143,13 @@ class _WatchedSentinelPool(SentinelConnectionPool):
             self._check = asyncio.create_task(self._recheck(), name=f"redis-sentinel:{self.service_name}")
         return await super().get_connection(*args, **kwargs)
 
+    async def get_master_address(self) -> Any:
+        before = self.master_address
+        address = await super().get_master_address()
+        if before is not None and tuple(before) != tuple(address):
+            log.warning("redis primary of %s moved from %s:%s to %s:%s", self.service_name, *before, *address)
+        return address
+
     async def _recheck(self) -> None:
         try:
             address = await self.get_master_address()  # drops idle connections when the primary moved
