@@ -102,6 +102,7 @@ def test_a_pool_whose_only_worker_is_misconfigured_is_not_ready_and_no_404_names
         answer = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
         assert answer.status_code == 503, answer.text  # before: 404 "The model `moonshotai/Kimi-K3` does not exist"
         assert "does not exist" not in answer.text
+        assert "p/0 misconfigured (serves 'kimi-k2', not 'moonshotai/Kimi-K3'" in answer.json()["error"]["message"]
         assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
     finally:
         proc.terminate()
