@@ -28,7 +28,9 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 
@@ -191,6 +193,7 @@ def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
         return aioredis.Redis.from_url(url, **kwargs)
     target = parse_sentinel_url(url)
     sentinel_kwargs: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    sentinel_kwargs["retry"] = Retry(NoBackoff(), 0)  # a dead sentinel: ask the next one now, not after back-offs
     if target.sentinel_password is not None:
         sentinel_kwargs["password"] = target.sentinel_password
     manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)

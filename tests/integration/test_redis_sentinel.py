@@ -98,8 +98,8 @@ class SentinelSet:
         return redis.Redis(port=port, socket_timeout=2, decode_responses=True)
 
     def primary(self) -> int:
-        """The primary's port as the first sentinel names it."""
-        return int(self.client(self.sentinel_ports[0]).sentinel_get_master_addr_by_name(SERVICE)[1])
+        """The primary's port as the last sentinel names it."""
+        return int(self.client(self.sentinel_ports[-1]).sentinel_get_master_addr_by_name(SERVICE)[1])
 
     def kill(self, port: int) -> None:
         proc = self.procs.pop(port)
@@ -234,11 +234,12 @@ def test_limits_affinity_and_drains_recover_after_a_sentinel_failover_under_traf
           f"{len(traffic.statuses)} requests flowed, all 200")
 
 
-def test_limits_recover_after_the_primary_is_killed(start_sim: StartSim, start_gateway: StartGateway,
-                                                    sentinels: SentinelSet) -> None:
+def test_limits_recover_after_the_primary_and_a_sentinel_are_killed(
+        start_sim: StartSim, start_gateway: StartGateway, sentinels: SentinelSet) -> None:
     gw, prefix = gateway_with_sentinels(start_sim, start_gateway, sentinels, as_url=True)
     with Traffic(gw) as traffic:
         wait_for(lambda: len(traffic.statuses) >= 3, 10, "traffic flowing")
+        sentinels.kill(sentinels.sentinel_ports[0])  # the first one the gateway's URL names
         sentinels.kill(sentinels.primary_port)
         wait_for(lambda: sentinels.primary() == sentinels.replica_port, 15, "the sentinels fail over")
         limit_enforced_within(gw, "killed", 10)
