@@ -287,6 +287,15 @@ class HealthConfig(_Strict):
     )
     ejection_base: float = Field(default=5.0, gt=0, description="seconds of the first ejection; doubles each time")
     ejection_max: float = Field(default=300.0, gt=0, description="longest ejection, seconds")
+    verify_models: bool = Field(
+        default=True, description="read each worker's /v1/models (vLLM, SGLang, vllm-ascend) when it starts or "
+        "recovers and every `models_refresh` s; a worker lacking the served model name or reporting another "
+        "max_model_len than the pool's max_context_tokens is `misconfigured` and gets no traffic",
+    )
+    models_refresh: float = Field(
+        default=60.0, gt=0, description="seconds between /v1/models checks of a healthy, well-configured worker "
+        "(a misconfigured one is checked at every probe)",
+    )
 
     @model_validator(mode="after")
     def _ejection_order(self) -> HealthConfig:
@@ -492,6 +501,29 @@ class DiscoveryConfig(_Strict):
         return servers
 
 
+class RedisSentinelConfig(_Strict):
+    """Redis behind Sentinel: the gateway asks these sentinels where the primary of `service_name` is
+    and follows it across failovers (gateway/redis_client.py). Rendered to a `redis+sentinel://` URL."""
+
+    sentinels: list[Annotated[str, Field(pattern=r"^(\[[0-9A-Fa-f:.]+\]|[^\s:,/\[\]@]+)(:\d{1,5})?$")]] = Field(
+        min_length=1, description="sentinel addresses, `host[:port]` (port 26379 when left out)")
+    service_name: str = Field(min_length=1, description="the primary's name the sentinels monitor (`mymaster`)")
+    db: int = Field(default=0, ge=0, description="database number on the primary")
+    username: str | None = Field(default=None, description="the primary's ACL user")
+    password: SecretStr | None = Field(default=None, description="the primary's password")
+    sentinel_password: SecretStr | None = Field(default=None, description="the sentinels' password, if any")
+
+    def url(self) -> str:
+        """This block as a `redis+sentinel://` URL."""
+        from gateway.redis_client import SentinelTarget, sentinel_address  # late: config stays free of redis-py
+
+        def secret(value: SecretStr | None) -> str | None:
+            return value.get_secret_value() if value is not None else None
+
+        return SentinelTarget(tuple(sentinel_address(s) for s in self.sentinels), self.service_name, self.db,
+                              self.username, secret(self.password), secret(self.sentinel_password)).url()
+
+
 class GatewayConfig(BaseSettings):
     """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
 
@@ -547,7 +579,13 @@ class GatewayConfig(BaseSettings):
         description="bodies with more messages + content parts (or prompt elements) are parsed in a parse process")
     parse_processes: int = Field(default=2, ge=1, le=64,
                                  description="parse processes per serving process, started on first use")
-    redis_url: str | None = Field(default=None, description="redis://, rediss:// or unix:// URL (redis-py's schemes)")
+    redis_url: str | None = Field(
+        default=None, description="redis://, rediss:// or unix:// URL (redis-py's schemes), or "
+        "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...]",
+    )
+    redis: RedisSentinelConfig | None = Field(
+        default=None, description="Redis behind Sentinel, as a block (instead of a redis+sentinel:// redis_url)"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("admin_origins")
@@ -562,8 +600,15 @@ class GatewayConfig(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str | None) -> str | None:
-        if url is not None and not re.match(r"^(redis|rediss|unix):\S+$", url, re.IGNORECASE):
-            raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {url[:80]!r}")
+        if url is None:
+            return url
+        if url.lower().startswith("redis+sentinel:"):
+            from gateway.redis_client import parse_sentinel_url
+
+            parse_sentinel_url(url)  # ValueError says what is wrong (never echoes the password)
+            return url
+        if not re.match(r"^(redis|rediss|unix):\S+$", url, re.IGNORECASE):
+            raise ValueError(f"must be a redis://, rediss://, unix:// or redis+sentinel:// URL, got {url[:80]!r}")
         return url
 
     @model_validator(mode="after")
@@ -571,6 +616,14 @@ class GatewayConfig(BaseSettings):
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _redis_block_to_url(self) -> GatewayConfig:
+        if self.redis is not None:
+            if self.redis_url is not None:
+                raise ValueError("give Redis either as redis_url or as the redis: block, not both")
+            object.__setattr__(self, "redis_url", self.redis.url())  # every store reads redis_url
         return self
 
     def pool(self, name: str) -> PoolConfig:

@@ -498,6 +498,9 @@ class ProxyService:
                 if not worker.healthy:
                     waits.append(registry.health.interval)
                     state = "unhealthy"
+                elif worker.misconfigured is not None:
+                    waits.append(registry.health.interval)
+                    state = f"misconfigured ({worker.misconfigured})"
                 elif worker.ejected_until > now:
                     waits.append(worker.ejected_until - now)
                     state = "ejected"

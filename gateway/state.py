@@ -107,7 +107,7 @@ class AppState:
         return cls(config=config, upstream=upstream, http=http, registry=registry,
                    router=Router(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
-                   health=HealthChecker(registry, http, config.health, metrics, config.pools),
+                   health=HealthChecker(registry, http, config.health, metrics, config.pools, config.model.name),
                    load=LoadScraper(registry, http, config.load, metrics, config.pools),
                    drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),
                    hasher=hasher, affinity=affinity, auth=AuthGuard.build(config, metrics),

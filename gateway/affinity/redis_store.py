@@ -29,7 +29,6 @@ import logging
 import time
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -37,6 +36,7 @@ from redis.exceptions import RedisError
 from gateway.config import AffinityConfig
 from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
+from gateway.redis_client import redis_from_url
 
 log = logging.getLogger("gateway.affinity")
 
@@ -55,7 +55,7 @@ class RedisAffinityStore:
     def __init__(self, url: str, config: AffinityConfig, metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.redis = aioredis.Redis.from_url(
+        self.redis = redis_from_url(
             url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=1.0,
             retry=Retry(NoBackoff(), 0), max_connections=128, health_check_interval=0,
         )

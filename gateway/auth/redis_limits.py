@@ -30,7 +30,6 @@ import logging
 import math
 import time
 
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -40,6 +39,7 @@ from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
 from gateway.config import AuthConfig
 from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
+from gateway.redis_client import redis_from_url
 
 log = logging.getLogger("gateway.auth")
 
@@ -128,7 +128,7 @@ class RedisRateLimiter:
         self.config = config
         self.metrics = metrics
         self.window_ms = round(window_s * 1000)
-        self.redis = aioredis.Redis.from_url(
+        self.redis = redis_from_url(
             url, socket_connect_timeout=max(config.redis_timeout, 0.25), socket_timeout=1.0,
             retry=Retry(NoBackoff(), 0), max_connections=128, health_check_interval=0,
         )

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
+from gateway.redis_client import redis_from_url
 
 log = logging.getLogger("gateway.drains")
 
@@ -32,7 +32,7 @@ class DrainBoard:
     def __init__(self, registry: WorkerRegistry, redis_url: str | None, key_prefix: str) -> None:
         self.registry = registry
         self.key = f"{key_prefix}:drained"
-        self._redis = (aioredis.Redis.from_url(redis_url, socket_timeout=CALL_TIMEOUT_S,
+        self._redis = (redis_from_url(redis_url, socket_timeout=CALL_TIMEOUT_S,
                                                socket_connect_timeout=CALL_TIMEOUT_S)
                        if redis_url else None)
         self.loop = Periodic("drain-sync", SYNC_EVERY_S, self.sync)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import httpx
 
 from gateway.backends.control import ControlError, control_get, pool_headers
+from gateway.backends.models_check import CHECKED_ENGINES, MODELS_PATH, UnreadableModels, models_verdict
 from gateway.backends.periodic import PeriodicEach
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
@@ -25,15 +27,24 @@ class HealthChecker:
     cause (e.g. a host name that does not resolve, a refused connection, a refused key) becomes
     the worker's `last_error`. Probes carry the pool's `api_key`. A worker that passes a probe is
     healthy again, so a restarted engine rejoins by itself.
+
+    With `verify_models`, a passing probe is followed by a read of the worker's `/v1/models` (same
+    deadline, cap and key; gateway/backends/models_check.py judges it) when the worker was never
+    checked, has just recovered, is misconfigured, or was last checked `models_refresh` s ago. A
+    `/v1/models` that answers nothing usable leaves the verdict as it was and is read again at the
+    next probe; one refusing the pool's key (401/403) is a misconfiguration.
     """
 
     def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: HealthConfig,
-                 metrics: GatewayMetrics, pools: Iterable[PoolConfig]) -> None:
+                 metrics: GatewayMetrics, pools: Iterable[PoolConfig], model_name: str = "kimi-k3") -> None:
+        pools = list(pools)
         self.registry = registry
         self.client = client
         self.config = config
         self.metrics = metrics
         self.headers = pool_headers(pools)
+        self.expected = {p.name: (p.served_model_name or model_name, p.max_context_tokens) for p in pools}
+        self._models_notes: dict[str, str] = {}
         self.loop = PeriodicEach("health probe", config.interval, list(registry), self.probe, label=lambda w: w.id)
 
     def worker_added(self, worker: Worker) -> None:
@@ -63,8 +74,42 @@ class HealthChecker:
         except ControlError as exc:
             reason = f"health probe failed: {exc}"
         if reason is None:
+            recovered = not worker.healthy
             self.registry.probe_passed(worker)
+            if self.config.verify_models and worker.engine.kind in CHECKED_ENGINES and \
+                    self._models_due(worker, recovered):
+                await self.check_models(worker)
         else:
             self.registry.probe_failed(worker, reason)
+            worker.models_checked_at = None  # checked again once it answers (a restart may bring new flags)
         self.registry.expire_ejections()
         return reason is None
+
+    def _models_due(self, worker: Worker, recovered: bool) -> bool:
+        checked = worker.models_checked_at
+        return (recovered or checked is None or worker.misconfigured is not None
+                or time.monotonic() - checked >= self.config.models_refresh)
+
+    async def check_models(self, worker: Worker) -> None:
+        """Read the worker's `/v1/models` and mark it misconfigured or not (see the class doc)."""
+        served, max_context = self.expected[worker.pool]
+        try:
+            answer = await control_get(self.client, worker.url + MODELS_PATH, self.headers.get(worker.pool, {}),
+                                       self.config.timeout, self.config.max_body_bytes)
+            if answer.status in (401, 403):
+                verdict: str | None = (f"{MODELS_PATH} answered HTTP {answer.status}: the worker refused the "
+                                       "pool's credentials (check the pool's api_key)")
+            elif answer.status != 200:
+                raise UnreadableModels(f"{MODELS_PATH} answered HTTP {answer.status}")
+            else:
+                verdict = models_verdict(answer.body, served, max_context)
+        except (ControlError, UnreadableModels) as exc:
+            note = str(exc) if isinstance(exc, UnreadableModels) else f"{MODELS_PATH} failed: {exc}"
+            if self._models_notes.get(worker.id) != note:
+                log.warning("worker %s: cannot check what it serves (%s); trying again at the next probe",
+                            worker.id, note)
+            self._models_notes[worker.id] = note
+            return
+        self._models_notes.pop(worker.id, None)
+        worker.models_checked_at = time.monotonic()
+        self.registry.set_misconfigured(worker, verdict)

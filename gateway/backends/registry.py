@@ -148,6 +148,7 @@ class WorkerRegistry:
                 if self.metrics is not None:  # the series exist from the start (alerts see a 0, not nothing)
                     self.metrics.worker_draining.labels(name, worker.id).set(0)
                     self.metrics.worker_ejected.labels(name, worker.id).set(0)
+                    self.metrics.worker_misconfigured.labels(name, worker.id).set(0)
                     self.metrics.worker_healthy.labels(name, worker.id).set(1 if initial else 0)
                 for watcher in self.watchers:
                     watcher.worker_added(worker)
@@ -222,6 +223,18 @@ class WorkerRegistry:
         if self.metrics is not None:
             self.metrics.worker_healthy.labels(worker.pool, worker.id).set(1 if healthy else 0)
 
+    def set_misconfigured(self, worker: Worker, reason: str | None) -> None:
+        """The verdict of a `/v1/models` check: `reason` (in words) keeps the worker out of every
+        request and of `/ready`'s count; None puts it back. Logged when it changes."""
+        if worker.misconfigured != reason:
+            if reason is None:
+                log.warning("worker %s serves the pool's model and max context again", worker.id)
+            else:
+                log.warning("worker %s is misconfigured, no traffic: %s", worker.id, reason)
+        worker.misconfigured = reason
+        if self.metrics is not None:
+            self.metrics.worker_misconfigured.labels(worker.pool, worker.id).set(0 if reason is None else 1)
+
     # --- operator drain ------------------------------------------------------------------------
 
     def set_draining(self, worker: Worker, draining: bool) -> None:
@@ -276,6 +289,6 @@ class WorkerRegistry:
         worker.busy_until = self.clock() + (DEFAULT_RETRY_AFTER_S if retry_after is None else retry_after)
 
     def unready_pools(self) -> list[str]:
-        """Pools with no healthy, undrained, non-ejected worker."""
+        """Pools with no healthy, correctly configured, undrained, non-ejected worker."""
         now = self.clock()
         return [name for name, workers in self.pools.items() if not any(w.in_service(now) for w in workers)]

@@ -17,6 +17,8 @@ class Worker:
     and refused connections; `ejected_until` / `busy_until` (monotonic seconds) keep an outlier
     or a worker that answered 429 out of new requests until then; `draining` (set by an operator
     through the admin API) keeps it out of new requests while its in-flight ones finish;
+    `misconfigured` (the reason, from the prober's `/v1/models` check) keeps it out of every request
+    until a later check finds it serving the pool's model name and max context;
     `retired` marks a worker discovery or a reload removed (out of its pool, finishing its requests).
     """
 
@@ -34,6 +36,8 @@ class Worker:
     ejected_until: float = 0.0
     busy_until: float = 0.0
     last_error: str | None = None
+    misconfigured: str | None = None
+    models_checked_at: float | None = None
     engine_running: float | None = None
     engine_waiting: float | None = None
     kv_usage: float | None = None
@@ -50,14 +54,17 @@ class Worker:
         return max(engine, float(self.in_flight))
 
     def in_service(self, now: float) -> bool:
-        """Healthy, not drained and not ejected at `now` (time.monotonic() seconds)."""
-        return self.healthy and not self.draining and self.ejected_until <= now
+        """Healthy, correctly configured, not drained and not ejected at `now` (time.monotonic() s)."""
+        return self.healthy and self.misconfigured is None and not self.draining and self.ejected_until <= now
 
     def state(self, now: float) -> str:
-        """One word for status pages: `unhealthy`, `ejected`, `draining` or `healthy`, in that
-        order of precedence (a drained worker that also fails its probes shows `unhealthy`)."""
+        """One word for status pages: `unhealthy`, `misconfigured`, `ejected`, `draining` or
+        `healthy`, in that order of precedence (a drained worker that also fails its probes shows
+        `unhealthy`)."""
         if not self.healthy:
             return "unhealthy"
+        if self.misconfigured is not None:
+            return "misconfigured"
         if self.ejected_until > now:
             return "ejected"
         return "draining" if self.draining else "healthy"
@@ -71,7 +78,8 @@ class Worker:
 
         `load`, `engine_running` and `engine_waiting` are requests, `kv_usage` a fraction (0..1),
         `ejected_for_s` / `busy_for_s` the seconds left of an ejection / a 429 back-off (0 when
-        none); the engine fields are None until the first scrape of its `/metrics`.
+        none); the engine fields are None until the first scrape of its `/metrics`; `misconfigured`
+        is why the worker gets no traffic (its `/v1/models` disagrees with the pool), else None.
         """
         now = time.monotonic()
         return {"id": self.id, "pool": self.pool, "index": self.index, "url": self.url, "engine": self.engine.kind,
@@ -81,4 +89,4 @@ class Worker:
                 "ejected": self.ejected_until > now, "ejected_for_s": round(max(self.ejected_until - now, 0.0), 3),
                 "busy_for_s": round(max(self.busy_until - now, 0.0), 3),
                 "consecutive_failures": self.consecutive_failures, "failed_probes": self.failed_probes,
-                "last_error": self.last_error}
+                "last_error": self.last_error, "misconfigured": self.misconfigured}

@@ -26,6 +26,7 @@ import yaml
 
 from gateway.config import _ENV_REF, ENV_PREFIX, GatewayConfig
 from gateway.plans.models import expand_plan_refs
+from gateway.redis_client import is_sentinel_url, parse_sentinel_url
 
 _PLACEHOLDER = re.compile(r"(^|\.)(example\.(com|net|org)|example|invalid|test|localhost)$", re.IGNORECASE)
 
@@ -68,6 +69,13 @@ def _is_local(host: str | None) -> bool:
         return False
 
 
+def _redis_host(url: str | None) -> str | None:
+    """The host of a Redis URL; of a `redis+sentinel://` one, the first sentinel's."""
+    if url is None:
+        return None
+    return parse_sentinel_url(url).sentinels[0][0] if is_sentinel_url(url) else urlsplit(url).hostname
+
+
 def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
                         environ: Mapping[str, str]) -> list[Finding]:
     """The safety findings of `config`, loaded from `tree` (read_tree) with `environ`; empty when safe."""
@@ -84,7 +92,7 @@ def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
             host = urlsplit(url).hostname or ""
             if _PLACEHOLDER.search(host):
                 findings.append(Finding(f"pools.{index}.workers.{w}", f"{url} is a placeholder host"))
-    redis_host = urlsplit(config.redis_url).hostname if config.redis_url else None
+    redis_host = _redis_host(config.redis_url)
     if redis_host and _PLACEHOLDER.search(redis_host) and redis_host.lower() != "localhost":
         findings.append(Finding("redis_url", f"{redis_host} is a placeholder host"))
     if config.replicas > 1:

@@ -150,6 +150,7 @@ class SimApp:
         await send_bytes(send, 200, b"", headers=[])
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.engine.note_models_read()
         config = self.engine.config
         await send_json(send, 200, r.models_list(config.served_model_names, config.max_context_tokens,
                                                  self.engine.dialect.owned_by, self.engine.started_at))

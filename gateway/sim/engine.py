@@ -156,6 +156,7 @@ class SimEngine:
         self._finished: Counter[str] = Counter()
         self._health_checks = 0
         self._idle_resets = 0
+        self._models_reads = 0
         self._hash_seed = seed_for(config.model_name)
         self.registry = build_registry(self.stats, self.dialect, config.model_name)
 
@@ -446,6 +447,17 @@ class SimEngine:
         """Requests that arrived on a connection dropped idle and were reset unanswered."""
         with self._cond:
             return self._idle_resets
+
+    def note_models_read(self) -> None:
+        """Count one `GET /v1/models`."""
+        with self._cond:
+            self._models_reads += 1
+
+    @property
+    def models_reads(self) -> int:
+        """How many `GET /v1/models` requests arrived."""
+        with self._cond:
+            return self._models_reads
 
     def _kv_usage(self) -> float:
         if self.kv is not None:

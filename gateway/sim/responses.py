@@ -147,7 +147,15 @@ def text_completion(meta: ResponseMeta, texts: list[str], finish_reason: str, pr
 
 
 def models_list(names: list[str], max_model_len: int, owned_by: str, created: int) -> dict[str, Any]:
-    """`GET /v1/models`: OpenAI's list shape with vLLM's extra fields (`root`, `max_model_len`)."""
-    data = [{"id": name, "object": "model", "created": created, "owned_by": owned_by, "root": names[0],
-             "parent": None, "max_model_len": max_model_len} for name in names]
+    """`GET /v1/models`: OpenAI's list shape with the engines' extra fields: `root` and the context
+    window in tokens as `max_model_len`, on every entry (vLLM's `ModelCard`, which adds `parent`;
+    SGLang's `available_models`, which reports `model_config.context_len` there)."""
+    data: list[dict[str, Any]] = []
+    for name in names:
+        entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": owned_by,
+                                 "root": names[0]}
+        if owned_by != "sglang":
+            entry["parent"] = None
+        entry["max_model_len"] = max_model_len
+        data.append(entry)
     return {"object": "list", "data": data}

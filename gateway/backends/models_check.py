@@ -1,0 +1,52 @@
+"""What a worker says it serves (`GET /v1/models`) against what its pool was configured with.
+
+vLLM and SGLang list every served model name as an entry of `data` (`id`) and give each entry the
+engine's context window as `max_model_len` in tokens (vLLM's `ModelCard`; SGLang's
+`available_models` sets it from `model_config.context_len`). A worker whose list lacks the name
+the gateway sends (the pool's `served_model_name`, else the model's name) answers every request
+with an unknown-model error; one whose `max_model_len` differs from the pool's
+`max_context_tokens` refuses long requests the router sent there (smaller) or hides capacity the
+router never uses (larger). llama.cpp is not checked: it accepts any `model` in a request, and its
+`meta.n_ctx` means the whole server's or one slot's window depending on the version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.config import EngineKind
+
+MODELS_PATH = "/v1/models"
+CHECKED_ENGINES: frozenset[EngineKind] = frozenset({"vllm", "sglang", "ascend"})
+
+
+class UnreadableModels(ValueError):
+    """A `/v1/models` body that is not OpenAI's list shape (`{"data": [{"id": ...}, ...]}`)."""
+
+
+def models_verdict(body: bytes, served_name: str, max_context_tokens: int) -> str | None:
+    """None when the list names `served_name` and its `max_model_len` (tokens) is absent or equals
+    `max_context_tokens`; else the reason the worker is misconfigured, in words (the missing name
+    first: without it there is no entry to read a length from). Raises UnreadableModels for a body
+    that is not a model list."""
+    try:
+        payload: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise UnreadableModels(f"/v1/models answered no JSON ({exc})") from None
+    entries = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("id"), str)
+                                                for e in entries):
+        raise UnreadableModels("/v1/models answered no OpenAI model list ({\"data\": [{\"id\": ...}]})")
+    ids = [entry["id"] for entry in entries]
+    entry = next((e for e in entries if e["id"] == served_name), None)
+    if entry is None:
+        listed = ", ".join(repr(i) for i in ids[:8]) or "nothing"
+        return (f"serves {listed}, not {served_name!r} (the name the gateway sends): every request would be "
+                "refused as an unknown model")
+    reported = entry.get("max_model_len")
+    if isinstance(reported, int) and not isinstance(reported, bool) and reported != max_context_tokens:
+        return (f"reports max_model_len {reported} tokens but the pool's max_context_tokens is "
+                f"{max_context_tokens}")
+    return None

@@ -1,0 +1,202 @@
+"""Redis clients of the stores (affinity, rate limits, shared drains): one plain Redis or a primary
+found through Redis Sentinel, behind the same redis-py asyncio `Redis` interface.
+
+`redis_url` takes redis-py's schemes (`redis://`, `rediss://`, `unix://`) or
+`redis+sentinel://[[USER]:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/SERVICE[/DB][?sentinel_password=P]`
+(sentinel port 26379 by default; PASSWORD is the primary's, `sentinel_password` the sentinels'; all
+percent-encoded). The `redis:` block of the config (`RedisSentinelConfig`) is rendered to that URL.
+
+With Sentinel, redis-py's `SentinelConnectionPool` asks the sentinels for the primary's address
+whenever it opens a connection, and a connection whose command answers `READONLY` (the primary it
+talks to was demoted to a replica) is dropped with a ConnectionError, so the store's circuit breaker
+skips Redis for its `retry_after` and the next connection goes to the new primary. Reads alone do
+not answer `READONLY` on a demoted primary, so the pool here also asks the sentinels, at most every
+`RECHECK_S` seconds and in the background (a command never waits for a sentinel), where the primary
+is, and drops idle connections to any other address: a store that only reads (drain sync) also
+moves to the new primary within seconds of a failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError, RedisError
+
+log = logging.getLogger("gateway.redis")
+
+SENTINEL_SCHEME = "redis+sentinel"
+SENTINEL_PORT = 26379
+RECHECK_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelTarget:
+    """Where the primary is found: sentinel addresses, the monitored service's name (the `master`
+    name in sentinel.conf), the database number and the credentials (primary's, sentinels')."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+
+    def url(self) -> str:
+        """The `redis+sentinel://` URL of this target (credentials percent-encoded)."""
+        auth = ""
+        if self.username is not None or self.password is not None:
+            auth = quote(self.username or "", safe="") + (
+                ":" + quote(self.password, safe="") if self.password is not None else "") + "@"
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.sentinels)
+        query = f"?sentinel_password={quote(self.sentinel_password, safe='')}" if self.sentinel_password else ""
+        return f"{SENTINEL_SCHEME}://{auth}{hosts}/{quote(self.service_name, safe='')}/{self.db}{query}"
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.lower().startswith(SENTINEL_SCHEME + "://")
+
+
+def parse_sentinel_url(url: str) -> SentinelTarget:
+    """Parse a `redis+sentinel://` URL (shape in the module doc). Raises ValueError saying what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != SENTINEL_SCHEME:
+        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if _:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    sentinels = tuple(sentinel_address(item) for item in hostlist.split(",") if item.strip())
+    if not sentinels:
+        raise ValueError("no sentinel address (redis+sentinel://HOST[:PORT][,HOST[:PORT]...]/SERVICE)")
+    path = [unquote(p) for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise ValueError("the path must be /SERVICE or /SERVICE/DB (the service name the sentinels monitor)")
+    db = 0
+    if len(path) == 2:
+        if not path[1].isdigit():
+            raise ValueError(f"the database must be a number, got {path[1]!r}")
+        db = int(path[1])
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = set(query) - {"sentinel_password"}
+    if unknown:
+        raise ValueError(f"unknown URL parameters {sorted(unknown)} (only sentinel_password)")
+    sentinel_password = query.get("sentinel_password", [None])[-1] or None
+    return SentinelTarget(sentinels, path[0], db, username, password, sentinel_password)
+
+
+def sentinel_address(item: str) -> tuple[str, int]:
+    """`host[:port]` or `[v6]:port` → (host, port), port 26379 when left out. Raises ValueError."""
+    item = item.strip()
+    if item.startswith("["):  # [IPv6]:port
+        host, _, rest = item[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise ValueError(f"a sentinel address without a host: {item!r}")
+    if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+        raise ValueError(f"a sentinel port must be 1-65535, got {item!r}")
+    return host, int(port_text) if port_text else SENTINEL_PORT
+
+
+class _DemotionAwareConnection(Connection):
+    """A plain `redis://` connection that drops itself on `READONLY`, as redis-py's Sentinel
+    connections do: behind a DNS name that follows the primary (a cloud's primary endpoint, a
+    Kubernetes Service) the next connection resolves the name again and reaches the new primary."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ReadOnlyError:
+            await self.disconnect()
+            raise RedisConnectionError(f"{self.host}:{self.port} answered READONLY: no longer the primary") from None
+
+
+class _DemotionAwareSSLConnection(_DemotionAwareConnection, SSLConnection):
+    pass
+
+
+class _WatchedSentinelPool(SentinelConnectionPool):
+    """redis-py's Sentinel pool that also re-resolves the primary in the background (module doc)."""
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        super().__init__(service_name, sentinel_manager, **kwargs)
+        self._next_check = 0.0
+        self._check: asyncio.Task[None] | None = None
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now >= self._next_check and (self._check is None or self._check.done()):
+            self._next_check = now + RECHECK_S
+            self._check = asyncio.create_task(self._recheck(), name=f"redis-sentinel:{self.service_name}")
+        return await super().get_connection(*args, **kwargs)
+
+    async def get_master_address(self) -> Any:
+        before = self.master_address
+        address = await super().get_master_address()
+        if before is not None and tuple(before) != tuple(address):
+            log.warning("redis primary of %s moved from %s:%s to %s:%s", self.service_name, *before, *address)
+        return address
+
+    async def _recheck(self) -> None:
+        try:
+            address = await self.get_master_address()  # drops idle connections when the primary moved
+        except (RedisError, OSError) as exc:
+            log.debug("sentinels did not name the primary of %s: %s", self.service_name, exc)
+            return
+        for connection in list(self._available_connections):
+            if connection.is_connected and (connection.host, connection.port) != tuple(address):
+                await connection.disconnect()  # was in use when the primary moved: now idle, drop it
+
+    async def aclose(self) -> None:
+        if self._check is not None:
+            self._check.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._check
+        await super().aclose()
+
+
+class _SentinelPrimary(aioredis.Redis):
+    """The primary's client; closing it also closes the clients of the sentinels it asks."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        pool = self.connection_pool
+        await super().aclose(close_connection_pool)
+        if isinstance(pool, SentinelConnectionPool):
+            await pool.sentinel_manager.aclose()
+
+
+def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
+    """A redis-py asyncio client for `url` (no I/O yet). `kwargs` are redis-py connection options
+    (`socket_timeout`, `socket_connect_timeout` in seconds, `retry`, `max_connections`, ...); with a
+    `redis+sentinel://` URL they apply to the primary's connections, and the socket timeouts also to
+    the sentinels'. Raises ValueError for a malformed sentinel URL."""
+    if not is_sentinel_url(url):
+        scheme = urlsplit(url).scheme.lower()
+        if scheme in ("redis", "rediss"):
+            kwargs.setdefault("connection_class",
+                              _DemotionAwareSSLConnection if scheme == "rediss" else _DemotionAwareConnection)
+        return aioredis.Redis.from_url(url, **kwargs)
+    target = parse_sentinel_url(url)
+    sentinel_kwargs: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    sentinel_kwargs["retry"] = Retry(NoBackoff(), 0)  # a dead sentinel: ask the next one now, not after back-offs
+    if target.sentinel_password is not None:
+        sentinel_kwargs["password"] = target.sentinel_password
+    manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)
+    return manager.master_for(target.service_name, redis_class=_SentinelPrimary,
+                              connection_pool_class=_WatchedSentinelPool, db=target.db,
+                              username=target.username, password=target.password, **kwargs)

@@ -1,0 +1,46 @@
+"""Issue 11 §4: judging a worker's `GET /v1/models` body against its pool (shapes of vLLM and SGLang)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.backends.models_check import UnreadableModels, models_verdict
+from gateway.sim.responses import models_list
+
+
+def body(names: list[str], max_model_len: int | None, owned_by: str = "vllm") -> bytes:
+    payload = models_list(names, max_model_len or 0, owned_by, 1_700_000_000)
+    if max_model_len is None:
+        for entry in payload["data"]:
+            del entry["max_model_len"]
+    return orjson.dumps(payload)
+
+
+@pytest.mark.parametrize("owned_by", ["vllm", "sglang"])
+def test_the_served_name_with_the_pool_context_passes(owned_by: str) -> None:
+    assert models_verdict(body(["moonshotai/Kimi-K3", "kimi-k3"], 524288, owned_by), "kimi-k3", 524288) is None
+
+
+def test_a_missing_name_is_named_with_what_is_served() -> None:
+    verdict = models_verdict(body(["kimi-k3"], 131072), "moonshotai/Kimi-K3", 131072)
+    assert verdict is not None
+    assert verdict.startswith("serves 'kimi-k3', not 'moonshotai/Kimi-K3'")
+
+
+@pytest.mark.parametrize("reported", [131071, 262144])
+def test_another_max_model_len_either_way_is_reported(reported: int) -> None:
+    assert models_verdict(body(["kimi-k3"], reported), "kimi-k3", 131072) == (
+        f"reports max_model_len {reported} tokens but the pool's max_context_tokens is 131072")
+
+
+def test_an_engine_that_reports_no_length_is_judged_by_name_only() -> None:
+    assert models_verdict(body(["kimi-k3"], None), "kimi-k3", 131072) is None
+    weird = orjson.dumps({"data": [{"id": "kimi-k3", "max_model_len": True}]})
+    assert models_verdict(weird, "kimi-k3", 131072) is None  # not a number of tokens
+
+
+@pytest.mark.parametrize("raw", [b"<html>", b"[]", b'{"data": {}}', b'{"data": [{"name": "x"}]}', b"{}"])
+def test_a_body_that_is_no_model_list_is_unreadable(raw: bytes) -> None:
+    with pytest.raises(UnreadableModels):
+        models_verdict(raw, "kimi-k3", 131072)
