@@ -245,10 +245,29 @@ class TimeoutConfig(_Strict):
     )
 
 
+class TextRates(_Strict):
+    """Tokens per character of each script class (`gateway/routing/tokens.py: script_counts`), before
+    `safety_margin`. They depend on the model's tokenizer. The defaults are measured with Qwen's
+    151K-token BPE vocabulary (the `qwen.tiktoken` file shipped in the `dashscope` wheel, read by
+    `tiktoken`; `python -m loadtest.estimate_calibration`), rounded up: README "Prompt-token estimate"."""
+
+    latin: float = Field(default=0.24, ge=0, description="tokens per ASCII letter")
+    digit: float = Field(default=1.0, ge=0, description="tokens per ASCII digit")
+    whitespace: float = Field(default=0.29, ge=0, description="tokens per ASCII space, tab or newline")
+    punctuation: float = Field(default=0.49, ge=0, description="tokens per other ASCII character (code symbols)")
+    han: float = Field(default=0.76, ge=0, description="tokens per CJK ideograph")
+    kana: float = Field(default=0.81, ge=0, description="tokens per hiragana or katakana character")
+    hangul: float = Field(default=0.97, ge=0, description="tokens per hangul syllable")
+    cjk_punctuation: float = Field(default=1.0, ge=0, description="tokens per CJK or fullwidth punctuation mark")
+
+
 class EstimationConfig(_Strict):
     """How prompt tokens are estimated before routing (design §4). Errs on the high side."""
 
-    bytes_per_token: float = Field(default=3.5, gt=0, description="UTF-8 bytes of text per token")
+    text_rates: TextRates = Field(default_factory=TextRates, description="tokens per character, by script")
+    bytes_per_token: float = Field(
+        default=2.7, gt=0, description="UTF-8 bytes per token of characters without a `text_rates` class "
+        "(accented Latin, Cyrillic, Arabic, emoji...)")
     safety_margin: float = Field(default=1.05, ge=1.0, description="multiplier on the text estimate")
     tokens_per_message: int = Field(default=8, ge=0, description="chat-template overhead per message")
     tokens_per_request: int = Field(
@@ -262,6 +281,16 @@ class EstimationConfig(_Strict):
     )
     image_tokens_min: int = Field(default=64, ge=0)
     image_tokens_max: int = Field(default=16384, ge=1)
+    audio_tokens_per_second: float = Field(
+        default=25.0, ge=0, description="tokens per second of audio (Whisper-style encoders: 50 frames/s "
+        "pooled 2x; Kimi-Audio's tokenizer runs at 12.5 Hz), applied to the duration read from its header")
+    audio_bytes_per_second: float = Field(
+        default=2000.0, gt=0, description="for audio whose header cannot be read: its size in bytes over this "
+        "gives a duration that errs long (2,000 B/s is 16 kbit/s, below voice codecs' usual rates)")
+    audio_tokens_default: int = Field(
+        default=750, ge=0, description="cost of an audio clip given by URL (30 s at 25 tokens/s)")
+    video_tokens_default: int = Field(
+        default=8192, ge=0, description="cost of a video part (its frames are not read)")
 
     @model_validator(mode="after")
     def _image_bounds(self) -> EstimationConfig:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictInt,
@@ -21,6 +22,7 @@ from pydantic import (
     TypeAdapter,
     ValidationError,
     ValidationInfo,
+    Tag,
     ValidatorFunctionWrapHandler,
     WrapValidator,
     field_validator,
@@ -52,8 +54,17 @@ class ImagePart(_Open):
 
 
 class InputAudioPart(_Open):
+    """OpenAI's audio input: `input_audio: {"data": <base64>, "format": "wav" | "mp3" | ...}`."""
+
     type: Literal["input_audio"]
     input_audio: dict[str, Any]
+
+
+class AudioURLPart(_Open):
+    """vLLM's and SGLang's `audio_url` extension: `audio_url: {"url": <http(s) URL or data URI>}`."""
+
+    type: Literal["audio_url"]
+    audio_url: dict[str, Any]
 
 
 class VideoPart(_Open):
@@ -73,17 +84,44 @@ class RefusalPart(_Open):
     refusal: StrictStr
 
 
+class OtherPart(_Open):
+    """A part type the gateway does not model (`image_embeds`, `audio_embeds`, a new engine's own...):
+    forwarded unchanged, the engine decides; its tokens are not counted."""
+
+    type: StrictStr
+
+
+_MODELLED_PARTS = {"text": TextPart, "image_url": ImagePart, "input_audio": InputAudioPart,
+                   "audio_url": AudioURLPart, "video_url": VideoPart, "file": FilePart, "refusal": RefusalPart}
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):
+        return None
+    return kind if kind in _MODELLED_PARTS else "other"
+
+
 ContentPart = Annotated[
-    TextPart | ImagePart | InputAudioPart | VideoPart | FilePart | RefusalPart,
-    Field(discriminator="type"),
+    Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")]
+    | Annotated[InputAudioPart, Tag("input_audio")] | Annotated[AudioURLPart, Tag("audio_url")]
+    | Annotated[VideoPart, Tag("video_url")] | Annotated[FilePart, Tag("file")]
+    | Annotated[RefusalPart, Tag("refusal")] | Annotated[OtherPart, Tag("other")],
+    Discriminator(_part_tag, custom_error_type="invalid_part",
+                  custom_error_message="a content part must be an object with a string 'type'"),
 ]
 
-# The modality each content part type needs from a pool.
+# The modality a content part type needs from a pool (`PoolConfig.modalities`); a type not listed
+# needs none beyond text: the engine decides.
 PART_MODALITY: dict[str, str] = {
     "text": "text",
     "refusal": "text",
     "image_url": "image",
+    "image_embeds": "image",
+    "input_image": "image",
     "input_audio": "audio",
+    "audio_url": "audio",
+    "audio_embeds": "audio",
     "video_url": "video",
     "file": "file",
 }
