@@ -10,8 +10,15 @@ import orjson
 
 from gateway.affinity.hashing import PrefixHasher, PrefixKey, canonical_message, canonical_prelude, image_digest
 from gateway.errors import InvalidRequest
-from gateway.protocol.openai import PART_MODALITY, ChatCompletionRequest, CompletionRequest
-from gateway.routing.tokens import TokenEstimator
+from gateway.protocol.openai import (
+    PART_MODALITY,
+    AudioURLPart,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InputAudioPart,
+    VideoPart,
+)
+from gateway.routing.tokens import ImageEstimate, TokenEstimator
 
 Api = Literal["chat", "completions"]
 
@@ -23,10 +30,12 @@ class RoutingRequest:
     `prompt_tokens` is an estimate (tokens); `output_tokens` is what the client asked for
     (`max_completion_tokens`, else `max_tokens`), None when it set neither, in which case each pool's
     `default_output_tokens` is reserved. `estimate_method` says how the prompt was counted:
-    `bytes`, `bytes+pixels`, `bytes+default` or `token_ids`. `prefix` holds the sampled block
-    hashes of the canonical prompt (None when affinity is off). `outputs` is how many completions
-    the engine generates (`n` times the prompts of a completions batch) and `batch_prompt_tokens` the
-    prompt tokens of all prompts together: they size the request's quota charge, not its context.
+    `bytes` (text by script, `tokens.py`), plus `pixels`/`default` for images, `audio` (header
+    duration), `audio_size`, `audio_default` and `video` (configured cost), joined by `+`; or `token_ids`.
+    `prefix` holds the sampled block hashes of the canonical prompt (None when affinity is off).
+    `outputs` is how many completions the engine generates (`n` times the prompts of a completions
+    batch) and `batch_prompt_tokens` the prompt tokens of all prompts together: they size the
+    request's quota charge, not its context.
     """
 
     api: Api
@@ -83,7 +92,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     Raises InvalidRequest for an image data URI that cannot be read.
     """
     config = estimator.config
-    text_bytes = 0  # prompt text only: separators and image digests are not tokens
+    text_cost = 0.0  # prompt text only: separators and image digests are not tokens
     tokens = config.tokens_per_request + config.tokens_per_message * len(wire.messages)
     modalities = {"text"}
     methods = {"bytes"}
@@ -95,20 +104,21 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
                       else None for m in wire.messages]
     except TypeError as exc:  # orjson writes at most 254 levels of nesting
         raise InvalidRequest(f"'tools' or 'tool_calls' cannot be read: {exc}", code="invalid_json") from None
-    text_bytes += len(canonical[0])
+    text_cost += estimator.utf8_cost(canonical[0])
     for i, message in enumerate(wire.messages):
         content = message.content
         parts: list[bytes] = []
         if isinstance(content, str):
             parts.append(content.encode("utf-8", "surrogatepass"))
-            text_bytes += len(parts[-1])
+            text_cost += estimator.utf8_cost(parts[-1])
         elif content is not None:
             for j, part in enumerate(content):
-                modalities.add(PART_MODALITY[part.type])
+                if (modality := PART_MODALITY.get(part.type)) is not None:
+                    modalities.add(modality)
                 if part.type == "text" or part.type == "refusal":
                     encoded = (part.text if part.type == "text" else part.refusal).encode("utf-8", "surrogatepass")
                     parts.append(encoded)
-                    text_bytes += len(encoded)
+                    text_cost += estimator.utf8_cost(encoded)
                 elif part.type == "image_url":
                     url = part.image_url.url
                     if (seen := images.get(url)) is None:
@@ -117,16 +127,19 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
                     tokens += seen[0]
                     methods.add(seen[1])
                     parts.append(seen[2])
+                elif (media := _media_estimate(part, estimator)) is not None:
+                    tokens += media.tokens
+                    methods.add(media.method)
         # Tool calls are rendered into the prompt by the chat template too.
         if (calls := calls_json[i]) is not None:
             parts.append(calls)
-            text_bytes += len(calls)
+            text_cost += estimator.utf8_cost(calls)
         canonical.append(canonical_message(message.role, parts))
     if "response_format" in extra:
-        text_bytes += len(orjson.dumps(extra["response_format"]))
-    tokens += estimator.bytes_tokens(text_bytes)
+        text_cost += estimator.utf8_cost(orjson.dumps(extra["response_format"]))
+    tokens += estimator.tokens(text_cost)
     output = output_limit(wire)
-    method = "+".join(sorted(methods, key=["bytes", "pixels", "default"].index))
+    method = "+".join(sorted(methods, key=_METHOD_ORDER.index))
     prefix = hasher.hash(b"".join(canonical), model) if hasher is not None else None
     return RoutingRequest(
         api="chat", model=model, prompt_tokens=tokens, output_tokens=output, stream=bool(wire.stream),
@@ -134,6 +147,24 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
         prefix=prefix, outputs=wire.n or 1,
     )
+
+
+_METHOD_ORDER = ["bytes", "pixels", "default", "audio", "audio_size", "audio_default", "video"]
+
+
+def _media_estimate(part: object, estimator: TokenEstimator) -> ImageEstimate | None:
+    """Tokens of an audio or video part (`input_audio`, `audio_url`, `video_url`); None for others.
+    A part whose fields are not the expected strings costs the configured default: the engine judges it."""
+    if isinstance(part, InputAudioPart):
+        data = part.input_audio.get("data")
+        return estimator.audio_tokens(data, is_base64=True) if isinstance(data, str) else \
+            ImageEstimate(estimator.config.audio_tokens_default, "audio_default")
+    if isinstance(part, AudioURLPart):
+        url = part.audio_url.get("url")
+        return estimator.audio_tokens(url if isinstance(url, str) else "")
+    if isinstance(part, VideoPart):
+        return ImageEstimate(estimator.config.video_tokens_default, "video")
+    return None
 
 
 def completion_features(wire: CompletionRequest, model: str, estimator: TokenEstimator,
@@ -147,12 +178,12 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
     prompts = 1
     if isinstance(prompt, str):
         first = prompt.encode("utf-8", "surrogatepass")
-        tokens = total = estimator.bytes_tokens(len(first))
+        tokens = total = estimator.utf8_tokens(first)
     elif not prompt:
         raise InvalidRequest("'prompt' must not be empty", param="prompt")
     elif isinstance(prompt[0], str):
         encoded = [p.encode("utf-8", "surrogatepass") for p in prompt]  # type: ignore[union-attr]
-        each = [estimator.bytes_tokens(len(e)) for e in encoded]
+        each = [estimator.utf8_tokens(e) for e in encoded]
         first, tokens, total, prompts = encoded[0], max(each), sum(each), len(each)
     elif isinstance(prompt[0], int):
         first, tokens, method = _ids_bytes(prompt), len(prompt), "token_ids"  # type: ignore[arg-type]
