@@ -45,7 +45,7 @@ def prompt_of_estimate(target_tokens: int, estimator: TokenEstimator) -> str:
     """An ASCII user message whose chat estimate (with the template overheads) is `target_tokens`."""
     overhead = estimator.config.tokens_per_message + estimator.config.tokens_per_request
     text_tokens = target_tokens - overhead
-    n = int(text_tokens * estimator.config.bytes_per_token / estimator.config.safety_margin)
+    n = int(text_tokens / (estimator.config.text_rates.latin * estimator.config.safety_margin))
     while estimator.text_tokens("x" * n) < text_tokens:
         n += 1
     while estimator.text_tokens("x" * n) > text_tokens:

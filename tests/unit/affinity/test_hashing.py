@@ -37,7 +37,7 @@ def test_sampled_positions_are_dense_then_geometric() -> None:
 def test_one_million_token_prompt_has_a_bounded_key_count(shared_data: Path) -> None:
     text = (shared_data / "text" / "books" / "war_and_peace_tolstoy_maude.txt").read_text()[:4_000_000]
     f = features([{"role": "user", "content": text}])
-    assert f.prompt_tokens > 900_000  # the whole novel: a 1M-token-class prompt
+    assert f.prompt_tokens > 800_000  # the whole novel (3.3 MB, ~0.77M true tokens): a 1M-token-class prompt
     assert f.prefix is not None and len(f.prefix.hashes) <= 100
 
 

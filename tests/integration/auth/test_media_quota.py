@@ -1,0 +1,39 @@
+"""Audio counts toward a key's token limit (issue 10 §6): the estimate that routes a request also charges it."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable
+
+import openai
+import pytest
+
+from tests.integration.auth.conftest import ALICE_KEY, auth_section, wait_clear_of_window_edge
+from tests.support import RunningGateway, RunningSim, pool
+from tests.unit.test_tokens import wav_bytes
+
+
+def audio_chat(gw: RunningGateway, seconds: float) -> object:
+    sdk = openai.OpenAI(base_url=gw.v1, api_key=ALICE_KEY, max_retries=0)
+    data = base64.b64encode(wav_bytes(seconds)).decode()
+    return sdk.chat.completions.create(model="kimi-k3", max_tokens=10, messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}])
+
+
+def test_audio_is_charged_to_the_token_limit(start_sim: Callable[..., RunningSim],
+                                             start_gateway: Callable[..., RunningGateway]) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072, modalities=["text", "audio"])],
+                       auth=auth_section({"tokens_per_minute": 3000}), load={"enabled": False},
+                       affinity={"enabled": False})
+    wait_clear_of_window_edge(time.monotonic)
+    audio_chat(gw, 60.0)  # 1,500 audio tokens + 40 overhead + 10 output
+    with pytest.raises(openai.RateLimitError) as info:
+        audio_chat(gw, 60.0)
+    assert "Limit 3000, Used 1550, Requested 1550" in info.value.message
+    # Four minutes of audio alone is over the whole limit (it was 43 tokens by its bytes).
+    with pytest.raises(openai.RateLimitError) as too_large:
+        audio_chat(gw, 240.0)
+    assert "Request too large" in too_large.value.message and "Requested 6050" in too_large.value.message
+    assert len(sim.engine.records) == 1
