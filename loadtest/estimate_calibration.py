@@ -2,6 +2,7 @@
 
     .venv/bin/python -m loadtest.estimate_calibration                   # Qwen BPE (dashscope wheel)
     .venv/bin/python -m loadtest.estimate_calibration --engine smollm2  # also the CPU test engine
+    .venv/bin/python -m loadtest.estimate_calibration --bench           # time of one 1 MB estimate
 
 Tokenizers: Qwen's 151,643-token byte-level BPE (`qwen.tiktoken`, shipped inside the `dashscope`
 wheel, Apache-2.0; read with `tiktoken` and Qwen's own pre-tokenizer pattern), a large multilingual
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,20 +73,14 @@ def engine_tokenizer(url: str) -> Tokenize:
 def byte_classes(data: bytes) -> list[str]:
     """The script class of each byte of UTF-8 `data` (a continuation byte takes its lead's)."""
     names = {"l": "latin", "d": "digit", "s": "whitespace", "p": "punctuation", "h": "han", "g": "hangul",
-             "o": "other"}
+             "f": "cjk_punctuation", "o": "other"}
     out: list[str] = []
     i = 0
     while i < len(data):
         lead = chr(_CLASS_OF_BYTE[data[i]])
         width = 1 if data[i] < 0x80 else 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
         head = data[i:i + 2]
-        if lead == "k":
-            cls = "kana" if head in (b"\xe3\x81", b"\xe3\x82", b"\xe3\x83") else \
-                "cjk_punctuation" if head == b"\xe3\x80" else "han"
-        elif head in (b"\xef\xbc", b"\xef\xbd"):
-            cls = "cjk_punctuation"
-        else:
-            cls = names.get(lead, "other")
+        cls = names.get(lead, "other") if lead != "k" else "cjk_punctuation" if head == b"\xe3\x80" else "kana"
         out.extend([cls] * width)
         i += width
     return out[:len(data)]
@@ -180,11 +176,37 @@ def measure(name: str, tokenize: Tokenize, texts: list[tuple[str, str]], config:
               f"   ({len(ratios)} samples)")
 
 
+def bench(size: int = 1 << 20, rounds: int = 20) -> None:
+    """Print the time of one estimate of a `size`-byte prompt (best and median of `rounds`), per kind of
+    text, next to the flat bytes count it replaced (`len(text.encode())`)."""
+    estimator = TokenEstimator(EstimationConfig())
+    kinds = {kind: text for kind, text in samples([])}
+    print(f"\nestimate of a {size / (1 << 20):.0f} MB prompt, best / median of {rounds} (ms)")
+    for kind, text in kinds.items():
+        prompt = (text * (size // len(text.encode()) + 1)).encode()[:size].decode("utf-8", "ignore")
+        times, flat = [], []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            estimator.text_tokens(prompt)
+            times.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            len(prompt.encode("utf-8", "surrogatepass"))
+            flat.append(time.perf_counter() - start)
+        times.sort()
+        flat.sort()
+        print(f"  {kind:8} {times[0] * 1e3:6.2f} {times[rounds // 2] * 1e3:6.2f}"
+              f"   (bytes only: {flat[0] * 1e3:.2f} {flat[rounds // 2] * 1e3:.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=["smollm2"], help="also measure the llama.cpp CPU test engine")
     parser.add_argument("--extra", type=Path, nargs="*", default=[], help="more UTF-8 text files, one sample each")
+    parser.add_argument("--bench", action="store_true", help="only time the estimate of a 1 MB prompt")
     args = parser.parse_args()
+    if args.bench:
+        bench()
+        return
     texts = samples(args.extra)
     measure("Qwen BPE (151,643 tokens)", qwen_tokenizer(), texts, EstimationConfig())
     if args.engine:

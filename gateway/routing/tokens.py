@@ -41,20 +41,20 @@ _CLASS_OF_BYTE = bytes(
     ord("c") if b < 0xC0 else          # continuation byte
     ord("h") if 0xE4 <= b <= 0xE9 else  # U+4000..U+9FFF: CJK unified ideographs (and ext. A's top)
     ord("g") if 0xEA <= b <= 0xED else  # U+A000..U+DFFF: hangul syllables (and rare Yi, jamo ext.)
-    ord("k") if b == 0xE3 else          # U+3000..U+3FFF: CJK punctuation, kana, ext. A
+    ord("k") if b == 0xE3 else          # U+3000..U+3FFF: CJK punctuation, kana (and rare bopomofo, ext. A)
+    ord("f") if b == 0xEF else          # U+F000..U+FFFF: fullwidth punctuation, rare compatibility forms
     ord("o")                            # any other lead byte
     for b in range(256)
 )
-_KANA_LEADS = (b"\xe3\x81", b"\xe3\x82", b"\xe3\x83")  # U+3040..U+30FF: hiragana and katakana
-_CJK_PUNCT_LEADS = (b"\xe3\x80", b"\xef\xbc", b"\xef\xbd")  # U+3000..U+303F; U+FF00..U+FF7F fullwidth forms
 
 
 @dataclass(frozen=True, slots=True)
 class ScriptCounts:
     """Characters of UTF-8 text by script: ASCII `latin` letters, `digit`s, `whitespace`,
-    `punctuation` (other ASCII: code symbols); `han` (CJK ideographs), `kana`, `hangul` syllables,
-    `cjk_punctuation` (U+3000..U+303F and fullwidth forms); `other_bytes`: UTF-8 bytes of every
-    other character (accented Latin, Cyrillic, Arabic, emoji...)."""
+    `punctuation` (other ASCII: code symbols); `han` (CJK ideographs U+4000..U+9FFF), `kana`
+    (U+3040..U+3FFF: kana, and the rarer bopomofo and ext. A ideographs, at a like rate), `hangul`
+    syllables, `cjk_punctuation` (U+3000..U+303F and U+F000..U+FFFF: fullwidth forms);
+    `other_bytes`: UTF-8 bytes of every other character (accented Latin, Cyrillic, Arabic, emoji...)."""
 
     latin: int = 0
     digit: int = 0
@@ -71,20 +71,24 @@ def script_counts(data: bytes) -> ScriptCounts:
     """Count the characters of UTF-8 `data` by script (`ScriptCounts`).
 
     Classifies each byte with one `bytes.translate` and counts the classes with `bytes.count`
-    (C loops, about 1 ms per MB each); kana and CJK punctuation are told apart within U+3000..U+3FFF
-    by their first two bytes. Lead bytes stand for whole characters, so invalid UTF-8 (lone
-    surrogates passed through) is counted, never raises.
+    (C loops, about 1 ms per MB each; classes absent from the text are skipped after a memchr);
+    CJK punctuation is told from kana by its first two bytes. Lead bytes stand for whole
+    characters, so invalid UTF-8 (lone surrogates passed through) is counted, never raises.
     """
     classes = data.translate(_CLASS_OF_BYTE)
-    latin, digit, space = classes.count(b"l"), classes.count(b"d"), classes.count(b"s")
-    punct = classes.count(b"p")
-    if latin + digit + space + punct == len(data):
-        return ScriptCounts(latin, digit, space, punct)
-    han, hangul, e3 = classes.count(b"h"), classes.count(b"g"), classes.count(b"k")
-    kana = sum(data.count(lead) for lead in _KANA_LEADS)
-    cjk_punct = sum(data.count(lead) for lead in _CJK_PUNCT_LEADS)
-    fullwidth = cjk_punct - data.count(_CJK_PUNCT_LEADS[0])
-    han += e3 - kana - (cjk_punct - fullwidth)  # the rest of U+3000..U+3FFF: ext. A, bopomofo, jamo
+    digit = classes.count(b"d") if b"d" in classes else 0  # `in` is a memchr: cheap when absent
+    space, punct = classes.count(b"s"), classes.count(b"p")
+    if data.isascii():
+        return ScriptCounts(len(data) - digit - space - punct, digit, space, punct)
+    latin = classes.count(b"l")
+    han = classes.count(b"h") if b"h" in classes else 0
+    hangul = classes.count(b"g") if b"g" in classes else 0
+    kana = cjk_punct = 0
+    if b"k" in classes:  # U+3000..U+3FFF: CJK punctuation (U+3000..U+303F) is told by its second byte
+        cjk_punct = data.count(b"\xe3\x80")
+        kana = classes.count(b"k") - cjk_punct
+    if b"f" in classes:
+        cjk_punct += classes.count(b"f")
     multibyte = len(data) - latin - digit - space - punct
     other = multibyte - 3 * (han + hangul + kana + cjk_punct)
     return ScriptCounts(latin, digit, space, punct, han, kana, hangul, cjk_punct, max(other, 0))

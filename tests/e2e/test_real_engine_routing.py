@@ -2,7 +2,8 @@
 
 An MT-Bench prompt streams real tokens through the gateway to the openai SDK; a ~3,000-token book
 prompt is routed to the 8192 pool and answered, while the same prompt sent straight to the 2048
-worker is refused by the engine itself.
+worker is refused by the engine itself; the same for Chinese, Japanese and Korean prompts, which the
+gateway estimates with SmolLM2's own tokens per character (`tests/e2e/smollm2.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from gateway.engine import LlamaCppSettings, LlamaCppWorker
+from tests.e2e.smollm2 import SMOLLM2_ESTIMATION
 from tests.support import RunningGateway, pool
 
 pytestmark = pytest.mark.engine
@@ -45,7 +47,7 @@ def gateway(workers: dict[str, LlamaCppWorker], start_gateway: Callable[..., Run
     return start_gateway([
         pool("cpu-2k", "llamacpp", [workers["small"].url], 2048, default_output_tokens=256),
         pool("cpu-8k", "llamacpp", [workers["large"].url], 8192, default_output_tokens=256),
-    ], timeouts={"first_byte_base": 120.0})
+    ], timeouts={"first_byte_base": 120.0}, estimation=SMOLLM2_ESTIMATION)
 
 
 def book_prompt(shared_data: Path) -> str:
@@ -101,14 +103,55 @@ def test_long_book_prompt_goes_to_the_8k_pool_and_the_2k_engine_refuses_it(
     assert error["n_prompt_tokens"] == completion.usage.prompt_tokens
 
 
+# Characters of each language that SmolLM2 counts at 2,300-3,100 tokens: over the 2K pool, inside the 8K one.
+# The Japanese one is the issue's example (~1,750 characters, 3,053 engine tokens, estimated 1,615 by bytes).
+CJK_PROMPT_CHARS = {"zh": 1500, "ja": 1750, "ko": 950}
+
+
+def cjk_prompt(lang: str, chars: int) -> str:
+    text = (Path(__file__).parents[1] / "data" / "estimate" / f"{lang}.txt").read_text("utf-8")
+    return (text * 2)[:chars]
+
+
+@pytest.mark.parametrize("lang", ["zh", "ja", "ko"])
+def test_long_cjk_prompt_goes_to_the_8k_pool_first_and_the_2k_engine_refuses_it(
+        gateway: RunningGateway, workers: dict[str, LlamaCppWorker], lang: str) -> None:
+    messages = [{"role": "user", "content": cjk_prompt(lang, CJK_PROMPT_CHARS[lang])}]
+    client = openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0, timeout=180)
+    raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=8)
+    completion = raw.parse()
+    # The estimate alone chose the 8K pool: no round trip to the 2K engine first.
+    assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-8k", "1")
+    assert completion.usage is not None and 2048 < completion.usage.prompt_tokens < 3400
+    estimated = int(raw.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0])
+    assert completion.usage.prompt_tokens <= estimated <= 1.4 * completion.usage.prompt_tokens
+
+    direct = httpx.post(workers["small"].url + "/v1/chat/completions", timeout=60,
+                        json={"model": "kimi-k3", "messages": messages, "max_tokens": 8})
+    assert direct.status_code == 400 and direct.json()["error"]["type"] == "exceed_context_size_error"
+
+
+@pytest.mark.parametrize("lang", ["zh", "ja", "ko"])
+def test_cjk_prompt_that_fits_stays_in_the_2k_pool(gateway: RunningGateway, lang: str) -> None:
+    # About half the engine's 2K context: the estimate errs high, but not so far as to leave the cheap pool.
+    messages = [{"role": "user", "content": cjk_prompt(lang, CJK_PROMPT_CHARS[lang] // 3)}]
+    client = openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0, timeout=120)
+    raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=8)
+    completion = raw.parse()
+    assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-2k", "1")
+    estimated = int(raw.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0])
+    assert completion.usage is not None and completion.usage.prompt_tokens <= estimated
+
+
 def test_engine_too_long_answer_moves_the_request_to_the_larger_pool(
         workers: dict[str, LlamaCppWorker], start_gateway: Callable[..., RunningGateway], shared_data: Path) -> None:
-    # A gateway that under-counts (8 bytes a token) sends the book prompt to the 2K pool; llama.cpp's
-    # own `exceed_context_size_error` must move it to the 8K pool before any byte reaches the client.
+    # A gateway that under-counts (a letter 0.1 token, spaces free) sends the book prompt to the 2K pool;
+    # llama.cpp's own `exceed_context_size_error` must move it to the 8K pool before any byte reaches the client.
     gw = start_gateway([
         pool("cpu-2k", "llamacpp", [workers["small"].url], 2048, default_output_tokens=256),
         pool("cpu-8k", "llamacpp", [workers["large"].url], 8192, default_output_tokens=256),
-    ], estimation={"bytes_per_token": 8.0, "safety_margin": 1.0}, timeouts={"first_byte_base": 120.0})
+    ], estimation={"text_rates": {"latin": 0.1, "whitespace": 0.0, "punctuation": 0.1}, "safety_margin": 1.0},
+        timeouts={"first_byte_base": 120.0})
     client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=180)
     stream = client.chat.completions.with_raw_response.create(
         model="kimi-k3", messages=[{"role": "user", "content": book_prompt(shared_data)}], max_tokens=8, stream=True)

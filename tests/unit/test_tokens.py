@@ -33,7 +33,7 @@ def data_uri(path: Path, kind: str) -> str:
     ("서울은 한국의 수도입니다.", ScriptCounts(whitespace=2, punctuation=1, hangul=11)),
     ("中文，标点（全角）！", ScriptCounts(han=6, cjk_punctuation=4)),  # noqa: RUF001
     ("Привет, 😀 é", ScriptCounts(whitespace=2, punctuation=1, other_bytes=6 * 2 + 4 + 2)),
-    ("㐀䶵 ㄅ", ScriptCounts(whitespace=1, han=3)),  # CJK ext. A and bopomofo count as ideographs
+    ("㐀䶵 ㄅ", ScriptCounts(whitespace=1, kana=2, han=1)),  # U+3400..U+3FFF at the kana rate, U+4000.. as han
 ])
 def test_script_counts_classify_each_character(text: str, counts: ScriptCounts) -> None:
     assert script_counts(text.encode()) == counts
