@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.media import wav_bytes
 from tests.support import RunningGateway, RunningSim, pool
-from tests.unit.test_tokens import wav_bytes
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]

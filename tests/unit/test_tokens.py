@@ -13,6 +13,7 @@ from gateway.config import EstimationConfig, TextRates
 from gateway.errors import InvalidRequest
 from gateway.routing.tokens import ScriptCounts, TokenEstimator, image_size, read_data_uri_size, script_counts
 from loadtest.estimate_calibration import qwen_tokenizer, samples
+from tests.media import wav_bytes
 
 IMAGES = [
     ("chelsea_cat_48.png", "png", (48, 32)),
@@ -165,18 +166,6 @@ def test_own_mixed_prompt_errs_high(qwen_tokenize: Callable[[str], list[bytes]])
     estimate = TokenEstimator(EstimationConfig()).text_tokens(text)
     true = len(qwen_tokenize(text))
     assert true <= estimate <= 1.5 * true
-
-
-def wav_bytes(seconds: float, rate: int = 16000, channels: int = 1, sample_width: int = 2,
-              info_chunk: bytes = b"") -> bytes:
-    """A PCM WAV file of silence, with an optional LIST chunk before `data` (as many encoders write)."""
-    data_size = int(seconds * rate) * channels * sample_width
-    fmt = (b"fmt " + (16).to_bytes(4, "little") + (1).to_bytes(2, "little") + channels.to_bytes(2, "little")
-           + rate.to_bytes(4, "little") + (rate * channels * sample_width).to_bytes(4, "little")
-           + (channels * sample_width).to_bytes(2, "little") + (8 * sample_width).to_bytes(2, "little"))
-    extra = b"LIST" + len(info_chunk).to_bytes(4, "little") + info_chunk if info_chunk else b""
-    body = b"WAVE" + fmt + extra + b"data" + data_size.to_bytes(4, "little") + bytes(data_size)
-    return b"RIFF" + len(body).to_bytes(4, "little") + body
 
 
 def test_input_audio_wav_costs_its_duration_not_its_bytes() -> None:

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from tests.integration.auth.conftest import ALICE_KEY, auth_section, wait_clear_of_window_edge
+from tests.media import wav_bytes
 from tests.support import RunningGateway, RunningSim, pool
-from tests.unit.test_tokens import wav_bytes
 
 
 def audio_chat(gw: RunningGateway, seconds: float) -> object:
