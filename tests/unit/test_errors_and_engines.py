@@ -64,7 +64,7 @@ def test_gateway_error_shape() -> None:
      "messages[0].content[0].image_url"),
     ({"model": "k", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      "messages[0].content[0].text"),
-    ({"model": "k", "messages": [{"role": "user", "content": [{"type": "sound"}]}]}, "messages[0].content[0]"),
+    ({"model": "k", "messages": [{"role": "user", "content": [{"type": 5}]}]}, "messages[0].content[0]"),
     ({"model": "k", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"model": "k", "messages": [{"role": "user"}]}, "messages[0].content"),
     ({"model": "k", "messages": [{"role": "assistant"}, {"role": "tool", "content": None}]}, "messages[1].content"),
