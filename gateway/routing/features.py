@@ -92,7 +92,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     Raises InvalidRequest for an image data URI that cannot be read.
     """
     config = estimator.config
-    text_cost = 0.0  # prompt text only: separators and image digests are not tokens
+    texts: list[bytes] = []  # prompt text only (separators and image digests are not tokens), counted in one pass
     tokens = config.tokens_per_request + config.tokens_per_message * len(wire.messages)
     modalities = {"text"}
     methods = {"bytes"}
@@ -104,13 +104,13 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
                       else None for m in wire.messages]
     except TypeError as exc:  # orjson writes at most 254 levels of nesting
         raise InvalidRequest(f"'tools' or 'tool_calls' cannot be read: {exc}", code="invalid_json") from None
-    text_cost += estimator.utf8_cost(canonical[0])
+    texts.append(canonical[0])
     for i, message in enumerate(wire.messages):
         content = message.content
         parts: list[bytes] = []
         if isinstance(content, str):
             parts.append(content.encode("utf-8", "surrogatepass"))
-            text_cost += estimator.utf8_cost(parts[-1])
+            texts.append(parts[-1])
         elif content is not None:
             for j, part in enumerate(content):
                 if (modality := PART_MODALITY.get(part.type)) is not None:
@@ -118,7 +118,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
                 if part.type == "text" or part.type == "refusal":
                     encoded = (part.text if part.type == "text" else part.refusal).encode("utf-8", "surrogatepass")
                     parts.append(encoded)
-                    text_cost += estimator.utf8_cost(encoded)
+                    texts.append(encoded)
                 elif part.type == "image_url":
                     url = part.image_url.url
                     if (seen := images.get(url)) is None:
@@ -133,11 +133,11 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
         # Tool calls are rendered into the prompt by the chat template too.
         if (calls := calls_json[i]) is not None:
             parts.append(calls)
-            text_cost += estimator.utf8_cost(calls)
+            texts.append(calls)
         canonical.append(canonical_message(message.role, parts))
     if "response_format" in extra:
-        text_cost += estimator.utf8_cost(orjson.dumps(extra["response_format"]))
-    tokens += estimator.tokens(text_cost)
+        texts.append(orjson.dumps(extra["response_format"]))
+    tokens += estimator.utf8_tokens(b"".join(texts))
     output = output_limit(wire)
     method = "+".join(sorted(methods, key=_METHOD_ORDER.index))
     prefix = hasher.hash(b"".join(canonical), model) if hasher is not None else None
