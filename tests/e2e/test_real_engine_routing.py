@@ -17,7 +17,9 @@ import httpx
 import openai
 import pytest
 
+from gateway.config import EstimationConfig
 from gateway.engine import LlamaCppSettings, LlamaCppWorker
+from gateway.routing.tokens import TokenEstimator
 from tests.e2e.smollm2 import SMOLLM2_ESTIMATION
 from tests.support import RunningGateway, pool
 
@@ -103,9 +105,9 @@ def test_long_book_prompt_goes_to_the_8k_pool_and_the_2k_engine_refuses_it(
     assert error["n_prompt_tokens"] == completion.usage.prompt_tokens
 
 
-# Characters of each language that SmolLM2 counts at 2,300-3,100 tokens: over the 2K pool, inside the 8K one.
-# The Japanese one is the issue's example (~1,750 characters, 3,053 engine tokens, estimated 1,615 by bytes).
-CJK_PROMPT_CHARS = {"zh": 1500, "ja": 1750, "ko": 1150}
+# Characters of each language that SmolLM2 counts at 630-730 tokens: over a 512-token pool, inside
+# the 2K one (a 512/2K boundary keeps the real prefills short on a 2-core machine).
+CJK_PROMPT_CHARS = {"zh": 400, "ja": 400, "ko": 320}
 
 
 def cjk_prompt(lang: str, chars: int) -> str:
@@ -113,34 +115,64 @@ def cjk_prompt(lang: str, chars: int) -> str:
     return (text * 2)[:chars]
 
 
+@pytest.fixture(scope="module")
+def tiny_worker() -> Iterator[LlamaCppWorker]:
+    worker = LlamaCppWorker(LlamaCppSettings(n_ctx=512, threads=1)).start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.fixture
+def cjk_gateway(workers: dict[str, LlamaCppWorker], tiny_worker: LlamaCppWorker,
+                start_gateway: Callable[..., RunningGateway]) -> RunningGateway:
+    return start_gateway([
+        pool("cpu-512", "llamacpp", [tiny_worker.url], 512, default_output_tokens=64),
+        pool("cpu-2k", "llamacpp", [workers["small"].url], 2048, default_output_tokens=256),
+    ], timeouts={"first_byte_base": 120.0}, estimation=SMOLLM2_ESTIMATION)
+
+
 @pytest.mark.parametrize("lang", ["zh", "ja", "ko"])
-def test_long_cjk_prompt_goes_to_the_8k_pool_first_and_the_2k_engine_refuses_it(
-        gateway: RunningGateway, workers: dict[str, LlamaCppWorker], lang: str) -> None:
+def test_long_cjk_prompt_goes_to_the_larger_pool_first_and_the_small_engine_refuses_it(
+        cjk_gateway: RunningGateway, tiny_worker: LlamaCppWorker, lang: str) -> None:
     messages = [{"role": "user", "content": cjk_prompt(lang, CJK_PROMPT_CHARS[lang])}]
-    client = openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0, timeout=180)
-    raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=8)
+    client = openai.OpenAI(base_url=cjk_gateway.v1, api_key="unused", max_retries=0, timeout=180)
+    raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=2)
     completion = raw.parse()
-    # The estimate alone chose the 8K pool: no round trip to the 2K engine first.
-    assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-8k", "1")
-    assert completion.usage is not None and 2048 < completion.usage.prompt_tokens < 3400
+    # The estimate alone chose the 2K pool: no round trip to the 512-token engine first.
+    assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-2k", "1")
+    assert completion.usage is not None and 512 < completion.usage.prompt_tokens < 1000
     estimated = int(raw.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0])
     assert completion.usage.prompt_tokens <= estimated <= 1.4 * completion.usage.prompt_tokens
 
-    direct = httpx.post(workers["small"].url + "/v1/chat/completions", timeout=60,
-                        json={"model": "kimi-k3", "messages": messages, "max_tokens": 8})
+    direct = httpx.post(tiny_worker.url + "/v1/chat/completions", timeout=60,
+                        json={"model": "kimi-k3", "messages": messages, "max_tokens": 2})
     assert direct.status_code == 400 and direct.json()["error"]["type"] == "exceed_context_size_error"
 
 
 @pytest.mark.parametrize("lang", ["zh", "ja", "ko"])
-def test_cjk_prompt_that_fits_stays_in_the_2k_pool(gateway: RunningGateway, lang: str) -> None:
-    # About half the engine's 2K context: the estimate errs high, but not so far as to leave the cheap pool.
+def test_cjk_prompt_that_fits_stays_in_the_small_pool(cjk_gateway: RunningGateway, lang: str) -> None:
+    # Under half the small engine's context: the estimate errs high, but not so far as to leave the cheap pool.
     messages = [{"role": "user", "content": cjk_prompt(lang, CJK_PROMPT_CHARS[lang] // 3)}]
-    client = openai.OpenAI(base_url=gateway.v1, api_key="unused", max_retries=0, timeout=120)
-    raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=8)
+    client = openai.OpenAI(base_url=cjk_gateway.v1, api_key="unused", max_retries=0, timeout=180)
+    raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=2)
     completion = raw.parse()
-    assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-2k", "1")
+    assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-512", "1")
     estimated = int(raw.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0])
     assert completion.usage is not None and completion.usage.prompt_tokens <= estimated
+
+
+def test_issue_japanese_prompt_is_estimated_over_the_engines_count(workers: dict[str, LlamaCppWorker]) -> None:
+    """The issue's example: ~1,750 Japanese characters that SmolLM2 counts at ~3,050 tokens were
+    estimated at 1,615 by bytes (sent to the 2K pool first); with SmolLM2's rates the estimate covers
+    the engine's own count (its /tokenize), so routing alone picks the 8K pool."""
+    text = cjk_prompt("ja", 1750)
+    true = len(httpx.post(workers["large"].url + "/tokenize", json={"content": text}, timeout=60).json()["tokens"])
+    estimate = TokenEstimator(EstimationConfig.model_validate(SMOLLM2_ESTIMATION)).text_tokens(text)
+    assert 2900 < true < 3200
+    assert true <= estimate <= 1.3 * true
+    assert estimate + 256 > 2048  # over the 2K pool with its output reservation
 
 
 def test_engine_too_long_answer_moves_the_request_to_the_larger_pool(
