@@ -62,7 +62,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MODEL = "kimi-k3"
 MAX_CONTEXT_TOKENS = 262_144
 """Context of the benchmark pool and its workers: above the trace's longest prompt (124,847
-tokens) even after the gateway's deliberately high estimate (bytes / 3.5 x 1.05)."""
+tokens) even after the gateway's deliberately high estimate (~0.26 tokens a byte of its English-like words)."""
 
 SIM_MESSAGE_OVERHEAD_TOKENS: int = SimConfig.model_fields["message_overhead_tokens"].default
 """Tokens the simulator adds per chat message (the `SimConfig` default, 4)."""
