@@ -28,10 +28,13 @@ def test_audio_is_charged_to_the_token_limit(start_sim: Callable[..., RunningSim
                        auth=auth_section({"tokens_per_minute": 3000}), load={"enabled": False},
                        affinity={"enabled": False})
     wait_clear_of_window_edge(time.monotonic)
-    audio_chat(gw, 60.0)  # 1,500 audio tokens + 40 overhead + 10 output
+    # A text request leaves ~1,000 tokens of the minute's 3,000 (its charge settles at what it used).
+    sdk = openai.OpenAI(base_url=gw.v1, api_key=ALICE_KEY, max_retries=0)
+    sdk.chat.completions.create(model="kimi-k3", max_tokens=2000, messages=[{"role": "user", "content": "Hi"}])
+    # A minute of audio is 1,500 tokens + 40 of chat template + 10 of output: it no longer fits.
     with pytest.raises(openai.RateLimitError) as info:
         audio_chat(gw, 60.0)
-    assert "Limit 3000, Used 1550, Requested 1550" in info.value.message
+    assert "Limit 3000" in info.value.message and "Requested 1550" in info.value.message
     # Four minutes of audio alone is over the whole limit (it was 43 tokens by its bytes).
     with pytest.raises(openai.RateLimitError) as too_large:
         audio_chat(gw, 240.0)
