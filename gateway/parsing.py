@@ -49,9 +49,9 @@ T = TypeVar("T")
 Wire = ChatCompletionRequest | CompletionRequest
 
 CHARS_PER_TOKEN_MAX = 8
-"""No text estimate counts more characters a token than this (the estimator's is ~3.3 bytes, and a
-character is at least one byte), so the lower bound stays below any estimate (it is raised to twice
-the configured bytes per token should that be larger)."""
+"""No text estimate counts more characters a token than this (the estimator's least rate by default
+is 0.25 tokens a character, ASCII letters), so the lower bound stays below any estimate (it is raised
+to twice the characters a token of the least configured `text_rates` rate should that be larger)."""
 
 
 def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = False,
@@ -157,8 +157,11 @@ class BodyParser:
         self.served = {p.name: p.served_model_name or config.model.name for p in config.pools}
         self.largest_context = max(p.max_context_tokens for p in config.pools)
         estimation = config.estimation
-        self._chars_per_token = max(CHARS_PER_TOKEN_MAX,
-                                    math.ceil(2 * estimation.bytes_per_token / estimation.safety_margin))
+        rates = estimation.text_rates
+        least = estimation.safety_margin * min(  # tokens of the cheapest character (others: 1 byte or more)
+            rates.latin, rates.digit, rates.whitespace, rates.punctuation, rates.han, rates.kana, rates.hangul,
+            rates.cjk_punctuation, 1 / estimation.bytes_per_token)
+        self._chars_per_token = max(CHARS_PER_TOKEN_MAX, math.ceil(2 / least)) if least > 0 else 2**62
         self._image_floor = min(estimation.image_tokens_min, estimation.image_tokens_default)
 
     def decode(self, api: Api, body: bytes) -> tuple[dict[str, Any], int]:

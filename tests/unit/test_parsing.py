@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.config import parse_config
+from gateway.config import EstimationConfig, TextRates, parse_config
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.parsing import BodyParser, ChunkedBody, ForwardBody, ParsePool, body_of, encode_for, upstream_body
 from gateway.routing.pools import fitting_pools
@@ -129,3 +129,14 @@ async def test_a_reload_reaches_the_parse_processes() -> None:
         assert parsed.request is not None and parsed.request.prompt_tokens > 125_000
     finally:
         pool.close()
+
+
+def test_the_lower_bound_follows_the_configured_text_rates() -> None:
+    """A model whose tokenizer folds whitespace into words (rate 0): 400,000 spaces are no tokens to
+    the estimate, so the bound must not count them at 8 characters a token either."""
+    config = CONFIG.model_copy(update={"estimation": EstimationConfig(text_rates=TextRates(whitespace=0.0))})
+    parser = BodyParser(config)
+    payload = {"model": "kimi-k3", "messages": [{"role": "user", "content": " " * 400_000}]}
+    parser.check_size("chat", payload)
+    wire, model, _ = parser.validate("chat", payload)
+    assert fitting_pools(parser.features(wire, model, None, None), config.pools)
