@@ -18,8 +18,8 @@ class LoopbackDns:
 
     `srv[name]` is a list of `(target, port)`; with `glue` on, the targets' A records go into the
     additional section (as CoreDNS does for a headless Service), else the resolver asks for them.
-    A name in none of the tables is NXDOMAIN. `failing` on: every answer is SERVFAIL. `queries`
-    counts the questions seen. Tables may be changed while it runs (replace the lists, don't edit).
+    A name in none of the tables is NXDOMAIN. `failing` on: every answer is SERVFAIL; `failing_types`
+    (e.g. {"A"}): questions of those types only are SERVFAIL. `queries` counts the questions seen. Tables may be changed while it runs (replace the lists, don't edit).
     """
 
     def __init__(self, glue: bool = True) -> None:
@@ -28,6 +28,7 @@ class LoopbackDns:
         self.srv: dict[str, list[tuple[str, int]]] = {}
         self.glue = glue
         self.failing = False
+        self.failing_types: set[str] = set()
         self.queries = 0
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind(("127.0.0.1", 0))
@@ -64,10 +65,10 @@ class LoopbackDns:
     def _answer(self, query: dns.message.Message) -> dns.message.Message:
         response = dns.message.make_response(query)
         response.flags |= dns.flags.AA
-        if self.failing:
+        question = query.question[0]
+        if self.failing or dns.rdatatype.to_text(question.rdtype) in self.failing_types:
             response.set_rcode(dns.rcode.SERVFAIL)
             return response
-        question = query.question[0]
         name = question.name.to_text()
         if name not in self.a and name not in self.aaaa and name not in self.srv:
             response.set_rcode(dns.rcode.NXDOMAIN)

@@ -5,7 +5,7 @@ dnspython's asyncio resolver, asking `discovery.nameservers` or the system's) an
 set becomes its static `workers` plus one worker per answer (WorkerRegistry.set_discovered):
 
 - `record: a`: the name's A and AAAA records, each address on the configured `port`. A headless
-  Service answers one record per ready pod.
+  Service answers one record per ready pod. Either question failing fails the round.
 - `record: srv`: the name's SRV records (RFC 2782), each target host on its own port; the target's
   addresses come from the answer's additional section when the server put them there (CoreDNS
   does for headless Services), else from A/AAAA queries of the target.
@@ -58,7 +58,10 @@ def _url(scheme: str, address: str, port: int) -> str:
 
 
 async def _addresses(resolver: dns.asyncresolver.Resolver, name: str) -> list[str]:
-    """The A and AAAA addresses of `name` (either may be missing)."""
+    """The A and AAAA addresses of `name` (either may be missing: NOERROR without records or
+    NXDOMAIN). Raises DiscoveryFailed when either question failed (timeout, SERVFAIL), even if the
+    other answered: a dual-stack name answering only AAAA in a blip would otherwise lose its IPv4
+    workers."""
     found: list[str] = []
     errors: list[str] = []
     for rdtype in ("A", "AAAA"):
@@ -70,7 +73,7 @@ async def _addresses(resolver: dns.asyncresolver.Resolver, name: str) -> list[st
             errors.append(f"{rdtype}: {exc}")
             continue
         found += [rr.address for rr in answer]
-    if not found and errors:
+    if errors:
         raise DiscoveryFailed(f"{name}: " + "; ".join(errors))
     return found
 

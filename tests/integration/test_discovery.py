@@ -80,6 +80,26 @@ async def test_failed_or_empty_answers_raise_so_the_last_set_stays(dns_server: L
     assert time.monotonic() - started < 3
 
 
+async def test_one_address_family_failing_keeps_the_last_set(dns_server: LoopbackDns) -> None:
+    # A dual-stack name whose A question fails (SERVFAIL) while AAAA answers: taking the AAAA
+    # records as the whole answer would remove every IPv4 worker on a DNS blip.
+    dns_server.a[NAME] = ["127.0.0.2", "127.0.0.3"]
+    dns_server.aaaa[NAME] = ["::1"]
+    resolver = build_resolver(resolver_config(dns_server, timeout=0.5))
+    for family in ("A", "AAAA"):
+        dns_server.failing_types = {family}
+        with pytest.raises(DiscoveryFailed, match=f"{family}: "):
+            await resolve_workers(resolver, DiscoverConfig(name=NAME, port=8000))
+    dns_server.failing_types = {"AAAA"}  # an SRV target's addresses: the same rule
+    dns_server.srv[SRV_NAME] = [("w1.k3.test.", 30001)]
+    dns_server.a["w1.k3.test."] = ["10.1.0.1"]
+    dns_server.glue = False
+    with pytest.raises(DiscoveryFailed, match="AAAA: "):
+        await resolve_workers(resolver, DiscoverConfig(name=SRV_NAME, record="srv"))
+    dns_server.failing_types = set()
+    assert await resolve_workers(resolver, DiscoverConfig(name=SRV_NAME, record="srv")) == ["http://10.1.0.1:30001"]
+
+
 # --- a gateway whose pool comes from DNS, under traffic --------------------------------------------
 
 class Sims:
