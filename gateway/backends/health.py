@@ -43,6 +43,7 @@ class HealthChecker:
         self.config = config
         self.metrics = metrics
         self.headers = pool_headers(pools)
+        self.model_name = model_name
         self.expected = {p.name: (p.served_model_name or model_name, p.max_context_tokens) for p in pools}
         self._models_notes: dict[str, str] = {}
         self.loop = PeriodicEach("health probe", config.interval, list(registry), self.probe, label=lambda w: w.id)
@@ -56,8 +57,17 @@ class HealthChecker:
         self.loop.remove(worker)
 
     def set_pools(self, pools: Iterable[PoolConfig]) -> None:
-        """The pools' credentials after a reload."""
+        """The pools' credentials and expected served name and max context after a reload; the
+        workers of a pool whose expectation changed are checked again at their next probe (a
+        fixed pool's misconfigured workers come back, a matching one that no longer matches goes)."""
+        pools = list(pools)
         self.headers = pool_headers(pools)
+        expected = {p.name: (p.served_model_name or self.model_name, p.max_context_tokens) for p in pools}
+        changed = {name for name, value in expected.items() if self.expected.get(name) != value}
+        self.expected = expected
+        for worker in self.registry:
+            if worker.pool in changed:
+                worker.models_checked_at = None
 
     async def probe(self, worker: Worker) -> bool:
         """One probe; updates the worker's state and metrics; returns the verdict."""

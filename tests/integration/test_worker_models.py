@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
@@ -185,3 +186,37 @@ def test_a_models_list_that_cannot_be_read_leaves_the_worker_in_service(start_ga
     wait_until(lambda: admin_workers(gw)[0]["failed_probes"] == 0 and state_of(gw, 0) == "healthy", 10, "probes")
     time.sleep(0.5)  # several probes, each reading /v1/models again: still no verdict against the worker
     assert state_of(gw, 0) == "healthy" and admin_workers(gw)[0]["misconfigured"] is None
+
+
+def test_a_reload_judges_workers_by_the_new_pools(start_sim: StartSim,
+                                                 start_gateway_process: Callable[..., Any]) -> None:
+    # The operator's fix: a pool typed with 131,072 in front of a 32,768 engine is misconfigured;
+    # a reload saying 32,768 must bring it back (and a reload that breaks a matching pool, or adds
+    # a pool whose engine disagrees, must take those workers out), without a restart.
+    anchor = start_sim("vllm", max_context_tokens=8192)
+    short = start_sim("vllm", max_context_tokens=32768)
+    later = start_sim("sglang", max_context_tokens=65536)
+    pools = [pool("a", "vllm", [anchor.url], 8192), pool("p", "vllm", [short.url], 131072)]
+    gw = start_gateway_process(pools, health=CHECKED, load={"enabled": False})
+
+    def worker(name: str) -> dict[str, Any]:
+        pools = httpx.get(gw.url + "/admin/workers", timeout=5).json()["pools"]
+        return dict(next(p["workers"][0] for p in pools if p["name"] == name))
+
+    def state(name: str) -> str:
+        return str(worker(name)["state"])
+
+    wait_until(lambda: state("p") == "misconfigured", 10, "the 32K engine behind a 128K pool reported")
+    config_path = gw.log.parent / "gateway.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    config["pools"] = [pool("a", "vllm", [anchor.url], 16384), pool("p", "vllm", [short.url], 32768),
+                       pool("q", "sglang", [later.url], 131072)]
+    config_path.write_text(yaml.safe_dump(config))
+    answer = httpx.post(gw.url + "/admin/reload", timeout=10)
+    assert answer.status_code == 200, answer.text
+    wait_until(lambda: state("p") == "healthy", 10, "the fixed pool's worker back in service")
+    wait_until(lambda: state("a") == "misconfigured", 10, "the 8K engine behind the now 16K pool reported")
+    wait_until(lambda: state("q") == "misconfigured", 10, "the added pool's disagreeing worker reported")
+    assert worker("q")["misconfigured"] == (
+        "reports max_model_len 65536 tokens but the pool's max_context_tokens is 131072")
+    assert "Traceback" not in gw.log_text()
