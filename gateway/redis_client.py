@@ -73,6 +73,11 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     parts = urlsplit(url)
     if parts.scheme.lower() != SENTINEL_SCHEME:
         raise ValueError(f"not a {SENTINEL_SCHEME}:// URL")
+    if "@" not in parts.netloc and "@" in url.partition("://")[2].split("?sentinel_password=", 1)[0]:
+        # A credential holding '/', '?' or '#' ended the host list inside itself; naming what was
+        # parsed would print a piece of the password.
+        raise ValueError("the user or password holds '/', '?' or '#': percent-encode it "
+                         "(urllib.parse.quote(secret, safe='')) or give it in the `redis:` block")
     userinfo, _, hostlist = parts.netloc.rpartition("@")
     username = password = None
     if _:

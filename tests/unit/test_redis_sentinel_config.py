@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 from pydantic import ValidationError
@@ -66,3 +67,21 @@ def test_check_config_judges_a_sentinel_url_by_its_sentinels(url: str, warned: b
     tree = {"pools": POOLS, "replicas": 2, "redis_url": url}
     findings = production_findings(tree, config(replicas=2, redis_url=url), environ={})
     assert any("2 gateway replicas but Redis is on this host" in f.message for f in findings) is warned
+
+
+@pytest.mark.parametrize("password", ["Sup3rS3cret/xyz", "Sup3rS3cret#xyz", "Sup3rS3cret?xyz"])
+def test_a_password_with_a_reserved_character_is_refused_without_echoing_it(password: str) -> None:
+    # `redis+sentinel://:${REDIS_PASSWORD}@...` with a generated password holding '/', '#' or '?':
+    # the URL splits inside the password, and the error must not put a piece of it in the log.
+    url = "redis+sentinel://:${REDIS_PASSWORD}@s0:26379,s1:26379/kgw-primary/0"
+    with pytest.raises(ValidationError) as caught:
+        parse_config({"pools": POOLS, "redis_url": url}, environ={"REDIS_PASSWORD": password})
+    message = explain_validation_error(caught.value)
+    assert "Sup3r" not in message and "xyz" not in message
+    assert "percent-encode" in message
+    encoded = parse_config({"pools": POOLS, "redis_url": url},
+                           environ={"REDIS_PASSWORD": quote(password, safe="")}).redis_url
+    assert parse_sentinel_url(encoded).password == password
+    plain = parse_sentinel_url("redis+sentinel://s0/kgw?sentinel_password=a%40b")  # '@' encoded in the query
+    assert plain.sentinel_password == "a@b"
+    assert parse_sentinel_url("redis+sentinel://s0/kgw?sentinel_password=a@b").sentinel_password == "a@b"
