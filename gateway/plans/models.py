@@ -91,7 +91,8 @@ class Hardware(_Strict):
 
 
 class Parallelism(_Strict):
-    """How one engine instance splits the model: tensor x pipeline x data = devices; expert <= devices."""
+    """How one engine instance splits the model: tensor x pipeline x data = devices; expert <= devices
+    (vLLM, vllm-ascend: 1 or all devices, as --enable-expert-parallel has no size)."""
 
     tensor: int = Field(default=1, ge=1)
     pipeline: int = Field(default=1, ge=1)
@@ -172,6 +173,10 @@ class Plan(_Strict):
                              f"{par.tensor * par.pipeline * par.data}, but the hardware has {devices} devices")
         if par.expert > devices:
             raise ValueError(f"parallelism.expert {par.expert} exceeds the {devices} devices")
+        if self.engine.kind in ("vllm", "ascend") and par.expert not in (1, devices):
+            # --enable-expert-parallel has no size: EP = TP x DP in each pipeline stage (all devices).
+            raise ValueError(f"parallelism.expert {par.expert}: vLLM's expert parallelism spreads the experts "
+                             f"over every device, so it is 1 or all {devices} devices")
         if self.engine.kind == "sglang" and par.pipeline > 1:
             raise ValueError("the emitted SGLang command supports tensor/data/expert parallelism only")
         return self

@@ -148,6 +148,19 @@ def test_parallel_sizes_must_multiply_to_the_devices(tmp_path: Path) -> None:
         load_plan(path)
 
 
+@pytest.mark.parametrize(("name", "expert"), [("plan-a", 3), ("plan-a", 4), ("plan-c", 24), ("ascend", 8)])
+def test_a_vllm_expert_size_other_than_all_devices_is_refused(tmp_path: Path, name: str, expert: int) -> None:
+    # vLLM's --enable-expert-parallel takes no size (EP = TP x DP in each pipeline stage, so the
+    # experts spread over every device): a plan saying EP 3 would report what the engine never runs.
+    copy_config(tmp_path)
+    path = tmp_path / "config" / "plans" / f"{name}.yaml"
+    edit_yaml(path, lambda d: d["parallelism"].update(expert=expert))
+    with pytest.raises(PlanError, match=rf"parallelism.expert {expert}: .*1 or all \d+ devices"):
+        load_plan(path)
+    edit_yaml(path, lambda d: d["parallelism"].update(expert=1))
+    assert "--enable-expert-parallel" not in render_script(load_plan(path))
+
+
 # --- pools derived from plans -----------------------------------------------------------------
 
 def test_production_pools_come_from_the_plans() -> None:
