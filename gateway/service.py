@@ -491,6 +491,9 @@ class ProxyService:
         states: list[str] = []
         busy = 0
         for pool in pools:
+            if pool.name not in registry.pools:  # the request's pools are those of its arrival
+                states.append(f"pool {pool.name} removed by a reload")
+                continue
             for worker in registry.pools[pool.name]:
                 if worker.draining:
                     states.append(f"{worker.id} draining")

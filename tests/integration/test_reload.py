@@ -166,3 +166,42 @@ def test_admin_reload_refuses_another_sites_page_and_a_gateway_without_a_file(
     assert no_file.json()["error"] == {"message": "The new config was refused; the running one stays: this gateway "
                                        "was not started from a config file", "type": "invalid_request_error",
                                        "param": None, "code": "invalid_config"}
+
+
+async def test_requests_queued_in_a_pool_a_reload_removes_get_a_503_not_a_crash(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess, tmp_path: Path) -> None:
+    # Pool p takes one request at a time; two more wait in its queue when a reload replaces it by q.
+    # Woken when the first one ends, they find their pool gone: an OpenAI-style 503 with
+    # Retry-After (the SDK's retry reaches pool q), not a 500 from a lookup of the removed pool.
+    slow = start_sim("vllm", max_context_tokens=8192, ttft_s=1.5)
+    other = start_sim("vllm", max_context_tokens=8192)
+    gateway = start_gateway_process([pool("p", "vllm", [slow.url], 8192, max_in_flight=1, queue_timeout=30)],
+                                    auth=AUTH, load={"enabled": False})
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    user = {"authorization": f"Bearer {USER_KEY}"}
+    async with httpx.AsyncClient(timeout=30) as client:
+        sends = [asyncio.create_task(client.post(gateway.url + "/v1/chat/completions", json=body, headers=user))
+                 for _ in range(3)]
+        await poll(lambda: len(slow.engine.records) == 1)
+
+        def routed() -> float:  # requests past their estimate: the 2nd and 3rd then wait for p's slot
+            text = httpx.get(gateway.url + "/metrics", headers=ADMIN).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith('kimi_gateway_estimated_prompt_tokens_count{') and 'pool="p"' in line)
+
+        await poll(lambda: routed() == 3)
+        assert not any(s.done() for s in sends)
+        write_config(tmp_path / "gateway.yaml", [pool("q", "vllm", [other.url], 8192)])
+        reloaded = await client.post(gateway.url + "/admin/reload", headers=ADMIN)
+        assert reloaded.status_code == 200, reloaded.text
+        answers = await asyncio.gather(*sends)
+        assert sorted(a.status_code for a in answers) == [200, 503, 503], [a.text for a in answers]
+        for answer in answers:
+            if answer.status_code == 503:
+                assert answer.headers["retry-after"] == "1"
+                assert "pool p" in answer.json()["error"]["message"]
+                assert "removed by a reload" in answer.json()["error"]["message"]
+        again = await client.post(gateway.url + "/v1/chat/completions", json=body, headers=user)
+        assert again.status_code == 200 and again.headers["x-kimi-gateway-pool"] == "q"
+    assert len(slow.engine.records) == 1
+    assert "Traceback" not in gateway.log_text()
