@@ -60,6 +60,11 @@ def run_plan(file: str, as_json: bool = False, precision: Precision | None = Non
     if refused:
         return 1
     if emit is not None:
-        for path in emit_scripts(plans, emit):
+        try:
+            written = emit_scripts(plans, emit)
+        except OSError as exc:
+            print(f"plan error: cannot write the launch scripts to {emit}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        for path in written:
             print(f"wrote {path}", file=sys.stderr)
     return 0

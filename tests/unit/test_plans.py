@@ -280,3 +280,15 @@ def test_readme_shows_the_planners_current_output(capsys: pytest.CaptureFixture[
         main(["plan", str(PRODUCTION)])
     out = capsys.readouterr().out.rstrip()
     assert f"```\n{out}\n```" in (REPO_ROOT / "README.md").read_text(), "README: paste `kimi-gateway plan` again"
+
+
+def test_an_emit_directory_that_cannot_be_written_is_a_clean_error(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "engines"
+    blocker.write_text("a file where the directory should be")
+    for out in (blocker, blocker / "sub"):
+        with pytest.raises(SystemExit) as info:
+            main(["plan", str(CONFIG / "plans" / "plan-a.yaml"), "--emit", str(out)])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"plan error: cannot write the launch scripts to {out}:" in err and "Traceback" not in err
