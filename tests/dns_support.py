@@ -19,7 +19,8 @@ class LoopbackDns:
     `srv[name]` is a list of `(target, port)`; with `glue` on, the targets' A records go into the
     additional section (as CoreDNS does for a headless Service), else the resolver asks for them.
     A name in none of the tables is NXDOMAIN. `failing` on: every answer is SERVFAIL; `failing_types`
-    (e.g. {"A"}): questions of those types only are SERVFAIL. `queries` counts the questions seen. Tables may be changed while it runs (replace the lists, don't edit).
+    (e.g. {"A"}): questions of those types only are SERVFAIL. `queries` counts the questions seen.
+    Tables may be changed while it runs (replace the lists, don't edit).
     """
 
     def __init__(self, glue: bool = True) -> None:
