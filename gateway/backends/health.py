@@ -102,7 +102,10 @@ class HealthChecker:
 
     async def check_models(self, worker: Worker) -> None:
         """Read the worker's `/v1/models` and mark it misconfigured or not (see the class doc)."""
-        served, max_context = self.expected[worker.pool]
+        expected = self.expected.get(worker.pool)
+        if expected is None:  # retiring after a reload removed its pool: nothing to judge it by
+            return
+        served, max_context = expected
         try:
             answer = await control_get(self.client, worker.url + MODELS_PATH, self.headers.get(worker.pool, {}),
                                        self.config.timeout, self.config.max_body_bytes)

@@ -14,6 +14,10 @@ import httpx
 import pytest
 import yaml
 
+from gateway.backends.health import HealthChecker
+from gateway.backends.registry import WorkerRegistry
+from gateway.config import parse_config
+from gateway.metrics import GatewayMetrics
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
@@ -220,3 +224,21 @@ def test_a_reload_judges_workers_by_the_new_pools(start_sim: StartSim,
     assert worker("q")["misconfigured"] == (
         "reports max_model_len 65536 tokens but the pool's max_context_tokens is 131072")
     assert "Traceback" not in gw.log_text()
+
+
+@pytest.mark.anyio
+async def test_a_retiring_worker_of_a_removed_pool_is_not_judged(start_sim: StartSim) -> None:
+    # A reload removed pool p while a stream still ran on its worker: the worker's probes go on
+    # until the stream ends, and its models check has no pool to compare with (nothing to judge).
+    sim = start_sim("vllm", max_context_tokens=32768)
+    config = parse_config({"pools": [pool("p", "vllm", [sim.url], 131072)], "health": CHECKED}, environ={})
+    registry = WorkerRegistry(config)
+    registry.configure(config.pools, initial=True)
+    (worker,) = registry.pools["p"]
+    async with httpx.AsyncClient() as client:
+        health = HealthChecker(registry, client, config.health, GatewayMetrics(), config.pools)
+        await health.check_models(worker)
+        assert worker.misconfigured is not None
+        health.set_pools([])
+        await health.check_models(worker)  # no KeyError
+        assert worker.misconfigured is not None  # the last verdict stays; the worker takes no new requests anyway
