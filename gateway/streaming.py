@@ -10,9 +10,11 @@ upstream response in `finally` is what makes the engine abort a request whose cl
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from email.utils import parsedate_to_datetime
 from enum import StrEnum
 
 import orjson
@@ -34,6 +36,7 @@ from gateway.protocol.sse import SSETap, event_end, sse_error_event
 from gateway.record import RequestRecord
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
+MAX_RETRY_AFTER_S = 3600.0  # an engine's longer (or infinite) Retry-After is taken as this
 KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WHATWG SSE spec)
 MAX_PARTIAL_EVENT = 1 << 20  # a longer unfinished event is passed on rather than held
 
@@ -107,11 +110,21 @@ def _classify_transport_error(exc: BaseException) -> Outcome:
 
 
 def _retry_after(response: UpstreamResponse) -> float | None:
+    """An engine's Retry-After in seconds, 0..MAX_RETRY_AFTER_S: delay-seconds or an HTTP-date
+    (RFC 9110 §10.2.3; proxies in front of engines send dates); None when absent or unreadable."""
     value = response.headers.get("retry-after")
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
+    if value is None:
         return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            seconds = parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, IndexError, OverflowError):
+            return None
+    if math.isnan(seconds):
+        return None
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
 
 
 async def _read_error(response: UpstreamResponse) -> bytes:
