@@ -591,6 +591,9 @@ class _Failures:
 # 502/503/504 say "busy or broken in between", never "this request": they are not compared.
 _NOT_THE_REQUEST = frozenset({502, 503, 504})
 _VOLATILE = re.compile(rb"[0-9a-fA-F][0-9a-fA-F-]{15,}")  # request ids, UUIDs: differ per attempt
+# Base62 request ids (`req_7Hk2LpQ9xZ`), timestamps and epoch seconds differ per attempt too: any
+# word of 8+ id/time characters holding a digit (short numbers like "worker 1" still tell causes apart).
+_ID_LIKE = re.compile(rb"[A-Za-z0-9_.:+-]{8,}")
 
 
 def _may_be_the_requests_fault(failure: AttemptFailed) -> bool:
@@ -599,7 +602,12 @@ def _may_be_the_requests_fault(failure: AttemptFailed) -> bool:
 
 def _same_failure(first: AttemptFailed, second: AttemptFailed) -> bool:
     """Two engine answers with the same status and the same error body (ids aside)."""
-    return first.status == second.status and _VOLATILE.sub(b"#", first.body) == _VOLATILE.sub(b"#", second.body)
+    return first.status == second.status and _without_ids(first.body) == _without_ids(second.body)
+
+
+def _without_ids(body: bytes) -> bytes:
+    body = _VOLATILE.sub(b"#", body)
+    return _ID_LIKE.sub(lambda m: b"#" if any(48 <= c <= 57 for c in m[0]) else m[0], body)
 
 
 def _passed_headers(response: UpstreamResponse) -> Headers:

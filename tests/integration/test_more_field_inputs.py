@@ -42,3 +42,28 @@ def test_absurd_retry_after_values_are_bounded_not_a_crash(start_sim: StartSim, 
         wait = int(response.headers["retry-after"])
         assert 1 <= wait <= 3600, (value, wait)
 
+
+def _ejections(gw: RunningGateway) -> float:
+    return gw.metric("kimi_gateway_worker_ejections_total{")
+
+
+def test_two_failures_that_differ_only_in_ids_and_times_are_the_requests_fault(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    # Engines and proxies in front of them put base62 request ids and timestamps in error bodies,
+    # not only UUIDs: those differ per attempt while the failure is the same.
+    bodies = ['{"error": {"message": "invalid grammar", "request_id": "req_7Hk2LpQ9xZ", '
+              '"time": "2026-11-30T18:48:14.123Z", "ts": 1764528494}}',
+              '{"error": {"message": "invalid grammar", "request_id": "req_Ab3ZzQr7Wd", '
+              '"time": "2026-11-30T18:48:15.456Z", "ts": 1764528495}}']
+    sims = [start_sim("vllm", faults=SimFaults(fail_status=500, fail_body=body)) for body in bodies]
+    gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0})
+    for _ in range(4):  # more than passive_failures (3) per worker
+        response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 500, response.text
+        assert response.headers["x-should-retry"] == "false"
+        assert response.headers["x-kimi-gateway-attempts"] == "2"
+    assert _ejections(gw) == 0
+    workers = httpx.get(gw.url + "/admin/workers").json()["pools"][0]["workers"]
+    assert all(w["consecutive_failures"] == 0 for w in workers), workers
+
