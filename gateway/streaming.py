@@ -38,7 +38,7 @@ from gateway.record import RequestRecord
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
 MAX_RETRY_AFTER_S = 3600.0  # an engine's longer (or infinite) Retry-After is taken as this
 KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WHATWG SSE spec)
-MAX_PARTIAL_EVENT = 1 << 20  # a longer unfinished event is passed on rather than held
+MAX_PARTIAL_EVENT = 1 << 20  # a longer unfinished event is passed on; more content-less events fail over
 
 
 class Outcome(StrEnum):
@@ -271,13 +271,18 @@ async def first_content(response: UpstreamResponse, hold: float | None,
                         raise AttemptFailed(Outcome.PROTOCOL_ERROR, "engine ended the stream before any content"
                                             if held else "engine answered 200 with an empty body", answered=True)
                     held += chunk
-                    if not sse or len(held) > MAX_PARTIAL_EVENT:
+                    if not sse:
                         return held, chunks, True
                     end = event_end(held)
                     if end > scanned:
                         if _scan(held, scanned, end):
                             return held, chunks, True
                         scanned = end
+                    if scanned > MAX_PARTIAL_EVENT:  # no engine sends that much before a token: fail over
+                        raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine sent {scanned} bytes of events "
+                                            "without content", answered=True)
+                    if len(held) - scanned > MAX_PARTIAL_EVENT:
+                        return held, chunks, True
         except TimeoutError:
             if window.expired():
                 return held, chunks, False

@@ -67,3 +67,20 @@ def test_two_failures_that_differ_only_in_ids_and_times_are_the_requests_fault(
     workers = httpx.get(gw.url + "/admin/workers").json()["pools"][0]["workers"]
     assert all(w["consecutive_failures"] == 0 for w in workers), workers
 
+
+def test_a_flood_of_content_less_events_then_a_close_fails_over(start_sim: StartSim,
+                                                                start_gateway: StartGateway) -> None:
+    role = b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"kimi-k3",' \
+           b'"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    flood = [role] + [b": keep-alive\n\n" * 20000] * 6  # ~1.7 MB of events without content, then the end
+    bad = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks(flood)))
+    good = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [bad.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0})
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        body = response.read()
+        assert response.status_code == 200, body[:300]
+        assert response.headers["x-kimi-gateway-worker"] == "p/1"
+        assert response.headers["x-kimi-gateway-attempts"] == "2"
+    assert b'"error"' not in body and body.count(b"[DONE]") == 1
+    assert body.count(b'"role":"assistant"') == 1
