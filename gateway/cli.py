@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def setup_logging(level: str) -> None:
 
 def _load_or_exit(path: str) -> GatewayConfig:
     try:
-        return load_config(path)
+        return load_config(path, os.environ)
     except ConfigError as exc:
         sys.exit(f"config error: {exc}")
     except ValidationError as exc:

@@ -1,18 +1,21 @@
 """The gateway's configuration: pydantic models of the YAML file, `${ENV}` interpolation, env overrides.
 
-This is the only module that reads the environment. A config file is YAML whose string values may
-say `${NAME}` or `${NAME:-default}` (secrets, worker URLs); top-level scalars can also be overridden
-with `KIMI_GATEWAY_<FIELD>` variables (e.g. `KIMI_GATEWAY_REDIS_URL`, `KIMI_GATEWAY_PORT`).
+A config file is YAML whose string values may say `${NAME}` or `${NAME:-default}` (secrets, worker
+URLs); top-level fields can also be overridden with `KIMI_GATEWAY_<FIELD>` variables (e.g.
+`KIMI_GATEWAY_REDIS_URL`, `KIMI_GATEWAY_PORT`; sections and lists as JSON). Both read one explicit
+mapping, the `environ` argument of `parse_config`/`load_config`: the command line passes
+`os.environ`, tests pass their own, and nothing here reads the process environment behind it.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 import yaml
@@ -27,7 +30,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 EngineKind = Literal["vllm", "sglang", "ascend", "llamacpp"]
 Modality = Literal["text", "image", "audio", "video", "file"]
@@ -553,10 +555,11 @@ class RedisSentinelConfig(_Strict):
                               self.username, secret(self.password), secret(self.sentinel_password)).url()
 
 
-class GatewayConfig(BaseSettings):
-    """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
+class GatewayConfig(_Strict):
+    """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`).
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+    A plain pydantic model: it reads no environment itself (`parse_config` applies the overrides).
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -662,18 +665,6 @@ class GatewayConfig(BaseSettings):
                 return pool
         raise KeyError(name)
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Environment wins over the file's values (passed as init kwargs).
-        return env_settings, init_settings
-
 
 class ConfigError(ValueError):
     """A config file that cannot be loaded; the message names the offending path."""
@@ -712,14 +703,63 @@ def _interpolate(value: Any, environ: Mapping[str, str], path: str, missing: lis
     return value
 
 
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The top-level fields `environ` overrides: `KIMI_GATEWAY_<FIELD>` (any case) → value.
+
+    Scalars are taken as strings (pydantic converts them); sections and lists (`KIMI_GATEWAY_AUTH`,
+    `KIMI_GATEWAY_POOLS`) are JSON. Variables naming no field are ignored. Raises ConfigError for
+    JSON that does not parse.
+    """
+    given = {name.upper(): value for name, value in environ.items() if name.upper().startswith(ENV_PREFIX)}
+    overrides: dict[str, Any] = {}
+    for field, info in GatewayConfig.model_fields.items():
+        variable = ENV_PREFIX + field.upper()
+        if variable not in given:
+            continue
+        if not _is_complex(info.annotation):
+            overrides[field] = given[variable]
+            continue
+        try:
+            overrides[field] = json.loads(given[variable])
+        except ValueError as exc:
+            raise ConfigError(f"{variable} is not valid JSON ({exc}); complex {ENV_PREFIX}* overrides are JSON") \
+                from exc
+    return overrides
+
+
+def _is_complex(annotation: Any) -> bool:
+    """A section, list or mapping (also inside `X | None`): given as JSON in the environment."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    if get_origin(annotation) in (list, dict):
+        return True
+    return get_origin(annotation) in (Union, UnionType) and any(_is_complex(a) for a in get_args(annotation))
+
+
+def _deep_update(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        old = merged.get(key)
+        merged[key] = _deep_update(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return merged
+
+
 def parse_config(data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    """Validate a config mapping (as read from YAML). Raises pydantic.ValidationError."""
-    env = os.environ if environ is None else environ
-    return GatewayConfig(**interpolate_env(dict(data), env))
+    """Validate a config mapping (as read from YAML).
+
+    `environ` is the only source of environment values: of the `${NAME}` references and of the
+    `KIMI_GATEWAY_*` overrides (which win over the file's values; a section given as JSON is merged
+    into the file's). None (the default) is an empty environment, never `os.environ`: the command
+    line passes that itself. Raises ConfigError (unset `${NAME}`, bad override JSON) or
+    pydantic.ValidationError.
+    """
+    environ = {} if environ is None else environ
+    merged = _deep_update(interpolate_env(dict(data), environ), env_overrides(environ))
+    return GatewayConfig(**merged)
 
 
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    """Read and validate a YAML config file.
+    """Read and validate a YAML config file; `environ` as for `parse_config`.
 
     Raises ConfigError for an unreadable file or bad YAML, pydantic.ValidationError for bad values.
     """
@@ -744,9 +784,6 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> G
         return parse_config(data, environ)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    except SettingsError as exc:  # a KIMI_GATEWAY_* override that is not valid JSON
-        cause = f" ({exc.__cause__})" if exc.__cause__ else ""
-        raise ConfigError(f"{exc}{cause}; complex {ENV_PREFIX}* overrides are JSON") from exc
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

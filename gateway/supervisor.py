@@ -72,7 +72,7 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, super
     from gateway.lifecycle import GracefulServer, tune_gc
     from gateway.request_head import http_options
 
-    config = load_config(config_path)
+    config = load_config(config_path, os.environ)
     setup_logging(config.log_level)
     app = create_app(config, metrics_dir=metrics_dir, config_path=config_path)
     host, port = sock.getsockname()[:2]
