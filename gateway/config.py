@@ -344,7 +344,9 @@ class AffinityConfig(_Strict):
     blocks_per_octave: int = Field(
         default=8, ge=1, description="sampled blocks per doubling of the position after the dense ones"
     )
-    ttl_seconds: int = Field(default=600, ge=1, description="how long a block -> worker entry lives")
+    ttl_seconds: float = Field(
+        default=600, ge=0.001, description="seconds a block -> worker entry lives (Redis keeps it to the millisecond)"
+    )
     lookup_timeout: float = Field(default=0.02, gt=0, description="seconds; a slower lookup routes without it")
     retry_after: float = Field(default=1.0, gt=0, description="seconds to skip Redis after an error")
     key_prefix: str = Field(default="kgw:aff", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")

@@ -5,7 +5,6 @@ own `cached_tokens` shows the prefix was reused."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,12 @@ import redis
 import yaml
 
 from gateway.engine import LlamaCppSettings, LlamaCppWorker
+from tests.support import free_port
 
 pytestmark = pytest.mark.engine
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
