@@ -47,7 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if processes > 1:
         shutdown = config.shutdown
         try:
-            supervisor = Supervisor(args.config, host, port, processes, shutdown.drain_delay + shutdown.grace_period)
+            supervisor = Supervisor(args.config, host, port, processes, shutdown.drain_delay + shutdown.grace_period,
+                                    hang_timeout=config.hung_process_timeout)
         except OSError as exc:
             sys.exit(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
         sys.exit(supervisor.run())

@@ -581,6 +581,11 @@ class GatewayConfig(_Strict):
         description="gateway replicas deployed with this config (compose, Kubernetes); check-config warns "
         "when more than one would keep affinity, limits and drains per replica (no shared Redis)",
     )
+    hung_process_timeout: float = Field(
+        default=10.0, gt=0, le=3600,
+        description="seconds a serving process's event loop may miss its heartbeat before the supervisor kills "
+        "and replaces it (processes > 1; uvicorn's supervisor pings its workers the same way)",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     pools: list[PoolConfig] = Field(
         min_length=1, description="in cost order; an entry `{plan: plans/plan-a.yaml}` takes the pool from a plan "

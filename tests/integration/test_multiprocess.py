@@ -64,10 +64,10 @@ def test_two_processes_count_every_request_exactly_once(start_sim: StartSim,
     assert gw.proc.wait(30) == 0, gw.log_text()
 
 
-def test_a_killed_serving_process_is_replaced_and_its_counts_kept(
+def test_a_killed_or_hung_serving_process_is_replaced_and_its_counts_kept(
         start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
     sim = start_sim("vllm")
-    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2)
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=2, hung_process_timeout=2.0)
     _both_serving(gw)
     with httpx.Client() as one_connection:  # a request served by a known process, which then dies
         victim = one_connection.get(gw.url + "/health").json()["pid"]
@@ -85,6 +85,25 @@ def test_a_killed_serving_process_is_replaced_and_its_counts_kept(
     text = httpx.get(gw.url + "/metrics").text
     assert _sample(text, counted) == 1
     assert gw.proc.poll() is None  # the supervisor itself lives on
+
+    # A hung process (SIGSTOP: alive, holding the socket, its event loop still) misses its heartbeat:
+    # the supervisor kills and replaces it, and the other process serves meanwhile.
+    hung = next(iter(now))
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 30
+        while f"serving process {hung} sent no heartbeat" not in gw.log_text():
+            assert time.monotonic() < deadline, f"{hung} was not found hung:\n{gw.log_text()}"
+            assert httpx.post(gw.url + "/v1/chat/completions", json=body,
+                              headers={"connection": "close"}).status_code == 200
+            time.sleep(0.2)
+        while len(serving := _pids_answering(gw.url, 20) - {victim, hung}) < 2:
+            assert time.monotonic() < deadline, f"no replacement for {hung}: {serving}\n{gw.log_text()}"
+        assert not _alive(hung)
+    finally:
+        if _alive(hung):
+            os.kill(hung, signal.SIGCONT)
+    assert gw.proc.poll() is None
 
 
 def test_a_clean_stop_exits_0_while_a_dead_process_waits_for_its_restart(
