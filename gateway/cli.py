@@ -11,15 +11,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
+from gateway.logs import setup_logging
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
-
-
-def setup_logging(level: str) -> None:
-    """Log lines as they are (the access log is JSON already) on stderr at `level`; httpx's own
-    line per health probe and /metrics scrape is kept out below `warning`."""
-    logging.basicConfig(level=level.upper(), format="%(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def _load_or_exit(path: str) -> GatewayConfig:

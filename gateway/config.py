@@ -83,6 +83,42 @@ class DiscoverConfig(_Strict):
         return self
 
 
+class NoPolicyParams(_Strict):
+    """`policy_params` of a policy without parameters: any key is an error."""
+
+
+class PrefixAffinityParams(_Strict):
+    """`policy_params` of `prefix_affinity` (gateway/routing/policies/prefix_affinity.py)."""
+
+    min_match_tokens: int = Field(default=1024, ge=0, description="tokens; a shorter cached prefix does not count")
+    min_match_ratio: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="share of the prompt a cached prefix must cover to count")
+    balance_abs: float = Field(
+        default=8.0, ge=0.0, description="requests the affinity worker may carry beyond the least-loaded one")
+    balance_rel: float = Field(
+        default=1.5, ge=1.0, description="...and times the least-loaded one's load (both must be exceeded)")
+    kv_usage_max: float = Field(
+        default=0.95, gt=0.0, le=1.0, description="KV-cache usage above which the affinity worker is skipped")
+
+
+class PowerOfTwoParams(_Strict):
+    """`policy_params` of `power_of_two` (gateway/routing/policies/power_of_two.py)."""
+
+    seed: int | None = Field(default=None, description="random seed for a reproducible sequence; null: random")
+
+
+POLICY_PARAMS: dict[str, type[BaseModel]] = {
+    "prefix_affinity": PrefixAffinityParams,
+    "least_load": NoPolicyParams,
+    "power_of_two": PowerOfTwoParams,
+    "round_robin": NoPolicyParams,
+    "session": NoPolicyParams,
+}
+"""Every routing policy's name → the model of its `policy_params`. The policies live in
+gateway/routing/policies/ and take their parameter models from here (so config imports no routing
+code); gateway/routing/registry.py checks at import that both name the same policies."""
+
+
 class PoolConfig(_Strict):
     """A pool: interchangeable workers of one engine kind that share a max context.
 
@@ -154,23 +190,20 @@ class PoolConfig(_Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from gateway.routing.registry import POLICIES  # late: the policies import config's types
-
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+        if name not in POLICY_PARAMS:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICY_PARAMS))}")
         return name
 
     @field_validator("policy_params")
     @classmethod
     def _valid_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from gateway.routing.registry import POLICIES
-
-        policy = POLICIES.get(info.data.get("policy", ""))
-        if policy is not None:
+        name = info.data.get("policy", "")
+        model = POLICY_PARAMS.get(name)
+        if model is not None:
             try:
-                policy.Params.model_validate(params)
+                model.model_validate(params)
             except ValidationError as exc:
-                raise ValueError(f"for policy {policy.name}: {explain_validation_error(exc)}") from None
+                raise ValueError(f"for policy {name}: {explain_validation_error(exc)}") from None
         return params
 
 

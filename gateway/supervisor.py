@@ -74,9 +74,9 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, super
     `time.monotonic()` to `heartbeat` (a shared double) while its event loop runs."""
     _die_with_parent(supervisor_pid)
     from gateway.app import begin_draining, create_app
-    from gateway.cli import setup_logging
     from gateway.config import load_config
     from gateway.lifecycle import GracefulServer, tune_gc
+    from gateway.logs import setup_logging
     from gateway.request_head import http_options
 
     config = load_config(config_path, os.environ)
