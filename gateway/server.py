@@ -63,7 +63,14 @@ class ThreadedServer:
                 raise RuntimeError(f"uvicorn did not start on {self.host}:{self.port}")
             time.sleep(0.01)
         self.port = bound_port(self.server)
+        self._thread.name = f"uvicorn-{self.host}:{self.port}"  # log records name the server they came from
         return self
+
+    @property
+    def thread_name(self) -> str:
+        """The server thread's name (`uvicorn-HOST:PORT` once started): `LogRecord.threadName` of what
+        it logs, so a test can tell its own server's lines from another's."""
+        return self._thread.name
 
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
