@@ -4,26 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
+from gateway.logs import setup_logging
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
 
-def setup_logging(level: str) -> None:
-    """Log lines as they are (the access log is JSON already) on stderr at `level`; httpx's own
-    line per health probe and /metrics scrape is kept out below `warning`."""
-    logging.basicConfig(level=level.upper(), format="%(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
 def _load_or_exit(path: str) -> GatewayConfig:
     try:
-        return load_config(path)
+        return load_config(path, os.environ)
     except ConfigError as exc:
         sys.exit(f"config error: {exc}")
     except ValidationError as exc:
@@ -46,7 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if processes > 1:
         shutdown = config.shutdown
         try:
-            supervisor = Supervisor(args.config, host, port, processes, shutdown.drain_delay + shutdown.grace_period)
+            supervisor = Supervisor(args.config, host, port, processes, shutdown.drain_delay + shutdown.grace_period,
+                                    hang_timeout=config.hung_process_timeout)
         except OSError as exc:
             sys.exit(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
         sys.exit(supervisor.run())

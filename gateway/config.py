@@ -1,18 +1,21 @@
 """The gateway's configuration: pydantic models of the YAML file, `${ENV}` interpolation, env overrides.
 
-This is the only module that reads the environment. A config file is YAML whose string values may
-say `${NAME}` or `${NAME:-default}` (secrets, worker URLs); top-level scalars can also be overridden
-with `KIMI_GATEWAY_<FIELD>` variables (e.g. `KIMI_GATEWAY_REDIS_URL`, `KIMI_GATEWAY_PORT`).
+A config file is YAML whose string values may say `${NAME}` or `${NAME:-default}` (secrets, worker
+URLs); top-level fields can also be overridden with `KIMI_GATEWAY_<FIELD>` variables (e.g.
+`KIMI_GATEWAY_REDIS_URL`, `KIMI_GATEWAY_PORT`; sections and lists as JSON). Both read one explicit
+mapping, the `environ` argument of `parse_config`/`load_config`: the command line passes
+`os.environ`, tests pass their own, and nothing here reads the process environment behind it.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 import yaml
@@ -27,7 +30,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 EngineKind = Literal["vllm", "sglang", "ascend", "llamacpp"]
 Modality = Literal["text", "image", "audio", "video", "file"]
@@ -79,6 +81,42 @@ class DiscoverConfig(_Strict):
         if self.record == "srv" and self.port is not None:
             raise ValueError("record: srv takes the port from the SRV records; drop `port`")
         return self
+
+
+class NoPolicyParams(_Strict):
+    """`policy_params` of a policy without parameters: any key is an error."""
+
+
+class PrefixAffinityParams(_Strict):
+    """`policy_params` of `prefix_affinity` (gateway/routing/policies/prefix_affinity.py)."""
+
+    min_match_tokens: int = Field(default=1024, ge=0, description="tokens; a shorter cached prefix does not count")
+    min_match_ratio: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="share of the prompt a cached prefix must cover to count")
+    balance_abs: float = Field(
+        default=8.0, ge=0.0, description="requests the affinity worker may carry beyond the least-loaded one")
+    balance_rel: float = Field(
+        default=1.5, ge=1.0, description="...and times the least-loaded one's load (both must be exceeded)")
+    kv_usage_max: float = Field(
+        default=0.95, gt=0.0, le=1.0, description="KV-cache usage above which the affinity worker is skipped")
+
+
+class PowerOfTwoParams(_Strict):
+    """`policy_params` of `power_of_two` (gateway/routing/policies/power_of_two.py)."""
+
+    seed: int | None = Field(default=None, description="random seed for a reproducible sequence; null: random")
+
+
+POLICY_PARAMS: dict[str, type[BaseModel]] = {
+    "prefix_affinity": PrefixAffinityParams,
+    "least_load": NoPolicyParams,
+    "power_of_two": PowerOfTwoParams,
+    "round_robin": NoPolicyParams,
+    "session": NoPolicyParams,
+}
+"""Every routing policy's name → the model of its `policy_params`. The policies live in
+gateway/routing/policies/ and take their parameter models from here (so config imports no routing
+code); gateway/routing/registry.py checks at import that both name the same policies."""
 
 
 class PoolConfig(_Strict):
@@ -152,23 +190,20 @@ class PoolConfig(_Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from gateway.routing.registry import POLICIES  # late: the policies import config's types
-
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+        if name not in POLICY_PARAMS:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICY_PARAMS))}")
         return name
 
     @field_validator("policy_params")
     @classmethod
     def _valid_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        from gateway.routing.registry import POLICIES
-
-        policy = POLICIES.get(info.data.get("policy", ""))
-        if policy is not None:
+        name = info.data.get("policy", "")
+        model = POLICY_PARAMS.get(name)
+        if model is not None:
             try:
-                policy.Params.model_validate(params)
+                model.model_validate(params)
             except ValidationError as exc:
-                raise ValueError(f"for policy {policy.name}: {explain_validation_error(exc)}") from None
+                raise ValueError(f"for policy {name}: {explain_validation_error(exc)}") from None
         return params
 
 
@@ -342,7 +377,9 @@ class AffinityConfig(_Strict):
     blocks_per_octave: int = Field(
         default=8, ge=1, description="sampled blocks per doubling of the position after the dense ones"
     )
-    ttl_seconds: int = Field(default=600, ge=1, description="how long a block -> worker entry lives")
+    ttl_seconds: float = Field(
+        default=600, ge=0.001, description="seconds a block -> worker entry lives (Redis keeps it to the millisecond)"
+    )
     lookup_timeout: float = Field(default=0.02, gt=0, description="seconds; a slower lookup routes without it")
     retry_after: float = Field(default=1.0, gt=0, description="seconds to skip Redis after an error")
     key_prefix: str = Field(default="kgw:aff", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
@@ -553,10 +590,11 @@ class RedisSentinelConfig(_Strict):
                               self.username, secret(self.password), secret(self.sentinel_password)).url()
 
 
-class GatewayConfig(BaseSettings):
-    """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`)."""
+class GatewayConfig(_Strict):
+    """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`).
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+    A plain pydantic model: it reads no environment itself (`parse_config` applies the overrides).
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -575,6 +613,11 @@ class GatewayConfig(BaseSettings):
         default=1, ge=1,
         description="gateway replicas deployed with this config (compose, Kubernetes); check-config warns "
         "when more than one would keep affinity, limits and drains per replica (no shared Redis)",
+    )
+    hung_process_timeout: float = Field(
+        default=10.0, gt=0, le=3600,
+        description="seconds a serving process's event loop may miss its heartbeat before the supervisor kills "
+        "and replaces it (processes > 1; uvicorn's supervisor pings its workers the same way)",
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     pools: list[PoolConfig] = Field(
@@ -662,18 +705,6 @@ class GatewayConfig(BaseSettings):
                 return pool
         raise KeyError(name)
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        # Environment wins over the file's values (passed as init kwargs).
-        return env_settings, init_settings
-
 
 class ConfigError(ValueError):
     """A config file that cannot be loaded; the message names the offending path."""
@@ -712,14 +743,63 @@ def _interpolate(value: Any, environ: Mapping[str, str], path: str, missing: lis
     return value
 
 
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The top-level fields `environ` overrides: `KIMI_GATEWAY_<FIELD>` (any case) → value.
+
+    Scalars are taken as strings (pydantic converts them); sections and lists (`KIMI_GATEWAY_AUTH`,
+    `KIMI_GATEWAY_POOLS`) are JSON. Variables naming no field are ignored. Raises ConfigError for
+    JSON that does not parse.
+    """
+    given = {name.upper(): value for name, value in environ.items() if name.upper().startswith(ENV_PREFIX)}
+    overrides: dict[str, Any] = {}
+    for field, info in GatewayConfig.model_fields.items():
+        variable = ENV_PREFIX + field.upper()
+        if variable not in given:
+            continue
+        if not _is_complex(info.annotation):
+            overrides[field] = given[variable]
+            continue
+        try:
+            overrides[field] = json.loads(given[variable])
+        except ValueError as exc:
+            raise ConfigError(f"{variable} is not valid JSON ({exc}); complex {ENV_PREFIX}* overrides are JSON") \
+                from exc
+    return overrides
+
+
+def _is_complex(annotation: Any) -> bool:
+    """A section, list or mapping (also inside `X | None`): given as JSON in the environment."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    if get_origin(annotation) in (list, dict):
+        return True
+    return get_origin(annotation) in (Union, UnionType) and any(_is_complex(a) for a in get_args(annotation))
+
+
+def _deep_update(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        old = merged.get(key)
+        merged[key] = _deep_update(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+    return merged
+
+
 def parse_config(data: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    """Validate a config mapping (as read from YAML). Raises pydantic.ValidationError."""
-    env = os.environ if environ is None else environ
-    return GatewayConfig(**interpolate_env(dict(data), env))
+    """Validate a config mapping (as read from YAML).
+
+    `environ` is the only source of environment values: of the `${NAME}` references and of the
+    `KIMI_GATEWAY_*` overrides (which win over the file's values; a section given as JSON is merged
+    into the file's). None (the default) is an empty environment, never `os.environ`: the command
+    line passes that itself. Raises ConfigError (unset `${NAME}`, bad override JSON) or
+    pydantic.ValidationError.
+    """
+    environ = {} if environ is None else environ
+    merged = _deep_update(interpolate_env(dict(data), environ), env_overrides(environ))
+    return GatewayConfig(**merged)
 
 
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    """Read and validate a YAML config file.
+    """Read and validate a YAML config file; `environ` as for `parse_config`.
 
     Raises ConfigError for an unreadable file or bad YAML, pydantic.ValidationError for bad values.
     """
@@ -744,9 +824,6 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> G
         return parse_config(data, environ)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
-    except SettingsError as exc:  # a KIMI_GATEWAY_* override that is not valid JSON
-        cause = f" ({exc.__cause__})" if exc.__cause__ else ""
-        raise ConfigError(f"{exc}{cause}; complex {ENV_PREFIX}* overrides are JSON") from exc
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -191,8 +191,14 @@ class GracefulServer(uvicorn.Server):
     """
 
     def __init__(self, app: ASGIApp, host: str, port: int, shutdown: ShutdownConfig,
-                 on_drain: Callable[[], None], **uvicorn_kwargs: Any) -> None:
+                 on_drain: Callable[[], None], heartbeat: Callable[[], None] | None = None,
+                 heartbeat_every: float = 1.0, **uvicorn_kwargs: Any) -> None:
+        """`heartbeat` (optional) is called every `heartbeat_every` seconds from a task on the event
+        loop for as long as the server runs: a supervisor that stops hearing it knows the loop is
+        blocked or the process stopped (gateway/supervisor.py)."""
         self.guard = ShutdownGuard(app)
+        self._heartbeat = heartbeat
+        self._heartbeat_every = heartbeat_every
         self.shutdown_config = shutdown
         super().__init__(uvicorn_config(self.guard, host, port, **uvicorn_kwargs,
                                         timeout_graceful_shutdown=shutdown.grace_period + HANG_UP_BACKSTOP_S))
@@ -212,6 +218,20 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = True  # second signal: close the listener now
         else:
             self.force_exit = True  # third: stop waiting for in-flight requests
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        beating = asyncio.create_task(self._beat(), name="heartbeat") if self._heartbeat is not None else None
+        try:
+            await super().serve(sockets)
+        finally:
+            if beating is not None:
+                beating.cancel()
+
+    async def _beat(self) -> None:
+        assert self._heartbeat is not None
+        while True:
+            self._heartbeat()
+            await asyncio.sleep(self._heartbeat_every)
 
     async def on_tick(self, counter: int) -> bool:
         # uvicorn's main loop ticks every 0.1 s: the drain delay is kept to that precision.

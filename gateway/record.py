@@ -6,20 +6,34 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
 from gateway.metrics import NO_POOL, GatewayMetrics, status_class
-
-if TYPE_CHECKING:
-    from gateway.tracing import RequestTrace
 
 log = logging.getLogger("gateway.access")
 
 
 # The status class a 200 stream is counted under when it ended badly.
 _CUT_STATUS = {"upstream_error": 502, "timeout": 504, "shutting_down": 503}
+
+
+class RequestSpans(Protocol):
+    """What the request path calls on a request's trace: gateway/tracing.py's `RequestTrace`
+    (named here as an interface, so this module does not import tracing, which imports it)."""
+
+    def start_attempt(self, pool: str, worker: str) -> dict[str, str]:
+        """Open an `upstream` span; returns the `traceparent` header(s) for the engine request."""
+        ...
+
+    def end_attempt(self, outcome: str) -> None:
+        """Close the open `upstream` span with its outcome."""
+        ...
+
+    def finish(self, record: RequestRecord, status: int, ended: float) -> None:
+        """End the request's spans from the record's times (`time.perf_counter()` seconds)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -48,7 +62,7 @@ class RequestRecord:
     disconnect_stage: str | None = None
     error: str | None = None
     key: str | None = None  # the API key's configured name (auth on), never the key
-    trace: RequestTrace | None = None  # OpenTelemetry spans (gateway/tracing.py) when tracing is on
+    trace: RequestSpans | None = None  # OpenTelemetry spans (gateway/tracing.py) when tracing is on
     open_attempt: Any = None  # the Worker of an upstream attempt still running (a cut one stays set)
     attempt_answered: bool = False  # that attempt's engine has sent its response headers
     reached_engine: bool = False  # an engine accepted the request or may have worked on it (quota settle)

@@ -7,13 +7,14 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 
 ASGIApp = Any
+T = TypeVar("T")
 
 
 def uvicorn_config(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, **kwargs: Any) -> uvicorn.Config:
@@ -62,11 +63,24 @@ class ThreadedServer:
                 raise RuntimeError(f"uvicorn did not start on {self.host}:{self.port}")
             time.sleep(0.01)
         self.port = bound_port(self.server)
+        self._thread.name = f"uvicorn-{self.host}:{self.port}"  # log records name the server they came from
         return self
+
+    @property
+    def thread_name(self) -> str:
+        """The server thread's name (`uvicorn-HOST:PORT` once started): `LogRecord.threadName` of what
+        it logs, so a test can tell its own server's lines from another's."""
+        return self._thread.name
 
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
         self._thread.join(timeout)
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
+        """Run `coroutine` on the server's event loop and return its result (from another thread,
+        e.g. a test reaching the app's state). Raises TimeoutError after `timeout` seconds."""
+        loop = self.server.servers[0].get_loop()
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout)
 
     def __enter__(self) -> ThreadedServer:
         return self.start()

@@ -2,8 +2,12 @@
 
 The supervisor binds the listening socket, then starts N serving processes (multiprocessing's
 `spawn`: fresh interpreters) that accept on that one socket, each running the whole gateway
-(`create_app` + `GracefulServer`). It restarts a process that dies, and on SIGTERM/SIGINT passes
-the signal on to every process, so each drains and shuts down as gateway/lifecycle.py describes.
+(`create_app` + `GracefulServer`). It restarts a process that dies, and one that hangs: each
+process's event loop writes a heartbeat (`time.monotonic()`, a double in shared memory) every
+`hang_timeout / 4` seconds (at most 1 s); a process whose heartbeat is older than `hang_timeout`
+(`hung_process_timeout` in the config; `START_TIMEOUT_S` before its first beat) is killed
+(SIGKILL: it may be stopped or stuck in C code) and replaced like a dead one. On SIGTERM/SIGINT it
+passes the signal on to every process, so each drains and shuts down as gateway/lifecycle.py describes.
 
 What the processes share: the port, Redis (affinity, rate limits: use Redis when N > 1, the
 in-process stores are per process) and the Prometheus metrics, kept in prometheus_client's
@@ -37,6 +41,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch for mul
 POLL_S = 0.5
 CRASH_WINDOW_S = 10.0  # a process that dies sooner after its start counts as crash-looping
 MAX_RESTART_DELAY_S = 30.0
+START_TIMEOUT_S = 60.0  # seconds a new process may take to its first heartbeat (imports, app start-up)
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -63,20 +68,28 @@ def _die_with_parent(supervisor_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, supervisor_pid: int) -> None:
-    """One serving process: load the config, build the app and serve on the shared socket."""
+def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, supervisor_pid: int,
+                  heartbeat: ctypes.c_double | None = None) -> None:
+    """One serving process: load the config, build the app and serve on the shared socket, writing
+    `time.monotonic()` to `heartbeat` (a shared double) while its event loop runs."""
     _die_with_parent(supervisor_pid)
     from gateway.app import begin_draining, create_app
-    from gateway.cli import setup_logging
     from gateway.config import load_config
     from gateway.lifecycle import GracefulServer, tune_gc
+    from gateway.logs import setup_logging
     from gateway.request_head import http_options
 
-    config = load_config(config_path)
+    config = load_config(config_path, os.environ)
     setup_logging(config.log_level)
     app = create_app(config, metrics_dir=metrics_dir, config_path=config_path)
     host, port = sock.getsockname()[:2]
+
+    def beat() -> None:
+        if heartbeat is not None:
+            heartbeat.value = time.monotonic()
+
     server = GracefulServer(app, host, port, config.shutdown, on_drain=lambda: begin_draining(app),
+                            heartbeat=beat, heartbeat_every=min(1.0, config.hung_process_timeout / 4),
                             log_level=config.log_level, **http_options(config))
     tune_gc()
     server.run(sockets=[sock])
@@ -92,17 +105,21 @@ class Supervisor:
     listening socket, so once the processes close theirs new connections are refused at once.
     """
 
-    def __init__(self, config_path: str, host: str, port: int, processes: int, stop_timeout: float) -> None:
+    def __init__(self, config_path: str, host: str, port: int, processes: int, stop_timeout: float,
+                 hang_timeout: float = 10.0) -> None:
         """`stop_timeout`: seconds a process gets after SIGTERM (drain delay + grace period) before the
-        supervisor kills it (30 s more are allowed for the lifespan's own end)."""
+        supervisor kills it (30 s more are allowed for the lifespan's own end). `hang_timeout`:
+        seconds without a heartbeat after which a serving process counts as hung."""
         self.config_path = config_path
         self.processes = processes
         self.stop_timeout = stop_timeout
+        self.hang_timeout = hang_timeout
         self.sock = bind_socket(host, port)
         self.metrics_dir = tempfile.mkdtemp(prefix="kimi-gateway-metrics-")
         os.environ[MULTIPROC_ENV] = self.metrics_dir  # inherited by the spawned processes
         self._context = multiprocessing.get_context("spawn")
         self._children: list[BaseProcess] = []
+        self._beats: list[ctypes.c_double] = []
         self._started: list[float] = []
         self._restart_at: list[float | None] = []
         self._quick_deaths = 0
@@ -110,8 +127,10 @@ class Supervisor:
         self._forwarded = 0
 
     def _spawn(self, slot: int) -> None:
+        beat = self._beats[slot]
+        beat.value = 0.0  # no beat yet: START_TIMEOUT_S applies
         child = self._context.Process(target=serve_process,
-                                      args=(self.config_path, self.sock, self.metrics_dir, os.getpid()),
+                                      args=(self.config_path, self.sock, self.metrics_dir, os.getpid(), beat),
                                       name="kimi-gateway-serve")
         child.start()
         self._children[slot], self._started[slot], self._restart_at[slot] = child, time.monotonic(), None
@@ -135,6 +154,7 @@ class Supervisor:
             self._children = [None] * self.processes  # type: ignore[list-item]
             self._started = [0.0] * self.processes
             self._restart_at = [None] * self.processes
+            self._beats = [self._context.Value("d", 0.0, lock=False) for _ in range(self.processes)]
             for slot in range(self.processes):
                 self._spawn(slot)
             log.info("supervisor: %d serving processes on %s:%d (pids %s)", self.processes, host, port,
@@ -147,9 +167,26 @@ class Supervisor:
             self.sock.close()
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
+    def _kill_if_hung(self, slot: int, child: BaseProcess, now: float) -> None:
+        """SIGKILL a process whose heartbeat is late (a blocked event loop, a SIGSTOP); `_replace_dead`
+        then replaces it."""
+        beat = self._beats[slot].value
+        if beat > 0:
+            silent, allowed = now - beat, self.hang_timeout
+        else:
+            silent, allowed = now - self._started[slot], max(START_TIMEOUT_S, self.hang_timeout)
+        if silent <= allowed:
+            return
+        log.warning("supervisor: serving process %s sent no heartbeat for %.1f s (limit %.1f s): hung; killing it",
+                    child.pid, silent, allowed)
+        child.kill()
+        child.join(5)
+
     def _replace_dead(self) -> None:
         now = time.monotonic()
         for slot, child in enumerate(self._children):
+            if child.is_alive() and self._restart_at[slot] is None:
+                self._kill_if_hung(slot, child, now)
             if child.is_alive():
                 if now - self._started[slot] > CRASH_WINDOW_S:
                     self._quick_deaths = 0

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.config import ConfigError, TracingConfig
-
-if TYPE_CHECKING:
-    from gateway.record import RequestRecord
+from gateway.record import RequestRecord
 
 try:  # the `tracing` extra
     from opentelemetry import trace

@@ -66,9 +66,3 @@ def rss_kb(pids: list[int]) -> int | None:
     """Resident memory of `pids` together, kB (shared pages count once per process)."""
     values = [v for v in (status_kb(pid, "VmRSS") for pid in pids) if v is not None]
     return sum(values) if values else None
-
-
-def hwm_kb(pids: list[int]) -> int | None:
-    """Sum of each process's peak resident memory (`VmHWM`), kB: an upper bound of the tree's peak."""
-    values = [v for v in (status_kb(pid, "VmHWM") for pid in pids) if v is not None]
-    return sum(values) if values else None

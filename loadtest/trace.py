@@ -116,11 +116,6 @@ class TraceSummary:
     output_tokens: int
     distinct_blocks: int
 
-    @property
-    def prompt_tokens_per_s(self) -> float:
-        """Offered prompt tokens per second of replay time."""
-        return self.prompt_tokens / self.span_s if self.span_s > 0 else 0.0
-
 
 def summarize(items: list[ScheduledRequest]) -> TraceSummary:
     """Totals of a schedule; the span is the last send time (s, at least 1 ms)."""

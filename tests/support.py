@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -16,10 +17,18 @@ import redis
 
 from gateway.config import GatewayConfig
 from gateway.server import ThreadedServer
+from gateway.sim.app import SimApp
 from gateway.sim.engine import SimEngine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("KIMI_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nobody listened on a moment ago (the OS picked it for port 0)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -32,6 +41,11 @@ class RunningSim:
     @property
     def url(self) -> str:
         return self.server.url
+
+    @property
+    def app(self) -> SimApp:
+        """The sim's ASGI app (`app.engine` is `engine`)."""
+        return self.server.app  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -53,6 +67,13 @@ class RunningGateway:
         """Sum of this gateway's /metrics samples whose line starts with `prefix` (0 when none)."""
         lines = httpx.get(self.url + "/metrics").text.splitlines()
         return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
+
+    def flush_affinity(self) -> None:
+        """Return once the gateway's affinity records so far are in its store (Redis writes are
+        queued to a background task; this is its `flush()` barrier, run on the server's loop)."""
+        state = self.server.app.state.gateway
+        assert state is not None and state.affinity is not None, "the gateway is not running with affinity"
+        self.server.call(state.affinity.flush())
 
     def wait_until_idle(self, timeout: float = 5.0) -> None:
         """Wait until no upstream lease is open (`kimi_gateway_in_flight` sums to 0); AssertionError after

@@ -4,7 +4,7 @@ Key layout: `{key_prefix}:{pool}:{hash as 16 hex digits}` → worker URL (string
 `ttl_seconds`, rewritten (and so refreshed) each time a request with that prefix is served.
 A lookup is one MGET of at most ~97 keys (1M-token prompt); writes go through a bounded queue
 to a background task that pipelines them (one round trip per batch), one EVALSHA of `RECORD_LUA`
-per request (SET ... EX for each of its keys): packing one SET command per block in redis-py
+per request (SET ... PX, the TTL in milliseconds, for each of its keys): packing one SET command per block in redis-py
 cost ~0.5 ms of CPU per 16 KiB prompt (33 blocks) in the overhead benchmark.
 
 Cost at 1,000 requests/s with ~20 sampled blocks each: 1,000 MGETs/s plus ~20,000 pipelined
@@ -42,7 +42,7 @@ log = logging.getLogger("gateway.affinity")
 
 WRITE_BATCH = 64
 RECORD_LUA = """
-for i, key in ipairs(KEYS) do redis.call('SET', key, ARGV[1], 'EX', ARGV[2]) end
+for i, key in ipairs(KEYS) do redis.call('SET', key, ARGV[1], 'PX', ARGV[2]) end
 return #KEYS
 """
 LOG_EVERY_S = 10.0
@@ -117,30 +117,51 @@ class RedisAffinityStore:
         except asyncio.QueueFull:
             self.metrics.affinity_writes_dropped.inc()
 
+    async def flush(self) -> None:
+        """Wait until every queued write has been sent to Redis (or dropped: breaker open, error).
+
+        A no-op when the writer is not running (before `start`, after `stop`)."""
+        writer = self._writer
+        if writer is None or writer.done():
+            return
+        joined = asyncio.ensure_future(self._queue.join())
+        try:  # a writer stopped meanwhile never drains the queue: do not wait for it then
+            await asyncio.wait({joined, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            joined.cancel()
+
     async def _write_batches(self) -> None:
-        ttl = self.config.ttl_seconds
         while True:
             batch = [await self._queue.get()]
             while len(batch) < WRITE_BATCH and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
-            if not self.available:
-                self.metrics.affinity_writes_dropped.inc(len(batch))
-                continue
-            started = time.perf_counter()
-            timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
             try:
-                # `async with` resets the pipeline (its connection back to the pool) even when the
-                # timeout cuts it.
-                async with timer, self.redis.pipeline(transaction=False) as pipe:
-                    for pool, hashes, worker in batch:
-                        await self._record(keys=[self.key(pool, h) for h in hashes], args=[worker, ttl], client=pipe)
-                    await pipe.execute()
-            except (RedisError, OSError, TimeoutError) as exc:
-                if not timer.expired_late:
-                    self._failed("write", exc)
-                continue
-            self.metrics.redis_seconds.labels("write").observe(time.perf_counter() - started)
-            self._set_up(True)
+                await self._write(batch)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    async def _write(self, batch: list[tuple[str, Sequence[int], str]]) -> None:
+        """One pipelined round trip for `batch`; failures are counted, never raised."""
+        ttl_ms = max(1, round(self.config.ttl_seconds * 1000))
+        if not self.available:
+            self.metrics.affinity_writes_dropped.inc(len(batch))
+            return
+        started = time.perf_counter()
+        timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
+        try:
+            # `async with` resets the pipeline (its connection back to the pool) even when the
+            # timeout cuts it.
+            async with timer, self.redis.pipeline(transaction=False) as pipe:
+                for pool, hashes, worker in batch:
+                    await self._record(keys=[self.key(pool, h) for h in hashes], args=[worker, ttl_ms], client=pipe)
+                await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            if not timer.expired_late:
+                self._failed("write", exc)
+            return
+        self.metrics.redis_seconds.labels("write").observe(time.perf_counter() - started)
+        self._set_up(True)
 
     async def _ping_forever(self) -> None:
         while True:

@@ -28,6 +28,11 @@ class AffinityStore(Protocol):
         """Make `worker` the owner of `hashes` (and refresh their TTL), in the background."""
         ...
 
+    async def flush(self) -> None:
+        """Return once every `record` made before the call has been applied or dropped (a barrier
+        for tests and shutdown; never raises)."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -72,6 +77,9 @@ class MemoryAffinityStore:
             entries.move_to_end(key)
         while len(entries) > self.max_entries:
             entries.popitem(last=False)
+
+    async def flush(self) -> None:
+        return None  # `record` writes at once
 
     async def start(self) -> None:
         return None

@@ -13,7 +13,7 @@ What the server does at its edges (measured; see gateway/engine/README.md):
   HTTP 400 and `{"error":{"code":400,"message":"request (N tokens) exceeds the available context
   size (C tokens), try increasing it","type":"exceed_context_size_error","n_prompt_tokens":N,
   "n_ctx":C}}`.
-- Any `model` is accepted; responses name `LlamaCppSettings.reported_model`.
+- Any `model` is accepted; responses name the smallest of `model_alias` in sort order.
 """
 
 from gateway.engine.serve import LISTENING_PREFIX, build_params, run_engine, serve

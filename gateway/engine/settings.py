@@ -60,11 +60,6 @@ class LlamaCppSettings:
         if self.model_path is not None:
             object.__setattr__(self, "model_path", Path(self.model_path))
 
-    @property
-    def reported_model(self) -> str:
-        """The `model` llama.cpp puts in its responses: the smallest alias in sort order."""
-        return min(self.model_alias)
-
     def to_args(self) -> list[str]:
         """These settings as arguments of `python -m gateway.engine` (see `parse_args`)."""
         args = ["--port", str(self.port), "--host", self.host, "--ctx", str(self.n_ctx),

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict
-
 from gateway.backends.worker import Worker
+from gateway.config import NoPolicyParams
 from gateway.routing.features import RoutingRequest
 
 
@@ -40,10 +39,8 @@ class Decision:
     reason: str
 
 
-class NoParams(BaseModel):
-    """For policies without parameters: any key is an error."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+NoParams = NoPolicyParams
+"""For policies without parameters: any key is an error (the model lives in gateway/config.py)."""
 
 
 class RoutingPolicy(Protocol):

@@ -1,7 +1,9 @@
-"""Policy names → classes. Adding a policy: one module in `policies/` and one line here.
+"""Policy names → classes. Adding a policy: one module in `policies/`, one line here and one in config.POLICY_PARAMS.
 
 Each policy class has `name`, `uses_affinity`, a pydantic `Params` model (its parameters,
-validated at start-up from the pool's `policy_params`) and `select(request, candidates)`.
+validated at start-up from the pool's `policy_params`; defined in gateway/config.py's
+`POLICY_PARAMS`, so a config is checked without importing routing code) and
+`select(request, candidates)`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.config import POLICY_PARAMS
 from gateway.routing.policies.least_load import LeastLoadPolicy
 from gateway.routing.policies.power_of_two import PowerOfTwoPolicy
 from gateway.routing.policies.prefix_affinity import PrefixAffinityPolicy
@@ -20,6 +23,10 @@ POLICIES: dict[str, Any] = {
     cls.name: cls
     for cls in (PrefixAffinityPolicy, LeastLoadPolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionPolicy)
 }
+
+
+if {name: cls.Params for name, cls in POLICIES.items()} != POLICY_PARAMS:  # pragma: no cover - a coding error
+    raise ImportError("gateway.config.POLICY_PARAMS and gateway.routing.registry.POLICIES disagree")
 
 
 def build_policy(name: str, params: Mapping[str, Any] | None = None) -> RoutingPolicy:

@@ -34,9 +34,6 @@ try:  # xxhash is optional: much faster than blake2b for ~800 blocks of a 50 KB 
 except ImportError:  # pragma: no cover - depends on the environment
     xxhash = None  # type: ignore[assignment]
 
-HASH_NAME = "xxh3_64" if xxhash is not None else "blake2b-64"
-"""Name of the block hash function in use."""
-
 _MASK64 = (1 << 64) - 1
 
 

@@ -5,7 +5,6 @@ own `cached_tokens` shows the prefix was reused."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,12 @@ import redis
 import yaml
 
 from gateway.engine import LlamaCppSettings, LlamaCppWorker
+from tests.support import free_port
 
 pytestmark = pytest.mark.engine
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +89,15 @@ def test_conversation_alternating_gateways_reuses_one_workers_cache(gateways: li
     messages = [{"role": "system", "content": f"Answer briefly. Background reading:\n{book}"}]
     clients = [openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) for url in gateways]
     seen = []
+
+    def writes(url: str) -> float:  # affinity write batches the gateway has sent to Redis
+        lines = httpx.get(url + "/metrics").text.splitlines()
+        return sum(float(line.split()[-1]) for line in lines
+                   if line.startswith('kimi_gateway_redis_seconds_count{op="write"}'))
+
     for turn, question in enumerate(q for pair in questions for q in pair):
         messages.append({"role": "user", "content": question})
+        written_before = writes(gateways[turn % 2])
         raw = clients[turn % 2].chat.completions.with_raw_response.create(
             model="kimi-k3", messages=messages, max_tokens=12)
         completion = raw.parse()
@@ -104,7 +106,10 @@ def test_conversation_alternating_gateways_reuses_one_workers_cache(gateways: li
         seen.append((raw.headers["x-kimi-gateway-worker"], raw.headers["x-kimi-gateway-route-reason"],
                      usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0))
         messages.append({"role": "assistant", "content": completion.choices[0].message.content or ""})
-        time.sleep(0.1)  # the affinity record is written in the background
+        deadline = time.monotonic() + 10  # the affinity record is written in the background: wait for it
+        while writes(gateways[turn % 2]) <= written_before:
+            assert time.monotonic() < deadline, "the affinity record was not written to Redis"
+            time.sleep(0.02)
     workers = {worker for worker, *_ in seen}
     assert len(workers) == 1, seen
     assert [reason for _, reason, *_ in seen[1:]] == ["affinity"] * (len(seen) - 1), seen

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import httpx
 import pytest
 
 from gateway.sim.config import SimFaults
-from tests.support import REPO_ROOT, RunningGateway, RunningSim, pool
+from tests.support import REPO_ROOT, RunningGateway, RunningSim, free_port, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -69,11 +68,6 @@ def test_non_streaming_request_to_a_hung_worker_goes_to_another_after_its_budget
 
 # --- a worker process killed mid-stream ----------------------------------------------------------
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

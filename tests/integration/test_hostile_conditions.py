@@ -171,13 +171,20 @@ async def test_clients_hanging_up_at_random_leak_nothing(start_sim: StartSim, st
 
     async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=200)) as client:
         await asyncio.gather(*(one(client, i % 2 == 0) for i in range(80)))
-    await asyncio.sleep(0.5)
-    assert gw.metric("kimi_gateway_in_flight{") == 0
+    await asyncio.to_thread(gw.wait_until_idle)  # every upstream lease released (a deadline poll)
     # Every request that reached an engine is accounted for (a client may give up before sending).
-    accounted = gw.metric("kimi_gateway_requests_total{")
+    for sim in sims:
+        await sim.engine.async_wait_for(lambda records=sim.engine.records: all(r.completed or r.aborted
+                                                                               for r in records))
+    def disconnects(stage: str) -> float:
+        return gw.metric(f'kimi_gateway_client_disconnects_total{{pool="p",stage="{stage}"}}')
+
+    deadline = time.monotonic() + 5  # a request is counted when its handler ends: poll for the counts
+    while ((accounted := gw.metric("kimi_gateway_requests_total{")) < sum(len(s.engine.records) for s in sims)
+           or not disconnects("before_response") or not disconnects("mid_stream")):
+        assert time.monotonic() < deadline, (accounted, disconnects("before_response"), disconnects("mid_stream"))
+        await asyncio.sleep(0.02)
     assert sum(len(s.engine.records) for s in sims) <= accounted <= 80
-    assert gw.metric('kimi_gateway_client_disconnects_total{pool="p",stage="before_response"}') > 0
-    assert gw.metric('kimi_gateway_client_disconnects_total{pool="p",stage="mid_stream"}') > 0
     for sim in sims:
         records = sim.engine.records
         assert all(r.completed or r.aborted for r in records), "every engine request ended"
@@ -195,10 +202,15 @@ def test_slow_reader_back_pressure_reaches_the_engine(start_sim: StartSim, start
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=30) as response:
         first = next(response.iter_raw())
         event_bytes = len(first.split(b"\n\n")[0]) + 2
-        time.sleep(2.0)  # read nothing for 2 s
         record = sim.engine.records[-1]
-        sent_while_stalled = record.completion_tokens_sent
-        time.sleep(0.5)
+        # Read nothing more: the engine's writes must stop, i.e. its count stays put for 0.5 s
+        # (checked every 0.1 s; it fills the buffers in well under a second, 10 s at most).
+        deadline, still_since, sent_while_stalled = time.monotonic() + 10, time.monotonic(), -1
+        while time.monotonic() - still_since < 0.5:
+            assert time.monotonic() < deadline, "the engine kept writing into the gateway"
+            if record.completion_tokens_sent != sent_while_stalled:
+                sent_while_stalled, still_since = record.completion_tokens_sent, time.monotonic()
+            time.sleep(0.1)
         assert record.completion_tokens_sent == sent_while_stalled, "the engine kept writing into the gateway"
     # What is in flight fits in the kernel's socket buffers (loopback autotunes them up to tcp_rmem /
     # tcp_wmem's maximum: two connections, each with a send and a receive buffer) plus the gateway's

@@ -35,7 +35,10 @@ async def test_stuck_lookups_hold_only_the_fetchers_own_threads() -> None:
     resolver = SystemResolver(threads=2, lookup=silent)
     try:
         stuck = [asyncio.ensure_future(resolver(f"n{i}.slow.test", 80)) for i in range(2)]
-        await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while silent.started < 2:  # both threads are in their lookup
+            assert time.monotonic() < deadline, f"{silent.started} lookups started"
+            await asyncio.sleep(0.01)
         started = time.monotonic()
         for i in range(20):  # every thread busy: the next lookups fail at once instead of queueing
             with pytest.raises(OSError, match="busy"):
@@ -51,9 +54,17 @@ async def test_stuck_lookups_hold_only_the_fetchers_own_threads() -> None:
             await resolver("again.slow.test", 80)
     finally:
         silent.release.set()
-    await asyncio.sleep(0.2)
-    with pytest.raises(socket.gaierror):  # free again once the lookups really ended
-        await resolver("later.slow.test", 80)
+    deadline = time.monotonic() + 5
+    while True:  # free again once the lookups really ended: a real answer (no such name), not "busy"
+        try:
+            await resolver("later.slow.test", 80)
+        except socket.gaierror:
+            break
+        except OSError as exc:
+            assert "busy" in str(exc) and time.monotonic() < deadline, exc
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("later.slow.test resolved")
     resolver.close()
 
 

@@ -65,7 +65,7 @@ async def test_rate_limit_check_survives_a_held_loop(fail_mode: str) -> None:
             verdict = await while_the_loop_is_held(lambda: limiter.acquire(alice, 1), hops)
             assert verdict is not None and verdict.allowed, f"the held loop was taken for a Redis failure ({hops})"
         assert limiter.available
-        assert metrics.redis_errors.labels("rate_limit")._value.get() == 0
+        assert (metrics.registry.get_sample_value("kimi_gateway_redis_errors_total", {"op": "rate_limit"}) or 0) == 0
         client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
         assert await client.hget(f"{prefix}:alice", "r") == str(1 + len(HOPS))  # every check was counted
         await client.aclose()
@@ -86,7 +86,7 @@ async def test_affinity_lookup_survives_a_held_loop() -> None:
         for hops in HOPS:
             assert await while_the_loop_is_held(lambda: store.lookup("p", [7, 8]), hops) == ["http://w1", None], hops
         assert store.available
-        assert metrics.redis_errors.labels("lookup")._value.get() == 0
+        assert (metrics.registry.get_sample_value("kimi_gateway_redis_errors_total", {"op": "lookup"}) or 0) == 0
     finally:
         await client.aclose()
         await store.stop()

@@ -34,11 +34,42 @@ def test_env_interpolation_and_defaults() -> None:
                                "pools.0.workers.0: ${W0}; pools.0.api_key: ${KEY}")
 
 
-def test_env_overrides_top_level_fields(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KIMI_GATEWAY_REDIS_URL", "redis://elsewhere:6379/2")
-    monkeypatch.setenv("KIMI_GATEWAY_PORT", "9001")
-    config = parse_config({"pools": [POOL], "port": 8000})
-    assert (config.redis_url, config.port) == ("redis://elsewhere:6379/2", 9001)
+def test_env_overrides_top_level_fields() -> None:
+    environ = {"KIMI_GATEWAY_REDIS_URL": "redis://elsewhere:6379/2", "KIMI_GATEWAY_PORT": "9001",
+               "kimi_gateway_max_attempts": "1", "KIMI_GATEWAY_NOT_A_FIELD": "x",
+               "KIMI_GATEWAY_SHUTDOWN": '{"drain_delay": 0}', "KIMI_GATEWAY_ADMIN_ORIGINS": '["https://ops.example"]'}
+    config = parse_config({"pools": [POOL], "port": 8000, "shutdown": {"grace_period": 7}}, environ=environ)
+    assert (config.redis_url, config.port, config.max_attempts) == ("redis://elsewhere:6379/2", 9001, 1)
+    # A section from the environment is merged into the file's: the file's grace period stays.
+    assert (config.shutdown.drain_delay, config.shutdown.grace_period) == (0, 7)
+    assert config.admin_origins == ["https://ops.example"]
+
+
+HOSTILE_ENVIRONMENT = {
+    "KIMI_GATEWAY_MAX_ATTEMPTS": "1", "KIMI_GATEWAY_PORT": "9001", "KIMI_GATEWAY_REDIS_URL": "redis://nowhere:1/0",
+    "KIMI_GATEWAY_AUTH": '{"enabled": tru', "KIMI_GATEWAY_POOLS": "[]", "KIMI_GATEWAY_LOG_LEVEL": "shout",
+    "W0": "http://from-the-process-environment:1",
+}
+
+
+@pytest.mark.parametrize("environ", [{}, None])
+def test_the_process_environment_is_never_read(monkeypatch: pytest.MonkeyPatch,
+                                               environ: dict[str, str] | None) -> None:
+    """Only the mapping passed in counts: a developer's exported KIMI_GATEWAY_* (or any) variable
+    changes nothing (with pydantic-settings, KIMI_GATEWAY_MAX_ATTEMPTS=1 broke three failover tests)."""
+    for name, value in HOSTILE_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
+    data = {"pools": [{**POOL, "workers": ["${W0:-http://default:1}"]}]}
+    config = parse_config(data, environ=environ) if environ is not None else parse_config(data)
+    assert (config.max_attempts, config.port, config.redis_url, config.log_level) == (3, 8000, None, "info")
+    assert config.pools[0].workers == ["http://default:1"] and not config.auth.enabled
+    path = REPO_ROOT / "config" / "demo.yaml"
+    assert load_config(path, environ={}) == load_config(path)
+    assert load_config(path, environ={}).max_attempts == 3
+    # The same variables, passed explicitly, do count.
+    with pytest.raises(ConfigError, match="KIMI_GATEWAY_AUTH is not valid JSON"):
+        parse_config(data, environ=HOSTILE_ENVIRONMENT)
+
 
 
 @pytest.mark.parametrize(("change", "path"), [

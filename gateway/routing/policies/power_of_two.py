@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import random
 
-from pydantic import BaseModel, ConfigDict
-
+from gateway.config import PowerOfTwoParams
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision
-
-
-class PowerOfTwoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    seed: int | None = None
 
 
 class PowerOfTwoPolicy:

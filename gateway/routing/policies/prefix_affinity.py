@@ -20,20 +20,9 @@ default 0.95).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from gateway.config import PrefixAffinityParams
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, TieBreaker
-
-
-class PrefixAffinityParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    min_match_tokens: int = Field(default=1024, ge=0)
-    min_match_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
-    balance_abs: float = Field(default=8.0, ge=0.0)
-    balance_rel: float = Field(default=1.5, ge=1.0)
-    kv_usage_max: float = Field(default=0.95, gt=0.0, le=1.0)
 
 
 class PrefixAffinityPolicy:

@@ -75,15 +75,18 @@ def test_two_gateway_replicas_agree_through_redis(four_workers: list[RunningSim]
         for i, turns in enumerate(mt_bench(shared_data, 8)):
             first, second = conversation_turns(turns, "Answer. " * 50)
             w1, _ = worker_of(replicas[i % 2], first)
-            time.sleep(0.05)  # the record is written in the background
+            replicas[i % 2].flush_affinity()  # the record is written in the background
             w2, reason = worker_of(replicas[(i + 1) % 2], second)
             assert (w2, reason) == (w1, "affinity"), f"conversation {i}"
-    finally:
+        for replica in replicas:
+            replica.flush_affinity()
+    finally:  # clean up first, assert after: a failure here must not leave keys behind
         client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
         keys = list(client.scan_iter(f"{prefix}:*"))
-        assert keys, "affinity keys were written to Redis"
-        client.delete(*keys)
+        if keys:
+            client.delete(*keys)
         client.close()
+    assert keys, "affinity keys were written to Redis"
 
 
 def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: StartGateway,
@@ -94,7 +97,7 @@ def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: S
 
     def turn_pair(conversation: list[list[dict[str, str]]]) -> tuple[str, str, str]:
         w1, _ = worker_of(gw, conversation[0])
-        time.sleep(0.05)
+        gw.flush_affinity()
         w2, reason = worker_of(gw, conversation[1])
         return w1, w2, reason
 
@@ -114,7 +117,11 @@ def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: S
     assert redis_errors >= 1
 
     own_redis.start()                         # Redis is back (empty): affinity resumes by itself
-    time.sleep(0.4)
+    store = gw.server.app.state.gateway.affinity
+    deadline = time.monotonic() + 5
+    while not store.available:                # the breaker skips Redis for `retry_after` (0.3 s)
+        assert time.monotonic() < deadline, "the affinity breaker did not close"
+        time.sleep(0.02)
     hits_before = gw.metric('kimi_gateway_affinity_lookups_total{pool="p",result="hit"}')
     for conversation in conversations[5:8]:
         w1, w2, reason = turn_pair(conversation)

@@ -12,6 +12,8 @@ import pytest
 import redis
 
 from gateway.auth.keys import hash_key
+from gateway.auth.limits import MemoryRateLimiter
+from tests.support import RunningGateway
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 ALICE_KEY = "sk-alice-" + uuid.uuid4().hex + uuid.uuid4().hex
@@ -30,6 +32,17 @@ def auth_section(alice: dict[str, Any] | None = None, **settings: Any) -> dict[s
 def left_in_window(clock: Callable[[], float], window_s: float) -> float:
     """Seconds left in the limiter window `clock` is in now (windows are floor(clock() / window_s))."""
     return window_s - clock() % window_s
+
+
+def start_a_window_now(gw: RunningGateway) -> None:
+    """Give a gateway's in-process limiter a clock whose window starts now: a real MemoryRateLimiter
+    reading `time.monotonic()` seconds since this call. A test checking exact counts then runs a
+    whole minute clear of a window edge, without sleeping to the next edge (up to 15 s). Call it
+    before the test's first request (the replaced limiter's counts are dropped)."""
+    guard = gw.server.app.state.gateway.auth
+    assert guard is not None and isinstance(guard.limiter, MemoryRateLimiter), "an in-process limiter"
+    origin = time.monotonic()
+    guard.limiter = MemoryRateLimiter(clock=lambda: time.monotonic() - origin)
 
 
 def wait_clear_of_window_edge(clock: Callable[[], float], window_s: float = 60.0, need_s: float = 15.0) -> None:

@@ -149,7 +149,8 @@ def test_a_refused_request_is_logged_counted_and_keeps_its_request_id(
     assert httpx.post(gw.v1 + "/chat/completions", json=body).status_code == 401
     assert gw.metric('kimi_gateway_requests_total{api="completions",pool="none",status_class="4xx"}') == 1
     assert gw.metric('kimi_gateway_requests_total{api="chat",pool="none",status_class="4xx"}') == 1
-    lines = [r.getMessage() for r in caplog.records if '"event":"request"' in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records
+             if '"event":"request"' in r.getMessage() and r.threadName == gw.server.thread_name]
     assert len(lines) == 2 and '"request_id":"req-401"' in lines[0] and '"status":401' in lines[0]
     assert all('"key":null' in line and "nope" not in line for line in lines)
     assert sim.engine.records == []

@@ -13,7 +13,14 @@ import pytest
 import redis
 
 from gateway.auth.keys import hash_key
-from tests.integration.auth.conftest import ALICE_KEY, OPS_KEY, REDIS_URL, auth_section, wait_clear_of_window_edge
+from tests.integration.auth.conftest import (
+    ALICE_KEY,
+    OPS_KEY,
+    REDIS_URL,
+    auth_section,
+    start_a_window_now,
+    wait_clear_of_window_edge,
+)
 from tests.support import OwnRedis, RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -41,7 +48,7 @@ def chat(gw: RunningGateway, key: str = ALICE_KEY, max_retries: int = 0, **param
 
 def test_request_rate_limit_gives_429_with_retry_after(sim: RunningSim, start_gateway: StartGateway) -> None:
     gw = gateway(start_gateway, sim, {"requests_per_minute": 2})
-    wait_clear_of_window_edge(time.monotonic)
+    start_a_window_now(gw)
     chat(gw)
     chat(gw)
     with pytest.raises(openai.RateLimitError) as info:
@@ -61,7 +68,7 @@ def test_token_rate_limit(sim: RunningSim, start_gateway: StartGateway) -> None:
     # "Hi" is estimated at 41 prompt tokens (32 per request + 8 per message + 1): 441 with max_tokens=400.
     # Each is settled against the engine's usage once answered: 5 prompt + 400 completion tokens.
     gw = gateway(start_gateway, sim, {"tokens_per_minute": 1000}, auth={"metric_key_names": True})
-    wait_clear_of_window_edge(time.monotonic)
+    start_a_window_now(gw)
     chat(gw, max_tokens=400)
     chat(gw, max_tokens=400)
     with pytest.raises(openai.RateLimitError) as info:
@@ -82,7 +89,7 @@ def test_token_rate_limit(sim: RunningSim, start_gateway: StartGateway) -> None:
 
 def test_token_limit_charges_every_completion_asked_for(sim: RunningSim, start_gateway: StartGateway) -> None:
     gw = gateway(start_gateway, sim, {"tokens_per_minute": 1000})
-    wait_clear_of_window_edge(time.monotonic)
+    start_a_window_now(gw)
     chat(gw, max_tokens=300, n=3)  # 41 prompt tokens + 3 x 300 output tokens = 941: fits
     with pytest.raises(openai.RateLimitError) as info:
         chat(gw, max_tokens=320, n=3)  # 41 + 3 x 320 = 1001: larger than the whole limit
@@ -99,7 +106,8 @@ def test_limits_are_shared_by_replicas_through_redis(sim: RunningSim, start_gate
                                                      key_prefix: str) -> None:
     replicas = [gateway(start_gateway, sim, {"requests_per_minute": 3}, {"key_prefix": key_prefix},
                         redis_url=REDIS_URL) for _ in range(2)]
-    wait_clear_of_window_edge(time.time)  # Redis' TIME: this machine's clock
+    # Redis' TIME (this machine's clock) decides the window: five requests need well under 5 s.
+    wait_clear_of_window_edge(time.time, need_s=5.0)
     chat(replicas[0])
     chat(replicas[1])
     chat(replicas[0])
@@ -135,5 +143,9 @@ def test_redis_down_fail_open_serves_and_fail_closed_refuses(sim: RunningSim, st
     assert fail_closed.metric('kimi_gateway_redis_errors_total{op="rate_limit"}') >= 1
 
     own_redis.start()  # back (empty): the breaker lets the next check through after redis_retry_after
-    time.sleep(0.4)
+    limiter = fail_closed.server.app.state.gateway.auth.limiter
+    deadline = time.monotonic() + 5
+    while not limiter.available:
+        assert time.monotonic() < deadline, "the rate-limit breaker did not close"
+        time.sleep(0.02)
     chat(fail_closed)

@@ -1,49 +1,13 @@
-"""Fixtures for the engine simulator's HTTP tests: sims on 127.0.0.1, port 0, in uvicorn threads."""
+"""Fixtures for the engine simulator's HTTP tests (the sims themselves come from tests/conftest.py's
+`start_sim`: 127.0.0.1, port 0, uvicorn threads joined at the session end)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 import pytest
-
-from gateway.server import ThreadedServer
-from gateway.sim import SimConfig, sim_server
-
-StartSim = Callable[..., ThreadedServer]
-
-
-@pytest.fixture(scope="session")
-def _stopping_sims() -> Iterator[list[ThreadedServer]]:
-    """Sims told to exit; joined once at the end of the session.
-
-    uvicorn needs ~0.2 s to shut down; letting that happen in the background keeps the suite fast.
-    """
-    stopping: list[ThreadedServer] = []
-    yield stopping
-    for server in stopping:
-        server.stop()
-
-
-@pytest.fixture
-def start_sim(_stopping_sims: list[ThreadedServer]) -> Iterator[StartSim]:
-    """Start a sim: `start_sim(engine="sglang", ttft_s=0.1, ...)` (defaults: vLLM, 4096 tokens).
-
-    Every sim started through the fixture is told to exit at the end of the test.
-    """
-    servers: list[ThreadedServer] = []
-
-    def start(**fields: Any) -> ThreadedServer:
-        config = SimConfig.model_validate({"engine": "vllm", "max_context_tokens": 4096, **fields})
-        server = sim_server(config).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.server.should_exit = True
-        _stopping_sims.append(server)
 
 
 @pytest.fixture

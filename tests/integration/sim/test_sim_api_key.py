@@ -9,13 +9,13 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from gateway.server import ThreadedServer
+from tests.support import RunningSim
 
-StartSim = Callable[..., ThreadedServer]
+StartSim = Callable[..., RunningSim]
 KEY = {"authorization": "Bearer sim-key-1"}
 
 
-def statuses(srv: ThreadedServer, headers: dict[str, str]) -> dict[str, int]:
+def statuses(srv: RunningSim, headers: dict[str, str]) -> dict[str, int]:
     with httpx.Client(base_url=srv.url, headers=headers) as client:
         return {path: client.get(path).status_code
                 for path in ("/health", "/metrics", "/v1/models", "/get_model_info", "/sim/faults")}

@@ -8,9 +8,9 @@ import anyio
 import httpx
 import pytest
 
-from gateway.server import ThreadedServer
+from tests.support import RunningSim
 
-StartSim = Callable[..., ThreadedServer]
+StartSim = Callable[..., RunningSim]
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello world"}]
@@ -21,7 +21,7 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def _aborted(srv: ThreadedServer) -> None:
+def _aborted(srv: RunningSim) -> None:
     engine = srv.app.engine
     engine.wait_for(lambda: engine.records and engine.records[-1].aborted, timeout=2)
     engine.wait_for(lambda: engine.stats().running == 0, timeout=2)

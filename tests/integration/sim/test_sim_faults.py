@@ -8,10 +8,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server import ThreadedServer
 from gateway.sim import SimFaults
+from tests.support import RunningSim
 
-StartSim = Callable[..., ThreadedServer]
+StartSim = Callable[..., RunningSim]
 
 CHAT = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "hello world"}]

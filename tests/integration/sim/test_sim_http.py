@@ -12,10 +12,10 @@ import httpx
 import orjson
 import pytest
 
-from gateway.server import ThreadedServer
 from gateway.sim.tokens import output_text
+from tests.support import RunningSim
 
-StartSim = Callable[..., ThreadedServer]
+StartSim = Callable[..., RunningSim]
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server import ThreadedServer
+from tests.support import RunningSim
 
-StartSim = Callable[..., ThreadedServer]
+StartSim = Callable[..., RunningSim]
 
 CHAT = "/v1/chat/completions"
 TEXT = "/v1/completions"

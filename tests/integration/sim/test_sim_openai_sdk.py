@@ -7,10 +7,10 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from gateway.server import ThreadedServer
 from gateway.sim.tokens import output_text
+from tests.support import RunningSim
 
-StartSim = Callable[..., ThreadedServer]
+StartSim = Callable[..., RunningSim]
 
 HELLO = [{"role": "user", "content": "hello world"}]
 

@@ -47,9 +47,9 @@ def test_key_hashes_from_the_environment() -> None:
     assert c.auth.keys[0].sha256 == ALICE["sha256"]
 
 
-def test_the_whole_section_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KIMI_GATEWAY_AUTH", f'{{"enabled": true, "keys": [{{"name": "a", "sha256": "{"ab" * 32}"}}]}}')
-    c = parse_config({"pools": [POOL]})
+def test_the_whole_section_from_the_environment() -> None:
+    environ = {"KIMI_GATEWAY_AUTH": f'{{"enabled": true, "keys": [{{"name": "a", "sha256": "{"ab" * 32}"}}]}}'}
+    c = parse_config({"pools": [POOL]}, environ=environ)
     assert c.auth.enabled and c.auth.keys[0].name == "a"
 
 

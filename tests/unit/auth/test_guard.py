@@ -55,8 +55,8 @@ def test_authenticate() -> None:
     assert missing.value.body()["error"]["code"] == wrong.value.body()["error"]["code"] == "invalid_api_key"
     assert (wrong.value.status, wrong.value.body()["error"]["type"]) == (401, "invalid_request_error")
     assert USER_KEY not in wrong.value.message
-    assert g.metrics.auth_failures.labels("missing")._value.get() == 1
-    assert g.metrics.auth_failures.labels("invalid")._value.get() == 1
+    assert g.metrics.registry.get_sample_value("kimi_gateway_auth_failures_total", {"reason": "missing"}) == 1
+    assert g.metrics.registry.get_sample_value("kimi_gateway_auth_failures_total", {"reason": "invalid"}) == 1
 
 
 def test_authorize() -> None:
@@ -80,7 +80,8 @@ async def test_rate_limited_is_openais_429() -> None:
     assert error["message"].startswith("Rate limit reached for API key alice on requests per min (RPM): "
                                        "Limit 1, Used 1, Requested 1. Please try again in ")
     assert 1 <= int(info.value.headers["retry-after"]) <= 120
-    assert g.metrics.rate_limited.labels(hash_key(USER_KEY)[:12], "requests")._value.get() == 1  # key id
+    assert g.metrics.registry.get_sample_value("kimi_gateway_rate_limited_total",
+                                               {"key": hash_key(USER_KEY)[:12], "limit": "requests"}) == 1  # key id
     ops = g.authenticate(f"Bearer {ADMIN_KEY}")
     for _ in range(5):
         await g.check_quota(ops, 10**9)  # no limits, no limiter call
@@ -102,12 +103,14 @@ async def test_fail_open_and_fail_closed() -> None:
     alice = Principal("alice", frozenset({"user"}), 1, None)
     opened = guard(DownLimiter(), fail_mode="open")
     await opened.check_quota(alice, 1)
-    assert opened.metrics.rate_limit_unavailable.labels("allowed")._value.get() == 1
+    assert opened.metrics.registry.get_sample_value("kimi_gateway_rate_limit_unavailable_total",
+                                              {"action": "allowed"}) == 1
     closed = guard(DownLimiter(), fail_mode="closed", redis_retry_after=2.5)
     with pytest.raises(RateLimitUnavailable) as info:
         await closed.check_quota(alice, 1)
     assert (info.value.status, info.value.headers["retry-after"]) == (503, "3")
-    assert closed.metrics.rate_limit_unavailable.labels("refused")._value.get() == 1
+    assert closed.metrics.registry.get_sample_value("kimi_gateway_rate_limit_unavailable_total",
+                                              {"action": "refused"}) == 1
 
 
 def app_with(auth: AuthGuard | None) -> Starlette:
