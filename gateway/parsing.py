@@ -234,7 +234,7 @@ class BodyParser:
             ids = longest = len(prompt)
         elif isinstance(prompt[0], list):  # a batch of token-id lists: the longest decides the context
             sizes = [len(p) if type(p) is list else 1 for p in prompt]
-            ids, longest = sum(sizes), max(sizes)
+            ids, longest = sum(max(size, 1) for size in sizes), max(sizes)  # an empty list still counts one
         else:  # texts: one id each for the count; the longest text decides the context
             ids, longest = len(prompt), 0
             self._check_floor(payload, "prompt", max(len(p) if type(p) is str else 0 for p in prompt), 0, 0)
