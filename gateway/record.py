@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
 import orjson
@@ -15,8 +16,31 @@ from gateway.metrics import NO_POOL, GatewayMetrics, status_class
 log = logging.getLogger("gateway.access")
 
 
+class RequestOutcome(StrEnum):
+    """How one client request ended (a bounded set: the access log's `outcome`, the trace's attribute).
+
+    Attempts have their own `streaming.Outcome`; this is the request's, set along the request path.
+    """
+
+    OK = "ok"
+    ERROR = "error"  # the client got an error status
+    TIMEOUT = "timeout"  # over `timeouts.total` (the overall cap)
+    UPSTREAM_ERROR = "upstream_error"  # the answer broke after the engine had accepted it
+    SHUTTING_DOWN = "shutting_down"  # cut at the end of the shutdown grace period
+    CLIENT_DISCONNECT = "client_disconnect"
+
+
 # The status class a 200 stream is counted under when it ended badly.
-_CUT_STATUS = {"upstream_error": 502, "timeout": 504, "shutting_down": 503}
+_CUT_STATUS = {RequestOutcome.UPSTREAM_ERROR: 502, RequestOutcome.TIMEOUT: 504, RequestOutcome.SHUTTING_DOWN: 503}
+
+
+def counted_status(status: int, outcome: RequestOutcome) -> int:
+    """The HTTP status a request is counted under in `requests_total`: its own, or for a 2xx/4xx
+    whose answer was cut (a 200 stream that broke, ran over the cap or was cut at shutdown) the
+    status the cut stands for (502, 504, 503)."""
+    if status < 500:
+        return _CUT_STATUS.get(outcome, status)
+    return status
 
 
 class RequestSpans(Protocol):
@@ -40,9 +64,9 @@ class RequestSpans(Protocol):
 class RequestRecord:
     """What happened to one client request. Times are `time.perf_counter()` seconds.
 
-    `outcome` is `ok`, `error` (the client got an error status), `timeout` (over `timeouts.total`),
-    `upstream_error` (the stream broke after its first byte), `shutting_down` (cut at the end of the
-    shutdown grace period) or `client_disconnect`.
+    `outcome` is a `RequestOutcome`: `ok`, `error` (the client got an error status), `timeout` (over
+    `timeouts.total`), `upstream_error` (the answer broke after the engine accepted it),
+    `shutting_down` (cut at the end of the shutdown grace period) or `client_disconnect`.
     """
 
     request_id: str
@@ -58,7 +82,7 @@ class RequestRecord:
     estimate_method: str | None = None
     first_byte_at: float | None = None
     usage: dict[str, Any] | None = None
-    outcome: str = "ok"
+    outcome: RequestOutcome = RequestOutcome.OK
     disconnect_stage: str | None = None
     error: str | None = None
     key: str | None = None  # the API key's configured name (auth on), never the key
@@ -72,7 +96,7 @@ class RequestRecord:
     def cut_by_shutdown(self, response_started: bool) -> None:
         """The server ended the request at the end of its shutdown grace period (gateway/lifecycle.py
         answers the client: a 503 if nothing was sent, else one SSE error event)."""
-        self.outcome = "shutting_down"
+        self.outcome = RequestOutcome.SHUTTING_DOWN
         self.error = "the gateway shut down before the response ended"
         if not response_started:
             self.status = 503
@@ -82,7 +106,14 @@ class RequestRecord:
         cut off (`send_stalled`, gateway/request_head.py)."""
         if self.disconnect_stage is None:
             self.disconnect_stage = stage
-            self.outcome = "client_disconnect"
+            self.outcome = RequestOutcome.CLIENT_DISCONNECT
+
+    def answered_with_error(self, status: int) -> None:
+        """The client gets error status `status`: the outcome becomes `error` unless a cause was
+        already named (`timeout`, `upstream_error`, ...)."""
+        self.status = status
+        if self.outcome is RequestOutcome.OK:
+            self.outcome = RequestOutcome.ERROR
 
     def finish(self, metrics: GatewayMetrics) -> None:
         """Record metrics and the access log line; later calls do nothing."""
@@ -97,10 +128,7 @@ class RequestRecord:
             status = 499  # nginx's "client closed request", for the status-class label only
         else:
             status = self.status
-        counted = status
-        if status < 500 and self.outcome in _CUT_STATUS:
-            counted = _CUT_STATUS[self.outcome]  # a 200 stream that broke or was cut
-        metrics.requests.labels(self.api, self.pool, status_class(counted)).inc()
+        metrics.requests.labels(self.api, self.pool, status_class(counted_status(status, self.outcome))).inc()
         metrics.request_seconds.labels(self.pool).observe(now - self.started)
         ttft = None
         if self.first_byte_at is not None:

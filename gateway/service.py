@@ -31,7 +31,7 @@ from gateway.errors import (
     error_bytes_from_upstream,
 )
 from gateway.parsing import Body, BodyParser, Payload, encode_for
-from gateway.record import RequestRecord
+from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
 from gateway.routing.policy import Candidate
 from gateway.routing.pools import fitting_pools, larger_pools
@@ -151,7 +151,7 @@ class ProxyService:
         if reservation is None:
             return await self._dispatch(api, payload, request, pools, record)
         record.on_finish = lambda done: guard.settle_soon(reservation, quota_used(
-            done, request, reservation.tokens, done.outcome != "ok" or done.status >= 400))
+            done, request, reservation.tokens, done.outcome is not RequestOutcome.OK or done.status >= 400))
         try:
             result = await self._dispatch(api, payload, request, pools, record)
         except GatewayError:
@@ -400,12 +400,12 @@ class ProxyService:
                 if not passed:  # an encoded (compressed) answer is relayed as it is
                     record.usage = _check_json_answer(answer, content_type)
             except AnswerTooLarge as exc:  # the request's doing: not held against the worker
-                record.outcome = "upstream_error"
+                record.outcome = RequestOutcome.UPSTREAM_ERROR
                 raise UpstreamError(f"The answer is larger than this gateway relays without streaming "
                                     f"({state.config.max_body_bytes} bytes); ask for fewer tokens or "
                                     f"completions, or stream it.") from exc
             except Exception as exc:
-                record.outcome = "upstream_error"
+                record.outcome = RequestOutcome.UPSTREAM_ERROR
                 ended(f"broken answer: {exc}")
                 raise UpstreamError(f"The inference server failed while sending its answer ({exc}).") from exc
             ended(None)

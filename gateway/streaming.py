@@ -33,7 +33,7 @@ from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.sse import SSETap, event_end, sse_error_event
-from gateway.record import RequestRecord
+from gateway.record import RequestOutcome, RequestRecord
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
 MAX_RETRY_AFTER_S = 3600.0  # an engine's longer (or infinite) Retry-After is taken as this
@@ -456,7 +456,7 @@ class UpstreamStream:
         return drop_usage_events(events) if self._strip_usage else events
 
     def _broken(self, detail: str) -> None:
-        self._record.outcome = "upstream_error"
+        self._record.outcome = RequestOutcome.UPSTREAM_ERROR
         self._record.error = detail
         self._ended(detail)  # a dead or broken engine counts against its worker
 

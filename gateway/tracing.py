@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.config import ConfigError, TracingConfig
-from gateway.record import RequestRecord
+from gateway.record import RequestOutcome, RequestRecord
 
 try:  # the `tracing` extra
     from opentelemetry import trace
@@ -112,7 +112,7 @@ class RequestTrace:
 
     def finish(self, record: RequestRecord, status: int, ended: float) -> None:
         """Add the `route` and `relay` spans from the record's times and end the request span."""
-        self.end_attempt("abandoned" if record.outcome == "ok" else record.outcome)
+        self.end_attempt("abandoned" if record.outcome is RequestOutcome.OK else record.outcome)
         tracer, context = self._tracing.tracer, trace.set_span_in_context(self._root)
         end_ns = self._ns(ended)
         route_end = self._first_attempt_ns or end_ns
@@ -129,6 +129,6 @@ class RequestTrace:
             "gen_ai.usage.input_tokens": (record.usage or {}).get("prompt_tokens"),
             "gen_ai.usage.output_tokens": (record.usage or {}).get("completion_tokens"),
         }.items() if value is not None})
-        if status >= 500 or record.outcome in ("upstream_error", "timeout"):
+        if status >= 500 or record.outcome in (RequestOutcome.UPSTREAM_ERROR, RequestOutcome.TIMEOUT):
             root.set_status(Status(StatusCode.ERROR, record.error or record.outcome))
         root.end(end_time=end_ns)

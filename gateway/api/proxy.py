@@ -28,7 +28,7 @@ from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
 from gateway.metrics import NO_POOL
 from gateway.parsing import Body, body_of
 from gateway.protocol.sse import sse_error_event
-from gateway.record import RequestRecord
+from gateway.record import RequestOutcome, RequestRecord
 from gateway.request_head import SEND_STALLED
 from gateway.routing.features import Api
 from gateway.service import BufferedResponse, ProxyService, RelayResponse
@@ -200,7 +200,7 @@ class ProxyEndpoint:
                                                timeouts.body_deadline, timeouts.body_min_rate,
                                                state.config.parse_offload_bytes)
                 except TimeoutError:
-                    record.outcome = "timeout"
+                    record.outcome = RequestOutcome.TIMEOUT
                     raise RequestBodyTimeout(f"The request body did not arrive within the gateway's overall time "
                                              f"limit of {total:g} seconds.") from None
                 watch = _HangUpWatch(receive)
@@ -211,7 +211,7 @@ class ProxyEndpoint:
                 except TimeoutError:
                     if not cap.expired():
                         raise
-                    record.outcome = "timeout"  # over the overall cap; the work's cleanup closed the upstream
+                    record.outcome = RequestOutcome.TIMEOUT  # over the cap; the work's cleanup closed the upstream
                     service.attempt_cut_by_cap(record)
                     raise RequestTimeout(_over_cap_message(total)) from None
             except ClientGone:
@@ -246,10 +246,8 @@ class ProxyEndpoint:
 
     @staticmethod
     def _error(exc: GatewayError, record: RequestRecord) -> BufferedResponse:
-        record.status = exc.status
+        record.answered_with_error(exc.status)
         record.error = exc.message
-        if record.outcome == "ok":
-            record.outcome = "error"
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
         if isinstance(exc, (RequestBodyTimeout, PayloadTooLarge)):
             # The rest of the body may still be on its way: close the connection after the answer, or
@@ -272,9 +270,10 @@ class ProxyEndpoint:
         return {"type": "http.response.start", "status": status, "headers": headers}
 
     async def _send_buffered(self, result: BufferedResponse, record: RequestRecord, send: Send) -> None:
-        record.status = result.status
-        if result.status >= 400 and record.outcome == "ok":
-            record.outcome = "error"
+        if result.status >= 400:
+            record.answered_with_error(result.status)
+        else:
+            record.status = result.status
         with contextlib.suppress(OSError):
             await send(self._start(result.status, result.content_type, result.headers, record, len(result.body)))
             await send({"type": "http.response.body", "body": result.body, "more_body": False})
@@ -308,7 +307,7 @@ class ProxyEndpoint:
         request); the client gets one SSE error event and no `[DONE]` (a 504 if nothing was sent yet).
         The relay only yields whole events, so the error never lands inside one."""
         await result.stream.aclose()
-        record.outcome = "timeout"
+        record.outcome = RequestOutcome.TIMEOUT
         record.error = message
         with contextlib.suppress(OSError):
             if not started:
