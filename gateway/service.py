@@ -11,8 +11,9 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -33,7 +34,7 @@ from gateway.errors import (
 from gateway.parsing import Body, BodyParser, Payload, encode_for
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
-from gateway.routing.policy import Candidate
+from gateway.routing.policy import Candidate, Decision, RoutingPolicy
 from gateway.routing.pools import fitting_pools, larger_pools
 from gateway.state import AppState
 from gateway.streaming import (
@@ -168,16 +169,20 @@ class ProxyService:
         pool = pools[0]
         record.pool = pool.name
         metrics.estimated_prompt_tokens.labels(pool.name, request.estimate_method).observe(request.prompt_tokens)
-        failures = _Failures()
+        failures = Failures()
         try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
             return await self._dispatch_loop(api, payload, request, pools, record, failures)
         finally:
             failures.charge(state.registry)
 
-    async def _dispatch_loop(self, api: Api, payload: dict[str, Any], request: RoutingRequest,
+    async def _dispatch_loop(self, api: Api, payload: Payload, request: RoutingRequest,
                              pools: list[PoolConfig], record: RequestRecord,
-                             failures: _Failures) -> BufferedResponse | RelayResponse:
+                             failures: Failures) -> BufferedResponse | RelayResponse:
+        """Until an attempt is accepted or `max_attempts` ran out: choose the pool and its candidates
+        with room (`choose_pool`), the worker (`decide`), make the attempt (`_attempt`), and judge a
+        failed one (`after_failure`): same pool, a larger one, or a final answer."""
         state = self.state
+        registry = state.registry
         metrics = state.metrics
         pool = pools[0]
         tried: set[Worker] = set()
@@ -187,27 +192,19 @@ class ProxyService:
         bodies: dict[tuple[str, bool, bool], bytes] = {}  # (served name, usage patch, max_tokens) -> body
         queue_deadline: float | None = None  # set when the request first waits for a slot
         while record.attempts < state.config.max_attempts:
-            workers = state.registry.candidates(pool.name, tried)
-            later = pools[pools.index(pool) + 1:] if pool.spillover else []
-            if not workers:
-                if not later:
+            step, to, workers = choose_pool(registry, pool, pools, tried)
+            if step is not PoolStep.ROUTE:
+                if step is PoolStep.EXHAUSTED:
                     break
-                metrics.spillovers.labels(pool.name, later[0].name, "unavailable").inc()
-                pool = later[0]
-                record.pool = pool.name
-                continue
-            gate = state.registry.gates[pool.name]
-            if gate.limited and not (workers := gate.with_room(workers)):
-                roomy = next((p for p in later if state.registry.gates[p.name].with_room(
-                    state.registry.candidates(p.name, tried))), None)
-                if roomy is not None:
-                    metrics.spillovers.labels(pool.name, roomy.name, "saturated").inc()
-                    pool = roomy
-                    record.pool = pool.name
-                else:
+                if step is PoolStep.WAIT:
+                    gate = registry.gates[pool.name]
                     if queue_deadline is None:
                         queue_deadline = time.monotonic() + gate.queue_timeout
                     await gate.wait_for_slot(queue_deadline)
+                else:  # spill over: unavailable or saturated
+                    metrics.spillovers.labels(pool.name, to.name, step.value).inc()
+                    pool = to
+                    record.pool = pool.name
                 continue
             policy = state.router.policy(pool.name)
             if policy.uses_affinity and pool.name not in matches:
@@ -216,9 +213,7 @@ class ProxyService:
                 # here to the attempt's Lease nothing awaits, so the room seen is the room taken.
                 continue
             match = matches.get(pool.name, {})
-            candidates = [Candidate(w, w.load(), w.kv_usage, match.get(w.url, 0.0),
-                                    int(match.get(w.url, 0.0) * request.prompt_tokens)) for w in workers]
-            decision = policy.select(request, candidates)
+            decision = decide(policy, request, workers, match)
             worker = decision.worker
             record.attempts += 1
             record.worker, record.reason = worker.id, decision.reason
@@ -228,86 +223,53 @@ class ProxyService:
             # Count a stream's tokens even when its client did not ask for usage (backends/patches.py).
             patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
             try:
-                key = (pool.served_model_name or state.config.model.name, patch_usage,
-                       api not in worker.engine.max_completion_tokens_apis)
-                if key not in bodies:
-                    bodies[key] = encode_for(payload, *key)
+                body = engine_body(bodies, payload, api, pool.served_model_name or state.config.model.name,
+                                   worker, patch_usage)
                 record.open_attempt, record.attempt_answered = worker, False
-                result = await self._attempt(api, pool, worker, bodies[key], request, record, patch_usage)
+                result = await self._attempt(api, pool, worker, body, request, record, patch_usage)
                 record.open_attempt = None
             except AttemptFailed as failure:
-                record.open_attempt = None
-                record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
-                metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
-                if record.trace is not None:
-                    record.trace.end_attempt(failure.outcome)
+                self._attempt_failed(failure, pool, worker, record)
                 tried.add(worker)
                 last = failure
-                step = self._after_failure(failure, worker, pool, pools, request, record, too_long_retried, failures)
-                if isinstance(step, BufferedResponse):
-                    return step
-                if step is not pool:
-                    metrics.spillovers.labels(pool.name, step.name, "too_long").inc()
+                step_to = after_failure(registry, failure, worker, pool, pools, request, record, too_long_retried,
+                                        failures)
+                if isinstance(step_to, BufferedResponse):
+                    return step_to
+                if step_to is not pool:
+                    metrics.spillovers.labels(pool.name, step_to.name, "too_long").inc()
                     too_long_retried = True
-                    pool = step
+                    pool = step_to
                     record.pool = pool.name
                 continue
-            record.reached_engine = True
-            metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
-            if record.trace is not None:
-                record.trace.end_attempt(Outcome.OK)
-            if policy.uses_affinity and request.prefix is not None and state.affinity is not None:
-                metrics.affinity_match_ratio.labels(pool.name).observe(match.get(worker.url, 0.0))
-                # After this task next yields, i.e. once the first chunk went out: never before the first token.
-                asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, request.prefix.hashes,
-                                                     worker.url)
-            result.headers.extend(self._route_headers(record))
+            self._attempt_accepted(pool, worker, request, record, policy.uses_affinity, match)
+            result.headers.extend(route_headers(record))
             return result
         raise self._exhausted(last, record, pools, failures)
 
-    def _after_failure(self, failure: AttemptFailed, worker: Worker, pool: PoolConfig, pools: list[PoolConfig],
-                       request: RoutingRequest, record: RequestRecord,
-                       too_long_retried: bool, failures: _Failures) -> PoolConfig | BufferedResponse:
-        """What a failed attempt leads to: the pool to try next (the same one, or the next larger
-        one once after an engine's "too long"), or the engine's own error for the client, also
-        when a second worker failed exactly as the one before (the request's fault, held
-        against neither).
+    def _attempt_failed(self, failure: AttemptFailed, pool: PoolConfig, worker: Worker,
+                        record: RequestRecord) -> None:
+        """Account for a failed attempt: its metric, its trace span, whether the engine saw it."""
+        record.open_attempt = None
+        record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
+        self.state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
+        if record.trace is not None:
+            record.trace.end_attempt(failure.outcome)
 
-        Raises UpstreamError / UpstreamTimeout for failures no other worker should repeat.
-        """
-        outcome = failure.outcome
-        if outcome is Outcome.TOO_LONG:
-            larger = larger_pools(pool, pools)
-            if too_long_retried or not larger:
-                return self._engine_error(failure, record)
-            return larger[0]
-        if outcome is Outcome.AUTH_ERROR:
-            raise UpstreamError(f"The inference server of pool {pool.name} refused the gateway's "
-                                "credentials; check the pool's api_key.")
-        if outcome is Outcome.TIMEOUT and not request.stream and failure.answered:
-            # The engine was generating (it had answered): do not make another one repeat it.
-            raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).",
-                                  headers=dict(NO_CLIENT_RETRY))
-        if outcome not in RETRYABLE:
-            return self._engine_error(failure, record)
-        registry = self.state.registry
-        if outcome is Outcome.STATUS_429:  # busy, not broken
-            registry.throttled(worker, failure.retry_after)
-            failures.note_busy(failure)
-        elif outcome is Outcome.CONNECT_ERROR:
-            registry.connect_failed(worker, failure.detail)
-        elif outcome is Outcome.MOVED:  # a moved attempt's worker is already marked unhealthy
-            pass
-        elif _may_be_the_requests_fault(failure):
-            suspect = failures.suspect
-            if suspect is not None and suspect[0] is not worker and _same_failure(suspect[1], failure):
-                failures.suspect = None  # two workers, one answer: the request's doing
-                return self._request_fault(failure, record)
-            failures.charge(registry)  # the earlier one differed: that worker's own failure
-            failures.suspect = (worker, failure)
-        else:
-            registry.request_failed(worker, failure.detail)
-        return pool
+    def _attempt_accepted(self, pool: PoolConfig, worker: Worker, request: RoutingRequest, record: RequestRecord,
+                          uses_affinity: bool, match: dict[str, float]) -> None:
+        """Account for the accepted attempt, and remember (after the first chunk went out) that its
+        worker now holds the prompt's prefix."""
+        state = self.state
+        record.reached_engine = True
+        state.metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
+        if record.trace is not None:
+            record.trace.end_attempt(Outcome.OK)
+        if uses_affinity and request.prefix is not None and state.affinity is not None:
+            state.metrics.affinity_match_ratio.labels(pool.name).observe(match.get(worker.url, 0.0))
+            # After this task next yields, i.e. once the first chunk went out: never before the first token.
+            asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, request.prefix.hashes,
+                                                 worker.url)
 
     async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
         """Worker URL → share of the prompt it holds, from one store lookup (fails open to {})."""
@@ -434,28 +396,8 @@ class ProxyService:
         if record.stream and not record.attempt_answered:
             self.state.registry.request_failed(worker, "no response headers within the overall cap")
 
-    def _engine_error(self, failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
-        """Pass an engine's own 4xx answer to the client, as an OpenAI error object. An engine's
-        "too long" names the request's prompt as `param` (`messages`, or `prompt` on completions),
-        as OpenAI's context_length_exceeded does; the engines name other things or nothing."""
-        status = failure.status or 502
-        record.status = status
-        record.error = failure.detail
-        too_long = failure.outcome is Outcome.TOO_LONG
-        param = ("messages" if record.api == "chat" else "prompt") if too_long else None
-        body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
-        return BufferedResponse(status, body, b"application/json", self._route_headers(record))
-
-    def _request_fault(self, failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
-        """The engine's error for a request two workers failed the same way: passed on as the
-        engine gave it, with `x-should-retry: false` (the OpenAI SDKs then do not resend it)."""
-        response = self._engine_error(failure, record)
-        record.error = f"two workers failed the request the same way ({failure.detail}): the request's fault"
-        response.headers.append((b"x-should-retry", b"false"))
-        return response
-
     def _exhausted(self, last: AttemptFailed | None, record: RequestRecord, pools: list[PoolConfig],
-                   failures: _Failures) -> GatewayError:
+                   failures: Failures) -> GatewayError:
         """The error for a request no worker accepted, naming the pool it was meant for (`pools[0]`),
         the pools it spilled over to and why no worker took it."""
         where = f"pool {pools[0].name}"
@@ -518,19 +460,6 @@ class ProxyService:
         shown = "; ".join(states[:8]) + (f"; and {len(states) - 8} more" if len(states) > 8 else "")
         return max(1, math.ceil(min(waits, default=1.0))), shown or "no workers", 0 < busy == len(states)
 
-    @staticmethod
-    def _route_headers(record: RequestRecord) -> Headers:
-        headers = [(b"x-kimi-gateway-pool", record.pool.encode()),
-                   (b"x-kimi-gateway-attempts", str(record.attempts).encode())]
-        if record.worker:
-            headers.append((b"x-kimi-gateway-worker", record.worker.encode()))
-        if record.reason:
-            headers.append((b"x-kimi-gateway-route-reason", record.reason.encode()))
-        if record.estimated_prompt_tokens is not None:
-            headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
-                            f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
-        return headers
-
 
 def _relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
     """The content type the client gets for an engine's 200: the API's own (`text/event-stream` for a
@@ -562,8 +491,140 @@ def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, fa
     return None
 
 
+class PoolStep(StrEnum):
+    """What the dispatch loop does next (`choose_pool`); a spill-over's value is its metric reason."""
+
+    ROUTE = "route"  # choose among the pool's candidates with room
+    UNAVAILABLE = "unavailable"  # spill over to the next pool: this one has no candidate left
+    SATURATED = "saturated"  # spill over to a later pool with room: this one is at its limits
+    WAIT = "wait"  # queue for a slot of this pool (no later pool has room either)
+    EXHAUSTED = "exhausted"  # no candidate here, and no later pool to spill over to
+
+
+def choose_pool(registry: WorkerRegistry, pool: PoolConfig, pools: list[PoolConfig],
+                tried: Collection[Worker]) -> tuple[PoolStep, PoolConfig, list[Worker]]:
+    """One step of choosing where a request goes, from the pool it is in (`pool`, one of `pools`,
+    the fitting pools smallest first): the step, the pool it leads to (the next pool on a
+    spill-over, else `pool`) and, for ROUTE, the candidates (not yet `tried`) with room. A pool
+    spills over only with `spillover` set; "unavailable" goes to the next pool (whose own
+    candidates are looked at in the next step), "saturated" to the first later pool with room."""
+    workers = registry.candidates(pool.name, tried)
+    later = pools[pools.index(pool) + 1:] if pool.spillover else []
+    if not workers:
+        return (PoolStep.UNAVAILABLE, later[0], workers) if later else (PoolStep.EXHAUSTED, pool, workers)
+    gate = registry.gates[pool.name]
+    if gate.limited and not (workers := gate.with_room(workers)):
+        roomy = next((p for p in later if registry.gates[p.name].with_room(registry.candidates(p.name, tried))), None)
+        return (PoolStep.SATURATED, roomy, workers) if roomy is not None else (PoolStep.WAIT, pool, workers)
+    return PoolStep.ROUTE, pool, workers
+
+
+def decide(policy: RoutingPolicy, request: RoutingRequest, workers: list[Worker],
+           match: Mapping[str, float]) -> Decision:
+    """The pool policy's choice among `workers` (candidates with room), each seen with its load,
+    KV cache usage and the share of the prompt it holds (`match`: worker URL -> 0..1, from the
+    affinity store; the matched tokens are that share of the estimated prompt tokens)."""
+    candidates = [Candidate(w, w.load(), w.kv_usage, match.get(w.url, 0.0),
+                            int(match.get(w.url, 0.0) * request.prompt_tokens)) for w in workers]
+    return policy.select(request, candidates)
+
+
+def engine_body(bodies: dict[tuple[str, bool, bool], bytes], payload: Payload, api: Api, served_name: str,
+                  worker: Worker, patch_usage: bool) -> bytes:
+    """The engine's request body for `worker`: the payload encoded with the pool's served model
+    name, the usage patch, and `max_tokens` for engines without `max_completion_tokens` on `api`;
+    encoded once per distinct form (`bodies` caches them for the request's later attempts)."""
+    key = (served_name, patch_usage, api not in worker.engine.max_completion_tokens_apis)
+    body = bodies.get(key)
+    if body is None:
+        body = bodies[key] = encode_for(payload, *key)
+    return body
+
+
+def after_failure(registry: WorkerRegistry, failure: AttemptFailed, worker: Worker, pool: PoolConfig,
+                  pools: list[PoolConfig], request: RoutingRequest, record: RequestRecord,
+                  too_long_retried: bool, failures: Failures) -> PoolConfig | BufferedResponse:
+    """What a failed attempt leads to: the pool to try next (the same one, or the next larger
+    one once after an engine's "too long"), or the engine's own error for the client, also
+    when a second worker failed exactly as the one before (the request's fault, held
+    against neither). Passive health: a 429 backs its worker off, a refused connection or a 5xx
+    that is the worker's own counts against it (`failures` holds a 5xx until the next attempt
+    tells whether the request caused it).
+
+    Raises UpstreamError / UpstreamTimeout for failures no other worker should repeat.
+    """
+    outcome = failure.outcome
+    if outcome is Outcome.TOO_LONG:
+        larger = larger_pools(pool, pools)
+        if too_long_retried or not larger:
+            return engine_error(failure, record)
+        return larger[0]
+    if outcome is Outcome.AUTH_ERROR:
+        raise UpstreamError(f"The inference server of pool {pool.name} refused the gateway's "
+                            "credentials; check the pool's api_key.")
+    if outcome is Outcome.TIMEOUT and not request.stream and failure.answered:
+        # The engine was generating (it had answered): do not make another one repeat it.
+        raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).",
+                              headers=dict(NO_CLIENT_RETRY))
+    if outcome not in RETRYABLE:
+        return engine_error(failure, record)
+    if outcome is Outcome.STATUS_429:  # busy, not broken
+        registry.throttled(worker, failure.retry_after)
+        failures.note_busy(failure)
+    elif outcome is Outcome.CONNECT_ERROR:
+        registry.connect_failed(worker, failure.detail)
+    elif outcome is Outcome.MOVED:  # a moved attempt's worker is already marked unhealthy
+        pass
+    elif _may_be_the_requests_fault(failure):
+        suspect = failures.suspect
+        if suspect is not None and suspect[0] is not worker and _same_failure(suspect[1], failure):
+            failures.suspect = None  # two workers, one answer: the request's doing
+            return request_fault(failure, record)
+        failures.charge(registry)  # the earlier one differed: that worker's own failure
+        failures.suspect = (worker, failure)
+    else:
+        registry.request_failed(worker, failure.detail)
+    return pool
+
+
+def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+    """Pass an engine's own 4xx answer to the client, as an OpenAI error object. An engine's
+    "too long" names the request's prompt as `param` (`messages`, or `prompt` on completions),
+    as OpenAI's context_length_exceeded does; the engines name other things or nothing."""
+    status = failure.status or 502
+    record.status = status
+    record.error = failure.detail
+    too_long = failure.outcome is Outcome.TOO_LONG
+    param = ("messages" if record.api == "chat" else "prompt") if too_long else None
+    body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
+    return BufferedResponse(status, body, b"application/json", route_headers(record))
+
+
+def request_fault(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+    """The engine's error for a request two workers failed the same way: passed on as the
+    engine gave it, with `x-should-retry: false` (the OpenAI SDKs then do not resend it)."""
+    response = engine_error(failure, record)
+    record.error = f"two workers failed the request the same way ({failure.detail}): the request's fault"
+    response.headers.append((b"x-should-retry", b"false"))
+    return response
+
+
+def route_headers(record: RequestRecord) -> Headers:
+    """The `x-kimi-gateway-*` headers that tell the client where its request went and why."""
+    headers = [(b"x-kimi-gateway-pool", record.pool.encode()),
+               (b"x-kimi-gateway-attempts", str(record.attempts).encode())]
+    if record.worker:
+        headers.append((b"x-kimi-gateway-worker", record.worker.encode()))
+    if record.reason:
+        headers.append((b"x-kimi-gateway-route-reason", record.reason.encode()))
+    if record.estimated_prompt_tokens is not None:
+        headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
+                        f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
+    return headers
+
+
 @dataclass(slots=True)
-class _Failures:
+class Failures:
     """What a request's failed attempts showed that one attempt cannot judge alone.
 
     `suspect` is a 5xx not yet held against its worker: if the next worker fails the same way,
