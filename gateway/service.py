@@ -285,12 +285,13 @@ class ProxyService:
 
     async def _attempt(self, api: Api, pool: PoolConfig, worker: Worker, body: bytes, request: RoutingRequest,
                        record: RequestRecord, strip_usage: bool = False) -> BufferedResponse | RelayResponse:
+        """One upstream attempt: send the request, wait for the engine's headers and its first
+        content within their budgets, then accept it: a stream is handed to an `UpstreamStream`
+        (which from then on owns the lease and the response), a non-streaming answer is read whole.
+        Raises AttemptFailed before anything reached the client, UpstreamError for an answer that
+        broke or is too large after the engine accepted the request."""
         state = self.state
-        headers = {"content-type": "application/json", "x-request-id": record.request_id}
-        if record.trace is not None:
-            headers.update(record.trace.start_attempt(pool.name, worker.id))
-        if pool.api_key is not None:
-            headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
+        headers = upstream_headers(pool, worker, record)
         timeouts = state.config.timeouts
         output = request.output_tokens if request.output_tokens is not None else pool.default_output_tokens
         timeout = request_timeout(timeouts, request.prompt_tokens, request.stream, output)
@@ -302,8 +303,7 @@ class ProxyService:
         loop = asyncio.get_running_loop()
         started = loop.time()
         moved = False
-        lease = Lease(worker, state.metrics, state.registry.gates[pool.name])
-        response = None
+        lease = Lease(worker, state.metrics, state.registry.gates[pool.name])  # owns the slot, then the response
         try:
             try:
                 async with asyncio.timeout(header_wait) as deadline:
@@ -316,8 +316,8 @@ class ProxyService:
 
                     state.registry.awaiting_headers(worker, move)
                     try:
-                        response = await open_upstream(state.upstream, worker.url + UPSTREAM_PATHS[api], body,
-                                                       headers, timeout, pool.name)
+                        lease.response = response = await open_upstream(
+                            state.upstream, worker.url + UPSTREAM_PATHS[api], body, headers, timeout, pool.name)
                     finally:
                         state.registry.headers_done(worker, move)
                     record.attempt_answered = True
@@ -332,12 +332,7 @@ class ProxyService:
                     else:
                         first, rest = await first_chunk(response)
             except TimeoutError:
-                response = None  # first_content / first_chunk closed it
-                if moved:
-                    raise AttemptFailed(Outcome.MOVED, "its health probe failed before it answered") from None
-                if not record.attempt_answered:
-                    raise AttemptFailed(Outcome.TIMEOUT, f"no response headers within {header_wait:.1f}s") from None
-                raise AttemptFailed(Outcome.TIMEOUT, f"no first content within {budget:.1f}s", answered=True) from None
+                raise timed_out(moved, record.attempt_answered, header_wait, budget) from None
             content_type = _relayed_content_type(response, request.stream)
             passed = _passed_headers(response)
             record.status = response.status_code
@@ -354,7 +349,7 @@ class ProxyService:
                     mark_first_byte(record)
                 stream = UpstreamStream(response, first, rest, lease, record, not content, timeouts.keepalive_interval,
                                         ended, strip_usage)
-                response = None  # the stream owns it now
+                lease.hand_over()  # the stream releases the slot and closes the response (`UpstreamStream.aclose`)
                 return RelayResponse(stream, content_type, passed)
             mark_first_byte(record)
             try:
@@ -371,14 +366,12 @@ class ProxyService:
                 ended(f"broken answer: {exc}")
                 raise UpstreamError(f"The inference server failed while sending its answer ({exc}).") from exc
             ended(None)
-            lease.release()
             return BufferedResponse(200, answer, content_type, passed)
-        except BaseException:
-            lease.release()
-            raise
         finally:
-            if response is not None:
-                await response.aclose()
+            if not lease.handed_over:  # the slot first (a waiter may take it), then the connection
+                lease.release()
+                if lease.response is not None:  # closing is idempotent: first_content may have closed it
+                    await lease.response.aclose()
 
     def attempt_cut_by_cap(self, record: RequestRecord) -> None:
         """Account for the attempt the overall cap (`timeouts.total`) cut: counted as a `timeout`;
@@ -585,6 +578,28 @@ def after_failure(registry: WorkerRegistry, failure: AttemptFailed, worker: Work
     else:
         registry.request_failed(worker, failure.detail)
     return pool
+
+
+def upstream_headers(pool: PoolConfig, worker: Worker, record: RequestRecord) -> dict[str, str]:
+    """The headers of the engine request: JSON, the request id, the trace context (opening the
+    attempt's span when tracing is on) and the pool's bearer credential."""
+    headers = {"content-type": "application/json", "x-request-id": record.request_id}
+    if record.trace is not None:
+        headers.update(record.trace.start_attempt(pool.name, worker.id))
+    if pool.api_key is not None:
+        headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
+    return headers
+
+
+def timed_out(moved: bool, answered: bool, header_wait: float, budget: float) -> AttemptFailed:
+    """The failure of an attempt whose wait ran out: `moved` (its worker failed a health probe,
+    which ends the wait at once), no response headers within `header_wait` seconds, or (`answered`)
+    no first content within `budget` seconds (the engine was working on it)."""
+    if moved:
+        return AttemptFailed(Outcome.MOVED, "its health probe failed before it answered")
+    if not answered:
+        return AttemptFailed(Outcome.TIMEOUT, f"no response headers within {header_wait:.1f}s")
+    return AttemptFailed(Outcome.TIMEOUT, f"no first content within {budget:.1f}s", answered=True)
 
 
 def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:

@@ -80,15 +80,23 @@ class AttemptFailed(Exception):
 
 
 class Lease:
-    """This replica's in-flight count on a worker and a slot of its pool, released exactly once."""
+    """An attempt's resources: this replica's in-flight count on a worker and a slot of its pool
+    (released exactly once), and, once it is open, the upstream response (`response`).
 
-    __slots__ = ("_gate", "_metrics", "_released", "worker")
+    The attempt owns them until it hands them over (`hand_over`) to the `UpstreamStream` that
+    relays the answer, which then releases both in its `aclose`; `handed_over` tells the attempt's
+    cleanup whether they are still its own.
+    """
+
+    __slots__ = ("_gate", "_metrics", "_released", "handed_over", "response", "worker")
 
     def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate) -> None:
         self.worker = worker
         self._metrics = metrics
         self._gate = gate
         self._released = False
+        self.handed_over = False
+        self.response: UpstreamResponse | None = None
         worker.in_flight += 1
         gate.acquired()
         metrics.in_flight.labels(worker.pool, worker.id).inc()
@@ -99,6 +107,10 @@ class Lease:
             self.worker.in_flight -= 1
             self._gate.released()
             self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
+
+    def hand_over(self) -> None:
+        """The slot and the response belong to their next owner from now on (it releases them)."""
+        self.handed_over = True
 
 
 def _classify_transport_error(exc: BaseException) -> Outcome:

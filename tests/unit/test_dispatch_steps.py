@@ -11,6 +11,7 @@ from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig, PoolConfig, parse_config
 from gateway.errors import UpstreamError, UpstreamTimeout
+from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.routing.router import Router
@@ -23,8 +24,10 @@ from gateway.service import (
     decide,
     engine_body,
     route_headers,
+    timed_out,
+    upstream_headers,
 )
-from gateway.streaming import AttemptFailed, Outcome
+from gateway.streaming import AttemptFailed, Lease, Outcome
 
 
 class Clock:
@@ -242,3 +245,41 @@ def test_route_headers_name_pool_attempts_worker_and_reason() -> None:
     assert dict(route_headers(done)) == {
         b"x-kimi-gateway-pool": b"small", b"x-kimi-gateway-attempts": b"2", b"x-kimi-gateway-worker": b"small/1",
         b"x-kimi-gateway-route-reason": b"affinity", b"x-kimi-gateway-estimated-prompt-tokens": b"12; method=bytes"}
+
+
+# -- the attempt's own parts -----------------------------------------------------------------------
+
+def test_upstream_headers_carry_the_request_id_and_the_pools_credential_only() -> None:
+    registry, pools, _ = setup(large={"api_key": "sk-engine"})
+    a, c = registry.pools["small"][0], registry.pools["large"][0]
+    assert upstream_headers(pools[0], a, record()) == {"content-type": "application/json", "x-request-id": "r"}
+    assert upstream_headers(pools[1], c, record())["authorization"] == "Bearer sk-engine"
+
+
+@pytest.mark.parametrize(("moved", "answered", "outcome", "detail", "was_answered"), [
+    (True, False, Outcome.MOVED, "health probe failed", False),
+    (True, True, Outcome.MOVED, "health probe failed", False),  # a probe's verdict wins over the wait
+    (False, False, Outcome.TIMEOUT, "no response headers within 2.5s", False),
+    (False, True, Outcome.TIMEOUT, "no first content within 30.0s", True),
+])
+def test_a_wait_that_ran_out_names_what_was_missing(moved: bool, answered: bool, outcome: Outcome, detail: str,
+                                                      was_answered: bool) -> None:
+    failure = timed_out(moved, answered, 2.5, 30.0)
+    assert (failure.outcome, failure.answered) == (outcome, was_answered)
+    assert detail in failure.detail
+
+
+def test_a_lease_holds_one_slot_until_released_once_whoever_owns_it() -> None:
+    registry, _, _ = setup(small={"max_in_flight": 1})
+    a = registry.pools["small"][0]
+    gate = registry.gates["small"]
+    metrics = GatewayMetrics()
+    lease = Lease(a, metrics, gate)
+    assert (a.in_flight, gate.in_flight, lease.handed_over, lease.response) == (1, 1, False, None)
+    assert gate.with_room([a]) == []
+    lease.hand_over()  # the stream's now: the attempt's cleanup leaves it alone
+    assert lease.handed_over and a.in_flight == 1
+    lease.release()
+    lease.release()
+    assert (a.in_flight, gate.in_flight) == (0, 0)
+    assert metrics.registry.get_sample_value("kimi_gateway_in_flight", {"pool": "small", "worker": a.id}) == 0
