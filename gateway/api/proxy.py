@@ -25,7 +25,7 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
-from gateway.metrics import NO_POOL
+from gateway.metrics import NO_POOL, GatewayMetrics
 from gateway.parsing import Body, body_of
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
@@ -121,6 +121,41 @@ def _over_cap_message(total: float | None) -> str:
     return f"The request exceeded the gateway's overall time limit of {total:g} seconds."
 
 
+def check_head(scope: Scope, headers: dict[str, str], max_body_bytes: int, json_only: bool) -> None:
+    """Refuse a request from its head alone, before a byte of its body is read: the auth
+    middleware's refusal (`AUTH_ERROR`: 401/403/429), a method other than POST (405), a declared
+    `content-length` over `max_body_bytes` (413), a body type a foreign page may post unasked
+    (415, `json_only`: auth off), or a content coding the gateway does not decode (415).
+    Raises the GatewayError to answer; returns None for a request to read on."""
+    if (refused := scope.get(AUTH_ERROR)) is not None:
+        raise refused
+    if scope["method"] != "POST":
+        raise MethodNotAllowed(f"Use POST for {scope['path']}.", headers={"allow": "POST"})
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body_bytes:
+        raise PayloadTooLarge(f"The request body is larger than the limit of {max_body_bytes} bytes.")
+    if json_only:
+        _require_json_content_type(headers)
+    encoding = headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):  # RFC 9110 15.5.16: 415 for a content coding we lack
+        raise UnsupportedMediaType(f"Content-Encoding '{encoding[:40]}' is not supported; "
+                                   f"send the JSON body uncompressed.")
+
+
+def hung_up(scope: Scope, record: RequestRecord, metrics: GatewayMetrics, response_started: bool) -> None:
+    """Account for a request whose connection ended under it: cut at the end of the shutdown grace
+    period (the shutdown guard answers the client), aborted because the client stopped reading
+    (`send_stalled`, counted per pool), or the client hung up before or during the response."""
+    guard = scope.get(SHUTDOWN_GUARD)
+    if guard is not None and guard.hung_up:  # the grace period ended: the guard answers the client
+        record.cut_by_shutdown(response_started=response_started)
+    elif scope.get(SEND_STALLED):  # the client stopped reading: its connection was aborted
+        record.client_gone("send_stalled")
+        metrics.client_send_stalls.labels(record.pool).inc()
+    else:
+        record.client_gone("mid_stream" if response_started else "before_response")
+
+
 class _HangUpWatch:
     """Cancels the request's own task when the client disconnects (after the body was read).
 
@@ -164,6 +199,9 @@ class ProxyEndpoint:
         self.api = api
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One request, in steps: check its head (`check_head`), read its body within the overall cap,
+        route and proxy it (`ProxyService.handle`) while a watcher notices a hang-up, answer (relay a
+        stream or send a buffered answer or error), and account for it (`RequestRecord.finish`)."""
         service: ProxyService = scope["state"]["service"]
         state = service.state
         total = state.config.timeouts.total
@@ -179,20 +217,7 @@ class ProxyEndpoint:
         watch: _HangUpWatch | None = None
         try:
             try:
-                if (refused := scope.get(AUTH_ERROR)) is not None:
-                    raise refused
-                if scope["method"] != "POST":
-                    raise MethodNotAllowed(f"Use POST for {scope['path']}.", headers={"allow": "POST"})
-                declared = headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > state.config.max_body_bytes:
-                    raise PayloadTooLarge(
-                        f"The request body is larger than the limit of {state.config.max_body_bytes} bytes.")
-                if state.auth is None:
-                    _require_json_content_type(headers)
-                encoding = headers.get("content-encoding", "").strip().lower()
-                if encoding not in ("", "identity"):  # RFC 9110 15.5.16: 415 for a content coding we lack
-                    raise UnsupportedMediaType(f"Content-Encoding '{encoding[:40]}' is not supported; "
-                                               f"send the JSON body uncompressed.")
+                check_head(scope, headers, state.config.max_body_bytes, json_only=state.auth is None)
                 try:
                     async with asyncio.timeout_at(deadline):
                         timeouts = state.config.timeouts
@@ -229,14 +254,7 @@ class ProxyEndpoint:
         except asyncio.CancelledError:
             if watch is None or not watch.absorb():
                 raise  # server shutdown: the finally below still closes the upstream
-            guard = scope.get(SHUTDOWN_GUARD)
-            if guard is not None and guard.hung_up:  # the grace period ended: the guard answers the client
-                record.cut_by_shutdown(response_started=isinstance(result, RelayResponse))
-            elif scope.get(SEND_STALLED):  # the client stopped reading: its connection was aborted
-                record.client_gone("send_stalled")
-                state.metrics.client_send_stalls.labels(record.pool).inc()
-            else:
-                record.client_gone("mid_stream" if isinstance(result, RelayResponse) else "before_response")
+            hung_up(scope, record, state.metrics, response_started=isinstance(result, RelayResponse))
         finally:
             if watch is not None:
                 await watch.stop()
