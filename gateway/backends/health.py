@@ -10,7 +10,7 @@ import httpx
 
 from gateway.backends.control import ControlError, control_get, pool_headers
 from gateway.backends.models_check import CHECKED_ENGINES, MODELS_PATH, UnreadableModels, models_verdict
-from gateway.backends.periodic import PeriodicEach
+from gateway.backends.periodic import FollowsWorkers, PeriodicEach
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import HealthConfig, PoolConfig
@@ -19,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 log = logging.getLogger("gateway.health")
 
 
-class HealthChecker:
+class HealthChecker(FollowsWorkers[Worker]):
     """Probes each worker every `interval` s, each on its own loop (a slow worker delays no other).
 
     A probe fails on a non-200, on no complete answer within `timeout` s (connect, headers and
@@ -47,14 +47,6 @@ class HealthChecker:
         self.expected = {p.name: (p.served_model_name or model_name, p.max_context_tokens) for p in pools}
         self._models_notes: dict[str, str] = {}
         self.loop = PeriodicEach("health probe", config.interval, list(registry), self.probe, label=lambda w: w.id)
-
-    def worker_added(self, worker: Worker) -> None:
-        """A worker joined (discovery, reload): its loop starts (its first round at once)."""
-        self.loop.add(worker)
-
-    def worker_gone(self, worker: Worker) -> None:
-        """A retired worker finished its requests: its loop stops."""
-        self.loop.remove(worker)
 
     def set_pools(self, pools: Iterable[PoolConfig]) -> None:
         """The pools' credentials and expected served name and max context after a reload; the

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backends.control import ControlError, control_get, pool_headers
 from gateway.backends.engines import EngineSpec
-from gateway.backends.periodic import PeriodicEach
+from gateway.backends.periodic import FollowsWorkers, PeriodicEach
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import LoadConfig, PoolConfig
@@ -46,7 +46,7 @@ def parse_engine_load(text: str, spec: EngineSpec) -> tuple[float | None, float 
     return running, waiting, kv
 
 
-class LoadScraper:
+class LoadScraper(FollowsWorkers[Worker]):
     """Background loops (one per worker) that refresh every worker's engine load.
 
     A scrape has `timeout` seconds overall and reads at most `max_body_bytes` of `/metrics`; it
@@ -65,13 +65,9 @@ class LoadScraper:
         """Worker id → why its last scrape failed (absent once one succeeds)."""
         self.loop = PeriodicEach("load scrape", config.interval, list(registry), self.scrape, label=lambda w: w.id)
 
-    def worker_added(self, worker: Worker) -> None:
-        """A worker joined (discovery, reload): its loop starts (its first round at once)."""
-        self.loop.add(worker)
-
     def worker_gone(self, worker: Worker) -> None:
-        """A retired worker finished its requests: its loop stops."""
-        self.loop.remove(worker)
+        """A retired worker finished its requests: its loop stops, its last failure is forgotten."""
+        super().worker_gone(worker)
         self.failures.pop(worker.id, None)
 
     def set_pools(self, pools: Iterable[PoolConfig]) -> None:

@@ -107,3 +107,19 @@ class PeriodicEach(Generic[T]):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class FollowsWorkers(Generic[T]):
+    """The registry-watcher half shared by tasks that run once per worker on its own schedule (the
+    health prober, the load scraper): a worker that joins gets its loop (first round at once); a
+    retired one that finished its requests loses it. Subclasses set `loop`."""
+
+    loop: PeriodicEach[T]
+
+    def worker_added(self, worker: T) -> None:
+        """A worker joined (discovery, reload): its loop starts."""
+        self.loop.add(worker)
+
+    def worker_gone(self, worker: T) -> None:
+        """A retired worker finished its requests: its loop stops."""
+        self.loop.remove(worker)
