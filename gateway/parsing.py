@@ -35,7 +35,7 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.affinity.hashing import PrefixHasher
-from gateway.backends.engines import ENGINES
+from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound

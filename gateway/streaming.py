@@ -28,7 +28,7 @@ from gateway.backends.client import (
     is_connect_error,
     is_timeout,
 )
-from gateway.backends.engines import is_context_too_long
+from gateway.backends.engine_kinds import is_context_too_long
 from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics

@@ -18,7 +18,7 @@ import redis
 from gateway.config import GatewayConfig
 from gateway.server import ThreadedServer
 from gateway.sim.app import SimApp
-from gateway.sim.engine import SimEngine
+from gateway.sim.worker_state import SimEngine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("KIMI_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))

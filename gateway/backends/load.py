@@ -18,7 +18,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backends.control import ControlError, control_get, pool_headers
-from gateway.backends.engines import EngineSpec
+from gateway.backends.engine_kinds import EngineSpec
 from gateway.backends.periodic import FollowsWorkers, PeriodicEach
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker

@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Protocol
 
 from gateway.backends.capacity import PoolGate
-from gateway.backends.engines import ENGINES
+from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.metrics import GatewayMetrics

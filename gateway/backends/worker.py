@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gateway.backends.engines import EngineSpec
+from gateway.backends.engine_kinds import EngineSpec
 
 
 @dataclass(eq=False, slots=True)

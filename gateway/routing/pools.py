@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.backends.engines import ENGINES
+from gateway.backends.engine_kinds import ENGINES
 from gateway.config import PoolConfig
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.routing.features import RoutingRequest

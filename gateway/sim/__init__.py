@@ -17,8 +17,8 @@ on `GET /sim/stats`.
 from gateway.sim.app import SimApp, create_sim_app
 from gateway.sim.config import ApiVersion, Engine, SimConfig, SimFaults
 from gateway.sim.dialects import EngineDialect, dialect_for
-from gateway.sim.engine import SimEngine, SimRequestRecord
 from gateway.sim.server import run_sim, sim_server, sim_uvicorn_server
+from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
 __all__ = [
     "ApiVersion",

@@ -41,8 +41,8 @@ from gateway.sim.asgi import (
     send_json,
 )
 from gateway.sim.config import BodyMode, SimConfig, SimFaults
-from gateway.sim.engine import SimEngine
 from gateway.sim.generation import handle_generation
+from gateway.sim.worker_state import SimEngine
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 

@@ -31,7 +31,6 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
-from gateway.sim.engine import ActiveRequest, SimEngine, SimRequestRecord
 from gateway.sim.kvcache import PromptKey
 from gateway.sim.tokens import (
     PromptError,
@@ -41,6 +40,7 @@ from gateway.sim.tokens import (
     output_token,
     requested_output_tokens,
 )
+from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
 
 RAW_CHUNK_PAUSE_S = 0.02
 """Pause between `raw_stream_chunks` writes, so each leaves as its own TCP segment."""

@@ -16,7 +16,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.sim.config import SimConfig
-from gateway.sim.engine import SimEngine
+from gateway.sim.worker_state import SimEngine
 
 
 class UnannouncedIdleCloseProtocol(HttpToolsProtocol):

@@ -18,7 +18,7 @@ import pytest
 import redis
 import yaml
 
-from gateway.engine import LlamaCppSettings, LlamaCppWorker
+from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
 from tests.support import free_port
 
 pytestmark = pytest.mark.engine

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from gateway.config import EstimationConfig
-from gateway.engine import LlamaCppSettings, LlamaCppWorker
+from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
 from gateway.routing.tokens import TokenEstimator
 from tests.e2e.smollm2 import SMOLLM2_ESTIMATION
 from tests.support import RunningGateway, pool

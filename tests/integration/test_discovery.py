@@ -18,7 +18,7 @@ from gateway.config import DiscoverConfig, DiscoveryConfig
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
-from gateway.sim.engine import SimEngine
+from gateway.sim.worker_state import SimEngine
 from tests.dns_support import LoopbackDns
 from tests.support import RunningGateway
 from tests.traffic import Traffic

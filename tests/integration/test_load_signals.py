@@ -10,7 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from gateway.backends.engines import ENGINES
+from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.load import parse_engine_load
 from tests.support import RunningGateway, RunningSim, pool
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.backends.engines import is_context_too_long
+from gateway.backends.engine_kinds import is_context_too_long
 from gateway.errors import ContextLengthExceeded, error_bytes_from_upstream
 from gateway.protocol.openai import ChatCompletionRequest, describe_validation_error
 

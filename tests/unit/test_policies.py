@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 from pydantic import ValidationError
 
-from gateway.backends.engines import ENGINES
+from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.worker import Worker
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate

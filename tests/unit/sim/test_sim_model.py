@@ -10,7 +10,6 @@ from prometheus_client import generate_latest
 from pydantic import ValidationError
 
 from gateway.sim import SimConfig, SimEngine, SimFaults
-from gateway.sim.engine import ActiveRequest, ProportionalKVUsage
 from gateway.sim.tokens import (
     OUTPUT_WORDS,
     PromptError,
@@ -20,6 +19,7 @@ from gateway.sim.tokens import (
     output_token,
     requested_output_tokens,
 )
+from gateway.sim.worker_state import ActiveRequest, ProportionalKVUsage
 
 CONFIG = SimConfig(engine="vllm", max_context_tokens=1000)
 

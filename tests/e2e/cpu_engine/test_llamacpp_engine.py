@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.engine import (
+from gateway.cpu_engine import (
     CONTEXT_EXCEEDED_MESSAGE,
     CONTEXT_EXCEEDED_STATUS,
     CONTEXT_EXCEEDED_TYPE,
