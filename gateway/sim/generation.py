@@ -32,6 +32,8 @@ from gateway.sim.asgi import (
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
+from gateway.sim.pd import PdFailure
+from gateway.sim.pd_leg import PdLeg
 from gateway.sim.tokens import (
     PromptError,
     chat_prompt_tokens,
@@ -68,6 +70,8 @@ class _Plan:
     finish_reason: str
     fmt: r.StreamFormat
     keys: tuple[PromptKey, ...] = ()
+    leg: PdLeg | None = None
+    """The PD hand-over of a worker with a `pd_role` (see `gateway.sim.pd_leg`)."""
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -130,7 +134,7 @@ async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, recei
     record = engine.new_record(scope["path"], lower_headers(scope), body)
     async with DisconnectWatch(receive) as watch:
         try:
-            await _serve(engine, kind, body, record, watch, send)
+            await _serve(engine, kind, body, record, watch, send, scope)
         except ClientDisconnected:
             engine.note_aborted()
             engine.update(record, aborted=True, finished_at=time.monotonic())
@@ -139,7 +143,7 @@ async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, recei
 
 
 async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestRecord,
-                 watch: DisconnectWatch, send: Send) -> None:
+                 watch: DisconnectWatch, send: Send, scope: Scope) -> None:
     dialect = engine.dialect
     if not isinstance(body, dict):
         await _Responder(send, engine, record, None).reply(dialect.bad_request("Invalid JSON body."))
@@ -181,6 +185,15 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
             await _reply_context_error(responder, error)
             return
     plan = replace(plan, keys=tuple(engine.prompt_keys(kind, body, plan.prompt_tokens)))
+    if engine.pd is not None:
+        leg = PdLeg.start(engine, record, kind, body, len(plan.prompt_tokens), scope)
+        if isinstance(leg, ErrorReply):
+            await responder.reply(leg)
+            return
+        leg.keys = plan.keys
+        if leg.sglang_prefill:  # SGLang's prefill worker stops after the first token
+            plan = replace(plan, output_tokens=min(plan.output_tokens, 1))
+        plan = replace(plan, leg=leg)
     await _run_admitted(engine, plan, record, responder, watch, faults)
 
 
@@ -234,20 +247,46 @@ async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord
         else:
             await _generate_sse(engine, plan, record, responder, watch, active)
         reason = plan.finish_reason
+    except PdFailure as exc:
+        await _reply_pd_failure(engine, record, responder, exc)
     finally:
         engine.stop_running(active, reason)
+        if plan.leg is not None:
+            plan.leg.finish()
 
 
-async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest) -> None:
-    """Sleep for the modelled time to first token, then cache the prompt's blocks."""
-    await watch.sleep(engine.prefill_seconds(active))
+async def _reply_pd_failure(engine: SimEngine, record: SimRequestRecord, responder: _Responder,
+                            exc: PdFailure) -> None:
+    """HTTP 500 with the engine's message, or an SSE error event once the stream has begun."""
+    engine.update(record, pd_failure=exc.kind)
+    reply = engine.dialect.error(exc.message, "InternalServerError", 500)
+    if not responder.started:
+        await responder.reply(reply)
+        return
+    await responder.event(b"data: " + reply.body + b"\n\n")
+    await responder.end_stream()
+
+
+async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest,
+                   leg: PdLeg | None = None) -> None:
+    """Sleep for the modelled time to first token, then cache the prompt's blocks. A PD leg
+    first waits for its hand-over; KV received from a prefill worker is not computed again."""
+    if leg is None:
+        await watch.sleep(engine.prefill_seconds(active))
+    else:
+        remote = await leg.before_prefill(watch, active)
+        rate = engine.config.prefill_tokens_per_s
+        local = max(0, active.prefill_tokens - remote)
+        await watch.sleep(engine.config.ttft_s + (local / rate if rate is not None else 0.0))
     engine.finish_prefill(active)
+    if leg is not None:
+        leg.after_prefill()
 
 
 async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                          watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     n_prompts = len(plan.prompt_tokens)
     for i in range(plan.output_tokens):
         if i > 0 and config.tpot_s > 0:
@@ -262,6 +301,8 @@ async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     else:
         payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
                                     completion_tokens, active.cached_tokens)
+    if plan.leg is not None:
+        payload.update(plan.leg.response_fields(active))
     engine.update(record, completion_tokens_sent=completion_tokens)
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
@@ -272,7 +313,7 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     prompt_total, cached = plan.total_prompt_tokens, active.cached_tokens
@@ -305,7 +346,7 @@ async def _generate_raw(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     """Send exactly the configured bytes, one write per chunk, ~20 ms apart."""
     engine.update(record, fault="raw_stream_chunks")
     await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     chunks = faults.raw_chunk_bytes() or []
     for i, chunk in enumerate(chunks):
         if i > 0:

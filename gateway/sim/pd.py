@@ -1,0 +1,356 @@
+"""Prefill/decode (PD) disaggregation roles of the simulator, after SGLang's and vLLM's protocols.
+
+A PD pair is two workers: a prefill worker computes the prompt's KV cache, a decode worker
+receives it and generates. What goes over the wire (checked against the routers' own traffic by
+tests/integration/sim/test_sim_pd_peers.py, which runs sglang-router 0.3.2 and vllm-router 0.1.17
+in front of the simulator):
+
+SGLang (prefill `--disaggregation-mode prefill --disaggregation-bootstrap-port P`, decode
+`--disaggregation-mode decode`; router: sgl-router `src/routers/http/pd_router.rs`):
+
+- The router adds three top-level body fields and sends the SAME body to a prefill and a decode
+  worker at once: `bootstrap_host` (the prefill worker's host, a string), `bootstrap_port` (its
+  bootstrap port from the router's `--prefill URL PORT`, an int, null when none was given) and
+  `bootstrap_room` (a random non-negative 63-bit int). For a batched prompt (a list of prompts in
+  `/v1/completions` or `/generate`) all three are lists, one entry per prompt. The router reads
+  both answers and returns the decode worker's (streamed or not). sglang-router 0.3.2 re-encodes
+  the body from its typed request, so the workers also see its defaults (chat: `max_tokens`
+  renamed `max_completion_tokens`, `logprobs: false`, `skip_special_tokens: true` ...).
+- The decode worker connects to the prefill worker's bootstrap server (`bootstrap_host:
+  bootstrap_port`), registers for the room and waits for the KV. The prefill worker does not
+  compute a request before its decode partner has bootstrapped (its bootstrap queue), then
+  prefills, sends the KV and answers with the first token. Failures end the request with HTTP 500
+  (`prepare_abort(..., status_code=INTERNAL_SERVER_ERROR)` in
+  `python/sglang/srt/disaggregation/decode.py` / `prefill.py`); the decode side's wording is
+  "Decode transfer failed for request rank=0 with exception KVTransferError(bootstrap_room=R):
+  Request R timed out after T s in KVPoll.WaitingForInput" after
+  `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` (300 s; `mooncake/conn.py`, `nixl/conn.py`
+  `KVReceiver.poll`); the prefill side times out in "KVPoll.Bootstrapping" after
+  `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` (300 s). Metrics (`srt/metrics/collector.py`):
+  counters `sglang:num_bootstrap_failed_reqs_total`, `sglang:num_transfer_failed_reqs_total`,
+  histogram `sglang:kv_transfer_latency_ms`, gauges `sglang:num_decode_transfer_queue_reqs`,
+  `sglang:num_prefill_inflight_queue_reqs`.
+
+vLLM with the NixlConnector (`--kv-transfer-config '{"kv_connector":"NixlConnector",...}'`;
+router: vllm-project/router `src/routers/http/vllm_pd_router.rs`; connector:
+`vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`):
+
+- Both legs carry the same `X-Request-Id` header
+  (`___prefill_addr_{P host:port}___decode_addr_{D host:port}_{uuid hex}`) and
+  `Authorization: Bearer $OPENAI_API_KEY` (empty when unset). The prefill leg is the request with
+  `max_tokens: 1` (`max_completion_tokens: 1` when present), `stream: false`, no
+  `stream_options`, `min_tokens` set to 1 (0.1.17 adds it; newer routers lower it to 1 only when
+  above), and `kv_transfer_params: {"do_remote_decode": true, "do_remote_prefill": false,
+  "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}`.
+- The prefill worker answers (JSON) with a top-level `kv_transfer_params`: `{"do_remote_prefill":
+  true, "do_remote_decode": false, "remote_block_ids": [int...], "remote_engine_id": str,
+  "remote_request_id": str, "remote_host": str, "remote_port": int, "tp_size": int}`
+  (`NixlConnectorScheduler.request_finished`; full blocks only, so a prompt shorter than a block
+  gives `[]`) and keeps those blocks until the decode worker read them or
+  `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (480 s) passed (`vllm:nixl_num_kv_expired_reqs`).
+- The router sends the ORIGINAL request plus that `kv_transfer_params` object (null when the
+  answer had none) to the decode worker and relays its answer. The decode worker reads the blocks
+  from `remote_host:remote_port` (the NIXL side channel); it loads only the tokens its own prefix
+  cache lacks. A request without `do_remote_prefill` runs aggregated (prefilled locally). A read
+  that fails ends the request per `kv_load_failure_policy`: "fail" (the default since late 2025)
+  finishes it with an error, which vLLM's OpenAI server turns into HTTP 500 "Internal server
+  error" (an SSE error event once streaming); "recompute" prefills locally. Metrics
+  (`nixl_connector.py` `NixlPromMetrics`): histograms `vllm:nixl_xfer_time_seconds`,
+  `vllm:nixl_bytes_transferred`, counter `vllm:nixl_num_failed_transfers`.
+- vLLM's Mooncake connector (`--kv-connector mooncake` in vllm-router) has its own wire shape
+  (the router asks each prefill node's bootstrap server for its engine id per DP rank); it is not
+  simulated here.
+
+The simulator's side channels (test-only, under `/sim/pd/`): a SGLang decode sim POSTs
+`/sim/pd/sglang/rooms/{room}` to `bootstrap_host:bootstrap_port` (a prefill sim's HTTP port, or
+its `bootstrap_port` listener) and gets an answer when the KV is ready; a NIXL decode sim POSTs
+`/sim/pd/nixl/read` to `remote_host:remote_port`. Error wording not quoted above is the sim's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.sim.config import SimConfig
+from gateway.sim.kvcache import CacheLease
+
+SGLANG_ROOMS_PATH = "/sim/pd/sglang/rooms/"
+NIXL_READ_PATH = "/sim/pd/nixl/read"
+
+
+class PdFailure(Exception):
+    """The KV of a request could not be handed over; `message` is what the engine answers (HTTP
+    500); `kind` names the failure ("bootstrap", "transfer", "expired", "unknown_handle")."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+
+
+@dataclass
+class PdCounters:
+    """Running PD totals of one worker (exposed as the engines' metrics, see `gateway.sim.metrics`)."""
+
+    bootstrap_failed: int = 0
+    transfer_failed: int = 0
+    kv_expired: int = 0
+    transfers: int = 0
+    transfer_seconds: float = 0.0
+    transferred_tokens: int = 0
+    waiting_for_kv: int = 0
+    """Decode: requests waiting for their KV (SGLang's transfer queue)."""
+    held_for_decode: int = 0
+    """Prefill: finished prefills whose KV waits for its decode worker."""
+
+
+@dataclass(eq=False)
+class _Room:
+    """One SGLang bootstrap room on a prefill worker."""
+
+    claimed: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    failed: str | None = None
+
+
+@dataclass(eq=False)
+class _Handle:
+    """KV blocks a vLLM NIXL prefill worker holds for a decode worker."""
+
+    block_ids: list[int]
+    leases: list[CacheLease]
+    expiry: asyncio.TimerHandle | None = None
+
+
+class PdState:
+    """The PD side of one simulated worker: rooms / held blocks (prefill), counters (both).
+
+    Rooms and handles live in the sim's event loop (its HTTP handlers); counters are read from
+    other threads under a lock. `hold` / `release` pin and unpin prefix-cache blocks through the
+    callbacks of the owning `SimEngine`.
+    """
+
+    def __init__(self, config: SimConfig, hold: Callable[[Any], list[CacheLease]],
+                 release: Callable[[list[CacheLease]], None]) -> None:
+        self.config = config
+        self.engine_id = config.engine_id or str(uuid.uuid4())
+        self._hold = hold
+        self._release = release
+        self._lock = threading.Lock()
+        self._counters = PdCounters()
+        self._rooms: dict[int, _Room] = {}
+        self._handles: dict[str, _Handle] = {}
+        self._block_ids = itertools.count(1)
+
+    def counters(self) -> PdCounters:
+        """A copy of the counters."""
+        with self._lock:
+            return PdCounters(**vars(self._counters))
+
+    def count(self, **deltas: float) -> None:
+        """Add to counters (thread-safe)."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+    @property
+    def held_handles(self) -> int:
+        """vLLM NIXL prefill: requests whose blocks are held now."""
+        return len(self._handles)
+
+    # --- SGLang, prefill side ----------------------------------------------------------------
+
+    def _room(self, room: int) -> _Room:
+        state = self._rooms.get(room)
+        if state is None:
+            state = self._rooms[room] = _Room()
+        return state
+
+    async def sglang_wait_bootstrap(self, rooms: list[int]) -> None:
+        """Prefill: wait until a decode worker claimed every room (`pd_wait_timeout_s`, then
+        raise PdFailure "bootstrap")."""
+        started = time.monotonic()
+        timeout = self.config.pd_wait_timeout_s
+        for room in rooms:
+            remaining = max(0.0, timeout - (time.monotonic() - started))
+            try:
+                await asyncio.wait_for(self._room(room).claimed.wait(), remaining)
+            except TimeoutError:
+                elapsed = time.monotonic() - started
+                for r in rooms:
+                    self._rooms.pop(r, None)
+                self.count(bootstrap_failed=1)
+                raise PdFailure(
+                    f"Prefill bootstrap failed for request rank=0 bootstrap_room={room} with exception "
+                    f"KVTransferError(bootstrap_room={room}): Request {room} timed out after "
+                    f"{elapsed:.1f}s in KVPoll.Bootstrapping", "bootstrap") from None
+
+    def sglang_kv_ready(self, rooms: list[int]) -> None:
+        """Prefill: the KV of these rooms is computed; their decode workers may take it."""
+        for room in rooms:
+            self._room(room).ready.set()
+
+    def sglang_abandon(self, rooms: list[int], reason: str) -> None:
+        """Prefill: the request ended without KV (aborted or failed); waiting decode workers fail."""
+        for room in rooms:
+            state = self._rooms.get(room)
+            if state is not None and not state.ready.is_set():
+                state.failed = reason
+                state.ready.set()
+
+    async def sglang_claim(self, room: int, timeout_s: float) -> tuple[int, str | None]:
+        """A decode worker's bootstrap for `room`: (200, None) once the KV is ready, (408, None)
+        after `timeout_s`, (500, reason) when the prefill failed."""
+        state = self._room(room)
+        state.claimed.set()
+        try:
+            await asyncio.wait_for(state.ready.wait(), timeout_s)
+        except TimeoutError:
+            return 408, None
+        finally:
+            if state.ready.is_set():
+                self._rooms.pop(room, None)
+        return (500, state.failed) if state.failed is not None else (200, None)
+
+    # --- vLLM NIXL, prefill side -------------------------------------------------------------
+
+    def nixl_offer(self, request_id: str, keys: Any, prompt_tokens: int, port: int) -> dict[str, Any]:
+        """Prefill: hold the full blocks of a finished prefill and return the `kv_transfer_params`
+        of the answer (see the module docstring)."""
+        n_blocks = prompt_tokens // self.config.kv_block_tokens
+        block_ids = [next(self._block_ids) for _ in range(n_blocks)]
+        if n_blocks:
+            handle = _Handle(block_ids, self._hold(keys))
+            self._handles[request_id] = handle
+            handle.expiry = asyncio.get_running_loop().call_later(
+                self.config.nixl_abort_request_timeout_s, self._expire, request_id)
+            self.count(held_for_decode=1)
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids,
+                "remote_engine_id": self.engine_id, "remote_request_id": request_id,
+                "remote_host": self.config.side_channel_host, "remote_port": port, "tp_size": 1}
+
+    def _expire(self, request_id: str) -> None:
+        handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            self._release(handle.leases)
+            self.count(kv_expired=1, held_for_decode=-1)
+
+    def nixl_read(self, engine_id: Any, request_id: Any, block_ids: Any) -> bool:
+        """A decode worker reads held blocks: True (and the blocks are freed) when this worker
+        holds exactly them for that request, else False."""
+        if engine_id != self.engine_id or not isinstance(request_id, str):
+            return False
+        handle = self._handles.get(request_id)
+        if handle is None or block_ids != handle.block_ids:
+            return False
+        del self._handles[request_id]
+        if handle.expiry is not None:
+            handle.expiry.cancel()
+        self._release(handle.leases)
+        self.count(held_for_decode=-1)
+        return True
+
+    def close(self) -> None:
+        """Free every held block (the server stops)."""
+        for request_id in list(self._handles):
+            handle = self._handles.pop(request_id)
+            if handle.expiry is not None:
+                handle.expiry.cancel()
+            self._release(handle.leases)
+
+
+# --- decode side: fetch the KV from the prefill worker -------------------------------------------
+
+
+def as_list(value: Any, n: int) -> list[Any]:
+    """A bootstrap field as one entry per prompt (batched requests carry lists)."""
+    return list(value) if isinstance(value, list) else [value] * n
+
+
+def sglang_bootstrap(body: dict[str, Any], n_prompts: int) -> list[tuple[str, int, int]] | str:
+    """(host, port, room) per prompt of a SGLang decode request, or the sim's error message when
+    the fields are missing or malformed."""
+    try:
+        hosts = as_list(body["bootstrap_host"], n_prompts)
+        ports = as_list(body["bootstrap_port"], n_prompts)
+        rooms = as_list(body["bootstrap_room"], n_prompts)
+    except KeyError as exc:
+        return f"Disaggregated request is missing {exc.args[0]}"
+    if not (len(hosts) == len(ports) == len(rooms) == n_prompts):
+        return "bootstrap_host, bootstrap_port and bootstrap_room must have one entry per prompt"
+    out = []
+    for host, port, room in zip(hosts, ports, rooms, strict=True):
+        if not isinstance(host, str) or not isinstance(port, int) or not isinstance(room, int) or room < 0:
+            return "bootstrap_host must be a string, bootstrap_port an integer, bootstrap_room a non-negative integer"
+        out.append((host, port, room))
+    return out
+
+
+async def sglang_receive(targets: list[tuple[str, int, int]], timeout_s: float,
+                         client: Callable[[], httpx.AsyncClient]) -> None:
+    """Decode: bootstrap with each prompt's prefill worker and wait for its KV; raises PdFailure
+    with SGLang's wording (see the module docstring)."""
+    started = time.monotonic()
+    for host, port, room in targets:
+        remaining = max(0.001, timeout_s - (time.monotonic() - started))
+        try:
+            response = await client().post(f"http://{host}:{port}{SGLANG_ROOMS_PATH}{room}",
+                                           json={"timeout_s": remaining}, timeout=remaining + 5.0)
+        except httpx.HTTPError as exc:
+            raise PdFailure(f"Decode transfer failed for request rank=0 with exception "
+                            f"KVTransferError(bootstrap_room={room}): Could not fetch prefill parallel "
+                            f"info from bootstrap_addr: {host}:{port} ({type(exc).__name__})", "bootstrap") from None
+        if response.status_code == 408:
+            elapsed = time.monotonic() - started
+            raise PdFailure(f"Decode transfer failed for request rank=0 with exception "
+                            f"KVTransferError(bootstrap_room={room}): Request {room} timed out after "
+                            f"{elapsed:.1f}s in KVPoll.WaitingForInput", "transfer")
+        if response.status_code != 200:
+            raise PdFailure(f"Decode transfer failed for request rank=0 with exception "
+                            f"KVTransferError(bootstrap_room={room}): Failed to get kvcache from prefill "
+                            f"instance, it might be dead", "transfer")
+
+
+def nixl_remote(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The `kv_transfer_params` of a vLLM decode request that asks for a remote prefill, else
+    None (the request then runs aggregated)."""
+    params = body.get("kv_transfer_params")
+    if isinstance(params, dict) and params.get("do_remote_prefill") is True:
+        return params
+    return None
+
+
+async def nixl_pull(params: dict[str, Any], client: Callable[[], httpx.AsyncClient]) -> int:
+    """Decode: read the blocks named by `params` from the prefill worker; returns how many blocks
+    came over. Raises PdFailure when the handle is unknown there or the side channel is down."""
+    block_ids = params.get("remote_block_ids") or []
+    if not block_ids:
+        return 0  # a prompt shorter than one block: nothing to pull (vLLM prefills it locally)
+    url = f"http://{params.get('remote_host')}:{params.get('remote_port')}{NIXL_READ_PATH}"
+    try:
+        response = await client().post(url, json={
+            "remote_engine_id": params.get("remote_engine_id"),
+            "remote_request_id": params.get("remote_request_id"),
+            "remote_block_ids": block_ids}, timeout=30.0)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise PdFailure(f"NIXL handshake with {url} failed: {type(exc).__name__}", "transfer") from None
+    if response.status_code != 200:
+        raise PdFailure("NIXL read of unknown or expired blocks", "unknown_handle")
+    return len(block_ids)
+
+
+def new_request_id(kind: str, headers: dict[str, str]) -> str:
+    """vLLM's internal request id: `chatcmpl-` / `cmpl-` + the `X-Request-Id` header (or a fresh
+    hex id) + an 8-hex-digit suffix (`InputProcessor.assign_request_id`)."""
+    base = headers.get("x-request-id") or uuid.uuid4().hex
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}-{secrets.token_hex(4)}"
