@@ -298,27 +298,32 @@ def sglang_bootstrap(body: dict[str, Any], n_prompts: int) -> list[tuple[str, in
 
 async def sglang_receive(targets: list[tuple[str, int, int]], timeout_s: float,
                          client: Callable[[], httpx.AsyncClient]) -> None:
-    """Decode: bootstrap with each prompt's prefill worker and wait for its KV; raises PdFailure
-    with SGLang's wording (see the module docstring)."""
+    """Decode: bootstrap with each prompt's prefill worker and wait for its KV (all prompts at
+    once, as SGLang schedules them as separate requests); raises PdFailure with SGLang's wording
+    (see the module docstring)."""
     started = time.monotonic()
-    for host, port, room in targets:
-        remaining = max(0.001, timeout_s - (time.monotonic() - started))
-        try:
-            response = await client().post(f"http://{host}:{port}{SGLANG_ROOMS_PATH}{room}",
-                                           json={"timeout_s": remaining}, timeout=remaining + 5.0)
-        except httpx.HTTPError as exc:
-            raise PdFailure(f"Decode transfer failed for request rank=0 with exception "
-                            f"KVTransferError(bootstrap_room={room}): Could not fetch prefill parallel "
-                            f"info from bootstrap_addr: {host}:{port} ({type(exc).__name__})", "bootstrap") from None
-        if response.status_code == 408:
-            elapsed = time.monotonic() - started
-            raise PdFailure(f"Decode transfer failed for request rank=0 with exception "
-                            f"KVTransferError(bootstrap_room={room}): Request {room} timed out after "
-                            f"{elapsed:.1f}s in KVPoll.WaitingForInput", "transfer")
-        if response.status_code != 200:
-            raise PdFailure(f"Decode transfer failed for request rank=0 with exception "
-                            f"KVTransferError(bootstrap_room={room}): Failed to get kvcache from prefill "
-                            f"instance, it might be dead", "transfer")
+    results = await asyncio.gather(*(_sglang_receive_one(host, port, room, timeout_s, started, client)
+                                     for host, port, room in targets), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+async def _sglang_receive_one(host: str, port: int, room: int, timeout_s: float, started: float,
+                              client: Callable[[], httpx.AsyncClient]) -> None:
+    prefix = f"Decode transfer failed for request rank=0 with exception KVTransferError(bootstrap_room={room}): "
+    try:
+        response = await client().post(f"http://{host}:{port}{SGLANG_ROOMS_PATH}{room}",
+                                       json={"timeout_s": timeout_s}, timeout=timeout_s + 5.0)
+    except httpx.HTTPError as exc:
+        raise PdFailure(f"{prefix}Could not fetch prefill parallel info from bootstrap_addr: {host}:{port} "
+                        f"({type(exc).__name__})", "bootstrap") from None
+    if response.status_code == 408:
+        elapsed = time.monotonic() - started
+        raise PdFailure(f"{prefix}Request {room} timed out after {elapsed:.1f}s in KVPoll.WaitingForInput",
+                        "transfer")
+    if response.status_code != 200:
+        raise PdFailure(f"{prefix}Failed to get kvcache from prefill instance, it might be dead", "transfer")
 
 
 def nixl_remote(body: dict[str, Any]) -> dict[str, Any] | None:

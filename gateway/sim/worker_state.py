@@ -534,7 +534,8 @@ class SimEngine:
 
         Counters (requests, tokens) are those of `SimTotals`; `max_running` / `max_waiting` are
         peaks since the reset; `running`, `waiting`, `cache_tokens_now` (tokens in cached blocks),
-        `kv_used_tokens` and `kv_usage` (the value `/metrics` reports) describe the present.
+        `kv_used_tokens` and `kv_usage` (the value `/metrics` reports) describe the present. PD
+        workers add `pd`: the `PdCounters` (lifetime, not reset) and `held_handles`.
         """
         with self._cond:
             out: dict[str, Any] = self._lifetime_totals().minus(self._baseline).to_json()
@@ -548,7 +549,9 @@ class SimEngine:
                 kv_capacity_tokens=self.config.kv_capacity_tokens,
                 kv_usage=self._kv_usage(),
             )
-            return out
+        if self.pd is not None:
+            out["pd"] = {**asdict(self.pd.counters()), "held_handles": self.pd.held_handles}
+        return out
 
     def reset_stats(self) -> dict[str, Any]:
         """Restart the `/sim/stats` counters and peaks (the cache, the load and `/metrics` stay);
