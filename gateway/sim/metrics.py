@@ -100,7 +100,7 @@ class PdMetricsCollector(Collector):
 
     SGLang: `sglang:num_bootstrap_failed_reqs_total`, `sglang:num_transfer_failed_reqs_total`
     (counters), `sglang:kv_transfer_latency_ms` (histogram, one +Inf bucket), and the gauges
-    `sglang:num_decode_transfer_queue_reqs` (decode) / `sglang:num_prefill_inflight_queue_reqs`
+    `sglang:num_decode_transfer_queue_reqs` (decode) / `sglang:num_prefill_prealloc_queue_reqs`
     (prefill). vLLM: `vllm:nixl_xfer_time_seconds` (histogram, decode), `vllm:nixl_num_failed_transfers`
     (counter, decode), `vllm:nixl_num_kv_expired_reqs` (counter, prefill). Label values are the
     dialect's (`model_name`, plus `engine` for vLLM).
@@ -135,8 +135,8 @@ class PdMetricsCollector(Collector):
                             c.transfer_seconds * 1000.0)
             yield family(GaugeMetricFamily, "sglang:num_decode_transfer_queue_reqs",
                          "Decode requests waiting for their KV.", c.waiting_for_kv)
-            yield family(GaugeMetricFamily, "sglang:num_prefill_inflight_queue_reqs",
-                         "Prefilled requests whose KV is not yet taken.", c.held_for_decode)
+            yield family(GaugeMetricFamily, "sglang:num_prefill_prealloc_queue_reqs",
+                         "Prefill requests waiting for their decode worker's bootstrap.", c.bootstrapping)
         else:
             yield histogram("vllm:nixl_xfer_time_seconds", "NIXL KV transfer time (simulated).", c.transfer_seconds)
             yield family(CounterMetricFamily, "vllm:nixl_num_failed_transfers", "Failed NIXL KV transfers.",

@@ -28,8 +28,9 @@ SGLang (prefill `--disaggregation-mode prefill --disaggregation-bootstrap-port P
   `KVReceiver.poll`); the prefill side times out in "KVPoll.Bootstrapping" after
   `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` (300 s). Metrics (`srt/metrics/collector.py`):
   counters `sglang:num_bootstrap_failed_reqs_total`, `sglang:num_transfer_failed_reqs_total`,
-  histogram `sglang:kv_transfer_latency_ms`, gauges `sglang:num_decode_transfer_queue_reqs`,
-  `sglang:num_prefill_inflight_queue_reqs`.
+  histogram `sglang:kv_transfer_latency_ms`, gauges `sglang:num_decode_transfer_queue_reqs`
+  (decode: waiting for KV) and `sglang:num_prefill_prealloc_queue_reqs` (prefill: waiting for the
+  decode worker's bootstrap).
 
 vLLM with the NixlConnector (`--kv-transfer-config '{"kv_connector":"NixlConnector",...}'`;
 router: vllm-project/router `src/routers/http/vllm_pd_router.rs`; connector:
@@ -110,8 +111,10 @@ class PdCounters:
     transferred_tokens: int = 0
     waiting_for_kv: int = 0
     """Decode: requests waiting for their KV (SGLang's transfer queue)."""
+    bootstrapping: int = 0
+    """SGLang prefill: requests waiting for their decode worker's bootstrap (the bootstrap queue)."""
     held_for_decode: int = 0
-    """Prefill: finished prefills whose KV waits for its decode worker."""
+    """vLLM NIXL prefill: finished prefills whose blocks wait for their decode worker's read."""
 
 
 @dataclass(eq=False)
@@ -176,37 +179,54 @@ class PdState:
             state = self._rooms[room] = _Room()
         return state
 
-    async def sglang_wait_bootstrap(self, rooms: list[int]) -> None:
+    def _forget(self, room: int, state: _Room) -> None:
+        if self._rooms.get(room) is state:
+            del self._rooms[room]
+
+    async def sglang_wait_bootstrap(self, rooms: list[int]) -> list[_Room]:
         """Prefill: wait until a decode worker claimed every room (`pd_wait_timeout_s`, then
-        raise PdFailure "bootstrap")."""
+        raise PdFailure "bootstrap"); returns the rooms' states for `sglang_kv_ready` /
+        `sglang_abandon`. A room is forgotten here once its decode worker's claim has ended."""
+        states = [self._room(room) for room in rooms]
         started = time.monotonic()
         timeout = self.config.pd_wait_timeout_s
-        for room in rooms:
-            remaining = max(0.0, timeout - (time.monotonic() - started))
-            try:
-                await asyncio.wait_for(self._room(room).claimed.wait(), remaining)
-            except TimeoutError:
-                elapsed = time.monotonic() - started
-                for r in rooms:
-                    self._rooms.pop(r, None)
-                self.count(bootstrap_failed=1)
-                raise PdFailure(
-                    f"Prefill bootstrap failed for request rank=0 bootstrap_room={room} with exception "
-                    f"KVTransferError(bootstrap_room={room}): Request {room} timed out after "
-                    f"{elapsed:.1f}s in KVPoll.Bootstrapping", "bootstrap") from None
+        self.count(bootstrapping=1)
+        try:
+            for room, state in zip(rooms, states, strict=True):
+                remaining = max(0.0, timeout - (time.monotonic() - started))
+                try:
+                    await asyncio.wait_for(state.claimed.wait(), remaining)
+                except TimeoutError:
+                    elapsed = time.monotonic() - started
+                    self.count(bootstrap_failed=1)
+                    raise PdFailure(
+                        f"Prefill bootstrap failed for request rank=0 bootstrap_room={room} with exception "
+                        f"KVTransferError(bootstrap_room={room}): Request {room} timed out after "
+                        f"{elapsed:.1f}s in KVPoll.Bootstrapping", "bootstrap") from None
+        except BaseException:
+            self.sglang_abandon(rooms, states, "prefill request ended without KV")
+            raise
+        finally:
+            self.count(bootstrapping=-1)
+        return states
 
-    def sglang_kv_ready(self, rooms: list[int]) -> None:
-        """Prefill: the KV of these rooms is computed; their decode workers may take it."""
-        for room in rooms:
-            self._room(room).ready.set()
+    def sglang_kv_ready(self, states: list[_Room]) -> None:
+        """Prefill: the KV of these rooms is computed; their decode workers take it."""
+        for state in states:
+            state.ready.set()
 
-    def sglang_abandon(self, rooms: list[int], reason: str) -> None:
-        """Prefill: the request ended without KV (aborted or failed); waiting decode workers fail."""
-        for room in rooms:
-            state = self._rooms.get(room)
-            if state is not None and not state.ready.is_set():
+    def sglang_abandon(self, rooms: list[int], states: list[_Room], reason: str) -> None:
+        """Prefill: the request ended without KV (failed or aborted): waiting decode workers fail."""
+        for room, state in zip(rooms, states, strict=True):
+            if not state.ready.is_set():
                 state.failed = reason
                 state.ready.set()
+            self._forget(room, state)
+
+    @property
+    def open_rooms(self) -> int:
+        """SGLang prefill: rooms known now (claimed or awaited, not yet handed over)."""
+        return len(self._rooms)
 
     async def sglang_claim(self, room: int, timeout_s: float) -> tuple[int, str | None]:
         """A decode worker's bootstrap for `room`: (200, None) once the KV is ready, (408, None)
@@ -218,8 +238,7 @@ class PdState:
         except TimeoutError:
             return 408, None
         finally:
-            if state.ready.is_set():
-                self._rooms.pop(room, None)
+            self._forget(room, state)  # the decode worker got its answer or left
         return (500, state.failed) if state.failed is not None else (200, None)
 
     # --- vLLM NIXL, prefill side -------------------------------------------------------------

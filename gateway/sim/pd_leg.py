@@ -36,6 +36,7 @@ class PdLeg:
     nixl_offer: bool = False
     """vLLM prefill: the request asked to keep its KV for a remote decode."""
     keys: tuple[PromptKey, ...] = ()
+    _rooms_claimed: list[Any] = field(default_factory=list)
     _ready: bool = False
 
     @classmethod
@@ -70,7 +71,7 @@ class PdLeg:
         pd = self.engine.pd
         assert pd is not None
         if self.rooms:
-            await watch.run(pd.sglang_wait_bootstrap(self.rooms))
+            self._rooms_claimed = await watch.run(pd.sglang_wait_bootstrap(self.rooms))
             return 0
         if self.targets:
             pd.count(waiting_for_kv=1)
@@ -109,8 +110,8 @@ class PdLeg:
 
     def after_prefill(self) -> None:
         """The prompt's KV is computed: a SGLang prefill worker hands it to the waiting decode."""
-        if self.rooms and self.engine.pd is not None:
-            self.engine.pd.sglang_kv_ready(self.rooms)
+        if self._rooms_claimed and self.engine.pd is not None:
+            self.engine.pd.sglang_kv_ready(self._rooms_claimed)
             self._ready = True
 
     def response_fields(self, active: ActiveRequest) -> dict[str, Any]:
@@ -126,5 +127,5 @@ class PdLeg:
 
     def finish(self) -> None:
         """The request ended: a SGLang prefill that never produced its KV fails its decode partner."""
-        if self.rooms and not self._ready and self.engine.pd is not None:
-            self.engine.pd.sglang_abandon(self.rooms, "prefill request ended without KV")
+        if self._rooms_claimed and not self._ready and self.engine.pd is not None:
+            self.engine.pd.sglang_abandon(self.rooms, self._rooms_claimed, "prefill request ended without KV")

@@ -35,6 +35,14 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not exposed")
 
 
+def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll `predicate` (PD counters change without waking `SimEngine.wait_for`) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
 def _sglang_pair(start_sim: StartSim, **fields: Any) -> tuple[RunningSim, RunningSim]:
     prefill = start_sim("sglang", pd_role="prefill", pd_protocol="sglang", **fields)
     decode = start_sim("sglang", pd_role="decode", pd_protocol="sglang", **fields)
@@ -227,10 +235,7 @@ def test_nixl_held_blocks_expire_unread(start_sim: StartSim) -> None:
     pd = prefill.engine.pd
     assert pd is not None and pd.held_handles == 1
     assert prefill.engine.sim_stats()["kv_usage"] > 0  # the held blocks stay pinned
-    deadline = time.monotonic() + 3
-    while pd.held_handles and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pd.held_handles == 0
+    _until(lambda: pd.held_handles == 0)
     assert _metric(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") == 1
     assert prefill.engine.sim_stats()["kv_usage"] == 0
     read = httpx.post(prefill.url + "/sim/pd/nixl/read", json={
@@ -278,3 +283,26 @@ def test_pd_config_is_checked() -> None:
         SimConfig(engine="vllm", max_context_tokens=1000, pd_role="decode", pd_protocol="sglang")
     with pytest.raises(ValidationError, match="needs engine 'vllm' or 'ascend'"):
         SimConfig(engine="sglang", max_context_tokens=1000, pd_role="decode", pd_protocol="vllm-nixl")
+
+
+def test_sglang_client_leaving_a_waiting_decode_releases_both_sides(start_sim: StartSim) -> None:
+    prefill, decode = _sglang_pair(start_sim, pd_wait_timeout_s=30)
+    body = {"model": "kimi-k3", "prompt": "hello", **_bootstrap(prefill, 77)}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the decode waits for the room's KV
+        httpx.post(decode.url + TEXT, json=body, timeout=httpx.Timeout(5, read=0.3))
+    rec = decode.engine.wait_for(lambda: [r for r in decode.engine.records if r.aborted], timeout=5)[0]
+    assert rec.completion_tokens_sent == 0
+    assert decode.engine.pd is not None and prefill.engine.pd is not None
+    _until(lambda: decode.engine.sim_stats()["pd"]["waiting_for_kv"] == 0)
+    _until(lambda: prefill.engine.pd is not None and prefill.engine.pd.open_rooms == 0)  # the claim call went
+
+
+def test_sglang_client_leaving_a_bootstrapping_prefill_forgets_the_room(start_sim: StartSim) -> None:
+    prefill = start_sim("sglang", pd_role="prefill", pd_protocol="sglang", pd_wait_timeout_s=30)
+    body = {"model": "kimi-k3", "prompt": "hello", **_bootstrap(prefill, 78)}
+    with pytest.raises(httpx.ReadTimeout):  # no decode worker bootstraps: the client gives up
+        httpx.post(prefill.url + TEXT, json=body, timeout=httpx.Timeout(5, read=0.3))
+    prefill.engine.wait_for(lambda: [r for r in prefill.engine.records if r.aborted], timeout=5)
+    _until(lambda: prefill.engine.sim_stats()["pd"]["bootstrapping"] == 0)
+    assert prefill.engine.pd is not None and prefill.engine.pd.open_rooms == 0
+    assert _metric(prefill.url, "sglang:num_prefill_prealloc_queue_reqs") == 0
