@@ -58,14 +58,24 @@ def _installed(module: str) -> bool:
 
 
 def _router_command(protocol: str, prefill: str, decode: str, port: int) -> list[str]:
+    # Both routers serve Prometheus on 29000 by default: a free port each, so runs never collide.
+    common = ["--decode", decode, "--host", "127.0.0.1", "--port", str(port), "--worker-startup-check-interval",
+              "1", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     if protocol == "sglang":
         prefill_port = prefill.rsplit(":", 1)[1]  # the sim answers the bootstrap calls on its HTTP port
         return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                "--prefill", prefill, prefill_port, "--decode", decode, "--host", "127.0.0.1",
-                "--port", str(port), "--worker-startup-check-interval", "1"]
+                "--prefill", prefill, prefill_port, *common]
     return [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector", "nixl",
-            "--prefill", prefill, "--decode", decode, "--host", "127.0.0.1", "--port", str(port),
-            "--worker-startup-check-interval", "1"]
+            "--prefill", prefill, *common]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 def _start_pair(protocol: str, log: Path) -> PeerPair:
@@ -81,15 +91,21 @@ def _start_pair(protocol: str, log: Path) -> PeerPair:
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
-    while True:  # bounded readiness poll: the router answers /health once its workers are registered
-        assert proc.poll() is None, log.read_text()[-2000:]
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{protocol} router not ready: {log.read_text()[-2000:]}"
-        time.sleep(0.1)
+    try:
+        while True:  # bounded readiness poll: the router answers /health once its workers are registered
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{protocol} router not ready: {log.read_text()[-2000:]}"
+            time.sleep(0.1)
+    except BaseException:
+        _stop(proc)
+        for sim in sims:
+            sim.stop()
+        raise
     return PeerPair(protocol, url, sims[0], sims[1], proc)
 
 
@@ -100,12 +116,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         pytest.skip(f"{module} not installed (pip install '.[bench]')")
     running = _start_pair(request.param, tmp_path_factory.mktemp("peer") / "router.log")
     yield running
-    running.proc.terminate()
-    try:
-        running.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        running.proc.kill()
-        running.proc.wait(5)
+    _stop(running.proc)
     running.prefill.stop()
     running.decode.stop()
 
