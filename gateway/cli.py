@@ -181,11 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds an idle connection stays open (uvicorn's timeout_keep_alive)")
     sim.add_argument("--pd-role", choices=["prefill", "decode"],
                      help="prefill/decode disaggregation role (needs --pd-protocol)")
-    sim.add_argument("--pd-protocol", choices=["sglang", "vllm-nixl"],
+    sim.add_argument("--pd-protocol", choices=["sglang", "vllm-nixl", "vllm-mooncake"],
                      help="KV hand-over protocol: SGLang bootstrap rooms (--engine sglang) or vLLM's "
-                          "NixlConnector kv_transfer_params (--engine vllm/ascend)")
+                          "kv_transfer_params with the NIXL or Mooncake connector (--engine vllm/ascend)")
     sim.add_argument("--bootstrap-port", type=int,
-                     help="SGLang prefill: also listen here for decode workers' bootstrap calls")
+                     help="SGLang / vLLM Mooncake prefill: also listen here for bootstrap calls")
     sim.add_argument("--pd-wait-timeout", type=float, default=300.0,
                      help="SGLang: seconds a decode worker waits for its room's KV (and a prefill "
                           "worker for its decode partner)")

@@ -24,6 +24,12 @@ PD side channels (workers with a `pd_role`, see `gateway.sim.pd`):
     POST /sim/pd/nixl/read                      vLLM NIXL prefill: read (and free) held blocks,
                                                 `{"remote_engine_id","remote_request_id",
                                                 "remote_block_ids"}`; 200, or 404 when unknown
+    POST /sim/pd/mooncake/pull                  vLLM Mooncake prefill: take the KV of a transfer,
+                                                `{"transfer_id","remote_engine_id","timeout_s"}`;
+                                                200 `{"tokens": N}` once ready, 404 (other
+                                                engine), 408 (timeout), 500 (prefill failed)
+    GET /query                                  vLLM Mooncake prefill: the bootstrap server's
+                                                engine table (`gateway.sim.pd`)
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import BodyMode, SimConfig, SimFaults
 from gateway.sim.generation import handle_generation
-from gateway.sim.pd import NIXL_READ_PATH, SGLANG_ROOMS_PATH
+from gateway.sim.pd import MOONCAKE_PULL_PATH, MOONCAKE_QUERY_PATH, NIXL_READ_PATH, SGLANG_ROOMS_PATH
 from gateway.sim.worker_state import SimEngine
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -75,6 +81,8 @@ class SimApp:
             ("DELETE", "/sim/stats"): self._reset_stats,
             ("DELETE", "/sim/cache"): self._clear_cache,
             ("POST", NIXL_READ_PATH): self._nixl_read,
+            ("POST", MOONCAKE_PULL_PATH): self._mooncake_pull,
+            ("GET", MOONCAKE_QUERY_PATH): self._mooncake_query,
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -176,6 +184,32 @@ class SimApp:
             except ClientDisconnected:
                 return
         await send_json(send, status, {"room": room, "failed": reason})
+
+    async def _mooncake_query(self, scope: Scope, receive: Receive, send: Send) -> None:
+        config = self.engine.config
+        if self.engine.pd is None or config.pd_role != "prefill" or config.pd_protocol != "vllm-mooncake":
+            await send_json(send, 404, {"detail": "Not Found"})
+            return
+        port = (scope.get("server") or ("127.0.0.1", 0))[1]
+        await send_json(send, 200, self.engine.pd.mooncake_query(config.side_channel_host, int(port or 0)))
+
+    async def _mooncake_pull(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._pd_json(receive, send)
+        if body is None:
+            return
+        assert self.engine.pd is not None
+        try:
+            timeout_s = float(body.get("timeout_s", self.engine.config.pd_wait_timeout_s))
+        except (TypeError, ValueError):
+            await send_json(send, 422, {"detail": "bad timeout_s"})
+            return
+        async with DisconnectWatch(receive) as watch:
+            try:
+                status, tokens = await watch.run(self.engine.pd.mooncake_pull(
+                    str(body.get("transfer_id")), body.get("remote_engine_id"), timeout_s))
+            except ClientDisconnected:
+                return
+        await send_json(send, status, {"tokens": tokens})
 
     async def _nixl_read(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await self._pd_json(receive, send)

@@ -29,9 +29,10 @@ ApiKeyScope = Literal["engine", "all"]
 PdRole = Literal["prefill", "decode"]
 """The role of a worker in a prefill/decode (PD) disaggregated deployment (see `gateway.sim.pd`)."""
 
-PdProtocol = Literal["sglang", "vllm-nixl"]
-"""How the two roles hand the KV cache over: SGLang's bootstrap rooms or vLLM's NixlConnector
-`kv_transfer_params` (see `gateway.sim.pd`)."""
+PdProtocol = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
+"""How the two roles hand the KV cache over: SGLang's bootstrap rooms, or vLLM's
+`kv_transfer_params` with the NixlConnector (pull) or the MooncakeConnector (push, shared
+`transfer_id`); see `gateway.sim.pd`."""
 
 KvLoadFailurePolicy = Literal["fail", "recompute"]
 """vLLM's `KVTransferConfig.kv_load_failure_policy`: what a decode worker does when it cannot pull
@@ -189,20 +190,22 @@ class SimConfig(BaseModel):
     """None: an aggregated worker. "prefill" / "decode": one side of a PD pair speaking
     `pd_protocol` (see `gateway.sim.pd` for the exact wire behaviour)."""
     pd_protocol: PdProtocol | None = None
-    """Required with `pd_role`: "sglang" (needs `engine="sglang"`) or "vllm-nixl" (vLLM or
-    vllm-ascend)."""
+    """Required with `pd_role`: "sglang" (needs `engine="sglang"`), "vllm-nixl" or
+    "vllm-mooncake" (vLLM or vllm-ascend)."""
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
-    """SGLang prefill workers: the port of the bootstrap server (`--disaggregation-bootstrap-port`,
-    8998 by default in SGLang) that `run_sim` serves beside the HTTP port. Tests may leave it unset
-    and give routers the HTTP port: the sim answers the bootstrap calls there too."""
+    """SGLang and vLLM Mooncake prefill workers: the port of the bootstrap server
+    (`--disaggregation-bootstrap-port`, 8998 by default in SGLang; `VLLM_MOONCAKE_BOOTSTRAP_PORT`,
+    8998 by default) that `run_sim` serves beside the HTTP port. Tests may leave it unset and give
+    routers the HTTP port: the sim answers the bootstrap calls there too."""
     pd_wait_timeout_s: float = Field(default=300.0, gt=0.0)
     """SGLang: how long a decode worker waits for its room's KV
     (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, 300 s) and a prefill worker for its decode partner
-    to claim the room (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, 300 s)."""
-    nixl_abort_request_timeout_s: float = Field(default=480.0, gt=0.0)
-    """vLLM NIXL prefill workers: how long the blocks of a finished prefill are held for a decode
-    worker to read (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s); then they are freed and counted in
-    `vllm:nixl_num_kv_expired_reqs`."""
+    to claim the room (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, 300 s). vLLM Mooncake: how long
+    a decode worker waits for its transfer's KV (the sim's choice)."""
+    kv_hold_timeout_s: float = Field(default=480.0, gt=0.0)
+    """vLLM prefill workers: how long the blocks of a finished prefill are held for a decode worker
+    to take (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s; Mooncake has the same kind of abort
+    timeout); then they are freed and counted in `vllm:nixl_num_kv_expired_reqs` (NIXL)."""
     kv_load_failure_policy: KvLoadFailurePolicy = "fail"
     """vLLM NIXL decode workers: see `KvLoadFailurePolicy`."""
     kv_transfer_tokens_per_s: float | None = Field(default=None, gt=0.0)
@@ -220,8 +223,8 @@ class SimConfig(BaseModel):
             raise ValueError("pd_role and pd_protocol go together")
         if self.pd_protocol == "sglang" and self.engine != "sglang":
             raise ValueError("pd_protocol 'sglang' needs engine 'sglang'")
-        if self.pd_protocol == "vllm-nixl" and self.engine == "sglang":
-            raise ValueError("pd_protocol 'vllm-nixl' needs engine 'vllm' or 'ascend'")
+        if self.pd_protocol in ("vllm-nixl", "vllm-mooncake") and self.engine == "sglang":
+            raise ValueError(f"pd_protocol '{self.pd_protocol}' needs engine 'vllm' or 'ascend'")
         return self
 
     @property

@@ -280,7 +280,7 @@ async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequ
         await watch.sleep(engine.config.ttft_s + (local / rate if rate is not None else 0.0))
     engine.finish_prefill(active)
     if leg is not None:
-        leg.after_prefill()
+        leg.after_prefill(active)
 
 
 async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,

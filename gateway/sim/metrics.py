@@ -101,14 +101,15 @@ class PdMetricsCollector(Collector):
     SGLang: `sglang:num_bootstrap_failed_reqs_total`, `sglang:num_transfer_failed_reqs_total`
     (counters), `sglang:kv_transfer_latency_ms` (histogram, one +Inf bucket), and the gauges
     `sglang:num_decode_transfer_queue_reqs` (decode) / `sglang:num_prefill_prealloc_queue_reqs`
-    (prefill). vLLM: `vllm:nixl_xfer_time_seconds` (histogram, decode), `vllm:nixl_num_failed_transfers`
-    (counter, decode), `vllm:nixl_num_kv_expired_reqs` (counter, prefill). Label values are the
-    dialect's (`model_name`, plus `engine` for vLLM).
+    (prefill). vLLM NIXL: `vllm:nixl_xfer_time_seconds` (histogram, decode),
+    `vllm:nixl_num_failed_transfers` (counter, decode), `vllm:nixl_num_kv_expired_reqs` (counter,
+    prefill). vLLM Mooncake: `vllm:mooncake_xfer_time_seconds` (histogram; the sim measures it on
+    the decode worker). Label values are the dialect's (`model_name`, plus `engine` for vLLM).
     """
 
     def __init__(self, pd: PdState, dialect: EngineDialect, config: SimConfig) -> None:
         self._pd = pd
-        self._sglang = config.pd_protocol == "sglang"
+        self._protocol = config.pd_protocol
         self._labels = dialect.metric_labels(config.model_name)
 
     def collect(self) -> Iterator[Metric]:
@@ -126,7 +127,10 @@ class PdMetricsCollector(Collector):
             metric.add_metric(values, [("+Inf", float(c.transfers))], total)
             return metric
 
-        if self._sglang:
+        if self._protocol == "vllm-mooncake":
+            yield histogram("vllm:mooncake_xfer_time_seconds", "Mooncake KV transfer time (simulated).",
+                            c.transfer_seconds)
+        elif self._protocol == "sglang":
             yield family(CounterMetricFamily, "sglang:num_bootstrap_failed_reqs", "Bootstrap failed requests.",
                          c.bootstrap_failed)
             yield family(CounterMetricFamily, "sglang:num_transfer_failed_reqs", "Transfer failed requests.",

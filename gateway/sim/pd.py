@@ -58,14 +58,31 @@ router: vllm-project/router `src/routers/http/vllm_pd_router.rs`; connector:
   error" (an SSE error event once streaming); "recompute" prefills locally. Metrics
   (`nixl_connector.py` `NixlPromMetrics`): histograms `vllm:nixl_xfer_time_seconds`,
   `vllm:nixl_bytes_transferred`, counter `vllm:nixl_num_failed_transfers`.
-- vLLM's Mooncake connector (`--kv-connector mooncake` in vllm-router) has its own wire shape
-  (the router asks each prefill node's bootstrap server for its engine id per DP rank); it is not
-  simulated here.
+vLLM with the MooncakeConnector (`vllm-router --kv-connector mooncake`; connector:
+`vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py`, bootstrap server
+in `mooncake_utils.py`), as vllm-router 0.1.17 sends it (recorded by the peer test):
+
+- At start-up the router GETs `http://{prefill host}:{bootstrap port}/query` (the prefill
+  worker's `MooncakeBootstrapServer`, `VLLM_MOONCAKE_BOOTSTRAP_PORT`, 8998 by default), retrying
+  while it fails; the answer maps each DP rank to `{"engine_id": str, "worker_addr": {tp_rank:
+  {pp_rank: "host:port"}}}` (JSON object keys are strings).
+- Per request it mints `transfer_id` = "xfer-" + a UUID and sends BOTH legs at once, with one
+  `X-Request-Id`: the prefill leg shaped as for NIXL but with `kv_transfer_params:
+  {"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": T}`; the decode leg is the
+  original request plus `{"do_remote_decode": false, "do_remote_prefill": true, "transfer_id": T,
+  "remote_bootstrap_addr": "http://{host}:{bootstrap port}", "remote_engine_id": E}`.
+- The prefill worker holds the finished prefill's blocks under `transfer_id` and answers with no
+  `kv_transfer_params` (`request_finished` returns None); the decode worker finds the prefill
+  worker through the bootstrap server and the prefill pushes the blocks the decode lacks. A
+  failed load follows `kv_load_failure_policy` as with NIXL.
 
 The simulator's side channels (test-only, under `/sim/pd/`): a SGLang decode sim POSTs
 `/sim/pd/sglang/rooms/{room}` to `bootstrap_host:bootstrap_port` (a prefill sim's HTTP port, or
 its `bootstrap_port` listener) and gets an answer when the KV is ready; a NIXL decode sim POSTs
-`/sim/pd/nixl/read` to `remote_host:remote_port`. Error wording not quoted above is the sim's.
+`/sim/pd/nixl/read` to `remote_host:remote_port`; a Mooncake decode sim POSTs
+`/sim/pd/mooncake/pull` to `remote_bootstrap_addr` and gets an answer once the prefill of that
+`transfer_id` is done. A Mooncake prefill sim answers `GET /query` as the bootstrap server does.
+Error wording not quoted above is the sim's.
 """
 
 from __future__ import annotations
@@ -87,6 +104,8 @@ from gateway.sim.kvcache import CacheLease
 
 SGLANG_ROOMS_PATH = "/sim/pd/sglang/rooms/"
 NIXL_READ_PATH = "/sim/pd/nixl/read"
+MOONCAKE_PULL_PATH = "/sim/pd/mooncake/pull"
+MOONCAKE_QUERY_PATH = "/query"
 
 
 class PdFailure(Exception):
@@ -127,6 +146,17 @@ class _Room:
 
 
 @dataclass(eq=False)
+class _Transfer:
+    """KV blocks a vLLM Mooncake prefill worker holds under one `transfer_id`."""
+
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    leases: list[CacheLease] = field(default_factory=list)
+    tokens: int = 0
+    failed: str | None = None
+    expiry: asyncio.TimerHandle | None = None
+
+
+@dataclass(eq=False)
 class _Handle:
     """KV blocks a vLLM NIXL prefill worker holds for a decode worker."""
 
@@ -153,6 +183,7 @@ class PdState:
         self._counters = PdCounters()
         self._rooms: dict[int, _Room] = {}
         self._handles: dict[str, _Handle] = {}
+        self._transfers: dict[str, _Transfer] = {}
         self._block_ids = itertools.count(1)
 
     def counters(self) -> PdCounters:
@@ -168,8 +199,14 @@ class PdState:
 
     @property
     def held_handles(self) -> int:
-        """vLLM NIXL prefill: requests whose blocks are held now."""
-        return len(self._handles)
+        """vLLM prefill: requests whose blocks are held now (NIXL handles, Mooncake transfers
+        whose prefill is done)."""
+        return len(self._handles) + sum(1 for t in self._transfers.values() if t.ready.is_set() and not t.failed)
+
+    @property
+    def open_transfers(self) -> int:
+        """vLLM Mooncake prefill: transfer ids known now (awaited, held or failed)."""
+        return len(self._transfers)
 
     # --- SGLang, prefill side ----------------------------------------------------------------
 
@@ -252,7 +289,7 @@ class PdState:
             handle = _Handle(block_ids, self._hold(keys))
             self._handles[request_id] = handle
             handle.expiry = asyncio.get_running_loop().call_later(
-                self.config.nixl_abort_request_timeout_s, self._expire, request_id)
+                self.config.kv_hold_timeout_s, self._expire, request_id)
             self.count(held_for_decode=1)
         return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids,
                 "remote_engine_id": self.engine_id, "remote_request_id": request_id,
@@ -279,6 +316,70 @@ class PdState:
         self.count(held_for_decode=-1)
         return True
 
+    # --- vLLM Mooncake, prefill side ---------------------------------------------------------
+
+    def mooncake_query(self, host: str, port: int) -> dict[str, Any]:
+        """The bootstrap server's `GET /query` answer: this worker as DP rank 0."""
+        return {"0": {"engine_id": self.engine_id, "worker_addr": {"0": {"0": f"{host}:{port}"}}}}
+
+    def _transfer(self, transfer_id: str) -> _Transfer:
+        state = self._transfers.get(transfer_id)
+        if state is None:
+            state = self._transfers[transfer_id] = _Transfer()
+        return state
+
+    def mooncake_offer(self, transfer_id: str, keys: Any, prompt_tokens: int) -> None:
+        """Prefill: hold the blocks of a finished prefill under `transfer_id` until the decode
+        worker takes them (or `kv_hold_timeout_s` passes)."""
+        state = self._transfer(transfer_id)
+        if state.ready.is_set():
+            return
+        state.leases, state.tokens = self._hold(keys), prompt_tokens
+        state.ready.set()  # a waiting decode worker takes it (and cancels the expiry) in its turn
+        state.expiry = asyncio.get_running_loop().call_later(
+            self.config.kv_hold_timeout_s, self._expire_transfer, transfer_id, state)
+        self.count(held_for_decode=1)
+
+    def mooncake_abandon(self, transfer_id: str, reason: str) -> None:
+        """Prefill: the request ended without KV; a waiting decode worker fails."""
+        state = self._transfers.get(transfer_id)
+        if state is not None and not state.ready.is_set():
+            state.failed = reason
+            state.ready.set()
+            # A decode worker that comes later still learns of the failure; then it is forgotten.
+            asyncio.get_running_loop().call_later(self.config.kv_hold_timeout_s, self._forget_transfer,
+                                                  transfer_id, state)
+
+    def _forget_transfer(self, transfer_id: str, state: _Transfer) -> None:
+        if self._transfers.get(transfer_id) is state:
+            del self._transfers[transfer_id]
+
+    def _expire_transfer(self, transfer_id: str, state: _Transfer) -> None:
+        if self._transfers.get(transfer_id) is state:
+            del self._transfers[transfer_id]
+            self._release(state.leases)
+            self.count(kv_expired=1, held_for_decode=-1)
+
+    async def mooncake_pull(self, transfer_id: str, engine_id: Any, timeout_s: float) -> tuple[int, int]:
+        """A decode worker takes the blocks of `transfer_id`: (200, prompt tokens) once the
+        prefill is done, (404, 0) for another engine id, (408, 0) after `timeout_s`, (500, 0) when
+        the prefill failed. The blocks are freed either way."""
+        if engine_id != self.engine_id:
+            return 404, 0
+        state = self._transfer(transfer_id)
+        try:
+            await asyncio.wait_for(state.ready.wait(), timeout_s)
+        except TimeoutError:
+            return 408, 0
+        finally:
+            if self._transfers.get(transfer_id) is state and (state.ready.is_set() or not state.leases):
+                del self._transfers[transfer_id]
+                if state.expiry is not None:
+                    state.expiry.cancel()
+                    self.count(held_for_decode=-1)
+                self._release(state.leases)
+        return (500, 0) if state.failed is not None else (200, state.tokens)
+
     def close(self) -> None:
         """Free every held block (the server stops)."""
         for request_id in list(self._handles):
@@ -286,6 +387,11 @@ class PdState:
             if handle.expiry is not None:
                 handle.expiry.cancel()
             self._release(handle.leases)
+        for transfer_id in list(self._transfers):
+            state = self._transfers.pop(transfer_id)
+            if state.expiry is not None:
+                state.expiry.cancel()
+            self._release(state.leases)
 
 
 # --- decode side: fetch the KV from the prefill worker -------------------------------------------
@@ -371,6 +477,34 @@ async def nixl_pull(params: dict[str, Any], client: Callable[[], httpx.AsyncClie
     if response.status_code != 200:
         raise PdFailure("NIXL read of unknown or expired blocks", "unknown_handle")
     return len(block_ids)
+
+
+def mooncake_remote(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The `kv_transfer_params` of a vLLM Mooncake decode request that asks for a remote prefill
+    (`do_remote_prefill` with `transfer_id`, `remote_engine_id` and `remote_bootstrap_addr`, as
+    `update_state_after_alloc` requires), else None (the request then runs aggregated)."""
+    params = nixl_remote(body)
+    if params is None or not all(params.get(k) for k in ("transfer_id", "remote_engine_id", "remote_bootstrap_addr")):
+        return None
+    return params
+
+
+async def mooncake_pull(params: dict[str, Any], timeout_s: float, client: Callable[[], httpx.AsyncClient]) -> int:
+    """Decode: take the KV of `params["transfer_id"]` from the prefill worker behind
+    `remote_bootstrap_addr`; returns its prompt tokens. Raises PdFailure when that worker does not
+    know the transfer, it failed, or it did not come within `timeout_s`."""
+    addr = str(params["remote_bootstrap_addr"]).rstrip("/")
+    url = (addr if addr.startswith(("http://", "https://")) else f"http://{addr}") + MOONCAKE_PULL_PATH
+    try:
+        response = await client().post(url, json={"transfer_id": params["transfer_id"],
+                                                  "remote_engine_id": params["remote_engine_id"],
+                                                  "timeout_s": timeout_s}, timeout=timeout_s + 5.0)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise PdFailure(f"Mooncake bootstrap {url} unreachable: {type(exc).__name__}", "transfer") from None
+    if response.status_code == 200:
+        return int(response.json().get("tokens", 0))
+    kind = {404: "unknown_handle", 408: "transfer"}.get(response.status_code, "transfer")
+    raise PdFailure(f"Mooncake transfer {params['transfer_id']} failed (HTTP {response.status_code})", kind)
 
 
 def new_request_id(kind: str, headers: dict[str, str]) -> str:

@@ -15,7 +15,16 @@ from typing import Any
 from gateway.sim.asgi import DisconnectWatch, Scope
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
-from gateway.sim.pd import PdFailure, new_request_id, nixl_pull, nixl_remote, sglang_bootstrap, sglang_receive
+from gateway.sim.pd import (
+    PdFailure,
+    mooncake_pull,
+    mooncake_remote,
+    new_request_id,
+    nixl_pull,
+    nixl_remote,
+    sglang_bootstrap,
+    sglang_receive,
+)
 from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
 
 
@@ -34,7 +43,11 @@ class PdLeg:
     nixl_params: dict[str, Any] | None = None
     """vLLM decode: the request's `kv_transfer_params` asking for a remote prefill."""
     nixl_offer: bool = False
-    """vLLM prefill: the request asked to keep its KV for a remote decode."""
+    """vLLM NIXL prefill: the request asked to keep its KV for a remote decode."""
+    mooncake_params: dict[str, Any] | None = None
+    """vLLM Mooncake decode: the request's `kv_transfer_params` asking for a remote prefill."""
+    transfer_id: str | None = None
+    """vLLM Mooncake prefill: the `transfer_id` to hold the KV under."""
     keys: tuple[PromptKey, ...] = ()
     _rooms_claimed: list[Any] = field(default_factory=list)
     _ready: bool = False
@@ -54,6 +67,13 @@ class PdLeg:
                 leg.rooms = [room for _, _, room in targets]
             else:
                 leg.targets = targets
+        elif config.pd_protocol == "vllm-mooncake":
+            params = body.get("kv_transfer_params")
+            if config.pd_role == "prefill":
+                if isinstance(params, dict) and params.get("do_remote_decode") is True and params.get("transfer_id"):
+                    leg.transfer_id = str(params["transfer_id"])
+            else:
+                leg.mooncake_params = mooncake_remote(body)
         elif config.pd_role == "prefill":
             params = body.get("kv_transfer_params")
             leg.nixl_offer = isinstance(params, dict) and params.get("do_remote_decode") is True
@@ -84,17 +104,25 @@ class PdLeg:
             finally:
                 pd.count(waiting_for_kv=-1)
             return await self._transfer(watch, active, active.prompt_tokens)
-        if self.nixl_params is not None:
+        if self.nixl_params is not None or self.mooncake_params is not None:
+            pd.count(waiting_for_kv=1)
             try:
-                blocks = await watch.run(nixl_pull(self.nixl_params, self.engine.http_client))
+                if self.nixl_params is not None:
+                    blocks = await watch.run(nixl_pull(self.nixl_params, self.engine.http_client))
+                    remote = min(blocks * self.engine.config.kv_block_tokens, active.prompt_tokens)
+                else:
+                    assert self.mooncake_params is not None
+                    remote = await watch.run(mooncake_pull(self.mooncake_params, self.engine.config.pd_wait_timeout_s,
+                                                           self.engine.http_client))
             except PdFailure as exc:
                 pd.count(transfer_failed=1)
                 if self.engine.config.kv_load_failure_policy == "fail":
                     raise PdFailure("Internal server error", exc.kind) from None
                 self.engine.update(self.record, pd_failure=exc.kind)
                 return 0  # "recompute": prefill locally
-            remote = min(blocks * self.engine.config.kv_block_tokens, active.prompt_tokens)
-            return await self._transfer(watch, active, remote)
+            finally:
+                pd.count(waiting_for_kv=-1)
+            return await self._transfer(watch, active, min(remote, active.prompt_tokens))
         return 0
 
     async def _transfer(self, watch: DisconnectWatch, active: ActiveRequest, remote_tokens: int) -> int:
@@ -108,16 +136,23 @@ class PdLeg:
         self.engine.update(self.record, kv_transfer_tokens=tokens, kv_transfer_s=seconds)
         return tokens
 
-    def after_prefill(self) -> None:
-        """The prompt's KV is computed: a SGLang prefill worker hands it to the waiting decode."""
-        if self._rooms_claimed and self.engine.pd is not None:
-            self.engine.pd.sglang_kv_ready(self._rooms_claimed)
+    def after_prefill(self, active: ActiveRequest) -> None:
+        """The prompt's KV is computed: a SGLang prefill worker hands it to the waiting decode; a
+        Mooncake prefill worker holds it for the decode worker of its `transfer_id`."""
+        pd = self.engine.pd
+        if pd is None:
+            return
+        if self._rooms_claimed:
+            pd.sglang_kv_ready(self._rooms_claimed)
+            self._ready = True
+        elif self.transfer_id is not None:
+            pd.mooncake_offer(self.transfer_id, self.keys, active.prompt_tokens)
             self._ready = True
 
     def response_fields(self, active: ActiveRequest) -> dict[str, Any]:
         """Extra top-level fields of the JSON answer: vLLM's `kv_transfer_params` (the held
         blocks' handle on a prefill worker asked for a remote decode, else null)."""
-        if self.engine.config.pd_protocol != "vllm-nixl":
+        if self.engine.config.pd_protocol == "sglang":
             return {}
         if not self.nixl_offer or self.engine.pd is None:
             return {"kv_transfer_params": None}
@@ -126,6 +161,10 @@ class PdLeg:
                                                                   self.port)}
 
     def finish(self) -> None:
-        """The request ended: a SGLang prefill that never produced its KV fails its decode partner."""
-        if self._rooms_claimed and not self._ready and self.engine.pd is not None:
+        """The request ended: a prefill that never produced its KV fails its decode partner."""
+        if self._ready or self.engine.pd is None:
+            return
+        if self._rooms_claimed:
             self.engine.pd.sglang_abandon(self.rooms, self._rooms_claimed, "prefill request ended without KV")
+        elif self.transfer_id is not None:
+            self.engine.pd.mooncake_abandon(self.transfer_id, "prefill request ended without KV")

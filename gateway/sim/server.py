@@ -107,8 +107,8 @@ def run_sim(
     `engine` is "vllm", "sglang" or "ascend"; invalid values raise pydantic's ValidationError.
     See `SimConfig` for the meaning and units of the other arguments. With `config`, that config
     is served as it is and only `port`, `host` and `log_level` are read from the arguments. A
-    SGLang prefill worker (`pd_role="prefill"`, `pd_protocol="sglang"`) with a `bootstrap_port`
-    also listens there, as SGLang's bootstrap server does (see `gateway.sim.pd`).
+    SGLang or vLLM Mooncake prefill worker with a `bootstrap_port` also listens there, as their
+    bootstrap servers do (see `gateway.sim.pd`).
     """
     if config is None:
         config = SimConfig.model_validate({
@@ -141,7 +141,7 @@ def run_sim(
         })
     app = create_sim_app(config)
     options = sim_http_options(config, app.engine)
-    if config.bootstrap_port is not None and config.pd_role == "prefill" and config.pd_protocol == "sglang":
+    if config.bootstrap_port is not None and config.pd_role == "prefill" and config.pd_protocol != "vllm-nixl":
         servers = [QuietServer(uvicorn_config(app, host, p, log_level=log_level, **options))
                    for p in (port, config.bootstrap_port)]
         asyncio.run(serve_many(servers))

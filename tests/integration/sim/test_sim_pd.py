@@ -227,7 +227,7 @@ def test_nixl_recompute_policy_prefills_locally(start_sim: StartSim) -> None:
 
 
 def test_nixl_held_blocks_expire_unread(start_sim: StartSim) -> None:
-    prefill = start_sim(pd_role="prefill", pd_protocol="vllm-nixl", nixl_abort_request_timeout_s=0.2,
+    prefill = start_sim(pd_role="prefill", pd_protocol="vllm-nixl", kv_hold_timeout_s=0.2,
                         kv_capacity_tokens=10_000)
     body = _nixl_prefill_body({"model": "kimi-k3", "prompt": _text(800, 6)})
     resp = httpx.post(prefill.url + TEXT, json=body)
@@ -306,3 +306,81 @@ def test_sglang_client_leaving_a_bootstrapping_prefill_forgets_the_room(start_si
     _until(lambda: prefill.engine.sim_stats()["pd"]["bootstrapping"] == 0)
     assert prefill.engine.pd is not None and prefill.engine.pd.open_rooms == 0
     assert _metric(prefill.url, "sglang:num_prefill_prealloc_queue_reqs") == 0
+
+
+# --- vLLM Mooncake -------------------------------------------------------------------------------
+
+
+def _mooncake_legs(prefill: RunningSim, body: dict[str, Any], transfer_id: str,
+                   engine_id: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """vllm-router's two Mooncake legs (sent at once): (prefill body, decode body)."""
+    assert prefill.engine.pd is not None
+    p_body = _nixl_prefill_body(body)
+    p_body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    d_body = {**body, "kv_transfer_params": {
+        "do_remote_decode": False, "do_remote_prefill": True, "transfer_id": transfer_id,
+        "remote_bootstrap_addr": prefill.url, "remote_engine_id": engine_id or prefill.engine.pd.engine_id}}
+    return p_body, d_body
+
+
+def test_mooncake_bootstrap_query_names_the_prefill_engine(start_sim: StartSim) -> None:
+    prefill = start_sim(pd_role="prefill", pd_protocol="vllm-mooncake", engine_id="engine-P")
+    port = prefill.url.rsplit(":", 1)[1]
+    assert httpx.get(prefill.url + "/query").json() == {
+        "0": {"engine_id": "engine-P", "worker_addr": {"0": {"0": f"127.0.0.1:{port}"}}}}
+    decode = start_sim(pd_role="decode", pd_protocol="vllm-mooncake")
+    assert httpx.get(decode.url + "/query").status_code == 404
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_mooncake_legs_sent_at_once_hand_the_kv_over(start_sim: StartSim, stream: bool) -> None:
+    prefill = start_sim(pd_role="prefill", pd_protocol="vllm-mooncake", kv_capacity_tokens=100_000,
+                        prefill_tokens_per_s=20_000)
+    decode = start_sim(pd_role="decode", pd_protocol="vllm-mooncake", kv_transfer_tokens_per_s=100_000)
+    body = {"model": "kimi-k3", "prompt": _text(4_000, 10), "max_tokens": 3, "stream": stream}
+    p_body, d_body = _mooncake_legs(prefill, body, "xfer-1")
+    with ThreadPoolExecutor(2) as pool:  # decode first: it waits for the prefill of its transfer
+        d_future = pool.submit(httpx.post, decode.url + TEXT, json=d_body, timeout=10)
+        p_future = pool.submit(httpx.post, prefill.url + TEXT, json=p_body, timeout=10)
+        p_resp, d_resp = p_future.result(), d_future.result()
+    assert (p_resp.status_code, d_resp.status_code) == (200, 200), (p_resp.text, d_resp.text)
+    assert p_resp.json()["kv_transfer_params"] is None  # Mooncake's prefill answer names nothing
+    d_rec, = decode.engine.records
+    assert d_rec.kv_transfer_tokens == 1000 and d_rec.pd_failure is None
+    assert prefill.engine.pd is not None
+    _until(lambda: prefill.engine.pd is not None and prefill.engine.pd.open_transfers == 0)
+    assert prefill.engine.sim_stats()["kv_usage"] == 0  # taken, so freed
+    assert _metric(decode.url, "vllm:mooncake_xfer_time_seconds_count") == 1
+
+
+def test_mooncake_transfer_that_never_comes_fails_the_decode(start_sim: StartSim) -> None:
+    prefill = start_sim(pd_role="prefill", pd_protocol="vllm-mooncake")
+    decode = start_sim(pd_role="decode", pd_protocol="vllm-mooncake", pd_wait_timeout_s=0.3)
+    _, d_body = _mooncake_legs(prefill, {"model": "kimi-k3", "prompt": _text(400, 11)}, "xfer-lost")
+    start = time.monotonic()
+    resp = httpx.post(decode.url + TEXT, json=d_body, timeout=10)
+    assert 0.3 <= time.monotonic() - start < 2.0
+    assert resp.status_code == 500 and resp.json()["error"]["message"] == "Internal server error"
+    assert decode.engine.records[0].pd_failure == "transfer"
+    assert prefill.engine.pd is not None and prefill.engine.pd.open_transfers == 0
+
+
+def test_mooncake_unknown_engine_fails_at_once(start_sim: StartSim) -> None:
+    prefill = start_sim(pd_role="prefill", pd_protocol="vllm-mooncake")
+    decode = start_sim(pd_role="decode", pd_protocol="vllm-mooncake")
+    _, d_body = _mooncake_legs(prefill, {"model": "kimi-k3", "prompt": _text(400, 12)}, "xfer-2", "engine-X")
+    resp = httpx.post(decode.url + TEXT, json=d_body, timeout=10)
+    assert resp.status_code == 500
+    assert decode.engine.records[0].pd_failure == "unknown_handle"
+
+
+def test_mooncake_prefill_holds_the_kv_until_it_expires(start_sim: StartSim) -> None:
+    prefill = start_sim(pd_role="prefill", pd_protocol="vllm-mooncake", kv_capacity_tokens=10_000,
+                        kv_hold_timeout_s=0.2)
+    p_body, _ = _mooncake_legs(prefill, {"model": "kimi-k3", "prompt": _text(800, 13)}, "xfer-3")
+    assert httpx.post(prefill.url + TEXT, json=p_body).status_code == 200
+    pd = prefill.engine.pd
+    assert pd is not None and pd.held_handles == 1 and prefill.engine.sim_stats()["kv_usage"] > 0
+    _until(lambda: pd.held_handles == 0)
+    assert prefill.engine.sim_stats()["pd"]["kv_expired"] == 1
+    assert prefill.engine.sim_stats()["kv_usage"] == 0

@@ -1,5 +1,6 @@
 """The peers' own PD routers in front of the simulator's PD roles: sglang-router
-(`launch_router --pd-disaggregation`) and vllm-router (`--vllm-pd-disaggregation`, NIXL mode).
+(`launch_router --pd-disaggregation`) and vllm-router (`--vllm-pd-disaggregation`, with
+`--kv-connector nixl` and `mooncake`).
 
 The OpenAI SDK sends chat and completions requests, streamed and not, through each router; the
 test checks that the sims accept the peer's traffic end to end (the decode worker received the KV
@@ -61,10 +62,13 @@ def _router_command(protocol: str, prefill: str, decode: str, port: int) -> list
     # Both routers serve Prometheus on 29000 by default: a free port each, so runs never collide.
     common = ["--decode", decode, "--host", "127.0.0.1", "--port", str(port), "--worker-startup-check-interval",
               "1", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    prefill_port = prefill.rsplit(":", 1)[1]  # the sim answers the bootstrap calls on its HTTP port
     if protocol == "sglang":
-        prefill_port = prefill.rsplit(":", 1)[1]  # the sim answers the bootstrap calls on its HTTP port
         return [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                 "--prefill", prefill, prefill_port, *common]
+    if protocol == "vllm-mooncake":
+        return [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector",
+                "mooncake", "--prefill", prefill, prefill_port, *common]
     return [sys.executable, "-m", "vllm_router.launch_router", "--vllm-pd-disaggregation", "--kv-connector", "nixl",
             "--prefill", prefill, *common]
 
@@ -109,7 +113,7 @@ def _start_pair(protocol: str, log: Path) -> PeerPair:
     return PeerPair(protocol, url, sims[0], sims[1], proc)
 
 
-@pytest.fixture(scope="module", params=["sglang", "vllm-nixl"])
+@pytest.fixture(scope="module", params=["sglang", "vllm-nixl", "vllm-mooncake"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PeerPair]:
     module = "sglang_router" if request.param == "sglang" else "vllm_router"
     if not _installed(module):
@@ -167,6 +171,8 @@ def test_peer_router_traffic_is_accepted_and_matches_the_protocol(pair: PeerPair
     else:
         assert p_rec.headers["x-request-id"] == d_rec.headers["x-request-id"]
         assert d_rec.body["kv_transfer_params"]["remote_engine_id"] == pair.prefill.app.engine.pd.engine_id  # type: ignore[attr-defined]
+    if pair.protocol == "vllm-mooncake":  # one transfer id, minted by the router, on both legs
+        assert p_rec.body["kv_transfer_params"]["transfer_id"] == d_rec.body["kv_transfer_params"]["transfer_id"]
 
     observed = {leg: {"shape": pd_wire_shape(rec), "constants": pd_wire_constants(rec)}
                 for leg, rec in (("prefill", p_rec), ("decode", d_rec))}
