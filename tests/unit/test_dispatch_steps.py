@@ -11,15 +11,15 @@ import pytest
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig, PoolConfig, parse_config
+from gateway.dispatch.answers import BufferedResponse, route_headers
+from gateway.dispatch.attempt import timed_out, upstream_headers
+from gateway.dispatch.failures import Failures, after_failure
+from gateway.dispatch.steps import PoolStep, choose_pool, decide, engine_body
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.routing.router import Router
-from gateway.dispatch.answers import BufferedResponse, route_headers
-from gateway.dispatch.attempt import timed_out, upstream_headers
-from gateway.dispatch.failures import Failures, after_failure
-from gateway.dispatch.steps import PoolStep, choose_pool, decide, engine_body
 from gateway.streaming import AttemptFailed, Lease, Outcome
 
 
