@@ -13,7 +13,7 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
 
@@ -142,16 +142,27 @@ class Holding:
         moved._responses, self._responses = self._responses, []
         return moved
 
-    async def aclose(self) -> None:
-        """Release the slots, then close the responses; empty afterwards."""
+    def aclose(self) -> Awaitable[None]:
+        """Release the slots now; return the closing of the responses, to await at once (a single
+        response's own `aclose()`, so a Holding adds no coroutine of its own to the request path).
+        Empty afterwards. Closing the responses goes on when one of them fails to close."""
         leases, self._leases = self._leases, []
         responses, self._responses = self._responses, []
+        for lease in leases:
+            lease.release()
+        return responses[0].aclose() if len(responses) == 1 else _close_all(responses)
+
+
+async def _close_all(responses: list[UpstreamResponse]) -> None:
+    """Close every response (a two-leg attempt's), raising the first failure after trying all."""
+    failure: Exception | None = None
+    for response in responses:
         try:
-            for lease in leases:
-                lease.release()
-        finally:
-            for response in responses:
-                await response.aclose()
+            await response.aclose()
+        except Exception as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def _classify_transport_error(exc: BaseException) -> Outcome:
