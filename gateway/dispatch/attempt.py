@@ -12,17 +12,21 @@ opens) in one `Holding`, released together on every exit path (`finally: if hold
 holding.aclose()`); on success it moves the whole Holding in one call (`Holding.hand_over`) to the
 `UpstreamStream` that relays the answer, or closes it after reading a buffered answer.
 
-How a prefill/decode (PD) attempt will plug in (issue 13): a PD pool kind (`kinds.py`) picks a
-prefill and a decode worker (each with its role's policy, among its role's candidates with room)
-and returns a `TwoLeg` attempt whose `worker` is the decode worker. Its `run()` takes both slots
-into one Holding and opens both legs into it: SGLang style sends the same body (plus the
-bootstrap host/port/room) to both at once and reads the prefill answer to its end; vLLM NIXL style
-first awaits the prefill leg (`max_tokens: 1`, `kv_transfer_params` asking for a remote decode) and
-then opens the decode leg with the `kv_transfer_params` it returned. The decode leg's first content
-is waited for exactly as here; a failure of either leg before it raises `AttemptFailed` (naming the
-leg's worker, so `failures.after_failure` judges the right one) and the Holding's `aclose` aborts
-both; on success the Holding (both responses, both slots) moves to the stream, so a client hang-up
-or the end of the stream aborts both legs at once. Nothing in the dispatch loop changes.
+How a prefill/decode (PD) attempt will plug in (issue 13): a PD pool kind (`kinds.py`, chosen by
+`kind_of` from the pool's `disaggregation` config) picks a decode worker among the candidates with
+room the loop gives it (the pool's decode role) and a prefill worker among its prefill role's own
+candidates, each with its role's policy, and returns a two-leg attempt whose `worker` is the
+decode worker (the one whose answer the client gets). Its `run()` takes both slots into one
+Holding and opens both legs into it: SGLang style sends the same body (plus `bootstrap_host`,
+`bootstrap_port`, `bootstrap_room`) to both at once; vLLM NIXL style first reads the prefill leg's
+answer (`max_tokens: 1`, `kv_transfer_params` asking for a remote decode) and then opens the
+decode leg with the `kv_transfer_params` it returned. The decode leg's first content is waited
+for exactly as here. A failure of either leg before it raises `AttemptFailed`, `failed_worker`
+names that leg's worker (so `failures.after_failure` judges the right one), and the Holding's
+`aclose` releases both slots and aborts both requests; on success the whole Holding (both slots,
+both responses) moves to the stream in one `hand_over`, so the stream's end or a client hang-up
+ends both legs at once (an SGLang prefill answer still unread is then closed, not drained). The
+dispatch loop does not change.
 """
 
 from __future__ import annotations
@@ -75,6 +79,11 @@ class Attempt(ABC):
         self.worker = worker
         self.reason = reason
         self.matched = matched
+
+    def failed_worker(self, failure: AttemptFailed) -> Worker:
+        """The worker `failure` is counted and judged against (passive health, `tried`): the one
+        leg's worker here; a two-leg attempt names the leg that failed."""
+        return self.worker
 
     @abstractmethod
     async def run(self) -> BufferedResponse | RelayResponse:
@@ -181,6 +190,7 @@ class SingleLeg(Attempt):
         self._strip_usage = strip_usage
 
     async def run(self) -> BufferedResponse | RelayResponse:
+        """Take the slot, send, wait for headers then first content, and accept (see the class)."""
         state, request, record, worker, pool = self._state, self._request, self._record, self.worker, self.pool
         headers = upstream_headers(pool, worker, record)
         timeouts = state.config.timeouts

@@ -186,7 +186,7 @@ class ProxyService:
         and judge it (`after_failure`): None to try again (in the same pool or, after an engine's
         "too long", once in the next larger one), else the final answer. Raises what
         `after_failure` raises for failures no other worker should repeat."""
-        record, pool, worker = dispatch.record, attempt.pool, attempt.worker
+        record, pool, worker = dispatch.record, attempt.pool, attempt.failed_worker(failure)
         record.open_attempt = None
         record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
         self.state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
