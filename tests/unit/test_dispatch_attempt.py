@@ -19,6 +19,7 @@ from gateway.dispatch.attempt import ProbeWatch, SingleLeg, budgets, hold_window
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import Failures, exhausted
 from gateway.dispatch.kinds import AGGREGATED, kind_of
+from gateway.dispatch.service import ProxyService
 from gateway.errors import NoCapacity, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestOutcome, RequestRecord
@@ -277,3 +278,41 @@ async def test_an_accepted_stream_owns_the_slot_and_the_response_until_it_is_clo
     relayed = b"".join([chunk async for chunk in result.stream.body()])
     assert relayed == b"".join(events)
     assert in_flight(state) == (0, 0) and answer.closed == 1
+
+
+# -- the dispatch loop's accounting steps -----------------------------------------------------------
+
+def two_pools() -> GatewayConfig:
+    return parse_config({"pools": [
+        {"name": "small", "engine": "vllm", "max_context_tokens": 8192, "workers": ["http://a:1"]},
+        {"name": "large", "engine": "vllm", "max_context_tokens": 131072, "workers": ["http://c:1"]},
+    ]}, environ={})
+
+
+def test_a_failed_attempts_accounting_and_a_too_long_move_to_the_larger_pool_once() -> None:
+    app_state = AppState.build(two_pools())
+    try:
+        service = ProxyService(app_state)
+        pools = list(app_state.config.pools)
+        record = RequestRecord(request_id="r", api="chat", pool="small")
+        dispatch = Dispatch(app_state, "chat", {}, request(), record, pools, pools[0])
+        a = app_state.registry.pools["small"][0]
+        attempt = SingleLeg(app_state, "chat", pools[0], a, "least_load", None, b"{}", request(), record, False)
+        service._attempt_started(dispatch, attempt)
+        assert (record.attempts, record.worker, record.open_attempt, record.attempt_answered) == (1, a.id, a, False)
+        too_long = AttemptFailed(Outcome.TOO_LONG, "too long", 400, b'{"error": {"message": "too long"}}',
+                                 answered=True)
+        assert service._attempt_failed(dispatch, attempt, too_long) is None  # try again, in the larger pool
+        assert (dispatch.pool.name, record.pool, dispatch.too_long_retried) == ("large", "large", True)
+        assert record.open_attempt is None and dispatch.tried == {a} and dispatch.last is too_long
+        c = app_state.registry.pools["large"][0]
+        second = SingleLeg(app_state, "chat", pools[1], c, "least_load", None, b"{}", request(), record, False)
+        service._attempt_started(dispatch, second)
+        answer = service._attempt_failed(dispatch, second, too_long)  # a second "too long": the engine's answer
+        assert isinstance(answer, BufferedResponse) and answer.status == 400 and record.attempts == 2
+        metrics = app_state.metrics.registry
+        assert metrics.get_sample_value("kimi_gateway_upstream_attempts_total",
+                                        {"pool": "small", "worker": a.id, "outcome": "too_long"}) == 1
+        assert metrics.get_sample_value("kimi_gateway_retries_total", {"pool": "large", "cause": "too_long"}) == 1
+    finally:
+        app_state.parse_pool.close()
