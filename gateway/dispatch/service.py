@@ -112,8 +112,11 @@ class ProxyService:
         if isinstance(result, BufferedResponse):
             await guard.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
         return result
+
     async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest,
                         pools: list[PoolConfig], record: RequestRecord) -> BufferedResponse | RelayResponse:
+        """Dispatch a parsed request to its fitting `pools` (smallest first): one `Dispatch` state
+        for its way through them, and a held 5xx verdict settled however it ends."""
         state = self.state
         pool = pools[0]
         record.pool = pool.name
