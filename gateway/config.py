@@ -119,6 +119,114 @@ gateway/routing/policies/ and take their parameter models from here (so config i
 code); gateway/routing/registry.py checks at import that both name the same policies."""
 
 
+PdMode = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
+"""A prefill/decode protocol: SGLang's bootstrap rooms, vLLM's NixlConnector or MooncakeConnector
+(the wire shapes: gateway/sim/pd.py's docstring; the dispatch side: gateway/dispatch/pd_attempt.py)."""
+
+PD_ENGINES: dict[str, tuple[str, ...]] = {"sglang": ("sglang",), "vllm-nixl": ("vllm", "ascend"),
+                                          "vllm-mooncake": ("vllm", "ascend")}
+"""The engine kinds that speak each PD protocol."""
+
+
+def clean_worker_urls(urls: list[str]) -> list[str]:
+    """Worker base URLs checked (http(s)://host:port, no credentials, query or fragment, a valid
+    port) and without a trailing slash. Raises ValueError naming the offending URL."""
+    cleaned = []
+    for url in urls:
+        if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
+            raise ValueError(f"worker URL must be http(s)://host:port, got {url!r}")
+        parts = urlsplit(url)
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(f"worker URL {parts.hostname!r}: no credentials in the URL (they would show in "
+                             "/admin/workers); use the pool's api_key")
+        if parts.query or parts.fragment or "?" in url or "#" in url:
+            raise ValueError(f"worker URL must not have a query or fragment, got {url!r}")
+        try:
+            parts.port  # noqa: B018 (raises ValueError when out of range)
+        except ValueError:
+            raise ValueError(f"worker URL has an invalid port, got {url!r}") from None
+        cleaned.append(url.rstrip("/"))
+    if len(set(cleaned)) != len(cleaned):
+        raise ValueError("worker URLs must be unique within a pool")
+    return cleaned
+
+
+class PrefillWorkerConfig(_Strict):
+    """A prefill worker of a PD pool: its base URL and, for SGLang and vLLM Mooncake, the port of
+    its bootstrap server (SGLang `--disaggregation-bootstrap-port`, vLLM
+    `VLLM_MOONCAKE_BOOTSTRAP_PORT`; 8998 by default in both). A bare URL string is accepted."""
+
+    url: str
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_url(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        return clean_worker_urls([url])[0]
+
+
+class DisaggregationConfig(_Strict):
+    """A prefill/decode (PD) pool's two worker groups and how requests are split between them.
+
+    Every request takes one prefill and one decode worker: `prefill_policy` picks the prefill worker
+    (default `prefix_affinity`: the prefix cache lives on the prefill workers), `decode_policy` the
+    decode worker (default `least_load`: decode is bound by running requests and KV memory). The
+    per-worker limits count this replica's requests on one worker of each role (None: the pool's
+    `max_in_flight_per_worker`); the pool's `max_in_flight` counts requests, not legs.
+    """
+
+    mode: PdMode
+    prefill: list[PrefillWorkerConfig] = Field(min_length=1)
+    decode: list[str] = Field(min_length=1, description="decode worker base URLs")
+    prefill_policy: str = "prefix_affinity"
+    prefill_policy_params: dict[str, Any] = Field(default_factory=dict)
+    decode_policy: str = "least_load"
+    decode_policy_params: dict[str, Any] = Field(default_factory=dict)
+    prefill_max_in_flight_per_worker: int | None = Field(default=None, ge=1)
+    decode_max_in_flight_per_worker: int | None = Field(default=None, ge=1)
+
+    @field_validator("decode")
+    @classmethod
+    def _check_decode(cls, urls: list[str]) -> list[str]:
+        return clean_worker_urls(urls)
+
+    @model_validator(mode="after")
+    def _check(self) -> DisaggregationConfig:
+        prefill = clean_worker_urls([p.url for p in self.prefill])  # unique among themselves
+        both = set(prefill) & set(self.decode)
+        if both:
+            raise ValueError(f"a worker is either prefill or decode, not both: {sorted(both)}")
+        for worker in self.prefill:
+            url = worker.url
+            if self.mode in ("sglang", "vllm-mooncake") and worker.bootstrap_port is None:
+                server = "--disaggregation-bootstrap-port" if self.mode == "sglang" else "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+                raise ValueError(f"prefill worker {url}: mode {self.mode} needs its bootstrap_port (the {server} "
+                                 "it serves; 8998 by default)")
+            if self.mode == "vllm-nixl" and worker.bootstrap_port is not None:
+                raise ValueError(f"prefill worker {url}: bootstrap_port is for modes sglang and vllm-mooncake; "
+                                 "NIXL finds the KV through the prefill answer's kv_transfer_params")
+        for role, name, params in (("prefill", self.prefill_policy, self.prefill_policy_params),
+                                   ("decode", self.decode_policy, self.decode_policy_params)):
+            _check_policy(name, params, f"{role}_policy")
+        return self
+
+
+def _check_policy(name: str, params: dict[str, Any], what: str = "policy") -> None:
+    """Raise ValueError for an unknown policy name or parameters its model refuses."""
+    model = POLICY_PARAMS.get(name)
+    if model is None:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(POLICY_PARAMS))}")
+    try:
+        model.model_validate(params)
+    except ValidationError as exc:
+        raise ValueError(f"for {what} {name}: {explain_validation_error(exc)}") from None
+
+
 class PoolConfig(_Strict):
     """A pool: interchangeable workers of one engine kind that share a max context.
 
@@ -130,6 +238,8 @@ class PoolConfig(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     engine: EngineKind
+    disaggregation: DisaggregationConfig | None = Field(
+        default=None, description="prefill/decode workers and protocol (a PD pool; `workers` stays empty)")
     discover: DiscoverConfig | None = Field(default=None, description="workers from DNS (headless Service)")
     workers: list[str] = Field(default_factory=list, validate_default=True,
                                description="engine base URLs; may be empty with `discover`")
@@ -161,26 +271,10 @@ class PoolConfig(_Strict):
     @field_validator("workers")
     @classmethod
     def _check_urls(cls, urls: list[str], info: ValidationInfo) -> list[str]:
-        if not urls and info.data.get("discover") is None:
-            raise ValueError("a pool needs at least one worker URL, or `discover` (workers from DNS)")
-        cleaned = []
-        for url in urls:
-            if not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
-                raise ValueError(f"worker URL must be http(s)://host:port, got {url!r}")
-            parts = urlsplit(url)
-            if parts.username is not None or parts.password is not None:
-                raise ValueError(f"worker URL {parts.hostname!r}: no credentials in the URL (they would show in "
-                                 "/admin/workers); use the pool's api_key")
-            if parts.query or parts.fragment or "?" in url or "#" in url:
-                raise ValueError(f"worker URL must not have a query or fragment, got {url!r}")
-            try:
-                parts.port  # noqa: B018 (raises ValueError when out of range)
-            except ValueError:
-                raise ValueError(f"worker URL has an invalid port, got {url!r}") from None
-            cleaned.append(url.rstrip("/"))
-        if len(set(cleaned)) != len(cleaned):
-            raise ValueError("worker URLs must be unique within a pool")
-        return cleaned
+        if not urls and info.data.get("discover") is None and info.data.get("disaggregation") is None:
+            raise ValueError("a pool needs at least one worker URL, or `discover` (workers from DNS), or "
+                             "`disaggregation` (prefill and decode workers)")
+        return clean_worker_urls(urls)
 
     @field_validator("api_key", mode="before")
     @classmethod
@@ -205,6 +299,31 @@ class PoolConfig(_Strict):
             except ValidationError as exc:
                 raise ValueError(f"for policy {name}: {explain_validation_error(exc)}") from None
         return params
+
+    @model_validator(mode="after")
+    def _check_disaggregation(self) -> PoolConfig:
+        pd = self.disaggregation
+        if pd is None:
+            return self
+        if self.workers or self.discover is not None:
+            raise ValueError("a PD pool's workers are its disaggregation.prefill and .decode lists; "
+                             "leave `workers` and `discover` out")
+        if self.engine not in PD_ENGINES[pd.mode]:
+            raise ValueError(f"disaggregation mode {pd.mode} needs engine {' or '.join(PD_ENGINES[pd.mode])}, "
+                             f"not {self.engine}")
+        if {"policy", "policy_params"} & self.model_fields_set:
+            raise ValueError("a PD pool has two policies: set disaggregation.prefill_policy and "
+                             "disaggregation.decode_policy instead of `policy`")
+        return self
+
+    def pd_workers(self) -> list[tuple[str, str | None, int | None]]:
+        """(URL, role, bootstrap port) of every static worker: role None for an aggregated pool's,
+        "prefill" / "decode" for a PD pool's (prefill first)."""
+        pd = self.disaggregation
+        if pd is None:
+            return [(url, None, None) for url in self.workers]
+        return ([(p.url, "prefill", p.bootstrap_port) for p in pd.prefill]
+                + [(url, "decode", None) for url in pd.decode])
 
 
 class TimeoutConfig(_Strict):

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
+from typing import Protocol, TypeVar
 
 import orjson
 
@@ -80,26 +81,38 @@ class AttemptFailed(Exception):
 
 
 class Lease:
-    """One leg's slot: this replica's in-flight count on a worker and a slot of its pool, taken at
-    creation and released exactly once (`release`, idempotent). Owned by a `Holding`."""
+    """One leg's slot: this replica's in-flight count on a worker and (`counted`) a slot of its
+    pool, taken at creation and released exactly once (`release`, idempotent). Owned by a
+    `Holding`. A PD attempt's prefill leg is not `counted`: a pool's `max_in_flight` counts requests."""
 
     __slots__ = ("_gate", "_metrics", "_released", "worker")
 
-    def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate) -> None:
+    def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True) -> None:
         self.worker = worker
         self._metrics = metrics
-        self._gate = gate
+        self._gate = gate if counted else None
         self._released = False
         worker.in_flight += 1
-        gate.acquired()
+        if counted:
+            gate.acquired()
         metrics.in_flight.labels(worker.pool, worker.id).inc()
 
     def release(self) -> None:
         if not self._released:
             self._released = True
             self.worker.in_flight -= 1
-            self._gate.released()
+            if self._gate is not None:
+                self._gate.released()
             self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
+
+
+class Closable(Protocol):
+    """What a Holding closes: an upstream response, or a leg that owns one (`aclose()` idempotent)."""
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
+Closed = TypeVar("Closed", bound=Closable)
 
 
 class Holding:
@@ -118,20 +131,22 @@ class Holding:
 
     def __init__(self) -> None:
         self._leases: list[Lease] = []
-        self._responses: list[UpstreamResponse] = []
+        self._responses: list[Closable] = []
 
     def __bool__(self) -> bool:
         """Whether anything is still held (a cheap test before awaiting `aclose`)."""
         return bool(self._leases or self._responses)
 
-    def lease(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate) -> Lease:
-        """Take a slot on `worker` (and its pool's `gate`), held until this Holding is closed."""
-        lease = Lease(worker, metrics, gate)
+    def lease(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True) -> Lease:
+        """Take a slot on `worker` (and, `counted`, one of its pool's `gate`), held until this
+        Holding is closed."""
+        lease = Lease(worker, metrics, gate, counted)
         self._leases.append(lease)
         return lease
 
-    def opened(self, response: UpstreamResponse) -> UpstreamResponse:
-        """Hold an upstream response just opened (closed with this Holding); returns it."""
+    def opened(self, response: Closed) -> Closed:
+        """Hold an upstream response just opened, or another leg's closable (a PD prefill leg's
+        task), closed with this Holding; returns it."""
         self._responses.append(response)
         return response
 
@@ -153,7 +168,7 @@ class Holding:
         return responses[0].aclose() if len(responses) == 1 else _close_all(responses)
 
 
-async def _close_all(responses: list[UpstreamResponse]) -> None:
+async def _close_all(responses: list[Closable]) -> None:
     """Close every response (a two-leg attempt's), raising the first failure after trying all."""
     failure: Exception | None = None
     for response in responses:

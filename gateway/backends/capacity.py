@@ -29,21 +29,29 @@ class PoolGate:
     def configure(self, config: PoolConfig) -> None:
         """Take the pool's limits (at start-up and on a reload); counts and waiters stay."""
         self.per_worker = config.max_in_flight_per_worker
+        pd = config.disaggregation
+        # A PD pool's per-role limits (each falls back to the pool's own per-worker limit).
+        self.per_role: dict[str | None, int | None] = {} if pd is None else {
+            "prefill": pd.prefill_max_in_flight_per_worker or self.per_worker,
+            "decode": pd.decode_max_in_flight_per_worker or self.per_worker}
         self.total = config.max_in_flight
         self.max_queue = config.max_queue
         self.queue_timeout = config.queue_timeout
 
     @property
     def limited(self) -> bool:
-        return self.per_worker is not None or self.total is not None
+        return self.per_worker is not None or self.total is not None or any(self.per_role.values())
 
     def with_room(self, workers: list[Worker]) -> list[Worker]:
-        """The workers that may take one more request now (all of them when the pool is unlimited)."""
+        """The workers that may take one more request now (all of them when the pool is unlimited);
+        a PD pool's workers by their role's per-worker limit."""
         if self.total is not None and self.in_flight >= self.total:
             return []
-        if self.per_worker is None:
-            return workers
-        return [w for w in workers if w.in_flight < self.per_worker]
+        if not self.per_role:
+            if self.per_worker is None:
+                return workers
+            return [w for w in workers if w.in_flight < self.per_worker]
+        return [w for w in workers if (limit := self.per_role.get(w.role)) is None or w.in_flight < limit]
 
     def acquired(self) -> None:
         self.in_flight += 1

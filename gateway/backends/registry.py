@@ -79,13 +79,15 @@ class WorkerRegistry:
         """The worker `pool/index`, or None when there is no such pool or index."""
         return next((w for w in self.pools.get(pool, ()) if w.index == index), None)
 
-    def candidates(self, pool: str, exclude: Collection[Worker] = ()) -> list[Worker]:
+    def candidates(self, pool: str, exclude: Collection[Worker] = (), role: str | None = None) -> list[Worker]:
         """Workers of `pool` that may take a request now: healthy, not drained, not ejected, not
         told to back off by a 429, and not in `exclude` (already tried by this request). Empty
-        for a pool a reload removed."""
+        for a pool a reload removed. `role` None: the workers whose answer a client gets (all of
+        an aggregated pool's, a PD pool's decode workers); "prefill": a PD pool's prefill workers."""
         now = self.clock()
-        return [w for w in self.pools.get(pool, ()) if w.in_service(now) and w.busy_until <= now
-                and w not in exclude]
+        prefill = role == "prefill"
+        return [w for w in self.pools.get(pool, ()) if (w.role == "prefill") is prefill and w.in_service(now)
+                and w.busy_until <= now and w not in exclude]
 
     # --- membership: discovery and reload ------------------------------------------------------
 
@@ -113,7 +115,7 @@ class WorkerRegistry:
             if pool.discover is None:
                 self.discovered.pop(pool.name, None)
             urls = list(dict.fromkeys([*pool.workers, *self.discovered.get(pool.name, [])]))
-            changes += self._set_urls(pool.name, pool, urls, initial)
+            changes += self._set_urls(pool.name, pool, urls, initial, _roles(pool))
         self.pools = {p.name: self.pools.get(p.name, []) for p in pools}  # config (cost) order
         return changes
 
@@ -125,11 +127,20 @@ class WorkerRegistry:
         self.discovered[pool] = list(urls)
         return self._set_urls(pool, config, list(dict.fromkeys([*config.workers, *urls])), False)
 
-    def _set_urls(self, name: str, pool: PoolConfig | None, urls: list[str], initial: bool) -> list[str]:
+    def _set_urls(self, name: str, pool: PoolConfig | None, urls: list[str], initial: bool,
+                  roles: dict[str, tuple[str, int | None]] | None = None) -> list[str]:
+        """`roles`: URL -> (role, bootstrap port) of a PD pool's workers (they are its URLs)."""
         engine = ENGINES[pool.engine] if pool is not None else None
+        roles = roles or {}
+        if roles:
+            urls = list(roles)
         current = self.pools.get(name, [])
-        keep = {w.url: w for w in current if w.engine is engine}
-        back = {w.url: w for w in self.retiring if w.pool == name and w.engine is engine}
+
+        def same(w: Worker) -> bool:  # the same engine kind in the same role: the same worker
+            return w.engine is engine and (w.role, w.bootstrap_port) == roles.get(w.url, (None, None))
+
+        keep = {w.url: w for w in current if same(w)}
+        back = {w.url: w for w in self.retiring if w.pool == name and same(w)}
         workers: list[Worker] = []
         changes: list[str] = []
         for url in urls:
@@ -142,7 +153,8 @@ class WorkerRegistry:
                 assert engine is not None
                 index = self._next_index.get(name, 0)
                 self._next_index[name] = index + 1
-                worker = Worker(name, index, url, engine, healthy=initial)
+                role, bootstrap_port = roles.get(url, (None, None))
+                worker = Worker(name, index, url, engine, role, bootstrap_port, healthy=initial)
                 if not initial:
                     worker.last_error = "not probed yet"
                 if self.metrics is not None:  # the series exist from the start (alerts see a 0, not nothing)
@@ -152,7 +164,7 @@ class WorkerRegistry:
                     self.metrics.worker_healthy.labels(name, worker.id).set(1 if initial else 0)
                 for watcher in self.watchers:
                     watcher.worker_added(worker)
-                changes.append(f"worker {worker.id} ({url}) added")
+                changes.append(f"worker {worker.id} ({url}{f', {role}' if role else ''}) added")
             workers.append(worker)
         for worker in current:
             if worker not in workers:
@@ -289,6 +301,20 @@ class WorkerRegistry:
         worker.busy_until = self.clock() + (DEFAULT_RETRY_AFTER_S if retry_after is None else retry_after)
 
     def unready_pools(self) -> list[str]:
-        """Pools with no healthy, correctly configured, undrained, non-ejected worker."""
+        """Pools with no healthy, correctly configured, undrained, non-ejected worker (for a PD
+        pool: of either role)."""
         now = self.clock()
-        return [name for name, workers in self.pools.items() if not any(w.in_service(now) for w in workers)]
+        return [name for name, workers in self.pools.items()
+                if not all(any(w.in_service(now) for w in workers if w.role == role) for role in _pool_roles(workers))]
+
+
+def _roles(pool: PoolConfig) -> dict[str, tuple[str, int | None]] | None:
+    """URL -> (role, bootstrap port) of a PD pool's workers; None for an aggregated pool."""
+    if pool.disaggregation is None:
+        return None
+    return {url: (role, port) for url, role, port in pool.pd_workers() if role is not None}
+
+
+def _pool_roles(workers: Sequence[Worker]) -> set[str | None]:
+    """The roles a pool's workers have ({None} for an aggregated pool, and for an empty one)."""
+    return {w.role for w in workers} or {None}

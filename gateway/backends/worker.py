@@ -20,12 +20,16 @@ class Worker:
     `misconfigured` (the reason, from the prober's `/v1/models` check) keeps it out of every request
     until a later check finds it serving the pool's model name and max context;
     `retired` marks a worker discovery or a reload removed (out of its pool, finishing its requests).
+    `role` is None for an aggregated pool's worker, "prefill" or "decode" in a prefill/decode pool
+    (`bootstrap_port`: a SGLang / vLLM Mooncake prefill worker's bootstrap server port).
     """
 
     pool: str
     index: int
     url: str
     engine: EngineSpec
+    role: str | None = None
+    bootstrap_port: int | None = None
     healthy: bool = True
     draining: bool = False
     retired: bool = False
@@ -78,11 +82,13 @@ class Worker:
 
         `load`, `engine_running` and `engine_waiting` are requests, `kv_usage` a fraction (0..1),
         `ejected_for_s` / `busy_for_s` the seconds left of an ejection / a 429 back-off (0 when
-        none); the engine fields are None until the first scrape of its `/metrics`; `misconfigured`
-        is why the worker gets no traffic (its `/v1/models` disagrees with the pool), else None.
+        none); `role` is None, "prefill" or "decode" (a PD pool's); the engine fields are None
+        until the first scrape of its `/metrics`; `misconfigured` is why the worker gets no
+        traffic (its `/v1/models` disagrees with the pool), else None.
         """
         now = time.monotonic()
         return {"id": self.id, "pool": self.pool, "index": self.index, "url": self.url, "engine": self.engine.kind,
+                "role": self.role,
                 "state": self.state(now), "retired": self.retired, "healthy": self.healthy, "draining": self.draining,
                 "in_flight": self.in_flight, "load": self.load(), "engine_running": self.engine_running,
                 "engine_waiting": self.engine_waiting, "kv_usage": self.kv_usage, "ejections": self.ejections,

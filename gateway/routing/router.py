@@ -1,33 +1,49 @@
-"""The router: one policy instance per pool, built and validated at start-up and on a reload."""
+"""The router: one policy instance per pool (two for a prefill/decode pool: one per role), built and
+validated at start-up and on a reload."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from gateway.config import GatewayConfig, PoolConfig
 from gateway.routing.policy import RoutingPolicy
 from gateway.routing.registry import build_policy
 
+PolicySpec = tuple[str, dict[str, Any]]
+
+
+def _specs(pool: PoolConfig) -> dict[str | None, PolicySpec]:
+    """Role -> (policy name, params) of a pool: role None is the policy the dispatch loop asks for
+    (an aggregated pool's `policy`; a PD pool's prefill policy, whose affinity lookup finds the
+    prefill workers holding the prompt's prefix), "decode" a PD pool's decode policy."""
+    pd = pool.disaggregation
+    if pd is None:
+        return {None: (pool.policy, pool.policy_params)}
+    return {None: (pd.prefill_policy, pd.prefill_policy_params), "decode": (pd.decode_policy, pd.decode_policy_params)}
+
 
 class Router:
-    """Holds each pool's policy. Raises ValueError at construction for an unknown policy name."""
+    """Holds each pool's policies. Raises ValueError at construction for an unknown policy name."""
 
     def __init__(self, config: GatewayConfig) -> None:
-        self._policies: dict[str, RoutingPolicy] = {p.name: build_policy(p.policy, p.policy_params)
-                                                  for p in config.pools}
-        self._built: dict[str, tuple[str, dict[str, object]]] = {p.name: (p.policy, p.policy_params)
-                                                                 for p in config.pools}
+        self._built: dict[tuple[str, str | None], PolicySpec] = {
+            (p.name, role): spec for p in config.pools for role, spec in _specs(p).items()}
+        self._policies: dict[tuple[str, str | None], RoutingPolicy] = {
+            key: build_policy(*spec) for key, spec in self._built.items()}
 
-    def policy(self, pool: str) -> RoutingPolicy:
-        return self._policies[pool]
+    def policy(self, pool: str, role: str | None = None) -> RoutingPolicy:
+        """The policy of `pool` (a PD pool's prefill policy), or of its `role` ("decode")."""
+        return self._policies[(pool, role)]
 
     def update(self, pools: Sequence[PoolConfig]) -> None:
         """After a reload: a new policy for a pool that is new or whose policy or params changed;
         the others keep theirs (and its state, e.g. a round-robin position). Swaps in a new dict.
         Raises ValueError / pydantic.ValidationError as `build_policy` does (nothing is changed then)."""
-        policies: dict[str, RoutingPolicy] = {}
-        for pool in pools:
-            same = self._built.get(pool.name) == (pool.policy, pool.policy_params)
-            policies[pool.name] = self._policies[pool.name] if same else build_policy(pool.policy, pool.policy_params)
+        built = {(p.name, role): spec for p in pools for role, spec in _specs(p).items()}
+        policies: dict[tuple[str, str | None], RoutingPolicy] = {}
+        for key, spec in built.items():
+            same = self._built.get(key) == spec
+            policies[key] = self._policies[key] if same else build_policy(*spec)
         self._policies = policies
-        self._built = {p.name: (p.policy, p.policy_params) for p in pools}
+        self._built = built
