@@ -92,6 +92,20 @@ class GatewayMetrics:
                                       "(completion tokens - 1).", ["pool"], buckets=TPOT_BUCKETS, registry=r)
         self.route_decisions = Counter("kimi_gateway_route_decisions", "Worker choices by policy reason.",
                                        ["pool", "reason"], registry=r)
+        # Prefill/decode pools (issue 13); decode TTFT and TPOT are the pool's ttft/tpot above.
+        self.pd_route_decisions = Counter("kimi_gateway_pd_route_decisions",
+                                          "PD pools: worker choices per phase (prefill, decode) by policy reason.",
+                                          ["pool", "phase", "reason"], registry=r)
+        self.pd_prefill_seconds = Histogram("kimi_gateway_pd_prefill_seconds",
+                                            "PD pools: time from sending the prefill leg to its whole answer.",
+                                            ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_handoff_seconds = Histogram("kimi_gateway_pd_kv_handoff_seconds",
+                                            "PD pools: time from the prefill leg's answer to the decode leg's "
+                                            "first byte (the KV transfer and the first decode step).",
+                                            ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_leg_failures = Counter("kimi_gateway_pd_leg_failures",
+                                       "PD pools: failed legs by phase (prefill, decode) and upstream outcome.",
+                                       ["pool", "phase", "outcome"], registry=r)
         self.upstream_attempts = Counter("kimi_gateway_upstream_attempts",
                                          "Upstream attempts by outcome (ok, connect_error, timeout, "
                                          "status_5xx, status_429, too_long, client_error, protocol_error).",

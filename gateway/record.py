@@ -74,6 +74,7 @@ class RequestRecord:
     started: float = field(default_factory=time.perf_counter)
     pool: str = NO_POOL
     worker: str | None = None
+    prefill_worker: str | None = None  # a PD pool's prefill worker (`worker` is then the decode worker)
     reason: str | None = None
     attempts: int = 0
     status: int = 0

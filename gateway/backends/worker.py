@@ -30,6 +30,7 @@ class Worker:
     engine: EngineSpec
     role: str | None = None
     bootstrap_port: int | None = None
+    pd_engine_id: str | None = None  # a vLLM Mooncake prefill worker's engine id (its bootstrap `GET /query`)
     healthy: bool = True
     draining: bool = False
     retired: bool = False

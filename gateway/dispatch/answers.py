@@ -54,6 +54,10 @@ def route_headers(record: RequestRecord) -> Headers:
                (b"x-kimi-gateway-attempts", str(record.attempts).encode())]
     if record.worker:
         headers.append((b"x-kimi-gateway-worker", record.worker.encode()))
+    if record.prefill_worker:  # a PD pool: both legs' workers
+        headers.append((b"x-kimi-gateway-prefill-worker", record.prefill_worker.encode()))
+        if record.worker:
+            headers.append((b"x-kimi-gateway-decode-worker", record.worker.encode()))
     if record.reason:
         headers.append((b"x-kimi-gateway-route-reason", record.reason.encode()))
     if record.estimated_prompt_tokens is not None:

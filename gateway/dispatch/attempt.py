@@ -80,6 +80,11 @@ class Attempt(ABC):
         self.reason = reason
         self.matched = matched
 
+    @property
+    def cache_worker(self) -> Worker:
+        """The worker that holds the prompt's prefix cache after this attempt (affinity records it)."""
+        return self.worker
+
     def failed_worker(self, failure: AttemptFailed) -> Worker:
         """The worker `failure` is counted and judged against (passive health, `tried`): the one
         leg's worker here; a two-leg attempt names the leg that failed."""
@@ -191,43 +196,52 @@ class SingleLeg(Attempt):
 
     async def run(self) -> BufferedResponse | RelayResponse:
         """Take the slot, send, wait for headers then first content, and accept (see the class)."""
+        holding = Holding()
+        try:
+            holding.lease(self.worker, self._state.metrics, self._state.registry.gates[self.pool.name])
+            return await self._serve(holding, self.upstream_headers())
+        finally:
+            if holding:  # not handed over: release the slot (a waiter may take it), then the connection
+                await holding.aclose()
+
+    def upstream_headers(self) -> dict[str, str]:
+        """The engine request's headers (`upstream_headers`)."""
+        return upstream_headers(self.pool, self.worker, self._record)
+
+    async def _serve(self, holding: Holding, headers: dict[str, str]) -> BufferedResponse | RelayResponse:
+        """Send the body to `self.worker` with `headers`, wait for headers then first content, and
+        accept: a stream takes everything `holding` holds; a buffered answer is read whole (the
+        caller closes `holding`)."""
         state, request, record, worker, pool = self._state, self._request, self._record, self.worker, self.pool
-        headers = upstream_headers(pool, worker, record)
         timeouts = state.config.timeouts
         timeout, budget, header_wait = budgets(timeouts, request, pool)
         probe = ProbeWatch(state.registry, worker)
         started = asyncio.get_running_loop().time()
-        holding = Holding()
         try:
-            holding.lease(worker, state.metrics, state.registry.gates[pool.name])
-            try:
-                async with asyncio.timeout(header_wait) as deadline:
-                    with probe.until(deadline):
-                        response = holding.opened(await open_upstream(
-                            state.upstream, worker.url + UPSTREAM_PATHS[self._api], self._body, headers, timeout,
-                            pool.name))
-                    record.attempt_answered = True
-                    deadline.reschedule(started + budget)
-                    content = True
-                    if request.stream:  # `content` False: still prefilling; commit and send keep-alives
-                        sse = response.headers.get("content-type", "").startswith("text/event-stream")
-                        first, rest, content = await first_content(response, hold_window(timeouts, record), sse)
-                    else:
-                        first, rest = await first_chunk(response)
-            except TimeoutError:
-                raise timed_out(probe.moved, record.attempt_answered, header_wait, budget) from None
-            content_type, passed = self._accepted(response)
-            if request.stream:
-                return self._relay(holding, response, first, rest, content, content_type, passed)
-            mark_first_byte(record)
-            try:
-                answer = await read_rest(response, first, rest, state.config.max_body_bytes)
-            except Exception as exc:
-                raise self._broken(exc) from exc
-            return self._buffered(answer, content_type, passed)
-        finally:
-            if holding:  # not handed over: release the slot (a waiter may take it), then the connection
-                await holding.aclose()
+            async with asyncio.timeout(header_wait) as deadline:
+                with probe.until(deadline):
+                    response = holding.opened(await open_upstream(
+                        state.upstream, worker.url + UPSTREAM_PATHS[self._api], self._body, headers, timeout,
+                        pool.name))
+                record.attempt_answered = True
+                deadline.reschedule(started + budget)
+                content = True
+                if request.stream:  # `content` False: still prefilling; commit and send keep-alives
+                    sse = response.headers.get("content-type", "").startswith("text/event-stream")
+                    first, rest, content = await first_content(response, hold_window(timeouts, record), sse)
+                else:
+                    first, rest = await first_chunk(response)
+        except TimeoutError:
+            raise timed_out(probe.moved, record.attempt_answered, header_wait, budget) from None
+        content_type, passed = self._accepted(response)
+        if request.stream:
+            return self._relay(holding, response, first, rest, content, content_type, passed)
+        mark_first_byte(record)
+        try:
+            answer = await read_rest(response, first, rest, state.config.max_body_bytes)
+        except Exception as exc:
+            raise self._broken(exc) from exc
+        return self._buffered(answer, content_type, passed)
 
     def _accepted(self, response: UpstreamResponse) -> tuple[bytes, Headers]:
         """The engine's 200 checked: the client's content type and the headers passed on.

@@ -2,8 +2,9 @@
 attempt among the candidates with room and runs it; it knows nothing of legs.
 
 `Aggregated` (every pool today): the pool's policy picks one worker, whose attempt is a
-`SingleLeg`. A prefill/decode pool (issue 13) adds its kind here, returning a two-leg attempt
-(see `attempt.py`'s module docstring), and `kind_of` picks it from the pool's config.
+`SingleLeg`. `Disaggregated` (a prefill/decode pool, issue 13): a prefill and a decode worker,
+each picked by its role's policy, in a two-leg attempt of the pool's protocol (`pd_attempt.py`);
+`kind_of` picks the kind from the pool's `disaggregation` config.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.dispatch.attempt import Attempt, SingleLeg
 from gateway.dispatch.context import Dispatch
+from gateway.dispatch.pd_attempt import MooncakeAttempt, NixlAttempt, PdAttempt, SglangAttempt
 from gateway.dispatch.steps import decide, engine_body
 from gateway.routing.policy import RoutingPolicy
 
@@ -50,9 +52,47 @@ class Aggregated:
                          dispatch.record, patch_usage)
 
 
+class Disaggregated:
+    """A prefill/decode pool: each attempt takes a prefill worker (picked by `policy`, the pool's
+    prefill policy, with `match`: the prefix cache lives on the prefill workers) and a decode
+    worker (among `workers`, the decode candidates with room, picked by the decode policy), and
+    runs the protocol's two-leg attempt (`pd_attempt.py`). `dispatch.choose_pool` made sure a
+    prefill worker with room exists."""
+
+    __slots__ = ("_attempt",)
+
+    def __init__(self, attempt: type[PdAttempt]) -> None:
+        self._attempt = attempt
+
+    def attempt(self, dispatch: Dispatch, policy: RoutingPolicy, workers: list[Worker],
+                match: Mapping[str, float]) -> Attempt:
+        """Both phases' choices (`steps.decide`), their route-reason metric, and the attempt. The
+        route reason is `prefill:<reason>,decode:<reason>`."""
+        request, pool, state = dispatch.request, dispatch.pool, dispatch.state
+        registry = state.registry
+        prefills = registry.gates[pool.name].with_room(registry.candidates(pool.name, dispatch.tried, "prefill"))
+        prefill = decide(policy, request, prefills, match)
+        decode = decide(state.router.policy(pool.name, "decode"), request, workers, {})
+        metrics = state.metrics.pd_route_decisions
+        metrics.labels(pool.name, "prefill", prefill.reason).inc()
+        metrics.labels(pool.name, "decode", decode.reason).inc()
+        worker = decode.worker
+        patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
+        body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api,
+                           pool.served_model_name or state.config.model.name, worker, patch_usage)
+        matched = match.get(prefill.worker.url, 0.0) if policy.uses_affinity else None
+        return self._attempt(state, dispatch.api, pool, worker, prefill.worker,
+                             f"prefill:{prefill.reason},decode:{decode.reason}", prefill.reason, matched, body,
+                             request, dispatch.record, patch_usage)
+
+
 AGGREGATED = Aggregated()
+PD_KINDS: dict[str, PoolKind] = {"sglang": Disaggregated(SglangAttempt), "vllm-nixl": Disaggregated(NixlAttempt),
+                                 "vllm-mooncake": Disaggregated(MooncakeAttempt)}
 
 
 def kind_of(pool: PoolConfig) -> PoolKind:
-    """The kind of `pool` (a PoolConfig): aggregated for every pool until PD pools exist."""
-    return AGGREGATED
+    """The kind of `pool` (a PoolConfig): `Disaggregated` with the protocol of its
+    `disaggregation.mode`, else `Aggregated`."""
+    pd = pool.disaggregation
+    return AGGREGATED if pd is None else PD_KINDS[pd.mode]

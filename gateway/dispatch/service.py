@@ -177,7 +177,7 @@ class ProxyService:
         reason, the decision's metric, and a retry's (labelled with what the last one failed by)."""
         record, metrics = dispatch.record, self.state.metrics
         record.attempts += 1
-        record.worker, record.reason = attempt.worker.id, attempt.reason
+        record.worker, record.reason, record.prefill_worker = attempt.worker.id, attempt.reason, None
         metrics.route_decisions.labels(attempt.pool.name, attempt.reason).inc()
         if dispatch.last is not None:
             metrics.retries.labels(attempt.pool.name, dispatch.last.outcome).inc()
@@ -221,7 +221,7 @@ class ProxyService:
             state.metrics.affinity_match_ratio.labels(pool.name).observe(attempt.matched)
             # After this task next yields, i.e. once the first chunk went out: never before the first token.
             asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, request.prefix.hashes,
-                                                 worker.url)
+                                                 attempt.cache_worker.url)
 
     async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
         """Worker URL → share of the prompt it holds, from one store lookup (fails open to {})."""

@@ -33,14 +33,26 @@ def choose_pool(registry: WorkerRegistry, pool: PoolConfig, pools: list[PoolConf
     spills over only with `spillover` set; "unavailable" goes to the next pool (whose own
     candidates are looked at in the next step), "saturated" to the first later pool with room."""
     workers = registry.candidates(pool.name, tried)
+    if workers and pool.disaggregation is not None and not registry.candidates(pool.name, tried, "prefill"):
+        workers = []  # a PD pool needs a worker of each role
     later = pools[pools.index(pool) + 1:] if pool.spillover else []
     if not workers:
         return (PoolStep.UNAVAILABLE, later[0], workers) if later else (PoolStep.EXHAUSTED, pool, workers)
     gate = registry.gates[pool.name]
-    if gate.limited and not (workers := gate.with_room(workers)):
-        roomy = next((p for p in later if registry.gates[p.name].with_room(registry.candidates(p.name, tried))), None)
+    if gate.limited and not (workers := with_room(registry, pool, workers, tried)):
+        roomy = next((p for p in later if with_room(registry, p, registry.candidates(p.name, tried), tried)), None)
         return (PoolStep.SATURATED, roomy, workers) if roomy is not None else (PoolStep.WAIT, pool, workers)
     return PoolStep.ROUTE, pool, workers
+
+
+def with_room(registry: WorkerRegistry, pool: PoolConfig, workers: list[Worker],
+              tried: Collection[Worker]) -> list[Worker]:
+    """Those of `workers` (the candidates whose answer the client gets) with room in `pool`; none
+    when `pool` is a PD pool none of whose prefill workers has room."""
+    gate = registry.gates[pool.name]
+    if pool.disaggregation is not None and not gate.with_room(registry.candidates(pool.name, tried, "prefill")):
+        return []
+    return gate.with_room(workers)
 
 
 def decide(policy: RoutingPolicy, request: RoutingRequest, workers: list[Worker],

@@ -1,0 +1,48 @@
+"""Helpers of the gateway's prefill/decode (PD) tests: PD sim groups and the PD pool config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tests.support import RunningSim
+
+StartSim = Callable[..., RunningSim]
+ENGINE = {"sglang": "sglang", "vllm-nixl": "vllm", "vllm-mooncake": "vllm"}
+
+
+@dataclass
+class PdGroup:
+    """A PD pool's sims: `prefill` and `decode` workers speaking `mode`."""
+
+    mode: str
+    prefill: list[RunningSim]
+    decode: list[RunningSim]
+
+    def pool(self, name: str = "pd", max_context_tokens: int = 131072, **extra: Any) -> dict[str, Any]:
+        """The gateway pool config of this group (bootstrap ports: the sims answer bootstrap calls on
+        their HTTP port)."""
+        prefill: list[dict[str, Any]] = []
+        for sim in self.prefill:
+            entry: dict[str, Any] = {"url": sim.url}
+            if self.mode != "vllm-nixl":
+                entry["bootstrap_port"] = int(sim.url.rsplit(":", 1)[1])
+            prefill.append(entry)
+        pd = {"mode": self.mode, "prefill": prefill, "decode": [s.url for s in self.decode],
+              **extra.pop("disaggregation", {})}
+        return {"name": name, "engine": ENGINE[self.mode], "max_context_tokens": max_context_tokens,
+                "disaggregation": pd, **extra}
+
+    def all(self) -> list[RunningSim]:
+        return [*self.prefill, *self.decode]
+
+
+def pd_group(start_sim: StartSim, mode: str, prefill: int = 1, decode: int = 1, **fields: Any) -> PdGroup:
+    """Start `prefill` prefill and `decode` decode sims of `mode` (extra SimConfig `fields` for all)."""
+    engine = ENGINE[mode]
+
+    def start(role: str) -> RunningSim:
+        return start_sim(engine, pd_role=role, pd_protocol=mode, **fields)
+
+    return PdGroup(mode, [start("prefill") for _ in range(prefill)], [start("decode") for _ in range(decode)])

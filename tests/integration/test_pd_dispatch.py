@@ -1,0 +1,145 @@
+"""The gateway in front of prefill/decode (PD) sims: both legs per protocol, streamed and not,
+the per-phase headers, metrics and worker roles, and the failure semantics of issue 13 item 4."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.sim.config import SimFaults
+from tests.integration.pd_support import StartSim, pd_group
+from tests.support import RunningGateway
+
+StartGateway = Callable[..., RunningGateway]
+MODES = ["sglang", "vllm-nixl", "vllm-mooncake"]
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hello there, prefill and decode"}],
+        "max_tokens": 8}
+
+
+def _sse_text(body: str) -> str:
+    out = []
+    for line in body.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = orjson.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                out.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
+    return "".join(out)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_pd_request_uses_both_legs(start_sim: StartSim, start_gateway: StartGateway, mode: str,
+                                   stream: bool) -> None:
+    group = pd_group(start_sim, mode)
+    gw = start_gateway([group.pool()])
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kimi-gateway-prefill-worker"] == "pd/0"
+    assert response.headers["x-kimi-gateway-decode-worker"] == "pd/1"
+    assert response.headers["x-kimi-gateway-route-reason"].startswith("prefill:")
+    text = _sse_text(response.text) if stream else response.json()["choices"][0]["message"]["content"]
+    assert text
+    (p_rec,), (d_rec,) = group.prefill[0].engine.records, group.decode[0].engine.records
+    assert d_rec.completed and d_rec.pd_failure is None
+    assert p_rec.headers["x-request-id"] == d_rec.headers["x-request-id"]
+    if mode == "sglang":
+        assert p_rec.body == d_rec.body and 0 <= d_rec.body["bootstrap_room"] < 2 ** 63
+    else:
+        assert p_rec.body["stream"] is False and p_rec.body["max_tokens"] == 1
+        assert d_rec.body["kv_transfer_params"]["do_remote_prefill"] is True
+    gw.wait_until_idle()
+    assert gw.metric('kimi_gateway_pd_prefill_seconds_count{pool="pd"}') == 1
+    assert gw.metric('kimi_gateway_pd_route_decisions_total{phase="decode"') == 1
+
+
+def _rooms(records: list[Any]) -> list[int]:
+    return [r.body["bootstrap_room"] for r in records]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_failure_retries_on_another_prefill_worker(start_sim: StartSim, start_gateway: StartGateway,
+                                                           mode: str) -> None:
+    group = pd_group(start_sim, mode, prefill=2)
+    group.prefill[0].engine.set_faults(SimFaults(**{"fail_status": 500}))
+    gw = start_gateway([group.pool(disaggregation={"prefill_policy": "round_robin"})])
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kimi-gateway-attempts"] == "2"
+    assert response.headers["x-kimi-gateway-prefill-worker"] == "pd/1"
+    failed, = group.prefill[0].engine.records
+    served, = group.prefill[1].engine.records
+    decodes = group.decode[0].engine.records
+    assert decodes[-1].completed
+    if mode == "sglang":  # the first decode leg was sent at once and aborted; the room is never reused
+        assert (len(decodes) == 2 and decodes[0].aborted) or decodes[0].status != 200
+        assert failed.body["bootstrap_room"] != served.body["bootstrap_room"]
+    elif mode == "vllm-nixl":  # the decode leg waits for the prefill answer: it never went out
+        assert len(decodes) == 1
+    else:
+        assert failed.body["kv_transfer_params"]["transfer_id"] != served.body["kv_transfer_params"]["transfer_id"]
+    gw.wait_until_idle()
+    assert gw.metric('kimi_gateway_pd_leg_failures_total{outcome="status_5xx",phase="prefill"') == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_failure_retries_on_another_decode_worker_with_a_fresh_prefill(
+        start_sim: StartSim, start_gateway: StartGateway, mode: str, stream: bool) -> None:
+    group = pd_group(start_sim, mode, decode=2)
+    group.decode[0].engine.set_faults(SimFaults(**{"fail_status": 503}))
+    gw = start_gateway([group.pool(disaggregation={"decode_policy": "round_robin"})])
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kimi-gateway-decode-worker"] == "pd/2"
+    assert response.headers["x-kimi-gateway-attempts"] == "2"
+    prefills = group.prefill[0].engine.records
+    assert len(prefills) == 2  # a fresh prefill for the second decode worker
+    if mode == "sglang":
+        assert len(set(_rooms(prefills))) == 2
+        assert _rooms(prefills)[1] == group.decode[1].engine.records[0].body["bootstrap_room"]
+    gw.wait_until_idle()
+    assert all(r.finished_at is not None for r in group.prefill[0].engine.records)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_client_disconnect_aborts_both_legs(start_sim: StartSim, start_gateway: StartGateway, mode: str) -> None:
+    group = pd_group(start_sim, mode, tpot_s=0.05)
+    gw = start_gateway([group.pool()])
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True, "max_tokens": 500},
+                      timeout=10) as response:
+        assert response.status_code == 200
+        next(response.iter_bytes())  # the first content is out: both legs are running or done
+    decode = group.decode[0].engine
+    decode.wait_for(lambda: decode.records[0].finished_at is not None)
+    assert decode.records[0].aborted
+    prefill = group.prefill[0].engine
+    prefill.wait_for(lambda: prefill.records[0].finished_at is not None)  # finished or aborted: none left running
+    gw.wait_until_idle()
+    assert gw.metric("kimi_gateway_in_flight{") == 0
+
+
+@pytest.mark.parametrize("mode", ["sglang", "vllm-mooncake"])
+def test_decode_whose_prefill_partner_dies_gets_a_clean_sse_error(start_sim: StartSim, start_gateway: StartGateway,
+                                                                  mode: str) -> None:
+    """The stream was committed (keep-alives) while the decode worker waited for KV; its prefill
+    worker then fails its health probe: the decode leg is aborted and the client gets one SSE error."""
+    group = pd_group(start_sim, mode)
+    group.prefill[0].engine.set_faults(SimFaults(**{"hang_before_headers": True}))
+    gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.2, "keepalive_interval": 0.1},
+                       health={"interval": 0.1, "timeout": 0.2})
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        assert response.status_code == 200
+        chunks = response.iter_bytes()
+        assert next(chunks)  # committed: the held role event or a keep-alive
+        group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True, black_hole=True))
+        rest = b"".join(chunks)
+    assert b'"error"' in rest and b"[DONE]" not in rest
+    decode = group.decode[0].engine
+    decode.wait_for(lambda: decode.records[0].finished_at is not None)
+    assert decode.records[0].aborted
+    gw.wait_until_idle()
+    assert gw.metric('kimi_gateway_pd_leg_failures_total{outcome="moved",phase="prefill"') == 1
