@@ -51,15 +51,21 @@ def _state(request: Request) -> AppState:
 def pools_view(state: AppState) -> list[dict[str, object]]:
     """Every configured pool, in config (cost) order, with its workers' snapshots.
 
-    Shape: `[{"name", "engine", "max_context_tokens", "policy", "ready", "workers": [snapshot],
-    "retiring": [snapshot], "discovery": DnsDiscovery.status or None}]`; `ready` is false when no
-    worker is healthy, undrained and not ejected; `retiring` lists removed workers (discovery, a
+    Shape: `[{"name", "engine", "max_context_tokens", "policy", "disaggregation", "ready", "workers":
+    [snapshot], "retiring": [snapshot], "discovery": DnsDiscovery.status or None}]`; a PD pool's
+    `policy` is its prefill policy and `disaggregation` is `{"mode", "prefill_policy", "decode_policy"}`
+    (None for an aggregated pool), its workers' snapshots carry their `role`; `ready` is false when no
+    worker (of either role) is healthy, undrained and not ejected; `retiring` lists removed workers (discovery, a
     reload) whose requests are still finishing.
     """
     registry = state.registry
     unready = set(registry.unready_pools())
     return [{"name": pool.name, "engine": pool.engine, "max_context_tokens": pool.max_context_tokens,
-             "policy": pool.policy, "ready": pool.name not in unready,
+             "policy": pool.policy if pool.disaggregation is None else pool.disaggregation.prefill_policy,
+             "disaggregation": None if pool.disaggregation is None else {
+                 "mode": pool.disaggregation.mode, "prefill_policy": pool.disaggregation.prefill_policy,
+                 "decode_policy": pool.disaggregation.decode_policy},
+             "ready": pool.name not in unready,
              "workers": [w.snapshot() for w in registry.pools.get(pool.name, ())],
              "retiring": [w.snapshot() for w in registry.retiring if w.pool == pool.name],
              "discovery": state.discovery.status.get(pool.name) if pool.discover is not None else None}

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.sim.config import SimFaults
 from tests.integration.pd_support import StartSim, pd_group
-from tests.support import RunningGateway
+from tests.support import RunningGateway, free_port, pool
 
 StartGateway = Callable[..., RunningGateway]
 MODES = ["sglang", "vllm-nixl", "vllm-mooncake"]
@@ -143,3 +143,49 @@ def test_decode_whose_prefill_partner_dies_gets_a_clean_sse_error(start_sim: Sta
     assert decode.records[0].aborted
     gw.wait_until_idle()
     assert gw.metric('kimi_gateway_pd_leg_failures_total{outcome="moved",phase="prefill"') == 1
+
+
+def test_pd_pool_in_a_mixed_context_chain(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """aggregated (small) -> PD (mid) -> aggregated (large): context-length routing picks the PD pool
+    for a prompt only it fits, and a PD pool without a live prefill worker spills over."""
+    small, large = start_sim("vllm"), start_sim("vllm")
+    group = pd_group(start_sim, "vllm-nixl")
+    dead = f"http://127.0.0.1:{free_port()}"
+    pools = [pool("small", "vllm", [small.url], 300), group.pool("pd", 8000),
+             pool("large", "vllm", [large.url], 100000)]
+    gw = start_gateway(pools)
+    long_chat = {**CHAT, "messages": [{"role": "user", "content": "many words here " * 250}]}
+    short = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert short.headers["x-kimi-gateway-pool"] == "small"
+    mid = httpx.post(gw.v1 + "/chat/completions", json=long_chat, timeout=10)
+    assert mid.status_code == 200 and mid.headers["x-kimi-gateway-pool"] == "pd"
+    assert mid.headers["x-kimi-gateway-prefill-worker"] == "pd/0"
+    # The same chain with the PD pool's only prefill worker dead: the request goes on to `large`.
+    broken = group.pool("pd", 8000)
+    broken["disaggregation"]["prefill"] = [{"url": dead}]
+    gw2 = start_gateway([pools[0], broken, pools[2]])
+    spilled = httpx.post(gw2.v1 + "/chat/completions", json=long_chat, timeout=10)
+    assert spilled.status_code == 200, spilled.text
+    assert spilled.headers["x-kimi-gateway-pool"] == "large"
+    assert "x-kimi-gateway-prefill-worker" not in spilled.headers
+
+
+def test_roles_in_admin_workers_and_per_role_limits(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    group = pd_group(start_sim, "sglang", prefill=1, decode=2, tpot_s=0.05)
+    gw = start_gateway([group.pool(max_in_flight_per_worker=5, queue_timeout=0.0, spillover=False,
+                                   disaggregation={"prefill_max_in_flight_per_worker": 1})])
+    pd, = httpx.get(gw.url + "/admin/workers").json()["pools"]
+    assert pd["disaggregation"] == {"mode": "sglang", "prefill_policy": "prefix_affinity",
+                                    "decode_policy": "least_load"}
+    assert [(w["id"], w["role"]) for w in pd["workers"]] == [("pd/0", "prefill"), ("pd/1", "decode"),
+                                                              ("pd/2", "decode")]
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True, "max_tokens": 200},
+                      timeout=10) as first:
+        assert first.status_code == 200
+        # The only prefill worker holds its one slot: a second request finds no room (no queue wait).
+        second = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+        assert second.status_code == 503, second.text
+        assert second.json()["error"]["code"] == "server_overloaded"
+    gw.wait_until_idle()
+    third = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert third.status_code == 200
