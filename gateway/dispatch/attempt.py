@@ -12,7 +12,7 @@ opens) in one `Holding`, released together on every exit path (`finally: if hold
 holding.aclose()`); on success it moves the whole Holding in one call (`Holding.hand_over`) to the
 `UpstreamStream` that relays the answer, or closes it after reading a buffered answer.
 
-How a prefill/decode (PD) attempt will plug in (issue 13): a PD pool kind (`kinds.py`, chosen by
+How a prefill/decode (PD) attempt plugs in (issue 13, `pd_attempt.py`): the PD pool kind (`kinds.py`, chosen by
 `kind_of` from the pool's `disaggregation` config) picks a decode worker among the candidates with
 room the loop gives it (the pool's decode role) and a prefill worker among its prefill role's own
 candidates, each with its role's policy, and returns a two-leg attempt whose `worker` is the

@@ -5,13 +5,14 @@ protocol helpers of the two-leg attempt (rooms, the vLLM prefill leg's body)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from gateway.backends.registry import WorkerRegistry
-from gateway.config import GatewayConfig, explain_validation_error, parse_config
+from gateway.config import GatewayConfig, explain_validation_error, load_config, parse_config
 from gateway.dispatch.kinds import AGGREGATED, Disaggregated, kind_of
 from gateway.dispatch.pd_attempt import MAX_ROOM, NIXL_PREFILL_PARAMS, sglang_fields, vllm_prefill_body
 from gateway.dispatch.steps import PoolStep, choose_pool
@@ -122,3 +123,9 @@ def test_sglang_rooms_and_the_vllm_prefill_leg() -> None:
     assert leg == {"messages": [], "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
                    "kv_transfer_params": NIXL_PREFILL_PARAMS}
     assert body["stream"] is True  # the original request is left as it was (the decode leg's)
+
+
+def test_the_pd_example_config_loads() -> None:
+    loaded = load_config(Path(__file__).parents[2] / "config" / "k3-pd.yaml", environ={})
+    names = [(p.name, p.disaggregation.mode if p.disaggregation else None) for p in loaded.pools]
+    assert names == [("vllm-128k", None), ("sglang-pd-512k", "sglang"), ("nvl72-1m", None)]
