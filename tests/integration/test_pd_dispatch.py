@@ -189,3 +189,20 @@ def test_roles_in_admin_workers_and_per_role_limits(start_sim: StartSim, start_g
     gw.wait_until_idle()
     third = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
     assert third.status_code == 200
+
+
+def test_a_failing_prefill_worker_is_ejected_in_its_role(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    group = pd_group(start_sim, "vllm-nixl", prefill=2)
+    group.prefill[0].engine.set_faults(SimFaults(fail_status=500))
+    gw = start_gateway([group.pool(disaggregation={"prefill_policy": "round_robin"})],
+                       health={"passive_failures": 1, "ejection_base": 30})
+    first = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert first.status_code == 200 and first.headers["x-kimi-gateway-attempts"] == "2"
+    workers = httpx.get(gw.url + "/admin/workers").json()["pools"][0]["workers"]
+    roles = {w["id"]: (w["role"], w["state"]) for w in workers}
+    assert roles == {"pd/0": ("prefill", "ejected"), "pd/1": ("prefill", "healthy"), "pd/2": ("decode", "healthy")}
+    for _ in range(3):  # the ejected prefill worker gets no more legs; the decode worker was never blamed
+        again = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+        assert again.headers["x-kimi-gateway-attempts"] == "1"
+        assert again.headers["x-kimi-gateway-prefill-worker"] == "pd/1"
+    assert len(group.prefill[0].engine.records) == 1
