@@ -129,3 +129,19 @@ def test_the_pd_example_config_loads() -> None:
     loaded = load_config(Path(__file__).parents[2] / "config" / "k3-pd.yaml", environ={})
     names = [(p.name, p.disaggregation.mode if p.disaggregation else None) for p in loaded.pools]
     assert names == [("vllm-128k", None), ("sglang-pd-512k", "sglang"), ("nvl72-1m", None)]
+
+
+def test_a_reload_turns_an_aggregated_pool_into_a_pd_pool() -> None:
+    before = parse_config({"pools": [{"name": "pd", "engine": "sglang", "max_context_tokens": 524288,
+                                      "workers": ["http://p0:30000", "http://d0:30000"]}]}, environ={})
+    registry, router = WorkerRegistry(before), Router(before)
+    old = list(registry.pools["pd"])
+    after = config()
+    changes = registry.configure(after.pools)
+    router.update(after.pools)
+    assert "pool pd changed" in changes
+    assert [(w.url, w.role) for w in registry.pools["pd"]] == [
+        ("http://p0:30000", "prefill"), ("http://p1:30000", "prefill"), ("http://d0:30000", "decode"),
+        ("http://d1:30000", "decode")]
+    assert all(w.retired for w in old)  # same URLs in a new role are new workers; the old ones finish
+    assert router.policy("pd", "decode").name == "least_load"
