@@ -206,3 +206,21 @@ def test_a_failing_prefill_worker_is_ejected_in_its_role(start_sim: StartSim, st
         assert again.headers["x-kimi-gateway-attempts"] == "1"
         assert again.headers["x-kimi-gateway-prefill-worker"] == "pd/1"
     assert len(group.prefill[0].engine.records) == 1
+
+
+def test_prefix_affinity_keeps_a_conversation_on_its_prefill_worker(start_sim: StartSim,
+                                                                    start_gateway: StartGateway) -> None:
+    """The prefix cache lives on the prefill workers: turn 2 of a conversation goes to the prefill
+    worker that prefilled turn 1 (which then finds the prefix in its cache)."""
+    group = pd_group(start_sim, "sglang", prefill=3, kv_capacity_tokens=200000)
+    gw = start_gateway([group.pool()], load={"enabled": False})
+    for n in range(4):
+        history = [{"role": "user", "content": f"conversation {n}: " + "tell me about the sea and ships " * 200}]
+        first = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "messages": history}, timeout=10)
+        history += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "and then?"}]
+        second = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "messages": history}, timeout=10)
+        assert second.headers["x-kimi-gateway-prefill-worker"] == first.headers["x-kimi-gateway-prefill-worker"]
+        assert second.headers["x-kimi-gateway-route-reason"].startswith("prefill:affinity,decode:")
+        prefill = group.prefill[int(first.headers["x-kimi-gateway-prefill-worker"].split("/")[1])].engine
+        assert prefill.records[-1].cached_tokens > 0
