@@ -134,6 +134,10 @@ class GatewayMetrics:
             "kimi_gateway_worker_misconfigured", "1 while the worker's /v1/models lacks the pool's served model "
             "name or reports another max_model_len than its max_context_tokens: no traffic.",
             ["pool", "worker"], multiprocess_mode="livemax", registry=r)
+        self.worker_role = Gauge("kimi_gateway_worker_role",
+                                 "1 per worker of a prefill/decode pool, labelled with its role (prefill, decode): "
+                                 "join on `worker` to split any worker series by role.",
+                                 ["pool", "worker", "role"], multiprocess_mode="livemax", registry=r)
         self.ejections = Counter("kimi_gateway_worker_ejections",
                                  "Outlier ejections after consecutive failed requests.", ["pool", "worker"],
                                  registry=r)
@@ -186,7 +190,8 @@ class GatewayMetrics:
         if self.multiprocess_dir is not None:
             return
         for metric in (self.upstream_attempts, self.in_flight, self.worker_healthy, self.worker_draining,
-                       self.worker_ejected, self.worker_misconfigured, self.ejections, self.engine_load):
+                       self.worker_ejected, self.worker_misconfigured, self.ejections, self.engine_load,
+                       self.worker_role):
             metric.forget(1, worker_id)
 
     def track_redis(self) -> Gauge:

@@ -161,6 +161,8 @@ class WorkerRegistry:
                     self.metrics.worker_draining.labels(name, worker.id).set(0)
                     self.metrics.worker_ejected.labels(name, worker.id).set(0)
                     self.metrics.worker_misconfigured.labels(name, worker.id).set(0)
+                    if role is not None:
+                        self.metrics.worker_role.labels(name, worker.id, role).set(1)
                     self.metrics.worker_healthy.labels(name, worker.id).set(1 if initial else 0)
                 for watcher in self.watchers:
                     watcher.worker_added(worker)

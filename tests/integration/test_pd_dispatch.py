@@ -179,6 +179,7 @@ def test_roles_in_admin_workers_and_per_role_limits(start_sim: StartSim, start_g
                                     "decode_policy": "least_load"}
     assert [(w["id"], w["role"]) for w in pd["workers"]] == [("pd/0", "prefill"), ("pd/1", "decode"),
                                                               ("pd/2", "decode")]
+    assert gw.metric('kimi_gateway_worker_role{pool="pd",role="decode"') == 2
     with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True, "max_tokens": 200},
                       timeout=10) as first:
         assert first.status_code == 200
