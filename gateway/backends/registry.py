@@ -226,7 +226,7 @@ class WorkerRegistry:
 
     def _set_healthy(self, worker: Worker, healthy: bool, reason: str | None) -> None:
         if worker.healthy != healthy:
-            log.warning("worker %s is now %s%s", worker.id, "healthy" if healthy else "unhealthy",
+            log.warning("worker %s is now %s%s", worker.label, "healthy" if healthy else "unhealthy",
                         f" ({reason})" if reason else "")
             if not healthy:
                 for move in self._header_waits.pop(worker, ()):
@@ -274,7 +274,7 @@ class WorkerRegistry:
         worker.ejected_until = self.clock() + seconds
         worker.ejections += 1
         worker.consecutive_failures = 0
-        log.warning("worker %s ejected for %.1fs after %d consecutive failures (%s)", worker.id, seconds,
+        log.warning("worker %s ejected for %.1fs after %d consecutive failures (%s)", worker.label, seconds,
                     self.health.passive_failures, reason)
         if self.metrics is not None:
             self.metrics.ejections.labels(worker.pool, worker.id).inc()

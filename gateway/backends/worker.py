@@ -78,6 +78,11 @@ class Worker:
     def id(self) -> str:
         return f"{self.pool}/{self.index}"
 
+    @property
+    def label(self) -> str:
+        """The id for log lines, with a PD worker's role: `pd/0 (prefill)`."""
+        return self.id if self.role is None else f"{self.pool}/{self.index} ({self.role})"
+
     def snapshot(self) -> dict[str, object]:
         """A JSON-able view for /ready and the admin API.
 
