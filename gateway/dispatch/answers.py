@@ -9,8 +9,9 @@ a non-streaming answer's JSON) live here too: they decide what the client may be
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -39,11 +40,23 @@ class BufferedResponse:
     headers: Headers = field(default_factory=list)
 
 
+class RelayStream(Protocol):
+    """What the relay needs of an accepted stream: its bytes (`body()`, to iterate once), `aclose()`
+    (idempotent: releases every slot and upstream response it owns) and whether it is SSE. An
+    `UpstreamStream`, or a PD `DeferredStream` (committed before its decode leg opened)."""
+
+    sse: bool
+
+    def body(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
 @dataclass(slots=True)
 class RelayResponse:
     """An accepted upstream stream (HTTP 200) to relay: the stream that owns the upstream, headers."""
 
-    stream: UpstreamStream
+    stream: UpstreamStream | RelayStream
     content_type: bytes = b"text/event-stream"
     headers: Headers = field(default_factory=list)
 

@@ -29,7 +29,7 @@ import asyncio
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,12 +39,24 @@ import orjson
 from gateway.backends.client import TransportError, UpstreamTimeouts
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
-from gateway.dispatch.answers import BufferedResponse, RelayResponse
-from gateway.dispatch.attempt import UPSTREAM_PATHS, SingleLeg, budgets
-from gateway.record import RequestRecord
+from gateway.dispatch.answers import SSE_CONTENT_TYPE, BufferedResponse, RelayResponse
+from gateway.dispatch.attempt import UPSTREAM_PATHS, SingleLeg, budgets, hold_window
+from gateway.errors import UpstreamError
+from gateway.protocol.sse import sse_error_event
+from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
 from gateway.state import AppState
-from gateway.streaming import AttemptFailed, Holding, Outcome, first_chunk, open_upstream, read_rest
+from gateway.streaming import (
+    KEEPALIVE_COMMENT,
+    RETRYABLE,
+    AttemptFailed,
+    Holding,
+    Outcome,
+    UpstreamStream,
+    first_chunk,
+    open_upstream,
+    read_rest,
+)
 
 MAX_ROOM = (1 << 63) - 1  # SGLang's bootstrap_room: a non-negative 63-bit int (sgl-router pd_router.rs)
 
@@ -261,7 +273,7 @@ class PdAttempt(SingleLeg):
         """The prefill leg failed after the decode stream was committed: while the decode worker has
         sent no content it waits for KV that will not come, so abort it (the relay then ends with
         one SSE error event). Once it sent content, the KV had arrived: let it finish."""
-        if self._record.first_byte_at is None:
+        if self._record.first_byte_at is None and isinstance(result.stream, UpstreamStream):
             await result.stream.response.aclose()
 
     def _observe(self, result: BufferedResponse | RelayResponse) -> None:
@@ -289,14 +301,105 @@ class SglangAttempt(PdAttempt):
         return await self._both(holding, leg, headers)
 
 
+class DeferredStream:
+    """A committed stream whose upstream is not open yet: a vLLM NIXL prefill leg that outlasts the
+    hold window (`timeouts.hold_headers`). The client gets its 200 and `: keep-alive` comments every
+    `keepalive` seconds while `start()` runs (the prefill leg's end, then the decode leg's opening);
+    then the decode stream's bytes (`UpstreamStream.body`). A failure of `start()` ends the stream
+    with one SSE error event (`on_failure(exc)` accounts it), as any failure after a commit does.
+    Owns `holding` (both slots, the prefill leg) until `start()` hands it to the decode stream;
+    `aclose()` (idempotent) releases whatever it still holds. Quacks as `UpstreamStream` for the
+    relay (`body`, `aclose`, `sse`)."""
+
+    sse = True
+
+    def __init__(self, start: Callable[[Holding], Awaitable[RelayResponse]], holding: Holding,
+                 keepalive: float | None, on_failure: Callable[[Exception], str]) -> None:
+        self._start = start
+        self.holding = holding
+        self._keepalive = keepalive
+        self._on_failure = on_failure
+        self._inner: RelayResponse | None = None
+        self._closed = False
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """Keep-alives until the decode stream opened, then its bytes; one SSE error on failure."""
+        task = asyncio.ensure_future(self._start(self.holding))
+        try:
+            while not task.done():
+                await asyncio.wait((task,), timeout=self._keepalive)
+                if not task.done():
+                    yield KEEPALIVE_COMMENT
+            try:
+                self._inner = task.result()
+            except (AttemptFailed, UpstreamError) as exc:
+                yield sse_error_event(self._on_failure(exc))
+                return
+            async for chunk in self._inner.stream.body():
+                yield chunk
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._inner is not None:
+                await self._inner.stream.aclose()
+        finally:
+            if self.holding:
+                await self.holding.aclose()
+
+
 class NixlAttempt(PdAttempt):
-    """vLLM NIXL: the prefill leg first, then the decode leg with the KV's `kv_transfer_params`."""
+    """vLLM NIXL: the prefill leg first, then the decode leg with the KV's `kv_transfer_params`. A
+    streaming request whose prefill leg outlasts the hold window is committed first
+    (`DeferredStream`: keep-alives while the prefill runs), as an aggregated engine's long prefill is."""
 
     __slots__ = ()
 
     async def _legs(self, holding: Holding, headers: dict[str, str]) -> BufferedResponse | RelayResponse:
         body = orjson.loads(self._body)
         leg = self._start_prefill(holding, vllm_prefill_body(body, dict(NIXL_PREFILL_PARAMS)), headers)
+        if self._request.stream:
+            done, _ = await asyncio.wait((leg.task,), timeout=hold_window(self._state.config.timeouts, self._record))
+            if not done:
+                return self._deferred(holding, leg, body, headers)
+        return await self._decode(holding, leg, body, headers)
+
+    def _deferred(self, holding: Holding, leg: PrefillLeg, body: dict[str, Any],
+                  headers: dict[str, str]) -> RelayResponse:
+        """Commit the stream now; the decode leg opens once the prefill leg answered."""
+        async def start(owned: Holding) -> RelayResponse:
+            result = await self._decode(owned, leg, body, headers)
+            assert isinstance(result, RelayResponse)
+            self._observe(result)
+            return result
+
+        self._record.status = 200
+        stream = DeferredStream(start, holding.hand_over(), self._state.config.timeouts.keepalive_interval,
+                                self._failed_after_commit)
+        return RelayResponse(stream, SSE_CONTENT_TYPE, [])
+
+    def _failed_after_commit(self, exc: Exception) -> str:
+        """Account a deferred stream's failure (the record, the failed leg's worker); its message."""
+        record = self._record
+        record.outcome = RequestOutcome.UPSTREAM_ERROR
+        record.error = str(exc)
+        worker = self._failed or self.worker
+        if not isinstance(exc, AttemptFailed) or exc.outcome in RETRYABLE:  # the worker's fault, not the request's
+            self._state.registry.request_failed(worker, f"after the stream was committed: {exc}")
+        if isinstance(exc, AttemptFailed) and exc.status is not None and 400 <= exc.status < 500:
+            return f"The inference server refused the request ({exc.detail})."
+        return f"The inference server failed before the first token ({exc}); the response is incomplete."
+
+    async def _decode(self, holding: Holding, leg: PrefillLeg, body: dict[str, Any],
+                      headers: dict[str, str]) -> BufferedResponse | RelayResponse:
+        """The prefill leg's answer, then the decode leg with its `kv_transfer_params`."""
         answer = await self._prefill_answer(leg)
         try:
             params = orjson.loads(answer).get("kv_transfer_params")

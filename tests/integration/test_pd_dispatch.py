@@ -225,3 +225,40 @@ def test_prefix_affinity_keeps_a_conversation_on_its_prefill_worker(start_sim: S
         assert second.headers["x-kimi-gateway-route-reason"].startswith("prefill:affinity,decode:")
         prefill = group.prefill[int(first.headers["x-kimi-gateway-prefill-worker"].split("/")[1])].engine
         assert prefill.records[-1].cached_tokens > 0
+
+
+def test_nixl_prefill_longer_than_the_hold_window_commits_with_keepalives(start_sim: StartSim,
+                                                                          start_gateway: StartGateway) -> None:
+    """A vLLM NIXL prefill leg is not streamed: when it outlasts `hold_headers` the client's stream
+    is committed and kept alive while it runs (as for an aggregated engine's long prefill), then the
+    decode leg's tokens follow."""
+    group = pd_group(start_sim, "vllm-nixl", prefill=0)
+    group.prefill = [start_sim("vllm", pd_role="prefill", pd_protocol="vllm-nixl", ttft_s=0.6)]
+    gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.1, "keepalive_interval": 0.1})
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        assert response.status_code == 200
+        body = b"".join(response.iter_bytes())
+    assert body.startswith(b": keep-alive\n\n")
+    assert _sse_text(body.decode()) and body.rstrip().endswith(b"data: [DONE]")
+    (d_rec,) = group.decode[0].engine.records
+    assert d_rec.completed and d_rec.body["kv_transfer_params"]["do_remote_prefill"] is True
+    gw.wait_until_idle()
+    assert gw.metric('kimi_gateway_pd_prefill_seconds_count{pool="pd"}') == 1
+
+
+def test_nixl_deferred_stream_whose_prefill_fails_ends_with_one_sse_error(start_sim: StartSim,
+                                                                         start_gateway: StartGateway) -> None:
+    group = pd_group(start_sim, "vllm-nixl", prefill=0)
+    group.prefill = [start_sim("vllm", pd_role="prefill", pd_protocol="vllm-nixl",
+                               faults={"hang_before_headers": True})]
+    gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.1, "keepalive_interval": 0.1},
+                       health={"interval": 0.1, "timeout": 0.2})
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        assert response.status_code == 200
+        chunks = response.iter_bytes()
+        assert next(chunks).startswith(b": keep-alive")
+        group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True, black_hole=True))
+        rest = b"".join(chunks)
+    assert rest.count(b'"error"') == 1 and b"[DONE]" not in rest
+    assert group.decode[0].engine.records == []  # the decode leg never went out
+    gw.wait_until_idle()
