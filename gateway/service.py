@@ -32,10 +32,11 @@ from gateway.errors import (
     error_bytes_from_upstream,
 )
 from gateway.parsing import Body, BodyParser, Payload, encode_for
+from gateway.protocol.anthropic import openai_usage
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
 from gateway.routing.policy import Candidate, Decision, RoutingPolicy
-from gateway.routing.pools import fitting_pools, larger_pools
+from gateway.routing.pools import fitting_pools, larger_pools, skipped_pools
 from gateway.state import AppState
 from gateway.streaming import (
     RETRYABLE,
@@ -55,7 +56,8 @@ from gateway.streaming import (
 # OpenAI SDKs honour this header (their `_should_retry` reads `x-should-retry` before the status).
 NO_CLIENT_RETRY = {"x-should-retry": "false"}
 
-UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                                  "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens"}
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -144,6 +146,8 @@ class ProxyService:
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
         pools = fitting_pools(request, self.state.config.pools)
+        if len(pools) < len(self.state.config.pools):
+            record.skipped_pools = skipped_pools(request, self.state.config.pools) or None
         if guard is None:
             return await self._dispatch(api, payload, request, pools, record)
         assert principal is not None
@@ -610,7 +614,7 @@ def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedRespo
     record.status = status
     record.error = failure.detail
     too_long = failure.outcome is Outcome.TOO_LONG
-    param = ("messages" if record.api == "chat" else "prompt") if too_long else None
+    param = ("prompt" if record.api == "completions" else "messages") if too_long else None
     body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
     return BufferedResponse(status, body, b"application/json", route_headers(record))
 
@@ -632,6 +636,8 @@ def route_headers(record: RequestRecord) -> Headers:
         headers.append((b"x-kimi-gateway-worker", record.worker.encode()))
     if record.reason:
         headers.append((b"x-kimi-gateway-route-reason", record.reason.encode()))
+    if record.skipped_pools:  # they fit, but their engines do not serve the request's API
+        headers.append((b"x-kimi-gateway-skipped-pools", ", ".join(record.skipped_pools).encode()))
     if record.estimated_prompt_tokens is not None:
         headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
                         f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
@@ -706,4 +712,4 @@ def _check_json_answer(content: bytes, content_type: bytes) -> dict[str, Any] | 
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"its JSON answer is incomplete or invalid: {exc}") from None
     usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
+    return openai_usage(usage) if isinstance(usage, dict) else None
