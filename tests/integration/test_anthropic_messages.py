@@ -356,3 +356,17 @@ def test_failure_after_the_first_byte_is_one_anthropic_error_event(start_sim: St
     assert not other.engine.records, "no retry once bytes reached the client"
     with pytest.raises(anthropic.APIStatusError):
         list(sdk(gw).messages.create(model="kimi-k3", max_tokens=50, messages=HELLO, stream=True))
+
+
+def test_a_large_messages_body_is_parsed_in_a_parse_process(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], parse_offload_bytes=1024)
+    text = "A long document to read. " * 400
+    raw = sdk(gw, timeout=60).messages.with_raw_response.create(
+        model="kimi-k3", max_tokens=2, system="Summarise.", messages=[{"role": "user", "content": text}])
+    assert raw.parse().content and raw.headers["x-kimi-gateway-attempts"] == "1"
+    small = sdk(gw).messages.with_raw_response.create(model="kimi-k3", max_tokens=2, system="Summarise.",
+                                                      messages=[{"role": "user", "content": text[:500]}])
+    estimate = int(raw.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0])
+    assert estimate > int(small.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0]) + 1000
+    assert sim.engine.records[0].body["system"] == "Summarise." and sim.engine.records[0].body["model"] == "kimi-k3"
