@@ -14,9 +14,10 @@ Which APIs each kind serves (`EngineSpec.apis`): every kind serves OpenAI chat a
 Anthropic's Messages API (`/v1/messages`, streamed with `event:` lines) is served by vLLM's
 `vllm/entrypoints/anthropic` layer (since v0.11.1; `/v1/messages/count_tokens` since PR #35588,
 2026-03), by SGLang (PR #18630, 2026-02: both endpoints) and by llama.cpp's server (xllamacpp
-2026.10, measured with gateway/cpu_engine: both endpoints). Ascend pools run vllm-ascend or MindIE;
-MindIE has no Messages API, so the table leaves it out (a vllm-ascend pool sets `apis` in its
-config). A pool on an older engine version sets `apis` too (`PoolConfig.apis`).
+2026.10, measured with gateway/cpu_engine: both endpoints). Ascend pools run vllm-ascend, a plugin
+under vLLM's own API server, so they serve what vLLM serves. A pool on an engine version older
+than those, or on another server (MindIE has no Messages API), lists what it serves in its config
+(`PoolConfig.apis`).
 """
 
 from __future__ import annotations
@@ -56,13 +57,11 @@ _VLLM_TOO_LONG = (
 # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc (v1 engine); accept both.
 _VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
-_OPENAI_ONLY = frozenset({"chat", "completions"})
-
 ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec("vllm", "/health", "vllm:num_requests_running", "vllm:num_requests_waiting",
                        _VLLM_KV, _VLLM_TOO_LONG),
     "ascend": EngineSpec("ascend", "/health", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                         _VLLM_KV, _VLLM_TOO_LONG, apis=_OPENAI_ONLY),
+                         _VLLM_KV, _VLLM_TOO_LONG),
     "sglang": EngineSpec("sglang", "/health", "sglang:num_running_reqs", "sglang:num_queue_reqs",
                          ("sglang:token_usage",), (
                              "longer than the model's context length",  # "The input (N tokens) is longer than ..."

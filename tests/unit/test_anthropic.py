@@ -195,3 +195,24 @@ def test_x_api_key_is_the_same_key_as_bearer() -> None:
     assert guard.authenticate_headers(both).name == "a"
     with pytest.raises(InvalidApiKey):
         guard.authenticate_headers([(b"x-api-key", key.encode()), (b"authorization", b"Bearer other")])
+
+
+def test_pools_by_api_from_the_engine_table_or_the_pools_own_list() -> None:
+    from gateway.backends.engine_kinds import ENGINES
+    from gateway.config import PoolConfig
+    from gateway.errors import ApiNotServed
+    from gateway.routing.pools import fitting_pools, serves, skipped_pools
+
+    assert all({"messages", "count_tokens"} <= spec.apis for spec in ENGINES.values())
+    old = PoolConfig(name="old", engine="sglang", workers=["http://a:1"], max_context_tokens=8192,
+                     apis=["chat", "completions"])
+    new = PoolConfig(name="new", engine="vllm", workers=["http://b:1"], max_context_tokens=65536)
+    assert serves(old, "chat") and not serves(old, "messages") and serves(new, "count_tokens")
+    wire = AnthropicWire("messages", ChatCompletionRequest.model_validate(
+        to_chat(MessagesRequest.model_validate({"model": "kimi-k3", "max_tokens": 10,
+                                                "messages": [{"role": "user", "content": "hi"}]}))))
+    request = messages_features(wire, "kimi-k3", TokenEstimator(EstimationConfig()))
+    assert fitting_pools(request, [old, new]) == [new]
+    assert skipped_pools(request, [old, new]) == ["old"]
+    with pytest.raises(ApiNotServed):
+        fitting_pools(request, [old])
