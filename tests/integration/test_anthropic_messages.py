@@ -17,7 +17,7 @@ import pytest
 
 from gateway.routing.tokens import TokenEstimator
 from gateway.sim.config import SimFaults
-from tests.integration.auth.conftest import ALICE_KEY, auth_section
+from tests.integration.auth.conftest import ALICE_KEY, auth_section, start_a_window_now
 from tests.integration.test_request_path import prompt_of_estimate
 from tests.support import RunningGateway, RunningSim, pool
 
@@ -142,6 +142,23 @@ def test_x_api_key_and_bearer_auth_on_a_keyed_gateway(start_sim: StartSim, start
                       json={"model": "kimi-k3", "max_tokens": 2, "messages": HELLO})
     assert chat.status_code == 200
     assert len(sim.engine.records) == 3
+
+
+def test_token_limit_is_settled_by_anthropics_usage(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], auth=auth_section({"tokens_per_minute": 1000}),
+                       load={"enabled": False}, affinity={"enabled": False})
+    start_a_window_now(gw)
+    client = sdk(gw, ALICE_KEY)
+    for _ in range(2):
+        client.messages.create(model="kimi-k3", max_tokens=400, messages=HELLO)
+    assert client.messages.count_tokens(model="kimi-k3", messages=HELLO).input_tokens > 0  # type: ignore[arg-type]
+    used = sum(r.prompt_tokens + r.completion_tokens_sent for r in sim.engine.records if r.path == "/v1/messages")
+    with pytest.raises(anthropic.RateLimitError) as info:
+        client.messages.create(model="kimi-k3", max_tokens=400, messages=HELLO)
+    assert info.value.body["error"]["type"] == "rate_limit_error"  # type: ignore[index]
+    assert f"Used {used}," in info.value.message, "settled by the engine's usage; count_tokens charged nothing"
+    assert int(info.value.response.headers["retry-after"]) >= 1
 
 
 def _anthropic_error(response: httpx.Response, status: int, error_type: str) -> str:
