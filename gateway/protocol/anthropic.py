@@ -84,11 +84,6 @@ class ToolUseBlock(_Open):
     input: dict[str, Any]
 
 
-class ToolResultBlock(_Open):
-    type: Literal["tool_result"]
-    tool_use_id: StrictStr
-    content: StrictStr | list[dict[str, Any]] | None = None
-    is_error: StrictBool | None = None
 
 
 class ThinkingBlock(_Open):
@@ -112,6 +107,15 @@ def _block_tag(value: Any) -> str | None:
     if not isinstance(kind, str):
         return None
     return kind if kind in _MODELLED_BLOCKS else "other"
+
+
+class ToolResultBlock(_Open):
+    """A tool's result: text, or blocks (text and images: a computer-use screenshot is counted)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[ContentBlock] | None = None
+    is_error: StrictBool | None = None
 
 
 ContentBlock = Annotated[
@@ -159,11 +163,15 @@ class MessagesRequest(CountTokensRequest):
     metadata: Metadata | None = None
 
 
-def _text_of(content: str | list[dict[str, Any]] | None) -> str:
-    """A tool result's content as one text: a string, or its text blocks joined by newlines."""
+def _tool_content(content: str | list[Any] | None) -> str | list[dict[str, Any]]:
+    """A tool result's content as the tool message's: a string, its text blocks joined by newlines,
+    or (with an image among them) text and image parts, so the images are counted."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "\n".join(b["text"] for b in content if b.get("type") == "text" and isinstance(b.get("text"), str))
+    if not any(isinstance(block, ImageBlock) for block in content):
+        return "\n".join(block.text for block in content if isinstance(block, TextBlock))
+    return [{"type": "text", "text": block.text} if isinstance(block, TextBlock) else _image_part(block)
+            for block in content if isinstance(block, (TextBlock, ImageBlock))]
 
 
 def _image_part(block: ImageBlock) -> dict[str, Any]:
@@ -207,7 +215,7 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
                               "function": {"name": block.name, "arguments": orjson.dumps(block.input).decode()}})
             elif isinstance(block, ToolResultBlock):
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                                 "content": _text_of(block.content)})
+                                 "content": _tool_content(block.content)})
             elif isinstance(block, ThinkingBlock):
                 reasoning.append(block.thinking)
         if not parts and not calls and not reasoning:
@@ -283,3 +291,7 @@ def error_body(status: int, message: str, request_id: str | None = None) -> byte
 def sse_error(message: str, status: int = 500) -> bytes:
     """One Anthropic SSE error event (`event: error`), what the Anthropic SDKs raise on mid-stream."""
     return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
+
+
+ToolResultBlock.model_rebuild()
+Message.model_rebuild()

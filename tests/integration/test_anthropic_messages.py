@@ -53,6 +53,27 @@ def test_messages_create_non_streaming(one_pool: tuple[RunningGateway, RunningSi
     assert sent.body["model"] == "moonshotai/Kimi-K3" and sent.body["system"] == "You are terse."
 
 
+def test_a_coding_agents_request_passes_unchanged(one_pool: tuple[RunningGateway, RunningSim]) -> None:
+    """What a coding agent sends: `?beta=true`, beta headers, cache_control marks, tools, thinking,
+    metadata; every field reaches the engine as sent (but `model`, the pool's served name)."""
+    gw, sim = one_pool
+    body = {
+        "model": "kimi-k3", "max_tokens": 32, "stream": True, "temperature": 1,
+        "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+        "tools": [{"name": "Bash", "description": "Run a command", "cache_control": {"type": "ephemeral"},
+                   "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}],
+        "thinking": {"type": "enabled", "budget_tokens": 16}, "metadata": {"user_id": "session-1"},
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "List files.",
+                                                   "cache_control": {"type": "ephemeral"}}]}],
+    }
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking-2025-05-14"}
+    with httpx.stream("POST", gw.v1 + "/messages?beta=true", json=body, headers=headers) as response:
+        assert response.status_code == 200
+        assert b"event: message_stop" in response.read()
+    sent = sim.engine.records[-1].body
+    assert sent == {**body, "model": "moonshotai/Kimi-K3"}
+
+
 def test_messages_create_streaming_relays_anthropics_events_in_order(
         one_pool: tuple[RunningGateway, RunningSim]) -> None:
     gw, _ = one_pool

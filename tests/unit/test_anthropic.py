@@ -216,3 +216,20 @@ def test_pools_by_api_from_the_engine_table_or_the_pools_own_list() -> None:
     assert skipped_pools(request, [old, new]) == ["old"]
     with pytest.raises(ApiNotServed):
         fitting_pools(request, [old])
+
+
+def test_a_screenshot_in_a_tool_result_is_counted() -> None:
+    def estimate(result: list[dict[str, object]]) -> int:
+        body = {"model": "kimi-k3", "max_tokens": 10, "messages": [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "screenshot", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": result}]}]}
+        wire = AnthropicWire("messages", ChatCompletionRequest.model_validate(
+            to_chat(MessagesRequest.model_validate(body))))
+        return messages_features(wire, "kimi-k3", TokenEstimator(EstimationConfig())).prompt_tokens
+
+    text = [{"type": "text", "text": "the screen"}]
+    image = {"type": "image", "source": {"type": "url", "url": "https://example.com/screen.png"}}
+    assert estimate([*text, image]) >= estimate(text) + EstimationConfig().image_tokens_default
+    with pytest.raises(ValueError):
+        MessagesRequest.model_validate({"model": "kimi-k3", "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": 5}]}]}]})
