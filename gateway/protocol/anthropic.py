@@ -146,7 +146,13 @@ class Metadata(_Open):
 
 
 class CountTokensRequest(_Open):
-    """`POST /v1/messages/count_tokens` body (the fields routing reads)."""
+    """`POST /v1/messages/count_tokens` body (the fields routing reads).
+
+    The gateway forwards it rather than answering from its own estimate: the engine counts with
+    the model's tokenizer and chat template, exactly what the client asks ("will this fit, what
+    will it cost"), while the gateway's estimate deliberately over-counts (it routes by it). It is
+    routed like the Messages request it counts (so to a pool whose engines serve count_tokens:
+    vLLM, SGLang and llama.cpp all do), with no output reserved and no tokens charged."""
 
     model: StrictStr = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
