@@ -9,19 +9,23 @@ top-level `system` (a string or text blocks), `max_tokens` (required on `/v1/mes
 count_tokens), `stream`, `tools`. Validation is as strict as the OpenAI models (`"5"` is not an
 integer); unknown fields and block types are kept and forwarded to the engine unchanged.
 
-`to_chat(request)` is the canonical conversation routing reads: the same chat messages the engines
-build from a Messages request (vLLM's and SGLang's Anthropic layers translate it into their chat
-request): `system` first as one system message (its text blocks joined by a newline), then each
-turn in order; a user turn's `tool_result` blocks become `tool` messages (in place, before the rest
-of that turn's blocks), an assistant turn's `tool_use` blocks become its `tool_calls` (arguments
-as compact JSON), images become `image_url` parts (a base64 source as a `data:` URI), `thinking`
-text is kept as `reasoning_content` (chat templates drop it from earlier turns, so it is not hashed
-and not counted). A conversation that alternates between Messages and Chat therefore hashes the
-same prefix blocks wherever its turns are the same text, images and (compact-JSON) tool calls.
+`to_chat(request)` is the canonical conversation routing reads: the chat messages the engines build
+from a Messages request (vLLM's `entrypoints/anthropic/serving.py` and SGLang's
+`srt/entrypoints/anthropic/serving.py` translate it into their chat request, read 2026-11):
+`system` first as one system message (its text blocks joined by a newline, as SGLang joins them;
+vLLM joins them with nothing), then each turn in order; a user turn's `tool_result` blocks become
+`tool` messages (in place, before the rest of that turn's blocks; text blocks joined by newlines,
+with images as parts), an assistant turn's `tool_use` blocks become its `tool_calls` (arguments
+as Python's `json.dumps` writes them, as both engines do), images become `image_url` parts (a
+base64 source as a `data:` URI), one text block a plain string turn; `thinking` text is kept as
+`reasoning_content` (chat templates drop it from earlier turns, so it is neither hashed nor
+counted). A conversation that alternates between Messages and Chat therefore hashes the same
+prefix blocks wherever the engine sees the same prompt.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -218,7 +222,7 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
                 parts.append(_image_part(block))
             elif isinstance(block, ToolUseBlock):
                 calls.append({"id": block.id, "type": "function",
-                              "function": {"name": block.name, "arguments": orjson.dumps(block.input).decode()}})
+                              "function": {"name": block.name, "arguments": json.dumps(block.input)}})
             elif isinstance(block, ToolResultBlock):
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
                                  "content": _tool_content(block.content)})

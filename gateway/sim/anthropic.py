@@ -1,22 +1,26 @@
 """Anthropic's Messages API in the simulator (`POST /v1/messages`, `POST /v1/messages/count_tokens`).
 
 Served by the simulated engines at `api_version` "current" (vLLM's `vllm/entrypoints/anthropic`
-layer, SGLang's since 2026-02); "legacy" engines answer 404 as those releases did. Like the engines,
-the simulator turns the request into its chat request (system first as a system message, then the
-turns; tool results as tool messages, tool uses as tool calls, images as image parts), so prompt
-tokens and prefix-cache blocks are those of the equivalent chat request: a conversation alternating
-between the two APIs hits the same cached blocks. Output shapes follow
-https://docs.claude.com/en/api/messages and /docs/build-with-claude/streaming: a `message` object;
-streamed, the events `message_start` (input usage), `content_block_start`, `ping`,
-`content_block_delta` (one `text_delta` per token), `content_block_stop`, `message_delta`
-(stop reason, output usage), `message_stop`, each as `event: <type>` + `data: <json>`. Usage in
-Anthropic's terms: `input_tokens` excludes the prompt tokens read from the prefix cache
-(`cache_read_input_tokens`), as llama.cpp's server reports it (measured, xllamacpp 2026.10).
+layer, SGLang's `srt/entrypoints/anthropic` since 2026-02); "legacy" engines answer 404 as those
+releases did. Like the engines, the simulator serves the request as its chat request (system
+first as a system message, then the turns; tool results as tool messages, tool uses as tool calls
+with `json.dumps` arguments, images as image parts, thinking left out), so prompt tokens and
+prefix-cache blocks are those of the equivalent chat request: a conversation alternating between
+the two APIs hits the same cached blocks.
+
+Shapes as those engines produce them (their serving code, read 2026-11): a non-streaming `message`
+whose usage is `input_tokens` (the whole prompt) and `output_tokens`; streamed, `message_start`
+(input usage), `content_block_start` (an empty text block, with the first token),
+`content_block_delta` (one `text_delta` per token), `content_block_stop`, `message_delta` (stop
+reason; `input_tokens` and `output_tokens`), `message_stop`, each as `event: <type>` +
+`data: <json>`; vLLM then writes `data: [DONE]` (its chat stream's end, passed on), SGLang does not.
+Neither sends Anthropic's `ping` events (the gateway holds them as content-less if an engine does).
 Errors are `{"type": "error", "error": {"type", "message"}}` with the engine's error type.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -69,7 +73,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 parts.append({"type": "image_url", "image_url": {"url": url}})
             elif kind == "tool_use":
                 calls.append({"id": block.get("id"), "type": "function", "function": {
-                    "name": block.get("name"), "arguments": orjson.dumps(block.get("input")).decode()}})
+                    "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
             elif kind == "tool_result":
                 result = block.get("content")
                 if isinstance(result, list):
@@ -96,17 +100,17 @@ def message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, int]:
-    return {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
-            "output_tokens": output_tokens}
+def usage(prompt_tokens: int, output_tokens: int) -> dict[str, int]:
+    """The engines' usage: the whole prompt as `input_tokens` (no cache fields)."""
+    return {"input_tokens": prompt_tokens, "output_tokens": output_tokens}
 
 
-def message(mid: str, model: str, text: str, finish_reason: str, prompt_tokens: int, output_tokens: int,
-            cached_tokens: int) -> dict[str, Any]:
+def message(mid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
+            output_tokens: int) -> dict[str, Any]:
     """The non-streaming answer: one text block."""
     return {"id": mid, "type": "message", "role": "assistant", "content": [{"type": "text", "text": text}],
             "model": model, "stop_reason": STOP_REASONS.get(finish_reason, "end_turn"), "stop_sequence": None,
-            "usage": usage(prompt_tokens, output_tokens, cached_tokens)}
+            "usage": usage(prompt_tokens, output_tokens)}
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -114,23 +118,28 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-def stream_start(mid: str, model: str, prompt_tokens: int, cached_tokens: int) -> list[bytes]:
-    """`message_start`, `content_block_start` (an empty text block), `ping`."""
+def message_start(mid: str, model: str, prompt_tokens: int) -> bytes:
+    """`message_start`: the message shell with the input usage."""
     shell = {"id": mid, "type": "message", "role": "assistant", "content": [], "model": model,
-             "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, 0, cached_tokens)}
-    return [event({"type": "message_start", "message": shell}),
-            event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-            event({"type": "ping"})]
+             "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, 0)}
+    return event({"type": "message_start", "message": shell})
+
+
+def block_start() -> bytes:
+    """`content_block_start` of the (one) text block."""
+    return event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
 
 
 def text_delta(text: str) -> bytes:
     return event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
 
 
-def stream_end(finish_reason: str, output_tokens: int) -> list[bytes]:
-    """`content_block_stop`, `message_delta` (stop reason, output usage), `message_stop`."""
-    return [event({"type": "content_block_stop", "index": 0}),
-            event({"type": "message_delta", "delta": {"stop_reason": STOP_REASONS.get(finish_reason, "end_turn"),
-                                                      "stop_sequence": None},
-                   "usage": {"output_tokens": output_tokens}}),
-            event({"type": "message_stop"})]
+def stream_end(finish_reason: str, prompt_tokens: int, output_tokens: int, done: bool) -> list[bytes]:
+    """`content_block_stop`, `message_delta` (stop reason, usage), `message_stop`, and with `done`
+    (vLLM) `data: [DONE]`."""
+    events = [event({"type": "content_block_stop", "index": 0}),
+              event({"type": "message_delta", "delta": {"stop_reason": STOP_REASONS.get(finish_reason, "end_turn"),
+                                                        "stop_sequence": None},
+                     "usage": usage(prompt_tokens, output_tokens)}),
+              event({"type": "message_stop"})]
+    return [*events, b"data: [DONE]\n\n"] if done else events

@@ -355,30 +355,34 @@ async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestReco
             await watch.sleep(engine.decode_seconds())
         engine.note_generated(active)
     payload = a.message(a.message_id(), config.model_name, output_text(plan.output_tokens), plan.finish_reason,
-                        plan.total_prompt_tokens, plan.output_tokens, active.cached_tokens)
+                        plan.total_prompt_tokens, plan.output_tokens)
     engine.update(record, completion_tokens_sent=plan.output_tokens)
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
 
 async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                          watch: DisconnectWatch, active: ActiveRequest) -> None:
-    """A streamed Messages answer: Anthropic's events in their order (`gateway.sim.anthropic`), one
-    `text_delta` per token."""
+    """A streamed Messages answer: the engine's Anthropic events in their order
+    (`gateway.sim.anthropic`), one `text_delta` per token."""
     config = engine.config
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     await _prefill(engine, watch, active)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    for chunk in a.stream_start(a.message_id(), config.model_name, plan.total_prompt_tokens, active.cached_tokens):
-        await responder.event(chunk)
+    await responder.event(a.message_start(a.message_id(), config.model_name, plan.total_prompt_tokens))
     for i in range(plan.output_tokens):
         if i > 0:
             await watch.sleep(engine.decode_seconds())
+        if i == 0:
+            await responder.event(a.block_start())
         engine.note_generated(active)
         await responder.event(a.text_delta(output_token(i)))
         engine.update(record, completion_tokens_sent=i + 1)
-    for chunk in a.stream_end(plan.finish_reason, plan.output_tokens):
+    if plan.output_tokens == 0:
+        await responder.event(a.block_start())
+    for chunk in a.stream_end(plan.finish_reason, plan.total_prompt_tokens, plan.output_tokens,
+                              done=engine.config.engine != "sglang"):
         await responder.event(chunk)
     await responder.end_stream()
 

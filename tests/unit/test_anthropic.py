@@ -61,7 +61,7 @@ CHAT_TWIN = {
                                      {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}}]},
         {"role": "assistant", "content": "A cat. Checking the weather.",
          "tool_calls": [{"id": "t1", "type": "function",
-                         "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "t1", "content": "Sunny, 21 C"},
         {"role": "user", "content": "Thanks!"},
     ],
