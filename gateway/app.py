@@ -22,8 +22,8 @@ from gateway.api.proxy import ProxyEndpoint
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
 from gateway.config import GatewayConfig
+from gateway.dispatch import ProxyService
 from gateway.errors import GatewayError, MethodNotAllowed, NotFound
-from gateway.service import ProxyService
 from gateway.state import AppState
 
 

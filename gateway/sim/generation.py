@@ -34,6 +34,8 @@ from gateway.sim.asgi import (
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
+from gateway.sim.pd import PdFailure
+from gateway.sim.pd_leg import PdLeg
 from gateway.sim.tokens import (
     PromptError,
     chat_prompt_tokens,
@@ -70,6 +72,8 @@ class _Plan:
     finish_reason: str
     fmt: r.StreamFormat
     keys: tuple[PromptKey, ...] = ()
+    leg: PdLeg | None = None
+    """The PD hand-over of a worker with a `pd_role` (see `gateway.sim.pd_leg`)."""
     anthropic: bool = False  # a Messages request: Anthropic's answer shapes
 
     @property
@@ -152,7 +156,7 @@ async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, recei
     record = engine.new_record(scope["path"], lower_headers(scope), body)
     async with DisconnectWatch(receive) as watch:
         try:
-            await _serve(engine, kind, body, record, watch, send, anthropic)
+            await _serve(engine, kind, body, record, watch, send, scope, anthropic)
         except ClientDisconnected:
             engine.note_aborted()
             engine.update(record, aborted=True, finished_at=time.monotonic())
@@ -161,7 +165,7 @@ async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, recei
 
 
 async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestRecord,
-                 watch: DisconnectWatch, send: Send, anthropic: str | None = None) -> None:
+                 watch: DisconnectWatch, send: Send, scope: Scope, anthropic: str | None = None) -> None:
     dialect = engine.dialect
     if not isinstance(body, dict):
         await _Responder(send, engine, record, None, bool(anthropic)).reply(dialect.bad_request("Invalid JSON body."))
@@ -211,6 +215,15 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
             await _reply_context_error(responder, error)
             return
     plan = replace(plan, keys=tuple(engine.prompt_keys(kind, body, plan.prompt_tokens)))
+    if engine.pd is not None:
+        leg = PdLeg.start(engine, record, kind, body, len(plan.prompt_tokens), scope)
+        if isinstance(leg, ErrorReply):
+            await responder.reply(leg)
+            return
+        leg.keys = plan.keys
+        if leg.sglang_prefill:  # SGLang's prefill worker stops after the first token
+            plan = replace(plan, output_tokens=min(plan.output_tokens, 1))
+        plan = replace(plan, leg=leg)
     await _run_admitted(engine, plan, record, responder, watch, faults)
 
 
@@ -279,20 +292,46 @@ async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord
         else:
             await _generate_sse(engine, plan, record, responder, watch, active)
         reason = plan.finish_reason
+    except PdFailure as exc:
+        await _reply_pd_failure(engine, record, responder, exc)
     finally:
         engine.stop_running(active, reason)
+        if plan.leg is not None:
+            plan.leg.finish()
 
 
-async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest) -> None:
-    """Sleep for the modelled time to first token, then cache the prompt's blocks."""
-    await watch.sleep(engine.prefill_seconds(active))
+async def _reply_pd_failure(engine: SimEngine, record: SimRequestRecord, responder: _Responder,
+                            exc: PdFailure) -> None:
+    """HTTP 500 with the engine's message, or an SSE error event once the stream has begun."""
+    engine.update(record, pd_failure=exc.kind)
+    reply = engine.dialect.error(exc.message, "InternalServerError", 500)
+    if not responder.started:
+        await responder.reply(reply)
+        return
+    await responder.event(b"data: " + reply.body + b"\n\n")
+    await responder.end_stream()
+
+
+async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest,
+                   leg: PdLeg | None = None) -> None:
+    """Sleep for the modelled time to first token, then cache the prompt's blocks. A PD leg
+    first waits for its hand-over; KV received from a prefill worker is not computed again."""
+    if leg is None:
+        await watch.sleep(engine.prefill_seconds(active))
+    else:
+        remote = await leg.before_prefill(watch, active)
+        rate = engine.config.prefill_tokens_per_s
+        local = max(0, active.prefill_tokens - remote)
+        await watch.sleep(engine.config.ttft_s + (local / rate if rate is not None else 0.0))
     engine.finish_prefill(active)
+    if leg is not None:
+        leg.after_prefill(active)
 
 
 async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                          watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     n_prompts = len(plan.prompt_tokens)
     for i in range(plan.output_tokens):
         if i > 0 and config.tpot_s > 0:
@@ -307,6 +346,8 @@ async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     else:
         payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
                                     completion_tokens, active.cached_tokens)
+    if plan.leg is not None:
+        payload.update(plan.leg.response_fields(active))
     engine.update(record, completion_tokens_sent=completion_tokens)
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
@@ -317,7 +358,7 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     prompt_total, cached = plan.total_prompt_tokens, active.cached_tokens
@@ -349,7 +390,7 @@ async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestReco
                           watch: DisconnectWatch, active: ActiveRequest) -> None:
     """A Messages answer as one `message` object, after the whole generation."""
     config = engine.config
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     for i in range(plan.output_tokens):
         if i > 0 and config.tpot_s > 0:
             await watch.sleep(engine.decode_seconds())
@@ -367,7 +408,7 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     config = engine.config
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     await responder.event(a.message_start(a.message_id(), config.model_name, plan.total_prompt_tokens))
@@ -392,7 +433,7 @@ async def _generate_raw(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     """Send exactly the configured bytes, one write per chunk, ~20 ms apart."""
     engine.update(record, fault="raw_stream_chunks")
     await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     chunks = faults.raw_chunk_bytes() or []
     for i, chunk in enumerate(chunks):
         if i > 0:
