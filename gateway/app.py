@@ -17,6 +17,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api import admin, models, ops
+from gateway.api.anthropic_errors import AnthropicEndpoint
 from gateway.api.proxy import ProxyEndpoint
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
@@ -65,7 +66,9 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
         *admin.routes(),  # /admin/* (admin scope when auth is on) and the /dashboard status page
     ]
     middleware = http_middleware(config)  # CORS, then /v1/* auth (gateway/auth/middleware.py)
-    proxied = {"/v1/chat/completions": ProxyEndpoint("chat"), "/v1/completions": ProxyEndpoint("completions")}
+    proxied = {"/v1/chat/completions": ProxyEndpoint("chat"), "/v1/completions": ProxyEndpoint("completions"),
+               "/v1/messages": AnthropicEndpoint("messages"),
+               "/v1/messages/count_tokens": AnthropicEndpoint("count_tokens")}
     app = GatewayApp({path: _wrapped(endpoint, middleware) for path, endpoint in proxied.items()},
                      routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
                      middleware=middleware)

@@ -76,6 +76,7 @@ class RequestRecord:
     worker: str | None = None
     prefill_worker: str | None = None  # a PD pool's prefill worker (`worker` is then the decode worker)
     reason: str | None = None
+    skipped_pools: list[str] | None = None  # pools that fit but whose engines do not serve `api`
     attempts: int = 0
     status: int = 0
     stream: bool = False

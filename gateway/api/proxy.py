@@ -336,5 +336,6 @@ class ProxyEndpoint:
                 return
             tail = b""
             if result.stream.sse:
-                tail = sse_error_event(message + " The response is incomplete.", code="request_timeout")
+                tail = sse_error_event(message + " The response is incomplete.", code="request_timeout",
+                                       api=record.api)
             await send({"type": "http.response.body", "body": tail, "more_body": False})

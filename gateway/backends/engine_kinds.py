@@ -9,6 +9,15 @@ serving_engine / input processor, SGLang's tokenizer manager, llama.cpp's `excee
 Which APIs honour `max_completion_tokens`: vLLM's and SGLang's `CompletionRequest` (their
 `entrypoints/openai/protocol.py`) have only `max_tokens` (default 16), their `ChatCompletionRequest`
 both; llama.cpp's server (xllamacpp 2026.10, measured) reads it on both APIs.
+
+Which APIs each kind serves (`EngineSpec.apis`): every kind serves OpenAI chat and completions.
+Anthropic's Messages API (`/v1/messages`, streamed with `event:` lines) is served by vLLM's
+`vllm/entrypoints/anthropic` layer (since v0.11.1; `/v1/messages/count_tokens` since PR #35588,
+2026-03), by SGLang (PR #18630, 2026-02: both endpoints) and by llama.cpp's server (xllamacpp
+2026.10, measured with gateway/cpu_engine: both endpoints). Ascend pools run vllm-ascend, a plugin
+under vLLM's own API server, so they serve what vLLM serves. A pool on an engine version older
+than those, or on another server (MindIE has no Messages API), lists what it serves in its config
+(`PoolConfig.apis`).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ class EngineSpec:
     # APIs ("chat", "completions") on which the engine reads `max_completion_tokens`; elsewhere it
     # ignores the field and generates its default (16 tokens), so the gateway sends `max_tokens`.
     max_completion_tokens_apis: frozenset[str] = frozenset({"chat"})
+    # The proxied APIs the engine serves (`gateway.routing.features.Api`); see the module docstring.
+    apis: frozenset[str] = frozenset({"chat", "completions", "messages", "count_tokens"})
 
 
 _VLLM_TOO_LONG = (

@@ -17,6 +17,7 @@ import orjson
 
 from gateway.backends.client import UpstreamResponse
 from gateway.errors import error_bytes_from_upstream
+from gateway.protocol.anthropic import openai_usage
 from gateway.record import RequestRecord
 from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
 
@@ -73,6 +74,8 @@ def route_headers(record: RequestRecord) -> Headers:
             headers.append((b"x-kimi-gateway-decode-worker", record.worker.encode()))
     if record.reason:
         headers.append((b"x-kimi-gateway-route-reason", record.reason.encode()))
+    if record.skipped_pools:  # they fit, but their engines do not serve the request's API
+        headers.append((b"x-kimi-gateway-skipped-pools", ", ".join(record.skipped_pools).encode()))
     if record.estimated_prompt_tokens is not None:
         headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
                         f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
@@ -87,7 +90,7 @@ def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedRespo
     record.status = status
     record.error = failure.detail
     too_long = failure.outcome is Outcome.TOO_LONG
-    param = ("messages" if record.api == "chat" else "prompt") if too_long else None
+    param = ("prompt" if record.api == "completions" else "messages") if too_long else None
     body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
     return BufferedResponse(status, body, b"application/json", route_headers(record))
 
@@ -132,4 +135,4 @@ def json_answer_usage(content: bytes, content_type: bytes) -> dict[str, Any] | N
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"its JSON answer is incomplete or invalid: {exc}") from None
     usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
+    return openai_usage(usage) if isinstance(usage, dict) else None  # Anthropic's names → OpenAI's

@@ -29,7 +29,7 @@ from gateway.errors import GatewayError
 from gateway.parsing import Body, BodyParser, Payload
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
-from gateway.routing.pools import fitting_pools
+from gateway.routing.pools import fitting_pools, skipped_pools
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Outcome
 
@@ -95,6 +95,8 @@ class ProxyService:
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
         pools = fitting_pools(request, self.state.config.pools)
+        if len(pools) < len(self.state.config.pools):
+            record.skipped_pools = skipped_pools(request, self.state.config.pools) or None
         if guard is None:
             return await self._dispatch(api, payload, request, pools, record)
         assert principal is not None

@@ -2,6 +2,8 @@
 
 Engine endpoints:
     POST /v1/chat/completions, POST /v1/completions   (see `gateway.sim.generation`)
+    POST /v1/messages, POST /v1/messages/count_tokens Anthropic's Messages API (`gateway.sim.anthropic`;
+                                                      api_version "current" only, as the engines added it in 2026)
     GET /health        200 with an empty body (or never answers with the `hang_health` or `black_hole` fault;
                        trickles or never ends with `health_body`)
     GET /v1/models     OpenAI model list with the served names
@@ -84,6 +86,9 @@ class SimApp:
             ("POST", MOONCAKE_PULL_PATH): self._mooncake_pull,
             ("GET", MOONCAKE_QUERY_PATH): self._mooncake_query,
         }
+        if engine.config.api_version == "current":
+            self._routes[("POST", "/v1/messages")] = self._messages
+            self._routes[("POST", "/v1/messages/count_tokens")] = self._count_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -225,6 +230,12 @@ class SimApp:
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await handle_generation(self.engine, "text", scope, receive, send)
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await handle_generation(self.engine, "chat", scope, receive, send, anthropic="messages")
+
+    async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await handle_generation(self.engine, "chat", scope, receive, send, anthropic="count_tokens")
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine.note_health_check()
