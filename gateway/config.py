@@ -123,6 +123,11 @@ PdMode = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
 """A prefill/decode protocol: SGLang's bootstrap rooms, vLLM's NixlConnector or MooncakeConnector
 (the wire shapes: gateway/sim/pd.py's docstring; the dispatch side: gateway/dispatch/pd_attempt.py)."""
 
+PD_APIS = frozenset({"chat", "completions"})
+"""The APIs a prefill/decode pool serves: those whose two legs the peer routers (sglang-router,
+vllm-router) send and tests/integration/test_pd_wire.py checks. Other requests (Anthropic Messages,
+count_tokens) go to the other fitting pools (`x-kimi-gateway-skipped-pools` names the PD pool)."""
+
 PD_ENGINES: dict[str, tuple[str, ...]] = {"sglang": ("sglang",), "vllm-nixl": ("vllm", "ascend"),
                                           "vllm-mooncake": ("vllm", "ascend")}
 """The engine kinds that speak each PD protocol."""
@@ -314,6 +319,9 @@ class PoolConfig(_Strict):
         if self.engine not in PD_ENGINES[pd.mode]:
             raise ValueError(f"disaggregation mode {pd.mode} needs engine {' or '.join(PD_ENGINES[pd.mode])}, "
                              f"not {self.engine}")
+        if self.apis is not None and set(self.apis) - PD_APIS:
+            raise ValueError(f"a PD pool serves only {' and '.join(sorted(PD_APIS))} (the APIs of its two-leg "
+                             f"protocols), not {', '.join(sorted(set(self.apis) - PD_APIS))}")
         if {"policy", "policy_params"} & self.model_fields_set:
             raise ValueError("a PD pool has two policies: set disaggregation.prefill_policy and "
                              "disaggregation.decode_policy instead of `policy`")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.backends.engine_kinds import ENGINES
-from gateway.config import PoolConfig
+from gateway.config import PD_APIS, PoolConfig
 from gateway.errors import ApiNotServed, ContextLengthExceeded, InvalidRequest
 from gateway.routing.features import RoutingRequest
 
@@ -17,7 +17,10 @@ def usable_context(pool: PoolConfig) -> int:
 
 
 def serves(pool: PoolConfig, api: str) -> bool:
-    """Whether the pool's engines serve `api`: its `apis` when configured, else its engine kind's."""
+    """Whether the pool's engines serve `api`: its `apis` when configured, else its engine kind's;
+    a prefill/decode pool only the APIs its two-leg protocols are known for (`PD_APIS`)."""
+    if pool.disaggregation is not None and api not in PD_APIS:
+        return False
     return api in pool.apis if pool.apis is not None else api in ENGINES[pool.engine].apis
 
 

@@ -267,3 +267,15 @@ def test_nixl_deferred_stream_whose_prefill_fails_ends_with_one_sse_error(start_
     assert rest.count(b'"error"') == 1 and b"[DONE]" not in rest
     assert group.decode[0].engine.records == []  # the decode leg never went out
     gw.wait_until_idle()
+
+
+def test_anthropic_messages_skip_the_pd_pool(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    group = pd_group(start_sim, "vllm-nixl")
+    aggregated = start_sim("vllm")
+    gw = start_gateway([group.pool("pd", 131072), pool("agg", "vllm", [aggregated.url], 131072)])
+    answer = httpx.post(gw.url + "/v1/messages", json={"model": "kimi-k3", "max_tokens": 8,
+                                                       "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kimi-gateway-pool"] == "agg"
+    assert "pd" in answer.headers.get("x-kimi-gateway-skipped-pools", "")
+    assert group.decode[0].engine.records == [] and group.prefill[0].engine.records == []

@@ -17,6 +17,7 @@ from gateway.dispatch.kinds import AGGREGATED, Disaggregated, kind_of
 from gateway.dispatch.pd_attempt import MAX_ROOM, NIXL_PREFILL_PARAMS, sglang_fields, vllm_prefill_body
 from gateway.dispatch.steps import PoolStep, choose_pool
 from gateway.metrics import GatewayMetrics
+from gateway.routing.pools import serves
 from gateway.routing.router import Router
 from gateway.streaming import Holding
 
@@ -145,3 +146,12 @@ def test_a_reload_turns_an_aggregated_pool_into_a_pd_pool() -> None:
         ("http://d1:30000", "decode")]
     assert all(w.retired for w in old)  # same URLs in a new role are new workers; the old ones finish
     assert router.policy("pd", "decode").name == "least_load"
+
+
+def test_pd_pools_serve_chat_and_completions_only() -> None:
+    cfg = config()
+    pd = cfg.pools[0]
+    assert [serves(pd, api) for api in ("chat", "completions", "messages", "count_tokens")] == [
+        True, True, False, False]
+    assert serves(cfg.pools[1], "messages")
+    assert "a PD pool serves only chat and completions" in error_of(apis=["chat", "messages"])
