@@ -69,8 +69,12 @@ def cmd_check_config(args: argparse.Namespace) -> None:
     print(f"{args.config}: OK — model {config.model.name} (aliases: {', '.join(config.model.aliases) or 'none'})")
     for pool in config.pools:
         found = f" + from DNS {pool.discover.name} ({pool.discover.record.upper()})" if pool.discover else ""
-        print(f"  pool {pool.name}: {pool.engine}, {len(pool.workers)} worker(s){found}, "
-              f"max context {pool.max_context_tokens:,} tokens, policy {pool.policy}, "
+        workers, policy = f"{len(pool.workers)} worker(s){found}", pool.policy
+        if (pd := pool.disaggregation) is not None:
+            workers = f"PD {pd.mode}: {len(pd.prefill)} prefill + {len(pd.decode)} decode worker(s)"
+            policy = f"{pd.prefill_policy} (prefill) / {pd.decode_policy} (decode)"
+        print(f"  pool {pool.name}: {pool.engine}, {workers}, "
+              f"max context {pool.max_context_tokens:,} tokens, policy {policy}, "
               f"modalities {'+'.join(pool.modalities)}, spillover {'on' if pool.spillover else 'off'}")
     _check_production_safety(args.config, config, args.strict)
 
