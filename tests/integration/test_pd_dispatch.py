@@ -279,3 +279,18 @@ def test_anthropic_messages_skip_the_pd_pool(start_sim: StartSim, start_gateway:
     assert answer.headers["x-kimi-gateway-pool"] == "agg"
     assert "pd" in answer.headers.get("x-kimi-gateway-skipped-pools", "")
     assert group.decode[0].engine.records == [] and group.prefill[0].engine.records == []
+
+
+def test_mooncake_prefill_whose_bootstrap_server_is_down_is_passed_over(start_sim: StartSim,
+                                                                        start_gateway: StartGateway) -> None:
+    group = pd_group(start_sim, "vllm-mooncake", prefill=2)
+    config = group.pool(disaggregation={"prefill_policy": "round_robin"})
+    config["disaggregation"]["prefill"][0]["bootstrap_port"] = free_port()  # nothing listens there
+    gw = start_gateway([config])
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kimi-gateway-prefill-worker"] == "pd/1"
+    assert response.headers["x-kimi-gateway-attempts"] == "2"
+    assert group.prefill[0].engine.records == []  # no leg went out without the engine id
+    (d_rec,) = group.decode[0].engine.records
+    assert d_rec.body["kv_transfer_params"]["remote_engine_id"] == group.prefill[1].engine.pd.engine_id
