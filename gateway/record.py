@@ -150,13 +150,16 @@ class RequestRecord:
             if isinstance(cached, int) and cached > 0:
                 metrics.tokens.labels(self.pool, "cached").inc(cached)
         if log.isEnabledFor(logging.INFO):
-            log.info(orjson.dumps({
+            entry = {
                 "event": "request", "request_id": self.request_id, "api": self.api, "key": self.key, "pool": self.pool,
                 "worker": self.worker, "reason": self.reason, "attempts": self.attempts,
                 "status": status, "outcome": self.outcome, "stream": self.stream,
                 "estimated_prompt_tokens": self.estimated_prompt_tokens, "estimate": self.estimate_method,
                 "ttft_s": None if ttft is None else round(ttft, 6), "duration_s": round(now - self.started, 6),
                 "usage": self.usage, "error": self.error,
-            }).decode())
+            }
+            if self.prefill_worker is not None:  # a PD pool's request: `worker` is its decode worker
+                entry["prefill_worker"] = self.prefill_worker
+            log.info(orjson.dumps(entry).decode())
         if self.trace is not None:
             self.trace.finish(self, status, now)
