@@ -3,6 +3,8 @@ the per-phase headers, metrics and worker roles, and the failure semantics of is
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -173,6 +175,20 @@ def test_pd_pool_in_a_mixed_context_chain(start_sim: StartSim, start_gateway: St
     assert spilled.status_code == 200, spilled.text
     assert spilled.headers["x-kimi-gateway-pool"] == "large"
     assert "x-kimi-gateway-prefill-worker" not in spilled.headers
+
+
+def test_access_log_names_both_workers(start_sim: StartSim, start_gateway: StartGateway,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    group = pd_group(start_sim, "sglang")
+    gw = start_gateway([group.pool()])
+    assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10).status_code == 200
+    deadline = time.monotonic() + 5
+    while not (lines := [orjson.loads(r.getMessage()) for r in caplog.records
+                         if r.name == "gateway.access" and r.threadName == gw.server.thread_name]):
+        assert time.monotonic() < deadline, "no access log line"
+        time.sleep(0.02)
+    assert (lines[0]["worker"], lines[0]["prefill_worker"]) == ("pd/1", "pd/0")
 
 
 def test_roles_in_admin_workers_and_per_role_limits(start_sim: StartSim, start_gateway: StartGateway) -> None:
