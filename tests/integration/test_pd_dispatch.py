@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from gateway.sim.config import SimFaults
-from tests.integration.pd_support import StartSim, pd_group
+from tests.integration.pd_support import ENGINE, StartSim, pd_group
 from tests.support import RunningGateway, free_port, pool
 
 StartGateway = Callable[..., RunningGateway]
@@ -310,3 +310,22 @@ def test_mooncake_prefill_whose_bootstrap_server_is_down_is_passed_over(start_si
     assert group.prefill[0].engine.records == []  # no leg went out without the engine id
     (d_rec,) = group.decode[0].engine.records
     assert d_rec.body["kv_transfer_params"]["remote_engine_id"] == group.prefill[1].engine.pd.engine_id
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_client_gone_during_the_prefill_aborts_every_leg(start_sim: StartSim, start_gateway: StartGateway,
+                                                         mode: str) -> None:
+    """The client gives up while the prefill still runs (nothing sent yet): no leg is left running."""
+    group = pd_group(start_sim, mode, prefill=0)
+    group.prefill = [start_sim(ENGINE[mode], pd_role="prefill", pd_protocol=mode, ttft_s=3.0)]
+    gw = start_gateway([group.pool()])
+    prefill = group.prefill[0].engine
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=httpx.Timeout(10, read=0.5))
+    records = prefill.wait_for(lambda: all(r.finished_at is not None for r in prefill.records) and prefill.records)
+    assert [r.aborted for r in records] == [True]
+    decode = group.decode[0].engine
+    decode.wait_for(lambda: all(r.finished_at is not None for r in decode.records))
+    assert all(r.aborted for r in decode.records)  # SGLang / Mooncake: sent at once, aborted too
+    assert (len(decode.records) == 0) == (mode == "vllm-nixl")
+    gw.wait_until_idle()
