@@ -88,10 +88,16 @@ def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
         if name not in environ and default is not None and not overridden:
             findings.append(Finding(path, f"${{{name}}} is not set: falls back to {default!r}"))
     for index, pool in enumerate(config.pools):
-        for w, url in enumerate(pool.workers):
+        urls = [(f"pools.{index}.workers.{w}", url) for w, url in enumerate(pool.workers)]
+        if pool.disaggregation is not None:  # a PD pool's workers
+            urls += [(f"pools.{index}.disaggregation.prefill.{w}.url", p.url)
+                     for w, p in enumerate(pool.disaggregation.prefill)]
+            urls += [(f"pools.{index}.disaggregation.decode.{w}", url)
+                     for w, url in enumerate(pool.disaggregation.decode)]
+        for path, url in urls:
             host = urlsplit(url).hostname or ""
             if _PLACEHOLDER.search(host):
-                findings.append(Finding(f"pools.{index}.workers.{w}", f"{url} is a placeholder host"))
+                findings.append(Finding(path, f"{url} is a placeholder host"))
     redis_host = _redis_host(config.redis_url)
     if redis_host and _PLACEHOLDER.search(redis_host) and redis_host.lower() != "localhost":
         findings.append(Finding("redis_url", f"{redis_host} is a placeholder host"))

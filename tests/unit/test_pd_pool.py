@@ -17,6 +17,7 @@ from gateway.dispatch.kinds import AGGREGATED, Disaggregated, kind_of
 from gateway.dispatch.pd_attempt import MAX_ROOM, NIXL_PREFILL_PARAMS, sglang_fields, vllm_prefill_body
 from gateway.dispatch.steps import PoolStep, choose_pool
 from gateway.metrics import GatewayMetrics
+from gateway.plans.safety import production_findings
 from gateway.routing.pools import serves
 from gateway.routing.router import Router
 from gateway.streaming import Holding
@@ -155,3 +156,10 @@ def test_pd_pools_serve_chat_and_completions_only() -> None:
         True, True, False, False]
     assert serves(cfg.pools[1], "messages")
     assert "a PD pool serves only chat and completions" in error_of(apis=["chat", "messages"])
+
+
+def test_strict_check_finds_placeholder_hosts_among_pd_workers() -> None:
+    cfg = config({"decode": ["http://decode-0.example.com:30000", "http://d1:30000"]})
+    paths = [f.path for f in production_findings({}, cfg, {})]
+    assert "pools.0.disaggregation.decode.0" in paths
+    assert not [p for p in paths if "prefill" in p]
