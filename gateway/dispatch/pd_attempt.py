@@ -444,7 +444,8 @@ class MooncakeAttempt(PdAttempt):
     __slots__ = ()
 
     async def _legs(self, holding: Holding, headers: dict[str, str]) -> BufferedResponse | RelayResponse:
-        bootstrap = f"http://{host_of(self.prefill.url)}:{self.prefill.bootstrap_port}"
+        host = host_of(self.prefill.url)
+        bootstrap = f"http://{f'[{host}]' if ':' in host else host}:{self.prefill.bootstrap_port}"
         if self.prefill.pd_engine_id is None:
             try:
                 self.prefill.pd_engine_id = await mooncake_engine_id(self._state.http, bootstrap)
