@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from gateway.affinity.hashing import longest_match
+from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.keys import Principal
 from gateway.backends.client import UpstreamResponse, first_byte_budget, request_timeout
 from gateway.backends.registry import DEFAULT_RETRY_AFTER_S, WorkerRegistry
@@ -32,10 +33,12 @@ from gateway.errors import (
     error_bytes_from_upstream,
 )
 from gateway.parsing import Body, BodyParser, Payload, encode_for
+from gateway.protocol.responses import chat_usage, response_id_of
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
 from gateway.routing.policy import Candidate, Decision, RoutingPolicy
-from gateway.routing.pools import fitting_pools, larger_pools
+from gateway.routing.pools import fitting_pools, larger_pools, serving_pools
+from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
 from gateway.streaming import (
     RETRYABLE,
@@ -55,7 +58,10 @@ from gateway.streaming import (
 # OpenAI SDKs honour this header (their `_should_retry` reads `x-should-retry` before the status).
 NO_CLIENT_RETRY = {"x-should-retry": "false"}
 
-UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                                  "responses": "/v1/responses"}
+RESPONSE_AFFINITY = "response_affinity"
+"""The route reason of a Responses follow-up sent to the worker that stores its history."""
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -143,18 +149,23 @@ class ProxyService:
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
-        pools = fitting_pools(request, self.state.config.pools)
+        pools = fitting_pools(request, serving_pools(api, self.state.config.pools))
+        pinned: Worker | None = None
+        if request.previous_response_id is not None:  # only the worker storing its history can serve it
+            pool, pinned = await owner_of(request.previous_response_id, "previous_response_id", self.state.responses,
+                                          self.state.registry, self.state.config.pools, self.state.metrics)
+            pools = [pool]
         if guard is None:
-            return await self._dispatch(api, payload, request, pools, record)
+            return await self._dispatch(api, payload, request, pools, record, pinned)
         assert principal is not None
         reservation = await guard.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens),
                                               requests=0, counted=counted)
         if reservation is None:
-            return await self._dispatch(api, payload, request, pools, record)
+            return await self._dispatch(api, payload, request, pools, record, pinned)
         record.on_finish = lambda done: guard.settle_soon(reservation, quota_used(
             done, request, reservation.tokens, done.outcome is not RequestOutcome.OK or done.status >= 400))
         try:
-            result = await self._dispatch(api, payload, request, pools, record)
+            result = await self._dispatch(api, payload, request, pools, record, pinned)
         except GatewayError:
             await guard.settle(reservation, quota_used(record, request, reservation.tokens, failed=True))
             raise
@@ -162,8 +173,8 @@ class ProxyService:
             await guard.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
         return result
 
-    async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest,
-                        pools: list[PoolConfig], record: RequestRecord) -> BufferedResponse | RelayResponse:
+    async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
+                        record: RequestRecord, pinned: Worker | None = None) -> BufferedResponse | RelayResponse:
         state = self.state
         metrics = state.metrics
         pool = pools[0]
@@ -171,16 +182,20 @@ class ProxyService:
         metrics.estimated_prompt_tokens.labels(pool.name, request.estimate_method).observe(request.prompt_tokens)
         failures = Failures()
         try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
-            return await self._dispatch_loop(api, payload, request, pools, record, failures)
+            return await self._dispatch_loop(api, payload, request, pools, record, failures, pinned)
         finally:
             failures.charge(state.registry)
 
     async def _dispatch_loop(self, api: Api, payload: Payload, request: RoutingRequest,
                              pools: list[PoolConfig], record: RequestRecord,
-                             failures: Failures) -> BufferedResponse | RelayResponse:
+                             failures: Failures, pinned: Worker | None = None) -> BufferedResponse | RelayResponse:
         """Until an attempt is accepted or `max_attempts` ran out: choose the pool and its candidates
         with room (`choose_pool`), the worker (`decide`), make the attempt (`_attempt`), and judge a
-        failed one (`after_failure`): same pool, a larger one, or a final answer."""
+        failed one (`after_failure`): same pool, a larger one, or a final answer.
+
+        `pinned` (a Responses follow-up's owner, `routing/response_affinity.py`) replaces the choice:
+        one attempt on that worker (`pools` is its pool alone), no policy, spill-over or failover,
+        since no other worker holds the stored history."""
         state = self.state
         registry = state.registry
         metrics = state.metrics
@@ -192,7 +207,12 @@ class ProxyService:
         bodies: dict[tuple[str, bool, bool], bytes] = {}  # (served name, usage patch, max_tokens) -> body
         queue_deadline: float | None = None  # set when the request first waits for a slot
         while record.attempts < state.config.max_attempts:
-            step, to, workers = choose_pool(registry, pool, pools, tried)
+            if pinned is not None:
+                if tried:
+                    break
+                step, to, workers = PoolStep.ROUTE, pool, [pinned]
+            else:
+                step, to, workers = choose_pool(registry, pool, pools, tried)
             if step is not PoolStep.ROUTE:
                 if step is PoolStep.EXHAUSTED:
                     break
@@ -207,13 +227,14 @@ class ProxyService:
                     record.pool = pool.name
                 continue
             policy = state.router.policy(pool.name)
-            if policy.uses_affinity and pool.name not in matches:
+            if pinned is None and policy.uses_affinity and pool.name not in matches:
                 matches[pool.name] = await self._affinity_matches(pool.name, request)
                 # Others may have taken the free slots or broken workers meanwhile: look again. From
                 # here to the attempt's Lease nothing awaits, so the room seen is the room taken.
                 continue
             match = matches.get(pool.name, {})
-            decision = decide(policy, request, workers, match)
+            decision = Decision(pinned, RESPONSE_AFFINITY) if pinned is not None else decide(policy, request, workers,
+                                                                                               match)
             worker = decision.worker
             record.attempts += 1
             record.worker, record.reason = worker.id, decision.reason
@@ -243,6 +264,8 @@ class ProxyService:
                     record.pool = pool.name
                 continue
             self._attempt_accepted(pool, worker, request, record, policy.uses_affinity, match)
+            if api == "responses":
+                self._note_stored_response(request, pool, worker, result)
             result.headers.extend(route_headers(record))
             return result
         raise self._exhausted(last, record, pools, failures)
@@ -270,6 +293,20 @@ class ProxyService:
             # After this task next yields, i.e. once the first chunk went out: never before the first token.
             asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, request.prefix.hashes,
                                                  worker.url)
+
+    def _note_stored_response(self, request: RoutingRequest, pool: PoolConfig, worker: Worker,
+                              result: BufferedResponse | RelayResponse) -> None:
+        """Remember which worker stores the response this accepted Responses request creates (not with
+        `store: false`, nor on an engine that stores nothing): from the JSON answer's `id`, or from the
+        stream's `response.created` event as the relay passes it (`SSETap.on_response_id`)."""
+        store = self.state.responses
+        if store is None or not request.store or not worker.engine.stores_responses:
+            return
+        owner = ResponseOwner(pool.name, worker.url)
+        if isinstance(result, RelayResponse):
+            result.stream.tap.on_response_id = lambda rid: store.record(rid, owner)
+        elif result.status == 200 and (rid := response_id_in_json(result.body)) is not None:
+            store.record(rid, owner)
 
     async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
         """Worker URL → share of the prompt it holds, from one store lookup (fails open to {})."""
@@ -610,7 +647,7 @@ def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedRespo
     record.status = status
     record.error = failure.detail
     too_long = failure.outcome is Outcome.TOO_LONG
-    param = ("messages" if record.api == "chat" else "prompt") if too_long else None
+    param = {"chat": "messages", "responses": "input"}.get(record.api, "prompt") if too_long else None
     body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
     return BufferedResponse(status, body, b"application/json", route_headers(record))
 
@@ -706,4 +743,12 @@ def _check_json_answer(content: bytes, content_type: bytes) -> dict[str, Any] | 
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"its JSON answer is incomplete or invalid: {exc}") from None
     usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
+    return chat_usage(usage) if isinstance(usage, dict) else None
+
+
+def response_id_in_json(body: bytes) -> str | None:
+    """The `id` of a Responses API JSON answer; None when there is none or it is not JSON."""
+    try:
+        return response_id_of(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None

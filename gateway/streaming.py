@@ -32,6 +32,7 @@ from gateway.backends.engine_kinds import is_context_too_long
 from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics
+from gateway.protocol.responses import ERROR_EVENTS, PREAMBLE_EVENTS
 from gateway.protocol.sse import SSETap, event_end, sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
 
@@ -241,6 +242,11 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
         return Held.CONTENT, data
     if "error" in chunk:
         return Held.ERROR, data
+    kind = chunk.get("type")
+    if isinstance(kind, str) and "choices" not in chunk:  # a Responses API event (protocol/responses.py)
+        if kind in PREAMBLE_EVENTS:
+            return Held.EMPTY, data
+        return (Held.ERROR if kind in ERROR_EVENTS else Held.CONTENT), data
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices or chunk.get("usage") not in (None, {}):
         return Held.CONTENT, data  # `choices: []` is the usage chunk at the end

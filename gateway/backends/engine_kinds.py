@@ -6,6 +6,10 @@ Sources: vLLM's metrics (`vllm:num_requests_running`, `vllm:num_requests_waiting
 `llamacpp:requests_processing` / `llamacpp:requests_deferred` with `--metrics`. vllm-ascend keeps
 vLLM's API and names. The "prompt too long" wordings are the engines' own 400 messages (vLLM's
 serving_engine / input processor, SGLang's tokenizer manager, llama.cpp's `exceed_context_size_error`).
+The Responses API (`/v1/responses`): vLLM serves it with GET and cancel by id and stores responses
+in process memory (with `VLLM_ENABLE_RESPONSES_API_STORE=1`; entrypoints/openai/serving_responses.py),
+SGLang's serving_responses (adapted from vLLM's) the same way; llama.cpp's server answers
+`/v1/responses` statelessly and refuses `previous_response_id` (xllamacpp 2026.10, measured).
 Which APIs honour `max_completion_tokens`: vLLM's and SGLang's `CompletionRequest` (their
 `entrypoints/openai/protocol.py`) have only `max_tokens` (default 16), their `ChatCompletionRequest`
 both; llama.cpp's server (xllamacpp 2026.10, measured) reads it on both APIs.
@@ -35,6 +39,11 @@ class EngineSpec:
     # APIs ("chat", "completions") on which the engine reads `max_completion_tokens`; elsewhere it
     # ignores the field and generates its default (16 tokens), so the gateway sends `max_tokens`.
     max_completion_tokens_apis: frozenset[str] = frozenset({"chat"})
+    # The client APIs (`routing.features.Api` values) the engine serves: a pool is a candidate for
+    # a request only when its engine kind lists the request's API (`routing.pools.serving_pools`).
+    apis: frozenset[str] = frozenset({"chat", "completions", "responses"})
+    # Whether the engine keeps stored responses (`store`, `previous_response_id`, GET/cancel by id).
+    stores_responses: bool = True
 
 
 _VLLM_TOO_LONG = (
@@ -62,7 +71,8 @@ ENGINES: dict[str, EngineSpec] = {
                            "llamacpp:requests_deferred", (), (
                                "exceed_context_size_error",
                                "exceeds the available context size",
-                           ), max_completion_tokens_apis=frozenset({"chat", "completions"})),
+                           ), max_completion_tokens_apis=frozenset({"chat", "completions"}),
+                           stores_responses=False),
 }
 
 # Any engine's wording counts: a pool mislabelled in config still gets the right retry.

@@ -7,9 +7,12 @@ small carry buffer; JSON is parsed only for `data:` lines that carry a non-null 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
+
+from gateway.protocol.responses import chat_usage, response_id_of
 
 # A line longer than this is not tracked (no engine sends one; it bounds memory).
 MAX_CARRY_BYTES = 1 << 20
@@ -18,15 +21,20 @@ MAX_CARRY_BYTES = 1 << 20
 class SSETap:
     """Feed it every relayed chunk, in order. Attributes after the stream ends:
 
-    `events` (data events seen), `done` (`data: [DONE]` seen), `usage` (the last usage dict or None).
+    `events` (data events seen), `done` (`data: [DONE]` seen, or a Responses API stream's last event:
+    `response.completed`, `response.incomplete`, `response.failed`; that API sends no `[DONE]`),
+    `usage` (the last usage dict or None; a Responses usage, nested in its `response` object, gets
+    the chat names added: `protocol.responses.chat_usage`).
+    `on_response_id`, when set, is called once with the id of a Responses stream's `response.created`.
     """
 
-    __slots__ = ("_carry", "done", "events", "usage")
+    __slots__ = ("_carry", "done", "events", "on_response_id", "usage")
 
     def __init__(self) -> None:
         self.events = 0
         self.done = False
         self.usage: dict[str, Any] | None = None
+        self.on_response_id: Callable[[str], None] | None = None
         self._carry = b""
 
     def feed(self, chunk: bytes) -> None:
@@ -46,6 +54,10 @@ class SSETap:
         if not self.done and (b"\ndata: [DONE]" in lines or b"\ndata:[DONE]" in lines
                               or lines.startswith((b"data: [DONE]", b"data:[DONE]"))):
             self.done = True
+        if not self.done and b'"type":"response.' in lines and any(marker in lines for marker in _TERMINAL):
+            self.done = True
+        if self.on_response_id is not None and b'"response.created"' in lines:
+            self._response_created(lines)
         if b'"usage":{' in lines or b'"usage": {' in lines:
             for line in lines.split(b"\n"):
                 if line.startswith(b"data:") and b'"usage"' in line:
@@ -59,11 +71,31 @@ class SSETap:
 
     def _usage_line(self, line: bytes) -> None:
         try:
-            usage = orjson.loads(line[5:].strip()).get("usage")
+            data = orjson.loads(line[5:].strip())
+            usage = data.get("usage")
+            if usage is None and isinstance(data.get("response"), dict):  # a Responses API final event
+                usage = data["response"].get("usage")
         except (orjson.JSONDecodeError, AttributeError):
             return
         if isinstance(usage, dict):
-            self.usage = usage
+            self.usage = chat_usage(usage)
+
+    def _response_created(self, lines: bytes) -> None:
+        for line in lines.split(b"\n"):
+            if line.startswith(b"data:") and b'"response.created"' in line:
+                try:
+                    rid = response_id_of(orjson.loads(line[5:].strip()))
+                except orjson.JSONDecodeError:
+                    continue
+                if rid is not None and self.on_response_id is not None:
+                    callback, self.on_response_id = self.on_response_id, None
+                    callback(rid)
+                return
+
+
+# A Responses API stream ends with one of these events (the JSON as engines write it: compact, `type`
+# first or last; a raw `"` cannot occur inside a JSON string, so generated text never matches).
+_TERMINAL = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
 
 
 def event_end(data: bytes, stop: int | None = None) -> int:

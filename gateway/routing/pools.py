@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from gateway.backends.engine_kinds import ENGINES
 from gateway.config import PoolConfig
-from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.errors import ContextLengthExceeded, InvalidRequest, NotFound
 from gateway.routing.features import RoutingRequest
 
 
@@ -14,6 +14,16 @@ def usable_context(pool: PoolConfig) -> int:
     """Tokens of prompt + output the pool's engines accept: `max_context_tokens` less the engine's
     slack (SGLang refuses a request that would fill its context exactly)."""
     return pool.max_context_tokens - ENGINES[pool.engine].context_slack_tokens
+
+
+def serving_pools(api: str, pools: Sequence[PoolConfig]) -> list[PoolConfig]:
+    """The pools whose engine kind serves `api` (`EngineSpec.apis`), in configured order. Raises
+    NotFound (404) when none does: the endpoint exists but nothing behind it serves it."""
+    serving = [p for p in pools if api in ENGINES[p.engine].apis]
+    if not serving:
+        raise NotFound(f"No pool of this gateway serves the {api} API (engine kinds: "
+                       f"{', '.join(sorted({p.engine for p in pools}))}).")
+    return serving if len(serving) < len(pools) else list(pools)
 
 
 def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[PoolConfig]:
