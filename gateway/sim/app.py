@@ -2,6 +2,8 @@
 
 Engine endpoints:
     POST /v1/chat/completions, POST /v1/completions   (see `gateway.sim.generation`)
+    POST /v1/responses, GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
+                       (the Responses API with in-memory stored responses: `gateway.sim.responses_api`)
     GET /health        200 with an empty body (or never answers with the `hang_health` or `black_hole` fault;
                        trickles or never ends with `health_body`)
     GET /v1/models     OpenAI model list with the served names
@@ -42,6 +44,7 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import BodyMode, SimConfig, SimFaults
 from gateway.sim.generation import handle_generation
+from gateway.sim.responses_api import ResponsesServer
 from gateway.sim.worker_state import SimEngine
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -52,9 +55,11 @@ class SimApp:
 
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
+        self.responses = ResponsesServer(engine)
         self._routes: dict[tuple[str, str], Handler] = {
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/responses"): self.responses.create,
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): self._models,
             ("GET", "/metrics"): self._metrics,
@@ -80,6 +85,8 @@ class SimApp:
         handler = self._routes.get((scope["method"], path))
         if handler is not None:
             await handler(scope, receive, send)
+        elif path.startswith("/v1/responses/"):
+            await self.responses.by_id(scope, receive, send)
         elif any(p == path for _, p in self._routes):
             await send_json(send, 405, {"detail": "Method Not Allowed"})
         else:

@@ -1,0 +1,276 @@
+"""The OpenAI Responses API end to end: the real openai SDK → gateway → simulated vLLM/SGLang engines
+(`gateway/sim/responses_api.py`), stored-response affinity in memory and through Redis."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+import redis
+
+from gateway.routing.tokens import TokenEstimator
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+
+
+def client(gw: RunningGateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+
+
+@pytest.fixture
+def two_workers(start_sim: StartSim) -> list[RunningSim]:
+    return [start_sim("vllm", max_context_tokens=131072) for _ in range(2)]
+
+
+def sims_pool(sims: list[RunningSim], **extra: object) -> dict[str, object]:
+    return pool("p", "vllm", [s.url for s in sims], 131072, policy="least_load", **extra)
+
+
+def received(sims: list[RunningSim], path: str = "/v1/responses") -> list[int]:
+    return [sum(r.path == path for r in s.engine.records) for s in sims]
+
+
+def test_create_non_streaming_retrieve_and_delete(two_workers: list[RunningSim],
+                                                  start_gateway: StartGateway) -> None:
+    gw = start_gateway([sims_pool(two_workers)], load={"enabled": False})
+    c = client(gw)
+    raw = c.responses.with_raw_response.create(model="kimi-k3", input="Say hello.", max_output_tokens=5,
+                                               instructions="Be brief.")
+    response = raw.parse()
+    assert response.object == "response" and response.status == "completed"
+    assert len(response.output_text.split()) == 5
+    assert response.usage is not None and response.usage.output_tokens == 5 and response.usage.input_tokens > 0
+    owner = int(raw.headers["x-kimi-gateway-worker"].split("/")[1])
+    assert raw.headers["x-kimi-gateway-attempts"] == "1"
+    # Retrieve and delete go to the worker that stores it, whichever the policy would pick.
+    for _ in range(3):
+        assert c.responses.retrieve(response.id).output_text == response.output_text
+    assert response.id in two_workers[owner].app.responses.stored
+    c.responses.delete(response.id)
+    assert response.id not in two_workers[owner].app.responses.stored
+    with pytest.raises(openai.NotFoundError) as missing:
+        c.responses.retrieve(response.id)
+    assert missing.value.status_code == 404
+    assert missing.value.body["code"] == "response_not_found"  # type: ignore[index]
+    assert gw.metric('kimi_gateway_response_affinity_total{result="hit"}') == 4
+    assert gw.metric('kimi_gateway_response_affinity_total{result="unknown"}') == 1
+
+
+def test_streaming_typed_events_in_order_and_usage_counted(two_workers: list[RunningSim],
+                                                           start_gateway: StartGateway) -> None:
+    gw = start_gateway([sims_pool(two_workers)], load={"enabled": False})
+    events = list(client(gw).responses.create(model="kimi-k3", input="Count.", max_output_tokens=4, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added"] + ["response.output_text.delta"] * 4 + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.usage is not None and final.usage.output_tokens == 4
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    # The relay saw the stream complete (no error event added) and counted its tokens.
+    assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 4
+    # A stored streamed response is found by id too.
+    assert client(gw).responses.retrieve(final.id).id == final.id
+
+
+def test_relay_is_byte_exact(two_workers: list[RunningSim], start_gateway: StartGateway) -> None:
+    gw = start_gateway([pool("p", "vllm", [two_workers[0].url], 131072)], load={"enabled": False})
+    body = {"model": "kimi-k3", "input": "Hi", "max_output_tokens": 3, "stream": True}
+    via = httpx.post(gw.v1 + "/responses", json=body).content
+    events = via.split(b"\n\n")
+    assert events[0].startswith(b"event: response.created\ndata: {")
+    assert b"[DONE]" not in via and b'"error"' not in via.replace(b'"error":null', b"")
+    assert via.endswith(b"\n\n") and events[-2].startswith(b"event: response.completed\n")
+
+
+def test_chained_conversation_lands_on_the_worker_storing_its_history(start_sim: StartSim,
+                                                                      start_gateway: StartGateway) -> None:
+    two_workers = [start_sim("vllm", max_context_tokens=131072, kv_capacity_tokens=1_000_000) for _ in range(2)]
+    gw = start_gateway([sims_pool(two_workers)], load={"enabled": False})
+    c = client(gw)
+    first = c.responses.with_raw_response.create(model="kimi-k3", input="My name is Ada. " * 40,
+                                                 max_output_tokens=3)
+    owner = int(first.headers["x-kimi-gateway-worker"].split("/")[1])
+    previous = first.parse().id
+    for turn in range(3):
+        raw = c.responses.with_raw_response.create(model="kimi-k3", input=f"Turn {turn}: what is my name?",
+                                                   previous_response_id=previous, max_output_tokens=3,
+                                                   stream=turn == 1)
+        assert raw.headers["x-kimi-gateway-worker"] == f"p/{owner}"
+        assert raw.headers["x-kimi-gateway-route-reason"] == "response_affinity"
+        if turn == 1:  # streamed: the id is in the last event
+            previous = next(e for e in raw.parse() if e.type == "response.completed").response.id  # type: ignore[union-attr]
+        else:
+            previous = raw.parse().id
+    records = [r for r in two_workers[owner].engine.records if r.path == "/v1/responses"]
+    assert len(records) == 4 and received(two_workers)[1 - owner] == 0
+    # Each turn's prompt holds the stored history: it grows, and the prefix cache found the earlier turns.
+    assert [r.prompt_tokens for r in records] == sorted(r.prompt_tokens for r in records)
+    assert all(r.cached_tokens > 0 for r in records[1:])
+
+
+def test_store_false_records_nothing_and_llamacpp_pools_are_stateless(two_workers: list[RunningSim],
+                                                                      start_gateway: StartGateway) -> None:
+    gw = start_gateway([sims_pool(two_workers)], load={"enabled": False})
+    c = client(gw)
+    response = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError) as missing:
+        c.responses.create(model="kimi-k3", input="Again", previous_response_id=response.id, max_output_tokens=2)
+    assert missing.value.body["code"] == "response_not_found"  # type: ignore[index]
+    assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert sum(received(two_workers)) == 1  # the follow-up reached no engine
+
+
+def test_worker_gone_and_unavailable_errors_are_clear_and_counted(start_sim: StartSim,
+                                                                  start_gateway: StartGateway) -> None:
+    sims = [start_sim("vllm", max_context_tokens=131072) for _ in range(2)]
+    gw = start_gateway([sims_pool(sims)], load={"enabled": False})
+    c = client(gw)
+    raw = c.responses.with_raw_response.create(model="kimi-k3", input="Hi", max_output_tokens=2)
+    owner_id = raw.headers["x-kimi-gateway-worker"]
+    response_id = raw.parse().id
+    state = gw.server.app.state.gateway
+    worker = next(w for w in state.registry if w.id == owner_id)
+    # Out of service (failing its probes): 503 with Retry-After, the SDK's retryable kind.
+    gw.server.call(_set_unhealthy(worker))
+    with pytest.raises(openai.InternalServerError) as unavailable:
+        c.responses.create(model="kimi-k3", input="More", previous_response_id=response_id, max_output_tokens=2)
+    assert unavailable.value.status_code == 503
+    assert unavailable.value.body["code"] == "response_worker_unavailable"  # type: ignore[index]
+    assert int(unavailable.value.response.headers["retry-after"]) >= 1
+    # Removed from the pool: 404, its memory is gone for good.
+    gw.server.call(_remove_worker(state, worker.url))
+    with pytest.raises(openai.NotFoundError) as gone:
+        c.responses.create(model="kimi-k3", input="More", previous_response_id=response_id, max_output_tokens=2)
+    assert gone.value.body["code"] == "response_worker_gone"  # type: ignore[index]
+    assert "previous_response_id" in gone.value.message
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(response_id)
+    assert gw.metric('kimi_gateway_response_affinity_total{result="worker_unavailable"}') == 1
+    assert gw.metric('kimi_gateway_response_affinity_total{result="worker_gone"}') == 2
+    assert sum(received(sims)) == 1
+
+
+async def _set_unhealthy(worker: object) -> None:
+    worker.healthy = False  # type: ignore[attr-defined]
+
+
+async def _remove_worker(state: object, url: str) -> None:
+    registry = state.registry  # type: ignore[attr-defined]
+    for workers in registry.pools.values():
+        workers[:] = [w for w in workers if w.url != url]
+
+
+def test_chained_conversation_across_two_replicas_sharing_redis(two_workers: list[RunningSim],
+                                                                start_gateway: StartGateway) -> None:
+    prefix = f"test-resp-{uuid.uuid4().hex[:10]}"
+    settings = {"redis_url": "redis://127.0.0.1:6379/0", "responses": {"key_prefix": prefix, "store_ttl": 60},
+                "affinity": {"key_prefix": prefix + "-aff"}, "load": {"enabled": False}}
+    replicas = [start_gateway([sims_pool(two_workers)], **settings) for _ in range(2)]
+    try:
+        first = client(replicas[0]).responses.with_raw_response.create(model="kimi-k3", input="Remember 42.",
+                                                                       max_output_tokens=2)
+        owner = first.headers["x-kimi-gateway-worker"]
+        previous = first.parse().id
+        for turn in range(4):
+            gw = replicas[(turn + 1) % 2]
+            for replica in replicas:
+                replica.server.call(replica.server.app.state.gateway.responses.flush())
+            raw = client(gw).responses.with_raw_response.create(
+                model="kimi-k3", input=f"Turn {turn}", previous_response_id=previous, max_output_tokens=2)
+            assert raw.headers["x-kimi-gateway-worker"] == owner, turn
+            previous = raw.parse().id
+        for replica in replicas:
+            replica.server.call(replica.server.app.state.gateway.responses.flush())
+        r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+        ttl = r.pttl(f"{prefix}:{previous}")
+        stored = r.get(f"{prefix}:{previous}")
+    finally:
+        r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+        keys = list(r.scan_iter(f"{prefix}*"))
+        if keys:
+            r.delete(*keys)
+        r.close()
+    assert stored is not None and stored.decode().startswith("p\n")
+    assert 0 < ttl <= 60_000
+    owner_index = int(owner.split("/")[1])
+    assert received(two_workers)[owner_index] == 5 and received(two_workers)[1 - owner_index] == 0
+
+
+def test_llamacpp_pools_serve_it_statelessly(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """llama.cpp serves the Responses API but stores nothing: its pool is a candidate, no id is recorded."""
+    llama_like = start_sim("vllm", max_context_tokens=8192)
+    gw = start_gateway([pool("cpu", "llamacpp", [llama_like.url], 8192)], load={"enabled": False})
+    response = client(gw).responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)
+    assert response.status == "completed"
+    with pytest.raises(openai.NotFoundError):
+        client(gw).responses.retrieve(response.id)
+
+
+def test_disconnect_mid_stream_aborts_the_engine_request(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    two_workers = [start_sim("vllm", max_context_tokens=131072, tpot_s=0.05) for _ in range(2)]
+    gw = start_gateway([sims_pool(two_workers)], load={"enabled": False})
+    body = {"model": "kimi-k3", "input": "Write a lot.", "max_output_tokens": 500, "stream": True}
+    with httpx.stream("POST", gw.v1 + "/responses", json=body, timeout=10) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: response.output_text.delta"):
+                break
+    sims = [s for s in two_workers if s.engine.records]
+    assert len(sims) == 1
+    record = sims[0].engine.wait_for(lambda: next((r for r in sims[0].engine.records if r.aborted), None))
+    assert record.completion_tokens_sent < 500
+
+
+def prompt_of_estimate(target_tokens: int, estimator: TokenEstimator) -> str:
+    """A string `input` whose Responses estimate (one user message + the template) is `target_tokens`."""
+    overhead = estimator.config.tokens_per_message + estimator.config.tokens_per_request
+    text_tokens = target_tokens - overhead
+    n = int(text_tokens / (estimator.config.text_rates.latin * estimator.config.safety_margin))
+    while estimator.text_tokens("x" * n) < text_tokens:
+        n += 1
+    while estimator.text_tokens("x" * n) > text_tokens:
+        n -= 1
+    assert estimator.text_tokens("x" * n) + overhead == target_tokens
+    return "x" * n
+
+
+@pytest.fixture
+def two_pools(start_sim: StartSim, start_gateway: StartGateway) -> Iterator[tuple[RunningGateway,
+                                                                                   dict[str, RunningSim]]]:
+    sims = {"small": start_sim("vllm", max_context_tokens=32768),
+            "big": start_sim("sglang", max_context_tokens=131072)}
+    gw = start_gateway([pool("small", "vllm", [sims["small"].url], 32768, default_output_tokens=2048),
+                        pool("big", "sglang", [sims["big"].url], 131072, default_output_tokens=2048)],
+                       load={"enabled": False})
+    yield gw, sims
+
+
+def test_routing_at_the_exact_pool_boundary(two_pools: tuple[RunningGateway, dict[str, RunningSim]]) -> None:
+    gw, sims = two_pools
+    estimator = TokenEstimator(gw.config.estimation)
+    prompt_tokens = 32768 - 10000
+    text = prompt_of_estimate(prompt_tokens, estimator)
+    c = client(gw)
+
+    def routed(max_output_tokens: int | None, as_items: bool) -> str:
+        extra = {} if max_output_tokens is None else {"max_output_tokens": max_output_tokens}
+        given: object = [{"role": "user", "content": [{"type": "input_text", "text": text}]}] if as_items else text
+        before = {name: len(sim.engine.records) for name, sim in sims.items()}
+        raw = c.responses.with_raw_response.create(model="kimi-k3", input=given, **extra)  # type: ignore[arg-type]
+        assert raw.headers["x-kimi-gateway-estimated-prompt-tokens"].startswith(f"{prompt_tokens};")
+        assert raw.headers["x-kimi-gateway-attempts"] == "1"
+        chosen = raw.headers["x-kimi-gateway-pool"]
+        assert {n: len(s.engine.records) - before[n] for n, s in sims.items()} == {n: int(n == chosen) for n in sims}
+        return chosen
+
+    for as_items in (False, True):
+        assert routed(10000, as_items) == "small"  # prompt + output == the context: fits
+        assert routed(10001, as_items) == "big"  # one token over: the next pool, and the small engine saw nothing
+        assert routed(None, as_items) == "small"  # the pool's own reservation fits
