@@ -120,8 +120,12 @@ def response_id_of(payload: Any) -> str | None:
 
 
 def chat_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """A Responses usage object (`input_tokens`, `output_tokens`) with the chat names added
-    (`prompt_tokens`, `completion_tokens`), which the gateway's accounting reads."""
+    """A Responses usage object (`input_tokens`, `output_tokens`, `input_tokens_details.cached_tokens`)
+    with the chat names added (`prompt_tokens`, `completion_tokens`, `prompt_tokens_details`), which
+    the gateway's accounting (quotas, `kimi_gateway_tokens_total`) reads. Other usages are returned as is."""
     if "prompt_tokens" in usage or not isinstance(usage.get("input_tokens"), int):
         return usage
-    return {**usage, "prompt_tokens": usage["input_tokens"], "completion_tokens": usage.get("output_tokens")}
+    chat = {**usage, "prompt_tokens": usage["input_tokens"], "completion_tokens": usage.get("output_tokens")}
+    if isinstance(usage.get("input_tokens_details"), dict):
+        chat["prompt_tokens_details"] = usage["input_tokens_details"]
+    return chat

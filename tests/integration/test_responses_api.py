@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -16,6 +17,15 @@ from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
+
+
+def eventually(gw: RunningGateway, metric: str, value: float, timeout: float = 5.0) -> None:
+    """Poll a metric until it reads `value`: a request is accounted when its handler ends, which may be
+    just after the client read the last byte."""
+    deadline = time.monotonic() + timeout
+    while (seen := gw.metric(metric)) != value:
+        assert time.monotonic() < deadline, f"{metric} = {seen}, expected {value}"
+        time.sleep(0.02)
 
 
 def client(gw: RunningGateway) -> openai.OpenAI:
@@ -75,7 +85,7 @@ def test_streaming_typed_events_in_order_and_usage_counted(two_workers: list[Run
     assert final.usage is not None and final.usage.output_tokens == 4
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
     # The relay saw the stream complete (no error event added) and counted its tokens.
-    assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 4
+    eventually(gw, 'kimi_gateway_tokens_total{kind="completion",pool="p"}', 4)
     # A stored streamed response is found by id too.
     assert client(gw).responses.retrieve(final.id).id == final.id
 
@@ -114,6 +124,8 @@ def test_chained_conversation_lands_on_the_worker_storing_its_history(start_sim:
     # Each turn's prompt holds the stored history: it grows, and the prefix cache found the earlier turns.
     assert [r.prompt_tokens for r in records] == sorted(r.prompt_tokens for r in records)
     assert all(r.cached_tokens > 0 for r in records[1:])
+    cached = sum(r.cached_tokens for r in records)
+    eventually(gw, 'kimi_gateway_tokens_total{kind="cached",pool="p"}', cached)
 
 
 def test_store_false_records_nothing_and_llamacpp_pools_are_stateless(two_workers: list[RunningSim],
