@@ -50,6 +50,8 @@ _VLLM_TOO_LONG = (
     "maximum context length",  # "This model's maximum context length is N tokens. However, you requested M"
     # "The decoder prompt (length N) is longer than the maximum model length of M"
     "longer than the maximum model length",
+    # Responses API: "The engine prompt length N exceeds the max_model_len M. Please reduce prompt."
+    "exceeds the max_model_len",
 )
 
 # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc (v1 engine); accept both.

@@ -17,7 +17,10 @@ Stored responses live in this process's memory (`ResponsesServer.stored`), keyed
 messages and the output text. `previous_response_id` prepends that conversation (instructions, stored
 messages, the stored answer as an assistant message) to the new input, as vLLM's
 `_construct_input_messages` does, so the prompt and its prefix-cache blocks include the history. An
-unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`. Prompt tokens, admission,
+unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`. Context: vLLM refuses a prompt
+of `max_model_len` tokens or more (`The engine prompt length N exceeds the max_model_len M.`) and
+clamps the output to the room left (`ResponsesRequest.to_sampling_params`); the SGLang dialect
+refuses prompt + output over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
 prefill, decode pacing, the prefix cache and disconnect → abort are chat's (`generation.py`).
 """
 
@@ -139,13 +142,26 @@ class ResponsesServer:
         except PromptError as exc:
             await responder.reply(dialect.bad_request(str(exc), "input"))
             return
+        if body.get("background") is True:
+            await responder.reply(dialect.bad_request("The simulator does not run background responses.",
+                                                      "background"))
+            return
         engine.update(record, prompt_tokens=prompt_tokens)
-        error = dialect.check_context(prompt_tokens, limit, engine.config.max_context_tokens, False)
+        max_context = engine.config.max_context_tokens
+        if engine.config.engine == "sglang":
+            error = dialect.check_context(prompt_tokens, limit, max_context, False)
+        elif prompt_tokens >= max_context:  # vLLM's _validate_generator_input; it clamps the output instead
+            error = dialect.error(f"The engine prompt length {prompt_tokens} exceeds the max_model_len "
+                                  f"{max_context}. Please reduce prompt.", "invalid_request_error", 400)
+        else:
+            error = None
         if error is not None:
             await responder.reply(error)
             return
         keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens])
         output_tokens = limit if limit is not None else engine.config.default_output_tokens
+        if engine.config.engine != "sglang":  # vLLM: min(max_output_tokens, max_model_len - prompt)
+            output_tokens = min(output_tokens, max_context - prompt_tokens)
         active = engine.try_admit(prompt_tokens, keys)
         if active is None:
             active = await watch.run(engine.admit(prompt_tokens, keys))

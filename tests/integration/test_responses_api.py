@@ -286,3 +286,24 @@ def test_routing_at_the_exact_pool_boundary(two_pools: tuple[RunningGateway, dic
         assert routed(10000, as_items) == "small"  # prompt + output == the context: fits
         assert routed(10001, as_items) == "big"  # one token over: the next pool, and the small engine saw nothing
         assert routed(None, as_items) == "small"  # the pool's own reservation fits
+
+
+def test_a_follow_up_whose_history_overflows_its_owner_gets_the_engines_answer(start_sim: StartSim,
+                                                                              start_gateway: StartGateway) -> None:
+    """The gateway cannot count a stored history: the follow-up goes to its owner anyway, and the
+    engine's "too long" comes back as an OpenAI error, with no attempt on the larger pool (it has no history)."""
+    small, big = start_sim("vllm", max_context_tokens=2048), start_sim("vllm", max_context_tokens=8192)
+    gw = start_gateway([pool("small", "vllm", [small.url], 2048, default_output_tokens=64),
+                        pool("big", "vllm", [big.url], 8192, default_output_tokens=64)], load={"enabled": False})
+    c = client(gw)
+    first = c.responses.with_raw_response.create(model="kimi-k3", input="abcd " * 900, max_output_tokens=8)
+    assert first.headers["x-kimi-gateway-pool"] == "small"
+    with pytest.raises(openai.BadRequestError) as refused:
+        c.responses.create(model="kimi-k3", input="efgh " * 900, previous_response_id=first.parse().id,
+                           max_output_tokens=8)
+    assert refused.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
+    assert refused.value.body["param"] == "input"  # type: ignore[index]
+    assert "max_model_len" in refused.value.message
+    assert refused.value.response.headers["x-kimi-gateway-attempts"] == "1"
+    assert refused.value.response.headers["x-kimi-gateway-route-reason"] == "response_affinity"
+    assert received([small, big]) == [2, 0]
