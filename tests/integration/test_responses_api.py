@@ -143,22 +143,25 @@ def test_store_false_records_nothing_and_llamacpp_pools_are_stateless(two_worker
 def test_worker_gone_and_unavailable_errors_are_clear_and_counted(start_sim: StartSim,
                                                                   start_gateway: StartGateway) -> None:
     sims = [start_sim("vllm", max_context_tokens=131072) for _ in range(2)]
-    gw = start_gateway([sims_pool(sims)], load={"enabled": False})
+    gw = start_gateway([sims_pool(sims)], load={"enabled": False},
+                       health={"interval": 0.1, "timeout": 0.3, "verify_models": False})
     c = client(gw)
     raw = c.responses.with_raw_response.create(model="kimi-k3", input="Hi", max_output_tokens=2)
     owner_id = raw.headers["x-kimi-gateway-worker"]
+    owner = sims[int(owner_id.split("/")[1])]
     response_id = raw.parse().id
     state = gw.server.app.state.gateway
-    worker = next(w for w in state.registry if w.id == owner_id)
-    # Out of service (failing its probes): 503 with Retry-After, the SDK's retryable kind.
-    gw.server.call(_set_unhealthy(worker))
+    # The owner fails its health probes: 503 with Retry-After, a kind of answer the SDK retries.
+    httpx.post(owner.url + "/sim/faults", json={"hang_health": True})
+    poll(lambda: not next(w for w in state.registry if w.id == owner_id).healthy)
     with pytest.raises(openai.InternalServerError) as unavailable:
         c.responses.create(model="kimi-k3", input="More", previous_response_id=response_id, max_output_tokens=2)
     assert unavailable.value.status_code == 503
     assert unavailable.value.body["code"] == "response_worker_unavailable"  # type: ignore[index]
     assert int(unavailable.value.response.headers["retry-after"]) >= 1
-    # Removed from the pool: 404, its memory is gone for good.
-    gw.server.call(_remove_worker(state, worker.url))
+    # A reload removes it from the pool: 404, its memory is gone for good.
+    others = [s.url for s in sims if s is not owner]
+    gw.server.call(_configure(state, [pool("p", "vllm", others, 131072, policy="least_load")]))
     with pytest.raises(openai.NotFoundError) as gone:
         c.responses.create(model="kimi-k3", input="More", previous_response_id=response_id, max_output_tokens=2)
     assert gone.value.body["code"] == "response_worker_gone"  # type: ignore[index]
@@ -167,17 +170,21 @@ def test_worker_gone_and_unavailable_errors_are_clear_and_counted(start_sim: Sta
         c.responses.retrieve(response_id)
     assert gw.metric('kimi_gateway_response_affinity_total{result="worker_unavailable"}') == 1
     assert gw.metric('kimi_gateway_response_affinity_total{result="worker_gone"}') == 2
-    assert sum(received(sims)) == 1
+    assert sum(received(sims)) == 1  # no follow-up reached an engine
 
 
-async def _set_unhealthy(worker: object) -> None:
-    worker.healthy = False  # type: ignore[attr-defined]
+def poll(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
 
 
-async def _remove_worker(state: object, url: str) -> None:
-    registry = state.registry  # type: ignore[attr-defined]
-    for workers in registry.pools.values():
-        workers[:] = [w for w in workers if w.url != url]
+async def _configure(state: object, pools: list[dict[str, object]]) -> None:
+    """What a config reload does to the workers (`WorkerRegistry.configure`), with these pools."""
+    from gateway.config import PoolConfig
+
+    state.registry.configure([PoolConfig.model_validate(p) for p in pools])  # type: ignore[attr-defined]
 
 
 def test_chained_conversation_across_two_replicas_sharing_redis(two_workers: list[RunningSim],
