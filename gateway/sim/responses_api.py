@@ -21,7 +21,9 @@ unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`. Contex
 of `max_model_len` tokens or more (`The engine prompt length N exceeds the max_model_len M.`) and
 clamps the output to the room left (`ResponsesRequest.to_sampling_params`); the SGLang dialect
 refuses prompt + output over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
-prefill, decode pacing, the prefix cache and disconnect → abort are chat's (`generation.py`).
+prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`fail_status`,
+`hang_before_headers`, `black_hole`, `drop_after_chunks`, global or per request in `x_sim_faults`)
+are chat's (`generation.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from pydantic import ValidationError
 
 from gateway.sim.asgi import (
     SSE_HEADERS,
@@ -44,8 +47,9 @@ from gateway.sim.asgi import (
     read_body,
     send_json,
 )
+from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
-from gateway.sim.generation import _DropConnection, _Responder
+from gateway.sim.generation import _DropConnection, _fail, _Responder
 from gateway.sim.tokens import PromptError, chat_prompt_tokens, output_token
 from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
@@ -116,9 +120,21 @@ class ResponsesServer:
         dialect = engine.dialect
         stream = isinstance(body, dict) and body.get("stream") is True
         engine.update(record, stream=stream)
-        responder = _Responder(send, engine, record, None)
         if not isinstance(body, dict):
-            await responder.reply(dialect.bad_request("Invalid JSON body."))
+            await _Responder(send, engine, record, None).reply(dialect.bad_request("Invalid JSON body."))
+            return
+        try:
+            override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
+        except ValidationError as exc:
+            await _Responder(send, engine, record, None).reply(dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
+            return
+        faults, fail = engine.effective_faults(override)
+        responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None)
+        if faults.hang_before_headers or faults.black_hole:
+            engine.update(record, fault="black_hole" if faults.black_hole else "hang_before_headers")
+            await watch.until_disconnected()
+        if fail:
+            await _fail(engine, record, responder, faults)
             return
         error = dialect.check_model(body.get("model"), engine.config.served_model_names)
         if error is not None:

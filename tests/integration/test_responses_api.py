@@ -314,3 +314,25 @@ def test_a_follow_up_whose_history_overflows_its_owner_gets_the_engines_answer(s
     assert refused.value.response.headers["x-kimi-gateway-attempts"] == "1"
     assert refused.value.response.headers["x-kimi-gateway-route-reason"] == "response_affinity"
     assert received([small, big]) == [2, 0]
+
+
+def test_an_engine_that_fails_during_the_preamble_fails_over_unseen(start_sim: StartSim,
+                                                                    start_gateway: StartGateway) -> None:
+    """`response.created` and `response.in_progress` are held like chat's role chunk: a worker that
+    drops the connection after them fails over to another before the client sees a byte."""
+    sims = [start_sim("vllm", max_context_tokens=131072) for _ in range(2)]
+    httpx.post(sims[0].url + "/sim/faults", json={"drop_after_chunks": 2})
+    gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin")],
+                       load={"enabled": False}, health={"passive_failures": 100})
+    outcomes = []
+    for _ in range(2):
+        with client(gw).responses.with_streaming_response.create(model="kimi-k3", input="Hi", max_output_tokens=3,
+                                                                 stream=True) as raw:
+            kinds = [e.type for e in raw.parse()]
+            outcomes.append((raw.headers["x-kimi-gateway-attempts"], raw.headers["x-kimi-gateway-worker"]))
+        assert kinds[0] == "response.created" and kinds.count("response.created") == 1
+        assert kinds[-1] == "response.completed"
+    dropped = [r.fault for r in sims[0].engine.records]
+    assert dropped == ["drop_after_chunks"] * len(dropped) and len(dropped) >= 1
+    # Every request the faulty worker took failed over to the other one; none reached the client broken.
+    assert sorted(outcomes) == sorted([("2", "p/1")] * len(dropped) + [("1", "p/1")] * (2 - len(dropped)))
