@@ -399,7 +399,8 @@ class ResponsesConfig(_Strict):
         description="seconds a response id -> worker record lives (the engine keeps the response until it restarts)",
     )
     key_prefix: str = Field(default="kgw:resp", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
-    lookup_timeout: float = Field(default=0.05, gt=0, description="seconds; a slower lookup counts as unknown")
+    lookup_timeout: float = Field(default=0.05, gt=0,
+                                  description="seconds; a slower Redis lookup answers 503 response_store_unavailable")
     write_queue: int = Field(default=10000, ge=1, description="pending writes before new ones are dropped")
     memory_max_entries: int = Field(default=200_000, ge=1, description="in-process store size bound")
 

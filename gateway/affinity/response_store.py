@@ -10,9 +10,10 @@ in-process (one replica; an LRU + TTL dict), or Redis when `redis_url` is set (s
 replica). Redis layout: `{responses.key_prefix}:{response id}` → `{pool}\\n{worker URL}` with a TTL
 of `responses.store_ttl` seconds (the engine itself never forgets, but a conversation idle for
 longer is assumed over). Writes are queued and written by a background task (`flush()` waits for
-them: a barrier for tests and shutdown); a lookup is one GET with a hard timeout; a Redis error
-is a miss for the lookup (counted in `kimi_gateway_redis_errors_total{op="response_*"}`), so a
-follow-up then gets the gateway's 404 rather than a hang.
+them: a barrier for tests and shutdown); a lookup is one GET with a hard timeout. A Redis error or
+timeout (counted in `kimi_gateway_redis_errors_total{op="response_lookup"|"response_write"}`) fails
+the lookup with ResponseStoreUnavailable (503, retryable): the response may well exist, so "not
+found" would be a lie, and no other worker could serve it anyway.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.config import ResponsesConfig
+from gateway.errors import GatewayError
 from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import redis_from_url
@@ -37,6 +39,14 @@ from gateway.redis_client import redis_from_url
 log = logging.getLogger("gateway.affinity")
 
 WRITE_BATCH = 64
+
+
+class ResponseStoreUnavailable(GatewayError):
+    """503 `response_store_unavailable`: the shared store (Redis) could not say which worker holds it."""
+
+    status = 503
+    error_type = "server_error"
+    code = "response_store_unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +66,8 @@ class ResponseOwner:
 
 
 class ResponseStore(Protocol):
-    """Response id → owner. `lookup` never raises (None: unknown or the store could not answer);
-    `record` and `forget` are fire-and-forget, applied in order."""
+    """Response id → owner. `lookup` answers None for an unknown id and raises only
+    ResponseStoreUnavailable; `record` and `forget` are fire-and-forget, applied in order."""
 
     async def lookup(self, response_id: str) -> ResponseOwner | None: ...
 
@@ -137,7 +147,9 @@ class RedisResponseStore:
                 value = await self.redis.get(self.key(response_id))
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("response_lookup", exc)
-            return None
+            raise ResponseStoreUnavailable("The gateway's response store (Redis) did not answer; it cannot tell "
+                                           "which worker holds this response now. Try again shortly.",
+                                           headers={"retry-after": "1"}) from None
         return ResponseOwner.decode(value.decode()) if value is not None else None
 
     def record(self, response_id: str, owner: ResponseOwner) -> None:

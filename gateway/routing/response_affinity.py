@@ -17,7 +17,10 @@ and the registry, bypassing the pool's policy (no other worker could serve it) b
   back with its memory (a network blip, an overload), so a retry is worth it (the SDKs retry 503).
   A draining worker still serves its own follow-ups: the history is nowhere else.
 
-Each outcome counts in `kimi_gateway_response_affinity_total{result=hit|unknown|worker_gone|worker_unavailable}`.
+- the shared store (Redis) does not answer: **503** `response_store_unavailable` (retryable).
+
+Each outcome counts in
+`kimi_gateway_response_affinity_total{result=hit|unknown|worker_gone|worker_unavailable|store_error}`.
 
 Context length: the stored history is on the engine; the gateway cannot count it, so a follow-up
 goes to its owner whatever its pool's context (the new input alone must still fit some pool), and
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import math
 
-from gateway.affinity.response_store import ResponseOwner, ResponseStore
+from gateway.affinity.response_store import ResponseOwner, ResponseStore, ResponseStoreUnavailable
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
@@ -64,8 +67,14 @@ async def owner_of(response_id: str, param: str | None, store: ResponseStore | N
                    pools: list[PoolConfig], metrics: GatewayMetrics) -> tuple[PoolConfig, Worker]:
     """The pool config and worker that store `response_id`. `param` names the request field the id
     came from (`previous_response_id`, or None for a path). Raises ResponseNotFound,
-    ResponseWorkerGone, ResponseWorkerUnavailable (module docstring) and counts the outcome."""
-    owner: ResponseOwner | None = await store.lookup(response_id) if store is not None else None
+    ResponseWorkerGone, ResponseWorkerUnavailable, ResponseStoreUnavailable (module docstring) and
+    counts the outcome."""
+    try:
+        owner: ResponseOwner | None = await store.lookup(response_id) if store is not None else None
+    except ResponseStoreUnavailable as exc:
+        metrics.response_affinity.labels("store_error").inc()
+        exc.param = param
+        raise
     if owner is None:
         metrics.response_affinity.labels("unknown").inc()
         what = "Previous response" if param else "Response"

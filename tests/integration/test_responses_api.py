@@ -336,3 +336,19 @@ def test_an_engine_that_fails_during_the_preamble_fails_over_unseen(start_sim: S
     assert dropped == ["drop_after_chunks"] * len(dropped) and len(dropped) >= 1
     # Every request the faulty worker took failed over to the other one; none reached the client broken.
     assert sorted(outcomes) == sorted([("2", "p/1")] * len(dropped) + [("1", "p/1")] * (2 - len(dropped)))
+
+
+def test_a_redis_that_does_not_answer_is_a_retryable_503(two_workers: list[RunningSim], start_gateway: StartGateway,
+                                                          unused_port: int) -> None:
+    gw = start_gateway([sims_pool(two_workers)], redis_url=f"redis://127.0.0.1:{unused_port}/0",
+                       load={"enabled": False}, affinity={"enabled": False})
+    c = client(gw)
+    created = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)  # its record cannot be written
+    with pytest.raises(openai.InternalServerError) as failed:
+        c.responses.create(model="kimi-k3", input="More", previous_response_id=created.id, max_output_tokens=2)
+    assert failed.value.status_code == 503
+    assert failed.value.body["code"] == "response_store_unavailable"  # type: ignore[index]
+    assert failed.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert gw.metric('kimi_gateway_response_affinity_total{result="store_error"}') == 1
+    assert gw.metric('kimi_gateway_redis_errors_total{op="response_lookup"}') == 1
+    assert sum(received(two_workers)) == 1

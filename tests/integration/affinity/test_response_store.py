@@ -15,6 +15,7 @@ from gateway.affinity.response_store import (
     RedisResponseStore,
     ResponseOwner,
     ResponseStore,
+    ResponseStoreUnavailable,
 )
 from gateway.config import ResponsesConfig
 from gateway.metrics import GatewayMetrics
@@ -78,14 +79,16 @@ async def test_memory_store_is_bounded() -> None:
 
 
 @pytest.mark.anyio
-async def test_unreachable_redis_is_an_unknown_id_and_counted(unused_port: int) -> None:
+async def test_unreachable_redis_is_a_retryable_error_and_counted(unused_port: int) -> None:
     metrics = GatewayMetrics()
     store = RedisResponseStore(f"redis://127.0.0.1:{unused_port}/0", ResponsesConfig(lookup_timeout=0.2), metrics)
     await store.start()
     try:
         store.record("resp_x", OWNER)
         await store.flush()
-        assert await store.lookup("resp_x") is None
+        with pytest.raises(ResponseStoreUnavailable) as failed:
+            await store.lookup("resp_x")
+        assert failed.value.status == 503 and failed.value.headers["retry-after"] == "1"
     finally:
         await store.stop()
     for op in ("response_lookup", "response_write"):
