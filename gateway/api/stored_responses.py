@@ -17,11 +17,14 @@ stream) is answered as JSON by the gateway: only the non-streaming form is relay
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.api.responses import error_response
+from gateway.backends.control import describe_transport_error
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, error_bytes_from_upstream
 from gateway.protocol.responses import RESPONSE_ID_MAX
 from gateway.routing.response_affinity import ResponseNotFound, owner_of
@@ -57,22 +60,48 @@ async def _forward(request: Request, method: str, suffix: str) -> Response:
         if pool.api_key is not None:
             headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
         params = {k: v for k, v in request.query_params.items() if k in _PASSED_QUERY}
-        try:
-            answer = await state.http.request(method, f"{worker.url}/v1/responses/{response_id}{suffix}",
-                                              headers=headers, params=params)
-        except httpx.TimeoutException:
-            raise UpstreamTimeout(f"The worker storing response '{response_id}' ({worker.id}) did not answer "
-                                  "in time.") from None
-        except httpx.HTTPError as exc:
-            raise UpstreamError(f"The worker storing response '{response_id}' ({worker.id}) could not be "
-                                f"reached ({type(exc).__name__}).") from None
+        url = f"{worker.url}/v1/responses/{response_id}{suffix}"
+        status, body = await _call(state.http, method, url, headers, params, state.config.max_body_bytes)
     except GatewayError as exc:
         return error_response(exc)
-    if method == "DELETE" and (answer.is_success or answer.status_code == 404) and state.responses is not None:
+    if method == "DELETE" and (200 <= status < 300 or status == 404) and state.responses is not None:
         state.responses.forget(response_id)
-    body = answer.content
-    if not answer.is_success:  # an engine's error in whatever shape it uses, as an OpenAI error object
-        body = error_bytes_from_upstream(answer.status_code, body, None, None)
+    if not 200 <= status < 300:  # an engine's error in whatever shape it uses, as an OpenAI error object
+        body = error_bytes_from_upstream(status, body, None, None)
     # always JSON: never serve an engine's text/html from the gateway's origin
-    return Response(body, status_code=answer.status_code, media_type="application/json",
+    return Response(body, status_code=status, media_type="application/json",
                     headers={"x-kimi-gateway-pool": pool.name, "x-kimi-gateway-worker": worker.id})
+
+
+CONTROL_DEADLINE_S = 30.0
+"""Seconds for a whole GET/DELETE/cancel exchange with the engine: they read or change a stored
+object (a cancel waits for the engine to stop a background task), no generation."""
+
+
+async def _call(client: httpx.AsyncClient, method: str, url: str, headers: dict[str, str], params: dict[str, str],
+                max_bytes: int) -> tuple[int, bytes]:
+    """One bounded exchange: (status, body). Raises UpstreamTimeout past CONTROL_DEADLINE_S,
+    UpstreamError for a transport failure or a body over `max_bytes`."""
+    try:
+        async with asyncio.timeout(CONTROL_DEADLINE_S):
+            request = client.build_request(method, url, headers=headers, params=params,
+                                           timeout=httpx.Timeout(CONTROL_DEADLINE_S))
+            response = await client.send(request, stream=True)
+            try:
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise UpstreamError(f"The stored response is larger than this gateway relays ({max_bytes} "
+                                            "bytes).")
+                    chunks.append(chunk)
+            finally:
+                await response.aclose()
+    except (TimeoutError, httpx.TimeoutException):
+        raise UpstreamTimeout(f"The worker storing the response did not answer within {CONTROL_DEADLINE_S:g} "
+                              "seconds.") from None
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"The worker storing the response could not be reached "
+                            f"({describe_transport_error(exc, url)}).") from None
+    return response.status_code, b"".join(chunks)

@@ -226,16 +226,18 @@ def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstim
     image data URI that cannot be read.
     """
     config = estimator.config
-    items: list[tuple[str, list[bytes], list[str], int]] = []  # role, texts, image URLs, uncountable images
+    # role, texts, image URLs, uncountable images, where it is in the request (for an error's `param`)
+    items: list[tuple[str, list[bytes], list[str], int, str]] = []
     if wire.instructions:
-        items.append(("system", [wire.instructions.encode("utf-8", "surrogatepass")], [], 0))
+        items.append(("system", [wire.instructions.encode("utf-8", "surrogatepass")], [], 0, "instructions"))
     if isinstance(wire.input, str):
-        items.append(("user", [wire.input.encode("utf-8", "surrogatepass")], [], 0))
+        items.append(("user", [wire.input.encode("utf-8", "surrogatepass")], [], 0, "input"))
     else:
-        for item in wire.input:
+        for i, item in enumerate(wire.input):
             role = item.get("role")
             texts, urls, others = item_text_and_images(item)
-            items.append((role if isinstance(role, str) else str(item.get("type", "item")), texts, urls, others))
+            items.append((role if isinstance(role, str) else str(item.get("type", "item")), texts, urls, others,
+                          f"input[{i}].content"))
     try:
         canonical = [canonical_prelude(wire.tools)]
     except TypeError as exc:
@@ -245,13 +247,13 @@ def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstim
     modalities = {"text"}
     methods = {"bytes"}
     images: dict[str, tuple[int, str, bytes]] = {}
-    for i, (role, texts, urls, others) in enumerate(items):
+    for role, texts, urls, others, where in items:
         parts = list(texts)
         texts_all.extend(texts)
         for url in urls:
             modalities.add("image")
             if (seen := images.get(url)) is None:
-                estimate = estimator.image_tokens(url, f"input[{i}].content", measured)
+                estimate = estimator.image_tokens(url, where, measured)
                 seen = images[url] = (estimate.tokens, estimate.method, image_digest(url))
             tokens += seen[0]
             methods.add(seen[1])

@@ -23,7 +23,7 @@ def serving_pools(api: str, pools: Sequence[PoolConfig]) -> list[PoolConfig]:
     if not serving:
         raise NotFound(f"No pool of this gateway serves the {api} API (engine kinds: "
                        f"{', '.join(sorted({p.engine for p in pools}))}).")
-    return serving if len(serving) < len(pools) else list(pools)
+    return serving
 
 
 def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[PoolConfig]:

@@ -135,3 +135,12 @@ def test_ids_and_usage_helpers() -> None:
     assert response_id_of({"error": {"message": "x"}}) is None
     assert response_id_of([1]) is None
     assert chat_usage({"prompt_tokens": 1, "completion_tokens": 2}) == {"prompt_tokens": 1, "completion_tokens": 2}
+
+
+def test_an_unreadable_image_data_uri_names_its_input_item() -> None:
+    wire = ResponsesRequest.model_validate({"model": "kimi-k3", "instructions": "Look.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is this?"}]},
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png,notbase64"}]}]})
+    with pytest.raises(InvalidRequest) as refused:
+        responses_features(wire, "kimi-k3", ESTIMATOR)
+    assert refused.value.param == "input[1].content"
