@@ -138,6 +138,9 @@ class PoolConfig(_Strict):
         default=None, min_length=1, description="name the engines serve the model under; `model` is rewritten to it"
     )
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
+    apis: list[Literal["chat", "completions", "messages", "count_tokens", "responses"]] | None = Field(
+        default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
+        "versions the gateway knows (gateway/backends/engine_kinds.py); set it for an older engine version")
     default_output_tokens: int = Field(
         default=1024, ge=0, description="tokens reserved for output when the request sets no max_tokens"
     )

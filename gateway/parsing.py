@@ -39,15 +39,18 @@ from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
+from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, to_chat
 from gateway.protocol.body import decode_json_object
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routing.features import (
+    AnthropicWire,
     Api,
     RoutingRequest,
     chat_features,
     completion_features,
     image_urls,
+    messages_features,
     response_image_urls,
     responses_features,
 )
@@ -55,9 +58,7 @@ from gateway.routing.pools import fitting_pools
 from gateway.routing.tokens import TokenEstimator
 
 T = TypeVar("T")
-Wire = ChatCompletionRequest | CompletionRequest | ResponsesRequest
-_WIRE_MODELS: dict[str, type[Wire]] = {"chat": ChatCompletionRequest, "completions": CompletionRequest,
-                                       "responses": ResponsesRequest}
+Wire = ChatCompletionRequest | CompletionRequest | AnthropicWire | ResponsesRequest
 
 CHARS_PER_TOKEN_MAX = 8
 """No text estimate counts more characters a token than this (the estimator's least rate by default
@@ -184,27 +185,38 @@ class BodyParser:
     def validate(self, api: Api, payload: dict[str, Any]) -> tuple[Wire, str, list[str]]:
         """The wire model, the model's canonical name, and (chat, with image fetching on) the image
         URLs to measure. Raises InvalidRequest, ModelNotFound."""
+        wire: Wire
         try:
-            wire = _WIRE_MODELS[api].model_validate(payload)
+            if api == "messages" or api == "count_tokens":
+                anthropic = (MessagesRequest if api == "messages" else CountTokensRequest).model_validate(payload)
+                wire = AnthropicWire(api, ChatCompletionRequest.model_validate(to_chat(anthropic)))
+            elif api == "responses":
+                wire = ResponsesRequest.model_validate(payload)
+            else:
+                wire = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(payload)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
             raise InvalidRequest(message, param=param) from None
-        model = self.models.get(wire.model.lower())
+        name = wire.chat.model if isinstance(wire, AnthropicWire) else wire.model
+        model = self.models.get(name.lower())
         if model is None:
-            raise ModelNotFound(f"The model `{wire.model[:200]}` does not exist or you do not have access to it.",
+            raise ModelNotFound(f"The model `{name[:200]}` does not exist or you do not have access to it.",
                                 param="model")
+        chat = wire.chat if isinstance(wire, AnthropicWire) else wire
         urls: list[str] = []
         if self.config.image_fetch.enabled:
-            if isinstance(wire, ChatCompletionRequest):
-                urls = image_urls(wire)
-            elif isinstance(wire, ResponsesRequest):
-                urls = response_image_urls(wire)
+            if isinstance(chat, ChatCompletionRequest):
+                urls = image_urls(chat)
+            elif isinstance(chat, ResponsesRequest):
+                urls = response_image_urls(chat)
         return wire, model, urls
 
     def features(self, wire: Wire, model: str, session: str | None,
                  measured: Mapping[str, tuple[int, int]] | None) -> RoutingRequest:
         if isinstance(wire, ChatCompletionRequest):
             return chat_features(wire, model, self.estimator, self.hasher, session, measured)
+        if isinstance(wire, AnthropicWire):
+            return messages_features(wire, model, self.estimator, self.hasher, session, measured)
         if isinstance(wire, ResponsesRequest):
             return responses_features(wire, model, self.estimator, self.hasher, session, measured)
         return completion_features(wire, model, self.estimator, self.hasher, session)
@@ -229,7 +241,9 @@ class BodyParser:
         """The count limits, then the lower bound of the tokens (module docstring); returns the
         body's size in items. Linear in the number of messages and parts."""
         config = self.config
-        if api == "chat":
+        if api == "responses":
+            return self._check_responses_size(payload)
+        if api != "completions":  # chat, and Anthropic's messages (its `system` is not counted: a lower bound)
             messages = payload.get("messages")
             if not isinstance(messages, list):
                 return 0
@@ -242,8 +256,6 @@ class BodyParser:
                                      param="messages", code="too_many_content_parts")
             self._check_floor(payload, "messages", chars, images, 0)
             return len(messages) + parts
-        if api == "responses":
-            return self._check_responses_size(payload)
         prompt = payload.get("prompt")
         if isinstance(prompt, str):
             self._check_floor(payload, "prompt", len(prompt), 0, 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import orjson
@@ -21,7 +21,10 @@ from gateway.protocol.openai import (
 from gateway.protocol.responses import ResponsesRequest, item_text_and_images
 from gateway.routing.tokens import ImageEstimate, TokenEstimator
 
-Api = Literal["chat", "completions", "responses"]
+Api = Literal["chat", "completions", "messages", "count_tokens", "responses"]
+"""The proxied APIs: OpenAI chat and completions, Anthropic Messages and its count_tokens, OpenAI Responses."""
+
+ANTHROPIC_APIS: frozenset[str] = frozenset({"messages", "count_tokens"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,32 @@ def _media_estimate(part: object, estimator: TokenEstimator) -> ImageEstimate | 
     if isinstance(part, VideoPart):
         return ImageEstimate(estimator.config.video_tokens_default, "video")
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class AnthropicWire:
+    """A validated Anthropic request (`messages` or `count_tokens`) as the chat request it stands
+    for (`gateway.protocol.anthropic.to_chat`): routing reads `chat`."""
+
+    api: Api
+    chat: ChatCompletionRequest
+
+
+def messages_features(wire: AnthropicWire, model: str, estimator: TokenEstimator,
+                      hasher: PrefixHasher | None = None, session_key: str | None = None,
+                      measured: Mapping[str, tuple[int, int]] | None = None) -> RoutingRequest:
+    """Features of an Anthropic Messages request: exactly those of the equivalent chat request
+    (`chat_features` of `wire.chat`: the same token estimate, images, template overhead and prefix
+    hashes, so a conversation moving between the two APIs keeps its prefix blocks), with its own
+    `api`. `max_tokens` is the output reservation; the stream always carries usage (Anthropic's
+    `message_start` / `message_delta`), so no usage patch. A count_tokens request generates
+    nothing and is charged no tokens: output 0, quota 0 (Anthropic rate-limits it by requests).
+    Raises InvalidRequest as `chat_features`."""
+    request = chat_features(wire.chat, model, estimator, hasher, session_key, measured)
+    if wire.api == "count_tokens":
+        return replace(request, api="count_tokens", output_tokens=0, stream=False, include_usage=True,
+                       batch_prompt_tokens=0)
+    return replace(request, api=wire.api, include_usage=True)
 
 
 def completion_features(wire: CompletionRequest, model: str, estimator: TokenEstimator,

@@ -352,3 +352,16 @@ def test_a_redis_that_does_not_answer_is_a_retryable_503(two_workers: list[Runni
     assert gw.metric('kimi_gateway_response_affinity_total{result="store_error"}') == 1
     assert gw.metric('kimi_gateway_redis_errors_total{op="response_lookup"}') == 1
     assert sum(received(two_workers)) == 1
+
+
+def test_a_stream_broken_after_its_first_token_ends_with_an_error_the_sdk_raises(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", max_context_tokens=131072)
+    httpx.post(sim.url + "/sim/faults", json={"drop_after_chunks": 6})  # created ... two deltas, then gone
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+    seen: list[str] = []
+    with pytest.raises(openai.APIError) as broken:
+        for event in client(gw).responses.create(model="kimi-k3", input="Hi", max_output_tokens=20, stream=True):
+            seen.append(event.type)
+    assert seen.count("response.output_text.delta") == 2 and "response.completed" not in seen
+    assert "incomplete" in broken.value.message
