@@ -365,3 +365,16 @@ def test_a_stream_broken_after_its_first_token_ends_with_an_error_the_sdk_raises
             seen.append(event.type)
     assert seen.count("response.output_text.delta") == 2 and "response.completed" not in seen
     assert "incomplete" in broken.value.message
+
+
+def test_a_pool_whose_engines_do_not_serve_it_is_skipped(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    old, new = start_sim("vllm", max_context_tokens=32768), start_sim("vllm", max_context_tokens=131072)
+    gw = start_gateway([pool("old", "vllm", [old.url], 32768, apis=["chat", "completions"]),
+                        pool("new", "vllm", [new.url], 131072)], load={"enabled": False})
+    raw = client(gw).responses.with_raw_response.create(model="kimi-k3", input="Hi", max_output_tokens=2)
+    assert raw.headers["x-kimi-gateway-pool"] == "new"
+    assert raw.headers["x-kimi-gateway-skipped-pools"] == "old"
+    assert received([old, new]) == [0, 1]
+    chat = client(gw).chat.completions.with_raw_response.create(
+        model="kimi-k3", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert chat.headers["x-kimi-gateway-pool"] == "old"
