@@ -34,6 +34,7 @@ from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.anthropic import ERROR_STATUS
+from gateway.protocol.responses import ERROR_EVENTS, PREAMBLE_EVENTS
 from gateway.protocol.sse import SSETap, event_end, sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
 
@@ -315,8 +316,11 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
     if "error" in chunk:
         return Held.ERROR, data
     kind = chunk.get("type")
-    if kind is not None and "choices" not in chunk:  # Anthropic's events: content from the first block on
-        return (Held.EMPTY if kind in _ANTHROPIC_EMPTY else Held.CONTENT), data
+    if kind is not None and "choices" not in chunk:
+        # Anthropic's events (content from the first block on) and the Responses API's (protocol/responses.py)
+        if kind in _ANTHROPIC_EMPTY or kind in PREAMBLE_EVENTS:
+            return Held.EMPTY, data
+        return (Held.ERROR if kind in ERROR_EVENTS else Held.CONTENT), data
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices or chunk.get("usage") not in (None, {}):
         return Held.CONTENT, data  # `choices: []` is the usage chunk at the end

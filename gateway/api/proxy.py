@@ -191,7 +191,7 @@ class _HangUpWatch:
 
 
 class ProxyEndpoint:
-    """ASGI app for `POST /v1/chat/completions` or `POST /v1/completions`."""
+    """ASGI app for `POST /v1/chat/completions`, `POST /v1/completions` or `POST /v1/responses`."""
 
     records_auth_errors = True  # the auth middleware hands refusals here (`AUTH_ERROR`) to be recorded
 

@@ -63,7 +63,7 @@ def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[
         f"request needs about {request.prompt_tokens + output} tokens ({request.prompt_tokens} "
         f"estimated prompt tokens by {request.estimate_method} + {output} output tokens). "
         "Please reduce the length of the messages or the output limit.",
-        param="prompt" if request.api == "completions" else "messages",
+        param={"completions": "prompt", "responses": "input"}.get(request.api, "messages"),
     )
 
 

@@ -2,6 +2,8 @@
 
 Engine endpoints:
     POST /v1/chat/completions, POST /v1/completions   (see `gateway.sim.generation`)
+    POST /v1/responses, GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
+                       (the Responses API with in-memory stored responses: `gateway.sim.responses_api`)
     POST /v1/messages, POST /v1/messages/count_tokens Anthropic's Messages API (`gateway.sim.anthropic`;
                                                       api_version "current" only, as the engines added it in 2026)
     GET /health        200 with an empty body (or never answers with the `hang_health` or `black_hole` fault;
@@ -59,6 +61,7 @@ from gateway.sim.asgi import (
 from gateway.sim.config import BodyMode, SimConfig, SimFaults
 from gateway.sim.generation import handle_generation
 from gateway.sim.pd import MOONCAKE_PULL_PATH, MOONCAKE_QUERY_PATH, NIXL_READ_PATH, SGLANG_ROOMS_PATH
+from gateway.sim.responses_api import ResponsesServer
 from gateway.sim.worker_state import SimEngine
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -69,9 +72,11 @@ class SimApp:
 
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
+        self.responses = ResponsesServer(engine)
         self._routes: dict[tuple[str, str], Handler] = {
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/responses"): self.responses.create,
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): self._models,
             ("GET", "/metrics"): self._metrics,
@@ -105,6 +110,8 @@ class SimApp:
             handler = self._sglang_room
         if handler is not None:
             await handler(scope, receive, send)
+        elif path.startswith("/v1/responses/"):
+            await self.responses.by_id(scope, receive, send)
         elif any(p == path for _, p in self._routes):
             await send_json(send, 405, {"detail": "Method Not Allowed"})
         else:
