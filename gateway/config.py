@@ -126,7 +126,7 @@ PdMode = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
 PD_APIS = frozenset({"chat", "completions"})
 """The APIs a prefill/decode pool serves: those whose two legs the peer routers (sglang-router,
 vllm-router) send and tests/integration/test_pd_wire.py checks. Other requests (Anthropic Messages,
-count_tokens) go to the other fitting pools (`x-kimi-gateway-skipped-pools` names the PD pool)."""
+count_tokens, Responses) go to the other fitting pools (`x-kimi-gateway-skipped-pools` names the PD pool)."""
 
 PD_ENGINES: dict[str, tuple[str, ...]] = {"sglang": ("sglang",), "vllm-nixl": ("vllm", "ascend"),
                                           "vllm-mooncake": ("vllm", "ascend")}

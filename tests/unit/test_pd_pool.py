@@ -152,8 +152,8 @@ def test_a_reload_turns_an_aggregated_pool_into_a_pd_pool() -> None:
 def test_pd_pools_serve_chat_and_completions_only() -> None:
     cfg = config()
     pd = cfg.pools[0]
-    assert [serves(pd, api) for api in ("chat", "completions", "messages", "count_tokens")] == [
-        True, True, False, False]
+    assert [serves(pd, api) for api in ("chat", "completions", "messages", "count_tokens", "responses")] == [
+        True, True, False, False, False]
     assert serves(cfg.pools[1], "messages")
     assert "a PD pool serves only chat and completions" in error_of(apis=["chat", "messages"])
 
