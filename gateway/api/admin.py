@@ -11,7 +11,7 @@ errors are raised as GatewayError and answered by the app's handler):
   SGLang's gateway (`/workers/{id}`) and Dynamo's drain/resume API do.
 - `POST /admin/reload`: read the config file again and apply its pools and discovery
   (gateway/reload.py, as SIGHUP does); answers what changed, or 400 `invalid_config` with the
-  reason while the running config stays.
+  reason while the running config stays (409 `no_config_file` for a gateway built without a file).
 - `GET /admin/status`: pools and workers plus recent traffic (`StatusWindow`), for the page.
 - `GET /dashboard`: the status page (`static/dashboard.html`). The HTML holds no data and is
   public; everything it shows comes from `/admin/status`, which needs the admin key. A browser
@@ -42,7 +42,7 @@ from gateway.api.responses import JSONResponse
 from gateway.api.schemas import DrainedWorker, ReloadResult, Status, WorkerList, WorkerSnapshot, error_responses
 from gateway.auth.middleware import scope_check
 from gateway.backends.worker import Worker
-from gateway.errors import InvalidRequest, NotFound, PermissionDenied
+from gateway.errors import Conflict, InvalidRequest, NotFound, PermissionDenied
 from gateway.state import AppState
 
 
@@ -159,10 +159,14 @@ async def undrain(request: Request, pool: str, index: str) -> JSONResponse:
 async def reload(request: Request) -> JSONResponse:
     """`POST /admin/reload`: re-read the config file and apply it (gateway/reload.py). Answers
     `{"reloaded": true, "changes": [line], "restart_required": [section]}`; 400 `invalid_config`
-    with the reason when the file is unreadable or invalid (the running config stays)."""
+    with the reason when the file is unreadable or invalid (the running config stays); 409
+    `no_config_file` when the gateway was built from a config object, not a file."""
     from gateway.reload import ReloadRefused, reload_config  # late: reload imports the state
 
     _refuse_cross_origin(request)
+    if _state(request).config_path is None:
+        raise Conflict("There is no config file to reload: this gateway was not started from one.",
+                       code="no_config_file")
     try:
         result = await reload_config(_state(request))
     except ReloadRefused as exc:
@@ -227,7 +231,7 @@ def routers() -> list[APIRouter]:
     admin.add_api_route("/admin/workers/{pool}/{index}/undrain", undrain, methods=["POST"],
                         response_model=DrainedWorker, summary="Send new requests to a worker again", responses=change)
     admin.add_api_route("/admin/reload", reload, methods=["POST"], response_model=ReloadResult,
-                        summary="Re-read the config file", responses=error_responses(400, 403))
+                        summary="Re-read the config file", responses=error_responses(400, 403, 409))
     admin.add_api_route("/admin/status", status, methods=["GET"], response_model=Status,
                         summary="What the status page shows")
     page = APIRouter(tags=["admin"])

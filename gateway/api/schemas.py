@@ -39,6 +39,7 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     404: "Unknown model (`model_not_found`), worker (`worker_not_found`) or path (`not_found`).",
     405: "Method not allowed on this path (`method_not_allowed`; the `Allow` header lists the methods).",
     408: "The request body arrived too slowly or stalled (`request_timeout`).",
+    409: "The gateway's state forbids it (`no_config_file`: `POST /admin/reload` without a config file).",
     413: "The request body is over `max_body_bytes` (`request_too_large`).",
     415: "The body is not JSON, or has a content coding the gateway does not decode (`unsupported_media_type`).",
     429: "A rate limit or quota of the key was hit (`rate_limit_exceeded`; `Retry-After` says when to retry).",

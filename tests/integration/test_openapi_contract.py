@@ -1,0 +1,113 @@
+"""The gateway's OpenAPI contract: `/openapi.json` is valid OpenAPI 3.1, describes every endpoint
+(the proxied ones from their table too), and a real gateway on simulated workers keeps it under
+Schemathesis' fuzzing (no 5xx, every answer of a documented status, type and shape)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from openapi_spec_validator import validate
+from schemathesis import GenerationMode
+
+from gateway.api.proxied import PROXIED_ROUTES
+from gateway.auth.keys import hash_key
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+
+USER_KEY = "sk-contract-user"
+ADMIN_KEY = "sk-contract-admin"
+AUTH = {"enabled": True, "keys": [{"name": "app", "sha256": hash_key(USER_KEY)},
+                                  {"name": "ops", "sha256": hash_key(ADMIN_KEY), "scopes": ["user", "admin"]}]}
+
+# Examples per operation and generation mode: enough to reach every documented error branch the
+# generators find quickly, few enough that the whole fuzz takes seconds.
+EXAMPLES = 12
+
+
+def gateway_on_sims(start_sim: StartSim, start_gateway: StartGateway, **settings: Any) -> RunningGateway:
+    """A gateway over two pools of simulated vLLM workers (a short- and a long-context pool)."""
+    short, long = start_sim("vllm", max_context_tokens=8192), start_sim("vllm")
+    return start_gateway([pool("short", "vllm", [short.url], 8192), pool("long", "vllm", [long.url], 131072)],
+                         **settings)
+
+
+def test_openapi_json_is_valid_openapi_3_1_and_describes_every_endpoint(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    gw = gateway_on_sims(start_sim, start_gateway)
+    document = httpx.get(gw.url + "/openapi.json").json()
+    validate(document)  # raises OpenAPIValidationError with the offending part
+    assert document["openapi"].startswith("3.1")
+    paths = document["paths"]
+    for route in PROXIED_ROUTES:
+        operation = paths[route.path][route.method.lower()]
+        body = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{route.request.__name__}"}  # type: ignore[union-attr]
+        assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert operation["responses"]["503"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ErrorResponse")
+    for path in ("/health", "/ready", "/metrics", "/v1/models", "/v1/models/{model_id}", "/admin/workers",
+                 "/admin/workers/{pool}/{index}", "/admin/workers/{pool}/{index}/drain",
+                 "/admin/workers/{pool}/{index}/undrain", "/admin/reload", "/admin/status", "/dashboard"):
+        assert path in paths, path
+    schemas = document["components"]["schemas"]
+    assert set(schemas["ErrorObject"]["required"]) == {"message", "type", "param", "code"}
+    assert "messages" in schemas["ChatCompletionRequest"]["properties"]
+    assert "prompt" in schemas["CompletionRequest"]["properties"]
+    assert "HTTPValidationError" not in schemas  # FastAPI's 422 is never answered
+    assert "securitySchemes" not in document.get("components", {})  # auth off: nothing to send
+
+
+def test_openapi_json_names_the_bearer_key_where_auth_applies(start_sim: StartSim,
+                                                               start_gateway: StartGateway) -> None:
+    gw = gateway_on_sims(start_sim, start_gateway, auth=AUTH)
+    document = httpx.get(gw.url + "/openapi.json").json()  # public, like /health
+    validate(document)
+    assert document["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    for path, operations in document["paths"].items():
+        for operation in operations.values():
+            guarded = path.startswith(("/v1/", "/admin/"))
+            assert (operation.get("security") == [{"apiKey": []}]) is guarded, path
+
+
+def test_no_interactive_docs_page_without_a_cdn(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """FastAPI's Swagger UI and ReDoc pages load their scripts from a CDN: they are off."""
+    gw = gateway_on_sims(start_sim, start_gateway)
+    for path in ("/docs", "/redoc"):
+        answer = httpx.get(gw.url + path)
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
+
+
+def fuzz(gw: RunningGateway, headers: dict[str, str] | None = None) -> None:
+    """Run Schemathesis' default checks (no 5xx, documented status codes, content types and
+    response schemas, ...) on every operation of the gateway's own schema, positive and negative
+    examples; raise the first failure with its reproduction."""
+    # Failures show the request as sent: the default sanitizer masks fields named like secrets (`max_tokens`).
+    config = schemathesis.config.SchemathesisConfig.from_dict({"output": {"sanitization": {"enabled": False}}})
+    schema = schemathesis.openapi.from_url(gw.url + "/openapi.json", config=config)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 14
+    for operation in operations:
+        # Negative examples need an input that can be invalid: a body (path parameters are any string).
+        negative = (GenerationMode.NEGATIVE,) if len(operation.body) > 0 else ()
+        for mode in (GenerationMode.POSITIVE, *negative):
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            def call(case: schemathesis.Case) -> None:
+                case.call_and_validate(base_url=gw.url, headers=headers, timeout=10)
+
+            call()
+
+
+@pytest.mark.parametrize("auth", [False, True], ids=["auth-off", "auth-on"])
+def test_schemathesis_finds_no_contract_violation(start_sim: StartSim, start_gateway: StartGateway,
+                                                  auth: bool) -> None:
+    gw = gateway_on_sims(start_sim, start_gateway, **({"auth": AUTH} if auth else {}))
+    fuzz(gw, {"authorization": f"Bearer {ADMIN_KEY}"} if auth else None)

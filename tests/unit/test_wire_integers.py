@@ -1,0 +1,41 @@
+"""Integer fields of the OpenAI request models take JSON's integral numbers: `5.0` is the integer 5 in
+JSON's data model and in JSON Schema's `integer` (what /openapi.json documents; Schemathesis sent
+`"max_tokens": 22102109.0` and got a 400), and the engines' own parsers read it so. `5.5`, `"5"` and
+`true` stay refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+
+CHAT: dict[str, Any] = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_integral_floats_are_integers() -> None:
+    chat = ChatCompletionRequest.model_validate(orjson.loads(orjson.dumps(
+        {**CHAT, "max_tokens": 22102109.0, "max_completion_tokens": 7.0, "n": 2.0})))
+    assert (chat.max_tokens, chat.max_completion_tokens, chat.n) == (22102109, 7, 2)
+    assert type(chat.max_tokens) is int
+    ids = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2.0, 3]})
+    assert ids.prompt == [1, 2, 3] and all(type(i) is int for i in ids.prompt)
+    batch = CompletionRequest.model_validate({"model": "m", "prompt": [[1.0], [2, 3.0]]})
+    assert batch.prompt == [[1], [2, 3]]
+
+
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", 5.5), ("max_tokens", "5"), ("max_tokens", True),
+                                              ("n", 1.25), ("max_tokens", float("inf")), ("max_tokens", 0.0),
+                                              ("max_tokens", 2.0**31)])
+def test_other_numbers_stay_refused(field: str, value: object) -> None:
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**CHAT, field: value})
+
+
+@pytest.mark.parametrize("prompt", [[1, 2.5], [[1], [2.5]], [1.5], [True, 1]])
+def test_token_ids_stay_whole_numbers(prompt: list[Any]) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": prompt})
