@@ -73,7 +73,7 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
     middleware = http_middleware(config)  # CORS, then /v1/* auth (gateway/auth/middleware.py)
     app = GatewayApp(
         proxied_apps(proxied, lambda endpoint: _wrapped(endpoint, middleware)), proxied,
-        auth=config.auth.enabled, title="kimi-gateway", version=_version(),
+        auth=config.auth.enabled, model_names=config.model.names(), title="kimi-gateway", version=_version(),
         summary="OpenAI-compatible gateway and multi-pool router for Kimi K3",
         lifespan=lifespan, middleware=middleware,
         exception_handlers={HTTPException: _http_error, GatewayError: _gateway_error,
@@ -107,12 +107,14 @@ class GatewayApp(FastAPI):
     They keep the same CORS/auth middleware; ProxyEndpoint answers every error itself (405 too).
     `/openapi.json` describes them from their table (`add_proxied_paths`) beside FastAPI's routes."""
 
-    def __init__(self, proxied: ProxiedApps, table: tuple[ProxiedRoute, ...], auth: bool, **kwargs: Any) -> None:
+    def __init__(self, proxied: ProxiedApps, table: tuple[ProxiedRoute, ...], auth: bool, model_names: list[str],
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._proxied = proxied.exact
         self._templated = proxied if proxied.templated else None  # paths with `{id}`: tried after a miss
         self._table = table
         self._auth = auth
+        self._model_names = model_names
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (
@@ -124,10 +126,11 @@ class GatewayApp(FastAPI):
         await super().__call__(scope, receive, send)
 
     def openapi(self) -> dict[str, Any]:
-        """The OpenAPI 3.1 document: FastAPI's routes, the proxied table's, bearer auth when it is on."""
+        """The OpenAPI 3.1 document: FastAPI's routes, the proxied table's (the served model names as
+        examples of `model`), bearer auth when it is on."""
         if self.openapi_schema is None:
             document = super().openapi()
-            add_proxied_paths(document, self._table)
+            add_proxied_paths(document, self._table, self._model_names)
             _finish_openapi(document, self._auth)
         return self.openapi_schema  # type: ignore[return-value]
 

@@ -122,15 +122,21 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def add_proxied_paths(openapi: dict[str, Any], routes: Iterable[ProxiedRoute]) -> None:
+def add_proxied_paths(openapi: dict[str, Any], routes: Iterable[ProxiedRoute], model_names: list[str]) -> None:
     """Write `routes` into the OpenAPI 3.1 document `openapi` (in place): one operation per row with
     its request body, its answers (JSON, and `text/event-stream` when it streams) and its errors,
-    and the models' schemas under `components.schemas`."""
+    and the models' schemas under `components.schemas`, whose `model` fields give this gateway's
+    `model_names` as examples."""
     routes = tuple(routes)
     models = {m for r in routes for m in (r.request, r.response, r.error) if m is not None}
     _, defs = models_json_schema([(m, "validation") for m in sorted(models, key=lambda m: m.__name__)],
                                  ref_template="#/components/schemas/{model}")
-    openapi.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(defs.get("$defs", {}))
+    for route in routes:
+        model_field = schemas[route.request.__name__].get("properties", {}).get("model") if route.request else None
+        if model_field is not None:
+            model_field["examples"] = model_names
     paths = openapi.setdefault("paths", {})
     for route in routes:
         answer: dict[str, Any] = {"application/json": {"schema": _ref(route.response)}}

@@ -206,13 +206,15 @@ TokenIds = Annotated[list[StrictInt], Field(min_length=1), WrapValidator(_ids_in
 
 # One adapter per shape of a list prompt, picked by its first element: a plain union would try
 # list[str] first and build one error per element of a 4M-id prompt (~1 s of event loop).
-_PROMPT_LIST_SHAPES = {
-    "ids": TypeAdapter(TokenIds), "batch": TypeAdapter(list[TokenIds]), "texts": TypeAdapter(list[StrictStr]),
-}
+Texts = Annotated[list[StrictStr], Field(min_length=1)]
+Batch = Annotated[list[TokenIds], Field(min_length=1)]
+_PROMPT_LIST_SHAPES = {"ids": TypeAdapter(TokenIds), "batch": TypeAdapter(Batch), "texts": TypeAdapter(Texts)}
 
 
 def _prompt_by_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    if isinstance(value, list) and value:
+    if isinstance(value, list) and not value:
+        raise PydanticCustomError("too_short", "it must not be empty")
+    if isinstance(value, list):
         head = value[0]
         shape = "ids" if type(head) in (int, float) else "batch" if isinstance(head, list) else "texts"
         return _PROMPT_LIST_SHAPES[shape].validate_python(value)
@@ -220,10 +222,10 @@ def _prompt_by_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 
 
 class CompletionRequest(_Generation):
-    """`POST /v1/completions` body: `prompt` is text, texts, token ids or lists of token ids (each
-    list of ids non-empty)."""
+    """`POST /v1/completions` body: `prompt` is text, texts, token ids or lists of token ids (no
+    list empty)."""
 
-    prompt: Annotated[StrictStr | list[StrictStr] | TokenIds | list[TokenIds], WrapValidator(_prompt_by_shape)]
+    prompt: Annotated[StrictStr | Texts | TokenIds | Batch, WrapValidator(_prompt_by_shape)]
 
 
 _BRANCH_NAMES = frozenset({"str", "int", "bool", "float", "dict", "list", "none"})

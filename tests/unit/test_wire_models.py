@@ -1,7 +1,7 @@
-"""Integer fields of the OpenAI request models take JSON's integral numbers: `5.0` is the integer 5 in
-JSON's data model and in JSON Schema's `integer` (what /openapi.json documents; Schemathesis sent
-`"max_tokens": 22102109.0` and got a 400), and the engines' own parsers read it so. `5.5`, `"5"` and
-`true` stay refused."""
+"""The OpenAI request models against their documented JSON Schema (/openapi.json). Integer fields take
+JSON's integral numbers: `5.0` is the integer 5 in JSON's data model and in JSON Schema's `integer`
+(Schemathesis sent `"max_tokens": 22102109.0` and got a 400), and the engines' own parsers read it so;
+`5.5`, `"5"` and `true` stay refused."""
 
 from __future__ import annotations
 
@@ -39,3 +39,11 @@ def test_other_numbers_stay_refused(field: str, value: object) -> None:
 def test_token_ids_stay_whole_numbers(prompt: list[Any]) -> None:
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+
+
+def test_an_empty_prompt_list_is_refused_by_the_model_as_documented() -> None:
+    """/openapi.json says every prompt list has `minItems: 1` (Schemathesis sent `"prompt": []` as valid)."""
+    with pytest.raises(ValidationError, match="it must not be empty"):
+        CompletionRequest.model_validate({"model": "m", "prompt": []})
+    prompt = CompletionRequest.model_json_schema()["properties"]["prompt"]["anyOf"]
+    assert [branch.get("minItems") for branch in prompt] == [None, 1, 1, 1]
