@@ -146,7 +146,8 @@ def add_proxied_paths(openapi: dict[str, Any], routes: Iterable[ProxiedRoute], m
                 "(`data: <chunk JSON>` lines, then `data: [DONE]`), when the request sets `stream: true`."}}
         operation: dict[str, Any] = {
             "tags": ["inference"], "summary": route.summary,
-            "operationId": f"{route.method.lower()}_{route.api}",
+            # From method and path: unique even for several rows of one API kind (`/v1/responses/{id}/cancel`).
+            "operationId": route.method.lower() + re.sub(r"[^A-Za-z0-9]+", "_", route.path).rstrip("_"),
             "description": "Proxied to a worker of the pool chosen for it (raw ASGI fast path: the body is "
                            "forwarded as sent; the request model documents the fields the gateway reads).",
             "responses": {"200": {"description": "The engine's answer.", "content": answer},
