@@ -7,6 +7,7 @@ import contextlib
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI
@@ -80,20 +81,18 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
                             RequestValidationError: _invalid_parameters},
         redirect_slashes=False,  # `/v1/chat/completions/` is a 404, not a 307 with no body
         docs_url=None, redoc_url=None)  # no docs page: Swagger UI / ReDoc load their assets from a CDN
-    app.include_router(ops.router())
-    app.include_router(models.router())
-    for router in admin.routers():  # /admin/* (admin scope when auth is on) and the /dashboard status page
+    # /admin/* (admin scope when auth is on) and the /dashboard status page come from admin.routers().
+    for router in (ops.router(), models.router(), *admin.routers()):
+        for route in router.routes:  # HEAD answered like GET, as Starlette's routes do (FastAPI's do not)
+            if isinstance(route, APIRoute) and "GET" in route.methods:
+                route.methods.add("HEAD")
         app.include_router(router)
-    for route in app.routes:  # HEAD answered like GET, as Starlette's routes do (FastAPI's do not)
-        if isinstance(route, APIRoute) and "GET" in route.methods:
-            route.methods.add("HEAD")
     app.state.gateway = None
     return app
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
+    """The installed package's version, for the OpenAPI document's `info.version`."""
     try:
         return version("kimi-gateway")
     except PackageNotFoundError:

@@ -86,6 +86,16 @@ def test_no_interactive_docs_page_without_a_cdn(start_sim: StartSim, start_gatew
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "not_found"
 
 
+def test_head_is_answered_like_get_on_the_fastapi_routes(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """Starlette's routes answered HEAD for GET; FastAPI's would not, so the app adds it (load
+    balancers may probe with HEAD). The document lists GET only."""
+    gw = gateway_on_sims(start_sim, start_gateway)
+    for path in ("/health", "/metrics", "/dashboard", "/v1/models"):
+        answer = httpx.head(gw.url + path)
+        assert answer.status_code == 200 and answer.content == b"", path
+    assert all("head" not in ops for ops in httpx.get(gw.url + "/openapi.json").json()["paths"].values())
+
+
 def fuzz(gw: RunningGateway, bearer: str | None = None) -> None:
     """Run Schemathesis' default checks (no 5xx, documented status codes, content types and
     response schemas, ...) on every operation of the gateway's own schema, positive and negative
