@@ -83,9 +83,10 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
         docs_url=None, redoc_url=None)  # no docs page: Swagger UI / ReDoc load their assets from a CDN
     # /admin/* (admin scope when auth is on) and the /dashboard status page come from admin.routers().
     for router in (ops.router(), models.router(), *admin.routers()):
-        for route in router.routes:  # HEAD answered like GET, as Starlette's routes do (FastAPI's do not)
+        for route in list(router.routes):  # HEAD answered like GET, as Starlette's routes do (FastAPI's do not)
             if isinstance(route, APIRoute) and "GET" in route.methods:
-                route.methods.add("HEAD")
+                router.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False,
+                                     response_class=route.response_class)
         app.include_router(router)
     app.state.gateway = None
     return app
@@ -135,8 +136,8 @@ class GatewayApp(FastAPI):
 
 
 def _finish_openapi(document: dict[str, Any], auth: bool) -> None:
-    """Drop what FastAPI adds that the gateway never answers (HEAD operations, its 422 validation
-    error: `_invalid_parameters` answers 400), and, with auth on, mark `/v1/*` and `/admin/*`
+    """Drop what FastAPI adds that the gateway never answers (its 422 validation error:
+    `_invalid_parameters` answers 400), and, with auth on, mark `/v1/*` and `/admin/*`
     operations as needing a Bearer key."""
     schemas = document.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
@@ -146,7 +147,6 @@ def _finish_openapi(document: dict[str, Any], auth: bool) -> None:
             "type": "http", "scheme": "bearer", "description": "A gateway API key (`auth.keys`); "
             "`/admin/*` needs one with the `admin` scope."}}
     for path, operations in document.get("paths", {}).items():
-        operations.pop("head", None)
         for operation in operations.values():
             operation.get("responses", {}).pop("422", None)
             if auth and (path.startswith(("/v1/", "/admin/"))):
