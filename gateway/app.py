@@ -23,8 +23,8 @@ from gateway.api.proxied import PROXIED_ROUTES, ProxiedApps, ProxiedRoute, add_p
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
 from gateway.config import GatewayConfig
+from gateway.dispatch import ProxyService
 from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, NotFound
-from gateway.service import ProxyService
 from gateway.state import AppState
 
 

@@ -13,7 +13,7 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
 
@@ -80,23 +80,16 @@ class AttemptFailed(Exception):
 
 
 class Lease:
-    """An attempt's resources: this replica's in-flight count on a worker and a slot of its pool
-    (released exactly once), and, once it is open, the upstream response (`response`).
+    """One leg's slot: this replica's in-flight count on a worker and a slot of its pool, taken at
+    creation and released exactly once (`release`, idempotent). Owned by a `Holding`."""
 
-    The attempt owns them until it hands them over (`hand_over`) to the `UpstreamStream` that
-    relays the answer, which then releases both in its `aclose`; `handed_over` tells the attempt's
-    cleanup whether they are still its own.
-    """
-
-    __slots__ = ("_gate", "_metrics", "_released", "handed_over", "response", "worker")
+    __slots__ = ("_gate", "_metrics", "_released", "worker")
 
     def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate) -> None:
         self.worker = worker
         self._metrics = metrics
         self._gate = gate
         self._released = False
-        self.handed_over = False
-        self.response: UpstreamResponse | None = None
         worker.in_flight += 1
         gate.acquired()
         metrics.in_flight.labels(worker.pool, worker.id).inc()
@@ -108,9 +101,68 @@ class Lease:
             self._gate.released()
             self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
 
-    def hand_over(self) -> None:
-        """The slot and the response belong to their next owner from now on (it releases them)."""
-        self.handed_over = True
+
+class Holding:
+    """Everything an attempt holds, released together on every exit path: the slots of its legs
+    (`Lease`, one per worker it uses) and the upstream responses it opened.
+
+    One owner at a time: the attempt holds it while it waits for the engine; on success `hand_over()`
+    moves the whole content into a new Holding for the next owner (the `UpstreamStream` that relays
+    the answer) and leaves this one empty, so the attempt's own cleanup (`if holding: await
+    holding.aclose()`) then has nothing to release. `aclose()` frees the slots first (a waiter may
+    take one), then closes the responses (which makes an engine abort an unfinished request); it is
+    idempotent, and closing a response twice is harmless (`first_content` may have closed it).
+    """
+
+    __slots__ = ("_leases", "_responses")
+
+    def __init__(self) -> None:
+        self._leases: list[Lease] = []
+        self._responses: list[UpstreamResponse] = []
+
+    def __bool__(self) -> bool:
+        """Whether anything is still held (a cheap test before awaiting `aclose`)."""
+        return bool(self._leases or self._responses)
+
+    def lease(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate) -> Lease:
+        """Take a slot on `worker` (and its pool's `gate`), held until this Holding is closed."""
+        lease = Lease(worker, metrics, gate)
+        self._leases.append(lease)
+        return lease
+
+    def opened(self, response: UpstreamResponse) -> UpstreamResponse:
+        """Hold an upstream response just opened (closed with this Holding); returns it."""
+        self._responses.append(response)
+        return response
+
+    def hand_over(self) -> Holding:
+        """Move everything held to a new Holding (the next owner's) and hold nothing from now on."""
+        moved = Holding()
+        moved._leases, self._leases = self._leases, []
+        moved._responses, self._responses = self._responses, []
+        return moved
+
+    def aclose(self) -> Awaitable[None]:
+        """Release the slots now; return the closing of the responses, to await at once (a single
+        response's own `aclose()`, so a Holding adds no coroutine of its own to the request path).
+        Empty afterwards. Closing the responses goes on when one of them fails to close."""
+        leases, self._leases = self._leases, []
+        responses, self._responses = self._responses, []
+        for lease in leases:
+            lease.release()
+        return responses[0].aclose() if len(responses) == 1 else _close_all(responses)
+
+
+async def _close_all(responses: list[UpstreamResponse]) -> None:
+    """Close every response (a two-leg attempt's), raising the first failure after trying all."""
+    failure: Exception | None = None
+    for response in responses:
+        try:
+            await response.aclose()
+        except Exception as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def _classify_transport_error(exc: BaseException) -> Outcome:
@@ -375,12 +427,13 @@ class UpstreamStream:
 
     `waiting` says the response was committed before the engine's first content (a prefill longer
     than `timeouts.hold_headers`): until its next byte arrives, an SSE comment goes out every
-    `keepalive_interval` seconds (None: none). Owns the upstream response and the worker lease;
-    `aclose()` (idempotent, also safe when the body was never iterated) closes both. Facts for
+    `keepalive_interval` seconds (None: none). Owns the attempt's `Holding` (its slots and the
+    upstream `response`, among any other legs' responses); `aclose()` (idempotent, also safe when
+    the body was never iterated) releases them all. Facts for
     the record: first byte time, usage, outcome.
     """
 
-    def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], lease: Lease,
+    def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], holding: Holding,
                  record: RequestRecord, waiting: bool = False, keepalive_interval: float | None = None,
                  on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False) -> None:
         self.response = response
@@ -389,7 +442,7 @@ class UpstreamStream:
         self._waiting = waiting
         self._keepalive = keepalive_interval
         self._rest = rest
-        self._lease = lease
+        self._holding = holding
         self._record = record
         self._closed = False
         self.tap = SSETap()
@@ -484,9 +537,8 @@ class UpstreamStream:
             return
         self._closed = True
         try:
-            await self.response.aclose()
+            await self._holding.aclose()
         finally:
-            self._lease.release()
             self._record.usage = self.tap.usage or self._record.usage
 
 
