@@ -18,7 +18,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api import admin, models, ops
+from gateway.api import admin, models, ops, stored_responses
 from gateway.api.proxied import PROXIED_ROUTES, ProxiedApps, ProxiedRoute, add_proxied_paths, proxied_apps
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
@@ -82,7 +82,7 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
         redirect_slashes=False,  # `/v1/chat/completions/` is a 404, not a 307 with no body
         docs_url=None, redoc_url=None)  # no docs page: Swagger UI / ReDoc load their assets from a CDN
     # /admin/* (admin scope when auth is on) and the /dashboard status page come from admin.routers().
-    for router in (ops.router(), models.router(), *admin.routers()):
+    for router in (ops.router(), models.router(), stored_responses.router(), *admin.routers()):
         for route in list(router.routes):  # HEAD answered like GET, as Starlette's routes do (FastAPI's do not)
             if isinstance(route, APIRoute) and "GET" in route.methods:
                 router.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False,

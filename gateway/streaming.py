@@ -32,6 +32,8 @@ from gateway.backends.engine_kinds import is_context_too_long
 from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics
+from gateway.protocol.anthropic import ERROR_STATUS
+from gateway.protocol.responses import ERROR_EVENTS, PREAMBLE_EVENTS
 from gateway.protocol.sse import SSETap, event_end, sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
 
@@ -268,6 +270,10 @@ class Held(StrEnum):
 
 
 _EMPTY_VALUES: tuple[object, ...] = (None, "", [], {})
+# Anthropic's stream opens with `message_start` (the message shell and input usage) and `ping`s:
+# nothing for the client yet. Content starts with the first `content_block_start` (text, thinking
+# or tool_use); an `error` event is an error (https://docs.claude.com/en/docs/build-with-claude/streaming).
+_ANTHROPIC_EMPTY = frozenset({"message_start", "ping"})
 
 
 def classify_event(event: bytes) -> tuple[Held, bytes]:
@@ -277,7 +283,8 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
     Content-less: comments only (`: keep-alive`), or chunks whose every choice has no finish
     reason, no `text`, and a delta of `role` and empty fields only (content, reasoning, tool calls:
     null, "", [] or {}; OpenAI's chat chunk format, and vLLM and SGLang open a stream with
-    `{"role": "assistant", "content": ""}`). Anything else counts as content, so an unknown shape
+    `{"role": "assistant", "content": ""}`); Anthropic's `message_start` and `ping` events. Anything
+    else counts as content (Anthropic's from its first `content_block_start`), so an unknown shape
     is never held back.
     """
     data = b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
@@ -293,6 +300,12 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
         return Held.CONTENT, data
     if "error" in chunk:
         return Held.ERROR, data
+    kind = chunk.get("type")
+    if kind is not None and "choices" not in chunk:
+        # Anthropic's events (content from the first block on) and the Responses API's (protocol/responses.py)
+        if kind in _ANTHROPIC_EMPTY or kind in PREAMBLE_EVENTS:
+            return Held.EMPTY, data
+        return (Held.ERROR if kind in ERROR_EVENTS else Held.CONTENT), data
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices or chunk.get("usage") not in (None, {}):
         return Held.CONTENT, data  # `choices: []` is the usage chunk at the end
@@ -394,6 +407,8 @@ def _error_event(payload: bytes) -> AttemptFailed:
                              answered=True)
     error = orjson.loads(payload).get("error")
     code = error.get("code") if isinstance(error, dict) else None
+    if code is None and isinstance(error, dict):  # Anthropic's error event names its type, not a status
+        code = ERROR_STATUS.get(error.get("type"))  # type: ignore[arg-type]
     if isinstance(code, int) and 400 <= code < 500 and code not in (401, 403, 407, 429):
         return AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered with an in-stream error {code}", code, payload,
                              answered=True)
@@ -498,8 +513,9 @@ class UpstreamStream:
                     break
             tap.end()
             if self.sse and not tap.done:
-                self._broken("the stream ended without data: [DONE]")
-                yield sse_error_event("The inference server ended the stream early; the response is incomplete.")
+                self._broken("the stream ended without its last event (data: [DONE] or event: message_stop)")
+                yield sse_error_event("The inference server ended the stream early; the response is incomplete.",
+                                      api=self._record.api)
             else:
                 if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
                     yield self._patched(carry)
@@ -512,7 +528,7 @@ class UpstreamStream:
                 return  # the answer was complete; only the connection's end was untidy
             self._broken(f"{type(exc).__name__} mid-stream after {tap.events} events")
             yield sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
-                                  "the response is incomplete.")
+                                  "the response is incomplete.", api=self._record.api)
         finally:
             await self.aclose()
 

@@ -22,16 +22,31 @@ import orjson
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from gateway.api.anthropic_errors import OVERLOADED_STATUS, AnthropicEndpoint
 from gateway.api.proxy import ProxyEndpoint, Receive, Scope, Send
-from gateway.api.schemas import ERROR_DESCRIPTIONS, ChatCompletion, Completion, ErrorResponse
+from gateway.api.schemas import (
+    ERROR_DESCRIPTIONS,
+    AnthropicErrorResponse,
+    AnthropicMessage,
+    AnthropicTokenCount,
+    ChatCompletion,
+    Completion,
+    ErrorResponse,
+    ResponseObject,
+)
 from gateway.errors import MethodNotAllowed
+from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.protocol.responses import ResponsesRequest
 from gateway.routing.features import Api
 
 ASGIApp = Callable[[Scope, Receive, Send], Any]
 
 PROXIED_ERRORS = (400, 401, 403, 404, 405, 408, 413, 415, 429, 500, 502, 503, 504)
 """Statuses a proxied endpoint may answer with an error body (see `schemas.ERROR_DESCRIPTIONS`)."""
+
+ANTHROPIC_ERRORS = (*(status for status in PROXIED_ERRORS if status != 503), OVERLOADED_STATUS)
+"""The Anthropic endpoints answer 529 `overloaded_error` where the OpenAI ones answer 503."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +55,8 @@ class ProxiedRoute:
 
     `request` / `response` document the JSON body sent / the non-streamed answer (None: no body);
     `streams`: the answer may also be `text/event-stream` (the request's `stream: true`);
-    `endpoint` builds the ASGI app serving it from `api`; `error` documents its error body.
+    `endpoint` builds the ASGI app serving it from `api`; `error` documents its error body and
+    `errors` the statuses it comes with.
     """
 
     path: str
@@ -52,11 +68,19 @@ class ProxiedRoute:
     streams: bool = True
     endpoint: Callable[[Api], ASGIApp] = ProxyEndpoint
     error: type[BaseModel] = ErrorResponse
+    errors: tuple[int, ...] = PROXIED_ERRORS
 
 
 PROXIED_ROUTES: tuple[ProxiedRoute, ...] = (
     ProxiedRoute("/v1/chat/completions", "chat", "Create a chat completion", ChatCompletionRequest, ChatCompletion),
     ProxiedRoute("/v1/completions", "completions", "Create a completion (legacy)", CompletionRequest, Completion),
+    ProxiedRoute("/v1/responses", "responses", "Create a response (OpenAI Responses API)", ResponsesRequest,
+                 ResponseObject),
+    ProxiedRoute("/v1/messages", "messages", "Create a message (Anthropic Messages API)", MessagesRequest,
+                 AnthropicMessage, endpoint=AnthropicEndpoint, error=AnthropicErrorResponse, errors=ANTHROPIC_ERRORS),
+    ProxiedRoute("/v1/messages/count_tokens", "count_tokens", "Count a message's input tokens (Anthropic)",
+                 CountTokensRequest, AnthropicTokenCount, streams=False, endpoint=AnthropicEndpoint,
+                 error=AnthropicErrorResponse, errors=ANTHROPIC_ERRORS),
 )
 
 
@@ -142,8 +166,9 @@ def add_proxied_paths(openapi: dict[str, Any], routes: Iterable[ProxiedRoute], m
         answer: dict[str, Any] = {"application/json": {"schema": _ref(route.response)}}
         if route.streams:
             answer["text/event-stream"] = {"schema": {
-                "type": "string", "description": "Server-sent events relayed byte for byte from the engine "
-                "(`data: <chunk JSON>` lines, then `data: [DONE]`), when the request sets `stream: true`."}}
+                "type": "string", "description": "Server-sent events relayed byte for byte from the engine, "
+                "when the request sets `stream: true` (the API's own events: chunks then `data: [DONE]` on the "
+                "OpenAI chat and completion APIs, typed `event:` lines on the Responses and Messages APIs)."}}
         operation: dict[str, Any] = {
             "tags": ["inference"], "summary": route.summary,
             # From method and path: unique even for several rows of one API kind (`/v1/responses/{id}/cancel`).
@@ -153,7 +178,7 @@ def add_proxied_paths(openapi: dict[str, Any], routes: Iterable[ProxiedRoute], m
             "responses": {"200": {"description": "The engine's answer.", "content": answer},
                           **{str(status): {"description": ERROR_DESCRIPTIONS[status],
                                            "content": {"application/json": {"schema": _ref(route.error)}}}
-                             for status in PROXIED_ERRORS}}}
+                             for status in route.errors}}}
         names = re.findall(r"\{(\w+)\}", route.path)
         if names:
             operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}

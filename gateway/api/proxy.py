@@ -191,7 +191,7 @@ class _HangUpWatch:
 
 
 class ProxyEndpoint:
-    """ASGI app for `POST /v1/chat/completions` or `POST /v1/completions`."""
+    """ASGI app for `POST /v1/chat/completions`, `POST /v1/completions` or `POST /v1/responses`."""
 
     records_auth_errors = True  # the auth middleware hands refusals here (`AUTH_ERROR`) to be recorded
 
@@ -336,5 +336,6 @@ class ProxyEndpoint:
                 return
             tail = b""
             if result.stream.sse:
-                tail = sse_error_event(message + " The response is incomplete.", code="request_timeout")
+                tail = sse_error_event(message + " The response is incomplete.", code="request_timeout",
+                                       api=record.api)
             await send({"type": "http.response.body", "body": tail, "more_body": False})

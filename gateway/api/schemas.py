@@ -47,6 +47,7 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     502: "The engine failed after accepting the request (`upstream_error`).",
     503: "No healthy worker could take the request (`no_healthy_upstream`), or the gateway is shutting down.",
     504: "The engine did not answer in time (`upstream_timeout`), or the overall cap passed (`request_timeout`).",
+    529: "Anthropic's `overloaded_error`: no healthy worker could take the request (the OpenAI APIs' 503).",
 }
 
 
@@ -184,3 +185,47 @@ class Completion(BaseModel):
     model: str
     choices: list[dict[str, Any]]
     usage: dict[str, Any] | None = None
+
+
+class AnthropicErrorObject(BaseModel):
+    """Anthropic's error: `type` is `invalid_request_error`, `authentication_error`, `permission_error`,
+    `not_found_error`, `request_too_large`, `rate_limit_error`, `api_error` or `overloaded_error`
+    (https://docs.anthropic.com/en/api/errors)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error on `/v1/messages*`: `{"type": "error", "error": {"type", "message"}, "request_id"}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["error"]
+    error: AnthropicErrorObject
+    request_id: str | None = None
+
+
+class AnthropicMessage(BaseModel):
+    """A non-streamed Messages answer as the engine sends it, relayed unchanged
+    (https://docs.anthropic.com/en/api/messages)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[dict[str, Any]]
+    model: str
+
+
+class AnthropicTokenCount(BaseModel):
+    """`POST /v1/messages/count_tokens`'s answer, from the engine."""
+
+    input_tokens: int
+
+
+class ResponseObject(BaseModel):
+    """A Responses API response object as the engine sends it, relayed unchanged (a deleted one is
+    `{"id", "object": "response", "deleted": true}`; https://platform.openai.com/docs/api-reference/responses)."""
+
+    id: str
+    object: Literal["response"]

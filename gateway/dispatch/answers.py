@@ -16,6 +16,8 @@ import orjson
 
 from gateway.backends.client import UpstreamResponse
 from gateway.errors import error_bytes_from_upstream
+from gateway.protocol.anthropic import openai_usage
+from gateway.protocol.responses import chat_usage, response_id_of
 from gateway.record import RequestRecord
 from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
 
@@ -56,6 +58,8 @@ def route_headers(record: RequestRecord) -> Headers:
         headers.append((b"x-kimi-gateway-worker", record.worker.encode()))
     if record.reason:
         headers.append((b"x-kimi-gateway-route-reason", record.reason.encode()))
+    if record.skipped_pools:  # they fit, but their engines do not serve the request's API
+        headers.append((b"x-kimi-gateway-skipped-pools", ", ".join(record.skipped_pools).encode()))
     if record.estimated_prompt_tokens is not None:
         headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
                         f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
@@ -70,7 +74,7 @@ def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedRespo
     record.status = status
     record.error = failure.detail
     too_long = failure.outcome is Outcome.TOO_LONG
-    param = ("messages" if record.api == "chat" else "prompt") if too_long else None
+    param = {"completions": "prompt", "responses": "input"}.get(record.api, "messages") if too_long else None
     body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
     return BufferedResponse(status, body, b"application/json", route_headers(record))
 
@@ -115,4 +119,16 @@ def json_answer_usage(content: bytes, content_type: bytes) -> dict[str, Any] | N
     except orjson.JSONDecodeError as exc:
         raise ValueError(f"its JSON answer is incomplete or invalid: {exc}") from None
     usage = data.get("usage") if isinstance(data, dict) else None
-    return usage if isinstance(usage, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    if data.get("object") == "response":  # the Responses API: its input_tokens include the cached ones
+        return chat_usage(usage)
+    return openai_usage(usage)  # Anthropic's names → OpenAI's
+
+
+def response_id_in_json(body: bytes) -> str | None:
+    """The `id` of a Responses API JSON answer; None when there is none or it is not JSON."""
+    try:
+        return response_id_of(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None

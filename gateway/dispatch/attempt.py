@@ -66,7 +66,9 @@ from gateway.streaming import (
 )
 
 # The engine path of each client API. Other client APIs add their row here (one table).
-UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                                  "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens",
+                                  "responses": "/v1/responses"}
 
 
 class Attempt(ABC):

@@ -41,6 +41,9 @@ class Dispatch:
     queue_deadline: float | None = None
     last: AttemptFailed | None = None
     too_long_retried: bool = False
+    pinned: Worker | None = None
+    """The one worker that may serve it (a Responses follow-up's owner, `routing/response_affinity.py`):
+    one attempt there, no policy, spill-over or failover (`kinds.PINNED`)."""
 
     def move_to(self, pool: PoolConfig) -> None:
         """The request goes on in `pool` (a spill-over or a larger pool after "too long")."""

@@ -52,6 +52,31 @@ class Aggregated:
 
 AGGREGATED = Aggregated()
 
+RESPONSE_AFFINITY = "response_affinity"
+"""The route reason of a request pinned to one worker: a Responses follow-up sent to the worker that
+stores its history (`routing/response_affinity.py`)."""
+
+
+class Pinned:
+    """A request only one worker can serve (`Dispatch.pinned`, passed as the only one of `workers`):
+    its attempt goes there whatever the pool's policy says, with the route reason `response_affinity`."""
+
+    __slots__ = ()
+
+    def attempt(self, dispatch: Dispatch, policy: RoutingPolicy, workers: list[Worker],
+                match: Mapping[str, float]) -> Attempt:
+        """A SingleLeg on `workers[0]` (the usage patch as `Aggregated` decides it)."""
+        request, pool, state = dispatch.request, dispatch.pool, dispatch.state
+        worker = workers[0]
+        patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
+        body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api,
+                           pool.served_model_name or state.config.model.name, worker, patch_usage)
+        return SingleLeg(state, dispatch.api, pool, worker, RESPONSE_AFFINITY, None, body, request,
+                         dispatch.record, patch_usage)
+
+
+PINNED = Pinned()
+
 
 def kind_of(pool: PoolConfig) -> PoolKind:
     """The kind of `pool` (a PoolConfig): aggregated for every pool until PD pools exist."""

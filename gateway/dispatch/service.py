@@ -17,25 +17,28 @@ import time
 from collections.abc import Mapping
 
 from gateway.affinity.hashing import longest_match
+from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.keys import Principal
+from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
-from gateway.dispatch.answers import BufferedResponse, RelayResponse, route_headers
+from gateway.dispatch.answers import BufferedResponse, RelayResponse, response_id_in_json, route_headers
 from gateway.dispatch.attempt import Attempt
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import after_failure, exhausted
-from gateway.dispatch.kinds import kind_of
+from gateway.dispatch.kinds import PINNED, kind_of
 from gateway.dispatch.steps import PoolStep, choose_pool
 from gateway.errors import GatewayError
 from gateway.parsing import Body, BodyParser, Payload
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
-from gateway.routing.pools import fitting_pools
+from gateway.routing.pools import fitting_pools, skipped_pools
+from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Outcome
 
 
 class ProxyService:
-    """Routes and proxies chat and completions requests for one AppState."""
+    """Routes and proxies the proxied APIs' requests (chat, completions, messages, responses) for one AppState."""
 
     def __init__(self, state: AppState) -> None:
         self.state = state
@@ -95,17 +98,24 @@ class ProxyService:
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
         pools = fitting_pools(request, self.state.config.pools)
+        if len(pools) < len(self.state.config.pools):
+            record.skipped_pools = skipped_pools(request, self.state.config.pools) or None
+        pinned: Worker | None = None
+        if request.previous_response_id is not None:  # only the worker storing its history can serve it
+            pool, pinned = await owner_of(request.previous_response_id, "previous_response_id", self.state.responses,
+                                          self.state.registry, self.state.config.pools, self.state.metrics)
+            pools = [pool]
         if guard is None:
-            return await self._dispatch(api, payload, request, pools, record)
+            return await self._dispatch(api, payload, request, pools, record, pinned)
         assert principal is not None
         reservation = await guard.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens),
                                               requests=0, counted=counted)
         if reservation is None:
-            return await self._dispatch(api, payload, request, pools, record)
+            return await self._dispatch(api, payload, request, pools, record, pinned)
         record.on_finish = lambda done: guard.settle_soon(reservation, quota_used(
             done, request, reservation.tokens, done.outcome is not RequestOutcome.OK or done.status >= 400))
         try:
-            result = await self._dispatch(api, payload, request, pools, record)
+            result = await self._dispatch(api, payload, request, pools, record, pinned)
         except GatewayError:
             await guard.settle(reservation, quota_used(record, request, reservation.tokens, failed=True))
             raise
@@ -113,15 +123,16 @@ class ProxyService:
             await guard.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
         return result
 
-    async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest,
-                        pools: list[PoolConfig], record: RequestRecord) -> BufferedResponse | RelayResponse:
+    async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
+                        record: RequestRecord, pinned: Worker | None = None) -> BufferedResponse | RelayResponse:
         """Dispatch a parsed request to its fitting `pools` (smallest first): one `Dispatch` state
-        for its way through them, and a held 5xx verdict settled however it ends."""
+        for its way through them, and a held 5xx verdict settled however it ends. With `pinned`
+        (a Responses follow-up's owner; `pools` is then its pool alone) only that worker is tried."""
         state = self.state
         pool = pools[0]
         record.pool = pool.name
         state.metrics.estimated_prompt_tokens.labels(pool.name, request.estimate_method).observe(request.prompt_tokens)
-        dispatch = Dispatch(state, api, payload, request, record, pools, pool)
+        dispatch = Dispatch(state, api, payload, request, record, pools, pool, pinned=pinned)
         try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
             return await self._dispatch_loop(dispatch)
         finally:
@@ -131,11 +142,17 @@ class ProxyService:
         """Until an attempt is accepted or `max_attempts` ran out: choose the pool and its candidates
         with room (`choose_pool`), spill over or wait for a slot when it has none, look up the
         prefix owners once per pool, make the pool kind's attempt and run it, and judge a failed
-        one (`_attempt_failed`): same pool, a larger one, or a final answer."""
+        one (`_attempt_failed`): same pool, a larger one, or a final answer. A pinned request
+        (`Dispatch.pinned`) makes one attempt on its worker (`kinds.PINNED`), whatever the policy."""
         state, record = self.state, dispatch.record
         while record.attempts < state.config.max_attempts:
             pool = dispatch.pool
-            step, to, workers = choose_pool(state.registry, pool, dispatch.pools, dispatch.tried)
+            if dispatch.pinned is not None:
+                if dispatch.tried:  # no other worker holds what it needs
+                    break
+                step, to, workers = PoolStep.ROUTE, pool, [dispatch.pinned]
+            else:
+                step, to, workers = choose_pool(state.registry, pool, dispatch.pools, dispatch.tried)
             if step is PoolStep.EXHAUSTED:
                 break
             if step is PoolStep.WAIT:
@@ -146,12 +163,13 @@ class ProxyService:
                 dispatch.move_to(to)
                 continue
             policy = state.router.policy(pool.name)
-            if policy.uses_affinity and pool.name not in dispatch.matches:
+            if dispatch.pinned is None and policy.uses_affinity and pool.name not in dispatch.matches:
                 dispatch.matches[pool.name] = await self._affinity_matches(pool.name, dispatch.request)
                 # Others may have taken the free slots or broken workers meanwhile: look again. From
                 # here to the attempt's slot nothing awaits, so the room seen is the room taken.
                 continue
-            attempt = kind_of(pool).attempt(dispatch, policy, workers, dispatch.matches.get(pool.name, {}))
+            kind = PINNED if dispatch.pinned is not None else kind_of(pool)
+            attempt = kind.attempt(dispatch, policy, workers, dispatch.matches.get(pool.name, {}))
             self._attempt_started(dispatch, attempt)
             try:
                 result = await attempt.run()
@@ -161,6 +179,8 @@ class ProxyService:
                     return answer
                 continue
             self._attempt_accepted(dispatch, attempt)
+            if dispatch.api == "responses":
+                self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result)
             result.headers.extend(route_headers(record))
             return result
         raise exhausted(state.registry, dispatch.last, record, dispatch.pools, dispatch.failures)
@@ -222,6 +242,20 @@ class ProxyService:
             # After this task next yields, i.e. once the first chunk went out: never before the first token.
             asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, request.prefix.hashes,
                                                  worker.url)
+
+    def _note_stored_response(self, request: RoutingRequest, pool: PoolConfig, worker: Worker,
+                              result: BufferedResponse | RelayResponse) -> None:
+        """Remember which worker stores the response this accepted Responses request creates (not with
+        `store: false`, nor on an engine that stores nothing): from the JSON answer's `id`, or from the
+        stream's `response.created` event as the relay passes it (`SSETap.on_response_id`)."""
+        store = self.state.responses
+        if store is None or not request.store or not worker.engine.stores_responses:
+            return
+        owner = ResponseOwner(pool.name, worker.url)
+        if isinstance(result, RelayResponse):
+            result.stream.tap.on_response_id = lambda rid: store.record(rid, owner)
+        elif result.status == 200 and (rid := response_id_in_json(result.body)) is not None:
+            store.record(rid, owner)
 
     async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
         """Worker URL → share of the prompt it holds, from one store lookup (fails open to {})."""
