@@ -31,6 +31,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
+from gateway.protocol.openai import WHOLE
+
 MAX_TOKENS_LIMIT = 2**31 - 1
 
 
@@ -168,7 +170,7 @@ class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages` body (the fields routing reads): `max_tokens` is required (Anthropic's
     API refuses a request without it) and is the request's output reservation."""
 
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT), WHOLE]
     stream: StrictBool | None = False
     metadata: Metadata | None = None
 

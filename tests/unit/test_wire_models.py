@@ -47,3 +47,22 @@ def test_an_empty_prompt_list_is_refused_by_the_model_as_documented() -> None:
         CompletionRequest.model_validate({"model": "m", "prompt": []})
     prompt = CompletionRequest.model_json_schema()["properties"]["prompt"]["anyOf"]
     assert [branch.get("minItems") for branch in prompt] == [None, 1, 1, 1]
+
+
+def test_the_other_apis_output_limits_take_integral_numbers_too() -> None:
+    """The Responses API's `max_output_tokens` and Anthropic's `max_tokens` (Schemathesis sent
+    `"max_output_tokens": 544.0`)."""
+    from gateway.protocol.anthropic import MessagesRequest
+    from gateway.protocol.responses import ResponsesRequest
+
+    response = ResponsesRequest.model_validate({"model": "m", "input": "hi", "max_output_tokens": 544.0})
+    assert response.max_output_tokens == 544
+    message = {"model": "m", "max_tokens": 16.0, "messages": [{"role": "user", "content": "hi"}]}
+    assert MessagesRequest.model_validate(message).max_tokens == 16
+    with pytest.raises(ValidationError):
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", "max_output_tokens": 5.5})
+    assert ResponsesRequest.model_json_schema()["properties"]["max_output_tokens"]["anyOf"][0]["minimum"] == 1
+    # An empty input list is refused, as documented (`minItems: 1`; Schemathesis sent `"input": []`).
+    assert ResponsesRequest.model_json_schema()["properties"]["input"]["anyOf"][1]["minItems"] == 1
+    with pytest.raises(ValidationError):
+        ResponsesRequest.model_validate({"model": "m", "input": []})
