@@ -7,13 +7,17 @@ engine's answer (the id is in the first stream event `response.created`, or in t
 
 Two stores behind one interface, like the prefix-affinity stores (`store.py`, `redis_store.py`):
 in-process (one replica; an LRU + TTL dict), or Redis when `redis_url` is set (shared by every
-replica). Redis layout: `{responses.key_prefix}:{response id}` → `{pool}\\n{worker URL}` with a TTL
-of `responses.store_ttl` seconds (the engine itself never forgets, but a conversation idle for
-longer is assumed over). Writes are queued and written by a background task (`flush()` waits for
-them: a barrier for tests and shutdown); a lookup is one GET with a hard timeout. A Redis error or
-timeout (counted in `kimi_gateway_redis_errors_total{op="response_lookup"|"response_write"}`) fails
-the lookup with ResponseStoreUnavailable (503, retryable): the response may well exist, so "not
-found" would be a lie, and no other worker could serve it anyway.
+replica). Redis layout: `{responses.key_prefix}:{response id}` → `{pool}\\n{worker URL}\\n{key
+name}` (the key name empty when auth was off; a value without that line, written before owners
+were recorded, reads as unowned) with a TTL of `responses.store_ttl` seconds (the engine itself
+never forgets, but a conversation idle for longer is assumed over). Writes are queued and written
+by a background task (`flush()` waits for them: a barrier for tests and shutdown); a lookup is
+one GET with a hard timeout.
+
+A Redis error or timeout (counted in
+`kimi_gateway_redis_errors_total{op="response_lookup"|"response_write"}`) fails the lookup with
+ResponseStoreUnavailable (503, retryable): the response may well exist, so "not found" would be a
+lie, and no other worker could serve it anyway.
 """
 
 from __future__ import annotations
@@ -51,18 +55,23 @@ class ResponseStoreUnavailable(GatewayError):
 
 @dataclass(frozen=True, slots=True)
 class ResponseOwner:
-    """Where a stored response lives: its pool's name and its worker's URL (stable across replicas)."""
+    """Where a stored response lives and whose it is: its pool's name, its worker's URL (stable across
+    replicas) and `principal`, the configured name of the API key that created it (`auth.keys[].name`,
+    never the key; None when auth was off). Key names match `^[A-Za-z0-9_.-]{1,64}$`, so the
+    newline-separated encoding is unambiguous."""
 
     pool: str
     worker_url: str
+    principal: str | None = None
 
     def encode(self) -> str:
-        return f"{self.pool}\n{self.worker_url}"
+        return f"{self.pool}\n{self.worker_url}\n{self.principal or ''}"
 
     @staticmethod
     def decode(value: str) -> ResponseOwner | None:
-        pool, sep, url = value.partition("\n")
-        return ResponseOwner(pool, url) if sep and pool and url else None
+        pool, sep, rest = value.partition("\n")
+        url, _, principal = rest.partition("\n")
+        return ResponseOwner(pool, url, principal or None) if sep and pool and url else None
 
 
 class ResponseStore(Protocol):
