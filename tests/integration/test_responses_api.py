@@ -344,13 +344,16 @@ def test_a_redis_that_does_not_answer_is_a_retryable_503(two_workers: list[Runni
                        load={"enabled": False}, affinity={"enabled": False})
     c = client(gw)
     created = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)  # its record cannot be written
+    gw.server.call(gw.server.app.state.gateway.responses.flush())  # the write has failed now
     with pytest.raises(openai.InternalServerError) as failed:
         c.responses.create(model="kimi-k3", input="More", previous_response_id=created.id, max_output_tokens=2)
     assert failed.value.status_code == 503
     assert failed.value.body["code"] == "response_store_unavailable"  # type: ignore[index]
     assert failed.value.body["param"] == "previous_response_id"  # type: ignore[index]
     assert gw.metric('kimi_gateway_response_affinity_total{result="store_error"}') == 1
-    assert gw.metric('kimi_gateway_redis_errors_total{op="response_lookup"}') == 1
+    # The failed write tripped the circuit breaker: the lookup answered at once, without trying Redis.
+    assert gw.metric('kimi_gateway_redis_errors_total{op="response_write"}') == 1
+    assert gw.metric('kimi_gateway_redis_errors_total{op="response_lookup"}') == 0
     assert sum(received(two_workers)) == 1
 
 
