@@ -18,8 +18,10 @@ from gateway.affinity.response_store import (
     ResponseStore,
     ResponseStoreUnavailable,
 )
+from gateway.auth.keys import Principal
 from gateway.config import ResponsesConfig
 from gateway.metrics import GatewayMetrics
+from gateway.routing.response_affinity import may_use
 from tests.support import OwnRedis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -149,3 +151,28 @@ async def test_a_dead_redis_is_skipped_after_its_first_failure(own_redis: OwnRed
     finally:
         await store.stop()
     assert (metrics.registry.get_sample_value("kimi_gateway_affinity_writes_dropped_total") or 0) >= 2
+
+
+@pytest.mark.anyio
+async def test_the_owning_key_is_stored_with_the_worker(store: ResponseStore) -> None:
+    owned = ResponseOwner("pool-a", "http://10.0.0.1:8000", "alice")
+    store.record("resp_owned", owned)
+    store.record("resp_open", OWNER)  # auth off: no owner
+    await store.flush()
+    assert await store.lookup("resp_owned") == owned
+    assert (await store.lookup("resp_open")) == OWNER and OWNER.principal is None
+
+
+def test_owner_encoding_and_who_may_use_it() -> None:
+    assert ResponseOwner.decode(ResponseOwner("p", "http://w:1", "alice").encode()) == ResponseOwner(
+        "p", "http://w:1", "alice")
+    # A value written before owners were recorded reads as unowned.
+    assert ResponseOwner.decode("p\nhttp://w:1") == ResponseOwner("p", "http://w:1", None)
+    assert ResponseOwner.decode("garbage") is None
+    alice = Principal("alice", frozenset({"user"}))
+    bob = Principal("bob", frozenset({"user"}))
+    ops = Principal("ops", frozenset({"user", "admin"}))
+    owned, unowned = ResponseOwner("p", "u", "alice"), ResponseOwner("p", "u", None)
+    assert may_use(alice, owned) and may_use(ops, owned) and may_use(None, owned)
+    assert not may_use(bob, owned)
+    assert may_use(ops, unowned) and may_use(None, unowned) and not may_use(alice, unowned)
