@@ -10,10 +10,11 @@ client's mistake, never a hang, and no engine request left open (in-flight gauge
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ from gateway.config import parse_config
 from gateway.protocol.anthropic import error_type
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
-from gateway.sim.config import SimConfig
+from gateway.sim.config import SimConfig, SimFaults
 from tests.integration.test_robustness_properties import (
     PROPERTY_SETTINGS,
     assert_openai_error_body,
@@ -33,7 +34,7 @@ from tests.integration.test_robustness_properties import (
     replace_at,
     safe_text,
 )
-from tests.support import pool
+from tests.support import RunningGateway, RunningSim, pool
 
 MAX_CONTEXT = 8192
 TIMEOUT = httpx.Timeout(10.0)
@@ -257,3 +258,94 @@ def test_a_turn_of_unmodelled_blocks_only_is_forwarded(target: Target) -> None:
             assert response.status_code == 200, response.text
             sent = [r for s in target.sims for r in s.app.engine.records if r.path == path]  # type: ignore[attr-defined]
             assert max(sent, key=lambda r: r.received_at).body["messages"] == body["messages"]
+
+
+# --- engines that fail mid-stream (their own sims and gateways) -----------------------------------
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+RESPONSE_START = [
+    b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_1","object":"response",'
+    b'"status":"in_progress","output":[]},"sequence_number":0}\n\n',
+    b'event: response.output_item.added\ndata: {"type":"response.output_item.added","output_index":0,"item":'
+    b'{"id":"m1","type":"message","role":"assistant","status":"in_progress","content":[]},"sequence_number":1}\n\n',
+    b'event: response.content_part.added\ndata: {"type":"response.content_part.added","item_id":"m1",'
+    b'"output_index":0,"content_index":0,"part":{"type":"output_text","text":"","annotations":[]},'
+    b'"sequence_number":2}\n\n',
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":"m1",'
+    b'"output_index":0,"content_index":0,"delta":"Hi","logprobs":[],"sequence_number":3}\n\n',
+]
+RESPONSE_ERROR = (b'event: error\ndata: {"type":"error","code":"server_error","message":"engine broke",'
+                  b'"param":null,"sequence_number":4}\n\n')
+MESSAGE_START = [
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":"message","role":'
+    b'"assistant","content":[],"model":"kimi-k3","stop_reason":null,"stop_sequence":null,'
+    b'"usage":{"input_tokens":3,"output_tokens":0}}}\n\n',
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+    b'"content_block":{"type":"text","text":""}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"Hi"}}\n\n',
+]
+MESSAGE_ERROR = b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"engine busy"}}\n\n'
+
+
+def raw_gateway(start_sim: StartSim, start_gateway: StartGateway, chunks: list[bytes]) -> RunningGateway:
+    sim = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks(chunks)))
+    return start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+
+
+def events_of(body: bytes) -> list[bytes]:
+    return [event for event in body.split(b"\n\n") if event.strip()]
+
+
+def test_a_responses_stream_cut_mid_way_ends_with_a_typed_error_event(start_sim: StartSim,
+                                                                      start_gateway: StartGateway) -> None:
+    """The Responses API's events are typed (`event: <type>`, data with `type`): the gateway's own
+    error event after a broken stream is one too (`error`, with `code` and `message`), and still
+    carries the OpenAI error object the openai SDK raises on."""
+    gw = raw_gateway(start_sim, start_gateway, RESPONSE_START)
+    body = {"model": "kimi-k3", "input": "Hi", "max_output_tokens": 5, "stream": True}
+    with httpx.stream("POST", gw.v1 + "/responses", json=body) as response:
+        received = response.read()
+    events = events_of(received)
+    assert received.startswith(b"".join(RESPONSE_START)) and len(events) == len(RESPONSE_START) + 1
+    name, data = events[-1].split(b"\n")
+    assert name == b"event: error"
+    error = json.loads(data.removeprefix(b"data: "))
+    assert error["type"] == "error" and error["code"] == "upstream_error" and "incomplete" in error["message"]
+    assert error["error"]["message"] == error["message"]
+    with pytest.raises(openai.APIError, match="incomplete"):
+        list(openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0).responses.create(
+            model="kimi-k3", input="Hi", max_output_tokens=5, stream=True))
+    gw.wait_until_idle()
+
+
+@pytest.mark.parametrize("path", ["/messages", "/responses"])
+def test_an_engines_own_error_event_mid_stream_is_the_last_event(start_sim: StartSim, start_gateway: StartGateway,
+                                                                 path: str) -> None:
+    """An engine that reports its failure in the stream (Anthropic's `event: error`, the Responses
+    API's `error` event) has said why the answer is incomplete: the client gets that event, once,
+    not followed by the gateway's own error; the worker is charged with the failure."""
+    anthropic_api = path == "/messages"
+    chunks = [*MESSAGE_START, MESSAGE_ERROR] if anthropic_api else [*RESPONSE_START, RESPONSE_ERROR]
+    gw = raw_gateway(start_sim, start_gateway, chunks)
+    body: dict[str, Any] = ({"model": "kimi-k3", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}
+                            if anthropic_api else {"model": "kimi-k3", "input": "Hi", "max_output_tokens": 5})
+    with httpx.stream("POST", gw.v1 + path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        received = response.read()
+    assert received == b"".join(chunks)
+    gw.wait_until_idle()
+    api = "messages" if anthropic_api else "responses"
+    assert gw.metric(f'kimi_gateway_requests_total{{api="{api}",pool="p",status_class="5xx"}}') == 1, \
+        "a stream the engine broke is counted as the upstream's failure"
+
+
+def test_a_non_streaming_messages_request_to_a_raw_stream_sim_gets_a_message(start_sim: StartSim,
+                                                                             start_gateway: StartGateway) -> None:
+    """The simulator's `raw_stream_chunks` fault is for streams only: a non-streaming Messages
+    request still gets an Anthropic `message` (it got a chat completion)."""
+    gw = raw_gateway(start_sim, start_gateway, MESSAGE_START)
+    answer = httpx.post(gw.v1 + "/messages", json={"model": "kimi-k3", "max_tokens": 2,
+                                                   "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert answer["type"] == "message" and answer["usage"]["output_tokens"] == 2
