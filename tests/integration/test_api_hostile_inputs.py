@@ -9,7 +9,9 @@ client's mistake, never a hang, and no engine request left open (in-flight gauge
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +36,7 @@ from tests.integration.test_robustness_properties import (
     replace_at,
     safe_text,
 )
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import GatewayProcess, RunningGateway, RunningSim, pool
 
 MAX_CONTEXT = 8192
 TIMEOUT = httpx.Timeout(10.0)
@@ -349,3 +351,48 @@ def test_a_non_streaming_messages_request_to_a_raw_stream_sim_gets_a_message(sta
     answer = httpx.post(gw.v1 + "/messages", json={"model": "kimi-k3", "max_tokens": 2,
                                                    "messages": [{"role": "user", "content": "Hi"}]}).json()
     assert answer["type"] == "message" and answer["usage"]["output_tokens"] == 2
+
+
+@pytest.mark.anyio
+async def test_messages_and_responses_cut_at_shutdown_end_in_their_own_shapes(
+        start_sim: StartSim, start_gateway_process: Callable[..., GatewayProcess]) -> None:
+    """Past the grace period the gateway ends what is still running (gateway/lifecycle.py): a
+    Messages stream with Anthropic's `event: error` (overloaded: retry elsewhere), a Messages
+    request still waiting with Anthropic's 529, a Responses stream with a typed `error` event."""
+    sim = start_sim("vllm", tpot_s=0.1)
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)],
+                               shutdown={"drain_delay": 0.2, "grace_period": 0.5})
+    hello = [{"role": "user", "content": "hi"}]
+    bodies = {"messages": {"model": "kimi-k3", "max_tokens": 500, "messages": hello, "stream": True},
+              "responses": {"model": "kimi-k3", "max_output_tokens": 500, "input": "hi", "stream": True}}
+    async with httpx.AsyncClient(timeout=30) as client:
+        flowing = {name: asyncio.Event() for name in bodies}
+
+        async def read(name: str) -> bytes:
+            received = b""
+            async with client.stream("POST", f"{gw.url}/v1/{name}", json=bodies[name]) as response:
+                assert response.status_code == 200
+                async for chunk in response.aiter_raw():
+                    received += chunk
+                    flowing[name].set()
+            return received
+
+        streams = {name: asyncio.create_task(read(name)) for name in bodies}
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in flowing.values())), timeout=10)
+        waiting = asyncio.create_task(client.post(gw.url + "/v1/messages", json={
+            "model": "kimi-k3", "max_tokens": 5, "messages": hello, "x_sim_faults": {"hang_before_headers": True}}))
+        await sim.engine.async_wait_for(lambda: len(sim.engine.records) == 3)
+        gw.proc.send_signal(signal.SIGTERM)
+        assert await gw.wait_exit(timeout=10) == 0
+        messages = await asyncio.wait_for(streams["messages"], timeout=5)
+        responses = await asyncio.wait_for(streams["responses"], timeout=5)
+        answer = await asyncio.wait_for(waiting, timeout=5)
+    name, data = events_of(messages)[-1].split(b"\n")
+    assert name == b"event: error", messages[-300:]
+    assert json.loads(data.removeprefix(b"data: "))["error"]["type"] == "overloaded_error"
+    name, data = events_of(responses)[-1].split(b"\n")
+    assert name == b"event: error", responses[-300:]
+    assert json.loads(data.removeprefix(b"data: "))["code"] == "shutting_down"
+    assert answer.status_code == 529 and answer.headers["retry-after"] == "1", answer.text
+    assert answer.json()["type"] == "error" and answer.json()["error"]["type"] == "overloaded_error"
+    assert answer.json()["request_id"] == answer.headers["request-id"] == answer.headers["x-request-id"]
