@@ -403,3 +403,15 @@ async def test_messages_and_responses_cut_at_shutdown_end_in_their_own_shapes(
     assert answer.status_code == 529 and answer.headers["retry-after"] == "1", answer.text
     assert answer.json()["type"] == "error" and answer.json()["error"]["type"] == "overloaded_error"
     assert answer.json()["request_id"] == answer.headers["request-id"] == answer.headers["x-request-id"]
+
+
+def test_unknown_paths_under_messages_answer_anthropics_404(target: Target) -> None:
+    """`/v1/messages/batches` (Anthropic's batch API, not served) and `/v1/messages/` are unknown
+    paths under the Anthropic endpoints: a 404 in Anthropic's shape, which its SDK reads."""
+    for path in ("/v1/messages/batches", "/v1/messages/", "/v1/messages/batches/msgbatch_1/results"):
+        response = target.client.post(path, json={"requests": []})
+        assert response.status_code == 404, response.text
+        body = response.json()
+        assert body["type"] == "error" and body["error"]["type"] == "not_found_error", body
+        assert path in body["error"]["message"]
+    assert "error" in target.client.post("/v1/nothing", json={}).json()  # elsewhere: OpenAI's shape
