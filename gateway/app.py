@@ -13,13 +13,14 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api import admin, models, ops, stored_responses
-from gateway.api.anthropic_errors import AnthropicEndpoint
+from gateway.api.anthropic_errors import AnthropicEndpoint, anthropic_error
 from gateway.api.proxy import ProxyEndpoint
-from gateway.api.responses import JSONResponse, error_response
+from gateway.api.responses import error_response
 from gateway.auth.middleware import http_middleware
 from gateway.config import GatewayConfig
 from gateway.dispatch import ProxyService
@@ -27,14 +28,22 @@ from gateway.errors import GatewayError, MethodNotAllowed, NotFound
 from gateway.state import AppState
 
 
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """The router's 404 / 405: OpenAI's error shape, Anthropic's under `/v1/messages` (an Anthropic
+    SDK calling an endpoint the gateway does not serve, such as the batch API)."""
     status = getattr(exc, "status_code", 500)
+    error: GatewayError
     if status == 404:
-        return error_response(NotFound(f"Unknown path {request.url.path}."))
-    if status == 405:
-        return error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.",
-                                               headers=dict(getattr(exc, "headers", None) or {})))
-    return error_response(GatewayError(str(getattr(exc, "detail", "error"))))
+        error = NotFound(f"Unknown path {request.url.path}.")
+    elif status == 405:
+        error = MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.",
+                                 headers=dict(getattr(exc, "headers", None) or {}))
+    else:
+        error = GatewayError(str(getattr(exc, "detail", "error")))
+    if request.url.path.startswith("/v1/messages"):
+        status, body = anthropic_error(error.status, error.to_bytes(), None)
+        return Response(body, status_code=status, headers=error.headers, media_type="application/json")
+    return error_response(error)
 
 
 def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir: str | None = None,
