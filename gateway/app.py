@@ -16,9 +16,11 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api import admin, models, ops, stored_responses
+from gateway.api.anthropic_errors import anthropic_error
 from gateway.api.proxied import PROXIED_ROUTES, ProxiedApps, ProxiedRoute, add_proxied_paths, proxied_apps
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
@@ -28,14 +30,22 @@ from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, NotFo
 from gateway.state import AppState
 
 
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """The router's 404 / 405: OpenAI's error shape, Anthropic's under `/v1/messages` (an Anthropic
+    SDK calling an endpoint the gateway does not serve, such as the batch API)."""
     status = getattr(exc, "status_code", 500)
+    error: GatewayError
     if status == 404:
-        return error_response(NotFound(f"Unknown path {request.url.path}."))
-    if status == 405:
-        return error_response(MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.",
-                                               headers=dict(getattr(exc, "headers", None) or {})))
-    return error_response(GatewayError(str(getattr(exc, "detail", "error"))))
+        error = NotFound(f"Unknown path {request.url.path}.")
+    elif status == 405:
+        error = MethodNotAllowed(f"Method {request.method} is not allowed on {request.url.path}.",
+                                 headers=dict(getattr(exc, "headers", None) or {}))
+    else:
+        error = GatewayError(str(getattr(exc, "detail", "error")))
+    if request.url.path.startswith("/v1/messages"):
+        status, body = anthropic_error(error.status, error.to_bytes(), None)
+        return Response(body, status_code=status, headers=error.headers, media_type="application/json")
+    return error_response(error)
 
 
 async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:

@@ -217,6 +217,7 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         parts: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []
         reasoning: list[str] = []
+        results = 0
         for block in content:
             if isinstance(block, TextBlock):
                 parts.append({"type": "text", "text": block.text})
@@ -228,10 +229,12 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
             elif isinstance(block, ToolResultBlock):
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
                                  "content": _tool_content(block.content)})
+                results += 1
             elif isinstance(block, ThinkingBlock):
                 reasoning.append(block.thinking)
-        if not parts and not calls and not reasoning:
+        if results and not parts and not calls and not reasoning:
             continue  # a user turn of tool results only
+        # A turn of unmodelled blocks only (a PDF `document`) stays, empty: the engine reads it.
         message: dict[str, Any] = {"role": turn.role, "content": parts or ("" if turn.role == "user" else None)}
         if len(parts) == 1 and parts[0]["type"] == "text":
             message["content"] = parts[0]["text"]  # one text block renders as a plain string turn

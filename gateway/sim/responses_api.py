@@ -27,8 +27,8 @@ of `max_model_len` tokens or more (`The engine prompt length N exceeds the max_m
 clamps the output to the room left (`ResponsesRequest.to_sampling_params`); the SGLang dialect
 refuses prompt + output over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
 prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`fail_status`,
-`hang_before_headers`, `black_hole`, `drop_after_chunks`, global or per request in `x_sim_faults`)
-are chat's (`generation.py`).
+`hang_before_headers`, `black_hole`, `drop_after_chunks`, `raw_stream_chunks`, global or per request in
+`x_sim_faults`) are chat's (`generation.py`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
-from gateway.sim.generation import _DropConnection, _fail, _Responder
+from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _fail, _Responder
 from gateway.sim.tokens import PromptError, chat_prompt_tokens, output_token
 from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
@@ -208,6 +208,10 @@ class ResponsesServer:
         response = _response_object(body, engine.config.model_name, prior)
         events = _EventWriter(responder)
         try:
+            if stream and faults.raw_stream_chunks is not None:
+                await _send_raw(engine, record, responder, watch, faults)
+                reason = "stop"
+                return
             if stream:
                 await responder.start(200, SSE_HEADERS)
                 await events.send("response.created", response=response)
@@ -255,6 +259,18 @@ class ResponsesServer:
             reason = "length" if limit is not None else "stop"
         finally:
             engine.stop_running(active, reason)
+
+
+async def _send_raw(engine: SimEngine, record: SimRequestRecord, responder: _Responder, watch: DisconnectWatch,
+                    faults: SimFaults) -> None:
+    """`raw_stream_chunks`: exactly the configured bytes, one write per chunk, ~20 ms apart (as chat's)."""
+    engine.update(record, fault="raw_stream_chunks")
+    await responder.start(200, SSE_HEADERS)
+    for i, chunk in enumerate(faults.raw_chunk_bytes() or []):
+        if i > 0:
+            await watch.sleep(RAW_CHUNK_PAUSE_S)
+        await responder.event(chunk)
+    await responder.body(b"", more=False)
 
 
 class _EventWriter:
