@@ -16,13 +16,14 @@ from starlette.requests import Request
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api import admin, models, ops
+from gateway.api import admin, models, ops, stored_responses
+from gateway.api.anthropic_errors import AnthropicEndpoint
 from gateway.api.proxy import ProxyEndpoint
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
 from gateway.config import GatewayConfig
+from gateway.dispatch import ProxyService
 from gateway.errors import GatewayError, MethodNotAllowed, NotFound
-from gateway.service import ProxyService
 from gateway.state import AppState
 
 
@@ -59,13 +60,19 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
     routes = [
         Route("/v1/models", models.list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", models.retrieve_model, methods=["GET"]),
+        Route("/v1/responses/{response_id}", stored_responses.retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", stored_responses.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", stored_responses.cancel_response, methods=["POST"]),
         Route("/health", ops.health, methods=["GET"]),
         Route("/ready", ops.ready, methods=["GET"]),
         Route("/metrics", ops.metrics, methods=["GET"]),
         *admin.routes(),  # /admin/* (admin scope when auth is on) and the /dashboard status page
     ]
     middleware = http_middleware(config)  # CORS, then /v1/* auth (gateway/auth/middleware.py)
-    proxied = {"/v1/chat/completions": ProxyEndpoint("chat"), "/v1/completions": ProxyEndpoint("completions")}
+    proxied = {"/v1/chat/completions": ProxyEndpoint("chat"), "/v1/completions": ProxyEndpoint("completions"),
+               "/v1/messages": AnthropicEndpoint("messages"),
+               "/v1/messages/count_tokens": AnthropicEndpoint("count_tokens"),
+               "/v1/responses": ProxyEndpoint("responses")}
     app = GatewayApp({path: _wrapped(endpoint, middleware) for path, endpoint in proxied.items()},
                      routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error},
                      middleware=middleware)

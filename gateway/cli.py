@@ -106,7 +106,10 @@ def cmd_sim(args: argparse.Namespace) -> None:
             ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"],
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity,
             prefill_tokens_per_s=args.prefill_rate, api_key=args.api_key, api_key_scope=args.api_key_scope,
-            keep_alive_s=args.keep_alive, log_level="warning")
+            keep_alive_s=args.keep_alive, log_level="warning", pd_role=args.pd_role,
+            pd_protocol=args.pd_protocol, bootstrap_port=args.bootstrap_port,
+            pd_wait_timeout_s=args.pd_wait_timeout, kv_transfer_tokens_per_s=args.kv_transfer_rate,
+            kv_load_failure_policy=args.kv_load_failure_policy)
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -176,6 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
                           "/health and /metrics) or every path (an authenticating proxy in front)")
     sim.add_argument("--keep-alive", type=float, default=5.0,
                      help="seconds an idle connection stays open (uvicorn's timeout_keep_alive)")
+    sim.add_argument("--pd-role", choices=["prefill", "decode"],
+                     help="prefill/decode disaggregation role (needs --pd-protocol)")
+    sim.add_argument("--pd-protocol", choices=["sglang", "vllm-nixl", "vllm-mooncake"],
+                     help="KV hand-over protocol: SGLang bootstrap rooms (--engine sglang) or vLLM's "
+                          "kv_transfer_params with the NIXL or Mooncake connector (--engine vllm/ascend)")
+    sim.add_argument("--bootstrap-port", type=int,
+                     help="SGLang / vLLM Mooncake prefill: also listen here for bootstrap calls")
+    sim.add_argument("--pd-wait-timeout", type=float, default=300.0,
+                     help="SGLang: seconds a decode worker waits for its room's KV (and a prefill "
+                          "worker for its decode partner)")
+    sim.add_argument("--kv-transfer-rate", type=float,
+                     help="decode: KV tokens received per second (default: instant)")
+    sim.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail",
+                     help="vLLM decode: what a failed KV read does (vLLM's kv_load_failure_policy)")
     sim.set_defaults(func=cmd_sim)
 
     engine = sub.add_parser("engine", help="run a real llama.cpp CPU worker (SmolLM2-135M)")

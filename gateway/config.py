@@ -138,6 +138,9 @@ class PoolConfig(_Strict):
         default=None, min_length=1, description="name the engines serve the model under; `model` is rewritten to it"
     )
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
+    apis: list[Literal["chat", "completions", "messages", "count_tokens", "responses"]] | None = Field(
+        default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
+        "versions the gateway knows (gateway/backends/engine_kinds.py); set it for an older engine version")
     default_output_tokens: int = Field(
         default=1024, ge=0, description="tokens reserved for output when the request sets no max_tokens"
     )
@@ -389,6 +392,22 @@ class AffinityConfig(_Strict):
     )
 
 
+class ResponsesConfig(_Strict):
+    """Stored-response affinity for the Responses API (gateway/affinity/response_store.py): which
+    worker holds each stored response, so follow-ups (`previous_response_id`, GET/DELETE/cancel by
+    id) reach it. In Redis when `redis_url` is set (shared by replicas), else in this process."""
+
+    store_ttl: float = Field(
+        default=86_400, ge=1,
+        description="seconds a response id -> worker record lives (the engine keeps the response until it restarts)",
+    )
+    key_prefix: str = Field(default="kgw:resp", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
+    lookup_timeout: float = Field(default=0.05, gt=0,
+                                  description="seconds; a slower Redis lookup answers 503 response_store_unavailable")
+    write_queue: int = Field(default=10000, ge=1, description="pending writes before new ones are dropped")
+    memory_max_entries: int = Field(default=200_000, ge=1, description="in-process store size bound")
+
+
 class LoadConfig(_Strict):
     """Scraping each engine's own /metrics for load (running, waiting, KV usage)."""
 
@@ -628,6 +647,7 @@ class GatewayConfig(_Strict):
     estimation: EstimationConfig = Field(default_factory=EstimationConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)
     load: LoadConfig = Field(default_factory=LoadConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)

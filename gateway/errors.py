@@ -71,6 +71,14 @@ class NotFound(GatewayError):
     code = "not_found"
 
 
+class ApiNotServed(GatewayError):
+    """404: no pool's engines serve the request's API (e.g. Anthropic's Messages on MindIE pools)."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "api_not_served"
+
+
 class MethodNotAllowed(GatewayError):
     status = 405
     error_type = "invalid_request_error"

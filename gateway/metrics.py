@@ -140,6 +140,9 @@ class GatewayMetrics:
                                               registry=r)
         self.affinity_writes_dropped = Counter("kimi_gateway_affinity_writes_dropped",
                                                "Affinity records dropped (queue full or Redis down).", registry=r)
+        self.response_affinity = Counter("kimi_gateway_response_affinity",
+                                         "Responses API follow-ups by stored-response lookup (result: hit, unknown, "
+                                         "worker_gone, worker_unavailable, store_error).", ["result"], registry=r)
         self.redis_errors = Counter("kimi_gateway_redis_errors", "Redis calls that failed or timed out.", ["op"],
                                     registry=r)
         self.redis_up: Gauge | None = None  # created by `track_redis()`: absent without Redis

@@ -39,14 +39,26 @@ from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
+from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, to_chat
 from gateway.protocol.body import decode_json_object
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
-from gateway.routing.features import Api, RoutingRequest, chat_features, completion_features, image_urls
+from gateway.protocol.responses import ResponsesRequest
+from gateway.routing.features import (
+    AnthropicWire,
+    Api,
+    RoutingRequest,
+    chat_features,
+    completion_features,
+    image_urls,
+    messages_features,
+    response_image_urls,
+    responses_features,
+)
 from gateway.routing.pools import fitting_pools
 from gateway.routing.tokens import TokenEstimator
 
 T = TypeVar("T")
-Wire = ChatCompletionRequest | CompletionRequest
+Wire = ChatCompletionRequest | CompletionRequest | AnthropicWire | ResponsesRequest
 
 CHARS_PER_TOKEN_MAX = 8
 """No text estimate counts more characters a token than this (the estimator's least rate by default
@@ -173,22 +185,40 @@ class BodyParser:
     def validate(self, api: Api, payload: dict[str, Any]) -> tuple[Wire, str, list[str]]:
         """The wire model, the model's canonical name, and (chat, with image fetching on) the image
         URLs to measure. Raises InvalidRequest, ModelNotFound."""
+        wire: Wire
         try:
-            wire = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(payload)
+            if api == "messages" or api == "count_tokens":
+                anthropic = (MessagesRequest if api == "messages" else CountTokensRequest).model_validate(payload)
+                wire = AnthropicWire(api, ChatCompletionRequest.model_validate(to_chat(anthropic)))
+            elif api == "responses":
+                wire = ResponsesRequest.model_validate(payload)
+            else:
+                wire = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(payload)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
             raise InvalidRequest(message, param=param) from None
-        model = self.models.get(wire.model.lower())
+        name = wire.chat.model if isinstance(wire, AnthropicWire) else wire.model
+        model = self.models.get(name.lower())
         if model is None:
-            raise ModelNotFound(f"The model `{wire.model[:200]}` does not exist or you do not have access to it.",
+            raise ModelNotFound(f"The model `{name[:200]}` does not exist or you do not have access to it.",
                                 param="model")
-        urls = image_urls(wire) if isinstance(wire, ChatCompletionRequest) and self.config.image_fetch.enabled else []
+        chat = wire.chat if isinstance(wire, AnthropicWire) else wire
+        urls: list[str] = []
+        if self.config.image_fetch.enabled:
+            if isinstance(chat, ChatCompletionRequest):
+                urls = image_urls(chat)
+            elif isinstance(chat, ResponsesRequest):
+                urls = response_image_urls(chat)
         return wire, model, urls
 
     def features(self, wire: Wire, model: str, session: str | None,
                  measured: Mapping[str, tuple[int, int]] | None) -> RoutingRequest:
         if isinstance(wire, ChatCompletionRequest):
             return chat_features(wire, model, self.estimator, self.hasher, session, measured)
+        if isinstance(wire, AnthropicWire):
+            return messages_features(wire, model, self.estimator, self.hasher, session, measured)
+        if isinstance(wire, ResponsesRequest):
+            return responses_features(wire, model, self.estimator, self.hasher, session, measured)
         return completion_features(wire, model, self.estimator, self.hasher, session)
 
     def parse(self, api: Api, body: bytes, session: str | None,
@@ -211,7 +241,9 @@ class BodyParser:
         """The count limits, then the lower bound of the tokens (module docstring); returns the
         body's size in items. Linear in the number of messages and parts."""
         config = self.config
-        if api == "chat":
+        if api == "responses":
+            return self._check_responses_size(payload)
+        if api != "completions":  # chat, and Anthropic's messages (its `system` is not counted: a lower bound)
             messages = payload.get("messages")
             if not isinstance(messages, list):
                 return 0
@@ -244,12 +276,34 @@ class BodyParser:
         self._check_floor(payload, "prompt", 0, 0, longest)
         return ids
 
+    def _check_responses_size(self, payload: dict[str, Any]) -> int:
+        """`check_size` for a Responses body: its input items count as messages, their content parts
+        as parts; the floor counts the text of `instructions`, string inputs and text parts."""
+        config = self.config
+        value = payload.get("input")
+        instructions = payload.get("instructions")
+        chars = len(instructions) if isinstance(instructions, str) else 0
+        if isinstance(value, str):
+            self._check_floor(payload, "input", chars + len(value), 0, 0)
+            return 1
+        if not isinstance(value, list):
+            return 0
+        if len(value) > config.max_messages:
+            raise InvalidRequest(f"Too many input items: {len(value)}; the limit is {config.max_messages}.",
+                                 param="input", code="too_many_messages")
+        text, images, parts = _chat_counts(value, "input_text", "input_image")
+        if parts > config.max_content_parts:
+            raise InvalidRequest(f"Too many content parts: {parts}; the limit is {config.max_content_parts}.",
+                                 param="input", code="too_many_content_parts")
+        self._check_floor(payload, "input", chars + text, images, 0)
+        return len(value) + parts
+
     def _check_floor(self, payload: dict[str, Any], param: str, chars: int, images: int, tokens: int) -> None:
         """ContextLengthExceeded when `chars` characters of text, `images` images and `tokens` more
         tokens (+ the template's, for chat, + the output limit) cannot fit the largest pool."""
         estimation = self.config.estimation
         floor = tokens + chars // self._chars_per_token + images * self._image_floor
-        output = payload.get("max_tokens")
+        output = payload.get("max_output_tokens" if param == "input" else "max_tokens")
         if param == "messages":
             floor += estimation.tokens_per_request + estimation.tokens_per_message * len(payload["messages"])
             if payload.get("max_completion_tokens") is not None:
@@ -263,7 +317,7 @@ class BodyParser:
                 "length of the messages or the output limit.", param=param)
 
 
-def _chat_counts(messages: list[Any]) -> tuple[int, int, int]:
+def _chat_counts(messages: list[Any], text_type: str = "text", image_type: str = "image_url") -> tuple[int, int, int]:
     """(text characters, image parts, content parts) of a chat body's messages, from the decoded
     JSON before validation (anything not shaped as expected counts nothing: validation refuses it)."""
     chars = images = parts = 0
@@ -275,10 +329,10 @@ def _chat_counts(messages: list[Any]) -> tuple[int, int, int]:
             parts += len(content)
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text":
+                if kind == text_type:
                     text = part.get("text")
                     chars += len(text) if isinstance(text, str) else 0
-                elif kind == "image_url":
+                elif kind == image_type:
                     images += 1
     return chars, images, parts
 

@@ -75,6 +75,7 @@ class RequestRecord:
     pool: str = NO_POOL
     worker: str | None = None
     reason: str | None = None
+    skipped_pools: list[str] | None = None  # pools that fit but whose engines do not serve `api`
     attempts: int = 0
     status: int = 0
     stream: bool = False

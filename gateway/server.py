@@ -98,18 +98,32 @@ class QuietServer(uvicorn.Server):
         yield
 
 
-async def serve_many(servers: list[QuietServer]) -> None:
-    """Serve several servers in the current event loop; SIGINT/SIGTERM stop all of them."""
+async def serve_many(servers: list[QuietServer], start_last_after_others: bool = False) -> None:
+    """Serve several servers in the current event loop; SIGINT/SIGTERM stop all of them.
+
+    With `start_last_after_others`, the last server starts only once the others listen (the demo's
+    gateway: its first health probe then finds its workers instead of waiting a probe interval)."""
     loop = asyncio.get_running_loop()
 
     def stop_all() -> None:
         for server in servers:
             server.should_exit = True
 
+    async def serve_last(last: QuietServer, others: list[QuietServer]) -> None:
+        while not all(s.started for s in others):  # bounded: uvicorn sets should_exit when a bind fails
+            if any(s.should_exit for s in others):
+                return
+            await asyncio.sleep(0.01)
+        await last.serve()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_all)
     try:
-        await asyncio.gather(*(s.serve() for s in servers))
+        if start_last_after_others and len(servers) > 1:
+            *others, last = servers
+            await asyncio.gather(*(s.serve() for s in others), serve_last(last, others))
+        else:
+            await asyncio.gather(*(s.serve() for s in servers))
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

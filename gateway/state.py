@@ -10,6 +10,7 @@ import httpx
 
 from gateway.affinity.hashing import PrefixHasher
 from gateway.affinity.redis_store import RedisAffinityStore
+from gateway.affinity.response_store import ResponseStore, build_response_store
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
 from gateway.auth.guard import AuthGuard
 from gateway.backends.client import UpstreamClient, build_control_client
@@ -51,6 +52,8 @@ class AppState:
     """Operator drains (admin API), shared through Redis when `redis_url` is set."""
     hasher: PrefixHasher | None = None
     affinity: AffinityStore | None = None
+    responses: ResponseStore | None = None
+    """Stored Responses API response id -> owning worker (gateway/affinity/response_store.py)."""
     auth: AuthGuard | None = None
     """API keys, scopes and per-key quotas; None when `auth.enabled` is false."""
     images: ImageFetcher | None = None
@@ -110,7 +113,9 @@ class AppState:
                    health=HealthChecker(registry, http, config.health, metrics, config.pools, config.model.name),
                    load=LoadScraper(registry, http, config.load, metrics, config.pools),
                    drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),
-                   hasher=hasher, affinity=affinity, auth=AuthGuard.build(config, metrics),
+                   hasher=hasher, affinity=affinity,
+                   responses=build_response_store(config.redis_url, config.responses, metrics),
+                   auth=AuthGuard.build(config, metrics),
                    images=images, tracing=Tracing(config.tracing) if config.tracing.otlp_endpoint else None,
                    started_unix=int(time.time()), config_path=config_path)
 
@@ -123,6 +128,8 @@ class AppState:
         self.sweeper.start()
         if self.affinity is not None:
             await self.affinity.start()
+        if self.responses is not None:
+            await self.responses.start()
         if self.auth is not None:
             await self.auth.start()
         await self.drains.start()
@@ -144,6 +151,8 @@ class AppState:
         await self.load.loop.stop()
         if self.affinity is not None:
             await self.affinity.stop()
+        if self.responses is not None:
+            await self.responses.stop()
         if self.auth is not None:
             await self.auth.stop()
         if self.images is not None:

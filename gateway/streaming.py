@@ -13,7 +13,7 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
 
@@ -32,6 +32,8 @@ from gateway.backends.engine_kinds import is_context_too_long
 from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
 from gateway.metrics import GatewayMetrics
+from gateway.protocol.anthropic import ERROR_STATUS
+from gateway.protocol.responses import ERROR_EVENTS, PREAMBLE_EVENTS
 from gateway.protocol.sse import SSETap, event_end, sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
 
@@ -80,23 +82,16 @@ class AttemptFailed(Exception):
 
 
 class Lease:
-    """An attempt's resources: this replica's in-flight count on a worker and a slot of its pool
-    (released exactly once), and, once it is open, the upstream response (`response`).
+    """One leg's slot: this replica's in-flight count on a worker and a slot of its pool, taken at
+    creation and released exactly once (`release`, idempotent). Owned by a `Holding`."""
 
-    The attempt owns them until it hands them over (`hand_over`) to the `UpstreamStream` that
-    relays the answer, which then releases both in its `aclose`; `handed_over` tells the attempt's
-    cleanup whether they are still its own.
-    """
-
-    __slots__ = ("_gate", "_metrics", "_released", "handed_over", "response", "worker")
+    __slots__ = ("_gate", "_metrics", "_released", "worker")
 
     def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate) -> None:
         self.worker = worker
         self._metrics = metrics
         self._gate = gate
         self._released = False
-        self.handed_over = False
-        self.response: UpstreamResponse | None = None
         worker.in_flight += 1
         gate.acquired()
         metrics.in_flight.labels(worker.pool, worker.id).inc()
@@ -108,9 +103,68 @@ class Lease:
             self._gate.released()
             self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
 
-    def hand_over(self) -> None:
-        """The slot and the response belong to their next owner from now on (it releases them)."""
-        self.handed_over = True
+
+class Holding:
+    """Everything an attempt holds, released together on every exit path: the slots of its legs
+    (`Lease`, one per worker it uses) and the upstream responses it opened.
+
+    One owner at a time: the attempt holds it while it waits for the engine; on success `hand_over()`
+    moves the whole content into a new Holding for the next owner (the `UpstreamStream` that relays
+    the answer) and leaves this one empty, so the attempt's own cleanup (`if holding: await
+    holding.aclose()`) then has nothing to release. `aclose()` frees the slots first (a waiter may
+    take one), then closes the responses (which makes an engine abort an unfinished request); it is
+    idempotent, and closing a response twice is harmless (`first_content` may have closed it).
+    """
+
+    __slots__ = ("_leases", "_responses")
+
+    def __init__(self) -> None:
+        self._leases: list[Lease] = []
+        self._responses: list[UpstreamResponse] = []
+
+    def __bool__(self) -> bool:
+        """Whether anything is still held (a cheap test before awaiting `aclose`)."""
+        return bool(self._leases or self._responses)
+
+    def lease(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate) -> Lease:
+        """Take a slot on `worker` (and its pool's `gate`), held until this Holding is closed."""
+        lease = Lease(worker, metrics, gate)
+        self._leases.append(lease)
+        return lease
+
+    def opened(self, response: UpstreamResponse) -> UpstreamResponse:
+        """Hold an upstream response just opened (closed with this Holding); returns it."""
+        self._responses.append(response)
+        return response
+
+    def hand_over(self) -> Holding:
+        """Move everything held to a new Holding (the next owner's) and hold nothing from now on."""
+        moved = Holding()
+        moved._leases, self._leases = self._leases, []
+        moved._responses, self._responses = self._responses, []
+        return moved
+
+    def aclose(self) -> Awaitable[None]:
+        """Release the slots now; return the closing of the responses, to await at once (a single
+        response's own `aclose()`, so a Holding adds no coroutine of its own to the request path).
+        Empty afterwards. Closing the responses goes on when one of them fails to close."""
+        leases, self._leases = self._leases, []
+        responses, self._responses = self._responses, []
+        for lease in leases:
+            lease.release()
+        return responses[0].aclose() if len(responses) == 1 else _close_all(responses)
+
+
+async def _close_all(responses: list[UpstreamResponse]) -> None:
+    """Close every response (a two-leg attempt's), raising the first failure after trying all."""
+    failure: Exception | None = None
+    for response in responses:
+        try:
+            await response.aclose()
+        except Exception as exc:
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 def _classify_transport_error(exc: BaseException) -> Outcome:
@@ -216,6 +270,10 @@ class Held(StrEnum):
 
 
 _EMPTY_VALUES: tuple[object, ...] = (None, "", [], {})
+# Anthropic's stream opens with `message_start` (the message shell and input usage) and `ping`s:
+# nothing for the client yet. Content starts with the first `content_block_start` (text, thinking
+# or tool_use); an `error` event is an error (https://docs.claude.com/en/docs/build-with-claude/streaming).
+_ANTHROPIC_EMPTY = frozenset({"message_start", "ping"})
 
 
 def classify_event(event: bytes) -> tuple[Held, bytes]:
@@ -225,7 +283,8 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
     Content-less: comments only (`: keep-alive`), or chunks whose every choice has no finish
     reason, no `text`, and a delta of `role` and empty fields only (content, reasoning, tool calls:
     null, "", [] or {}; OpenAI's chat chunk format, and vLLM and SGLang open a stream with
-    `{"role": "assistant", "content": ""}`). Anything else counts as content, so an unknown shape
+    `{"role": "assistant", "content": ""}`); Anthropic's `message_start` and `ping` events. Anything
+    else counts as content (Anthropic's from its first `content_block_start`), so an unknown shape
     is never held back.
     """
     data = b"\n".join(line[5:].lstrip(b" ") for line in event.splitlines() if line.startswith(b"data:"))
@@ -241,6 +300,12 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
         return Held.CONTENT, data
     if "error" in chunk:
         return Held.ERROR, data
+    kind = chunk.get("type")
+    if kind is not None and "choices" not in chunk:
+        # Anthropic's events (content from the first block on) and the Responses API's (protocol/responses.py)
+        if kind in _ANTHROPIC_EMPTY or kind in PREAMBLE_EVENTS:
+            return Held.EMPTY, data
+        return (Held.ERROR if kind in ERROR_EVENTS else Held.CONTENT), data
     choices = chunk.get("choices")
     if not isinstance(choices, list) or not choices or chunk.get("usage") not in (None, {}):
         return Held.CONTENT, data  # `choices: []` is the usage chunk at the end
@@ -342,6 +407,8 @@ def _error_event(payload: bytes) -> AttemptFailed:
                              answered=True)
     error = orjson.loads(payload).get("error")
     code = error.get("code") if isinstance(error, dict) else None
+    if code is None and isinstance(error, dict):  # Anthropic's error event names its type, not a status
+        code = ERROR_STATUS.get(error.get("type"))  # type: ignore[arg-type]
     if isinstance(code, int) and 400 <= code < 500 and code not in (401, 403, 407, 429):
         return AttemptFailed(Outcome.CLIENT_ERROR, f"engine answered with an in-stream error {code}", code, payload,
                              answered=True)
@@ -375,12 +442,13 @@ class UpstreamStream:
 
     `waiting` says the response was committed before the engine's first content (a prefill longer
     than `timeouts.hold_headers`): until its next byte arrives, an SSE comment goes out every
-    `keepalive_interval` seconds (None: none). Owns the upstream response and the worker lease;
-    `aclose()` (idempotent, also safe when the body was never iterated) closes both. Facts for
+    `keepalive_interval` seconds (None: none). Owns the attempt's `Holding` (its slots and the
+    upstream `response`, among any other legs' responses); `aclose()` (idempotent, also safe when
+    the body was never iterated) releases them all. Facts for
     the record: first byte time, usage, outcome.
     """
 
-    def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], lease: Lease,
+    def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], holding: Holding,
                  record: RequestRecord, waiting: bool = False, keepalive_interval: float | None = None,
                  on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False) -> None:
         self.response = response
@@ -389,7 +457,7 @@ class UpstreamStream:
         self._waiting = waiting
         self._keepalive = keepalive_interval
         self._rest = rest
-        self._lease = lease
+        self._holding = holding
         self._record = record
         self._closed = False
         self.tap = SSETap()
@@ -445,8 +513,9 @@ class UpstreamStream:
                     break
             tap.end()
             if self.sse and not tap.done:
-                self._broken("the stream ended without data: [DONE]")
-                yield sse_error_event("The inference server ended the stream early; the response is incomplete.")
+                self._broken("the stream ended without its last event (data: [DONE] or event: message_stop)")
+                yield sse_error_event("The inference server ended the stream early; the response is incomplete.",
+                                      api=self._record.api)
             else:
                 if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
                     yield self._patched(carry)
@@ -459,7 +528,7 @@ class UpstreamStream:
                 return  # the answer was complete; only the connection's end was untidy
             self._broken(f"{type(exc).__name__} mid-stream after {tap.events} events")
             yield sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
-                                  "the response is incomplete.")
+                                  "the response is incomplete.", api=self._record.api)
         finally:
             await self.aclose()
 
@@ -484,9 +553,8 @@ class UpstreamStream:
             return
         self._closed = True
         try:
-            await self.response.aclose()
+            await self._holding.aclose()
         finally:
-            self._lease.release()
             self._record.usage = self.tap.usage or self._record.usage
 
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import AUTH_ERROR, principal_of
+from gateway.dispatch import BufferedResponse, ProxyService, RelayResponse
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -31,7 +32,6 @@ from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.request_head import SEND_STALLED
 from gateway.routing.features import Api
-from gateway.service import BufferedResponse, ProxyService, RelayResponse
 
 log = logging.getLogger("gateway.api")
 
@@ -191,7 +191,7 @@ class _HangUpWatch:
 
 
 class ProxyEndpoint:
-    """ASGI app for `POST /v1/chat/completions` or `POST /v1/completions`."""
+    """ASGI app for `POST /v1/chat/completions`, `POST /v1/completions` or `POST /v1/responses`."""
 
     records_auth_errors = True  # the auth middleware hands refusals here (`AUTH_ERROR`) to be recorded
 
@@ -336,5 +336,6 @@ class ProxyEndpoint:
                 return
             tail = b""
             if result.stream.sse:
-                tail = sse_error_event(message + " The response is incomplete.", code="request_timeout")
+                tail = sse_error_event(message + " The response is incomplete.", code="request_timeout",
+                                       api=record.api)
             await send({"type": "http.response.body", "body": tail, "more_body": False})

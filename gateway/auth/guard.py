@@ -87,14 +87,22 @@ class AuthGuard:
         return principal
 
     def authenticate_headers(self, headers: Iterable[tuple[bytes, bytes]]) -> Principal:
-        """The principal of an ASGI request's headers (lower-case names). Raises InvalidApiKey (401),
-        also for more than one `Authorization` header: a proxy that kept the other one would see
+        """The principal of an ASGI request's headers (lower-case names): the key of its
+        `Authorization: Bearer` or `x-api-key` header. Raises InvalidApiKey (401), also for more
+        than one such header with different values: a proxy that kept the other one would see
         another caller."""
         values = [value for name, value in headers if name == b"authorization"]
-        if len(values) > 1:
+        # Anthropic's SDKs send the key as `x-api-key` (https://docs.claude.com/en/api/overview):
+        # the same keys, as if it came as a bearer token.
+        api_keys = [b"Bearer " + value for name, value in headers if name == b"x-api-key"]
+        if len(values) > 1 or len(api_keys) > 1 or (values and api_keys and values != api_keys):
             self.metrics.auth_failures.labels("invalid").inc()
-            raise InvalidApiKey(f"Send one Authorization header; this request has {len(values)}.",
+            what = "Authorization" if len(values) > 1 else "x-api-key" if len(api_keys) > 1 else \
+                "Authorization or x-api-key"
+            count = len(values) if len(values) > 1 else len(api_keys) if len(api_keys) > 1 else 2
+            raise InvalidApiKey(f"Send one {what} header; this request has {count}.",
                                 headers={"www-authenticate": 'Bearer error="invalid_request"'})
+        values = values or api_keys
         return self.authenticate(values[0].decode("latin-1") if values else None)
 
     def authorize(self, principal: Principal, scope: Scope) -> None:

@@ -51,7 +51,7 @@ access-log line, request id and `kimi_gateway_requests_total` count like any oth
 
 EXPOSED_HEADERS = ("x-request-id", "retry-after", "x-kimi-gateway-pool", "x-kimi-gateway-worker",
                    "x-kimi-gateway-route-reason", "x-kimi-gateway-attempts",
-                   "x-kimi-gateway-estimated-prompt-tokens")
+                   "x-kimi-gateway-estimated-prompt-tokens", "x-kimi-gateway-skipped-pools")
 """Response headers a browser script may read (besides the CORS-safelisted ones)."""
 
 

@@ -9,6 +9,19 @@ serving_engine / input processor, SGLang's tokenizer manager, llama.cpp's `excee
 Which APIs honour `max_completion_tokens`: vLLM's and SGLang's `CompletionRequest` (their
 `entrypoints/openai/protocol.py`) have only `max_tokens` (default 16), their `ChatCompletionRequest`
 both; llama.cpp's server (xllamacpp 2026.10, measured) reads it on both APIs.
+
+Which APIs each kind serves (`EngineSpec.apis`): every kind serves OpenAI chat and completions.
+Anthropic's Messages API (`/v1/messages`, streamed with `event:` lines) is served by vLLM's
+`vllm/entrypoints/anthropic` layer (since v0.11.1; `/v1/messages/count_tokens` since PR #35588,
+2026-03), by SGLang (PR #18630, 2026-02: both endpoints) and by llama.cpp's server (xllamacpp
+2026.10, measured with gateway/cpu_engine: both endpoints). Ascend pools run vllm-ascend, a plugin
+under vLLM's own API server, so they serve what vLLM serves. A pool on an engine version older
+than those, or on another server (MindIE has no Messages API), lists what it serves in its config
+(`PoolConfig.apis`). OpenAI's Responses API (`/v1/responses`): vLLM serves it with GET and cancel by
+id and stores responses in its process memory (with `VLLM_ENABLE_RESPONSES_API_STORE=1`;
+entrypoints/openai/serving_responses.py), SGLang's serving_responses (adapted from vLLM's) the same
+way; llama.cpp's server answers it statelessly and refuses `previous_response_id` (xllamacpp
+2026.10, measured), hence `stores_responses=False`.
 """
 
 from __future__ import annotations
@@ -35,12 +48,19 @@ class EngineSpec:
     # APIs ("chat", "completions") on which the engine reads `max_completion_tokens`; elsewhere it
     # ignores the field and generates its default (16 tokens), so the gateway sends `max_tokens`.
     max_completion_tokens_apis: frozenset[str] = frozenset({"chat"})
+    # The proxied APIs the engine serves (`gateway.routing.features.Api`); see the module docstring.
+    apis: frozenset[str] = frozenset({"chat", "completions", "messages", "count_tokens", "responses"})
+    # Whether the engine keeps stored responses (`store`, `previous_response_id`, GET/cancel by id):
+    # the gateway records a response's worker only on such engines.
+    stores_responses: bool = True
 
 
 _VLLM_TOO_LONG = (
     "maximum context length",  # "This model's maximum context length is N tokens. However, you requested M"
     # "The decoder prompt (length N) is longer than the maximum model length of M"
     "longer than the maximum model length",
+    # Responses API: "The engine prompt length N exceeds the max_model_len M. Please reduce prompt."
+    "exceeds the max_model_len",
 )
 
 # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc (v1 engine); accept both.
@@ -62,7 +82,8 @@ ENGINES: dict[str, EngineSpec] = {
                            "llamacpp:requests_deferred", (), (
                                "exceed_context_size_error",
                                "exceeds the available context size",
-                           ), max_completion_tokens_apis=frozenset({"chat", "completions"})),
+                           ), max_completion_tokens_apis=frozenset({"chat", "completions"}),
+                           stores_responses=False),
 }
 
 # Any engine's wording counts: a pool mislabelled in config still gets the right retry.

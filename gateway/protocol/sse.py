@@ -1,15 +1,21 @@
-"""An incremental SSE observer for the relay: counts events, sees `[DONE]`, keeps the usage object.
+"""An incremental SSE observer for the relay: counts events, sees the stream's end, keeps the usage object.
 
 It never changes bytes; it reads a copy of each chunk. Lines split across chunks are joined from a
 small carry buffer; JSON is parsed only for `data:` lines that carry a non-null `usage`
-(OpenAI's `stream_options.include_usage` chunk, https://platform.openai.com/docs/api-reference/chat-streaming).
+(OpenAI's `stream_options.include_usage` chunk, https://platform.openai.com/docs/api-reference/chat-streaming;
+Anthropic's `message_start` and `message_delta` events, https://docs.claude.com/en/docs/build-with-claude/streaming).
+A stream ends with `data: [DONE]` (OpenAI) or `event: message_stop` (Anthropic).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
+
+from gateway.protocol.anthropic import openai_usage, sse_error
+from gateway.protocol.responses import chat_usage, response_id_of
 
 # A line longer than this is not tracked (no engine sends one; it bounds memory).
 MAX_CARRY_BYTES = 1 << 20
@@ -18,16 +24,24 @@ MAX_CARRY_BYTES = 1 << 20
 class SSETap:
     """Feed it every relayed chunk, in order. Attributes after the stream ends:
 
-    `events` (data events seen), `done` (`data: [DONE]` seen), `usage` (the last usage dict or None).
+    `events` (data events seen), `done` (`data: [DONE]` or `event: message_stop` seen, or a Responses
+    API stream's last event: `response.completed`, `response.incomplete`, `response.failed`; that API
+    sends no `[DONE]`), `usage` (the last usage dict or None; an Anthropic stream's usage merged from
+    its `message_start` and `message_delta` events, in OpenAI's names:
+    `gateway.protocol.anthropic.openai_usage`; a Responses usage, nested in its final event's
+    `response`, with the chat names added: `gateway.protocol.responses.chat_usage`).
+    `on_response_id`, when set, is called once with the id of a Responses stream's `response.created`.
     """
 
-    __slots__ = ("_carry", "done", "events", "usage")
+    __slots__ = ("_anthropic", "_carry", "done", "events", "on_response_id", "usage")
 
     def __init__(self) -> None:
         self.events = 0
         self.done = False
         self.usage: dict[str, Any] | None = None
+        self.on_response_id: Callable[[str], None] | None = None
         self._carry = b""
+        self._anthropic: dict[str, Any] | None = None
 
     def feed(self, chunk: bytes) -> None:
         """Observe the next relayed bytes. Works on whole lines (a partial last line waits in a
@@ -44,8 +58,13 @@ class SSETap:
         starts_with_data = lines.startswith(b"data:")
         self.events += lines.count(b"\ndata:") + starts_with_data
         if not self.done and (b"\ndata: [DONE]" in lines or b"\ndata:[DONE]" in lines
-                              or lines.startswith((b"data: [DONE]", b"data:[DONE]"))):
+                              or lines.startswith((b"data: [DONE]", b"data:[DONE]"))
+                              or b"\nevent: message_stop" in lines or lines.startswith(b"event: message_stop")):
             self.done = True
+        if not self.done and b'"type":"response.' in lines and any(marker in lines for marker in _TERMINAL):
+            self.done = True
+        if self.on_response_id is not None and b'"response.created"' in lines:
+            self._response_created(lines)
         if b'"usage":{' in lines or b'"usage": {' in lines:
             for line in lines.split(b"\n"):
                 if line.startswith(b"data:") and b'"usage"' in line:
@@ -59,11 +78,37 @@ class SSETap:
 
     def _usage_line(self, line: bytes) -> None:
         try:
-            usage = orjson.loads(line[5:].strip()).get("usage")
+            event = orjson.loads(line[5:].strip())
+            kind = event.get("type")
+            usage = event.get("message", {}).get("usage") if kind == "message_start" else event.get("usage")
+            if usage is None and isinstance(event.get("response"), dict):  # a Responses API final event
+                usage = event["response"].get("usage")
         except (orjson.JSONDecodeError, AttributeError):
             return
-        if isinstance(usage, dict):
-            self.usage = usage
+        if not isinstance(usage, dict):
+            return
+        if kind in ("message_start", "message_delta"):  # Anthropic: message_delta's counts replace the start's
+            self._anthropic = {**(self._anthropic or {}), **{k: v for k, v in usage.items() if v is not None}}
+            self.usage = openai_usage(self._anthropic)
+        else:
+            self.usage = chat_usage(usage)
+
+    def _response_created(self, lines: bytes) -> None:
+        for line in lines.split(b"\n"):
+            if line.startswith(b"data:") and b'"response.created"' in line:
+                try:
+                    rid = response_id_of(orjson.loads(line[5:].strip()))
+                except orjson.JSONDecodeError:
+                    continue
+                if rid is not None and self.on_response_id is not None:
+                    callback, self.on_response_id = self.on_response_id, None
+                    callback(rid)
+                return
+
+
+# A Responses API stream ends with one of these events (the JSON as engines write it: compact, `type`
+# first or last; a raw `"` cannot occur inside a JSON string, so generated text never matches).
+_TERMINAL = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
 
 
 def event_end(data: bytes, stop: int | None = None) -> int:
@@ -73,7 +118,11 @@ def event_end(data: bytes, stop: int | None = None) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-def sse_error_event(message: str, code: str = "upstream_error") -> bytes:
-    """One SSE `data:` event holding an OpenAI error object (what the OpenAI SDKs raise on)."""
+def sse_error_event(message: str, code: str = "upstream_error", api: str = "chat") -> bytes:
+    """One SSE `data:` event holding an OpenAI error object (what the OpenAI SDKs raise on); for
+    Anthropic's APIs (`api` "messages") an `event: error` with Anthropic's error object (a 504
+    `timeout_error` for `code` "request_timeout", else a 500 `api_error`)."""
+    if api == "messages":
+        return sse_error(message, 504 if code == "request_timeout" else 500)
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + orjson.dumps(body) + b"\n\n"

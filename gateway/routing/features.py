@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import orjson
@@ -18,9 +18,13 @@ from gateway.protocol.openai import (
     InputAudioPart,
     VideoPart,
 )
+from gateway.protocol.responses import ResponsesRequest, item_text_and_images
 from gateway.routing.tokens import ImageEstimate, TokenEstimator
 
-Api = Literal["chat", "completions"]
+Api = Literal["chat", "completions", "messages", "count_tokens", "responses"]
+"""The proxied APIs: OpenAI chat and completions, Anthropic Messages and its count_tokens, OpenAI Responses."""
+
+ANTHROPIC_APIS: frozenset[str] = frozenset({"messages", "count_tokens"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,10 @@ class RoutingRequest:
     prefix: PrefixKey | None = None
     outputs: int = 1
     batch_prompt_tokens: int | None = None
+    previous_response_id: str | None = None
+    """Responses API: the stored response this one continues; its worker must serve it."""
+    store: bool = False
+    """Responses API: the engine stores the response (the gateway records its worker)."""
 
     def context_tokens(self, default_output_tokens: int) -> int:
         """Tokens of context one sequence needs on a pool that reserves `default_output_tokens` by default."""
@@ -167,6 +175,32 @@ def _media_estimate(part: object, estimator: TokenEstimator) -> ImageEstimate | 
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class AnthropicWire:
+    """A validated Anthropic request (`messages` or `count_tokens`) as the chat request it stands
+    for (`gateway.protocol.anthropic.to_chat`): routing reads `chat`."""
+
+    api: Api
+    chat: ChatCompletionRequest
+
+
+def messages_features(wire: AnthropicWire, model: str, estimator: TokenEstimator,
+                      hasher: PrefixHasher | None = None, session_key: str | None = None,
+                      measured: Mapping[str, tuple[int, int]] | None = None) -> RoutingRequest:
+    """Features of an Anthropic Messages request: exactly those of the equivalent chat request
+    (`chat_features` of `wire.chat`: the same token estimate, images, template overhead and prefix
+    hashes, so a conversation moving between the two APIs keeps its prefix blocks), with its own
+    `api`. `max_tokens` is the output reservation; the stream always carries usage (Anthropic's
+    `message_start` / `message_delta`), so no usage patch. A count_tokens request generates
+    nothing and is charged no tokens: output 0, quota 0 (Anthropic rate-limits it by requests).
+    Raises InvalidRequest as `chat_features`."""
+    request = chat_features(wire.chat, model, estimator, hasher, session_key, measured)
+    if wire.api == "count_tokens":
+        return replace(request, api="count_tokens", output_tokens=0, stream=False, include_usage=True,
+                       batch_prompt_tokens=0)
+    return replace(request, api=wire.api, include_usage=True)
+
+
 def completion_features(wire: CompletionRequest, model: str, estimator: TokenEstimator,
                         hasher: PrefixHasher | None = None, session_key: str | None = None) -> RoutingRequest:
     """Features of a legacy completions request (text prompt(s) or token ids).
@@ -204,3 +238,77 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
 
 def _ids_bytes(ids: list[int]) -> bytes:
     return orjson.dumps(ids)
+
+
+def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstimator,
+                       hasher: PrefixHasher | None = None, session_key: str | None = None,
+                       measured: Mapping[str, tuple[int, int]] | None = None) -> RoutingRequest:
+    """Features of a Responses API request, counted like chat (`chat_features`): `instructions` is
+    a system message, a string `input` one user message, each input item a message (its text
+    parts, its images at their pixel or default cost, a function call's name and arguments, a
+    function call's output, other items as their JSON); the tools' JSON too; `max_output_tokens`
+    is the output reservation. The prefix hashes run over the same canonical bytes as chat's, so
+    a conversation sent through both APIs meets the same cache entries.
+
+    With `previous_response_id` the stored history on the engine is not counted: the gateway does
+    not hold it (the request goes to its owner, `ProxyService`). Raises InvalidRequest for an
+    image data URI that cannot be read.
+    """
+    config = estimator.config
+    # role, texts, image URLs, uncountable images, where it is in the request (for an error's `param`)
+    items: list[tuple[str, list[bytes], list[str], int, str]] = []
+    if wire.instructions:
+        items.append(("system", [wire.instructions.encode("utf-8", "surrogatepass")], [], 0, "instructions"))
+    if isinstance(wire.input, str):
+        items.append(("user", [wire.input.encode("utf-8", "surrogatepass")], [], 0, "input"))
+    else:
+        for i, item in enumerate(wire.input):
+            role = item.get("role")
+            texts, urls, others = item_text_and_images(item)
+            items.append((role if isinstance(role, str) else str(item.get("type", "item")), texts, urls, others,
+                          f"input[{i}].content"))
+    try:
+        canonical = [canonical_prelude(wire.tools)]
+    except TypeError as exc:
+        raise InvalidRequest(f"'tools' cannot be read: {exc}", code="invalid_json") from None
+    texts_all: list[bytes] = [canonical[0]]
+    tokens = config.tokens_per_request + config.tokens_per_message * len(items)
+    modalities = {"text"}
+    methods = {"bytes"}
+    images: dict[str, tuple[int, str, bytes]] = {}
+    for role, texts, urls, others, where in items:
+        parts = list(texts)
+        texts_all.extend(texts)
+        for url in urls:
+            modalities.add("image")
+            if (seen := images.get(url)) is None:
+                estimate = estimator.image_tokens(url, where, measured)
+                seen = images[url] = (estimate.tokens, estimate.method, image_digest(url))
+            tokens += seen[0]
+            methods.add(seen[1])
+            parts.append(seen[2])
+        if others:
+            modalities.add("image")
+            tokens += others * config.image_tokens_default
+            methods.add("default")
+        canonical.append(canonical_message(role, parts))
+    tokens += estimator.utf8_tokens(b"".join(texts_all))
+    method = "+".join(sorted(methods, key=_METHOD_ORDER.index))
+    prefix = hasher.hash(b"".join(canonical), model) if hasher is not None else None
+    return RoutingRequest(
+        api="responses", model=model, prompt_tokens=tokens, output_tokens=wire.max_output_tokens,
+        stream=bool(wire.stream), modalities=frozenset(modalities), estimate_method=method,
+        session_key=session_key or wire.user, include_usage=True, prefix=prefix,
+        previous_response_id=wire.previous_response_id, store=wire.store is not False,
+    )
+
+
+def response_image_urls(wire: ResponsesRequest) -> list[str]:
+    """The `input_image` URLs of a Responses request that are not `data:` URIs, in order, each once."""
+    urls: dict[str, None] = {}
+    if isinstance(wire.input, list):
+        for item in wire.input:
+            for url in item_text_and_images(item)[1]:
+                if not url.startswith("data:"):
+                    urls[url] = None
+    return list(urls)

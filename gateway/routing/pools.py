@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from gateway.backends.engine_kinds import ENGINES
 from gateway.config import PoolConfig
-from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.errors import ApiNotServed, ContextLengthExceeded, InvalidRequest
 from gateway.routing.features import RoutingRequest
 
 
@@ -16,14 +16,32 @@ def usable_context(pool: PoolConfig) -> int:
     return pool.max_context_tokens - ENGINES[pool.engine].context_slack_tokens
 
 
+def serves(pool: PoolConfig, api: str) -> bool:
+    """Whether the pool's engines serve `api`: its `apis` when configured, else its engine kind's."""
+    return api in pool.apis if pool.apis is not None else api in ENGINES[pool.engine].apis
+
+
+def skipped_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[str]:
+    """Names of the pools that would fit `request` by modality and context but whose engines do
+    not serve its API (the route reason `x-kimi-gateway-skipped-pools` reports)."""
+    return [p.name for p in pools if not serves(p, request.api) and request.modalities.issubset(p.modalities)
+            and request.context_tokens(p.default_output_tokens) <= usable_context(p)]
+
+
 def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[PoolConfig]:
     """The pools that can serve `request`, cheapest (configured order) first.
 
-    A pool fits when it accepts every modality the request uses and its `usable_context` is at
-    least prompt + output tokens (output = the request's limit, else the pool's reservation).
-    Raises InvalidRequest when no pool accepts a modality, ContextLengthExceeded (400,
+    A pool fits when its engines serve the request's API (`serves`), it accepts every modality
+    the request uses and its `usable_context` is at least prompt + output tokens (output = the
+    request's limit, else the pool's reservation). Raises ApiNotServed (404) when no pool serves
+    the API, InvalidRequest when no pool accepts a modality, ContextLengthExceeded (400,
     `context_length_exceeded`) when the request is larger than every such pool.
     """
+    by_api = [p for p in pools if serves(p, request.api)]
+    if not by_api:
+        raise ApiNotServed(f"No pool of this gateway serves the {request.api} API: their engines "
+                           f"({', '.join(sorted({p.engine for p in pools}))}) do not answer it.")
+    pools = by_api
     by_modality = [p for p in pools if request.modalities.issubset(p.modalities)]
     if not by_modality:
         missing = sorted(request.modalities - set().union(*(set(p.modalities) for p in pools)))
@@ -42,7 +60,7 @@ def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[
         f"request needs about {request.prompt_tokens + output} tokens ({request.prompt_tokens} "
         f"estimated prompt tokens by {request.estimate_method} + {output} output tokens). "
         "Please reduce the length of the messages or the output limit.",
-        param="messages" if request.api == "chat" else "prompt",
+        param={"completions": "prompt", "responses": "input"}.get(request.api, "messages"),
     )
 
 

@@ -2,6 +2,10 @@
 
 Engine endpoints:
     POST /v1/chat/completions, POST /v1/completions   (see `gateway.sim.generation`)
+    POST /v1/responses, GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
+                       (the Responses API with in-memory stored responses: `gateway.sim.responses_api`)
+    POST /v1/messages, POST /v1/messages/count_tokens Anthropic's Messages API (`gateway.sim.anthropic`;
+                                                      api_version "current" only, as the engines added it in 2026)
     GET /health        200 with an empty body (or never answers with the `hang_health` or `black_hole` fault;
                        trickles or never ends with `health_body`)
     GET /v1/models     OpenAI model list with the served names
@@ -17,12 +21,26 @@ Test endpoints:
                                                 answers the totals just before the reset)
     DELETE /sim/cache                           empty the prefix cache (blocks of running
                                                 requests stay): `{"dropped_tokens": N}`
+PD side channels (workers with a `pd_role`, see `gateway.sim.pd`):
+    POST /sim/pd/sglang/rooms/{room}            SGLang prefill: a decode worker's bootstrap for a
+                                                room, `{"timeout_s": S}`; 200 once the KV is ready,
+                                                408 after S seconds, 500 when the prefill failed
+    POST /sim/pd/nixl/read                      vLLM NIXL prefill: read (and free) held blocks,
+                                                `{"remote_engine_id","remote_request_id",
+                                                "remote_block_ids"}`; 200, or 404 when unknown
+    POST /sim/pd/mooncake/pull                  vLLM Mooncake prefill: take the KV of a transfer,
+                                                `{"transfer_id","remote_engine_id","timeout_s"}`;
+                                                200 `{"tokens": N}` once ready, 404 (other
+                                                engine), 408 (timeout), 500 (prefill failed)
+    GET /query                                  vLLM Mooncake prefill: the bootstrap server's
+                                                engine table (`gateway.sim.pd`)
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -42,6 +60,8 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import BodyMode, SimConfig, SimFaults
 from gateway.sim.generation import handle_generation
+from gateway.sim.pd import MOONCAKE_PULL_PATH, MOONCAKE_QUERY_PATH, NIXL_READ_PATH, SGLANG_ROOMS_PATH
+from gateway.sim.responses_api import ResponsesServer
 from gateway.sim.worker_state import SimEngine
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -52,9 +72,11 @@ class SimApp:
 
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
+        self.responses = ResponsesServer(engine)
         self._routes: dict[tuple[str, str], Handler] = {
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/responses"): self.responses.create,
             ("GET", "/health"): self._health,
             ("GET", "/v1/models"): self._models,
             ("GET", "/metrics"): self._metrics,
@@ -65,7 +87,13 @@ class SimApp:
             ("GET", "/sim/stats"): self._get_stats,
             ("DELETE", "/sim/stats"): self._reset_stats,
             ("DELETE", "/sim/cache"): self._clear_cache,
+            ("POST", NIXL_READ_PATH): self._nixl_read,
+            ("POST", MOONCAKE_PULL_PATH): self._mooncake_pull,
+            ("GET", MOONCAKE_QUERY_PATH): self._mooncake_query,
         }
+        if engine.config.api_version == "current":
+            self._routes[("POST", "/v1/messages")] = self._messages
+            self._routes[("POST", "/v1/messages/count_tokens")] = self._count_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -78,8 +106,12 @@ class SimApp:
             await send_json(send, 401, {"error": "Unauthorized"})
             return
         handler = self._routes.get((scope["method"], path))
+        if handler is None and scope["method"] == "POST" and path.startswith(SGLANG_ROOMS_PATH):
+            handler = self._sglang_room
         if handler is not None:
             await handler(scope, receive, send)
+        elif path.startswith("/v1/responses/"):
+            await self.responses.by_id(scope, receive, send)
         elif any(p == path for _, p in self._routes):
             await send_json(send, 405, {"detail": "Method Not Allowed"})
         else:
@@ -119,21 +151,98 @@ class SimApp:
             except ClientDisconnected:
                 return
 
-    @staticmethod
-    async def _lifespan(receive: Receive, send: Send) -> None:
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await self.engine.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+    async def _pd_json(self, receive: Receive, send: Send) -> dict[str, Any] | None:
+        """The JSON object body of a PD side channel call; answers 404 (not a PD prefill
+        worker) or 422 itself and returns None."""
+        raw = await read_body(receive)
+        if raw is None:
+            return None
+        if self.engine.pd is None or self.engine.config.pd_role != "prefill":
+            await send_json(send, 404, {"detail": "Not a prefill worker"})
+            return None
+        try:
+            body = orjson.loads(raw or b"{}")
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            await send_json(send, 422, {"detail": "expected a JSON object"})
+            return None
+        return body
+
+    async def _sglang_room(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._pd_json(receive, send)
+        if body is None:
+            return
+        try:
+            room = int(scope["path"].rstrip("/")[len(SGLANG_ROOMS_PATH):])
+            timeout_s = float(body.get("timeout_s", self.engine.config.pd_wait_timeout_s))
+        except ValueError:
+            await send_json(send, 422, {"detail": "bad room or timeout_s"})
+            return
+        assert self.engine.pd is not None
+        async with DisconnectWatch(receive) as watch:
+            try:
+                status, reason = await watch.run(self.engine.pd.sglang_claim(room, timeout_s))
+            except ClientDisconnected:
+                return
+        await send_json(send, status, {"room": room, "failed": reason})
+
+    async def _mooncake_query(self, scope: Scope, receive: Receive, send: Send) -> None:
+        config = self.engine.config
+        if self.engine.pd is None or config.pd_role != "prefill" or config.pd_protocol != "vllm-mooncake":
+            await send_json(send, 404, {"detail": "Not Found"})
+            return
+        port = (scope.get("server") or ("127.0.0.1", 0))[1]
+        await send_json(send, 200, self.engine.pd.mooncake_query(config.side_channel_host, int(port or 0)))
+
+    async def _mooncake_pull(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._pd_json(receive, send)
+        if body is None:
+            return
+        assert self.engine.pd is not None
+        try:
+            timeout_s = float(body.get("timeout_s", self.engine.config.pd_wait_timeout_s))
+        except (TypeError, ValueError):
+            await send_json(send, 422, {"detail": "bad timeout_s"})
+            return
+        async with DisconnectWatch(receive) as watch:
+            try:
+                status, tokens = await watch.run(self.engine.pd.mooncake_pull(
+                    str(body.get("transfer_id")), body.get("remote_engine_id"), timeout_s))
+            except ClientDisconnected:
+                return
+        await send_json(send, status, {"tokens": tokens})
+
+    async def _nixl_read(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._pd_json(receive, send)
+        if body is None:
+            return
+        assert self.engine.pd is not None
+        ok = self.engine.pd.nixl_read(body.get("remote_engine_id"), body.get("remote_request_id"),
+                                      body.get("remote_block_ids"))
+        await send_json(send, 200 if ok else 404, {"read": ok})
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await handle_generation(self.engine, "chat", scope, receive, send)
 
     async def _completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await handle_generation(self.engine, "text", scope, receive, send)
+
+    async def _messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await handle_generation(self.engine, "chat", scope, receive, send, anthropic="messages")
+
+    async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await handle_generation(self.engine, "chat", scope, receive, send, anthropic="count_tokens")
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine.note_health_check()

@@ -12,7 +12,7 @@ import base64
 import binascii
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Engine = Literal["vllm", "sglang", "ascend"]
 """Engine kinds. "ascend" is vllm-ascend: vLLM's API, wording and metric names."""
@@ -25,6 +25,19 @@ BodyMode = Literal["normal", "trickle", "endless"]
 
 ApiKeyScope = Literal["engine", "all"]
 """Which paths `SimConfig.api_key` guards (see there)."""
+
+PdRole = Literal["prefill", "decode"]
+"""The role of a worker in a prefill/decode (PD) disaggregated deployment (see `gateway.sim.pd`)."""
+
+PdProtocol = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
+"""How the two roles hand the KV cache over: SGLang's bootstrap rooms, or vLLM's
+`kv_transfer_params` with the NixlConnector (pull) or the MooncakeConnector (push, shared
+`transfer_id`); see `gateway.sim.pd`."""
+
+KvLoadFailurePolicy = Literal["fail", "recompute"]
+"""vLLM's `KVTransferConfig.kv_load_failure_policy`: what a decode worker does when it cannot pull
+the KV blocks a request names ("fail", the default: the request ends with an error; "recompute":
+it prefills the prompt itself)."""
 
 
 class SimFaults(BaseModel):
@@ -172,6 +185,47 @@ class SimConfig(BaseModel):
     response byte). This is the race a pooled client meets when the engine's idle close crosses
     its request on the wire, or when a NAT or proxy in between forgot the connection, made
     deterministic. False: the idle close is a FIN the client sees at once (uvicorn)."""
+
+    pd_role: PdRole | None = None
+    """None: an aggregated worker. "prefill" / "decode": one side of a PD pair speaking
+    `pd_protocol` (see `gateway.sim.pd` for the exact wire behaviour)."""
+    pd_protocol: PdProtocol | None = None
+    """Required with `pd_role`: "sglang" (needs `engine="sglang"`), "vllm-nixl" or
+    "vllm-mooncake" (vLLM or vllm-ascend)."""
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    """SGLang and vLLM Mooncake prefill workers: the port of the bootstrap server
+    (`--disaggregation-bootstrap-port`, 8998 by default in SGLang; `VLLM_MOONCAKE_BOOTSTRAP_PORT`,
+    8998 by default) that `run_sim` serves beside the HTTP port. Tests may leave it unset and give
+    routers the HTTP port: the sim answers the bootstrap calls there too."""
+    pd_wait_timeout_s: float = Field(default=300.0, gt=0.0)
+    """SGLang: how long a decode worker waits for its room's KV
+    (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`, 300 s) and a prefill worker for its decode partner
+    to claim the room (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`, 300 s). vLLM Mooncake: how long
+    a decode worker waits for its transfer's KV (the sim's choice)."""
+    kv_hold_timeout_s: float = Field(default=480.0, gt=0.0)
+    """vLLM prefill workers: how long the blocks of a finished prefill are held for a decode worker
+    to take (`VLLM_NIXL_ABORT_REQUEST_TIMEOUT`, 480 s; Mooncake has the same kind of abort
+    timeout); then they are freed and counted in `vllm:nixl_num_kv_expired_reqs` (NIXL)."""
+    kv_load_failure_policy: KvLoadFailurePolicy = "fail"
+    """vLLM NIXL decode workers: see `KvLoadFailurePolicy`."""
+    kv_transfer_tokens_per_s: float | None = Field(default=None, gt=0.0)
+    """Decode workers: KV transfer speed in prompt tokens per second; a transfer takes the tokens
+    this worker does not hold in its own prefix cache / this rate. None = instant."""
+    engine_id: str | None = None
+    """vLLM NIXL prefill workers: the `remote_engine_id` they hand out (default: a fresh UUID)."""
+    side_channel_host: str = "127.0.0.1"
+    """vLLM NIXL prefill workers: the `remote_host` they hand out (`VLLM_NIXL_SIDE_CHANNEL_HOST`);
+    the `remote_port` is the sim's own HTTP port, where it answers the decode worker's reads."""
+
+    @model_validator(mode="after")
+    def _check_pd(self) -> SimConfig:
+        if (self.pd_role is None) != (self.pd_protocol is None):
+            raise ValueError("pd_role and pd_protocol go together")
+        if self.pd_protocol == "sglang" and self.engine != "sglang":
+            raise ValueError("pd_protocol 'sglang' needs engine 'sglang'")
+        if self.pd_protocol in ("vllm-nixl", "vllm-mooncake") and self.engine == "sglang":
+            raise ValueError(f"pd_protocol '{self.pd_protocol}' needs engine 'vllm' or 'ascend'")
+        return self
 
     @property
     def model_name(self) -> str:

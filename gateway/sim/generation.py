@@ -1,4 +1,5 @@
-"""`POST /v1/chat/completions` and `POST /v1/completions` of the simulator.
+"""`POST /v1/chat/completions`, `POST /v1/completions` and Anthropic's `POST /v1/messages` (+
+`/v1/messages/count_tokens`, `gateway.sim.anthropic`) of the simulator.
 
 Order of work for one request: read the body; record it; apply faults (hang, fail); check the
 model name and the context window (errors before any stream byte); hash the prompt's blocks (with
@@ -17,6 +18,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from gateway.sim import anthropic as a
 from gateway.sim import responses as r
 from gateway.sim.asgi import (
     JSON_HEADERS,
@@ -32,6 +34,8 @@ from gateway.sim.asgi import (
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
+from gateway.sim.pd import PdFailure
+from gateway.sim.pd_leg import PdLeg
 from gateway.sim.tokens import (
     PromptError,
     chat_prompt_tokens,
@@ -68,6 +72,9 @@ class _Plan:
     finish_reason: str
     fmt: r.StreamFormat
     keys: tuple[PromptKey, ...] = ()
+    leg: PdLeg | None = None
+    """The PD hand-over of a worker with a `pd_role` (see `gateway.sim.pd_leg`)."""
+    anthropic: bool = False  # a Messages request: Anthropic's answer shapes
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -78,7 +85,8 @@ class _Responder:
     """Sends one response and notes its milestones in the record (status, header/byte times)."""
 
     def __init__(self, send: Send, engine: SimEngine, record: SimRequestRecord,
-                 drop_after_events: int | None) -> None:
+                 drop_after_events: int | None, anthropic: bool = False) -> None:
+        self.anthropic = anthropic  # errors in Anthropic's shape, the stream ends without `[DONE]`
         self._send = send
         self._engine = engine
         self._record = record
@@ -108,18 +116,36 @@ class _Responder:
         await self.body(data, more=True)
 
     async def end_stream(self) -> None:
-        await self.event(r.SSE_DONE)
+        if not self.anthropic:
+            await self.event(r.SSE_DONE)
         await self.body(b"", more=False)
 
     async def reply(self, reply: ErrorReply, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        if self.anthropic and reply.status >= 400:
+            reply = _anthropic_error(reply)
         headers = [*JSON_HEADERS, (b"content-length", str(len(reply.body)).encode()), *(extra_headers or [])]
         await self.start(reply.status, headers)
         await self.body(reply.body, more=False)
 
 
+def _anthropic_error(reply: ErrorReply) -> ErrorReply:
+    """An engine error in Anthropic's shape, with the engine's error type and message (a body that
+    is not the engine's JSON error, a fault's own `fail_body`, is left as it is)."""
+    try:
+        data = orjson.loads(reply.body)
+    except orjson.JSONDecodeError:
+        return reply
+    inner = data.get("error") if isinstance(data, dict) else None
+    inner = inner if isinstance(inner, dict) else data
+    if not isinstance(inner, dict) or not isinstance(inner.get("message"), str):
+        return reply
+    return replace(reply, body=a.error_body(str(inner.get("type") or "BadRequestError"), inner["message"]))
+
+
 async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, receive: Receive,
-                            send: Send) -> None:
-    """Serve one chat or text completion request (ASGI level)."""
+                            send: Send, anthropic: str | None = None) -> None:
+    """Serve one chat or text completion request (ASGI level); with `anthropic` ("messages" or
+    "count_tokens") an Anthropic Messages API request, served as its chat request (`kind` "chat")."""
     raw = await read_body(receive)
     if raw is None:
         return
@@ -130,7 +156,7 @@ async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, recei
     record = engine.new_record(scope["path"], lower_headers(scope), body)
     async with DisconnectWatch(receive) as watch:
         try:
-            await _serve(engine, kind, body, record, watch, send)
+            await _serve(engine, kind, body, record, watch, send, scope, anthropic)
         except ClientDisconnected:
             engine.note_aborted()
             engine.update(record, aborted=True, finished_at=time.monotonic())
@@ -139,20 +165,21 @@ async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, recei
 
 
 async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestRecord,
-                 watch: DisconnectWatch, send: Send) -> None:
+                 watch: DisconnectWatch, send: Send, scope: Scope, anthropic: str | None = None) -> None:
     dialect = engine.dialect
     if not isinstance(body, dict):
-        await _Responder(send, engine, record, None).reply(dialect.bad_request("Invalid JSON body."))
+        await _Responder(send, engine, record, None, bool(anthropic)).reply(dialect.bad_request("Invalid JSON body."))
         return
     try:
         override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
     except ValidationError as exc:
-        await _Responder(send, engine, record, None).reply(dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
+        await _Responder(send, engine, record, None, bool(anthropic)).reply(
+            dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
         return
     faults, fail = engine.effective_faults(override)
-    stream = body.get("stream") is True
+    stream = body.get("stream") is True and anthropic != "count_tokens"
     engine.update(record, stream=stream)
-    responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None)
+    responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None, bool(anthropic))
 
     if faults.hang_before_headers or faults.black_hole:
         engine.update(record, fault="black_hole" if faults.black_hole else "hang_before_headers")
@@ -169,11 +196,18 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
         await responder.reply(dialect.error(NULL_MAX_TOKENS_MESSAGE, "InternalServerError", 500))
         return
     try:
+        if anthropic is not None:
+            body = _as_chat(body, anthropic == "messages")
         plan = _plan(engine, kind, body, stream)
     except PromptError as exc:
         await responder.reply(dialect.bad_request(str(exc)))
         return
     engine.update(record, prompt_tokens=plan.total_prompt_tokens)
+    if anthropic == "count_tokens":  # the engine's tokenizer count, nothing generated
+        await responder.reply(ErrorReply(200, orjson.dumps({"input_tokens": plan.total_prompt_tokens})))
+        return
+    if anthropic is not None:
+        plan = replace(plan, anthropic=True, finish_reason="length")
     for tokens in plan.prompt_tokens:
         error = dialect.check_context(tokens, requested_output_tokens(body, kind == "chat"),
                                       engine.config.max_context_tokens, stream)
@@ -181,6 +215,15 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
             await _reply_context_error(responder, error)
             return
     plan = replace(plan, keys=tuple(engine.prompt_keys(kind, body, plan.prompt_tokens)))
+    if engine.pd is not None:
+        leg = PdLeg.start(engine, record, kind, body, len(plan.prompt_tokens), scope)
+        if isinstance(leg, ErrorReply):
+            await responder.reply(leg)
+            return
+        leg.keys = plan.keys
+        if leg.sglang_prefill:  # SGLang's prefill worker stops after the first token
+            plan = replace(plan, output_tokens=min(plan.output_tokens, 1))
+        plan = replace(plan, leg=leg)
     await _run_admitted(engine, plan, record, responder, watch, faults)
 
 
@@ -206,6 +249,18 @@ async def _reply_context_error(responder: _Responder, error: ErrorReply) -> None
     await responder.end_stream()
 
 
+def _as_chat(body: dict[str, Any], needs_max_tokens: bool) -> dict[str, Any]:
+    """An Anthropic request as the chat request the engine serves it as. Raises PromptError (400),
+    also for a Messages request without `max_tokens` (Anthropic's API requires it; vLLM's
+    `AnthropicMessagesRequest` too)."""
+    max_tokens = body.get("max_tokens")
+    if needs_max_tokens and (type(max_tokens) is not int or max_tokens < 1):
+        raise PromptError("max_tokens: Field required (an integer of at least 1)")
+    chat = {k: v for k, v in body.items() if k not in ("system", "stream")}
+    chat["messages"] = a.chat_messages(body)
+    return chat
+
+
 def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -> _Plan:
     config = engine.config
     if kind == "chat":
@@ -227,27 +282,56 @@ async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
     reason = "abort"
     try:
-        if not plan.stream:
+        if plan.anthropic and faults.raw_stream_chunks is None:
+            await (_anthropic_sse if plan.stream else _anthropic_json)(engine, plan, record, responder, watch,
+                                                                        active)
+        elif not plan.stream:
             await _generate_json(engine, plan, record, responder, watch, active)
         elif faults.raw_stream_chunks is not None:
             await _generate_raw(engine, plan, record, responder, watch, active, faults)
         else:
             await _generate_sse(engine, plan, record, responder, watch, active)
         reason = plan.finish_reason
+    except PdFailure as exc:
+        await _reply_pd_failure(engine, record, responder, exc)
     finally:
         engine.stop_running(active, reason)
+        if plan.leg is not None:
+            plan.leg.finish()
 
 
-async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest) -> None:
-    """Sleep for the modelled time to first token, then cache the prompt's blocks."""
-    await watch.sleep(engine.prefill_seconds(active))
+async def _reply_pd_failure(engine: SimEngine, record: SimRequestRecord, responder: _Responder,
+                            exc: PdFailure) -> None:
+    """HTTP 500 with the engine's message, or an SSE error event once the stream has begun."""
+    engine.update(record, pd_failure=exc.kind)
+    reply = engine.dialect.error(exc.message, "InternalServerError", 500)
+    if not responder.started:
+        await responder.reply(reply)
+        return
+    await responder.event(b"data: " + reply.body + b"\n\n")
+    await responder.end_stream()
+
+
+async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest,
+                   leg: PdLeg | None = None) -> None:
+    """Sleep for the modelled time to first token, then cache the prompt's blocks. A PD leg
+    first waits for its hand-over; KV received from a prefill worker is not computed again."""
+    if leg is None:
+        await watch.sleep(engine.prefill_seconds(active))
+    else:
+        remote = await leg.before_prefill(watch, active)
+        rate = engine.config.prefill_tokens_per_s
+        local = max(0, active.prefill_tokens - remote)
+        await watch.sleep(engine.config.ttft_s + (local / rate if rate is not None else 0.0))
     engine.finish_prefill(active)
+    if leg is not None:
+        leg.after_prefill(active)
 
 
 async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                          watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     n_prompts = len(plan.prompt_tokens)
     for i in range(plan.output_tokens):
         if i > 0 and config.tpot_s > 0:
@@ -262,6 +346,8 @@ async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     else:
         payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
                                     completion_tokens, active.cached_tokens)
+    if plan.leg is not None:
+        payload.update(plan.leg.response_fields(active))
     engine.update(record, completion_tokens_sent=completion_tokens)
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
@@ -272,7 +358,7 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     prompt_total, cached = plan.total_prompt_tokens, active.cached_tokens
@@ -300,12 +386,54 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     await responder.end_stream()
 
 
+async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+                          watch: DisconnectWatch, active: ActiveRequest) -> None:
+    """A Messages answer as one `message` object, after the whole generation."""
+    config = engine.config
+    await _prefill(engine, watch, active, plan.leg)
+    for i in range(plan.output_tokens):
+        if i > 0 and config.tpot_s > 0:
+            await watch.sleep(engine.decode_seconds())
+        engine.note_generated(active)
+    payload = a.message(a.message_id(), config.model_name, output_text(plan.output_tokens), plan.finish_reason,
+                        plan.total_prompt_tokens, plan.output_tokens)
+    engine.update(record, completion_tokens_sent=plan.output_tokens)
+    await responder.reply(ErrorReply(200, orjson.dumps(payload)))
+
+
+async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+                         watch: DisconnectWatch, active: ActiveRequest) -> None:
+    """A streamed Messages answer: the engine's Anthropic events in their order
+    (`gateway.sim.anthropic`), one `text_delta` per token."""
+    config = engine.config
+    if not config.stream_headers_after_prefill:
+        await responder.start(200, SSE_HEADERS)
+    await _prefill(engine, watch, active, plan.leg)
+    if config.stream_headers_after_prefill:
+        await responder.start(200, SSE_HEADERS)
+    await responder.event(a.message_start(a.message_id(), config.model_name, plan.total_prompt_tokens))
+    for i in range(plan.output_tokens):
+        if i > 0:
+            await watch.sleep(engine.decode_seconds())
+        if i == 0:
+            await responder.event(a.block_start())
+        engine.note_generated(active)
+        await responder.event(a.text_delta(output_token(i)))
+        engine.update(record, completion_tokens_sent=i + 1)
+    if plan.output_tokens == 0:
+        await responder.event(a.block_start())
+    for chunk in a.stream_end(plan.finish_reason, plan.total_prompt_tokens, plan.output_tokens,
+                              done=engine.config.engine != "sglang"):
+        await responder.event(chunk)
+    await responder.end_stream()
+
+
 async def _generate_raw(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, active: ActiveRequest, faults: SimFaults) -> None:
     """Send exactly the configured bytes, one write per chunk, ~20 ms apart."""
     engine.update(record, fault="raw_stream_chunks")
     await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active)
+    await _prefill(engine, watch, active, plan.leg)
     chunks = faults.raw_chunk_bytes() or []
     for i, chunk in enumerate(chunks):
         if i > 0:

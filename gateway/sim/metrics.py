@@ -14,10 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.sim.config import SimConfig
 from gateway.sim.dialects import EngineDialect
+from gateway.sim.pd import PdState
 
 
 @dataclass(frozen=True)
@@ -91,3 +93,57 @@ def build_registry(stats: Callable[[], EngineStats], dialect: EngineDialect, mod
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SimMetricsCollector(stats, dialect, model_name))
     return registry
+
+
+class PdMetricsCollector(Collector):
+    """The PD metrics of one worker, under its engine's names (sources in `gateway.sim.pd`).
+
+    SGLang: `sglang:num_bootstrap_failed_reqs_total`, `sglang:num_transfer_failed_reqs_total`
+    (counters), `sglang:kv_transfer_latency_ms` (histogram, one +Inf bucket), and the gauges
+    `sglang:num_decode_transfer_queue_reqs` (decode) / `sglang:num_prefill_prealloc_queue_reqs`
+    (prefill). vLLM NIXL: `vllm:nixl_xfer_time_seconds` (histogram, decode),
+    `vllm:nixl_num_failed_transfers` (counter, decode), `vllm:nixl_num_kv_expired_reqs` (counter,
+    prefill). vLLM Mooncake: `vllm:mooncake_xfer_time_seconds` (histogram; the sim measures it on
+    the decode worker). Label values are the dialect's (`model_name`, plus `engine` for vLLM).
+    """
+
+    def __init__(self, pd: PdState, dialect: EngineDialect, config: SimConfig) -> None:
+        self._pd = pd
+        self._protocol = config.pd_protocol
+        self._labels = dialect.metric_labels(config.model_name)
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._pd.counters()
+        names, values = list(self._labels), list(self._labels.values())
+
+        def family(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str,
+                   value: float) -> Metric:
+            metric = kind(name, doc, labels=names)
+            metric.add_metric(values, value)
+            return metric
+
+        def histogram(name: str, doc: str, total: float) -> Metric:
+            metric = HistogramMetricFamily(name, doc, labels=names)
+            metric.add_metric(values, [("+Inf", float(c.transfers))], total)
+            return metric
+
+        if self._protocol == "vllm-mooncake":
+            yield histogram("vllm:mooncake_xfer_time_seconds", "Mooncake KV transfer time (simulated).",
+                            c.transfer_seconds)
+        elif self._protocol == "sglang":
+            yield family(CounterMetricFamily, "sglang:num_bootstrap_failed_reqs", "Bootstrap failed requests.",
+                         c.bootstrap_failed)
+            yield family(CounterMetricFamily, "sglang:num_transfer_failed_reqs", "Transfer failed requests.",
+                         c.transfer_failed)
+            yield histogram("sglang:kv_transfer_latency_ms", "KV transfer latency (ms, simulated).",
+                            c.transfer_seconds * 1000.0)
+            yield family(GaugeMetricFamily, "sglang:num_decode_transfer_queue_reqs",
+                         "Decode requests waiting for their KV.", c.waiting_for_kv)
+            yield family(GaugeMetricFamily, "sglang:num_prefill_prealloc_queue_reqs",
+                         "Prefill requests waiting for their decode worker's bootstrap.", c.bootstrapping)
+        else:
+            yield histogram("vllm:nixl_xfer_time_seconds", "NIXL KV transfer time (simulated).", c.transfer_seconds)
+            yield family(CounterMetricFamily, "vllm:nixl_num_failed_transfers", "Failed NIXL KV transfers.",
+                         c.transfer_failed)
+            yield family(CounterMetricFamily, "vllm:nixl_num_kv_expired_reqs",
+                         "Requests whose held KV expired unread.", c.kv_expired)

@@ -13,11 +13,12 @@ process::
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import uvicorn
 
-from gateway.server import QuietServer, ThreadedServer, uvicorn_config
+from gateway.server import QuietServer, ThreadedServer, serve_many, uvicorn_config
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import ApiKeyScope, ApiVersion, Engine, SimConfig, SimFaults
 from gateway.sim.keepalive import sim_http_options
@@ -94,12 +95,20 @@ def run_sim(
     api_key_scope: ApiKeyScope | str = "engine",
     keep_alive_s: float = 5.0,
     config: SimConfig | None = None,
+    pd_role: str | None = None,
+    pd_protocol: str | None = None,
+    bootstrap_port: int | None = None,
+    pd_wait_timeout_s: float = 300.0,
+    kv_transfer_tokens_per_s: float | None = None,
+    kv_load_failure_policy: str = "fail",
 ) -> None:
     """Serve one simulated engine until interrupted (blocking; `kimi-gateway sim --engine ...`).
 
     `engine` is "vllm", "sglang" or "ascend"; invalid values raise pydantic's ValidationError.
     See `SimConfig` for the meaning and units of the other arguments. With `config`, that config
-    is served as it is and only `port`, `host` and `log_level` are read from the arguments.
+    is served as it is and only `port`, `host` and `log_level` are read from the arguments. A
+    SGLang or vLLM Mooncake prefill worker with a `bootstrap_port` also listens there, as their
+    bootstrap servers do (see `gateway.sim.pd`).
     """
     if config is None:
         config = SimConfig.model_validate({
@@ -123,6 +132,18 @@ def run_sim(
             "api_key": api_key,
             "api_key_scope": api_key_scope,
             "keep_alive_s": keep_alive_s,
+            "pd_role": pd_role,
+            "pd_protocol": pd_protocol,
+            "bootstrap_port": bootstrap_port,
+            "pd_wait_timeout_s": pd_wait_timeout_s,
+            "kv_transfer_tokens_per_s": kv_transfer_tokens_per_s,
+            "kv_load_failure_policy": kv_load_failure_policy,
         })
     app = create_sim_app(config)
-    uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level, **sim_http_options(config, app.engine))).run()
+    options = sim_http_options(config, app.engine)
+    if config.bootstrap_port is not None and config.pd_role == "prefill" and config.pd_protocol != "vllm-nixl":
+        servers = [QuietServer(uvicorn_config(app, host, p, log_level=log_level, **options))
+                   for p in (port, config.bootstrap_port)]
+        asyncio.run(serve_many(servers))
+        return
+    uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level, **options)).run()

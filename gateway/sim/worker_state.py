@@ -17,10 +17,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import httpx
+
 from gateway.sim.config import SimConfig, SimFaults
 from gateway.sim.dialects import EngineDialect, dialect_for
 from gateway.sim.kvcache import CacheLease, PrefixCache, PromptKey, seed_for
-from gateway.sim.metrics import EngineStats, build_registry
+from gateway.sim.metrics import EngineStats, PdMetricsCollector, build_registry
+from gateway.sim.pd import PdState
 from gateway.sim.tokens import prompt_keys
 from gateway.sim.totals import HitRateWindow, SimTotals
 
@@ -37,7 +40,9 @@ class SimRequestRecord:
     (`finished_at` is then when that was noticed); `fault` names an injected fault that shaped the
     answer ("fail_status", "hang_before_headers", "black_hole", "drop_after_chunks", "raw_stream_chunks").
     `cached_tokens` of `prompt_tokens` were found in the prefix cache at admission;
-    `prefill_tokens` (the rest) had to be computed.
+    `prefill_tokens` (the rest) had to be computed. PD workers (`gateway.sim.pd`): a decode
+    worker received `kv_transfer_tokens` of KV from its prefill worker in `kv_transfer_s` seconds;
+    `pd_failure` names a failed hand-over ("bootstrap", "transfer", "unknown_handle").
     """
 
     id: int
@@ -57,6 +62,9 @@ class SimRequestRecord:
     fault: str | None = None
     cached_tokens: int = 0
     prefill_tokens: int = 0
+    kv_transfer_tokens: int = 0
+    kv_transfer_s: float = 0.0
+    pd_failure: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-ready dict."""
@@ -159,6 +167,12 @@ class SimEngine:
         self._models_reads = 0
         self._hash_seed = seed_for(config.model_name)
         self.registry = build_registry(self.stats, self.dialect, config.model_name)
+        self.pd: PdState | None = None
+        """The PD role's state (None for an aggregated worker; see `gateway.sim.pd`)."""
+        if config.pd_role is not None:
+            self.pd = PdState(config, self.hold_blocks, self.release_blocks)
+            self.registry.register(PdMetricsCollector(self.pd, self.dialect, config))
+        self._http: httpx.AsyncClient | None = None
 
     # --- records -----------------------------------------------------------------------------
 
@@ -281,6 +295,36 @@ class SimEngine:
         with self._cond:
             others = max(0, len(self._active) - 1)
         return self.config.tpot_s * (1.0 + slowdown * others)
+
+    def hold_blocks(self, keys: Sequence[PromptKey]) -> list[CacheLease]:
+        """Pin the cached blocks of `keys` beyond their request (a NIXL prefill worker keeps
+        them for its decode worker); [] without a prefix cache."""
+        with self._cond:
+            return [self.kv.acquire(key) for key in keys] if self.kv is not None else []
+
+    def release_blocks(self, leases: list[CacheLease]) -> None:
+        """Unpin blocks pinned by `hold_blocks`."""
+        with self._cond:
+            if self.kv is not None:
+                for lease in leases:
+                    self.kv.release(lease)
+                self._pump()
+            self._cond.notify_all()
+
+    def http_client(self) -> httpx.AsyncClient:
+        """The client of this worker's PD side channel calls (made in, and bound to, the sim's
+        event loop on first use; closed by `aclose`)."""
+        if self._http is None:
+            self._http = httpx.AsyncClient(trust_env=False)
+        return self._http
+
+    async def aclose(self) -> None:
+        """Release what the server's loop owns (the side channel client, held blocks)."""
+        if self.pd is not None:
+            self.pd.close()
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     def clear_cache(self) -> int:
         """Drop every cached block no running request uses; returns the tokens dropped."""
@@ -490,7 +534,8 @@ class SimEngine:
 
         Counters (requests, tokens) are those of `SimTotals`; `max_running` / `max_waiting` are
         peaks since the reset; `running`, `waiting`, `cache_tokens_now` (tokens in cached blocks),
-        `kv_used_tokens` and `kv_usage` (the value `/metrics` reports) describe the present.
+        `kv_used_tokens` and `kv_usage` (the value `/metrics` reports) describe the present. PD
+        workers add `pd`: the `PdCounters` (lifetime, not reset) and `held_handles`.
         """
         with self._cond:
             out: dict[str, Any] = self._lifetime_totals().minus(self._baseline).to_json()
@@ -504,7 +549,9 @@ class SimEngine:
                 kv_capacity_tokens=self.config.kv_capacity_tokens,
                 kv_usage=self._kv_usage(),
             )
-            return out
+        if self.pd is not None:
+            out["pd"] = {**asdict(self.pd.counters()), "held_handles": self.pd.held_handles}
+        return out
 
     def reset_stats(self) -> dict[str, Any]:
         """Restart the `/sim/stats` counters and peaks (the cache, the load and `/metrics` stay);

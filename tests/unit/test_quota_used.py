@@ -8,11 +8,11 @@ from gateway.auth.guard import AuthGuard, Reservation
 from gateway.auth.keys import KeyRing, Principal
 from gateway.auth.limits import MemoryRateLimiter
 from gateway.config import AuthConfig
+from gateway.dispatch.service import quota_used
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
-from gateway.service import quota_used
 
 REQUEST = RoutingRequest(api="completions", model="kimi-k3", prompt_tokens=40, output_tokens=500, stream=True,
                          modalities=frozenset({"text"}), estimate_method="bytes", outputs=2,

@@ -1,0 +1,219 @@
+"""Stored-response affinity: response id → the (pool, worker URL) that created it.
+
+Engines keep stored Responses in their own process memory (vLLM's `response_store` dict, SGLang's
+copy of it), so a request with `previous_response_id` and `GET/DELETE/cancel /v1/responses/{id}`
+must reach the worker that created the response. The gateway records the owner when it accepts the
+engine's answer (the id is in the first stream event `response.created`, or in the JSON body).
+
+Two stores behind one interface, like the prefix-affinity stores (`store.py`, `redis_store.py`):
+in-process (one replica; an LRU + TTL dict), or Redis when `redis_url` is set (shared by every
+replica). Redis layout: `{responses.key_prefix}:{response id}` → `{pool}\\n{worker URL}` with a TTL
+of `responses.store_ttl` seconds (the engine itself never forgets, but a conversation idle for
+longer is assumed over). Writes are queued and written by a background task (`flush()` waits for
+them: a barrier for tests and shutdown); a lookup is one GET with a hard timeout. A Redis error or
+timeout (counted in `kimi_gateway_redis_errors_total{op="response_lookup"|"response_write"}`) fails
+the lookup with ResponseStoreUnavailable (503, retryable): the response may well exist, so "not
+found" would be a lie, and no other worker could serve it anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
+
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from gateway.config import ResponsesConfig
+from gateway.errors import GatewayError
+from gateway.looplag import StoreTimeout
+from gateway.metrics import GatewayMetrics
+from gateway.redis_client import redis_from_url
+
+log = logging.getLogger("gateway.affinity")
+
+WRITE_BATCH = 64
+
+
+class ResponseStoreUnavailable(GatewayError):
+    """503 `response_store_unavailable`: the shared store (Redis) could not say which worker holds it."""
+
+    status = 503
+    error_type = "server_error"
+    code = "response_store_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseOwner:
+    """Where a stored response lives: its pool's name and its worker's URL (stable across replicas)."""
+
+    pool: str
+    worker_url: str
+
+    def encode(self) -> str:
+        return f"{self.pool}\n{self.worker_url}"
+
+    @staticmethod
+    def decode(value: str) -> ResponseOwner | None:
+        pool, sep, url = value.partition("\n")
+        return ResponseOwner(pool, url) if sep and pool and url else None
+
+
+class ResponseStore(Protocol):
+    """Response id → owner. `lookup` answers None for an unknown id and raises only
+    ResponseStoreUnavailable; `record` and `forget` are fire-and-forget, applied in order."""
+
+    async def lookup(self, response_id: str) -> ResponseOwner | None: ...
+
+    def record(self, response_id: str, owner: ResponseOwner) -> None: ...
+
+    def forget(self, response_id: str) -> None: ...
+
+    async def flush(self) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class MemoryResponseStore:
+    """One LRU + TTL dict for a single replica, bounded by `memory_max_entries`."""
+
+    def __init__(self, config: ResponsesConfig) -> None:
+        self.ttl = config.store_ttl
+        self.max_entries = config.memory_max_entries
+        self._entries: OrderedDict[str, tuple[ResponseOwner, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def lookup(self, response_id: str) -> ResponseOwner | None:
+        entry = self._entries.get(response_id)
+        if entry is None or entry[1] <= time.monotonic():
+            return None
+        return entry[0]
+
+    def record(self, response_id: str, owner: ResponseOwner) -> None:
+        self._entries[response_id] = (owner, time.monotonic() + self.ttl)
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def forget(self, response_id: str) -> None:
+        self._entries.pop(response_id, None)
+
+    async def flush(self) -> None:
+        return None  # `record` and `forget` apply at once
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        self._entries.clear()
+
+
+class RedisResponseStore:
+    """The shared store (module docstring). Construction does no I/O."""
+
+    def __init__(self, url: str, config: ResponsesConfig, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.redis = redis_from_url(url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=1.0,
+                                    retry=Retry(NoBackoff(), 0), max_connections=32, health_check_interval=0)
+        self._queue: asyncio.Queue[tuple[str, ResponseOwner | None]] = asyncio.Queue(config.write_queue)
+        self._writer: asyncio.Task[None] | None = None
+        self._last_log = 0.0
+
+    def key(self, response_id: str) -> str:
+        return f"{self.config.key_prefix}:{response_id}"
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.metrics.redis_errors.labels(op).inc()
+        now = time.monotonic()
+        if now - self._last_log >= 10.0:
+            self._last_log = now
+            log.warning("redis %s failed (%s: %s)", op, type(exc).__name__, exc)
+
+    async def lookup(self, response_id: str) -> ResponseOwner | None:
+        timer = StoreTimeout(self.config.lookup_timeout)
+        try:
+            async with timer:
+                value = await self.redis.get(self.key(response_id))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("response_lookup", exc)
+            raise ResponseStoreUnavailable("The gateway's response store (Redis) did not answer; it cannot tell "
+                                           "which worker holds this response now. Try again shortly.",
+                                           headers={"retry-after": "1"}) from None
+        return ResponseOwner.decode(value.decode()) if value is not None else None
+
+    def record(self, response_id: str, owner: ResponseOwner) -> None:
+        self._put(response_id, owner)
+
+    def forget(self, response_id: str) -> None:
+        self._put(response_id, None)
+
+    def _put(self, response_id: str, owner: ResponseOwner | None) -> None:
+        try:
+            self._queue.put_nowait((response_id, owner))
+        except asyncio.QueueFull:
+            self.metrics.affinity_writes_dropped.inc()
+
+    async def flush(self) -> None:
+        """Wait until every queued write was sent (or failed); a no-op when the writer is not running."""
+        writer = self._writer
+        if writer is None or writer.done():
+            return
+        joined = asyncio.ensure_future(self._queue.join())
+        try:
+            await asyncio.wait({joined, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            joined.cancel()
+
+    async def _write_batches(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < WRITE_BATCH and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                await self._write(batch)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    async def _write(self, batch: list[tuple[str, ResponseOwner | None]]) -> None:
+        ttl_ms = max(1, round(self.config.store_ttl * 1000))
+        timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
+        try:
+            async with timer, self.redis.pipeline(transaction=False) as pipe:
+                for response_id, owner in batch:
+                    if owner is None:
+                        pipe.delete(self.key(response_id))
+                    else:
+                        pipe.set(self.key(response_id), owner.encode(), px=ttl_ms)
+                await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("response_write", exc)
+
+    async def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_batches(), name="response-store-writer")
+
+    async def stop(self) -> None:
+        if self._writer is not None:
+            await self.flush()
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+        await self.redis.aclose()
+
+
+def build_response_store(redis_url: str | None, config: ResponsesConfig, metrics: GatewayMetrics) -> ResponseStore:
+    """Redis when `redis_url` is set (shared by replicas), else in-process."""
+    if redis_url:
+        return RedisResponseStore(redis_url, config, metrics)
+    return MemoryResponseStore(config)

@@ -1,0 +1,134 @@
+"""What the dispatch gives the request path back: a buffered answer or an accepted stream, and the
+shapes of the answers it builds itself (an engine's own error, the route headers).
+
+`BufferedResponse` is a complete answer (errors, non-streaming answers); `RelayResponse` an accepted
+upstream stream to relay. The checks of an engine's 200 (its content type, its content encoding,
+a non-streaming answer's JSON) live here too: they decide what the client may be shown.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.backends.client import UpstreamResponse
+from gateway.errors import error_bytes_from_upstream
+from gateway.protocol.anthropic import openai_usage
+from gateway.protocol.responses import chat_usage, response_id_of
+from gateway.record import RequestRecord
+from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
+
+# A 504 after the whole answer budget: a client retry would repeat the same long generation. The
+# OpenAI SDKs honour this header (their `_should_retry` reads `x-should-retry` before the status).
+NO_CLIENT_RETRY = {"x-should-retry": "false"}
+
+Headers = list[tuple[bytes, bytes]]
+
+SSE_CONTENT_TYPE = b"text/event-stream; charset=utf-8"
+JSON_CONTENT_TYPE = b"application/json"
+
+
+@dataclass(slots=True)
+class BufferedResponse:
+    """A complete answer: status, headers (lower-case names) and body bytes."""
+
+    status: int
+    body: bytes
+    content_type: bytes = b"application/json"
+    headers: Headers = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RelayResponse:
+    """An accepted upstream stream (HTTP 200) to relay: the stream that owns the upstream, headers."""
+
+    stream: UpstreamStream
+    content_type: bytes = b"text/event-stream"
+    headers: Headers = field(default_factory=list)
+
+
+def route_headers(record: RequestRecord) -> Headers:
+    """The `x-kimi-gateway-*` headers that tell the client where its request went and why."""
+    headers = [(b"x-kimi-gateway-pool", record.pool.encode()),
+               (b"x-kimi-gateway-attempts", str(record.attempts).encode())]
+    if record.worker:
+        headers.append((b"x-kimi-gateway-worker", record.worker.encode()))
+    if record.reason:
+        headers.append((b"x-kimi-gateway-route-reason", record.reason.encode()))
+    if record.skipped_pools:  # they fit, but their engines do not serve the request's API
+        headers.append((b"x-kimi-gateway-skipped-pools", ", ".join(record.skipped_pools).encode()))
+    if record.estimated_prompt_tokens is not None:
+        headers.append((b"x-kimi-gateway-estimated-prompt-tokens",
+                        f"{record.estimated_prompt_tokens}; method={record.estimate_method}".encode()))
+    return headers
+
+
+def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+    """Pass an engine's own 4xx answer to the client, as an OpenAI error object. An engine's
+    "too long" names the request's prompt as `param` (`messages`, or `prompt` on completions),
+    as OpenAI's context_length_exceeded does; the engines name other things or nothing."""
+    status = failure.status or 502
+    record.status = status
+    record.error = failure.detail
+    too_long = failure.outcome is Outcome.TOO_LONG
+    param = {"completions": "prompt", "responses": "input"}.get(record.api, "messages") if too_long else None
+    body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
+    return BufferedResponse(status, body, b"application/json", route_headers(record))
+
+
+def request_fault(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+    """The engine's error for a request two workers failed the same way: passed on as the
+    engine gave it, with `x-should-retry: false` (the OpenAI SDKs then do not resend it)."""
+    response = engine_error(failure, record)
+    record.error = f"two workers failed the request the same way ({failure.detail}): the request's fault"
+    response.headers.append((b"x-should-retry", b"false"))
+    return response
+
+
+def relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
+    """The content type the client gets for an engine's 200: the API's own (`text/event-stream` for a
+    stream, `application/json` otherwise), never the engine's text. Raises AttemptFailed
+    (protocol_error: tried elsewhere, held against the worker) for any other declared type, so an
+    engine's `text/html` is never served from the gateway's origin."""
+    declared = response.headers.get("content-type", "" if stream else "application/json")
+    if declared.partition(";")[0].strip().lower() == ("text/event-stream" if stream else "application/json"):
+        return SSE_CONTENT_TYPE if stream else JSON_CONTENT_TYPE
+    raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered 200 with content type {declared[:60]!r}")
+
+
+def passed_headers(response: UpstreamResponse) -> Headers:
+    """Upstream headers the client needs besides content-type (an encoding the engine applied).
+    Raises AttemptFailed (protocol_error) for an encoding that is not an HTTP token."""
+    encoding = response.headers.get("content-encoding")
+    if not encoding:
+        return []
+    if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,40}", encoding.strip()):  # RFC 9110 token
+        raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered with content encoding {encoding[:60]!r}")
+    return [(b"content-encoding", encoding.strip().encode("ascii"))]
+
+
+def json_answer_usage(content: bytes, content_type: bytes) -> dict[str, Any] | None:
+    """The usage of a non-streaming JSON answer; ValueError when the JSON is cut or broken."""
+    if b"json" not in content_type:
+        return None
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"its JSON answer is incomplete or invalid: {exc}") from None
+    usage = data.get("usage") if isinstance(data, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    if data.get("object") == "response":  # the Responses API: its input_tokens include the cached ones
+        return chat_usage(usage)
+    return openai_usage(usage)  # Anthropic's names → OpenAI's
+
+
+def response_id_in_json(body: bytes) -> str | None:
+    """The `id` of a Responses API JSON answer; None when there is none or it is not JSON."""
+    try:
+        return response_id_of(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None

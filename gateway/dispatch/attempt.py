@@ -1,0 +1,279 @@
+"""One attempt: the unit a pool kind produces, that either hands the client an answer or fails
+before anything reached the client (`AttemptFailed`: the dispatch may try again elsewhere).
+
+`Attempt` is the interface: `run()` gets the answer; `pool`, `worker` (the worker whose answer
+the client gets: the one the outcome is counted and judged against), `reason` (the route
+reason) and `matched` (the prompt share that worker held per the affinity store; None when the
+pool's policy does not use affinity) are what the dispatch accounts with. `SingleLeg` is the
+aggregated pool's attempt: one worker serves the whole request.
+
+Ownership: an attempt holds everything it takes (every leg's slot, every upstream response it
+opens) in one `Holding`, released together on every exit path (`finally: if holding: await
+holding.aclose()`); on success it moves the whole Holding in one call (`Holding.hand_over`) to the
+`UpstreamStream` that relays the answer, or closes it after reading a buffered answer.
+
+How a prefill/decode (PD) attempt will plug in (issue 13): a PD pool kind (`kinds.py`, chosen by
+`kind_of` from the pool's `disaggregation` config) picks a decode worker among the candidates with
+room the loop gives it (the pool's decode role) and a prefill worker among its prefill role's own
+candidates, each with its role's policy, and returns a two-leg attempt whose `worker` is the
+decode worker (the one whose answer the client gets). Its `run()` takes both slots into one
+Holding and opens both legs into it: SGLang style sends the same body (plus `bootstrap_host`,
+`bootstrap_port`, `bootstrap_room`) to both at once; vLLM NIXL style first reads the prefill leg's
+answer (`max_tokens: 1`, `kv_transfer_params` asking for a remote decode) and then opens the
+decode leg with the `kv_transfer_params` it returned. The decode leg's first content is waited
+for exactly as here. A failure of either leg before it raises `AttemptFailed`, `failed_worker`
+names that leg's worker (so `failures.after_failure` judges the right one), and the Holding's
+`aclose` releases both slots and aborts both requests; on success the whole Holding (both slots,
+both responses) moves to the stream in one `hand_over`, so the stream's end or a client hang-up
+ends both legs at once (an SGLang prefill answer still unread is then closed, not drained). The
+dispatch loop does not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from gateway.backends.client import UpstreamResponse, UpstreamTimeouts, first_byte_budget, request_timeout
+from gateway.backends.registry import WorkerRegistry
+from gateway.backends.worker import Worker
+from gateway.config import PoolConfig, TimeoutConfig
+from gateway.dispatch.answers import (
+    BufferedResponse,
+    Headers,
+    RelayResponse,
+    json_answer_usage,
+    passed_headers,
+    relayed_content_type,
+)
+from gateway.errors import UpstreamError
+from gateway.record import RequestOutcome, RequestRecord
+from gateway.routing.features import Api, RoutingRequest
+from gateway.state import AppState
+from gateway.streaming import (
+    AnswerTooLarge,
+    AttemptFailed,
+    Holding,
+    Outcome,
+    UpstreamStream,
+    first_chunk,
+    first_content,
+    mark_first_byte,
+    open_upstream,
+    read_rest,
+)
+
+# The engine path of each client API. Other client APIs add their row here (one table).
+UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                                  "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens",
+                                  "responses": "/v1/responses"}
+
+
+class Attempt(ABC):
+    """One try at getting the answer from a pool (see the module docstring for the contract)."""
+
+    __slots__ = ("matched", "pool", "reason", "worker")
+
+    def __init__(self, pool: PoolConfig, worker: Worker, reason: str, matched: float | None) -> None:
+        self.pool = pool
+        self.worker = worker
+        self.reason = reason
+        self.matched = matched
+
+    def failed_worker(self, failure: AttemptFailed) -> Worker:
+        """The worker `failure` is counted and judged against (passive health, `tried`): the one
+        leg's worker here; a two-leg attempt names the leg that failed."""
+        return self.worker
+
+    @abstractmethod
+    async def run(self) -> BufferedResponse | RelayResponse:
+        """Get the answer: a `RelayResponse` owning everything the attempt held, or a complete
+        `BufferedResponse` (everything released). Raises AttemptFailed before anything reached
+        the client, UpstreamError for an answer that broke or is too large after an engine accepted
+        the request; releases everything it holds on every exit but a relayed stream."""
+
+
+def budgets(timeouts: TimeoutConfig, request: RoutingRequest,
+            pool: PoolConfig) -> tuple[UpstreamTimeouts, float, float]:
+    """An attempt's time limits: the engine request's timeouts, the budget (seconds) for a
+    stream's first content or a whole answer, and the wait for response headers (seconds).
+
+    The budget is its own: aiohttp's read timeout is per read and must also allow a long
+    prefill, so it cannot catch a worker that hangs quickly. A stream's headers have a shorter
+    wait: engines send them before the prefill."""
+    output = request.output_tokens if request.output_tokens is not None else pool.default_output_tokens
+    timeout = request_timeout(timeouts, request.prompt_tokens, request.stream, output)
+    budget = first_byte_budget(timeouts, request.prompt_tokens) if request.stream else timeout.read
+    return timeout, budget, min(timeouts.response_header, budget) if request.stream else budget
+
+
+def hold_window(timeouts: TimeoutConfig, record: RequestRecord) -> float | None:
+    """How long (seconds) a stream's response may be held back waiting for its first content
+    (`timeouts.hold_headers`, None: no limit), counted from the client's arrival: its proxies'
+    idle timers run since then."""
+    hold = timeouts.hold_headers
+    return None if hold is None else max(0.0, hold - (time.perf_counter() - record.started))
+
+
+def upstream_headers(pool: PoolConfig, worker: Worker, record: RequestRecord) -> dict[str, str]:
+    """The headers of the engine request: JSON, the request id, the trace context (opening the
+    attempt's span when tracing is on) and the pool's bearer credential."""
+    headers = {"content-type": "application/json", "x-request-id": record.request_id}
+    if record.trace is not None:
+        headers.update(record.trace.start_attempt(pool.name, worker.id))
+    if pool.api_key is not None:
+        headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
+    return headers
+
+
+def timed_out(moved: bool, answered: bool, header_wait: float, budget: float) -> AttemptFailed:
+    """The failure of an attempt whose wait ran out: `moved` (its worker failed a health probe,
+    which ends the wait at once), no response headers within `header_wait` seconds, or (`answered`)
+    no first content within `budget` seconds (the engine was working on it)."""
+    if moved:
+        return AttemptFailed(Outcome.MOVED, "its health probe failed before it answered")
+    if not answered:
+        return AttemptFailed(Outcome.TIMEOUT, f"no response headers within {header_wait:.1f}s")
+    return AttemptFailed(Outcome.TIMEOUT, f"no first content within {budget:.1f}s", answered=True)
+
+
+class ProbeWatch:
+    """While an attempt waits for response headers: if its worker fails a health probe, the
+    registry calls this watch, which marks the attempt `moved` and ends the wait (`deadline`) at
+    once: an engine that has not answered is not generating, the request should go elsewhere."""
+
+    __slots__ = ("_registry", "_worker", "deadline", "moved")
+
+    def __init__(self, registry: WorkerRegistry, worker: Worker) -> None:
+        self._registry = registry
+        self._worker = worker
+        self.deadline: asyncio.Timeout | None = None
+        self.moved = False
+
+    def until(self, deadline: asyncio.Timeout) -> ProbeWatch:
+        """Watch while in a `with` block, ending `deadline` on a failed probe."""
+        self.deadline = deadline
+        return self
+
+    def __call__(self) -> None:
+        self.moved = True
+        if self.deadline is not None:
+            self.deadline.reschedule(asyncio.get_running_loop().time())
+
+    def __enter__(self) -> ProbeWatch:
+        self._registry.awaiting_headers(self._worker, self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._registry.headers_done(self._worker, self)
+
+
+class SingleLeg(Attempt):
+    """The attempt of an aggregated pool: one worker serves the whole request.
+
+    `run()`: take a slot, send the body, wait for the engine's headers and its first content
+    within their budgets, then hand the stream over (`UpstreamStream`) or read the answer whole.
+    `strip_usage`: the usage patch is on (its chunk is not relayed; backends/patches.py).
+    """
+
+    __slots__ = ("_api", "_body", "_record", "_request", "_state", "_strip_usage")
+
+    def __init__(self, state: AppState, api: Api, pool: PoolConfig, worker: Worker, reason: str,
+                 matched: float | None, body: bytes, request: RoutingRequest, record: RequestRecord,
+                 strip_usage: bool) -> None:
+        super().__init__(pool, worker, reason, matched)
+        self._state = state
+        self._api = api
+        self._body = body
+        self._request = request
+        self._record = record
+        self._strip_usage = strip_usage
+
+    async def run(self) -> BufferedResponse | RelayResponse:
+        """Take the slot, send, wait for headers then first content, and accept (see the class)."""
+        state, request, record, worker, pool = self._state, self._request, self._record, self.worker, self.pool
+        headers = upstream_headers(pool, worker, record)
+        timeouts = state.config.timeouts
+        timeout, budget, header_wait = budgets(timeouts, request, pool)
+        probe = ProbeWatch(state.registry, worker)
+        started = asyncio.get_running_loop().time()
+        holding = Holding()
+        try:
+            holding.lease(worker, state.metrics, state.registry.gates[pool.name])
+            try:
+                async with asyncio.timeout(header_wait) as deadline:
+                    with probe.until(deadline):
+                        response = holding.opened(await open_upstream(
+                            state.upstream, worker.url + UPSTREAM_PATHS[self._api], self._body, headers, timeout,
+                            pool.name))
+                    record.attempt_answered = True
+                    deadline.reschedule(started + budget)
+                    content = True
+                    if request.stream:  # `content` False: still prefilling; commit and send keep-alives
+                        sse = response.headers.get("content-type", "").startswith("text/event-stream")
+                        first, rest, content = await first_content(response, hold_window(timeouts, record), sse)
+                    else:
+                        first, rest = await first_chunk(response)
+            except TimeoutError:
+                raise timed_out(probe.moved, record.attempt_answered, header_wait, budget) from None
+            content_type, passed = self._accepted(response)
+            if request.stream:
+                return self._relay(holding, response, first, rest, content, content_type, passed)
+            mark_first_byte(record)
+            try:
+                answer = await read_rest(response, first, rest, state.config.max_body_bytes)
+            except Exception as exc:
+                raise self._broken(exc) from exc
+            return self._buffered(answer, content_type, passed)
+        finally:
+            if holding:  # not handed over: release the slot (a waiter may take it), then the connection
+                await holding.aclose()
+
+    def _accepted(self, response: UpstreamResponse) -> tuple[bytes, Headers]:
+        """The engine's 200 checked: the client's content type and the headers passed on.
+        Raises AttemptFailed (protocol_error) for a type or encoding we must not relay."""
+        content_type = relayed_content_type(response, self._request.stream)
+        passed = passed_headers(response)
+        self._record.status = response.status_code
+        return content_type, passed
+
+    def _relay(self, holding: Holding, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes],
+               content: bool, content_type: bytes, passed: Headers) -> RelayResponse:
+        """Hand the stream over: from here the `UpstreamStream` owns the slot and the response."""
+        record = self._record
+        if content:
+            mark_first_byte(record)
+        stream = UpstreamStream(response, first, rest, holding.hand_over(), record, not content,
+                                self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage)
+        return RelayResponse(stream, content_type, passed)
+
+    def _buffered(self, answer: bytes, content_type: bytes, passed: Headers) -> BufferedResponse:
+        """A whole non-streaming answer; its usage is read for the record (an encoded answer is
+        relayed as it is, unread). A cut or broken JSON answer is the engine's failure."""
+        if not passed:
+            try:
+                self._record.usage = json_answer_usage(answer, content_type)
+            except ValueError as exc:
+                raise self._broken(exc) from exc
+        self._ended(None)
+        return BufferedResponse(200, answer, content_type, passed)
+
+    def _broken(self, exc: Exception) -> UpstreamError:
+        """The error for a non-streaming answer that broke after the engine accepted the request
+        (held against the worker), or grew too large (the request's doing: held against nobody)."""
+        self._record.outcome = RequestOutcome.UPSTREAM_ERROR
+        if isinstance(exc, AnswerTooLarge):
+            limit = self._state.config.max_body_bytes
+            return UpstreamError(f"The answer is larger than this gateway relays without streaming ({limit} "
+                                 f"bytes); ask for fewer tokens or completions, or stream it.")
+        self._ended(f"broken answer: {exc}")
+        return UpstreamError(f"The inference server failed while sending its answer ({exc}).")
+
+    def _ended(self, failure: str | None) -> None:
+        """Passive health counts whole answers: a stream that breaks after its first byte too."""
+        if failure is None:
+            self._state.registry.request_succeeded(self.worker)
+        else:
+            self._state.registry.request_failed(self.worker, failure)

@@ -1,0 +1,51 @@
+"""One request's dispatch: what all its attempts share and what the attempts so far left behind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.backends.worker import Worker
+from gateway.config import PoolConfig
+from gateway.dispatch.failures import Failures
+from gateway.dispatch.steps import BodyKey
+from gateway.parsing import Payload
+from gateway.record import RequestRecord
+from gateway.routing.features import Api, RoutingRequest
+from gateway.state import AppState
+from gateway.streaming import AttemptFailed
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """The state of one request's way through the pools (one object per request, no task).
+
+    `pools` are the fitting pools smallest first and `pool` the one it is in now; `tried` the
+    workers that failed it; `matches` pool -> worker URL -> the share of the prompt that worker
+    holds (one affinity lookup per pool); `bodies` the engine bodies encoded so far
+    (`steps.engine_body`); `queue_deadline` (event-loop seconds) is set when it first waits for a
+    slot; `last` is the latest failed attempt and `too_long_retried` whether an engine's "too long"
+    already moved it to a larger pool.
+    """
+
+    state: AppState
+    api: Api
+    payload: Payload
+    request: RoutingRequest
+    record: RequestRecord
+    pools: list[PoolConfig]
+    pool: PoolConfig
+    failures: Failures = field(default_factory=Failures)
+    tried: set[Worker] = field(default_factory=set)
+    matches: dict[str, dict[str, float]] = field(default_factory=dict)
+    bodies: dict[BodyKey, bytes] = field(default_factory=dict)
+    queue_deadline: float | None = None
+    last: AttemptFailed | None = None
+    too_long_retried: bool = False
+    pinned: Worker | None = None
+    """The one worker that may serve it (a Responses follow-up's owner, `routing/response_affinity.py`):
+    one attempt there, no policy, spill-over or failover (`kinds.PINNED`)."""
+
+    def move_to(self, pool: PoolConfig) -> None:
+        """The request goes on in `pool` (a spill-over or a larger pool after "too long")."""
+        self.pool = pool
+        self.record.pool = pool.name

@@ -1,0 +1,305 @@
+"""The request sequence (design §2), orchestration only: parse → features → pool → attempt → answer.
+
+`ProxyService.handle` returns a `BufferedResponse` (errors, non-streaming answers) or a
+`RelayResponse` (an accepted stream) and raises GatewayError for the client's mistakes and for
+exhausted upstreams. Failover happens only before the engine's first body byte.
+
+The dispatch loop, in named steps: choose the pool and its candidates with room
+(`steps.choose_pool`: route, spill over, wait or give up), look up the prompt's prefix owners once
+per pool, let the pool's kind make one attempt (`kinds.PoolKind`: the policy's decision and the
+engine body), run it (`attempt.Attempt.run`) and judge a failed one (`failures.after_failure`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+
+from gateway.affinity.hashing import longest_match
+from gateway.affinity.response_store import ResponseOwner
+from gateway.auth.keys import Principal
+from gateway.backends.worker import Worker
+from gateway.config import PoolConfig
+from gateway.dispatch.answers import BufferedResponse, RelayResponse, response_id_in_json, route_headers
+from gateway.dispatch.attempt import Attempt
+from gateway.dispatch.context import Dispatch
+from gateway.dispatch.failures import after_failure, exhausted
+from gateway.dispatch.kinds import PINNED, kind_of
+from gateway.dispatch.steps import PoolStep, choose_pool
+from gateway.errors import GatewayError
+from gateway.parsing import Body, BodyParser, Payload
+from gateway.record import RequestOutcome, RequestRecord
+from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.pools import fitting_pools, skipped_pools
+from gateway.routing.response_affinity import owner_of
+from gateway.state import AppState
+from gateway.streaming import AttemptFailed, Outcome
+
+
+class ProxyService:
+    """Routes and proxies the proxied APIs' requests (chat, completions, messages, responses) for one AppState."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        config = state.config
+        self._parser = BodyParser(config, state.estimator, state.hasher)
+
+    @property
+    def parser(self) -> BodyParser:
+        """The body parser for the running config (a reload replaces `state.config`)."""
+        if self._parser.config is not self.state.config:
+            self._parser = BodyParser(self.state.config, self.state.estimator, self.state.hasher)
+        return self._parser
+
+    async def parse(self, api: Api, body: Body, headers: Mapping[str, str]) -> tuple[Payload, RoutingRequest]:
+        """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound,
+        ContextLengthExceeded (also from a cheap lower bound of its tokens, before validation).
+
+        A body over `parse_offload_bytes`, or with more than `parse_offload_items` items, is parsed
+        in a parse process (`gateway/parsing.py`), so the event loop keeps serving meanwhile; its
+        payload is then a `ForwardBody`, the engine's body already encoded.
+        With `image_fetch.enabled`, the chat request's http(s) image URLs are fetched first to
+        measure their pixel size (`ImageFetcher.measure`: bounded in time, never failing the request).
+        """
+        state, parser = self.state, self.parser
+        session = headers.get("x-session-id")
+        if isinstance(body, bytes) and len(body) <= state.config.parse_offload_bytes:
+            payload, items = parser.decode(api, body)
+            if items <= state.config.parse_offload_items:
+                wire, model, urls = parser.validate(api, payload)
+                measured = await state.images.measure(urls) if state.images is not None and urls else None
+                return payload, parser.features(wire, model, session, measured)
+        parsed = await state.parse_pool.parse(api, body, session,
+                                              state.images.measure if state.images is not None else None)
+        assert parsed.request is not None and parsed.forward is not None
+        return parsed.forward, parsed.request
+
+    async def handle(self, api: Api, body: Body, headers: Mapping[str, str], record: RequestRecord,
+                     principal: Principal | None = None) -> BufferedResponse | RelayResponse:
+        """The whole request path up to an accepted upstream (or a final error).
+
+        `principal` is the authenticated caller (auth on): one request is counted against its
+        request limit before the body is even parsed (so invalid or oversized bodies are not free
+        and a key over its limit fetches no image URL); its token limit is charged the request's
+        estimated prompt tokens + its output limit (else the first fitting pool's reservation) times
+        the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
+        (429) or RateLimitUnavailable (503) when refused. The charge is settled when the request
+        ends (`quota_used`): at once for an answer or error given here, at the record's finish for
+        a stream.
+        """
+        guard = self.state.auth if principal is not None else None
+        counted = None
+        if guard is not None:
+            assert principal is not None
+            counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
+        payload, request = await self.parse(api, body, headers)
+        record.stream = request.stream
+        record.estimated_prompt_tokens = request.prompt_tokens
+        record.estimate_method = request.estimate_method
+        pools = fitting_pools(request, self.state.config.pools)
+        if len(pools) < len(self.state.config.pools):
+            record.skipped_pools = skipped_pools(request, self.state.config.pools) or None
+        pinned: Worker | None = None
+        if request.previous_response_id is not None:  # only the worker storing its history can serve it
+            pool, pinned = await owner_of(request.previous_response_id, "previous_response_id", self.state.responses,
+                                          self.state.registry, self.state.config.pools, self.state.metrics)
+            pools = [pool]
+        if guard is None:
+            return await self._dispatch(api, payload, request, pools, record, pinned)
+        assert principal is not None
+        reservation = await guard.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens),
+                                              requests=0, counted=counted)
+        if reservation is None:
+            return await self._dispatch(api, payload, request, pools, record, pinned)
+        record.on_finish = lambda done: guard.settle_soon(reservation, quota_used(
+            done, request, reservation.tokens, done.outcome is not RequestOutcome.OK or done.status >= 400))
+        try:
+            result = await self._dispatch(api, payload, request, pools, record, pinned)
+        except GatewayError:
+            await guard.settle(reservation, quota_used(record, request, reservation.tokens, failed=True))
+            raise
+        if isinstance(result, BufferedResponse):
+            await guard.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
+        return result
+
+    async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
+                        record: RequestRecord, pinned: Worker | None = None) -> BufferedResponse | RelayResponse:
+        """Dispatch a parsed request to its fitting `pools` (smallest first): one `Dispatch` state
+        for its way through them, and a held 5xx verdict settled however it ends. With `pinned`
+        (a Responses follow-up's owner; `pools` is then its pool alone) only that worker is tried."""
+        state = self.state
+        pool = pools[0]
+        record.pool = pool.name
+        state.metrics.estimated_prompt_tokens.labels(pool.name, request.estimate_method).observe(request.prompt_tokens)
+        dispatch = Dispatch(state, api, payload, request, record, pools, pool, pinned=pinned)
+        try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
+            return await self._dispatch_loop(dispatch)
+        finally:
+            dispatch.failures.charge(state.registry)
+
+    async def _dispatch_loop(self, dispatch: Dispatch) -> BufferedResponse | RelayResponse:
+        """Until an attempt is accepted or `max_attempts` ran out: choose the pool and its candidates
+        with room (`choose_pool`), spill over or wait for a slot when it has none, look up the
+        prefix owners once per pool, make the pool kind's attempt and run it, and judge a failed
+        one (`_attempt_failed`): same pool, a larger one, or a final answer. A pinned request
+        (`Dispatch.pinned`) makes one attempt on its worker (`kinds.PINNED`), whatever the policy."""
+        state, record = self.state, dispatch.record
+        while record.attempts < state.config.max_attempts:
+            pool = dispatch.pool
+            if dispatch.pinned is not None:
+                if dispatch.tried:  # no other worker holds what it needs
+                    break
+                step, to, workers = PoolStep.ROUTE, pool, [dispatch.pinned]
+            else:
+                step, to, workers = choose_pool(state.registry, pool, dispatch.pools, dispatch.tried)
+            if step is PoolStep.EXHAUSTED:
+                break
+            if step is PoolStep.WAIT:
+                await self._wait_for_slot(dispatch)
+                continue
+            if step is not PoolStep.ROUTE:  # spill over: unavailable or saturated
+                state.metrics.spillovers.labels(pool.name, to.name, step.value).inc()
+                dispatch.move_to(to)
+                continue
+            policy = state.router.policy(pool.name)
+            if dispatch.pinned is None and policy.uses_affinity and pool.name not in dispatch.matches:
+                dispatch.matches[pool.name] = await self._affinity_matches(pool.name, dispatch.request)
+                # Others may have taken the free slots or broken workers meanwhile: look again. From
+                # here to the attempt's slot nothing awaits, so the room seen is the room taken.
+                continue
+            kind = PINNED if dispatch.pinned is not None else kind_of(pool)
+            attempt = kind.attempt(dispatch, policy, workers, dispatch.matches.get(pool.name, {}))
+            self._attempt_started(dispatch, attempt)
+            try:
+                result = await attempt.run()
+            except AttemptFailed as failure:
+                answer = self._attempt_failed(dispatch, attempt, failure)
+                if answer is not None:
+                    return answer
+                continue
+            self._attempt_accepted(dispatch, attempt)
+            if dispatch.api == "responses":
+                self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result)
+            result.headers.extend(route_headers(record))
+            return result
+        raise exhausted(state.registry, dispatch.last, record, dispatch.pools, dispatch.failures)
+
+    async def _wait_for_slot(self, dispatch: Dispatch) -> None:
+        """Queue for a slot of the request's pool, up to `queue_timeout` after it first queued."""
+        gate = self.state.registry.gates[dispatch.pool.name]
+        if dispatch.queue_deadline is None:
+            dispatch.queue_deadline = time.monotonic() + gate.queue_timeout
+        await gate.wait_for_slot(dispatch.queue_deadline)
+
+    def _attempt_started(self, dispatch: Dispatch, attempt: Attempt) -> None:
+        """Account for an attempt about to run: the record's attempt count, worker and route
+        reason, the decision's metric, and a retry's (labelled with what the last one failed by)."""
+        record, metrics = dispatch.record, self.state.metrics
+        record.attempts += 1
+        record.worker, record.reason = attempt.worker.id, attempt.reason
+        metrics.route_decisions.labels(attempt.pool.name, attempt.reason).inc()
+        if dispatch.last is not None:
+            metrics.retries.labels(attempt.pool.name, dispatch.last.outcome).inc()
+        record.open_attempt, record.attempt_answered = attempt.worker, False
+
+    def _attempt_failed(self, dispatch: Dispatch, attempt: Attempt,
+                        failure: AttemptFailed) -> BufferedResponse | None:
+        """Account for a failed attempt (its metric, its trace span, whether the engine saw it)
+        and judge it (`after_failure`): None to try again (in the same pool or, after an engine's
+        "too long", once in the next larger one), else the final answer. Raises what
+        `after_failure` raises for failures no other worker should repeat."""
+        record, pool, worker = dispatch.record, attempt.pool, attempt.failed_worker(failure)
+        record.open_attempt = None
+        record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
+        self.state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
+        if record.trace is not None:
+            record.trace.end_attempt(failure.outcome)
+        dispatch.tried.add(worker)
+        dispatch.last = failure
+        step_to = after_failure(self.state.registry, failure, worker, pool, dispatch.pools, dispatch.request, record,
+                                dispatch.too_long_retried, dispatch.failures)
+        if isinstance(step_to, BufferedResponse):
+            return step_to
+        if step_to is not pool:
+            self.state.metrics.spillovers.labels(pool.name, step_to.name, "too_long").inc()
+            dispatch.too_long_retried = True
+            dispatch.move_to(step_to)
+        return None
+
+    def _attempt_accepted(self, dispatch: Dispatch, attempt: Attempt) -> None:
+        """Account for the accepted attempt, and remember (after the first chunk went out) that its
+        worker now holds the prompt's prefix."""
+        state, record, request = self.state, dispatch.record, dispatch.request
+        pool, worker = attempt.pool, attempt.worker
+        record.open_attempt = None
+        record.reached_engine = True
+        state.metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
+        if record.trace is not None:
+            record.trace.end_attempt(Outcome.OK)
+        if attempt.matched is not None and request.prefix is not None and state.affinity is not None:
+            state.metrics.affinity_match_ratio.labels(pool.name).observe(attempt.matched)
+            # After this task next yields, i.e. once the first chunk went out: never before the first token.
+            asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, request.prefix.hashes,
+                                                 worker.url)
+
+    def _note_stored_response(self, request: RoutingRequest, pool: PoolConfig, worker: Worker,
+                              result: BufferedResponse | RelayResponse) -> None:
+        """Remember which worker stores the response this accepted Responses request creates (not with
+        `store: false`, nor on an engine that stores nothing): from the JSON answer's `id`, or from the
+        stream's `response.created` event as the relay passes it (`SSETap.on_response_id`)."""
+        store = self.state.responses
+        if store is None or not request.store or not worker.engine.stores_responses:
+            return
+        owner = ResponseOwner(pool.name, worker.url)
+        if isinstance(result, RelayResponse):
+            result.stream.tap.on_response_id = lambda rid: store.record(rid, owner)
+        elif result.status == 200 and (rid := response_id_in_json(result.body)) is not None:
+            store.record(rid, owner)
+
+    async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
+        """Worker URL → share of the prompt it holds, from one store lookup (fails open to {})."""
+        store, prefix = self.state.affinity, request.prefix
+        if store is None or prefix is None:
+            return {}
+        owners = await store.lookup(pool, prefix.hashes)
+        if owners is None:
+            return {}
+        matched = longest_match(prefix, owners)
+        self.state.metrics.affinity_lookups.labels(pool, "hit" if matched else "miss").inc()
+        return matched
+
+    def attempt_cut_by_cap(self, record: RequestRecord) -> None:
+        """Account for the attempt the overall cap (`timeouts.total`) cut: counted as a `timeout`;
+        held against its worker only for a stream whose engine had not even sent headers (a
+        streaming engine answers them at once, so it hangs; a non-streaming answer's headers come
+        with its last byte, so a long generation and a hang look the same)."""
+        worker = record.open_attempt
+        if worker is None:
+            return
+        record.open_attempt = None
+        record.reached_engine = True  # the engine may have been working on it all along
+        self.state.metrics.upstream_attempts.labels(worker.pool, worker.id, Outcome.TIMEOUT).inc()
+        if record.trace is not None:
+            record.trace.end_attempt(Outcome.TIMEOUT)
+        if record.stream and not record.attempt_answered:
+            self.state.registry.request_failed(worker, "no response headers within the overall cap")
+
+
+def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, failed: bool) -> int | None:
+    """The tokens a request that ended (`failed`: with an error, or a stream cut short) counts
+    against its key's token limit: the engine's usage (prompt + completion tokens) when it
+    reported one; the reservation when the client hung up, or a complete answer came without
+    usage (nothing to settle by); the prompt estimate when an engine accepted the request (or
+    may have been working on it) and it failed later; None, "release it all", when no engine
+    worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
+    usage = record.usage
+    if usage is not None:
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            return prompt + completion
+    if record.disconnect_stage is not None or (record.reached_engine and not failed):
+        return reserved
+    if record.reached_engine:
+        return request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
+    return None

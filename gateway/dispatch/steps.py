@@ -1,0 +1,68 @@
+"""The dispatch loop's routing steps, each a plain function testable without a socket: where the
+request goes next (`choose_pool`: route, spill over, wait or give up), which worker the pool's
+policy picks among the candidates with room (`decide`), and the engine's body (`engine_body`)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from enum import StrEnum
+
+from gateway.backends.registry import WorkerRegistry
+from gateway.backends.worker import Worker
+from gateway.config import PoolConfig
+from gateway.parsing import Payload, encode_for
+from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.policy import Candidate, Decision, RoutingPolicy
+
+
+class PoolStep(StrEnum):
+    """What the dispatch loop does next (`choose_pool`); a spill-over's value is its metric reason."""
+
+    ROUTE = "route"  # choose among the pool's candidates with room
+    UNAVAILABLE = "unavailable"  # spill over to the next pool: this one has no candidate left
+    SATURATED = "saturated"  # spill over to a later pool with room: this one is at its limits
+    WAIT = "wait"  # queue for a slot of this pool (no later pool has room either)
+    EXHAUSTED = "exhausted"  # no candidate here, and no later pool to spill over to
+
+
+def choose_pool(registry: WorkerRegistry, pool: PoolConfig, pools: list[PoolConfig],
+                tried: Collection[Worker]) -> tuple[PoolStep, PoolConfig, list[Worker]]:
+    """One step of choosing where a request goes, from the pool it is in (`pool`, one of `pools`,
+    the fitting pools smallest first): the step, the pool it leads to (the next pool on a
+    spill-over, else `pool`) and, for ROUTE, the candidates (not yet `tried`) with room. A pool
+    spills over only with `spillover` set; "unavailable" goes to the next pool (whose own
+    candidates are looked at in the next step), "saturated" to the first later pool with room."""
+    workers = registry.candidates(pool.name, tried)
+    later = pools[pools.index(pool) + 1:] if pool.spillover else []
+    if not workers:
+        return (PoolStep.UNAVAILABLE, later[0], workers) if later else (PoolStep.EXHAUSTED, pool, workers)
+    gate = registry.gates[pool.name]
+    if gate.limited and not (workers := gate.with_room(workers)):
+        roomy = next((p for p in later if registry.gates[p.name].with_room(registry.candidates(p.name, tried))), None)
+        return (PoolStep.SATURATED, roomy, workers) if roomy is not None else (PoolStep.WAIT, pool, workers)
+    return PoolStep.ROUTE, pool, workers
+
+
+def decide(policy: RoutingPolicy, request: RoutingRequest, workers: list[Worker],
+           match: Mapping[str, float]) -> Decision:
+    """The pool policy's choice among `workers` (candidates with room), each seen with its load,
+    KV cache usage and the share of the prompt it holds (`match`: worker URL -> 0..1, from the
+    affinity store; the matched tokens are that share of the estimated prompt tokens)."""
+    candidates = [Candidate(w, w.load(), w.kv_usage, match.get(w.url, 0.0),
+                            int(match.get(w.url, 0.0) * request.prompt_tokens)) for w in workers]
+    return policy.select(request, candidates)
+
+
+BodyKey = tuple[str, bool, bool]  # (served model name, usage patch, max_tokens for max_completion_tokens)
+
+
+def engine_body(bodies: dict[BodyKey, bytes], payload: Payload, api: Api, served_name: str,
+                worker: Worker, patch_usage: bool) -> bytes:
+    """The engine's request body for `worker`: the payload encoded with the pool's served model
+    name, the usage patch, and `max_tokens` for engines without `max_completion_tokens` on `api`;
+    encoded once per distinct form (`bodies` caches them for the request's later attempts)."""
+    key = (served_name, patch_usage, api not in worker.engine.max_completion_tokens_apis)
+    body = bodies.get(key)
+    if body is None:
+        body = bodies[key] = encode_for(payload, *key)
+    return body

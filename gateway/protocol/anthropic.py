@@ -1,0 +1,307 @@
+"""Anthropic Messages API wire models, and the chat request a Messages request is routed as
+(imports pydantic only).
+
+Shapes follow https://docs.claude.com/en/api/messages (`POST /v1/messages`) and
+/messages-count-tokens (`POST /v1/messages/count_tokens`): `model`, `messages` of `user` /
+`assistant` turns whose `content` is a string or content blocks (`text`, `image` with a `base64` or
+`url` source, `tool_use`, `tool_result`, `thinking`, `redacted_thinking`, `document`...), an optional
+top-level `system` (a string or text blocks), `max_tokens` (required on `/v1/messages`, absent on
+count_tokens), `stream`, `tools`. Validation is as strict as the OpenAI models (`"5"` is not an
+integer); unknown fields and block types are kept and forwarded to the engine unchanged.
+
+`to_chat(request)` is the canonical conversation routing reads: the chat messages the engines build
+from a Messages request (vLLM's `entrypoints/anthropic/serving.py` and SGLang's
+`srt/entrypoints/anthropic/serving.py` translate it into their chat request, read 2026-11):
+`system` first as one system message (its text blocks joined by a newline, as SGLang joins them;
+vLLM joins them with nothing), then each turn in order; a user turn's `tool_result` blocks become
+`tool` messages (in place, before the rest of that turn's blocks; text blocks joined by newlines,
+with images as parts), an assistant turn's `tool_use` blocks become its `tool_calls` (arguments
+as Python's `json.dumps` writes them, as both engines do), images become `image_url` parts (a
+base64 source as a `data:` URI), one text block a plain string turn; `thinking` text is kept as
+`reasoning_content` (chat templates drop it from earlier turns, so it is neither hashed nor
+counted). A conversation that alternates between Messages and Chat therefore hashes the same
+prefix blocks wherever the engine sees the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
+
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
+class _Open(BaseModel):
+    """Extra fields are accepted (and forwarded by the gateway untouched)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class TextBlock(_Open):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Base64Source(_Open):
+    type: Literal["base64"]
+    media_type: StrictStr
+    data: StrictStr
+
+
+class URLSource(_Open):
+    type: Literal["url"]
+    url: StrictStr = Field(min_length=1)
+
+
+class OtherSource(_Open):
+    """A source the gateway does not model (`file`, `text`, `content`): forwarded, not measured."""
+
+    type: StrictStr
+
+
+def _source_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):
+        return None
+    return kind if kind in ("base64", "url") else "other"
+
+
+ImageSource = Annotated[
+    Annotated[Base64Source, Tag("base64")] | Annotated[URLSource, Tag("url")] | Annotated[OtherSource, Tag("other")],
+    Discriminator(_source_tag, custom_error_type="invalid_source",
+                  custom_error_message="an image source must be an object with a string 'type'"),
+]
+
+
+class ImageBlock(_Open):
+    type: Literal["image"]
+    source: ImageSource
+
+
+class ToolUseBlock(_Open):
+    type: Literal["tool_use"]
+    id: StrictStr
+    name: StrictStr
+    input: dict[str, Any]
+
+
+
+
+class ThinkingBlock(_Open):
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: StrictStr | None = None
+
+
+class OtherBlock(_Open):
+    """A block type the gateway does not model (`redacted_thinking`, `document`, `search_result`...):
+    forwarded unchanged, the engine decides; its tokens are not counted."""
+
+    type: StrictStr
+
+
+_MODELLED_BLOCKS = {"text", "image", "tool_use", "tool_result", "thinking"}
+
+
+def _block_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if not isinstance(kind, str):
+        return None
+    return kind if kind in _MODELLED_BLOCKS else "other"
+
+
+class ToolResultBlock(_Open):
+    """A tool's result: text, or blocks (text and images: a computer-use screenshot is counted)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr
+    content: StrictStr | list[ContentBlock] | None = None
+    is_error: StrictBool | None = None
+
+
+ContentBlock = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")]
+    | Annotated[ToolUseBlock, Tag("tool_use")] | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[ThinkingBlock, Tag("thinking")] | Annotated[OtherBlock, Tag("other")],
+    Discriminator(_block_tag, custom_error_type="invalid_block",
+                  custom_error_message="a content block must be an object with a string 'type'"),
+]
+
+
+class Message(_Open):
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[ContentBlock]
+
+
+class Tool(_Open):
+    """A client tool (`name`, `description`, `input_schema`); server tools (`type`: `web_search_...`)
+    pass as they are."""
+
+    name: StrictStr
+    description: StrictStr | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class Metadata(_Open):
+    user_id: StrictStr | None = None
+
+
+class CountTokensRequest(_Open):
+    """`POST /v1/messages/count_tokens` body (the fields routing reads).
+
+    The gateway forwards it rather than answering from its own estimate: the engine counts with
+    the model's tokenizer and chat template, exactly what the client asks ("will this fit, what
+    will it cost"), while the gateway's estimate deliberately over-counts (it routes by it). It is
+    routed like the Messages request it counts (so to a pool whose engines serve count_tokens:
+    vLLM, SGLang and llama.cpp all do), with no output reserved and no tokens charged."""
+
+    model: StrictStr = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
+    system: StrictStr | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """`POST /v1/messages` body (the fields routing reads): `max_tokens` is required (Anthropic's
+    API refuses a request without it) and is the request's output reservation."""
+
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+    stream: StrictBool | None = False
+    metadata: Metadata | None = None
+
+
+def _tool_content(content: str | list[Any] | None) -> str | list[dict[str, Any]]:
+    """A tool result's content as the tool message's: a string, its text blocks joined by newlines,
+    or (with an image among them) text and image parts, so the images are counted."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not any(isinstance(block, ImageBlock) for block in content):
+        return "\n".join(block.text for block in content if isinstance(block, TextBlock))
+    return [{"type": "text", "text": block.text} if isinstance(block, TextBlock) else _image_part(block)
+            for block in content if isinstance(block, (TextBlock, ImageBlock))]
+
+
+def _image_part(block: ImageBlock) -> dict[str, Any]:
+    source = block.source
+    if isinstance(source, Base64Source):
+        url = f"data:{source.media_type};base64,{source.data}"
+    elif isinstance(source, URLSource):
+        url = source.url
+    else:  # a file id or other source: counted at the configured image cost, hashed by its JSON
+        url = "anthropic-source:" + orjson.dumps(source.model_dump()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _system_message(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    text = system if isinstance(system, str) else "\n".join(block.text for block in system)
+    return [{"role": "system", "content": text}] if text else []
+
+
+def to_chat(request: CountTokensRequest) -> dict[str, Any]:
+    """The chat request (`messages`, `tools`, and for a `MessagesRequest` `max_tokens`, `stream`,
+    `user`) a Messages request stands for; see the module docstring for the canonical form. The
+    result validates as the gateway's `ChatCompletionRequest`."""
+    messages = _system_message(request.system)
+    for turn in request.messages:
+        content = turn.content
+        if isinstance(content, str):
+            messages.append({"role": turn.role, "content": content})
+            continue
+        parts: list[dict[str, Any]] = []
+        calls: list[dict[str, Any]] = []
+        reasoning: list[str] = []
+        for block in content:
+            if isinstance(block, TextBlock):
+                parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, ImageBlock):
+                parts.append(_image_part(block))
+            elif isinstance(block, ToolUseBlock):
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": json.dumps(block.input)}})
+            elif isinstance(block, ToolResultBlock):
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                                 "content": _tool_content(block.content)})
+            elif isinstance(block, ThinkingBlock):
+                reasoning.append(block.thinking)
+        if not parts and not calls and not reasoning:
+            continue  # a user turn of tool results only
+        message: dict[str, Any] = {"role": turn.role, "content": parts or ("" if turn.role == "user" else None)}
+        if len(parts) == 1 and parts[0]["type"] == "text":
+            message["content"] = parts[0]["text"]  # one text block renders as a plain string turn
+        if calls:
+            message["tool_calls"] = calls
+        if reasoning:
+            message["reasoning_content"] = "\n".join(reasoning)
+        messages.append(message)
+    chat: dict[str, Any] = {"model": request.model, "messages": messages}
+    if request.tools:
+        chat["tools"] = [{"type": "function", "function": {
+            "name": tool.name, "description": tool.description, "parameters": tool.input_schema}}
+            for tool in request.tools]
+    if isinstance(request, MessagesRequest):
+        chat["max_tokens"] = request.max_tokens
+        chat["stream"] = bool(request.stream)
+        if request.metadata is not None and request.metadata.user_id is not None:
+            chat["user"] = request.metadata.user_id
+    return chat
+
+
+def openai_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """An engine's usage object in OpenAI's names, which the gateway accounts by (token limits,
+    `kimi_gateway_tokens_total`): an Anthropic one (`input_tokens`, `output_tokens`,
+    `cache_read_input_tokens`, `cache_creation_input_tokens`; Anthropic counts the cached parts
+    apart from `input_tokens`) becomes `prompt_tokens` (all three inputs), `completion_tokens`
+    and `prompt_tokens_details.cached_tokens`; any other usage is returned as it is."""
+    if "input_tokens" not in usage and "output_tokens" not in usage:
+        return usage
+    def count(name: str) -> int:
+        value = usage.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    cached = count("cache_read_input_tokens")
+    prompt = count("input_tokens") + cached + count("cache_creation_input_tokens")
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": count("output_tokens")}
+    if cached:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+# Anthropic's error type for each HTTP status (https://docs.claude.com/en/api/errors); another 4xx
+# is an invalid_request_error, as Anthropic says it uses that type for unlisted 4xx codes.
+ERROR_TYPES: dict[int, str] = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                               500: "api_error", 504: "timeout_error", 529: "overloaded_error"}
+
+# The status an engine's Anthropic error type stands for (the reverse of ERROR_TYPES).
+ERROR_STATUS: dict[str, int] = {kind: status for status, kind in ERROR_TYPES.items()}
+
+
+def error_type(status: int) -> str:
+    """Anthropic's error type for an HTTP status: the listed ones, other 4xx `invalid_request_error`,
+    503 `overloaded_error`, other 5xx `api_error`."""
+    if (kind := ERROR_TYPES.get(status)) is not None:
+        return kind
+    if status == 503:
+        return "overloaded_error"
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
+def error_body(status: int, message: str, request_id: str | None = None) -> bytes:
+    """Anthropic's error object: `{"type": "error", "error": {"type", "message"}, "request_id"}`."""
+    body: dict[str, Any] = {"type": "error", "error": {"type": error_type(status), "message": message}}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return orjson.dumps(body)
+
+
+def sse_error(message: str, status: int = 500) -> bytes:
+    """One Anthropic SSE error event (`event: error`), what the Anthropic SDKs raise on mid-stream."""
+    return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
+
+
+ToolResultBlock.model_rebuild()
+Message.model_rebuild()

@@ -1,0 +1,99 @@
+"""Where a Responses API follow-up must go: the worker that stores the response it names.
+
+A request with `previous_response_id`, and `GET/DELETE/POST …/cancel /v1/responses/{id}`, can only
+be served by the engine process that created that response (its history lives in that process's
+memory). `owner_of` finds that worker from the response store (gateway/affinity/response_store.py)
+and the registry, bypassing the pool's policy (no other worker could serve it) but not its health:
+
+- unknown id (never seen, `store: false`, expired after `responses.store_ttl`, or created
+  through an engine that stores nothing): **404** `response_not_found`, as OpenAI answers an unknown
+  id; the client's SDK raises NotFoundError and does not retry.
+- the owning worker is no longer configured or discovered (scaled away, removed by a reload):
+  **404** `response_worker_gone`. Its process memory, and the stored response with it, is gone for
+  good: a retry can never succeed, and OpenAI's SDKs retry 5xx but not 404. The message says to
+  resend the conversation without `previous_response_id`.
+- the owning worker is known but out of service (failing health probes, ejected, misconfigured,
+  backing off after a 429): **503** `response_worker_unavailable` with `Retry-After`: it may come
+  back with its memory (a network blip, an overload), so a retry is worth it (the SDKs retry 503).
+  A draining worker still serves its own follow-ups: the history is nowhere else.
+
+- the shared store (Redis) does not answer: **503** `response_store_unavailable` (retryable).
+
+Each outcome counts in
+`kimi_gateway_response_affinity_total{result=hit|unknown|worker_gone|worker_unavailable|store_error}`.
+
+Context length: the stored history is on the engine; the gateway cannot count it, so a follow-up
+goes to its owner whatever its pool's context (the new input alone must still fit some pool), and
+an engine's "too long" answer is passed back as is (no larger pool holds the history).
+"""
+
+from __future__ import annotations
+
+import math
+
+from gateway.affinity.response_store import ResponseOwner, ResponseStore, ResponseStoreUnavailable
+from gateway.backends.registry import WorkerRegistry
+from gateway.backends.worker import Worker
+from gateway.config import PoolConfig
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+
+
+class ResponseNotFound(GatewayError):
+    """404 `response_not_found`: the gateway knows no stored response by that id."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "response_not_found"
+
+
+class ResponseWorkerGone(GatewayError):
+    """404 `response_worker_gone`: the worker that stored the response left the gateway's pools."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "response_worker_gone"
+
+
+class ResponseWorkerUnavailable(GatewayError):
+    """503 `response_worker_unavailable`: the worker that stores the response is out of service now."""
+
+    status = 503
+    error_type = "server_error"
+    code = "response_worker_unavailable"
+
+
+async def owner_of(response_id: str, param: str | None, store: ResponseStore | None, registry: WorkerRegistry,
+                   pools: list[PoolConfig], metrics: GatewayMetrics) -> tuple[PoolConfig, Worker]:
+    """The pool config and worker that store `response_id`. `param` names the request field the id
+    came from (`previous_response_id`, or None for a path). Raises ResponseNotFound,
+    ResponseWorkerGone, ResponseWorkerUnavailable, ResponseStoreUnavailable (module docstring) and
+    counts the outcome."""
+    try:
+        owner: ResponseOwner | None = await store.lookup(response_id) if store is not None else None
+    except ResponseStoreUnavailable as exc:
+        metrics.response_affinity.labels("store_error").inc()
+        exc.param = param
+        raise
+    if owner is None:
+        metrics.response_affinity.labels("unknown").inc()
+        what = "Previous response" if param else "Response"
+        raise ResponseNotFound(f"{what} with id '{response_id[:256]}' not found.", param=param)
+    pool = next((p for p in pools if p.name == owner.pool), None)
+    worker = next((w for w in registry.pools.get(owner.pool, ()) if w.url == owner.worker_url), None)
+    if pool is None or worker is None or worker.retired:
+        metrics.response_affinity.labels("worker_gone").inc()
+        raise ResponseWorkerGone(
+            f"Response '{response_id[:256]}' was stored by a worker of pool {owner.pool} that is no longer part of "
+            "this gateway; its stored conversation is lost. Send the conversation again as `input` without "
+            "`previous_response_id`.", param=param)
+    now = registry.clock()
+    if not worker.healthy or worker.misconfigured is not None or worker.ejected_until > now or worker.busy_until > now:
+        metrics.response_affinity.labels("worker_unavailable").inc()
+        wait = max(worker.ejected_until, worker.busy_until) - now
+        seconds = max(1, math.ceil(wait if wait > 0 else registry.health.interval))
+        raise ResponseWorkerUnavailable(
+            f"The worker that stores response '{response_id[:256]}' ({worker.id}) is {worker.state(now)} now; "
+            f"try again in {seconds} s.", param=param, headers={"retry-after": str(seconds)})
+    metrics.response_affinity.labels("hit").inc()
+    return pool, worker

@@ -1,0 +1,305 @@
+"""The simulator's OpenAI Responses API, as vLLM serves it (entrypoints/openai/serving_responses.py and
+its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_API_STORE=1`:
+
+    POST /v1/responses                 JSON `response` object, or typed SSE events (`event: <type>`
+                                       + `data: <json>`, `sequence_number` from 0, no `[DONE]`):
+                                       response.created, response.in_progress, response.output_item.added,
+                                       response.content_part.added, response.output_text.delta (one per
+                                       token), response.output_text.done, response.content_part.done,
+                                       response.output_item.done, response.completed (with the usage:
+                                       input_tokens, output_tokens, total_tokens, cached tokens).
+    GET /v1/responses/{id}             the stored response
+    DELETE /v1/responses/{id}          `{"id", "object": "response", "deleted": true}` (OpenAI's shape;
+                                       vLLM itself has no DELETE route)
+    POST /v1/responses/{id}/cancel     400 "Cannot cancel a synchronous response." (no background mode)
+
+Stored responses live in this process's memory (`ResponsesServer.stored`), keyed by id: the input
+messages and the output text. `previous_response_id` prepends that conversation (instructions, stored
+messages, the stored answer as an assistant message) to the new input, as vLLM's
+`_construct_input_messages` does, so the prompt and its prefix-cache blocks include the history. An
+unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`. Context: vLLM refuses a prompt
+of `max_model_len` tokens or more (`The engine prompt length N exceeds the max_model_len M.`) and
+clamps the output to the room left (`ResponsesRequest.to_sampling_params`); the SGLang dialect
+refuses prompt + output over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
+prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`fail_status`,
+`hang_before_headers`, `black_hole`, `drop_after_chunks`, global or per request in `x_sim_faults`)
+are chat's (`generation.py`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from gateway.sim.asgi import (
+    SSE_HEADERS,
+    ClientDisconnected,
+    DisconnectWatch,
+    Receive,
+    Scope,
+    Send,
+    lower_headers,
+    read_body,
+    send_json,
+)
+from gateway.sim.config import SimFaults
+from gateway.sim.dialects import ErrorReply
+from gateway.sim.generation import _DropConnection, _fail, _Responder
+from gateway.sim.tokens import PromptError, chat_prompt_tokens, output_token
+from gateway.sim.worker_state import SimEngine, SimRequestRecord
+
+
+@dataclass
+class StoredResponse:
+    """One stored response: the conversation it answered (chat messages) and its answer object."""
+
+    messages: list[dict[str, Any]]
+    text: str
+    response: dict[str, Any]
+
+
+@dataclass
+class ResponsesServer:
+    """The Responses API of one simulated engine; `stored` is its in-memory response store."""
+
+    engine: SimEngine
+    stored: dict[str, StoredResponse] = field(default_factory=dict)
+
+    async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST /v1/responses."""
+        raw = await read_body(receive)
+        if raw is None:
+            return
+        try:
+            body: Any = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            body = raw.decode("utf-8", errors="replace")
+        engine = self.engine
+        record = engine.new_record(scope["path"], lower_headers(scope), body)
+        async with DisconnectWatch(receive) as watch:
+            try:
+                await self._serve(body, record, watch, send)
+            except ClientDisconnected:
+                engine.note_aborted()
+                engine.update(record, aborted=True, finished_at=time.monotonic())
+            except _DropConnection:
+                engine.update(record, finished_at=time.monotonic())
+
+    async def by_id(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET/DELETE /v1/responses/{id} and POST /v1/responses/{id}/cancel."""
+        rest = scope["path"][len("/v1/responses/"):].rstrip("/")
+        response_id, _, action = rest.partition("/")
+        method = scope["method"]
+        if (action, method) not in (("", "GET"), ("", "DELETE"), ("cancel", "POST")):
+            await send_json(send, 405 if action in ("", "cancel") else 404,
+                            {"detail": "Method Not Allowed" if action in ("", "cancel") else "Not Found"})
+            return
+        stored = self.stored.get(response_id)
+        if stored is None:
+            reply = self._not_found(response_id)
+            await send_json(send, reply.status, orjson.loads(reply.body))
+        elif method == "GET":
+            await send_json(send, 200, stored.response)
+        elif method == "DELETE":
+            del self.stored[response_id]
+            await send_json(send, 200, {"id": response_id, "object": "response", "deleted": True})
+        else:
+            reply = self.engine.dialect.error("Cannot cancel a synchronous response.", "invalid_request_error", 400)
+            await send_json(send, 400, orjson.loads(reply.body))
+
+    def _not_found(self, response_id: str) -> ErrorReply:
+        return self.engine.dialect.error(f"Response with id '{response_id}' not found.", "invalid_request_error", 404)
+
+    async def _serve(self, body: Any, record: SimRequestRecord, watch: DisconnectWatch, send: Send) -> None:
+        engine = self.engine
+        dialect = engine.dialect
+        stream = isinstance(body, dict) and body.get("stream") is True
+        engine.update(record, stream=stream)
+        if not isinstance(body, dict):
+            await _Responder(send, engine, record, None).reply(dialect.bad_request("Invalid JSON body."))
+            return
+        try:
+            override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
+        except ValidationError as exc:
+            await _Responder(send, engine, record, None).reply(dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
+            return
+        faults, fail = engine.effective_faults(override)
+        responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None)
+        if faults.hang_before_headers or faults.black_hole:
+            engine.update(record, fault="black_hole" if faults.black_hole else "hang_before_headers")
+            await watch.until_disconnected()
+        if fail:
+            await _fail(engine, record, responder, faults)
+            return
+        error = dialect.check_model(body.get("model"), engine.config.served_model_names)
+        if error is not None:
+            await responder.reply(error)
+            return
+        limit = body.get("max_output_tokens")
+        if limit is not None and (type(limit) is not int or limit < 1):
+            await responder.reply(dialect.bad_request("max_output_tokens must be a positive integer",
+                                                      "max_output_tokens"))
+            return
+        previous = body.get("previous_response_id")
+        prior: StoredResponse | None = None
+        if previous is not None:
+            prior = self.stored.get(previous) if isinstance(previous, str) else None
+            if prior is None:
+                await responder.reply(self._not_found(str(previous)))
+                return
+        try:
+            messages = _input_messages(body, prior)
+            prompt_tokens = chat_prompt_tokens(messages, engine.config)
+        except PromptError as exc:
+            await responder.reply(dialect.bad_request(str(exc), "input"))
+            return
+        if body.get("background") is True:
+            await responder.reply(dialect.bad_request("The simulator does not run background responses.",
+                                                      "background"))
+            return
+        engine.update(record, prompt_tokens=prompt_tokens)
+        max_context = engine.config.max_context_tokens
+        if engine.config.engine == "sglang":
+            error = dialect.check_context(prompt_tokens, limit, max_context, False)
+        elif prompt_tokens >= max_context:  # vLLM's _validate_generator_input; it clamps the output instead
+            error = dialect.error(f"The engine prompt length {prompt_tokens} exceeds the max_model_len "
+                                  f"{max_context}. Please reduce prompt.", "invalid_request_error", 400)
+        else:
+            error = None
+        if error is not None:
+            await responder.reply(error)
+            return
+        keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens])
+        output_tokens = limit if limit is not None else engine.config.default_output_tokens
+        if engine.config.engine != "sglang":  # vLLM: min(max_output_tokens, max_model_len - prompt)
+            output_tokens = min(output_tokens, max_context - prompt_tokens)
+        active = engine.try_admit(prompt_tokens, keys)
+        if active is None:
+            active = await watch.run(engine.admit(prompt_tokens, keys))
+        engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
+        reason = "abort"
+        response = _response_object(body, engine.config.model_name, prior)
+        events = _EventWriter(responder)
+        try:
+            if stream:
+                await responder.start(200, SSE_HEADERS)
+                await events.send("response.created", response=response)
+                await events.send("response.in_progress", response=response)
+            await watch.sleep(engine.prefill_seconds(active))
+            engine.finish_prefill(active)
+            item_id = f"msg_{uuid.uuid4().hex}"
+            pieces: list[str] = []
+            for i in range(output_tokens):
+                if i > 0:
+                    await watch.sleep(engine.decode_seconds())
+                engine.note_generated(active)
+                pieces.append(output_token(i))
+                engine.update(record, completion_tokens_sent=i + 1)
+                if not stream:
+                    continue
+                if i == 0:
+                    await events.send("response.output_item.added", output_index=0, item={
+                        "id": item_id, "content": [], "role": "assistant", "status": "in_progress", "type": "message"})
+                    await events.send("response.content_part.added", item_id=item_id, output_index=0,
+                                      content_index=0, part={"annotations": [], "text": "", "type": "output_text",
+                                                             "logprobs": []})
+                await events.send("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                                  delta=pieces[-1], logprobs=[])
+            text = "".join(pieces)
+            part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+            item = {"id": item_id, "content": [part], "role": "assistant", "status": "completed", "type": "message"}
+            usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": active.cached_tokens},
+                     "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": prompt_tokens + output_tokens}
+            final = {**response, "status": "completed", "output": [item] if output_tokens else [], "usage": usage}
+            if body.get("store", True) is not False:
+                self.stored[response["id"]] = StoredResponse(messages, text, final)
+            if stream:
+                if output_tokens:
+                    await events.send("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
+                                      text=text, logprobs=[])
+                    await events.send("response.content_part.done", item_id=item_id, output_index=0,
+                                      content_index=0, part=part)
+                    await events.send("response.output_item.done", output_index=0, item=item)
+                await events.send("response.completed", response=final)
+                await responder.body(b"", more=False)
+            else:
+                await responder.reply(ErrorReply(200, orjson.dumps(final)))
+            reason = "length" if limit is not None else "stop"
+        finally:
+            engine.stop_running(active, reason)
+
+
+class _EventWriter:
+    """Typed SSE events with vLLM's `sequence_number` (0, 1, ... across the stream)."""
+
+    def __init__(self, responder: _Responder) -> None:
+        self._responder = responder
+        self._sequence = 0
+
+    async def send(self, kind: str, **fields: Any) -> None:
+        payload = {**fields, "sequence_number": self._sequence, "type": kind}
+        self._sequence += 1
+        await self._responder.event(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n")
+
+
+def _response_object(body: dict[str, Any], model: str, prior: StoredResponse | None) -> dict[str, Any]:
+    """The `response` object before its output (status in_progress), with the request's settings."""
+    return {
+        "id": f"resp_{uuid.uuid4().hex}", "created_at": int(time.time()), "incomplete_details": None,
+        "instructions": body.get("instructions"), "metadata": body.get("metadata"), "model": model,
+        "object": "response", "output": [], "parallel_tool_calls": True, "temperature": body.get("temperature", 1.0),
+        "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "background": False,
+        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": body.get("previous_response_id"),
+        "status": "in_progress", "store": body.get("store", True), "usage": None, "error": None,
+    }
+
+
+def _input_messages(body: dict[str, Any], prior: StoredResponse | None) -> list[dict[str, Any]]:
+    """The chat messages the request stands for: instructions, the stored conversation and its answer
+    (with `previous_response_id`), then the new input. Raises PromptError for an input of another shape."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    if prior is not None:
+        messages.extend(m for m in prior.messages if m.get("role") != "system")
+        messages.append({"role": "assistant", "content": prior.text})
+    value = body.get("input")
+    if isinstance(value, str):
+        messages.append({"role": "user", "content": value})
+    elif isinstance(value, list) and value:
+        for item in value:
+            if not isinstance(item, dict):
+                raise PromptError("each input item must be an object")
+            messages.append(_item_message(item))
+    else:
+        raise PromptError("input must be a string or a non-empty list of input items")
+    return messages
+
+
+def _item_message(item: dict[str, Any]) -> dict[str, Any]:
+    """One input item as a chat message (content parts renamed to chat's: input_text → text ...)."""
+    if item.get("type", "message") == "message" and "role" in item:
+        content = item.get("content")
+        if isinstance(content, list):
+            parts: list[dict[str, Any]] = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in ("input_text", "output_text"):
+                    parts.append({"type": "text", "text": part.get("text") or ""})
+                elif kind == "input_image":
+                    parts.append({"type": "image_url", "image_url": {"url": part.get("image_url") or ""}})
+                else:
+                    raise PromptError(f"unsupported content part: {kind!r}")
+            content = parts
+        return {"role": item["role"], "content": content}
+    if item.get("type") == "function_call_output":
+        output = item.get("output")
+        return {"role": "tool", "content": output if isinstance(output, str) else orjson.dumps(output).decode()}
+    return {"role": "assistant", "content": orjson.dumps(item).decode()}

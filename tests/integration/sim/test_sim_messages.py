@@ -1,0 +1,79 @@
+"""The simulator's Anthropic Messages API over real HTTP: shapes, event order, usage, errors, and the
+same prompt tokens and prefix-cache blocks as the equivalent chat request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import orjson
+import pytest
+
+from gateway.sim.tokens import output_text
+from tests.support import RunningSim
+
+StartSim = Callable[..., RunningSim]
+HELLO = [{"role": "user", "content": "hello world"}]  # 11 bytes -> 3 tokens + 4 per message
+
+
+def test_message_shape_and_usage(start_sim: StartSim) -> None:
+    srv = start_sim("sglang")
+    body = httpx.post(srv.url + "/v1/messages", json={"model": "kimi-k3", "max_tokens": 3, "messages": HELLO}).json()
+    assert body["id"].startswith("msg_") and body["type"] == "message" and body["role"] == "assistant"
+    assert body["content"] == [{"type": "text", "text": output_text(3)}]
+    assert (body["stop_reason"], body["stop_sequence"]) == ("max_tokens", None)
+    assert body["usage"] == {"input_tokens": 7, "output_tokens": 3}  # the whole prompt, as vLLM and SGLang report
+
+
+@pytest.mark.parametrize(("engine", "done"), [("vllm", True), ("sglang", False)])
+def test_stream_events_in_the_engines_order(start_sim: StartSim, engine: str, done: bool) -> None:
+    srv = start_sim(engine)
+    with httpx.stream("POST", srv.url + "/v1/messages",
+                      json={"model": "kimi-k3", "max_tokens": 2, "messages": HELLO, "stream": True}) as response:
+        raw = response.read()
+    events = [e.split(b"\n") for e in raw.split(b"\n\n") if e]
+    assert (events[-1] == [b"data: [DONE]"]) is done  # vLLM passes its chat stream's end on
+    events = events[:-1] if done else events
+    names = [e[0].removeprefix(b"event: ").decode() for e in events]
+    assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
+    assert all(e[1].startswith(b'data: {"type":"' + n.encode() + b'"') for e, n in zip(events, names, strict=True))
+    assert orjson.loads(events[5][1][6:])["usage"] == {"input_tokens": 7, "output_tokens": 2}
+
+
+def test_same_prompt_tokens_and_cache_blocks_as_chat(start_sim: StartSim) -> None:
+    srv = start_sim(kv_capacity_tokens=100_000)
+    system, question = "Be precise. " * 40, "What is a KV cache? " * 40
+    chat = httpx.post(srv.url + "/v1/chat/completions", json={"model": "kimi-k3", "max_tokens": 1, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]}).json()
+    counted = httpx.post(srv.url + "/v1/messages/count_tokens", json={
+        "model": "kimi-k3", "system": system, "messages": [{"role": "user", "content": question}]}).json()
+    assert counted == {"input_tokens": chat["usage"]["prompt_tokens"]}
+    message = httpx.post(srv.url + "/v1/messages", json={
+        "model": "kimi-k3", "max_tokens": 1, "system": [{"type": "text", "text": system}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]}).json()
+    assert message["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    record = srv.engine.records[-1]
+    assert record.path == "/v1/messages"
+    assert record.cached_tokens >= chat["usage"]["prompt_tokens"] - 16 - 8  # all but the last block
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    ({"model": "kimi-k3", "messages": HELLO}, 400, "max_tokens"),
+    ({"model": "kimi-k3", "max_tokens": 2, "messages": []}, 400, "messages"),
+    ({"model": "nope", "max_tokens": 2, "messages": HELLO}, 404, "does not exist"),
+    ({"model": "kimi-k3", "max_tokens": 500_000, "messages": HELLO}, 400, "maximum context length"),
+])
+def test_errors_are_anthropic_shaped(start_sim: StartSim, body: dict[str, object], status: int, words: str) -> None:
+    srv = start_sim()
+    response = httpx.post(srv.url + "/v1/messages", json=body)
+    assert response.status_code == status
+    error = response.json()
+    assert error["type"] == "error" and words in error["error"]["message"]
+    assert error["error"]["type"] in ("BadRequestError", "NotFoundError")
+
+
+def test_legacy_engines_do_not_serve_messages(start_sim: StartSim) -> None:
+    srv = start_sim("vllm", api_version="legacy")
+    assert httpx.post(srv.url + "/v1/messages", json={"model": "kimi-k3", "max_tokens": 2,
+                                                      "messages": HELLO}).status_code == 404
