@@ -8,7 +8,12 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        token), response.output_text.done, response.content_part.done,
                                        response.output_item.done, response.completed (with the usage:
                                        input_tokens, output_tokens, total_tokens, cached tokens).
-    GET /v1/responses/{id}             the stored response
+    GET /v1/responses/{id}             the stored response; with `?stream=true` (and `starting_after=N`)
+                                       the SSE events of a response created streaming, replayed from
+                                       sequence number N + 1 (vLLM replays a background response's
+                                       events so; the simulator has no background mode, so it keeps
+                                       a streamed response's events instead); 400 for one created
+                                       without streaming
     DELETE /v1/responses/{id}          `{"id", "object": "response", "deleted": true}` (OpenAI's shape;
                                        vLLM itself has no DELETE route)
     POST /v1/responses/{id}/cancel     400 "Cannot cancel a synchronous response." (no background mode)
@@ -32,6 +37,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 from pydantic import ValidationError
@@ -61,6 +67,7 @@ class StoredResponse:
     messages: list[dict[str, Any]]
     text: str
     response: dict[str, Any]
+    events: list[bytes] = field(default_factory=list)  # the SSE events of a streamed response, in order
 
 
 @dataclass
@@ -103,6 +110,8 @@ class ResponsesServer:
         if stored is None:
             reply = self._not_found(response_id)
             await send_json(send, reply.status, orjson.loads(reply.body))
+        elif method == "GET" and _query(scope, "stream") == "true":
+            await self._replay(stored, _query(scope, "starting_after"), send)
         elif method == "GET":
             await send_json(send, 200, stored.response)
         elif method == "DELETE":
@@ -111,6 +120,19 @@ class ResponsesServer:
         else:
             reply = self.engine.dialect.error("Cannot cancel a synchronous response.", "invalid_request_error", 400)
             await send_json(send, 400, orjson.loads(reply.body))
+
+    async def _replay(self, stored: StoredResponse, starting_after: str | None, send: Send) -> None:
+        """GET ?stream=true: the stored events after sequence number `starting_after` (-1 if absent)."""
+        after = int(starting_after) if starting_after is not None and starting_after.lstrip("-").isdigit() else -1
+        if not stored.events:
+            reply = self.engine.dialect.error("This response was not created with stream=true; it cannot be "
+                                              "streamed.", "invalid_request_error", 400)
+            await send_json(send, 400, orjson.loads(reply.body))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        for event in stored.events[max(after + 1, 0):]:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _not_found(self, response_id: str) -> ErrorReply:
         return self.engine.dialect.error(f"Response with id '{response_id}' not found.", "invalid_request_error", 404)
@@ -218,7 +240,7 @@ class ResponsesServer:
                      "total_tokens": prompt_tokens + output_tokens}
             final = {**response, "status": "completed", "output": [item] if output_tokens else [], "usage": usage}
             if body.get("store", True) is not False:
-                self.stored[response["id"]] = StoredResponse(messages, text, final)
+                self.stored[response["id"]] = StoredResponse(messages, text, final, events.sent)
             if stream:
                 if output_tokens:
                     await events.send("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
@@ -241,11 +263,20 @@ class _EventWriter:
     def __init__(self, responder: _Responder) -> None:
         self._responder = responder
         self._sequence = 0
+        self.sent: list[bytes] = []  # every event so far (a stored response's replay)
 
     async def send(self, kind: str, **fields: Any) -> None:
         payload = {**fields, "sequence_number": self._sequence, "type": kind}
         self._sequence += 1
-        await self._responder.event(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n")
+        event = b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+        self.sent.append(event)
+        await self._responder.event(event)
+
+
+def _query(scope: Scope, name: str) -> str | None:
+    """One query parameter's value (the first), None when absent."""
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(name)
+    return values[0] if values else None
 
 
 def _response_object(body: dict[str, Any], model: str, prior: StoredResponse | None) -> dict[str, Any]:
