@@ -531,6 +531,8 @@ class ResponsesConfig(_Strict):
     key_prefix: str = Field(default="kgw:resp", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
     lookup_timeout: float = Field(default=0.05, gt=0,
                                   description="seconds; a slower Redis lookup answers 503 response_store_unavailable")
+    retry_after: float = Field(default=1.0, gt=0,
+                               description="seconds to skip Redis after an error (lookups answer 503 at once)")
     write_queue: int = Field(default=10000, ge=1, description="pending writes before new ones are dropped")
     memory_max_entries: int = Field(default=200_000, ge=1, description="in-process store size bound")
 

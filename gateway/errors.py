@@ -85,6 +85,15 @@ class MethodNotAllowed(GatewayError):
     code = "method_not_allowed"
 
 
+class Conflict(GatewayError):
+    """409: the request is valid but the gateway's current state forbids it (RFC 9110 15.5.10), e.g.
+    `POST /admin/reload` on a gateway not started from a config file."""
+
+    status = 409
+    error_type = "invalid_request_error"
+    code = "conflict"
+
+
 class PayloadTooLarge(GatewayError):
     """413: the request body is over `max_body_bytes`."""
 

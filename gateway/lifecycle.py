@@ -40,6 +40,7 @@ import uvicorn
 
 from gateway.config import ShutdownConfig
 from gateway.errors import NoCapacity
+from gateway.protocol.anthropic import error_body as anthropic_error_body
 from gateway.protocol.sse import sse_error_event
 from gateway.server import uvicorn_config
 
@@ -84,6 +85,14 @@ class _ResponseWatch:
         await self._send(message)
 
 
+def _api_of(path: str) -> str:
+    """The API whose error shapes a path's answers take: "messages" (Anthropic's endpoints),
+    "responses", else "chat" (OpenAI's)."""
+    if path.startswith("/v1/messages"):
+        return "messages"
+    return "responses" if path.startswith("/v1/responses") else "chat"
+
+
 class ShutdownGuard:
     """ASGI middleware: at the end of the grace period, hang up on the requests still running.
 
@@ -117,7 +126,7 @@ class ShutdownGuard:
         await self.app(scope, self._guard(receive), response.send)
         if self.hung_up and not response.complete:
             with contextlib.suppress(OSError):  # the client may be gone for real
-                await self._finish(response, scope.get(REQUEST_ID))
+                await self._finish(response, scope.get(REQUEST_ID), _api_of(scope.get("path", "")))
 
     def _guard(self, receive: Receive) -> Receive:
         body_done = False
@@ -149,18 +158,25 @@ class ShutdownGuard:
         return guarded
 
     @staticmethod
-    async def _finish(response: _ResponseWatch, request_id: str | None) -> None:
+    async def _finish(response: _ResponseWatch, request_id: str | None, api: str) -> None:
+        """End an unfinished response in its API's shape (`api`: "messages" for Anthropic's, whose
+        503 is its 529 `overloaded_error`, as `gateway.api.anthropic_errors` answers)."""
         if not response.started:
             error = NoCapacity(f"{SHUTDOWN_MESSAGE}; retry the request.", code="shutting_down")
-            body = error.to_bytes()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                       (b"retry-after", b"1")]  # another replica can take it at once
+            status, body = error.status, error.to_bytes()
+            headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]  # another replica can take it
             if request_id is not None:
                 headers.append((b"x-request-id", request_id.encode()))
-            await response.send({"type": "http.response.start", "status": error.status, "headers": headers})
+            if api == "messages":
+                status, body = 529, anthropic_error_body(529, error.message, request_id)
+                if request_id is not None:
+                    headers.append((b"request-id", request_id.encode()))
+            headers.append((b"content-length", str(len(body)).encode()))
+            await response.send({"type": "http.response.start", "status": status, "headers": headers})
             await response.send({"type": "http.response.body", "body": body, "more_body": False})
         elif response.sse:
-            event = sse_error_event(f"{SHUTDOWN_MESSAGE}; the response is incomplete.", code="shutting_down")
+            event = sse_error_event(f"{SHUTDOWN_MESSAGE}; the response is incomplete.", code="shutting_down",
+                                    api=api)
             await response.send({"type": "http.response.body", "body": event, "more_body": True})
             await response.send({"type": "http.response.body", "body": b"", "more_body": False})
         # A started non-SSE body is left unfinished: uvicorn closes the connection, so the client

@@ -303,11 +303,16 @@ class BodyParser:
         tokens (+ the template's, for chat, + the output limit) cannot fit the largest pool."""
         estimation = self.config.estimation
         floor = tokens + chars // self._chars_per_token + images * self._image_floor
-        output = payload.get("max_output_tokens" if param == "input" else "max_tokens")
+        if param == "input":  # the Responses API's output limit
+            output = payload.get("max_output_tokens")
+        else:  # `max_completion_tokens` first, as `output_tokens` reads it, on both APIs
+            output = payload.get("max_completion_tokens")
+            if output is None:
+                output = payload.get("max_tokens")
         if param == "messages":
             floor += estimation.tokens_per_request + estimation.tokens_per_message * len(payload["messages"])
-            if payload.get("max_completion_tokens") is not None:
-                output = payload["max_completion_tokens"]  # what chat_features reads first
+        if type(output) is float and output.is_integer():  # JSON's 5.0 is 5, as validation reads it
+            output = int(output)
         if type(output) is int and output > 0:
             floor += output
         if floor > self.largest_context:

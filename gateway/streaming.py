@@ -528,9 +528,12 @@ class UpstreamStream:
                     break
             tap.end()
             if self.sse and not tap.done:
-                self._broken("the stream ended without its last event (data: [DONE] or event: message_stop)")
-                yield sse_error_event("The inference server ended the stream early; the response is incomplete.",
-                                      api=self._record.api)
+                if tap.failed and not carry:  # the engine's own error event was the client's last: no second one
+                    self._broken("the engine ended the stream with an error event")
+                else:
+                    self._broken("the stream ended without its last event (data: [DONE] or event: message_stop)")
+                    yield sse_error_event("The inference server ended the stream early; the response is "
+                                          "incomplete.", api=self._record.api)
             else:
                 if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
                     yield self._patched(carry)
@@ -542,6 +545,8 @@ class UpstreamStream:
                 self._ended(None)
                 return  # the answer was complete; only the connection's end was untidy
             self._broken(f"{type(exc).__name__} mid-stream after {tap.events} events")
+            if tap.failed and not carry:  # the engine said why before it went: no second error event
+                return
             yield sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
                                   "the response is incomplete.", api=self._record.api)
         finally:

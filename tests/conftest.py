@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import ssl
 import subprocess
 import sys
 import time
@@ -21,6 +23,14 @@ from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.keepalive import sim_http_options
 from tests.support import REPO_ROOT, SHARED_DATA, GatewayProcess, OwnRedis, RunningGateway, RunningSim, free_port
+
+# Every httpx client (each `httpx.get(...)`, each `openai.OpenAI(...)`) builds an SSL context. From a
+# CA *file* (certifi's, or SSL_CERT_FILE) that parses ~150 certificates: 50-140 ms of CPU per client,
+# minutes over the suite's thousands of one-off requests. A CA *directory* is read lazily (~0.4 ms).
+# The trust is the system's either way, and no test reaches a public https server (the TLS tests
+# pass their own trust), so point httpx (its `trust_env` default reads these) at the directory.
+os.environ.pop("SSL_CERT_FILE", None)
+os.environ["SSL_CERT_DIR"] = ssl.get_default_verify_paths().openssl_capath
 
 
 def stop_all(servers: list[ThreadedServer]) -> None:

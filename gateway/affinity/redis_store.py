@@ -16,7 +16,7 @@ Failure policy: every call has a hard timeout (`lookup_timeout`) of its own time
 event loop passed while busy elsewhere is extended, `gateway/looplag.py`: the gateway's own stalls
 are not a Redis outage); any error or timeout is a miss (fail open), counted in
 `kimi_gateway_redis_errors_total`, logged at most once per 10 s, and Redis is skipped for
-`retry_after` seconds (a simple circuit breaker) before it is tried again.
+`retry_after` seconds (a simple circuit breaker, `breaker.py`) before it is tried again.
 `kimi_gateway_redis_up` follows the breaker; a PING every `PING_EVERY_S` keeps it true when no
 request calls Redis (a gauge stuck at 0 after an outage would keep "Redis down" alerts firing).
 """
@@ -33,6 +33,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.affinity.breaker import CircuitBreaker
 from gateway.config import AffinityConfig
 from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
@@ -62,7 +63,7 @@ class RedisAffinityStore:
         self._queue: asyncio.Queue[tuple[str, Sequence[int], str]] = asyncio.Queue(config.write_queue)
         self._writer: asyncio.Task[None] | None = None
         self._pinger: asyncio.Task[None] | None = None
-        self._skip_until = 0.0
+        self.breaker = CircuitBreaker(config.retry_after)
         self._up: bool | None = None
         self._up_gauge = metrics.track_redis()
         self._record = self.redis.register_script(RECORD_LUA)
@@ -78,7 +79,7 @@ class RedisAffinityStore:
 
     def _failed(self, op: str, exc: BaseException) -> None:
         now = time.monotonic()
-        self._skip_until = now + self.config.retry_after
+        self.breaker.trip()
         self._set_up(False)
         self.metrics.redis_errors.labels(op).inc()
         if now - self._last_log >= LOG_EVERY_S:
@@ -89,7 +90,7 @@ class RedisAffinityStore:
     @property
     def available(self) -> bool:
         """False while the circuit breaker skips Redis after an error."""
-        return time.monotonic() >= self._skip_until
+        return self.breaker.closed
 
     async def lookup(self, pool: str, hashes: Sequence[int]) -> list[str | None] | None:
         if not hashes:

@@ -7,13 +7,22 @@ engine's answer (the id is in the first stream event `response.created`, or in t
 
 Two stores behind one interface, like the prefix-affinity stores (`store.py`, `redis_store.py`):
 in-process (one replica; an LRU + TTL dict), or Redis when `redis_url` is set (shared by every
-replica). Redis layout: `{responses.key_prefix}:{response id}` → `{pool}\\n{worker URL}` with a TTL
-of `responses.store_ttl` seconds (the engine itself never forgets, but a conversation idle for
-longer is assumed over). Writes are queued and written by a background task (`flush()` waits for
-them: a barrier for tests and shutdown); a lookup is one GET with a hard timeout. A Redis error or
-timeout (counted in `kimi_gateway_redis_errors_total{op="response_lookup"|"response_write"}`) fails
-the lookup with ResponseStoreUnavailable (503, retryable): the response may well exist, so "not
-found" would be a lie, and no other worker could serve it anyway.
+replica). Redis layout: `{responses.key_prefix}:{response id}` → `{pool}\\n{worker URL}\\n{key
+name}` (the key name empty when auth was off; a value without that line, written before owners
+were recorded, reads as unowned) with a TTL of `responses.store_ttl` seconds (the engine itself
+never forgets, but a conversation idle for longer is assumed over). Writes are queued and written
+by a background task (`flush()` waits for them: a barrier for tests and shutdown); a lookup is
+one GET with a hard timeout.
+
+A Redis error or timeout (counted in
+`kimi_gateway_redis_errors_total{op="response_lookup"|"response_write"}`) fails the lookup with
+ResponseStoreUnavailable (503, retryable): the response may well exist, so "not found" would be a
+lie, and no other worker could serve it anyway. After a failure Redis is skipped for
+`responses.retry_after` seconds (the affinity store's circuit breaker, `breaker.py`): lookups
+answer the 503 at once instead of each waiting `lookup_timeout` on a Redis that hangs, and writes
+are dropped (`kimi_gateway_affinity_writes_dropped_total`); only calls actually made count in
+`kimi_gateway_redis_errors_total`. A deadline missed because the event loop itself was busy
+(`looplag.StoreTimeout.expired_late`) fails that call but does not trip the breaker.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,6 +40,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.affinity.breaker import CircuitBreaker
 from gateway.config import ResponsesConfig
 from gateway.errors import GatewayError
 from gateway.looplag import StoreTimeout
@@ -51,18 +62,23 @@ class ResponseStoreUnavailable(GatewayError):
 
 @dataclass(frozen=True, slots=True)
 class ResponseOwner:
-    """Where a stored response lives: its pool's name and its worker's URL (stable across replicas)."""
+    """Where a stored response lives and whose it is: its pool's name, its worker's URL (stable across
+    replicas) and `principal`, the configured name of the API key that created it (`auth.keys[].name`,
+    never the key; None when auth was off). Key names match `^[A-Za-z0-9_.-]{1,64}$`, so the
+    newline-separated encoding is unambiguous."""
 
     pool: str
     worker_url: str
+    principal: str | None = None
 
     def encode(self) -> str:
-        return f"{self.pool}\n{self.worker_url}"
+        return f"{self.pool}\n{self.worker_url}\n{self.principal or ''}"
 
     @staticmethod
     def decode(value: str) -> ResponseOwner | None:
-        pool, sep, url = value.partition("\n")
-        return ResponseOwner(pool, url) if sep and pool and url else None
+        pool, sep, rest = value.partition("\n")
+        url, _, principal = rest.partition("\n")
+        return ResponseOwner(pool, url, principal or None) if sep and pool and url else None
 
 
 class ResponseStore(Protocol):
@@ -129,11 +145,19 @@ class RedisResponseStore:
         self._queue: asyncio.Queue[tuple[str, ResponseOwner | None]] = asyncio.Queue(config.write_queue)
         self._writer: asyncio.Task[None] | None = None
         self._last_log = 0.0
+        self.breaker = CircuitBreaker(config.retry_after)
 
     def key(self, response_id: str) -> str:
         return f"{self.config.key_prefix}:{response_id}"
 
-    def _failed(self, op: str, exc: BaseException) -> None:
+    @property
+    def available(self) -> bool:
+        """False while the circuit breaker skips Redis after an error."""
+        return self.breaker.closed
+
+    def _failed(self, op: str, exc: BaseException, timer: StoreTimeout) -> None:
+        if not timer.expired_late:  # a loop still busy at the deadline is not Redis' fault
+            self.breaker.trip()
         self.metrics.redis_errors.labels(op).inc()
         now = time.monotonic()
         if now - self._last_log >= 10.0:
@@ -141,16 +165,22 @@ class RedisResponseStore:
             log.warning("redis %s failed (%s: %s)", op, type(exc).__name__, exc)
 
     async def lookup(self, response_id: str) -> ResponseOwner | None:
+        if not self.breaker.closed:  # Redis failed moments ago: answer at once, do not wait on it again
+            raise self._unavailable()
         timer = StoreTimeout(self.config.lookup_timeout)
         try:
             async with timer:
                 value = await self.redis.get(self.key(response_id))
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("response_lookup", exc)
-            raise ResponseStoreUnavailable("The gateway's response store (Redis) did not answer; it cannot tell "
-                                           "which worker holds this response now. Try again shortly.",
-                                           headers={"retry-after": "1"}) from None
+            self._failed("response_lookup", exc, timer)
+            raise self._unavailable() from None
         return ResponseOwner.decode(value.decode()) if value is not None else None
+
+    def _unavailable(self) -> ResponseStoreUnavailable:
+        retry = max(1, math.ceil(self.config.retry_after))
+        return ResponseStoreUnavailable("The gateway's response store (Redis) did not answer; it cannot tell which "
+                                        "worker holds this response now. Try again shortly.",
+                                        headers={"retry-after": str(retry)})
 
     def record(self, response_id: str, owner: ResponseOwner) -> None:
         self._put(response_id, owner)
@@ -188,6 +218,9 @@ class RedisResponseStore:
 
     async def _write(self, batch: list[tuple[str, ResponseOwner | None]]) -> None:
         ttl_ms = max(1, round(self.config.store_ttl * 1000))
+        if not self.breaker.closed:
+            self.metrics.affinity_writes_dropped.inc(len(batch))
+            return
         timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
         try:
             async with timer, self.redis.pipeline(transaction=False) as pipe:
@@ -198,7 +231,7 @@ class RedisResponseStore:
                         pipe.set(self.key(response_id), owner.encode(), px=ttl_ms)
                 await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("response_write", exc)
+            self._failed("response_write", exc, timer)
 
     async def start(self) -> None:
         self._writer = asyncio.create_task(self._write_batches(), name="response-store-writer")

@@ -1,6 +1,7 @@
 """Admin API and the live status page.
 
-Routes (each JSON one wrapped in `require_scope("admin")`: 401/403 with auth on, open with it off):
+Routes (each JSON one depends on `scope_check("admin")`: 401/403 with auth on, open with it off;
+errors are raised as GatewayError and answered by the app's handler):
 
 - `GET /admin/workers`: every pool and its workers' state (`Worker.snapshot()`).
 - `GET /admin/workers/{pool}/{index}`: one worker.
@@ -10,7 +11,7 @@ Routes (each JSON one wrapped in `require_scope("admin")`: 401/403 with auth on,
   SGLang's gateway (`/workers/{id}`) and Dynamo's drain/resume API do.
 - `POST /admin/reload`: read the config file again and apply its pools and discovery
   (gateway/reload.py, as SIGHUP does); answers what changed, or 400 `invalid_config` with the
-  reason while the running config stays.
+  reason while the running config stays (409 `no_config_file` for a gateway built without a file).
 - `GET /admin/status`: pools and workers plus recent traffic (`StatusWindow`), for the page.
 - `GET /dashboard`: the status page (`static/dashboard.html`). The HTML holds no data and is
   public; everything it shows comes from `/admin/status`, which needs the admin key. A browser
@@ -33,14 +34,15 @@ import time
 from importlib import resources
 from urllib.parse import urlsplit
 
+from fastapi import APIRouter, Depends
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+from starlette.responses import HTMLResponse, Response
 
-from gateway.api.responses import JSONResponse, error_response
-from gateway.auth.middleware import require_scope
+from gateway.api.responses import JSONResponse
+from gateway.api.schemas import DrainedWorker, ReloadResult, Status, WorkerList, WorkerSnapshot, error_responses
+from gateway.auth.middleware import scope_check
 from gateway.backends.worker import Worker
-from gateway.errors import InvalidRequest, NotFound, PermissionDenied
+from gateway.errors import Conflict, InvalidRequest, NotFound, PermissionDenied
 from gateway.state import AppState
 
 
@@ -72,9 +74,8 @@ def pools_view(state: AppState) -> list[dict[str, object]]:
             for pool in state.config.pools]
 
 
-def _worker(request: Request) -> Worker:
+def _worker(request: Request, pool: str, index: str) -> Worker:
     """The worker named by the path's `pool` and `index`; NotFound (404) when there is none."""
-    pool, index = request.path_params["pool"], request.path_params["index"]
     worker = _state(request).registry.find(pool, int(index)) if index.isascii() and index.isdigit() else None
     if worker is None:
         known = ", ".join(w.id for w in _state(request).registry)
@@ -87,12 +88,9 @@ async def list_workers(request: Request) -> JSONResponse:
     return JSONResponse({"pools": pools_view(_state(request))})
 
 
-async def get_worker(request: Request) -> JSONResponse:
+async def get_worker(request: Request, pool: str, index: str) -> JSONResponse:
     """`GET /admin/workers/{pool}/{index}`: the worker's snapshot; 404 `worker_not_found`."""
-    try:
-        return JSONResponse(_worker(request).snapshot())
-    except NotFound as exc:
-        return error_response(exc)
+    return JSONResponse(_worker(request, pool, index).snapshot())
 
 
 def _host_port(origin: str) -> str:
@@ -137,47 +135,49 @@ def _cross_origin(request: Request) -> bool:
     return _host_port(origin) not in _own_origins(request)
 
 
-async def _set_draining(request: Request, draining: bool) -> JSONResponse:
+def _refuse_cross_origin(request: Request) -> None:
+    """PermissionDenied (403 `cross_origin_refused`) for a state change sent from another site's page."""
     if _cross_origin(request):
-        return error_response(PermissionDenied("Admin changes are refused from another site's page (its Origin is "
-                                               "not this gateway's address nor in admin_origins).",
-                                               code="cross_origin_refused"))
-    try:
-        worker = _worker(request)
-    except NotFound as exc:
-        return error_response(exc)
+        raise PermissionDenied("Admin changes are refused from another site's page (its Origin is not this "
+                               "gateway's address nor in admin_origins).", code="cross_origin_refused")
+
+
+async def _set_draining(request: Request, pool: str, index: str, draining: bool) -> JSONResponse:
+    _refuse_cross_origin(request)
+    worker = _worker(request, pool, index)
     shared = await _state(request).drains.set_draining(worker, draining)
     return JSONResponse({**worker.snapshot(), "shared": shared})
 
 
-async def drain(request: Request) -> JSONResponse:
+async def drain(request: Request, pool: str, index: str) -> JSONResponse:
     """`POST /admin/workers/{pool}/{index}/drain`: no new requests go to the worker; those in
     flight finish. Answers its snapshot (`"draining": true`) and `"shared"`: true when every
     serving process and replica follows (Redis, gateway/backends/drains.py), false when only this
     process does; 404 `worker_not_found`."""
-    return await _set_draining(request, True)
+    return await _set_draining(request, pool, index, True)
 
 
-async def undrain(request: Request) -> JSONResponse:
+async def undrain(request: Request, pool: str, index: str) -> JSONResponse:
     """`POST /admin/workers/{pool}/{index}/undrain`: the worker takes new requests again."""
-    return await _set_draining(request, False)
+    return await _set_draining(request, pool, index, False)
 
 
 async def reload(request: Request) -> JSONResponse:
     """`POST /admin/reload`: re-read the config file and apply it (gateway/reload.py). Answers
     `{"reloaded": true, "changes": [line], "restart_required": [section]}`; 400 `invalid_config`
-    with the reason when the file is unreadable or invalid (the running config stays)."""
+    with the reason when the file is unreadable or invalid (the running config stays); 409
+    `no_config_file` when the gateway was built from a config object, not a file."""
     from gateway.reload import ReloadRefused, reload_config  # late: reload imports the state
 
-    if _cross_origin(request):
-        return error_response(PermissionDenied("Admin changes are refused from another site's page (its Origin is "
-                                               "not this gateway's address nor in admin_origins).",
-                                               code="cross_origin_refused"))
+    _refuse_cross_origin(request)
+    if _state(request).config_path is None:
+        raise Conflict("There is no config file to reload: this gateway was not started from one.",
+                       code="no_config_file")
     try:
         result = await reload_config(_state(request))
     except ReloadRefused as exc:
-        return error_response(InvalidRequest(f"The new config was refused; the running one stays: {exc}",
-                                             code="invalid_config"))
+        raise InvalidRequest(f"The new config was refused; the running one stays: {exc}",
+                             code="invalid_config") from None
     return JSONResponse(result.as_dict())
 
 
@@ -222,15 +222,25 @@ class DashboardPage:
         return Response(self.body, media_type="text/html; charset=utf-8", headers=self.headers)
 
 
-def routes() -> list[Route]:
-    """The admin and status-page routes, for `create_app`."""
-    admin = require_scope("admin")
-    return [
-        Route("/admin/workers", admin(list_workers), methods=["GET"]),
-        Route("/admin/workers/{pool}/{index}", admin(get_worker), methods=["GET"]),
-        Route("/admin/workers/{pool}/{index}/drain", admin(drain), methods=["POST"]),
-        Route("/admin/workers/{pool}/{index}/undrain", admin(undrain), methods=["POST"]),
-        Route("/admin/reload", admin(reload), methods=["POST"]),
-        Route("/admin/status", admin(status), methods=["GET"]),
-        Route("/dashboard", DashboardPage().serve, methods=["GET"]),
-    ]
+def routers() -> list[APIRouter]:
+    """The admin routes (admin scope) and the status page's (public), for `create_app`."""
+    admin = APIRouter(tags=["admin"], dependencies=[Depends(scope_check("admin"))],
+                      responses=error_responses(401, 403))
+    worker = error_responses(404)
+    change = error_responses(403, 404)
+    admin.add_api_route("/admin/workers", list_workers, methods=["GET"], response_model=WorkerList,
+                        summary="Every pool and its workers")
+    admin.add_api_route("/admin/workers/{pool}/{index}", get_worker, methods=["GET"], response_model=WorkerSnapshot,
+                        summary="One worker", responses=worker)
+    admin.add_api_route("/admin/workers/{pool}/{index}/drain", drain, methods=["POST"], response_model=DrainedWorker,
+                        summary="Stop sending new requests to a worker", responses=change)
+    admin.add_api_route("/admin/workers/{pool}/{index}/undrain", undrain, methods=["POST"],
+                        response_model=DrainedWorker, summary="Send new requests to a worker again", responses=change)
+    admin.add_api_route("/admin/reload", reload, methods=["POST"], response_model=ReloadResult,
+                        summary="Re-read the config file", responses=error_responses(400, 403, 409))
+    admin.add_api_route("/admin/status", status, methods=["GET"], response_model=Status,
+                        summary="What the status page shows")
+    page = APIRouter(tags=["admin"])
+    page.add_api_route("/dashboard", DashboardPage().serve, methods=["GET"], response_class=HTMLResponse,
+                       summary="The status page (public HTML; its data needs the admin key)")
+    return [admin, page]

@@ -17,9 +17,12 @@ from __future__ import annotations
 import orjson
 
 from gateway.api.proxy import Message, ProxyEndpoint, Receive, Scope, Send
+from gateway.auth.guard import MISSING_KEY
 from gateway.protocol.anthropic import error_body
 
 OVERLOADED_STATUS = 529
+MISSING_ANTHROPIC_KEY = ("You didn't provide an API key. Send it in an x-api-key header "
+                         "(or as Authorization: Bearer YOUR_KEY).")
 
 
 def anthropic_error(status: int, body: bytes, request_id: str | None) -> tuple[int, bytes]:
@@ -32,6 +35,8 @@ def anthropic_error(status: int, body: bytes, request_id: str | None) -> tuple[i
         message = body[:2000].decode("utf-8", "replace") or f"HTTP {status}"
     if not isinstance(message, str):
         message = str(message)
+    if message == MISSING_KEY:  # OpenAI's wording names only its own header
+        message = MISSING_ANTHROPIC_KEY
     if status == 503:
         status = OVERLOADED_STATUS
     return status, error_body(status, message, request_id)

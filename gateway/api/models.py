@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from fastapi import APIRouter
 from starlette.requests import Request
 
 from gateway.api.responses import JSONResponse, error_response
+from gateway.api.schemas import Model, ModelList, error_responses
 from gateway.errors import ModelNotFound
 from gateway.state import AppState
 
@@ -17,12 +19,12 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": [_model_object(state, name) for name in model.names()]})
 
 
-async def retrieve_model(request: Request) -> JSONResponse:
+async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
     """`{"id", "object": "model", "created", "owned_by"}` for a listed id (exactly as listed; ids
     may hold a slash, `moonshotai/Kimi-K3`), else 404 `model_not_found` as OpenAI answers it
     (the OpenAI SDKs' `models.retrieve()`)."""
     state: AppState = request.state.service.state
-    wanted = request.path_params["model_id"]
+    wanted = model_id
     if wanted not in state.config.model.names():
         return error_response(ModelNotFound(
             f"The model `{wanted[:200]}` does not exist or you do not have access to it.", param="model"))
@@ -31,3 +33,14 @@ async def retrieve_model(request: Request) -> JSONResponse:
 
 def _model_object(state: AppState, name: str) -> dict[str, object]:
     return {"id": name, "object": "model", "created": state.started_unix, "owned_by": state.config.model.owned_by}
+
+
+def router() -> APIRouter:
+    """`/v1/models` routes (under `/v1`: the auth middleware guards them), for `create_app`."""
+    models = APIRouter(tags=["models"])
+    models.add_api_route("/v1/models", list_models, methods=["GET"], response_model=ModelList,
+                         summary="List models", responses=error_responses(401, 403))
+    # `:path`: ids may hold a slash; OpenAPI shows the parameter as `{model_id}`.
+    models.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"], response_model=Model,
+                         summary="Retrieve a model", responses=error_responses(401, 403, 404))
+    return models

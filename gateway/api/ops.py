@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 
+from fastapi import APIRouter
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from gateway.api.responses import JSONResponse
+from gateway.api.schemas import Health, Ready
 from gateway.state import AppState
 
 
@@ -42,3 +44,17 @@ async def metrics(request: Request) -> Response:
     """`GET /metrics`: Prometheus text exposition of this process's collectors."""
     payload, content_type = _state(request).metrics.render()
     return Response(payload, media_type=content_type)
+
+
+def router() -> APIRouter:
+    """The ops routes (open to all: probes and scrapers carry no key), for `create_app`."""
+    ops = APIRouter(tags=["operations"])
+    ops.add_api_route("/health", health, methods=["GET"], response_model=Health, summary="Liveness")
+    ops.add_api_route("/ready", ready, methods=["GET"], response_model=Ready, summary="Readiness",
+                      responses={503: {"model": Ready, "description": "A pool has no usable worker, or "
+                                                                       "shutdown began (`draining`)."}})
+    ops.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse,
+                      summary="Prometheus metrics", responses={200: {
+                          "description": "Prometheus text exposition format 0.0.4.",
+                          "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    return ops

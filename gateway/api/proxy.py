@@ -86,7 +86,8 @@ async def wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-def _request_id(headers: dict[str, str]) -> str:
+def request_id_of(headers: dict[str, str]) -> str:
+    """The client's `x-request-id` when it is short printable ASCII (up to 128 characters), else a new uuid4 hex."""
     incoming = headers.get("x-request-id", "")
     if 0 < len(incoming) <= 128 and incoming.isprintable() and incoming.isascii():
         return incoming
@@ -208,7 +209,7 @@ class ProxyEndpoint:
         deadline = None if total is None else asyncio.get_running_loop().time() + total
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         principal = principal_of(scope)  # set by the auth middleware when auth is on
-        record = RequestRecord(request_id=_request_id(headers), api=self.api,
+        record = RequestRecord(request_id=request_id_of(headers), api=self.api,
                                key=principal.name if principal is not None else None)
         scope[REQUEST_ID] = record.request_id  # for a 503 the shutdown guard may have to send
         if state.tracing is not None:

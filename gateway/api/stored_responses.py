@@ -10,98 +10,220 @@ server stores nothing (404 for every id), so the gateway records no ids for its 
 DELETE forgets the gateway's record when the engine deleted the response (2xx) or no longer knows
 it (404); otherwise (a 405 from an engine that cannot delete) the record stays, since the engine
 still holds the response and GET still finds it there. These are control calls, not generations:
-they go through the gateway's control HTTP client with the health-probe timeouts, are never
-retried elsewhere, and take no pool slot. A `stream=true` GET (vLLM's replay of a background
-stream) is answered as JSON by the gateway: only the non-streaming form is relayed.
+they go through the gateway's control HTTP client, are never retried elsewhere, and take no pool
+slot.
+
+Ownership: only the API key that created the response (or an admin key) may use it; any other key
+gets the unknown id's 404 (gateway/routing/response_affinity.py). Accounting: each call is one
+request against its key's request limit (`AuthGuard.count_request`: they cost no tokens, and a
+404 costs its request too, so probing ids is not free), and is recorded like a proxied request
+(`RequestRecord`: the access log line, `kimi_gateway_requests_total{api=responses_get|
+responses_delete|responses_cancel}`, the request duration; `x-request-id` on the answer).
+
+`GET …?stream=true` (with `starting_after`): vLLM replays the SSE events of a background response
+(`retrieve_responses` → `responses_background_stream_generator`). The gateway passes both query
+parameters on and, when the engine answers `200 text/event-stream`, relays its bytes unchanged as
+they come (no deadline but `timeouts.total`; the client's hang-up closes the upstream). Any other
+answer (the stored response as JSON, an engine's error) is read whole and relayed as JSON. The SSE
+or JSON choice follows the engine's content type, never the query: an SSE body is never read
+into a JSON answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
 
 import httpx
+from fastapi import APIRouter
+from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
+from gateway.api.proxy import request_id_of
 from gateway.api.responses import error_response
+from gateway.api.schemas import ResponseObject, error_responses
+from gateway.auth.middleware import principal_of
 from gateway.backends.control import describe_transport_error
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, error_bytes_from_upstream
 from gateway.protocol.responses import RESPONSE_ID_MAX
+from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.response_affinity import ResponseNotFound, owner_of
 from gateway.state import AppState
 
-_PASSED_QUERY = ("include", "include_obfuscation")
+_PASSED_QUERY = ("include", "include_obfuscation", "stream", "starting_after")
 
 
-async def retrieve_response(request: Request) -> Response:
-    """GET: the stored response as the owning engine answers it."""
-    return await _forward(request, "GET", "")
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    """GET: the stored response as the owning engine answers it (an SSE replay relayed as a stream)."""
+    return await _forward(request, "GET", "", "responses_get")
 
 
-async def delete_response(request: Request) -> Response:
+async def delete_response(request: Request, response_id: str) -> Response:
     """DELETE: the owning engine's answer; the gateway's record goes on 2xx or 404 (module docstring)."""
-    return await _forward(request, "DELETE", "")
+    return await _forward(request, "DELETE", "", "responses_delete")
 
 
-async def cancel_response(request: Request) -> Response:
+async def cancel_response(request: Request, response_id: str) -> Response:
     """POST …/cancel: the owning engine's answer (the cancelled response, or its 400)."""
-    return await _forward(request, "POST", "/cancel")
+    return await _forward(request, "POST", "/cancel", "responses_cancel")
 
 
-async def _forward(request: Request, method: str, suffix: str) -> Response:
+def router() -> APIRouter:
+    """The stored-response routes (under `/v1`: the auth middleware guards them), for `create_app`.
+    `response_id` is in the handlers' signatures for the OpenAPI document; `_forward` reads it from
+    the path parameters."""
+    stored = APIRouter(tags=["inference"], responses=error_responses(400, 401, 403, 404, 405, 429, 502, 503, 504))
+    one = "/v1/responses/{response_id}"
+    replay = {"text/event-stream": {"schema": {"type": "string", "description": "With `?stream=true`: the "
+                                               "engine's replay of a streamed response's events, relayed."}}}
+    stored.add_api_route(one, retrieve_response, methods=["GET"], response_model=ResponseObject,
+                         summary="Retrieve a stored response (from the worker that stores it)",
+                         responses={200: {"content": replay}})
+    stored.add_api_route(one, delete_response, methods=["DELETE"], response_model=ResponseObject,
+                         summary="Delete a stored response")
+    stored.add_api_route(one + "/cancel", cancel_response, methods=["POST"], response_model=ResponseObject,
+                         summary="Cancel a background response")
+    return stored
+
+
+async def _forward(request: Request, method: str, suffix: str, api: str) -> Response:
+    """Count, find the owner (ownership checked), call it and answer; the record is finished when
+    the answer was given (a relayed stream's at its end)."""
     state: AppState = request.state.service.state
-    response_id = request.path_params["response_id"]
+    principal = principal_of(request.scope)  # None when auth is off
+    record = RequestRecord(request_id=request_id_of(dict(request.headers)), api=api,
+                           key=principal.name if principal is not None else None)
+    finish = True
     try:
-        if not response_id or len(response_id) > RESPONSE_ID_MAX:
-            raise ResponseNotFound(f"Response with id '{response_id[:64]}' not found.")
-        pool, worker = await owner_of(response_id, None, state.responses, state.registry, state.config.pools,
-                                      state.metrics)
-        headers = {"accept": "application/json"}
-        if pool.api_key is not None:
-            headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
-        params = {k: v for k, v in request.query_params.items() if k in _PASSED_QUERY}
-        url = f"{worker.url}/v1/responses/{response_id}{suffix}"
-        status, body = await _call(state.http, method, url, headers, params, state.config.max_body_bytes)
-    except GatewayError as exc:
-        return error_response(exc)
-    if method == "DELETE" and (200 <= status < 300 or status == 404) and state.responses is not None:
-        state.responses.forget(response_id)
-    if not 200 <= status < 300:  # an engine's error in whatever shape it uses, as an OpenAI error object
-        body = error_bytes_from_upstream(status, body, None, None)
-    # always JSON: never serve an engine's text/html from the gateway's origin
-    return Response(body, status_code=status, media_type="application/json",
-                    headers={"x-kimi-gateway-pool": pool.name, "x-kimi-gateway-worker": worker.id})
+        response_id = request.path_params["response_id"]
+        try:
+            if principal is not None and state.auth is not None:
+                await state.auth.count_request(principal)  # one request, no tokens; never refunded
+            if not response_id or len(response_id) > RESPONSE_ID_MAX:
+                raise ResponseNotFound(f"Response with id '{response_id[:64]}' not found.")
+            pool, worker = await owner_of(response_id, None, state.responses, state.registry, state.config.pools,
+                                          state.metrics, principal)
+            record.pool, record.worker = pool.name, worker.id
+            headers = {"accept": "application/json, text/event-stream"}
+            if pool.api_key is not None:
+                headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
+            params = {k: v for k, v in request.query_params.items() if k in _PASSED_QUERY}
+            url = f"{worker.url}/v1/responses/{response_id}{suffix}"
+            upstream = await _open(state.http, method, url, headers, params)
+        except GatewayError as exc:
+            record.answered_with_error(exc.status)
+            record.error = exc.message
+            answer = error_response(exc)
+            answer.headers["x-request-id"] = record.request_id
+            if record.worker is not None:
+                answer.headers.update({"x-kimi-gateway-pool": record.pool, "x-kimi-gateway-worker": record.worker})
+            return answer
+        route = {"x-kimi-gateway-pool": pool.name, "x-kimi-gateway-worker": worker.id,
+                 "x-request-id": record.request_id}
+        if upstream.status_code == 200 and _is_sse(upstream):
+            record.stream = True
+            record.status = 200
+            finish = False
+            return StreamingResponse(_relay(upstream, record, state), media_type="text/event-stream",
+                                     headers={**route, "cache-control": "no-cache", "x-accel-buffering": "no"},
+                                     background=BackgroundTask(record.finish, state.metrics))
+        try:
+            status, body = upstream.status_code, await _drain(upstream, url, state.config.max_body_bytes)
+        except GatewayError as exc:
+            record.answered_with_error(exc.status)
+            record.error = exc.message
+            answer = error_response(exc)
+            answer.headers.update(route)
+            return answer
+        if method == "DELETE" and (200 <= status < 300 or status == 404) and state.responses is not None:
+            state.responses.forget(response_id)
+        if 200 <= status < 300:
+            record.status = status
+        else:  # an engine's error in whatever shape it uses, as an OpenAI error object
+            record.answered_with_error(status)
+            body = error_bytes_from_upstream(status, body, None, None)
+        # always JSON: never serve an engine's text/html from the gateway's origin
+        return Response(body, status_code=status, media_type="application/json", headers=route)
+    finally:
+        if finish:
+            record.finish(state.metrics)
 
 
 CONTROL_DEADLINE_S = 30.0
-"""Seconds for a whole GET/DELETE/cancel exchange with the engine: they read or change a stored
-object (a cancel waits for the engine to stop a background task), no generation."""
+"""Seconds for a whole GET/DELETE/cancel exchange with the engine (a JSON answer): they read or
+change a stored object (a cancel waits for the engine to stop a background task), no generation.
+A replayed stream is bounded by `timeouts.total` instead (it lasts as long as the generation)."""
 
 
-async def _call(client: httpx.AsyncClient, method: str, url: str, headers: dict[str, str], params: dict[str, str],
-                max_bytes: int) -> tuple[int, bytes]:
-    """One bounded exchange: (status, body). Raises UpstreamTimeout past CONTROL_DEADLINE_S,
-    UpstreamError for a transport failure or a body over `max_bytes`."""
+def _is_sse(response: httpx.Response) -> bool:
+    return response.headers.get("content-type", "").partition(";")[0].strip().lower() == "text/event-stream"
+
+
+async def _open(client: httpx.AsyncClient, method: str, url: str, headers: dict[str, str],
+                params: dict[str, str]) -> httpx.Response:
+    """The engine's response, headers read, body not yet. Raises UpstreamTimeout past
+    CONTROL_DEADLINE_S, UpstreamError for a transport failure."""
     try:
         async with asyncio.timeout(CONTROL_DEADLINE_S):
             request = client.build_request(method, url, headers=headers, params=params,
-                                           timeout=httpx.Timeout(CONTROL_DEADLINE_S))
-            response = await client.send(request, stream=True)
-            try:
-                chunks: list[bytes] = []
-                size = 0
-                async for chunk in response.aiter_bytes():
-                    size += len(chunk)
-                    if size > max_bytes:
-                        raise UpstreamError(f"The stored response is larger than this gateway relays ({max_bytes} "
-                                            "bytes).")
-                    chunks.append(chunk)
-            finally:
-                await response.aclose()
+                                           timeout=httpx.Timeout(CONTROL_DEADLINE_S, read=None))
+            return await client.send(request, stream=True)
     except (TimeoutError, httpx.TimeoutException):
         raise UpstreamTimeout(f"The worker storing the response did not answer within {CONTROL_DEADLINE_S:g} "
                               "seconds.") from None
     except httpx.HTTPError as exc:
         raise UpstreamError(f"The worker storing the response could not be reached "
                             f"({describe_transport_error(exc, url)}).") from None
-    return response.status_code, b"".join(chunks)
+
+
+async def _drain(response: httpx.Response, url: str, max_bytes: int) -> bytes:
+    """The whole body of an opened response, within CONTROL_DEADLINE_S and `max_bytes`; closes it.
+    Raises UpstreamTimeout or UpstreamError (also for a body over `max_bytes`)."""
+    try:
+        async with asyncio.timeout(CONTROL_DEADLINE_S):
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise UpstreamError(f"The stored response is larger than this gateway relays ({max_bytes} "
+                                        "bytes).")
+                chunks.append(chunk)
+    except (TimeoutError, httpx.TimeoutException):
+        raise UpstreamTimeout(f"The worker storing the response did not answer within {CONTROL_DEADLINE_S:g} "
+                              "seconds.") from None
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"The worker storing the response broke off its answer "
+                            f"({describe_transport_error(exc, url)}).") from None
+    finally:
+        await response.aclose()
+    return b"".join(chunks)
+
+
+async def _relay(response: httpx.Response, record: RequestRecord, state: AppState) -> AsyncIterator[bytes]:
+    """The engine's SSE bytes as they come, until its end or `timeouts.total`. A break is recorded
+    (`upstream_error`, `timeout`); the client's hang-up cancels this and closes the upstream. The
+    record is finished here or, if this never ran, by the response's background task."""
+    total = state.config.timeouts.total
+    try:
+        async with asyncio.timeout(total):
+            async for chunk in response.aiter_bytes():
+                if record.first_byte_at is None:
+                    record.first_byte_at = time.perf_counter()
+                yield chunk
+    except TimeoutError:
+        record.outcome = RequestOutcome.TIMEOUT
+        record.error = f"The replayed stream exceeded the gateway's overall time limit of {total:g} seconds."
+    except httpx.HTTPError as exc:
+        record.outcome = RequestOutcome.UPSTREAM_ERROR
+        record.error = f"The worker's replayed stream broke ({type(exc).__name__})."
+    except (asyncio.CancelledError, GeneratorExit):  # the client hung up (the server cancels or closes this)
+        record.client_gone("mid_stream")
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            await response.aclose()
+        record.finish(state.metrics)

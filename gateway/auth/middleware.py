@@ -7,9 +7,10 @@ Order (outermost first): CORS, then auth. CORS answers a browser's preflight `OP
 (preflights carry no `Authorization`) and adds its headers to every answer, 401s and 429s
 included, so a browser client can read them.
 
-Admin routes: wrap the endpoint with `require_scope("admin")`:
+Admin routes: a FastAPI route depends on `scope_check("admin")` (a plain Starlette endpoint is
+wrapped with `require_scope("admin")` instead):
 
-    Route("/admin/drain", require_scope("admin")(drain), methods=["POST"])
+    router.add_api_route("/admin/reload", reload, methods=["POST"], dependencies=[Depends(scope_check("admin"))])
 
 It authenticates the request itself (admin routes need not live under `/v1`) and answers 401 for
 a missing or wrong key, 403 for a key without the scope. With `auth.enabled: false` every route,
@@ -107,21 +108,34 @@ def require_scope(scope: Scope) -> Callable[[Endpoint], Endpoint]:
     is disabled (see the module docstring).
     """
 
+    check = scope_check(scope)
+
     def decorate(endpoint: Endpoint) -> Endpoint:
         @functools.wraps(endpoint)
         async def guarded(request: Request) -> Response:
-            guard = guard_of(request.scope)
-            if guard is not None:
-                try:
-                    principal = principal_of(request.scope) or guard.authenticate_headers(request.scope["headers"])
-                    guard.authorize(principal, scope)
-                except GatewayError as exc:
-                    return error_response(exc)
+            try:
+                check(request)
+            except GatewayError as exc:
+                return error_response(exc)
             return await endpoint(request)
 
         return guarded
 
     return decorate
+
+
+def scope_check(scope: Scope) -> Callable[[Request], None]:
+    """A check that the request's key has `scope`: raises the GatewayError to answer (401 without a
+    valid key, 403 without the scope); passes when auth is disabled. Used as a FastAPI dependency
+    (`dependencies=[Depends(scope_check("admin"))]`, the app answers the error) and by `require_scope`."""
+
+    def check(request: Request) -> None:
+        guard = guard_of(request.scope)
+        if guard is not None:
+            principal = principal_of(request.scope) or guard.authenticate_headers(request.scope["headers"])
+            guard.authorize(principal, scope)
+
+    return check
 
 
 def http_middleware(config: GatewayConfig) -> list[Middleware]:

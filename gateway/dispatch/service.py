@@ -103,7 +103,8 @@ class ProxyService:
         pinned: Worker | None = None
         if request.previous_response_id is not None:  # only the worker storing its history can serve it
             pool, pinned = await owner_of(request.previous_response_id, "previous_response_id", self.state.responses,
-                                          self.state.registry, self.state.config.pools, self.state.metrics)
+                                          self.state.registry, self.state.config.pools, self.state.metrics,
+                                          principal)
             pools = [pool]
         if guard is None:
             return await self._dispatch(api, payload, request, pools, record, pinned)
@@ -180,7 +181,8 @@ class ProxyService:
                 continue
             self._attempt_accepted(dispatch, attempt)
             if dispatch.api == "responses":
-                self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result)
+                self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result,
+                                           dispatch.record.key)
             result.headers.extend(route_headers(record))
             return result
         raise exhausted(state.registry, dispatch.last, record, dispatch.pools, dispatch.failures)
@@ -244,14 +246,14 @@ class ProxyService:
                                                  attempt.cache_worker.url)
 
     def _note_stored_response(self, request: RoutingRequest, pool: PoolConfig, worker: Worker,
-                              result: BufferedResponse | RelayResponse) -> None:
+                              result: BufferedResponse | RelayResponse, principal: str | None) -> None:
         """Remember which worker stores the response this accepted Responses request creates (not with
         `store: false`, nor on an engine that stores nothing): from the JSON answer's `id`, or from the
         stream's `response.created` event as the relay passes it (`SSETap.on_response_id`)."""
         store = self.state.responses
         if store is None or not request.store or not worker.engine.stores_responses:
             return
-        owner = ResponseOwner(pool.name, worker.url)
+        owner = ResponseOwner(pool.name, worker.url, principal)
         if isinstance(result, RelayResponse):
             result.stream.tap.on_response_id = lambda rid: store.record(rid, owner)
         elif result.status == 200 and (rid := response_id_in_json(result.body)) is not None:

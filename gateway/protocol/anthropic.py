@@ -31,6 +31,8 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag
 
+from gateway.protocol.openai import WHOLE
+
 MAX_TOKENS_LIMIT = 2**31 - 1
 
 
@@ -168,7 +170,7 @@ class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages` body (the fields routing reads): `max_tokens` is required (Anthropic's
     API refuses a request without it) and is the request's output reservation."""
 
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT), WHOLE]
     stream: StrictBool | None = False
     metadata: Metadata | None = None
 
@@ -215,6 +217,7 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         parts: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []
         reasoning: list[str] = []
+        results = 0
         for block in content:
             if isinstance(block, TextBlock):
                 parts.append({"type": "text", "text": block.text})
@@ -226,10 +229,12 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
             elif isinstance(block, ToolResultBlock):
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id,
                                  "content": _tool_content(block.content)})
+                results += 1
             elif isinstance(block, ThinkingBlock):
                 reasoning.append(block.thinking)
-        if not parts and not calls and not reasoning:
+        if results and not parts and not calls and not reasoning:
             continue  # a user turn of tool results only
+        # A turn of unmodelled blocks only (a PDF `document`) stays, empty: the engine reads it.
         message: dict[str, Any] = {"role": turn.role, "content": parts or ("" if turn.role == "user" else None)}
         if len(parts) == 1 and parts[0]["type"] == "text":
             message["content"] = parts[0]["text"]  # one text block renders as a plain string turn

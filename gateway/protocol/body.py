@@ -10,6 +10,7 @@ out-of-range `seed`. Deeper numbers (inside `tools` schemas, say) are forwarded 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -44,24 +45,26 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
 
 def _check_integers(body: bytes, names: list[str]) -> None:
     """400 when a suspect's number text is an integer outside the 64-bit range. Costs at most
-    `MAX_SUSPECTS` x `MAX_OCCURRENCES` C-speed `bytes.find` steps, whatever the body's size: a key
+    `MAX_SUSPECTS` x 2 spellings x `MAX_OCCURRENCES` C-speed `bytes.find` steps, whatever the body's size: a key
     can only appear unescaped as a key or a string (inside a string its quotes are escaped)."""
     if len(names) > MAX_SUSPECTS:
         raise InvalidRequest(f"More than {MAX_SUSPECTS} top-level numbers of 2^63 or more.", param=names[0],
                              code="integer_out_of_range")
     for name in names:
-        key = orjson.dumps(name)
-        at, seen, float_written = body.find(key), 0, False
-        while at >= 0 and seen < MAX_OCCURRENCES:
-            seen += 1
-            match = _VALUE.match(body, at + len(key))
-            if match is not None:
-                text = match.group(1).decode("ascii")
-                if not text.lstrip("-").isdigit():
-                    float_written = True
-                elif not _INT_MIN <= int(text) <= _INT_MAX:
-                    _refuse(name, text)
-            at = body.find(key, at + len(key))
+        float_written = False
+        # As UTF-8 and as Python's json (so `requests`) writes a non-ASCII key: `"\u00bb"`.
+        for key in dict.fromkeys((orjson.dumps(name), json.dumps(name).encode())):
+            at, seen = body.find(key), 0
+            while at >= 0 and seen < MAX_OCCURRENCES:
+                seen += 1
+                match = _VALUE.match(body, at + len(key))
+                if match is not None:
+                    text = match.group(1).decode("ascii")
+                    if not text.lstrip("-").isdigit():
+                        float_written = True
+                    elif not _INT_MIN <= int(text) <= _INT_MAX:
+                        _refuse(name, text)
+                at = body.find(key, at + len(key))
         if not float_written:  # its key only written with escapes (or past the scan): take it for an integer
             _refuse(name, None)
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -30,6 +31,18 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 MAX_TOKENS_LIMIT = 2**31 - 1
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: `5.0` is the integer 5 (JSON Schema's `integer` says so, and the
+    engines' parsers read it so). Other floats, strings and booleans are left for StrictInt to refuse."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+WHOLE = BeforeValidator(_integral)
+"""Last in an integer field's `Annotated[StrictInt, Field(...), WHOLE]`: a JSON integer or an integral
+number (`5.0`), not `5.5`, `"5"` nor `true`. After the Field, so its bounds stay JSON Schema's
+`minimum`/`maximum` in /openapi.json."""
 
 
 class _Open(BaseModel):
@@ -132,7 +145,15 @@ PART_MODALITY: dict[str, str] = {
 CONTENT_REQUIRED_ROLES = frozenset({"system", "developer", "user", "tool"})
 
 
+def _content_required_schema(schema: dict[str, Any]) -> None:
+    """JSON Schema of `_content_present` (for /openapi.json): these roles need a non-null `content`."""
+    schema["if"] = {"properties": {"role": {"enum": sorted(CONTENT_REQUIRED_ROLES)}}, "required": ["role"]}
+    schema["then"] = {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
+
+
 class ChatMessage(_Open):
+    model_config = ConfigDict(json_schema_extra=_content_required_schema)
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: StrictStr | None = None
@@ -149,7 +170,7 @@ class StreamOptions(_Open):
     include_usage: StrictBool | None = None
 
 
-OutputTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+OutputTokens = Annotated[StrictInt, Field(ge=1, le=MAX_TOKENS_LIMIT), WHOLE]
 
 
 class _Generation(_Open):
@@ -160,7 +181,7 @@ class _Generation(_Open):
     # OpenAI's newer name for the output limit; it wins over `max_tokens` (also on completions,
     # where the gateway translates it for engines that only read `max_tokens`).
     max_completion_tokens: OutputTokens | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=128)] | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=128), WHOLE] | None = None
     user: StrictStr | None = None
 
 
@@ -170,28 +191,41 @@ class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
-TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+def _ids_integral_on_retry(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Token ids strictly first (in pydantic-core: a prompt may hold millions); only a list that fails
+    is retried with its integral floats made integers (`_integral`)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if not isinstance(value, list) or not any(type(item) is float for item in value):
+            raise
+        return handler([_integral(item) for item in value])
+
+
+TokenIds = Annotated[list[StrictInt], Field(min_length=1), WrapValidator(_ids_integral_on_retry)]
 
 # One adapter per shape of a list prompt, picked by its first element: a plain union would try
 # list[str] first and build one error per element of a 4M-id prompt (~1 s of event loop).
-_PROMPT_LIST_SHAPES = {
-    "ids": TypeAdapter(TokenIds), "batch": TypeAdapter(list[TokenIds]), "texts": TypeAdapter(list[StrictStr]),
-}
+Texts = Annotated[list[StrictStr], Field(min_length=1)]
+Batch = Annotated[list[TokenIds], Field(min_length=1)]
+_PROMPT_LIST_SHAPES = {"ids": TypeAdapter(TokenIds), "batch": TypeAdapter(Batch), "texts": TypeAdapter(Texts)}
 
 
 def _prompt_by_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    if isinstance(value, list) and value:
+    if isinstance(value, list) and not value:
+        raise PydanticCustomError("too_short", "it must not be empty")
+    if isinstance(value, list):
         head = value[0]
-        shape = "ids" if type(head) is int else "batch" if isinstance(head, list) else "texts"
+        shape = "ids" if type(head) in (int, float) else "batch" if isinstance(head, list) else "texts"
         return _PROMPT_LIST_SHAPES[shape].validate_python(value)
     return handler(value)
 
 
 class CompletionRequest(_Generation):
-    """`POST /v1/completions` body: `prompt` is text, texts, token ids or lists of token ids (each
-    list of ids non-empty)."""
+    """`POST /v1/completions` body: `prompt` is text, texts, token ids or lists of token ids (no
+    list empty)."""
 
-    prompt: Annotated[StrictStr | list[StrictStr] | TokenIds | list[TokenIds], WrapValidator(_prompt_by_shape)]
+    prompt: Annotated[StrictStr | Texts | TokenIds | Batch, WrapValidator(_prompt_by_shape)]
 
 
 _BRANCH_NAMES = frozenset({"str", "int", "bool", "float", "dict", "list", "none"})

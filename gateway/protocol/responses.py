@@ -17,10 +17,12 @@ lets every other field through to the engine unchanged (`extra="allow"`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from gateway.protocol.openai import WHOLE
 
 RESPONSE_ID_MAX = 256
 """Longest response id the gateway looks up (vLLM's are `resp_` + 32 hex digits)."""
@@ -39,9 +41,9 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
-    input: StrictStr | list[dict[str, Any]]
+    input: StrictStr | Annotated[list[dict[str, Any]], Field(min_length=1)]  # [] is refused (size check first)
     instructions: StrictStr | None = None
-    max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31 - 1)
+    max_output_tokens: Annotated[StrictInt, Field(ge=1, le=2**31 - 1), WHOLE] | None = None
     previous_response_id: StrictStr | None = Field(default=None, min_length=1, max_length=RESPONSE_ID_MAX)
     store: StrictBool | None = True
     background: StrictBool | None = False

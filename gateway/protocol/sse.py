@@ -9,6 +9,7 @@ A stream ends with `data: [DONE]` (OpenAI) or `event: message_stop` (Anthropic).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -31,13 +32,16 @@ class SSETap:
     `gateway.protocol.anthropic.openai_usage`; a Responses usage, nested in its final event's
     `response`, with the chat names added: `gateway.protocol.responses.chat_usage`).
     `on_response_id`, when set, is called once with the id of a Responses stream's `response.created`.
+    `failed`: the engine sent an `event: error` (Anthropic's, the Responses API's): it ended the
+    stream with its own reason, which the relay passes on instead of adding one.
     """
 
-    __slots__ = ("_anthropic", "_carry", "done", "events", "on_response_id", "usage")
+    __slots__ = ("_anthropic", "_carry", "done", "events", "failed", "on_response_id", "usage")
 
     def __init__(self) -> None:
         self.events = 0
         self.done = False
+        self.failed = False
         self.usage: dict[str, Any] | None = None
         self.on_response_id: Callable[[str], None] | None = None
         self._carry = b""
@@ -63,6 +67,8 @@ class SSETap:
             self.done = True
         if not self.done and b'"type":"response.' in lines and any(marker in lines for marker in _TERMINAL):
             self.done = True
+        if not self.failed and b"error" in lines and _ERROR_EVENT.search(lines) is not None:
+            self.failed = True
         if self.on_response_id is not None and b'"response.created"' in lines:
             self._response_created(lines)
         if b'"usage":{' in lines or b'"usage": {' in lines:
@@ -110,6 +116,9 @@ class SSETap:
 # first or last; a raw `"` cannot occur inside a JSON string, so generated text never matches).
 _TERMINAL = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
 
+# An `event: error` line (SSE allows no space after the colon), at a line start.
+_ERROR_EVENT = re.compile(rb"(?:^|\n)event: ?error\r?\n")
+
 
 def event_end(data: bytes, stop: int | None = None) -> int:
     """Index just past the last complete SSE event in `data[:stop]` (0 if none): after `\n\n` or
@@ -119,10 +128,24 @@ def event_end(data: bytes, stop: int | None = None) -> int:
 
 
 def sse_error_event(message: str, code: str = "upstream_error", api: str = "chat") -> bytes:
-    """One SSE `data:` event holding an OpenAI error object (what the OpenAI SDKs raise on); for
-    Anthropic's APIs (`api` "messages") an `event: error` with Anthropic's error object (a 504
-    `timeout_error` for `code` "request_timeout", else a 500 `api_error`)."""
+    """The gateway's error event for a stream it cannot finish, in the stream's API:
+
+    - chat and completions: one `data:` event holding an OpenAI error object (what the OpenAI SDKs
+      raise on);
+    - Anthropic's (`api` "messages"): an `event: error` with Anthropic's error object, a 504
+      `timeout_error` for `code` "request_timeout", a 529 `overloaded_error` (retry elsewhere) for
+      "shutting_down", else a 500 `api_error`;
+    - the Responses API ("responses"), whose events are typed: an `event: error` whose data is
+      OpenAI's error event (`type` "error", `code`, `message`, `param`;
+      https://platform.openai.com/docs/api-reference/responses-streaming/error) plus the OpenAI
+      error object under `error`, which the openai SDK raises on. No `sequence_number`: the
+      gateway does not number the engine's events.
+    """
     if api == "messages":
-        return sse_error(message, 504 if code == "request_timeout" else 500)
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + orjson.dumps(body) + b"\n\n"
+        status = {"request_timeout": 504, "shutting_down": 529}.get(code, 500)
+        return sse_error(message, status)
+    error = {"message": message, "type": "server_error", "param": None, "code": code}
+    if api == "responses":
+        typed = {"type": "error", "code": code, "message": message, "param": None, "error": error}
+        return b"event: error\ndata: " + orjson.dumps(typed) + b"\n\n"
+    return b"data: " + orjson.dumps({"error": error}) + b"\n\n"

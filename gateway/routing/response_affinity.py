@@ -5,9 +5,15 @@ be served by the engine process that created that response (its history lives in
 memory). `owner_of` finds that worker from the response store (gateway/affinity/response_store.py)
 and the registry, bypassing the pool's policy (no other worker could serve it) but not its health:
 
-- unknown id (never seen, `store: false`, expired after `responses.store_ttl`, or created
-  through an engine that stores nothing): **404** `response_not_found`, as OpenAI answers an unknown
-  id; the client's SDK raises NotFoundError and does not retry.
+- unknown id, or another tenant's: (never seen, `store: false`, expired after `responses.store_ttl`, or created
+  through an engine that stores nothing), or stored by another API key: **404**
+  `response_not_found`, as OpenAI answers an unknown id; the client's SDK raises NotFoundError and
+  does not retry. Ownership (auth on): the store records the name of the key that created each
+  response; only that key, or a key with the `admin` scope (the operators', who may already drain
+  and reload the gateway), may continue, read, delete or cancel it. Another key gets exactly the
+  unknown id's answer (same status, code, message; counted as `unknown`), so ids do not leak
+  whether they exist. A response recorded without an owner (created while auth was off) is then
+  open to admin keys only. With auth off nothing is checked.
 - the owning worker is no longer configured or discovered (scaled away, removed by a reload):
   **404** `response_worker_gone`. Its process memory, and the stored response with it, is gone for
   good: a retry can never succeed, and OpenAI's SDKs retry 5xx but not 404. The message says to
@@ -32,6 +38,7 @@ from __future__ import annotations
 import math
 
 from gateway.affinity.response_store import ResponseOwner, ResponseStore, ResponseStoreUnavailable
+from gateway.auth.keys import Principal
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
@@ -64,9 +71,12 @@ class ResponseWorkerUnavailable(GatewayError):
 
 
 async def owner_of(response_id: str, param: str | None, store: ResponseStore | None, registry: WorkerRegistry,
-                   pools: list[PoolConfig], metrics: GatewayMetrics) -> tuple[PoolConfig, Worker]:
-    """The pool config and worker that store `response_id`. `param` names the request field the id
-    came from (`previous_response_id`, or None for a path). Raises ResponseNotFound,
+                   pools: list[PoolConfig], metrics: GatewayMetrics,
+                   principal: Principal | None = None) -> tuple[PoolConfig, Worker]:
+    """The pool config and worker that store `response_id`, for the caller `principal` (None: auth
+    off, no ownership check). `param` names the request field the id came from
+    (`previous_response_id`, or None for a path). Raises ResponseNotFound (also for another key's
+    response),
     ResponseWorkerGone, ResponseWorkerUnavailable, ResponseStoreUnavailable (module docstring) and
     counts the outcome."""
     try:
@@ -75,7 +85,7 @@ async def owner_of(response_id: str, param: str | None, store: ResponseStore | N
         metrics.response_affinity.labels("store_error").inc()
         exc.param = param
         raise
-    if owner is None:
+    if owner is None or not may_use(principal, owner):
         metrics.response_affinity.labels("unknown").inc()
         what = "Previous response" if param else "Response"
         raise ResponseNotFound(f"{what} with id '{response_id[:256]}' not found.", param=param)
@@ -97,3 +107,9 @@ async def owner_of(response_id: str, param: str | None, store: ResponseStore | N
             f"try again in {seconds} s.", param=param, headers={"retry-after": str(seconds)})
     metrics.response_affinity.labels("hit").inc()
     return pool, worker
+
+
+def may_use(principal: Principal | None, owner: ResponseOwner) -> bool:
+    """Whether `principal` may use the stored response `owner` describes (module docstring): auth
+    off (None), the key that created it, or an admin key."""
+    return principal is None or principal.name == owner.principal or principal.has("admin")

@@ -62,6 +62,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         parts: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []
         thinking = False
+        results = 0
         for block in content:
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
@@ -79,11 +80,12 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 if isinstance(result, list):
                     result = "\n".join(str(b.get("text") or "") for b in result if isinstance(b, dict))
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
+                results += 1
             elif kind == "thinking":
                 thinking = True  # kept out of the prompt: chat templates drop earlier turns' reasoning
             elif kind is None:
                 raise PromptError("content blocks must be objects with a 'type'")
-        if parts or calls or thinking:
+        if parts or calls or thinking or not results:  # a turn of other blocks only (a document) stays
             message: dict[str, Any] = {"role": turn["role"], "content": parts}
             if calls:
                 message["tool_calls"] = calls

@@ -282,7 +282,7 @@ async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
     reason = "abort"
     try:
-        if plan.anthropic and faults.raw_stream_chunks is None:
+        if plan.anthropic and not (plan.stream and faults.raw_stream_chunks is not None):  # raw: streams only
             await (_anthropic_sse if plan.stream else _anthropic_json)(engine, plan, record, responder, watch,
                                                                         active)
         elif not plan.stream:

@@ -8,7 +8,12 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        token), response.output_text.done, response.content_part.done,
                                        response.output_item.done, response.completed (with the usage:
                                        input_tokens, output_tokens, total_tokens, cached tokens).
-    GET /v1/responses/{id}             the stored response
+    GET /v1/responses/{id}             the stored response; with `?stream=true` (and `starting_after=N`)
+                                       the SSE events of a response created streaming, replayed from
+                                       sequence number N + 1 (vLLM replays a background response's
+                                       events so; the simulator has no background mode, so it keeps
+                                       a streamed response's events instead); 400 for one created
+                                       without streaming
     DELETE /v1/responses/{id}          `{"id", "object": "response", "deleted": true}` (OpenAI's shape;
                                        vLLM itself has no DELETE route)
     POST /v1/responses/{id}/cancel     400 "Cannot cancel a synchronous response." (no background mode)
@@ -22,8 +27,8 @@ of `max_model_len` tokens or more (`The engine prompt length N exceeds the max_m
 clamps the output to the room left (`ResponsesRequest.to_sampling_params`); the SGLang dialect
 refuses prompt + output over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
 prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`fail_status`,
-`hang_before_headers`, `black_hole`, `drop_after_chunks`, global or per request in `x_sim_faults`)
-are chat's (`generation.py`).
+`hang_before_headers`, `black_hole`, `drop_after_chunks`, `raw_stream_chunks`, global or per request in
+`x_sim_faults`) are chat's (`generation.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 from pydantic import ValidationError
@@ -49,7 +55,7 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
-from gateway.sim.generation import _DropConnection, _fail, _Responder
+from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _fail, _Responder
 from gateway.sim.tokens import PromptError, chat_prompt_tokens, output_token
 from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
@@ -61,6 +67,7 @@ class StoredResponse:
     messages: list[dict[str, Any]]
     text: str
     response: dict[str, Any]
+    events: list[bytes] = field(default_factory=list)  # the SSE events of a streamed response, in order
 
 
 @dataclass
@@ -103,6 +110,8 @@ class ResponsesServer:
         if stored is None:
             reply = self._not_found(response_id)
             await send_json(send, reply.status, orjson.loads(reply.body))
+        elif method == "GET" and _query(scope, "stream") == "true":
+            await self._replay(stored, _query(scope, "starting_after"), send)
         elif method == "GET":
             await send_json(send, 200, stored.response)
         elif method == "DELETE":
@@ -111,6 +120,19 @@ class ResponsesServer:
         else:
             reply = self.engine.dialect.error("Cannot cancel a synchronous response.", "invalid_request_error", 400)
             await send_json(send, 400, orjson.loads(reply.body))
+
+    async def _replay(self, stored: StoredResponse, starting_after: str | None, send: Send) -> None:
+        """GET ?stream=true: the stored events after sequence number `starting_after` (-1 if absent)."""
+        after = int(starting_after) if starting_after is not None and starting_after.lstrip("-").isdigit() else -1
+        if not stored.events:
+            reply = self.engine.dialect.error("This response was not created with stream=true; it cannot be "
+                                              "streamed.", "invalid_request_error", 400)
+            await send_json(send, 400, orjson.loads(reply.body))
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        for event in stored.events[max(after + 1, 0):]:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _not_found(self, response_id: str) -> ErrorReply:
         return self.engine.dialect.error(f"Response with id '{response_id}' not found.", "invalid_request_error", 404)
@@ -186,6 +208,10 @@ class ResponsesServer:
         response = _response_object(body, engine.config.model_name, prior)
         events = _EventWriter(responder)
         try:
+            if stream and faults.raw_stream_chunks is not None:
+                await _send_raw(engine, record, responder, watch, faults)
+                reason = "stop"
+                return
             if stream:
                 await responder.start(200, SSE_HEADERS)
                 await events.send("response.created", response=response)
@@ -218,7 +244,7 @@ class ResponsesServer:
                      "total_tokens": prompt_tokens + output_tokens}
             final = {**response, "status": "completed", "output": [item] if output_tokens else [], "usage": usage}
             if body.get("store", True) is not False:
-                self.stored[response["id"]] = StoredResponse(messages, text, final)
+                self.stored[response["id"]] = StoredResponse(messages, text, final, events.sent)
             if stream:
                 if output_tokens:
                     await events.send("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
@@ -235,17 +261,38 @@ class ResponsesServer:
             engine.stop_running(active, reason)
 
 
+async def _send_raw(engine: SimEngine, record: SimRequestRecord, responder: _Responder, watch: DisconnectWatch,
+                    faults: SimFaults) -> None:
+    """`raw_stream_chunks`: exactly the configured bytes, one write per chunk, ~20 ms apart (as chat's)."""
+    engine.update(record, fault="raw_stream_chunks")
+    await responder.start(200, SSE_HEADERS)
+    for i, chunk in enumerate(faults.raw_chunk_bytes() or []):
+        if i > 0:
+            await watch.sleep(RAW_CHUNK_PAUSE_S)
+        await responder.event(chunk)
+    await responder.body(b"", more=False)
+
+
 class _EventWriter:
     """Typed SSE events with vLLM's `sequence_number` (0, 1, ... across the stream)."""
 
     def __init__(self, responder: _Responder) -> None:
         self._responder = responder
         self._sequence = 0
+        self.sent: list[bytes] = []  # every event so far (a stored response's replay)
 
     async def send(self, kind: str, **fields: Any) -> None:
         payload = {**fields, "sequence_number": self._sequence, "type": kind}
         self._sequence += 1
-        await self._responder.event(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n")
+        event = b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+        self.sent.append(event)
+        await self._responder.event(event)
+
+
+def _query(scope: Scope, name: str) -> str | None:
+    """One query parameter's value (the first), None when absent."""
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(name)
+    return values[0] if values else None
 
 
 def _response_object(body: dict[str, Any], model: str, prior: StoredResponse | None) -> dict[str, Any]:

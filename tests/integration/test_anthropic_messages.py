@@ -158,6 +158,10 @@ def test_x_api_key_and_bearer_auth_on_a_keyed_gateway(start_sim: StartSim, start
     assert "x-api-key" not in json.dumps([r.headers for r in sim.engine.records]).lower()
     missing = httpx.post(gw.v1 + "/messages", json={"model": "kimi-k3", "max_tokens": 2, "messages": HELLO})
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in missing.json()["error"]["message"], "the hint names Anthropic's header"
+    empty = httpx.post(gw.v1 + "/messages", headers={"x-api-key": ""},
+                       json={"model": "kimi-k3", "max_tokens": 2, "messages": HELLO})
+    assert empty.status_code == 401 and "x-api-key" in empty.json()["error"]["message"]
     # The OpenAI endpoints keep OpenAI's shape, and take the key as x-api-key too.
     chat = httpx.post(gw.v1 + "/chat/completions", headers={"x-api-key": ALICE_KEY},
                       json={"model": "kimi-k3", "max_tokens": 2, "messages": HELLO})

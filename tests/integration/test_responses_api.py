@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from gateway.routing.tokens import TokenEstimator
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import OwnRedis, RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -344,13 +344,16 @@ def test_a_redis_that_does_not_answer_is_a_retryable_503(two_workers: list[Runni
                        load={"enabled": False}, affinity={"enabled": False})
     c = client(gw)
     created = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)  # its record cannot be written
+    gw.server.call(gw.server.app.state.gateway.responses.flush())  # the write has failed now
     with pytest.raises(openai.InternalServerError) as failed:
         c.responses.create(model="kimi-k3", input="More", previous_response_id=created.id, max_output_tokens=2)
     assert failed.value.status_code == 503
     assert failed.value.body["code"] == "response_store_unavailable"  # type: ignore[index]
     assert failed.value.body["param"] == "previous_response_id"  # type: ignore[index]
     assert gw.metric('kimi_gateway_response_affinity_total{result="store_error"}') == 1
-    assert gw.metric('kimi_gateway_redis_errors_total{op="response_lookup"}') == 1
+    # The failed write tripped the circuit breaker: the lookup answered at once, without trying Redis.
+    assert gw.metric('kimi_gateway_redis_errors_total{op="response_write"}') == 1
+    assert gw.metric('kimi_gateway_redis_errors_total{op="response_lookup"}') == 0
     assert sum(received(two_workers)) == 1
 
 
@@ -378,3 +381,23 @@ def test_a_pool_whose_engines_do_not_serve_it_is_skipped(start_sim: StartSim, st
     chat = client(gw).chat.completions.with_raw_response.create(
         model="kimi-k3", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert chat.headers["x-kimi-gateway-pool"] == "old"
+
+
+def test_a_redis_that_died_is_skipped_after_its_first_failure(two_workers: list[RunningSim],
+                                                               start_gateway: StartGateway,
+                                                               own_redis: OwnRedis) -> None:
+    gw = start_gateway([sims_pool(two_workers)], redis_url=own_redis.url, load={"enabled": False},
+                       affinity={"enabled": False}, responses={"retry_after": 30})
+    c = client(gw)
+    created = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)
+    gw.server.call(gw.server.app.state.gateway.responses.flush())
+    assert c.responses.retrieve(created.id).id == created.id
+    own_redis.kill()
+    for _ in range(3):
+        with pytest.raises(openai.InternalServerError) as failed:
+            c.responses.retrieve(created.id)
+        assert failed.value.body["code"] == "response_store_unavailable"  # type: ignore[index]
+    # Redis was tried once; the breaker answered the other two without a call (nor a wait).
+    assert gw.metric('kimi_gateway_redis_errors_total{op="response_lookup"}') == 1
+    assert gw.metric('kimi_gateway_response_affinity_total{result="store_error"}') == 3
+    assert gw.metric('kimi_gateway_requests_total{api="responses_get",pool="none",status_class="5xx"}') == 3

@@ -120,6 +120,18 @@ def test_unknown_blocks_and_fields_pass() -> None:
     assert to_chat(MessagesRequest.model_validate(body))["messages"] == [{"role": "assistant", "content": "ok"}]
 
 
+def test_a_turn_of_unknown_blocks_only_is_kept_empty_and_a_turn_of_tool_results_only_is_not() -> None:
+    document = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}}
+    body = {"model": "kimi-k3", "max_tokens": 5, "messages": [
+        {"role": "user", "content": [document]},
+        {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "xyz"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "42"}]}]}
+    chat = to_chat(MessagesRequest.model_validate(body))
+    assert chat["messages"] == [{"role": "user", "content": ""}, {"role": "assistant", "content": None},
+                                {"role": "tool", "tool_call_id": "t", "content": "42"}]
+    ChatCompletionRequest.model_validate(chat)
+
+
 def test_openai_usage_counts_cached_input_as_prompt() -> None:
     assert openai_usage({"input_tokens": 1, "cache_read_input_tokens": 18, "output_tokens": 5}) == {
         "prompt_tokens": 19, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 18}}

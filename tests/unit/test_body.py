@@ -48,3 +48,13 @@ def test_anything_but_a_json_object_is_invalid_json(body: bytes) -> None:
     with pytest.raises(InvalidRequest) as info:
         decode_json_object(body)
     assert info.value.code == "invalid_json"
+
+
+def test_a_float_under_a_key_escaped_as_python_writes_it_passes() -> None:
+    """Python's `json.dumps` (so `requests`, Schemathesis' client) writes a non-ASCII key as `\\u00bb`:
+    the scan finds that spelling too, so a float there is not taken for a huge integer (Schemathesis
+    sent `{"\\u00bb": -1.76e+161}` and got a 400)."""
+    assert decode_json_object(b'{"\\u00bb": -1.7624481993596568e+161}') == {"\u00bb": -1.7624481993596568e+161}
+    with pytest.raises(InvalidRequest) as info:
+        decode_json_object(b'{"\\u00bb": 18446744073709551616}')
+    assert info.value.message == "The integer 18446744073709551616 does not fit in 64 bits."

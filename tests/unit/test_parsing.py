@@ -140,3 +140,19 @@ def test_the_lower_bound_follows_the_configured_text_rates() -> None:
     parser.check_size("chat", payload)
     wire, model, _ = parser.validate("chat", payload)
     assert fitting_pools(parser.features(wire, model, None, None), config.pools)
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_the_lower_bound_reads_the_output_limit_the_estimate_reads(api: str) -> None:
+    """`max_completion_tokens` ranks over `max_tokens` on both APIs, and `5.0` is the integer 5
+    (Schemathesis: a completion with `max_completion_tokens: 102.0, max_tokens: 286302` was refused by
+    the lower bound, while routing would have reserved 102 tokens)."""
+    parser = BodyParser(CONFIG)
+    head: dict[str, Any] = ({"messages": [{"role": "user", "content": "hi"}]} if api == "chat"
+                            else {"prompt": "hi"})
+    payload = {"model": "kimi-k3", **head, "max_tokens": 10**9, "max_completion_tokens": 102.0}
+    parser.check_size(api, payload)  # nothing refused: the 102 tokens fit
+    wire, model, _ = parser.validate(api, payload)
+    assert fitting_pools(parser.features(wire, model, None, None), CONFIG.pools)
+    with pytest.raises(ContextLengthExceeded):
+        parser.check_size(api, {"model": "kimi-k3", **head, "max_completion_tokens": 10.0**9})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import orjson
 import pytest
 
@@ -69,3 +71,27 @@ def test_end_reads_a_last_line_without_a_newline() -> None:
     assert tap.done and tap.events == 2
     tap.end()  # idempotent
     assert tap.events == 2
+
+
+@pytest.mark.parametrize(("chunks", "failed"), [
+    ([b'event: error\ndata: {"type":"error","error":{"type":"api_error","message":"x"}}\n\n'], True),
+    ([b"event:error\r\n", b'data: {"type":"error"}\r\n\r\n'], True),  # no space, CRLF, split over reads
+    ([b'data: {"text":"an event: error inside text"}\n\n'], False),
+    ([b"event: errors\ndata: {}\n\n"], False),
+])
+def test_tap_sees_an_engines_error_event(chunks: list[bytes], failed: bool) -> None:
+    tap = SSETap()
+    for chunk in chunks:
+        tap.feed(chunk)
+    assert tap.failed is failed
+
+
+def test_the_gateways_error_event_takes_each_apis_shape() -> None:
+    chat = sse_error_event("cut", api="chat")
+    assert chat.startswith(b"data: ") and json.loads(chat[6:])["error"]["code"] == "upstream_error"
+    name, data = sse_error_event("cut", code="shutting_down", api="responses").split(b"\n")[:2]
+    typed = json.loads(data.removeprefix(b"data: "))
+    assert name == b"event: error" and typed["type"] == "error" and typed["code"] == "shutting_down"
+    assert typed["error"] == {"message": "cut", "type": "server_error", "param": None, "code": "shutting_down"}
+    name, data = sse_error_event("cut", code="shutting_down", api="messages").split(b"\n")[:2]
+    assert name == b"event: error" and json.loads(data[6:])["error"]["type"] == "overloaded_error"

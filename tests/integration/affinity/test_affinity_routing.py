@@ -93,7 +93,7 @@ def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: S
                                 own_redis: OwnRedis, shared_data: Path) -> None:
     gw = start_gateway([affinity_pool(four_workers)], redis_url=own_redis.url,
                        affinity={"retry_after": 0.3, "lookup_timeout": 0.2}, load={"enabled": False})
-    conversations = [list(conversation_turns(t, "Answer. " * 50)) for t in mt_bench(shared_data, 12)]
+    conversations = [list(conversation_turns(t, "Answer. " * 50)) for t in mt_bench(shared_data, 20)]
 
     def turn_pair(conversation: list[list[dict[str, str]]]) -> tuple[str, str, str]:
         w1, _ = worker_of(gw, conversation[0])
@@ -119,8 +119,12 @@ def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: S
     own_redis.start()                         # Redis is back (empty): affinity resumes by itself
     store = gw.server.app.state.gateway.affinity
     deadline = time.monotonic() + 5
-    while not store.available:                # the breaker skips Redis for `retry_after` (0.3 s)
-        assert time.monotonic() < deadline, "the affinity breaker did not close"
+    # The breaker skips Redis for `retry_after` (0.3 s). Each pooled connection to the killed server
+    # fails once when next used (a lookup's, the writer's), opening the breaker again: wait until a
+    # conversation gets its affinity back (every request meanwhile still succeeds), then it must hold.
+    spare = iter(conversations[8:])
+    while not (store.available and turn_pair(next(spare))[2] == "affinity"):
+        assert time.monotonic() < deadline, "affinity did not resume after Redis came back"
         time.sleep(0.02)
     hits_before = gw.metric('kimi_gateway_affinity_lookups_total{pool="p",result="hit"}')
     for conversation in conversations[5:8]:

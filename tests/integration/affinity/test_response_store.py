@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,8 +18,11 @@ from gateway.affinity.response_store import (
     ResponseStore,
     ResponseStoreUnavailable,
 )
+from gateway.auth.keys import Principal
 from gateway.config import ResponsesConfig
 from gateway.metrics import GatewayMetrics
+from gateway.routing.response_affinity import may_use
+from tests.support import OwnRedis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 TTL_S = 1.0
@@ -84,12 +88,91 @@ async def test_unreachable_redis_is_a_retryable_error_and_counted(unused_port: i
     store = RedisResponseStore(f"redis://127.0.0.1:{unused_port}/0", ResponsesConfig(lookup_timeout=0.2), metrics)
     await store.start()
     try:
-        store.record("resp_x", OWNER)
-        await store.flush()
         with pytest.raises(ResponseStoreUnavailable) as failed:
             await store.lookup("resp_x")
         assert failed.value.status == 503 and failed.value.headers["retry-after"] == "1"
+        store.record("resp_x", OWNER)  # within `retry_after` of that failure: dropped, Redis not tried
+        await store.flush()
     finally:
         await store.stop()
-    for op in ("response_lookup", "response_write"):
-        assert (metrics.registry.get_sample_value("kimi_gateway_redis_errors_total", {"op": op}) or 0) >= 1
+    assert redis_errors(metrics, "response_lookup") == 1 and redis_errors(metrics, "response_write") == 0
+    assert metrics.registry.get_sample_value("kimi_gateway_affinity_writes_dropped_total") == 1
+
+def redis_errors(metrics: GatewayMetrics, op: str) -> float:
+    return metrics.registry.get_sample_value("kimi_gateway_redis_errors_total", {"op": op}) or 0
+
+
+async def wait_available(store: RedisResponseStore, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not store.available:
+        assert time.monotonic() < deadline, "the breaker did not close"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.anyio
+async def test_a_dead_redis_is_skipped_after_its_first_failure(own_redis: OwnRedis) -> None:
+    """The circuit breaker the affinity store has: after a failed call, lookups answer 503 at once
+    (Redis is not even tried: no more errors counted) for `retry_after` seconds, then try again."""
+    metrics = GatewayMetrics()
+    store = RedisResponseStore(own_redis.url, ResponsesConfig(lookup_timeout=0.3, retry_after=0.5), metrics)
+    await store.start()
+    try:
+        store.record("resp_a", OWNER)
+        await store.flush()
+        assert await store.lookup("resp_a") == OWNER
+        for stop in ("killed", "stopped"):  # refused connections, then a Redis that hangs (SIGSTOP)
+            if stop == "killed":
+                own_redis.kill()
+            else:
+                assert own_redis.proc is not None
+                own_redis.proc.send_signal(signal.SIGSTOP)
+            before = redis_errors(metrics, "response_lookup")
+            with pytest.raises(ResponseStoreUnavailable):
+                await store.lookup("resp_a")
+            assert redis_errors(metrics, "response_lookup") == before + 1
+            assert not store.available
+            for _ in range(20):  # skipped: no call to Redis, so no wait and no error counted
+                with pytest.raises(ResponseStoreUnavailable) as skipped:
+                    await store.lookup("resp_a")
+                assert skipped.value.headers["retry-after"] == "1"
+            assert redis_errors(metrics, "response_lookup") == before + 1
+            store.record("resp_dropped", OWNER)  # a write while the breaker is open is dropped, not sent
+            await store.flush()
+            assert redis_errors(metrics, "response_write") == 0
+            if stop == "killed":
+                own_redis.start()
+            else:
+                assert own_redis.proc is not None
+                own_redis.proc.send_signal(signal.SIGCONT)
+            await wait_available(store)
+            store.record("resp_b", OWNER)
+            await store.flush()
+            assert await store.lookup("resp_b") == OWNER
+    finally:
+        await store.stop()
+    assert (metrics.registry.get_sample_value("kimi_gateway_affinity_writes_dropped_total") or 0) >= 2
+
+
+@pytest.mark.anyio
+async def test_the_owning_key_is_stored_with_the_worker(store: ResponseStore) -> None:
+    owned = ResponseOwner("pool-a", "http://10.0.0.1:8000", "alice")
+    store.record("resp_owned", owned)
+    store.record("resp_open", OWNER)  # auth off: no owner
+    await store.flush()
+    assert await store.lookup("resp_owned") == owned
+    assert (await store.lookup("resp_open")) == OWNER and OWNER.principal is None
+
+
+def test_owner_encoding_and_who_may_use_it() -> None:
+    assert ResponseOwner.decode(ResponseOwner("p", "http://w:1", "alice").encode()) == ResponseOwner(
+        "p", "http://w:1", "alice")
+    # A value written before owners were recorded reads as unowned.
+    assert ResponseOwner.decode("p\nhttp://w:1") == ResponseOwner("p", "http://w:1", None)
+    assert ResponseOwner.decode("garbage") is None
+    alice = Principal("alice", frozenset({"user"}))
+    bob = Principal("bob", frozenset({"user"}))
+    ops = Principal("ops", frozenset({"user", "admin"}))
+    owned, unowned = ResponseOwner("p", "u", "alice"), ResponseOwner("p", "u", None)
+    assert may_use(alice, owned) and may_use(ops, owned) and may_use(None, owned)
+    assert not may_use(bob, owned)
+    assert may_use(ops, unowned) and may_use(None, unowned) and not may_use(alice, unowned)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import base64
-import time
 from collections.abc import Callable
 
 import openai
 import pytest
 
-from tests.integration.auth.conftest import ALICE_KEY, auth_section, wait_clear_of_window_edge
+from tests.integration.auth.conftest import ALICE_KEY, auth_section, start_a_window_now
 from tests.media import wav_bytes
 from tests.support import RunningGateway, RunningSim, pool
 
@@ -27,7 +26,7 @@ def test_audio_is_charged_to_the_token_limit(start_sim: Callable[..., RunningSim
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072, modalities=["text", "audio"])],
                        auth=auth_section({"tokens_per_minute": 3000}), load={"enabled": False},
                        affinity={"enabled": False})
-    wait_clear_of_window_edge(time.monotonic)
+    start_a_window_now(gw)  # the in-process limiter: its minute starts now, clear of any edge
     # A text request leaves ~1,000 tokens of the minute's 3,000 (its charge settles at what it used).
     sdk = openai.OpenAI(base_url=gw.v1, api_key=ALICE_KEY, max_retries=0)
     sdk.chat.completions.create(model="kimi-k3", max_tokens=2000, messages=[{"role": "user", "content": "Hi"}])

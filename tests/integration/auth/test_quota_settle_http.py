@@ -15,7 +15,13 @@ import openai
 import pytest
 
 from gateway.sim.config import SimFaults
-from tests.integration.auth.conftest import ALICE_KEY, REDIS_URL, auth_section, wait_clear_of_window_edge
+from tests.integration.auth.conftest import (
+    ALICE_KEY,
+    REDIS_URL,
+    auth_section,
+    start_a_window_now,
+    wait_clear_of_window_edge,
+)
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -31,8 +37,17 @@ def gateway(start_gateway: StartGateway, sims: list[RunningSim], tpm: int, limit
                        auth=auth_section({"tokens_per_minute": tpm, "requests_per_minute": 1000},
                                          key_prefix=key_prefix),
                        affinity={"enabled": False}, load={"enabled": False}, **extra, **settings)
-    wait_clear_of_window_edge(time.time if limiter == "redis" else time.monotonic)
+    clear_of_window_edge(gw, limiter)
     return gw
+
+
+def clear_of_window_edge(gw: RunningGateway, limiter: str) -> None:
+    """Make the counts below stay in one window: the in-process limiter gets a window starting now;
+    the Redis limiter's windows follow Redis' clock, so wait past an edge less than 15 s away."""
+    if limiter == "redis":
+        wait_clear_of_window_edge(time.time)
+    else:
+        start_a_window_now(gw)
 
 
 def used_now(gw: RunningGateway, probe_tokens: int) -> int:
@@ -110,7 +125,7 @@ def test_an_engines_refusal_costs_nothing(start_sim: StartSim, start_gateway: St
                        auth=auth_section({"tokens_per_minute": 4000}, key_prefix=key_prefix),
                        affinity={"enabled": False}, load={"enabled": False},
                        **({"redis_url": REDIS_URL} if limiter == "redis" else {}))
-    wait_clear_of_window_edge(time.time if limiter == "redis" else time.monotonic)
+    clear_of_window_edge(gw, limiter)
     long_prompt = [{"role": "user", "content": "word " * 1000}]  # ~1,540 estimated, 5,000 for the engine
     for _ in range(3):  # ~1,600 reserved each: kept, the third would get a 429
         response = httpx.post(gw.v1 + "/chat/completions", headers=HEADERS,

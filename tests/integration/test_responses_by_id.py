@@ -1,0 +1,112 @@
+"""`GET/DELETE/POST …/cancel /v1/responses/{id}` (issue 12): recorded like proxied requests (the access
+log line, `kimi_gateway_requests_total{api=responses_get|…}`), counted against a key's request limit,
+and `GET ?stream=true` relayed byte-exact as SSE when the engine replays a stream. The real openai
+SDK against the simulator."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.auth.keys import hash_key
+from gateway.auth.limits import MemoryRateLimiter
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+KEY = "sk-carol-" + uuid.uuid4().hex + uuid.uuid4().hex
+
+
+def sdk(gw: RunningGateway, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0)
+
+
+def access_lines(caplog: pytest.LogCaptureFixture, gw: RunningGateway, count: int) -> list[dict[str, Any]]:
+    """`gw`'s access log lines once there are `count` (a request is logged when its handler ends)."""
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [json.loads(r.getMessage()) for r in caplog.records
+                 if r.name == "gateway.access" and r.threadName == gw.server.thread_name]
+        if len(lines) >= count:
+            return lines
+        assert time.monotonic() < deadline, f"{len(lines)} access log lines, expected {count}"
+        time.sleep(0.02)
+
+
+def test_id_calls_are_logged_and_counted(start_sim: StartSim, start_gateway: StartGateway,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    sim = start_sim("vllm", max_context_tokens=131072)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+    c = sdk(gw)
+    created = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)
+    raw = c.responses.with_raw_response.retrieve(created.id, extra_headers={"x-request-id": "get-1"})
+    assert raw.headers["x-request-id"] == "get-1"
+    with pytest.raises(openai.BadRequestError):  # the simulator, like vLLM, cannot cancel a finished response
+        c.responses.cancel(created.id)
+    c.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(created.id)
+    lines = access_lines(caplog, gw, 5)
+    by_api = [(line["api"], line["status"], line["outcome"], line["pool"], line["worker"]) for line in lines[1:]]
+    assert by_api == [("responses_get", 200, "ok", "p", "p/0"), ("responses_cancel", 400, "error", "p", "p/0"),
+                      ("responses_delete", 200, "ok", "p", "p/0"), ("responses_get", 404, "error", "none", None)]
+    assert lines[1]["request_id"] == "get-1" and lines[1]["stream"] is False
+    assert gw.metric('kimi_gateway_requests_total{api="responses_get",pool="p",status_class="2xx"}') == 1
+    assert gw.metric('kimi_gateway_requests_total{api="responses_get",pool="none",status_class="4xx"}') == 1
+    assert gw.metric('kimi_gateway_requests_total{api="responses_cancel",pool="p",status_class="4xx"}') == 1
+    assert gw.metric('kimi_gateway_requests_total{api="responses_delete",pool="p",status_class="2xx"}') == 1
+
+
+def test_id_calls_count_against_the_request_limit(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", max_context_tokens=131072)
+    auth = {"enabled": True, "keys": [{"name": "carol", "sha256": hash_key(KEY), "requests_per_minute": 3}]}
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], auth=auth, load={"enabled": False})
+    guard = gw.server.app.state.gateway.auth
+    origin = time.monotonic()  # a limiter window that starts now: the test runs clear of its edge
+    guard.limiter = MemoryRateLimiter(clock=lambda: time.monotonic() - origin)
+    c = sdk(gw, KEY)
+    created = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)  # request 1
+    c.responses.retrieve(created.id)  # 2
+    with pytest.raises(openai.NotFoundError):  # 3: an unknown id costs its request too
+        c.responses.retrieve("resp_" + uuid.uuid4().hex)
+    with pytest.raises(openai.RateLimitError) as limited:
+        c.responses.delete(created.id)
+    assert limited.value.body["code"] == "rate_limit_exceeded"  # type: ignore[index]
+    assert int(limited.value.response.headers["retry-after"]) >= 1
+    assert created.id in sim.app.responses.stored  # the refused delete never reached the engine
+    assert gw.metric('kimi_gateway_requests_total{api="responses_delete",pool="none",status_class="4xx"}') == 1
+
+
+def test_get_stream_true_relays_the_engines_replay_byte_exact(start_sim: StartSim,
+                                                               start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", max_context_tokens=131072)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+    c = sdk(gw)
+    events = list(c.responses.create(model="kimi-k3", input="Count.", max_output_tokens=3, stream=True))
+    rid = events[0].response.id  # type: ignore[union-attr]
+    replayed = list(c.responses.retrieve(rid, stream=True))
+    assert [(e.type, e.sequence_number) for e in replayed] == [(e.type, e.sequence_number) for e in events]
+    later = list(c.responses.retrieve(rid, stream=True, starting_after=5))
+    assert [e.sequence_number for e in later] == list(range(6, len(events)))
+    with httpx.stream("GET", f"{gw.v1}/responses/{rid}", params={"stream": "true", "starting_after": "2"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-kimi-gateway-worker"] == "p/0"
+        body = b"".join(r.iter_raw())
+    assert body == b"".join(sim.app.responses.stored[rid].events[3:])  # the engine's bytes, unchanged
+    assert gw.metric('kimi_gateway_requests_total{api="responses_get",pool="p",status_class="2xx"}') == 3
+    # Without `stream`, the same response as JSON; a response created without streaming has no
+    # replay: the engine's 400 comes back as JSON, not as a stream.
+    assert c.responses.retrieve(rid).id == rid
+    plain = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)
+    refused = httpx.get(f"{gw.v1}/responses/{plain.id}", params={"stream": "true"})
+    assert refused.status_code == 400 and refused.headers["content-type"] == "application/json"
+    assert refused.json()["error"]["type"] == "invalid_request_error"

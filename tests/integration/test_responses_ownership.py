@@ -1,0 +1,93 @@
+"""Stored responses belong to the API key that created them (issue 12): another key gets exactly the
+unknown id's 404 for GET, DELETE, cancel and `previous_response_id`; an admin key may use any.
+The real openai SDK with two keys, the in-process store and the Redis store."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+import redis
+
+from gateway.auth.keys import hash_key
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+REDIS_URL = "redis://127.0.0.1:6379/0"
+ALICE = "sk-alice-" + uuid.uuid4().hex + uuid.uuid4().hex
+BOB = "sk-bob-" + uuid.uuid4().hex + uuid.uuid4().hex
+OPS = "sk-ops-" + uuid.uuid4().hex + uuid.uuid4().hex
+
+
+def auth() -> dict[str, object]:
+    return {"enabled": True, "keys": [
+        {"name": "alice", "sha256": hash_key(ALICE)},
+        {"name": "bob", "sha256": hash_key(BOB)},
+        {"name": "ops", "sha256": hash_key(OPS), "scopes": ["user", "admin"]},
+    ]}
+
+
+def sdk(gw: RunningGateway, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def gateway(request: pytest.FixtureRequest, start_sim: StartSim,
+            start_gateway: StartGateway) -> Iterator[RunningGateway]:
+    sim = start_sim("vllm", max_context_tokens=131072)
+    settings: dict[str, object] = {"auth": auth(), "load": {"enabled": False}}
+    prefix = f"test-own-{uuid.uuid4().hex[:10]}"
+    if request.param == "redis":
+        settings |= {"redis_url": REDIS_URL, "responses": {"key_prefix": prefix},
+                     "affinity": {"key_prefix": prefix + "-aff"}, "auth": {**auth(), "key_prefix": prefix + "-rl"}}
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], **settings)
+    yield gw
+    if request.param == "redis":
+        r = redis.Redis.from_url(REDIS_URL)
+        keys = list(r.scan_iter(f"{prefix}*"))
+        if keys:
+            r.delete(*keys)
+        r.close()
+
+
+def flush(gw: RunningGateway) -> None:
+    gw.server.call(gw.server.app.state.gateway.responses.flush())
+
+
+def not_found_body(call: Callable[[], object]) -> dict[str, object]:
+    with pytest.raises(openai.NotFoundError) as missing:
+        call()
+    body = missing.value.body
+    assert isinstance(body, dict)
+    return body
+
+
+def test_another_key_sees_a_stored_response_as_unknown(gateway: RunningGateway) -> None:
+    alice, bob, ops = sdk(gateway, ALICE), sdk(gateway, BOB), sdk(gateway, OPS)
+    created = alice.responses.create(model="kimi-k3", input="My secret is 42.", max_output_tokens=3)
+    flush(gateway)
+    unknown = f"resp_{uuid.uuid4().hex}"
+    for rid in (created.id, unknown):  # the same answer for someone else's id and a made-up one
+        never = not_found_body(lambda rid=rid: bob.responses.retrieve(rid))
+        assert never == {**not_found_body(lambda rid=rid: bob.responses.retrieve(rid)),
+                         "message": f"Response with id '{rid}' not found."}
+        assert never["code"] == "response_not_found" and never["type"] == "invalid_request_error"
+        assert not_found_body(lambda rid=rid: bob.responses.delete(rid))["code"] == "response_not_found"
+        assert not_found_body(lambda rid=rid: bob.responses.cancel(rid))["code"] == "response_not_found"
+        chained = not_found_body(lambda rid=rid: bob.responses.create(
+            model="kimi-k3", input="What is the secret?", previous_response_id=rid, max_output_tokens=2))
+        assert chained["code"] == "response_not_found" and chained["param"] == "previous_response_id"
+        assert chained["message"] == f"Previous response with id '{rid}' not found."
+    # The owner still has it, and continues it; an admin key may read it too.
+    assert alice.responses.retrieve(created.id).output_text == created.output_text
+    follow = alice.responses.create(model="kimi-k3", input="And?", previous_response_id=created.id,
+                                    max_output_tokens=2)
+    flush(gateway)
+    assert ops.responses.retrieve(follow.id).id == follow.id
+    # The follow-up is alice's too.
+    assert not_found_body(lambda: bob.responses.retrieve(follow.id))["code"] == "response_not_found"
+    alice.responses.delete(created.id)
+    assert not_found_body(lambda: alice.responses.retrieve(created.id))["code"] == "response_not_found"
