@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.affinity.breaker import CircuitBreaker
@@ -49,6 +50,11 @@ return #KEYS
 LOG_EVERY_S = 10.0
 PING_EVERY_S = 5.0
 
+# After Redis restarts, a pooled connection to the old server can fail its next command with
+# "connection reset": resend once on a new connection (lookups and the record script are
+# idempotent) instead of opening the breaker for a Redis that is up. Timeouts are not resent.
+STALE_CONNECTION_RETRY = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
 
 class RedisAffinityStore:
     """The shared store. Construction does no I/O: an unreachable Redis never blocks start-up."""
@@ -58,7 +64,7 @@ class RedisAffinityStore:
         self.metrics = metrics
         self.redis = redis_from_url(
             url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=1.0,
-            retry=Retry(NoBackoff(), 0), max_connections=128, health_check_interval=0,
+            retry=STALE_CONNECTION_RETRY, max_connections=128, health_check_interval=0,
         )
         self._queue: asyncio.Queue[tuple[str, Sequence[int], str]] = asyncio.Queue(config.write_queue)
         self._writer: asyncio.Task[None] | None = None

@@ -36,11 +36,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.affinity.breaker import CircuitBreaker
+from gateway.affinity.redis_store import STALE_CONNECTION_RETRY
 from gateway.config import ResponsesConfig
 from gateway.errors import GatewayError
 from gateway.looplag import StoreTimeout
@@ -141,7 +140,7 @@ class RedisResponseStore:
         self.config = config
         self.metrics = metrics
         self.redis = redis_from_url(url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=1.0,
-                                    retry=Retry(NoBackoff(), 0), max_connections=32, health_check_interval=0)
+                                    retry=STALE_CONNECTION_RETRY, max_connections=32, health_check_interval=0)
         self._queue: asyncio.Queue[tuple[str, ResponseOwner | None]] = asyncio.Queue(config.write_queue)
         self._writer: asyncio.Task[None] | None = None
         self._last_log = 0.0
