@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from urllib.parse import urlsplit
 
 from gateway.app import create_app
@@ -12,6 +13,7 @@ from gateway.request_head import http_options
 from gateway.server import QuietServer, serve_many, uvicorn_config
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
+from gateway.supervisor import bind_socket
 
 DEMO_TTFT_S = 0.15
 DEMO_TPOT_S = 0.02
@@ -37,7 +39,10 @@ def demo_servers(config: GatewayConfig, host: str, port: int) -> list[QuietServe
 
 
 def run_demo(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve the demo until Ctrl-C, after printing how to try it."""
+    """Serve the demo until Ctrl-C, after printing how to try it. Exits (SystemExit, status 1) when
+    a port it needs is in use."""
+    servers = demo_servers(config, host, port)
+    sockets = listen_or_exit(servers)
     url = f"http://{host}:{port}"
     print(f"kimi-gateway demo: {sum(len(p.workers) for p in config.pools)} simulated workers in "
           f"{len(config.pools)} pools ({', '.join(p.name for p in config.pools)}); gateway on {url}")
@@ -48,4 +53,19 @@ def run_demo(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000) -
     print(f"  curl -s {url}/v1/models; curl -s {url}/ready; curl -s {url}/metrics | grep kimi_gateway_requests")
     print("Ctrl-C stops it.", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_many(demo_servers(config, host, port), start_last_after_others=True))
+        asyncio.run(serve_many(servers, start_last_after_others=True, sockets=sockets))
+
+
+def listen_or_exit(servers: list[QuietServer]) -> list[socket.socket]:
+    """A bound listening socket per server, before anything starts; a port in use ends the demo
+    with one line and status 1 (as `serve` does), not with uvicorn's tracebacks."""
+    sockets: list[socket.socket] = []
+    for server in servers:
+        host, port = server.config.host, server.config.port
+        try:
+            sockets.append(bind_socket(host, port))
+        except OSError as exc:
+            for sock in sockets:
+                sock.close()
+            raise SystemExit(f"demo: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sockets

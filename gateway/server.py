@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -98,11 +99,13 @@ class QuietServer(uvicorn.Server):
         yield
 
 
-async def serve_many(servers: list[QuietServer], start_last_after_others: bool = False) -> None:
+async def serve_many(servers: list[QuietServer], start_last_after_others: bool = False,
+                     sockets: list[socket.socket] | None = None) -> None:
     """Serve several servers in the current event loop; SIGINT/SIGTERM stop all of them.
 
     With `start_last_after_others`, the last server starts only once the others listen (the demo's
-    gateway: its first health probe then finds its workers instead of waiting a probe interval)."""
+    gateway: its first health probe then finds its workers instead of waiting a probe interval).
+    `sockets`: one bound listening socket per server (else each binds its configured port)."""
     loop = asyncio.get_running_loop()
 
     def stop_all() -> None:
@@ -114,16 +117,19 @@ async def serve_many(servers: list[QuietServer], start_last_after_others: bool =
             if any(s.should_exit for s in others):
                 return
             await asyncio.sleep(0.01)
-        await last.serve()
+        await last.serve(**listen(len(servers) - 1))
+
+    def listen(index: int) -> dict[str, list[socket.socket]]:
+        return {"sockets": [sockets[index]]} if sockets is not None else {}
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_all)
     try:
         if start_last_after_others and len(servers) > 1:
             *others, last = servers
-            await asyncio.gather(*(s.serve() for s in others), serve_last(last, others))
+            await asyncio.gather(*(s.serve(**listen(i)) for i, s in enumerate(others)), serve_last(last, others))
         else:
-            await asyncio.gather(*(s.serve() for s in servers))
+            await asyncio.gather(*(s.serve(**listen(i)) for i, s in enumerate(servers)))
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -31,8 +31,10 @@ from collections.abc import Sequence
 
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from gateway.affinity.batch_writer import BatchWriter
 from gateway.affinity.breaker import CircuitBreaker
 from gateway.config import AffinityConfig
 from gateway.looplag import StoreTimeout
@@ -41,13 +43,17 @@ from gateway.redis_client import redis_from_url
 
 log = logging.getLogger("gateway.affinity")
 
-WRITE_BATCH = 64
 RECORD_LUA = """
 for i, key in ipairs(KEYS) do redis.call('SET', key, ARGV[1], 'PX', ARGV[2]) end
 return #KEYS
 """
 LOG_EVERY_S = 10.0
 PING_EVERY_S = 5.0
+
+# After Redis restarts, a pooled connection to the old server can fail its next command with
+# "connection reset": resend once on a new connection (lookups and the record script are
+# idempotent) instead of opening the breaker for a Redis that is up. Timeouts are not resent.
+STALE_CONNECTION_RETRY = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
 class RedisAffinityStore:
@@ -58,10 +64,10 @@ class RedisAffinityStore:
         self.metrics = metrics
         self.redis = redis_from_url(
             url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=1.0,
-            retry=Retry(NoBackoff(), 0), max_connections=128, health_check_interval=0,
+            retry=STALE_CONNECTION_RETRY, max_connections=128, health_check_interval=0,
         )
-        self._queue: asyncio.Queue[tuple[str, Sequence[int], str]] = asyncio.Queue(config.write_queue)
-        self._writer: asyncio.Task[None] | None = None
+        self._writes: BatchWriter[tuple[str, Sequence[int], str]] = BatchWriter(
+            self._write, config.write_queue, metrics.affinity_writes_dropped.inc, "affinity-writer")
         self._pinger: asyncio.Task[None] | None = None
         self.breaker = CircuitBreaker(config.retry_after)
         self._up: bool | None = None
@@ -113,34 +119,13 @@ class RedisAffinityStore:
         return [v.decode() if v is not None else None for v in values]
 
     def record(self, pool: str, hashes: Sequence[int], worker: str) -> None:
-        try:
-            self._queue.put_nowait((pool, hashes, worker))
-        except asyncio.QueueFull:
-            self.metrics.affinity_writes_dropped.inc()
+        self._writes.put((pool, hashes, worker))
 
     async def flush(self) -> None:
         """Wait until every queued write has been sent to Redis (or dropped: breaker open, error).
 
         A no-op when the writer is not running (before `start`, after `stop`)."""
-        writer = self._writer
-        if writer is None or writer.done():
-            return
-        joined = asyncio.ensure_future(self._queue.join())
-        try:  # a writer stopped meanwhile never drains the queue: do not wait for it then
-            await asyncio.wait({joined, writer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            joined.cancel()
-
-    async def _write_batches(self) -> None:
-        while True:
-            batch = [await self._queue.get()]
-            while len(batch) < WRITE_BATCH and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            try:
-                await self._write(batch)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
+        await self._writes.flush()
 
     async def _write(self, batch: list[tuple[str, Sequence[int], str]]) -> None:
         """One pipelined round trip for `batch`; failures are counted, never raised."""
@@ -178,13 +163,13 @@ class RedisAffinityStore:
             await asyncio.sleep(PING_EVERY_S)
 
     async def start(self) -> None:
-        self._writer = asyncio.create_task(self._write_batches(), name="affinity-writer")
+        self._writes.start()
         self._pinger = asyncio.create_task(self._ping_forever(), name="affinity-redis-ping")
 
     async def stop(self) -> None:
-        for task in (self._writer, self._pinger):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await self._writes.stop()
+        if self._pinger is not None:
+            self._pinger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pinger
         await self.redis.aclose()

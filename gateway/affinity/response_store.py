@@ -27,8 +27,6 @@ are dropped (`kimi_gateway_affinity_writes_dropped_total`); only calls actually 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -36,11 +34,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from gateway.affinity.batch_writer import BatchWriter
 from gateway.affinity.breaker import CircuitBreaker
+from gateway.affinity.redis_store import STALE_CONNECTION_RETRY
 from gateway.config import ResponsesConfig
 from gateway.errors import GatewayError
 from gateway.looplag import StoreTimeout
@@ -49,7 +47,6 @@ from gateway.redis_client import redis_from_url
 
 log = logging.getLogger("gateway.affinity")
 
-WRITE_BATCH = 64
 
 
 class ResponseStoreUnavailable(GatewayError):
@@ -141,9 +138,9 @@ class RedisResponseStore:
         self.config = config
         self.metrics = metrics
         self.redis = redis_from_url(url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=1.0,
-                                    retry=Retry(NoBackoff(), 0), max_connections=32, health_check_interval=0)
-        self._queue: asyncio.Queue[tuple[str, ResponseOwner | None]] = asyncio.Queue(config.write_queue)
-        self._writer: asyncio.Task[None] | None = None
+                                    retry=STALE_CONNECTION_RETRY, max_connections=32, health_check_interval=0)
+        self._writes: BatchWriter[tuple[str, ResponseOwner | None]] = BatchWriter(
+            self._write, config.write_queue, metrics.affinity_writes_dropped.inc, "response-store-writer")
         self._last_log = 0.0
         self.breaker = CircuitBreaker(config.retry_after)
 
@@ -189,32 +186,11 @@ class RedisResponseStore:
         self._put(response_id, None)
 
     def _put(self, response_id: str, owner: ResponseOwner | None) -> None:
-        try:
-            self._queue.put_nowait((response_id, owner))
-        except asyncio.QueueFull:
-            self.metrics.affinity_writes_dropped.inc()
+        self._writes.put((response_id, owner))
 
     async def flush(self) -> None:
         """Wait until every queued write was sent (or failed); a no-op when the writer is not running."""
-        writer = self._writer
-        if writer is None or writer.done():
-            return
-        joined = asyncio.ensure_future(self._queue.join())
-        try:
-            await asyncio.wait({joined, writer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            joined.cancel()
-
-    async def _write_batches(self) -> None:
-        while True:
-            batch = [await self._queue.get()]
-            while len(batch) < WRITE_BATCH and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            try:
-                await self._write(batch)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
+        await self._writes.flush()
 
     async def _write(self, batch: list[tuple[str, ResponseOwner | None]]) -> None:
         ttl_ms = max(1, round(self.config.store_ttl * 1000))
@@ -234,14 +210,10 @@ class RedisResponseStore:
             self._failed("response_write", exc, timer)
 
     async def start(self) -> None:
-        self._writer = asyncio.create_task(self._write_batches(), name="response-store-writer")
+        self._writes.start()
 
     async def stop(self) -> None:
-        if self._writer is not None:
-            await self.flush()
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._writer
+        await self._writes.stop(flush=True)
         await self.redis.aclose()
 
 

@@ -4,31 +4,22 @@ turn whose prompt the engine then finds in its cache for the same conversation s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import anthropic
 import openai
 import pytest
 
-from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
+from gateway.cpu_engine import LlamaCppWorker
 from tests.e2e.smollm2 import SMOLLM2_ESTIMATION
 from tests.support import RunningGateway, pool
 
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def worker() -> Iterator[LlamaCppWorker]:
-    worker = LlamaCppWorker(LlamaCppSettings(n_ctx=2048, threads=2)).start()
-    try:
-        yield worker
-    finally:
-        worker.stop()
-
-
 @pytest.fixture
-def gateway(worker: LlamaCppWorker, start_gateway: Callable[..., RunningGateway]) -> RunningGateway:
-    return start_gateway([pool("cpu-2k", "llamacpp", [worker.url], 2048, default_output_tokens=256)],
+def gateway(worker_2k: LlamaCppWorker, start_gateway: Callable[..., RunningGateway]) -> RunningGateway:
+    return start_gateway([pool("cpu-2k", "llamacpp", [worker_2k.url], 2048, default_output_tokens=256)],
                          timeouts={"first_byte_base": 120.0}, estimation=SMOLLM2_ESTIMATION)
 
 

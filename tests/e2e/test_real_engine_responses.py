@@ -6,29 +6,20 @@ nothing, so the gateway records no owner), without reaching the engine."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import openai
 import pytest
 
-from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
+from gateway.cpu_engine import LlamaCppWorker
 from tests.support import RunningGateway, pool
 
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def worker() -> Iterator[LlamaCppWorker]:
-    engine = LlamaCppWorker(LlamaCppSettings(n_ctx=2048, threads=2)).start()
-    try:
-        yield engine
-    finally:
-        engine.stop()
-
-
 @pytest.fixture
-def gateway(worker: LlamaCppWorker, start_gateway: Callable[..., RunningGateway]) -> RunningGateway:
-    return start_gateway([pool("cpu", "llamacpp", [worker.url], 2048, default_output_tokens=64)],
+def gateway(worker_2k: LlamaCppWorker, start_gateway: Callable[..., RunningGateway]) -> RunningGateway:
+    return start_gateway([pool("cpu", "llamacpp", [worker_2k.url], 2048, default_output_tokens=64)],
                          timeouts={"first_byte_base": 120.0})
 
 

@@ -4,12 +4,14 @@ first health probe finds them: `/ready` is true from the first answer, not a pro
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 
 import httpx
+import pytest
 
 from gateway.config import parse_config
-from gateway.demo import demo_servers
+from gateway.demo import demo_servers, listen_or_exit
 from gateway.server import serve_many
 from tests.support import free_port, pool
 
@@ -45,3 +47,19 @@ def test_demo_gateway_is_ready_from_its_first_answer() -> None:
             server.should_exit = True
         thread.join(timeout=10)
         loop.close()
+
+
+def test_demo_on_a_port_in_use_exits_with_one_line() -> None:
+    workers = [f"http://127.0.0.1:{free_port()}"]
+    config = parse_config({"pools": [pool("p", "vllm", workers, 131072)]}, environ={})
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        servers = demo_servers(config, "127.0.0.1", port)
+        with pytest.raises(SystemExit) as exited:
+            listen_or_exit(servers)
+    assert str(exited.value) == f"demo: cannot listen on 127.0.0.1:{port}: Address already in use"
+    # the worker's socket, bound before the gateway's failed, was closed again: its port is free
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", int(workers[0].rsplit(":", 1)[1])))
