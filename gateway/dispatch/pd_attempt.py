@@ -407,6 +407,12 @@ class NixlAttempt(PdAttempt):
             self._failed = self.prefill
             raise AttemptFailed(Outcome.PROTOCOL_ERROR, "the prefill answer is not a JSON object",
                                 answered=True) from None
+        if params is not None and not isinstance(params, dict):
+            # vLLM's decode worker would refuse it with a 400 the client would be blamed for: it is
+            # the prefill worker's fault (null is passed on, as vllm-router does: decode prefills locally)
+            self._failed = self.prefill
+            raise AttemptFailed(Outcome.PROTOCOL_ERROR, "the prefill answer's kv_transfer_params is not an object",
+                                answered=True)
         body["kv_transfer_params"] = params
         self._body = orjson.dumps(body)
         try:

@@ -4,17 +4,19 @@ clean stream, no leg left running, the in-flight gauges back to 0."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
 import httpx
+import orjson
 import pytest
 
-from gateway.sim.config import SimFaults
 from gateway.config import parse_config
 from gateway.reload import apply_config
+from gateway.sim.config import SimFaults
 from tests.integration.pd_support import ENGINE, StartSim, pd_group
-from tests.support import RunningGateway, pool
+from tests.support import RunningGateway, free_port, pool
 
 StartGateway = Callable[..., RunningGateway]
 MODES = ["sglang", "vllm-nixl", "vllm-mooncake"]
@@ -142,3 +144,87 @@ def test_reload_aggregated_to_pd_and_back_while_streams_flow(start_sim: StartSim
     while gw.metric("kimi_gateway_worker_role{") != 0:
         assert time.monotonic() < deadline, "the removed PD workers' role series stayed"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("params", ['"garbage"', "[1, 2]", "7"])
+def test_nixl_prefill_with_a_non_object_kv_transfer_params_fails_over(start_sim: StartSim,
+                                                                      start_gateway: StartGateway,
+                                                                      params: str) -> None:
+    """A prefill answer whose kv_transfer_params is not an object is the prefill worker's fault: the
+    decode leg never gets it (vLLM would refuse it with a 400 the client would be blamed for)."""
+    group = pd_group(start_sim, "vllm-nixl", prefill=2)
+    group.prefill[0].engine.set_faults(SimFaults(fail_status=200, fail_body=f'{{"kv_transfer_params": {params}}}'))
+    gw = start_gateway([group.pool(disaggregation={"prefill_policy": "round_robin"})])
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-kimi-gateway-prefill-worker"] == "pd/1"
+    assert response.headers["x-kimi-gateway-attempts"] == "2"
+    (d_rec,) = group.decode[0].engine.records
+    assert isinstance(d_rec.body["kv_transfer_params"], dict)
+    _settled(group, gw)
+
+
+def _hang_up_when(gw: RunningGateway, body: dict, ready: Callable[[], object]) -> None:  # type: ignore[type-arg]
+    """Send `body` on a raw socket, close it once `ready()` is truthy (polled, 5 s at most)."""
+    raw = orjson.dumps(body)
+    host, port = gw.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+                       b"content-length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        deadline = time.monotonic() + 5
+        while not ready():
+            assert time.monotonic() < deadline, "the phase to hang up in never came"
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_gone_during_the_kv_handoff_aborts_the_decode_leg(start_sim: StartSim, start_gateway: StartGateway,
+                                                                 mode: str, stream: bool) -> None:
+    """The prefill leg finished; the decode leg runs but sent no content yet (slow TTFT): the
+    client hangs up and the decode leg is aborted, the gauges go back to 0."""
+    group = pd_group(start_sim, mode, decode=0)
+    group.decode = [start_sim(ENGINE[mode], pd_role="decode", pd_protocol=mode, ttft_s=3.0)]
+    gw = start_gateway([group.pool()])
+    prefill, decode = group.prefill[0].engine, group.decode[0].engine
+    _hang_up_when(gw, {**CHAT, "stream": stream},
+                  lambda: decode.records and prefill.records and prefill.records[0].finished_at is not None)
+    records = decode.wait_for(lambda: all(r.finished_at is not None for r in decode.records) and decode.records)
+    assert [r.aborted for r in records] == [True]
+    _settled(group, gw)
+
+
+def test_a_pd_pool_without_a_live_prefill_worker_answers_503(start_sim: StartSim,
+                                                             start_gateway: StartGateway) -> None:
+    """Every prefill worker refuses connections (two workers failing alike with a 5xx are the
+    request's fault by design, so dead ones it is): a clean 503, the decode worker never blamed."""
+    group = pd_group(start_sim, "sglang", prefill=0)
+    config = group.pool(spillover=False)
+    config["disaggregation"]["prefill"] = [{"url": f"http://127.0.0.1:{free_port()}", "bootstrap_port": 8998}
+                                           for _ in range(2)]
+    gw = start_gateway([config])
+    for stream in (False, True, False):
+        answer = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+        assert answer.status_code == 503, answer.text
+        assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
+    workers = httpx.get(gw.url + "/admin/workers").json()["pools"][0]["workers"]
+    assert [w["state"] for w in workers if w["role"] == "decode"] == ["healthy"]
+    decode = group.decode[0].engine
+    decode.wait_for(lambda: all(r.finished_at is not None for r in decode.records) or None)
+    assert all(r.aborted for r in decode.records)
+    gw.wait_until_idle()
+    assert gw.metric("kimi_gateway_in_flight{") == 0
+
+
+def test_the_decode_limit_per_worker_is_kept(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    group = pd_group(start_sim, "vllm-nixl", prefill=2, tpot_s=0.05)
+    gw = start_gateway([group.pool(queue_timeout=0.0, spillover=False,
+                                   disaggregation={"decode_max_in_flight_per_worker": 1})])
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True, "max_tokens": 200},
+                      timeout=10) as first:
+        assert first.status_code == 200
+        second = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+        assert second.status_code == 503, second.text
+        assert second.json()["error"]["code"] == "server_overloaded"
+    assert len(group.decode[0].engine.records) == 1
+    _settled(group, gw)
