@@ -4,6 +4,7 @@ clean stream, no leg left running, the in-flight gauges back to 0."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import pytest
 from gateway.config import parse_config
 from gateway.reload import apply_config
 from gateway.sim.config import SimFaults
+from tests.integration.auth.conftest import ALICE_KEY, auth_section, start_a_window_now
 from tests.integration.pd_support import ENGINE, StartSim, pd_group
 from tests.support import RunningGateway, free_port, pool
 
@@ -227,4 +229,60 @@ def test_the_decode_limit_per_worker_is_kept(start_sim: StartSim, start_gateway:
         assert second.status_code == 503, second.text
         assert second.json()["error"]["code"] == "server_overloaded"
     assert len(group.decode[0].engine.records) == 1
+    _settled(group, gw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_the_pd_engines_find_too_long_goes_on_to_the_larger_pool(start_sim: StartSim,
+                                                                          start_gateway: StartGateway,
+                                                                          mode: str, stream: bool) -> None:
+    """The PD pool's engines count more tokens than the gateway's estimate (1 per byte): their
+    "too long" (from either leg, whichever answers first) sends the request on to the larger pool."""
+    group = pd_group(start_sim, mode, max_context_tokens=4096, bytes_per_token=1.0)
+    big = start_sim("vllm", max_context_tokens=65536)
+    gw = start_gateway([group.pool("pd", 4096), pool("big", "vllm", [big.url], 65536)])
+    body = {**CHAT, "messages": [{"role": "user", "content": "word " * 1000}], "max_tokens": 4, "stream": stream}
+    answer = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kimi-gateway-pool"] == "big"
+    assert answer.headers["x-kimi-gateway-attempts"] == "2"
+    assert len(big.engine.records) == 1
+    _settled(group, gw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_keys_tokens_are_settled_from_the_decode_leg_only(start_sim: StartSim, start_gateway: StartGateway,
+                                                            mode: str) -> None:
+    """The prefill leg's own usage (its one token) is never charged: a key's tokens are the decode
+    leg's usage, streamed or not."""
+    group = pd_group(start_sim, mode)
+    gw = start_gateway([group.pool(default_output_tokens=500)],
+                       auth=auth_section({"tokens_per_minute": 1000, "requests_per_minute": 1000}),
+                       affinity={"enabled": False}, load={"enabled": False})
+    start_a_window_now(gw)
+    headers = {"authorization": f"Bearer {ALICE_KEY}"}
+    hi = [{"role": "user", "content": "Hi"}]  # estimated at 41 prompt tokens
+
+    def used_now() -> int:  # the key's use, from the 429 of a probe too large to fit (a refusal costs nothing)
+        probe = httpx.post(gw.v1 + "/chat/completions", headers=headers, timeout=10,
+                           json={"model": "kimi-k3", "messages": hi, "max_tokens": 990 - 41})
+        assert probe.status_code == 429, probe.text
+        match = re.search(r"Used (\d+), Requested (\d+)", probe.json()["error"]["message"])
+        assert match is not None
+        return int(match[1])
+
+    first = httpx.post(gw.v1 + "/chat/completions", headers=headers, timeout=10,
+                       json={"model": "kimi-k3", "messages": hi, "max_tokens": 8})
+    assert first.status_code == 200, first.text
+    total = first.json()["usage"]["total_tokens"]
+    assert used_now() == total
+    with httpx.stream("POST", gw.v1 + "/chat/completions", headers=headers, timeout=10,
+                      json={"model": "kimi-k3", "messages": hi, "max_tokens": 8, "stream": True}) as streamed:
+        assert streamed.status_code == 200
+        assert b"[DONE]" in streamed.read()
+    deadline = time.monotonic() + 5
+    while (used := used_now()) != 2 * total:
+        assert time.monotonic() < deadline, f"the key's use stayed at {used}, not {2 * total}"
+        time.sleep(0.02)
     _settled(group, gw)
