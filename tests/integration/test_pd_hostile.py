@@ -286,3 +286,42 @@ def test_a_keys_tokens_are_settled_from_the_decode_leg_only(start_sim: StartSim,
         assert time.monotonic() < deadline, f"the key's use stayed at {used}, not {2 * total}"
         time.sleep(0.02)
     _settled(group, gw)
+
+
+def test_client_gone_during_a_nixl_deferred_streams_keepalives_aborts_the_prefill(start_sim: StartSim,
+                                                                                 start_gateway: StartGateway) -> None:
+    """A NIXL prefill outlasting the hold window committed the stream (keep-alives): the client hangs
+    up then; the prefill leg is aborted, no decode leg goes out, every slot is released."""
+    group = pd_group(start_sim, "vllm-nixl", prefill=0)
+    group.prefill = [start_sim("vllm", pd_role="prefill", pd_protocol="vllm-nixl", ttft_s=3.0)]
+    gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.1, "keepalive_interval": 0.05})
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        assert response.status_code == 200
+        assert next(response.iter_bytes()).startswith(b": keep-alive")
+    prefill = group.prefill[0].engine
+    records = prefill.wait_for(lambda: all(r.finished_at is not None for r in prefill.records) and prefill.records)
+    assert [r.aborted for r in records] == [True]
+    assert group.decode[0].engine.records == []
+    _settled(group, gw)
+
+
+@pytest.mark.parametrize("committed", [False, True])
+def test_prefill_connection_dropped_mid_answer(start_sim: StartSim, start_gateway: StartGateway,
+                                               committed: bool) -> None:
+    """The only prefill worker drops its connection without an end (before or after the client's
+    stream was committed): the client gets a clean end (an OpenAI error, one SSE error event or the
+    whole answer when the KV had arrived), never a hang; no leg is left running. SGLang: its
+    prefill leg is the streamed request (the sim's drop fault is for streams only)."""
+    mode = "sglang"
+    group = pd_group(start_sim, mode, prefill=0)
+    group.prefill = [start_sim(ENGINE[mode], pd_role="prefill", pd_protocol=mode, ttft_s=0.4,
+                               faults={"drop_after_chunks": 0})]
+    timeouts = {"hold_headers": 0.1, "keepalive_interval": 0.05} if committed else {}
+    gw = start_gateway([group.pool(spillover=False)], timeouts=timeouts)
+    answer = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    if answer.status_code == 200:
+        text = answer.text
+        assert (text.count('"error"') == 1 and "[DONE]" not in text) or text.rstrip().endswith("data: [DONE]"), text
+    else:
+        assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
+    _settled(group, gw)
