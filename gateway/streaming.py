@@ -468,6 +468,7 @@ class UpstreamStream:
                  on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False) -> None:
         self.response = response
         self._on_end = on_end
+        self._aborted: str | None = None
         self._first = first
         self._waiting = waiting
         self._keepalive = keepalive_interval
@@ -547,8 +548,8 @@ class UpstreamStream:
             self._broken(f"{type(exc).__name__} mid-stream after {tap.events} events")
             if tap.failed and not carry:  # the engine said why before it went: no second error event
                 return
-            yield sse_error_event(f"The inference server failed mid-stream ({type(exc).__name__}); "
-                                  "the response is incomplete.", api=self._record.api)
+            why = self._aborted or f"The inference server failed mid-stream ({type(exc).__name__})"
+            yield sse_error_event(f"{why}; the response is incomplete.", api=self._record.api)
         finally:
             await self.aclose()
 
@@ -556,9 +557,17 @@ class UpstreamStream:
         """Whole events as the client gets them: without the usage patch's own bytes when it is on."""
         return drop_usage_events(events) if self._strip_usage else events
 
+    async def abort(self, why: str) -> None:
+        """End the upstream response on the gateway's own decision (another leg of the attempt
+        failed): the relay ends with one SSE error event saying `why`, and this worker is not
+        blamed (no verdict is reported)."""
+        self._on_end = None
+        self._aborted = why
+        await self.response.aclose()
+
     def _broken(self, detail: str) -> None:
         self._record.outcome = RequestOutcome.UPSTREAM_ERROR
-        self._record.error = detail
+        self._record.error = f"{self._aborted} ({detail})" if self._aborted else detail
         self._ended(detail)  # a dead or broken engine counts against its worker
 
     def _ended(self, failure: str | None) -> None:

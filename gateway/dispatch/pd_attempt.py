@@ -272,9 +272,10 @@ class PdAttempt(SingleLeg):
     async def _abort_waiting_decode(self, result: RelayResponse) -> None:
         """The prefill leg failed after the decode stream was committed: while the decode worker has
         sent no content it waits for KV that will not come, so abort it (the relay then ends with
-        one SSE error event). Once it sent content, the KV had arrived: let it finish."""
+        one SSE error event; the decode worker is not blamed: the prefill worker is). Once it sent
+        content, the KV had arrived: let it finish."""
         if self._record.first_byte_at is None and isinstance(result.stream, UpstreamStream):
-            await result.stream.response.aclose()
+            await result.stream.abort("The prefill worker failed before the first token")
 
     def _observe(self, result: BufferedResponse | RelayResponse) -> None:
         """Per-phase metrics: the prefill leg's time, and the KV hand-off (prefill answer to the

@@ -325,3 +325,25 @@ def test_prefill_connection_dropped_mid_answer(start_sim: StartSim, start_gatewa
     else:
         assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
     _settled(group, gw)
+
+
+@pytest.mark.parametrize("mode", ["sglang", "vllm-mooncake"])
+def test_a_decode_aborted_for_its_dead_prefill_partner_is_not_blamed(start_sim: StartSim,
+                                                                     start_gateway: StartGateway, mode: str) -> None:
+    """The committed decode leg is aborted because its prefill worker died: the prefill worker is
+    at fault, not the decode worker (with one passive failure to eject, it must stay in)."""
+    group = pd_group(start_sim, mode)
+    group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True))
+    gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.2, "keepalive_interval": 0.1},
+                       health={"interval": 0.1, "timeout": 0.2, "passive_failures": 1, "ejection_base": 30})
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        assert response.status_code == 200
+        chunks = response.iter_bytes()
+        assert next(chunks)
+        group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True, black_hole=True))
+        rest = b"".join(chunks)
+    assert rest.count(b'"error"') == 1 and b"[DONE]" not in rest
+    gw.wait_until_idle()
+    workers = httpx.get(gw.url + "/admin/workers").json()["pools"][0]["workers"]
+    decode_state = [(w["state"], w.get("last_error")) for w in workers if w["role"] == "decode"]
+    assert decode_state[0][0] == "healthy", decode_state
