@@ -445,8 +445,8 @@ async def mooncake_engine_id(http: httpx.AsyncClient, bootstrap: str) -> str:
 class MooncakeAttempt(PdAttempt):
     """vLLM Mooncake: both legs at once, tied by a fresh `transfer_id`; the decode leg finds the
     prefill worker through its bootstrap server (`remote_bootstrap_addr`) and names its engine id
-    (read once from the bootstrap server's `GET /query`, kept on the worker, forgotten when its
-    prefill leg fails)."""
+    (read once from the bootstrap server's `GET /query`, kept on the worker, forgotten when an
+    attempt through it fails)."""
 
     __slots__ = ()
 
@@ -466,4 +466,10 @@ class MooncakeAttempt(PdAttempt):
         body["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": transfer,
                                       "remote_bootstrap_addr": bootstrap, "remote_engine_id": self.prefill.pd_engine_id}
         self._body = orjson.dumps(body)
-        return await self._both(holding, leg, headers)
+        try:
+            return await self._both(holding, leg, headers)
+        except AttemptFailed:
+            # A decode leg fails too when it named a restarted prefill engine's old id (its prefill
+            # legs still succeed): read the id again for the next attempt.
+            self.prefill.pd_engine_id = None
+            raise

@@ -347,3 +347,19 @@ def test_a_decode_aborted_for_its_dead_prefill_partner_is_not_blamed(start_sim: 
     workers = httpx.get(gw.url + "/admin/workers").json()["pools"][0]["workers"]
     decode_state = [(w["state"], w.get("last_error")) for w in workers if w["role"] == "decode"]
     assert decode_state[0][0] == "healthy", decode_state
+
+
+def test_a_restarted_mooncake_prefill_engine_is_found_again(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """The prefill engine restarted with a new engine id (its prefill legs still succeed): the
+    decode leg naming the old id fails, and the gateway reads the id again instead of failing every
+    request from then on."""
+    group = pd_group(start_sim, "vllm-mooncake", decode=2)
+    gw = start_gateway([group.pool(disaggregation={"decode_policy": "round_robin"})])
+    assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10).status_code == 200
+    group.prefill[0].engine.pd.engine_id = "restarted-engine"  # as a restarted vLLM draws a new one
+    for _ in range(3):
+        answer = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+        assert answer.status_code == 200, answer.text
+    last = group.decode[0].engine.records[-1], group.decode[1].engine.records[-1]
+    assert all(r.body["kv_transfer_params"]["remote_engine_id"] == "restarted-engine" for r in last)
+    _settled(group, gw)
