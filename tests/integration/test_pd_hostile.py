@@ -8,6 +8,7 @@ import re
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
@@ -362,4 +363,44 @@ def test_a_restarted_mooncake_prefill_engine_is_found_again(start_sim: StartSim,
         assert answer.status_code == 200, answer.text
     last = group.decode[0].engine.records[-1], group.decode[1].engine.records[-1]
     assert all(r.body["kv_transfer_params"]["remote_engine_id"] == "restarted-engine" for r in last)
+    _settled(group, gw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_both_legs_too_slow_for_the_first_byte_budget(start_sim: StartSim, start_gateway: StartGateway,
+                                                      mode: str) -> None:
+    """Both legs slower than the stream's first-content budget: an OpenAI error (no hang, the
+    client's timeout is never reached), every leg ended."""
+    group = pd_group(start_sim, mode, ttft_s=2.0)
+    gw = start_gateway([group.pool(spillover=False)], max_attempts=1,
+                       timeouts={"first_byte_base": 0.3, "first_byte_per_1k_tokens": 0, "response_header": 0.3})
+    answer = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    assert answer.status_code in (502, 503, 504), answer.text
+    assert set(answer.json()["error"]) >= {"message", "type", "param", "code"}
+    _settled(group, gw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_requests_queued_in_a_pd_pool_a_reload_removes_get_a_503(start_sim: StartSim, start_gateway: StartGateway,
+                                                                 mode: str) -> None:
+    """The PD pool takes one request at a time; two more wait in its queue when a reload replaces it:
+    woken when the first ends, they get an OpenAI-style 503, not a crash; no leg is left running."""
+    group = pd_group(start_sim, mode, ttft_s=0.6)
+    other = start_sim("vllm")
+    gw = start_gateway([group.pool(max_in_flight=1, queue_timeout=30)])
+    with ThreadPoolExecutor(3) as pool_of_clients:
+        sends = [pool_of_clients.submit(httpx.post, gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+                 for _ in range(3)]
+        deadline = time.monotonic() + 5
+        while gw.metric('kimi_gateway_estimated_prompt_tokens_count{method="bytes",pool="pd"}') < 3:
+            assert time.monotonic() < deadline, "the requests were not all routed"
+            time.sleep(0.02)
+        assert not any(s.done() for s in sends)
+        _reload(gw, [pool("q", "vllm", [other.url], 131072)])
+        answers = [s.result(timeout=10) for s in sends]
+    assert sorted(a.status_code for a in answers) == [200, 503, 503], [a.text for a in answers]
+    for answer in answers:
+        if answer.status_code == 503:
+            assert "removed by a reload" in answer.json()["error"]["message"]
+    assert len(group.prefill[0].engine.records) == 1
     _settled(group, gw)
