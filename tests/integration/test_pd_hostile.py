@@ -408,3 +408,19 @@ def test_requests_queued_in_a_pd_pool_a_reload_removes_get_a_503(start_sim: Star
             assert "removed by a reload" in answer.json()["error"]["message"]
     assert len(group.prefill[0].engine.records) == 1
     _settled(group, gw)
+
+
+@pytest.mark.parametrize(("prompt", "rooms"), [([[11, 12, 13], [14, 15]], 2), ([11, 12, 13], None), (["one"], 1)])
+def test_sglang_rooms_for_token_prompts(start_sim: StartSim, start_gateway: StartGateway, prompt: list[object],
+                                        rooms: int | None) -> None:
+    """A list of token lists is a batch (one room each); one token list is one prompt (one room)."""
+    group = pd_group(start_sim, "sglang")
+    gw = start_gateway([group.pool()])
+    answer = httpx.post(gw.v1 + "/completions", json={"model": "kimi-k3", "prompt": prompt, "max_tokens": 2},
+                        timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"]) == (rooms or 1)
+    (d_rec,) = group.decode[0].engine.records
+    room = d_rec.body["bootstrap_room"]
+    assert (len(room) if isinstance(room, list) else None) == rooms
+    _settled(group, gw)
