@@ -424,3 +424,18 @@ def test_sglang_rooms_for_token_prompts(start_sim: StartSim, start_gateway: Star
     room = d_rec.body["bootstrap_room"]
     assert (len(room) if isinstance(room, list) else None) == rooms
     _settled(group, gw)
+
+
+def test_nixl_prefill_answer_without_kv_transfer_params_runs_the_decode_aggregated(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """A prefill answer with no kv_transfer_params (a worker without the NIXL connector) is passed on
+    as null, as vllm-router does: the decode worker prefills the prompt itself and the client gets
+    its answer."""
+    group = pd_group(start_sim, "vllm-nixl")
+    group.prefill[0].engine.set_faults(SimFaults(fail_status=200, fail_body='{"choices": []}'))
+    gw = start_gateway([group.pool()])
+    answer = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert answer.status_code == 200, answer.text
+    (d_rec,) = group.decode[0].engine.records
+    assert d_rec.body["kv_transfer_params"] is None and d_rec.completed
+    _settled(group, gw)
