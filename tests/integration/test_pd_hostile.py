@@ -120,7 +120,7 @@ def test_reload_aggregated_to_pd_and_back_while_streams_flow(start_sim: StartSim
     group = pd_group(start_sim, mode, tpot_s=0.02)
     agg_pool = pool("p", ENGINE[mode], [aggregated.url], 131072)
     gw = start_gateway([agg_pool])
-    stream_body = {**CHAT, "stream": True, "max_tokens": 20}
+    stream_body = {**CHAT, "stream": True, "max_tokens": 10}
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=stream_body, timeout=10) as first:
         assert first.status_code == 200
         chunks = first.iter_bytes()
@@ -389,7 +389,7 @@ def test_requests_queued_in_a_pd_pool_a_reload_removes_get_a_503(start_sim: Star
                                                                  mode: str) -> None:
     """The PD pool takes one request at a time; two more wait in its queue when a reload replaces it:
     woken when the first ends, they get an OpenAI-style 503, not a crash; no leg is left running."""
-    group = pd_group(start_sim, mode, ttft_s=0.6)
+    group = pd_group(start_sim, mode, ttft_s=0.4)
     other = start_sim("vllm")
     gw = start_gateway([group.pool(max_in_flight=1, queue_timeout=30)])
     with ThreadPoolExecutor(3) as pool_of_clients:
