@@ -265,8 +265,15 @@ class PdAttempt(SingleLeg):
             if not serve.done():  # our own task was cancelled (the client hung up): end the decode leg too
                 serve.cancel()
                 await asyncio.wait((serve,))
-        if isinstance(result, RelayResponse) and not leg.task.done():
-            leg.on_late_failure = lambda: self._abort_waiting_decode(result)
+        if isinstance(result, RelayResponse):
+            if not leg.task.done():
+                leg.on_late_failure = lambda: self._abort_waiting_decode(result)
+            elif leg.failure is not None:  # failed in the loop step that committed the stream: no
+                # late-failure call will come, so do now what it would do (else a decode with no
+                # content waits for KV until the engine's own timeout)
+                self._state.metrics.pd_leg_failures.labels(self.pool.name, "prefill", leg.failure.outcome).inc()
+                self._state.registry.request_failed(leg.worker, f"prefill leg: {leg.failure.detail}")
+                await self._abort_waiting_decode(result)
         return result
 
     async def _abort_waiting_decode(self, result: RelayResponse) -> None:
