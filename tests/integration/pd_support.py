@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from openai import OpenAI
+
 from tests.support import RunningSim
 
 StartSim = Callable[..., RunningSim]
@@ -46,3 +48,24 @@ def pd_group(start_sim: StartSim, mode: str, prefill: int = 1, decode: int = 1, 
         return start_sim(engine, pd_role=role, pd_protocol=mode, **fields)
 
     return PdGroup(mode, [start("prefill") for _ in range(prefill)], [start("decode") for _ in range(decode)])
+
+
+PROMPT = "Tell me about prefill and decode disaggregation, " * 8  # > 16 tokens: NIXL has blocks to pull
+
+
+def send(base_url: str, kind: str, stream: bool) -> str:
+    """One request with the OpenAI SDK (the peer and gateway wire tests send the same); returns the generated text."""
+    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=20)
+    if kind == "chat":
+        if stream:
+            chunks = client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": PROMPT}],
+                                                    max_tokens=4, stream=True, stream_options={"include_usage": True})
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        reply = client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": PROMPT}],
+                                               max_tokens=4)
+        return reply.choices[0].message.content or ""
+    if stream:
+        parts = client.completions.create(model="kimi-k3", prompt=PROMPT, max_tokens=4, stream=True,
+                                          stream_options={"include_usage": True})
+        return "".join(c.choices[0].text for c in parts if c.choices)
+    return client.completions.create(model="kimi-k3", prompt=PROMPT, max_tokens=4).choices[0].text

@@ -27,12 +27,11 @@ from openai import OpenAI
 
 from gateway.sim.pd_wire import pd_wire_constants, pd_wire_shape
 from gateway.sim.tokens import output_text
-from tests.integration.pd_support import StartSim, pd_group
+from tests.integration.pd_support import StartSim, pd_group, send
 from tests.support import RunningGateway
 
 StartGateway = Callable[..., RunningGateway]
 SHAPES = json.loads((Path(__file__).parent / "sim" / "pd_wire_shapes.json").read_text())
-PROMPT = "Tell me about prefill and decode disaggregation, " * 8  # as the peer test: > 16 tokens, NIXL pulls blocks
 CASES = [(kind, stream) for kind in ("chat", "text") for stream in (False, True)]
 VLLM_PREFILL_REWRITES = ("body.stream", "body.max_tokens", "body.stream_options")
 KNOWN_DIFFERENCES = {"body.min_tokens"}
@@ -50,24 +49,6 @@ def protocol_paths(mode: str, leg: str, shape: dict[str, Any]) -> dict[str, Any]
         return mode != "sglang" and leg == "prefill" and path in VLLM_PREFILL_REWRITES
 
     return {path: value for path, value in shape.items() if wanted(path)}
-
-
-def send(base_url: str, kind: str, stream: bool) -> str:
-    """One request with the OpenAI SDK (as the peer test sends it); returns the generated text."""
-    client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=20)
-    if kind == "chat":
-        if stream:
-            chunks = client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": PROMPT}],
-                                                    max_tokens=4, stream=True, stream_options={"include_usage": True})
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        reply = client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": PROMPT}],
-                                               max_tokens=4)
-        return reply.choices[0].message.content or ""
-    if stream:
-        parts = client.completions.create(model="kimi-k3", prompt=PROMPT, max_tokens=4, stream=True,
-                                          stream_options={"include_usage": True})
-        return "".join(c.choices[0].text for c in parts if c.choices)
-    return client.completions.create(model="kimi-k3", prompt=PROMPT, max_tokens=4).choices[0].text
 
 
 @pytest.mark.parametrize("mode", ["sglang", "vllm-nixl", "vllm-mooncake"])

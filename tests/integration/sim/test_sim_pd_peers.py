@@ -30,16 +30,15 @@ from typing import Any
 
 import httpx
 import pytest
-from openai import OpenAI
 
 from gateway.server import ThreadedServer
 from gateway.sim import SimConfig, sim_server
 from gateway.sim.pd_wire import pd_wire_constants, pd_wire_shape
 from gateway.sim.tokens import output_text
+from tests.integration.pd_support import send
 from tests.support import free_port
 
 SHAPES_FILE = Path(__file__).with_name("pd_wire_shapes.json")
-PROMPT = "Tell me about prefill and decode disaggregation, " * 8  # > 16 tokens: NIXL has blocks to pull
 CASES = [(kind, stream) for kind in ("chat", "text") for stream in (False, True)]
 
 
@@ -127,25 +126,6 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     running.decode.stop()
 
 
-def _send(pair: PeerPair, kind: str, stream: bool) -> str:
-    """One request through the router with the OpenAI SDK; returns the generated text."""
-    client = OpenAI(base_url=pair.router_url + "/v1", api_key="unused", max_retries=0, timeout=20)
-    if kind == "chat":
-        if stream:
-            chunks = client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": PROMPT}],
-                                                    max_tokens=4, stream=True,
-                                                    stream_options={"include_usage": True})
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        reply = client.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": PROMPT}],
-                                               max_tokens=4)
-        return reply.choices[0].message.content or ""
-    if stream:
-        parts = client.completions.create(model="kimi-k3", prompt=PROMPT, max_tokens=4, stream=True,
-                                          stream_options={"include_usage": True})
-        return "".join(c.choices[0].text for c in parts if c.choices)
-    return client.completions.create(model="kimi-k3", prompt=PROMPT, max_tokens=4).choices[0].text
-
-
 def _records(server: ThreadedServer) -> list[Any]:
     return server.app.engine.records  # type: ignore[attr-defined, no-any-return]
 
@@ -158,7 +138,7 @@ def _reference() -> dict[str, Any]:
 def test_peer_router_traffic_is_accepted_and_matches_the_protocol(pair: PeerPair, kind: str, stream: bool) -> None:
     for server in (pair.prefill, pair.decode):
         server.app.engine.clear_records()  # type: ignore[attr-defined]
-    text = _send(pair, kind, stream)
+    text = send(pair.router_url + "/v1", kind, stream)
     assert text.split() == output_text(4).split()  # the 4 tokens of the decode worker
 
     decode_done = pair.decode.app.engine.wait_for(  # type: ignore[attr-defined]
