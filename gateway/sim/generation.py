@@ -181,15 +181,7 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
     engine.update(record, stream=stream)
     responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None, bool(anthropic))
 
-    if faults.hang_before_headers or faults.black_hole:
-        engine.update(record, fault="black_hole" if faults.black_hole else "hang_before_headers")
-        await watch.until_disconnected()
-    if fail:
-        await _fail(engine, record, responder, faults)
-        return
-    error = dialect.check_model(body.get("model"), engine.config.served_model_names)
-    if error is not None:
-        await responder.reply(error)
+    if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
         return
     if faults.null_max_tokens_500 and kind == "text" and "max_tokens" in body and body["max_tokens"] is None:
         engine.update(record, fault="null_max_tokens_500")
@@ -225,6 +217,24 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
             plan = replace(plan, output_tokens=min(plan.output_tokens, 1))
         plan = replace(plan, leg=leg)
     await _run_admitted(engine, plan, record, responder, watch, faults)
+
+
+async def _refused_up_front(engine: SimEngine, record: SimRequestRecord, responder: _Responder,
+                            watch: DisconnectWatch, faults: SimFaults, fail: bool, model: Any) -> bool:
+    """The steps every generation API takes before reading its request: a hang or black-hole fault
+    waits for the client to leave, a `fail_status` fault answers its error, and an unknown model
+    gets the engine's 404. True when the request was answered (or abandoned) here."""
+    if faults.hang_before_headers or faults.black_hole:
+        engine.update(record, fault="black_hole" if faults.black_hole else "hang_before_headers")
+        await watch.until_disconnected()
+    if fail:
+        await _fail(engine, record, responder, faults)
+        return True
+    error = engine.dialect.check_model(model, engine.config.served_model_names)
+    if error is not None:
+        await responder.reply(error)
+        return True
+    return False
 
 
 async def _fail(engine: SimEngine, record: SimRequestRecord, responder: _Responder, faults: SimFaults) -> None:

@@ -55,7 +55,7 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
-from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _fail, _Responder
+from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _refused_up_front, _Responder
 from gateway.sim.tokens import PromptError, chat_prompt_tokens, output_token
 from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
@@ -152,15 +152,7 @@ class ResponsesServer:
             return
         faults, fail = engine.effective_faults(override)
         responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None)
-        if faults.hang_before_headers or faults.black_hole:
-            engine.update(record, fault="black_hole" if faults.black_hole else "hang_before_headers")
-            await watch.until_disconnected()
-        if fail:
-            await _fail(engine, record, responder, faults)
-            return
-        error = dialect.check_model(body.get("model"), engine.config.served_model_names)
-        if error is not None:
-            await responder.reply(error)
+        if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
             return
         limit = body.get("max_output_tokens")
         if limit is not None and (type(limit) is not int or limit < 1):
