@@ -163,9 +163,8 @@ class Status(BaseModel):
     recent: RecentTraffic
 
 
-class ChatCompletion(BaseModel):
-    """A non-streamed chat completion as the engine answers it (relayed unchanged; the fields every
-    OpenAI-compatible engine sends: https://platform.openai.com/docs/api-reference/chat/object)."""
+class _EngineCompletion(BaseModel):
+    """The fields every OpenAI-compatible engine sends in a non-streamed completion (relayed unchanged)."""
 
     id: str
     object: str
@@ -175,16 +174,14 @@ class ChatCompletion(BaseModel):
     usage: dict[str, Any] | None = None
 
 
-class Completion(BaseModel):
-    """A non-streamed (legacy) completion as the engine answers it, relayed unchanged
+class ChatCompletion(_EngineCompletion):
+    """A non-streamed chat completion as the engine answers it
+    (https://platform.openai.com/docs/api-reference/chat/object)."""
+
+
+class Completion(_EngineCompletion):
+    """A non-streamed (legacy) completion as the engine answers it
     (https://platform.openai.com/docs/api-reference/completions/object)."""
-
-    id: str
-    object: str
-    created: int
-    model: str
-    choices: list[dict[str, Any]]
-    usage: dict[str, Any] | None = None
 
 
 class AnthropicErrorObject(BaseModel):
