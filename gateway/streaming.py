@@ -476,7 +476,7 @@ class UpstreamStream:
         self._holding = holding
         self._record = record
         self._closed = False
-        self.tap = SSETap()
+        self.tap = SSETap(record.api)
         self.sse = response.headers.get("content-type", "").startswith("text/event-stream")
         self._strip_usage = strip_usage and self.sse  # the usage patch's second half (backends/patches.py)
 

@@ -34,11 +34,18 @@ class SSETap:
     `on_response_id`, when set, is called once with the id of a Responses stream's `response.created`.
     `failed`: the engine sent an `event: error` (Anthropic's, the Responses API's): it ended the
     stream with its own reason, which the relay passes on instead of adding one.
+
+    `api` (the request's: "chat", "completions", "messages", "responses", ...) picks the scans a
+    chunk gets: a chat stream is searched for `[DONE]` and usage only; the typed streams (Messages,
+    Responses) also for their end event and `event: error`.
     """
 
-    __slots__ = ("_anthropic", "_carry", "done", "events", "failed", "on_response_id", "usage")
+    __slots__ = ("_anthropic", "_carry", "_messages", "_responses", "done", "events", "failed", "on_response_id",
+                 "usage")
 
-    def __init__(self) -> None:
+    def __init__(self, api: str = "chat") -> None:
+        self._messages = api == "messages"
+        self._responses = api == "responses"
         self.events = 0
         self.done = False
         self.failed = False
@@ -62,13 +69,10 @@ class SSETap:
         starts_with_data = lines.startswith(b"data:")
         self.events += lines.count(b"\ndata:") + starts_with_data
         if not self.done and (b"\ndata: [DONE]" in lines or b"\ndata:[DONE]" in lines
-                              or lines.startswith((b"data: [DONE]", b"data:[DONE]"))
-                              or b"\nevent: message_stop" in lines or lines.startswith(b"event: message_stop")):
+                              or lines.startswith((b"data: [DONE]", b"data:[DONE]"))):
             self.done = True
-        if not self.done and b'"type":"response.' in lines and any(marker in lines for marker in _TERMINAL):
-            self.done = True
-        if not self.failed and b"error" in lines and _ERROR_EVENT.search(lines) is not None:
-            self.failed = True
+        if self._messages or self._responses:
+            self._typed_events(lines)
         if self.on_response_id is not None and b'"response.created"' in lines:
             self._response_created(lines)
         if b'"usage":{' in lines or b'"usage": {' in lines:
@@ -81,6 +85,15 @@ class SSETap:
         if self._carry:
             carry, self._carry = self._carry, b""
             self.feed(carry + b"\n")
+
+    def _typed_events(self, lines: bytes) -> None:
+        """The end and error events of the typed streams (Anthropic's, the Responses API's)."""
+        if not self.done and (
+                (self._messages and (b"\nevent: message_stop" in lines or lines.startswith(b"event: message_stop")))
+                or (self._responses and b'"type":"response.' in lines and any(m in lines for m in _TERMINAL))):
+            self.done = True
+        if not self.failed and b"error" in lines and _ERROR_EVENT.search(lines) is not None:
+            self.failed = True
 
     def _usage_line(self, line: bytes) -> None:
         try:

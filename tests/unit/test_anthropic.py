@@ -183,7 +183,7 @@ def test_held_start_knows_anthropic_events() -> None:
 
 
 def test_tap_merges_anthropic_usage_and_sees_message_stop() -> None:
-    tap = SSETap()
+    tap = SSETap("messages")
     stream = b"\n\n".join([
         sse("message_start", {"message": {"id": "m", "usage": {"input_tokens": 2, "cache_read_input_tokens": 16,
                                                                "output_tokens": 0}}}),

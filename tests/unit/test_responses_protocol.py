@@ -116,7 +116,7 @@ STREAM = b"".join(e + b"\n\n" for e in (
 
 @pytest.mark.parametrize("size", [1, 5, 64, len(STREAM)])
 def test_tap_ends_on_the_terminal_event_and_reads_the_nested_usage(size: int) -> None:
-    tap = SSETap()
+    tap = SSETap("responses")
     seen: list[str] = []
     tap.on_response_id = seen.append
     last = STREAM.rindex(b"event: response.completed")

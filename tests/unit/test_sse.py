@@ -80,7 +80,7 @@ def test_end_reads_a_last_line_without_a_newline() -> None:
     ([b"event: errors\ndata: {}\n\n"], False),
 ])
 def test_tap_sees_an_engines_error_event(chunks: list[bytes], failed: bool) -> None:
-    tap = SSETap()
+    tap = SSETap("messages")
     for chunk in chunks:
         tap.feed(chunk)
     assert tap.failed is failed
