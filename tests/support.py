@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,17 @@ class RunningGateway:
         state = self.server.app.state.gateway
         assert state is not None and state.affinity is not None, "the gateway is not running with affinity"
         self.server.call(state.affinity.flush())
+
+    def wait_for_metric(self, prefix: str, expected: Callable[[float], bool], timeout: float = 5.0) -> float:
+        """Poll `metric(prefix)` until `expected(value)` holds and return the value; AssertionError with the
+        last value after `timeout` seconds. A request is accounted (requests, tokens) as its handler ends,
+        just after the client got its last byte and the upstream lease was released, so neither the
+        client's return nor `wait_until_idle` orders a test after that accounting."""
+        deadline = time.monotonic() + timeout
+        while not expected(value := self.metric(prefix)):
+            assert time.monotonic() < deadline, f"{prefix} stayed at {value}"
+            time.sleep(0.02)
+        return value
 
     def wait_until_idle(self, timeout: float = 5.0) -> None:
         """Wait until no upstream lease is open (`kimi_gateway_in_flight` sums to 0); AssertionError after

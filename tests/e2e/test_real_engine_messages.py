@@ -36,9 +36,8 @@ def test_messages_streamed_and_not(gateway: RunningGateway) -> None:
     assert len(pieces) >= 2 and "".join(pieces) == final.content[0].text  # type: ignore[union-attr]
     assert final.stop_reason in ("max_tokens", "end_turn")
     # Counted by the gateway from llama.cpp's usage (message_start's input, message_delta's output).
-    gateway.wait_until_idle()
-    assert gateway.metric('kimi_gateway_tokens_total{kind="completion",pool="cpu-2k"}') == (
-        message.usage.output_tokens + final.usage.output_tokens)
+    expected = message.usage.output_tokens + final.usage.output_tokens
+    gateway.wait_for_metric('kimi_gateway_tokens_total{kind="completion",pool="cpu-2k"}', lambda n: n == expected)
 
 
 def test_count_tokens_and_the_chat_twin_share_the_engines_cache(gateway: RunningGateway) -> None:

@@ -88,7 +88,8 @@ def test_real_engine_tokens_are_counted_for_a_client_that_did_not_ask_for_usage(
     chunks = list(client.chat.completions.create(model="Kimi-K3", messages=[{"role": "user", "content": "Hi!"}],
                                                  max_tokens=6, stream=True))
     assert chunks and all(c.choices and c.usage is None for c in chunks)
-    counted = gateway.metric('kimi_gateway_tokens_total{kind="completion",pool="cpu-2k"}') - before
+    counted = gateway.wait_for_metric('kimi_gateway_tokens_total{kind="completion",pool="cpu-2k"}',
+                                      lambda total: total > before) - before
     assert 1 <= counted <= 6  # 6 unless the model ended its answer sooner
 
 

@@ -97,9 +97,7 @@ def test_messages_stream_helper_and_tokens_are_counted(one_pool: tuple[RunningGa
         final = stream.get_final_message()
     assert len(pieces) == 4 and final.content[0].text == "".join(pieces)  # type: ignore[union-attr]
     # The gateway accounts the stream by Anthropic's usage (message_start + message_delta).
-    gw.wait_until_idle()
-    counted = gw.metric('kimi_gateway_tokens_total{kind="completion",pool="vllm-128k"}') - before
-    assert counted == 4
+    gw.wait_for_metric('kimi_gateway_tokens_total{kind="completion",pool="vllm-128k"}', lambda n: n - before == 4)
     prompt = gw.metric('kimi_gateway_tokens_total{kind="prompt",pool="vllm-128k"}')
     assert prompt == sim.engine.records[-1].prompt_tokens
 
@@ -139,8 +137,7 @@ def test_anthropic_stream_relayed_byte_for_byte(start_sim: StartSim, start_gatew
         received = b"".join(response.iter_raw())
         assert response.headers["content-type"].startswith("text/event-stream")
     assert received == b"".join(chunks)  # no error event appended: message_stop ended it
-    gw.wait_until_idle()
-    assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 2
+    gw.wait_for_metric('kimi_gateway_tokens_total{kind="completion",pool="p"}', lambda n: n == 2)
     assert gw.metric('kimi_gateway_tokens_total{kind="prompt",pool="p"}') == 3
 
 

@@ -111,8 +111,7 @@ def test_a_stream_cut_by_the_cap_counts_as_a_server_error(start_sim: StartSim, s
     with httpx.stream("POST", gw.v1 + "/chat/completions",
                       json={"model": "kimi-k3", "messages": MESSAGES, "max_tokens": 100, "stream": True}) as r:
         assert r.status_code == 200 and b"request_timeout" in b"".join(r.iter_raw())
-    gw.wait_until_idle()
-    assert gw.metric('kimi_gateway_requests_total{api="chat",pool="p",status_class="5xx"}') == 1
+    gw.wait_for_metric('kimi_gateway_requests_total{api="chat",pool="p",status_class="5xx"}', lambda n: n == 1)
     assert gw.metric('kimi_gateway_worker_ejections_total') == 0
 
 
