@@ -335,7 +335,8 @@ async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequ
                    leg: PdLeg | None = None, record: SimRequestRecord | None = None) -> None:
     """Sleep for the modelled time to first token, then cache the prompt's blocks. A PD leg
     first waits for its hand-over; KV received from a prefill worker is not computed again. A
-    `StepRequest` waits `ttft_s` (the API server's share), then for the scheduler's prefill."""
+    `StepRequest` waits `ttft_s` (the API server's share), then for the scheduler's prefill; its PD
+    transfer happens before admission, so it does not subtract this worker's own prefix cache."""
     if isinstance(active, StepRequest):
         await watch.sleep(engine.config.ttft_s)
         remote = await leg.before_prefill(watch, active) if leg is not None else 0

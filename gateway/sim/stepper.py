@@ -45,6 +45,10 @@ Default constants (`SimConfig` fields; "~100B-active MoE on one 8-GPU H100/H200-
   8xH200 SGLang measurements show 39-46 ms TPOT on a generation-heavy load. A 20 ms base plus
   0.1 ms per running sequence gives ~46 ms at a batch of 256 (vLLM's old default `max_num_seqs`).
 
+Steps follow an engine-time schedule: each one ends its duration after the previous one's end, so
+a late wake-up of the event loop (a busy machine running 8 workers at 20x) is made up by the next
+sleeps (up to `MAX_LAG_S`) instead of slowing the simulated engine down.
+
 Units: tokens, seconds. Not thread-safe by itself: every method but the loop is called under the
 owning engine's lock, and the loop takes that lock around each planning and completion.
 """
@@ -65,6 +69,8 @@ DEFAULT_CHUNK_TOKENS = 8192
 DEFAULT_PREFILL_TOKENS_PER_S = 20_000.0
 DEFAULT_DECODE_STEP_S = 0.020
 DEFAULT_DECODE_S_PER_SEQ = 0.0001
+MAX_LAG_S = 0.5
+"""How far (seconds) the step loop may run behind its engine-time schedule and still catch up."""
 
 
 @dataclass(eq=False)
@@ -205,6 +211,8 @@ class StepScheduler:
     # --- the loop ------------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        clock = loop.time()  # when the previous step ended, in engine time
         while True:
             with self._lock:
                 step = self._plan()
@@ -212,8 +220,12 @@ class StepScheduler:
                     self._wake.clear()
             if step is None:
                 await self._wake.wait()
+                clock = loop.time()
                 continue
-            await asyncio.sleep(step.seconds)
+            # Steps run back to back in engine time: a late wake-up (a busy machine) shortens the
+            # next sleep instead of stretching every step, up to `MAX_LAG_S` of debt.
+            clock = max(clock, loop.time() - MAX_LAG_S) + step.seconds
+            await asyncio.sleep(max(0.0, clock - loop.time()))
             with self._lock:
                 self._complete(step)
                 self.steps_run += 1
