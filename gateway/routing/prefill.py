@@ -73,7 +73,9 @@ class PrefillModel:
 
     def rate(self, state: WorkerPrefill, now: float) -> float:
         """The worker's prefill rate at `now` (tokens/s), within [min_rate, max_rate]."""
-        decay = math.exp(-self.per_second * (now - state.at)) if state.seconds else 0.0
+        if not state.seconds:
+            return self.prior_rate
+        decay = math.exp(-self.per_second * (now - state.at))
         rate = (state.tokens * decay + self.prior_tokens) / (state.seconds * decay + self.prior_seconds)
         return min(max(rate, self.min_rate), self.max_rate)
 
