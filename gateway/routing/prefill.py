@@ -25,6 +25,13 @@ clamped to [min_rate, max_rate]. A ratio of sums weighs long prefills most (a sh
 fixed latency); the decay lets it follow a worker that slows down, and brings a worker that gets
 no traffic back to the prior, so a worker once measured slow is tried again. State: five floats
 per worker, dropped when the worker leaves its pool (`worker_gone`); no history is kept.
+
+Assumed engine: one prefill rate shared by its queue, served first come first served (vLLM's
+FCFS scheduler with chunked prefill; SGLang's default longest-prefix-first order reorders it).
+Decoding requests are not costed: their share of the engine's steps shows in the learned rate.
+An engine that prefills requests side by side at a per-request speed (the replay simulator's
+`max_num_seqs` slots before issue 14) breaks the model: work ahead does not delay a request
+there, so its samples read faster the more is queued, and traffic herds onto such a worker.
 """
 
 from __future__ import annotations
