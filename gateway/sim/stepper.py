@@ -26,6 +26,12 @@ one waits for the long one's remaining chunks (its TTFT ~ remaining long tokens 
 Decode time per token grows with the batch, and a prefill chunk in the batch stretches the decode
 steps that share it (the ITL cost of chunked prefill).
 
+Simplifications: both engines are modelled with vLLM's mixed prefill + decode batches and FCFS
+order. SGLang by default runs prefill batches and decode batches separately (mixing is opt-in,
+`--enable-mixed-chunk`) and orders its queue by longest prefix match (`--schedule-policy lpm`);
+KV blocks are taken for the whole prompt at admission (vLLM allocates them chunk by chunk, SGLang
+also reserves the prompt up front); no watermark, swap or CPU offload.
+
 Default constants (`SimConfig` fields; "~100B-active MoE on one 8-GPU H100/H200-class node"):
 
 - `chunk_tokens` 8,192 (`DEFAULT_CHUNK_TOKENS`): vLLM's `max_num_batched_tokens` default for the
@@ -161,6 +167,7 @@ class StepScheduler:
 
     @property
     def waiting_count(self) -> int:
+        """Requests queued (never admitted, or preempted and not yet readmitted)."""
         return len(self._waiting)
 
     def step_seconds(self, decode_seqs: int, prefill_tokens: int = 0) -> float:
@@ -170,6 +177,7 @@ class StepScheduler:
                 + prefill_tokens / self.prefill_tokens_per_s)
 
     def reset_peaks(self) -> None:
+        """Restart `peak_running` / `peak_waiting` from the present counts."""
         self.peak_running = len(self._running)
         self.peak_waiting = len(self._waiting)
 
