@@ -113,7 +113,8 @@ async def test_short_prompt_behind_a_long_one_waits_for_its_remaining_chunks() -
     long_ttft, _, _ = await long_task
     own = 404 / 40_960
     assert own <= short_alone <= own + SLACK
-    assert 2 * 0.1 + own <= short <= 0.1 + 2 * 0.1 + own + SLACK
+    # (the lower bound allows for a stalled loop catching up on step 2 after the short one arrived)
+    assert 0.1 + own <= short <= 0.1 + 2 * 0.1 + own + SLACK
     assert 0.4 <= long_ttft <= 0.4 + SLACK  # the long prompt did not wait for the short one
 
 
