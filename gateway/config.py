@@ -128,6 +128,15 @@ class TtftCostParams(_Strict):
     tie_tolerance: float = Field(
         default=0.1, ge=0, description="predicted TTFTs within this fraction of the lowest are equal; among them "
         "the longest cached prefix wins")
+    prefix_value: float = Field(
+        default=0.0, ge=0, description="the cache owner (longest match) keeps the request while its predicted "
+        "TTFT exceeds the lowest by less than this many times the owner's prefill time of the matched prefix "
+        "(plus `stay_s`): moving recomputes the prefix elsewhere and leaves the owner's copy unused")
+    stay_s: float = Field(default=0.0, ge=0, description="seconds of predicted TTFT the cache owner may exceed "
+                          "the lowest by and keep the request (with `prefix_value`)")
+    owner_min_tokens: int = Field(
+        default=1024, ge=0, description="tokens; a shorter longest match makes no cache owner for `stay_s` and "
+        "`prefix_value` (a system prompt shared by all must not pin traffic)")
     base_ttft_s: float = Field(
         default=0.0, ge=0, description="seconds of every TTFT that no prefill explains (network, scheduling, "
         "the first decode step), taken off each observation before the rate is fitted")

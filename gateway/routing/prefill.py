@@ -17,13 +17,18 @@ Prefill rate (tokens/s, `PrefillModel.rate`), learned online: a streamed request
 came T seconds after it was sent, with W0 tokens queued ahead of it and U uncached tokens of its
 own, says the worker prefilled W = W0 + U tokens in T - `base_ttft_s` seconds (the model
 TTFT ≈ base + (queued + uncached) / rate). The estimate is a ratio of time-decayed sums, with the
-prior as one pseudo-observation that never decays:
+pool's rate as one pseudo-observation that never decays:
 
-    rate = (Σ d·W + prior_tokens) / (Σ d·(T - base) + prior_tokens / prior_rate),  d = 2^(-age / half_life_s)
+    rate = (Σ d·W + prior_tokens) / (Σ d·(T - base) + prior_tokens / pool_rate),  d = 2^(-age / half_life_s)
+    pool_rate = (Σ_pool d·W + prior_tokens) / (Σ_pool d·(T - base) + prior_tokens / prior_rate)
 
-clamped to [min_rate, max_rate]. A ratio of sums weighs long prefills most (a short one is mostly
-fixed latency); the decay lets it follow a worker that slows down, and brings a worker that gets
-no traffic back to the prior, so a worker once measured slow is tried again. State: five floats
+clamped to [min_rate, max_rate], where Σ_pool sums the observations of every worker of the policy's
+pool. A ratio of sums weighs long prefills most (a short one is mostly fixed latency); the decay
+lets it follow a worker that slows down, and brings a worker that gets no traffic back to its
+pool's rate, so a worker once measured slow is tried again. (Back to the fixed `prior_rate`
+instead, a worker an order of magnitude faster than the prior looked slow as soon as its samples
+aged, got no more traffic and so no new samples: the replay's first live run left two of eight
+workers with 2-5 % of the prefill work.) State: five floats
 per worker, dropped when the worker leaves its pool (`worker_gone`); no history is kept.
 
 Assumed engine: one prefill rate shared by its queue, served first come first served (vLLM's
@@ -65,8 +70,8 @@ class PrefillModel:
     bounds, the decay and the fixed latency. Built once per policy instance; shared by the policy's
     candidates and its requests' observations."""
 
-    __slots__ = ("base_s", "max_rate", "min_rate", "per_second", "prior_rate", "prior_seconds", "prior_tokens",
-                 "request_tokens")
+    __slots__ = ("base_s", "max_rate", "min_rate", "per_second", "pool", "prior_rate", "prior_seconds",
+                 "prior_tokens", "request_tokens")
 
     def __init__(self, params: TtftCostParams) -> None:
         self.prior_rate = params.prior_rate
@@ -77,26 +82,41 @@ class PrefillModel:
         self.prior_seconds = params.prior_tokens / params.prior_rate
         self.request_tokens = params.request_tokens
         self.base_s = params.base_ttft_s
+        self.pool = WorkerPrefill()
+        """Every observation of the pool's workers, decayed alike: the prior each worker returns to."""
 
     def rate(self, state: WorkerPrefill, now: float) -> float:
-        """The worker's prefill rate at `now` (tokens/s), within [min_rate, max_rate]."""
+        """The worker's prefill rate at `now` (tokens/s), within [min_rate, max_rate]: its own decayed
+        observations plus `prior_tokens` of work at the pool's rate (`pool_rate`)."""
+        pool = self.pool_rate(now)
         if not state.seconds:
-            return self.prior_rate
+            return pool
         decay = math.exp(-self.per_second * (now - state.at))
-        rate = (state.tokens * decay + self.prior_tokens) / (state.seconds * decay + self.prior_seconds)
+        rate = (state.tokens * decay + self.prior_tokens) / (state.seconds * decay + self.prior_tokens / pool)
+        return min(max(rate, self.min_rate), self.max_rate)
+
+    def pool_rate(self, now: float) -> float:
+        """The rate of every observation in the pool together, with the fixed prior (`prior_rate`)
+        as the pseudo-observation (tokens/s, within [min_rate, max_rate])."""
+        pool = self.pool
+        if not pool.seconds:
+            return self.prior_rate
+        decay = math.exp(-self.per_second * (now - pool.at))
+        rate = (pool.tokens * decay + self.prior_tokens) / (pool.seconds * decay + self.prior_seconds)
         return min(max(rate, self.min_rate), self.max_rate)
 
     def observe(self, state: WorkerPrefill, work: float, seconds: float, now: float) -> None:
         """Fold in one observation: `work` tokens of prefill (queued ahead + the request's own
         uncached) took `seconds` to the first byte. Seconds not above `base_ttft_s` say nothing
-        about the rate and are skipped."""
+        about the rate and are skipped. The pool's state takes it too."""
         seconds -= self.base_s
         if seconds <= 0.0 or work < 0.0:
             return
-        decay = math.exp(-self.per_second * (now - state.at)) if state.seconds else 0.0
-        state.tokens = state.tokens * decay + work
-        state.seconds = state.seconds * decay + seconds
-        state.at = now
+        for target in (state, self.pool):
+            decay = math.exp(-self.per_second * (now - target.at)) if target.seconds else 0.0
+            target.tokens = target.tokens * decay + work
+            target.seconds = target.seconds * decay + seconds
+            target.at = now
 
 
 class PrefillTicket:

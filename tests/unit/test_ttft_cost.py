@@ -69,6 +69,26 @@ def test_ttft_cost_choices(candidates: list[Candidate], params: dict[str, object
     assert choice(candidates, params) == expected
 
 
+@pytest.mark.parametrize(("params", "expected"), [
+    pytest.param({"prefix_value": 0}, (1, "cost"), id="no hysteresis: 5.1 s on the owner vs 1 s elsewhere moves"),
+    pytest.param({"prefix_value": 4}, (1, "cost"),
+                 id="4 x the prefix's 0.9 s of prefill: 5.1 s is beyond 1 s + 3.6 s, it moves"),
+    pytest.param({"prefix_value": 5}, (0, "affinity"), id="5 x: within 1 s + 4.5 s, the owner keeps it"),
+    pytest.param({"prefix_value": 0, "stay_s": 4.2}, (0, "affinity"), id="4.2 s of stay: within"),
+    pytest.param({"prefix_value": 0, "stay_s": 4.0}, (1, "cost"), id="4.0 s of stay: beyond"),
+])
+def test_the_cache_owner_keeps_a_request_within_its_hysteresis(params: dict[str, object],
+                                                                 expected: tuple[int, str]) -> None:
+    assert choice([candidate(0, matched=9_000, queued=50_000), candidate(1)], params) == expected
+
+
+def test_a_match_below_owner_min_tokens_makes_no_owner() -> None:
+    # The shared 900 tokens would be any conversation's (a system prompt): no hysteresis for them.
+    cands = [candidate(0, matched=900, queued=20_000), candidate(1)]
+    assert choice(cands, {"stay_s": 100.0}) == (1, "cost")
+    assert choice(cands, {"stay_s": 100.0, "owner_min_tokens": 500}) == (0, "affinity")
+
+
 def test_idle_equal_workers_share_the_work_in_rotation() -> None:
     policy = build_policy("ttft_cost")
     candidates = [candidate(i) for i in range(3)]
@@ -151,22 +171,36 @@ def test_the_rate_follows_a_worker_that_slows_down() -> None:
 
 
 def test_the_rate_stays_within_its_bounds() -> None:
-    m = model(min_rate=500.0, max_rate=50_000.0, prior_rate=5_000.0)
+    bounds = {"min_rate": 500.0, "max_rate": 50_000.0, "prior_rate": 5_000.0}
+    m_fast, m_slow = model(**bounds), model(**bounds)
     fast, slow = WorkerPrefill(), WorkerPrefill()
-    now = feed(m, fast, 1e9, 0.0, 50)
-    feed(m, slow, 1.0, 0.0, 50)
-    assert m.rate(fast, now) == 50_000.0
-    assert m.rate(slow, now) == 500.0
+    now = feed(m_fast, fast, 1e9, 0.0, 50)
+    feed(m_slow, slow, 1.0, 0.0, 50)
+    assert m_fast.rate(fast, now) == 50_000.0 == m_fast.pool_rate(now)
+    assert m_slow.rate(slow, now) == 500.0 == m_slow.pool_rate(now)
 
 
-def test_an_unobserved_worker_decays_back_to_the_prior() -> None:
+def test_an_unobserved_worker_returns_to_its_pools_rate_not_the_prior() -> None:
+    # The prior (10,000 tokens/s) is 8x below the pool's engines: a worker whose samples aged must
+    # look like its pool again, or it would look slow, get no traffic and never be measured again.
+    m, quiet, busy = model(prior_rate=10_000.0, half_life_s=30.0), WorkerPrefill(), WorkerPrefill()
+    now = feed(m, quiet, 60_000.0, 0.0, 40)
+    measured_at = now
+    now = feed(m, busy, 80_000.0, now, 400, every=1.5)
+    assert m.rate(quiet, measured_at) == pytest.approx(60_000.0, rel=0.05)
+    pool = m.pool_rate(now)  # ~72,000: busy's 80,000 pulled a little toward the prior's pseudo-sample
+    assert 60_000.0 < pool < 80_000.0
+    assert m.rate(quiet, now) == pytest.approx(pool, rel=0.01)  # 600 s later: the pool's, not 10,000
+
+
+def test_an_unobserved_pool_decays_back_to_the_prior() -> None:
     m, state = model(prior_rate=10_000.0, half_life_s=30.0), WorkerPrefill()
     now = feed(m, state, 1_000.0, 0.0, 40)
     measured = m.rate(state, now)
     assert measured == pytest.approx(1_000.0, rel=0.05)
     later = [m.rate(state, now + t) for t in (30.0, 60.0, 120.0, 600.0)]
     assert measured < later[0] < later[1] < later[2] < later[3]  # steadily back toward the prior
-    assert later[3] == pytest.approx(10_000.0, rel=0.001)
+    assert later[3] == pytest.approx(10_000.0, rel=0.005)
 
 
 def test_observations_without_time_beyond_the_fixed_latency_are_skipped() -> None:
@@ -224,17 +258,24 @@ def test_a_released_lease_closes_its_ticket_and_a_gone_worker_is_forgotten() -> 
 
 def test_decide_feeds_the_estimate_and_a_sent_request_steers_the_next_one() -> None:
     policy, estimator = build_policy("ttft_cost"), PrefillEstimator()
-    assert policy.prefill_model is not None
+    model_ = policy.prefill_model
+    assert model_ is not None
     a, b = worker(0), worker(1)
-    # b measured slow just now: ~2,100 tokens/s (decide reads the rates at time.perf_counter())
-    policy.prefill_model.observe(estimator.of(b), 50_000.0, 25.0, time.perf_counter())
+    # a measured fast and b slow just now (decide reads the rates at time.perf_counter())
+    now = time.perf_counter()
+    model_.observe(estimator.of(a), 50_000.0, 1.0, now)
+    model_.observe(estimator.of(b), 50_000.0, 25.0, now)
+    rate_a, rate_b = model_.rate(estimator.of(a), now), model_.rate(estimator.of(b), now)
+    assert rate_a > 10 * rate_b
     first = decide(policy, REQUEST, [a, b], {}, estimator)
     assert first.worker is a
     ticket = prefill_ticket(estimator, policy, REQUEST, a, {})
     assert ticket is not None and estimator.of(a).pending == PROMPT
-    # 10,000 tokens queued on a (2 s at the 10,000 tokens/s prior) still beat 4.7 s on b...
+    # the queue that makes a as slow as b (b's wait for the prompt, at a's rate), less 10,000 tokens...
+    even = PROMPT / rate_b * rate_a - PROMPT
+    estimator.start(a, model_, even - 2 * PROMPT, observe=True, now=0.0)
     assert decide(policy, REQUEST, [a, b], {}, estimator).worker is a
-    estimator.start(a, policy.prefill_model, 50_000.0, observe=True, now=0.0)
-    # ...70,000 (7 s) do not
+    # ...and 10,000 more
+    estimator.start(a, model_, 2 * PROMPT, observe=True, now=0.0)
     assert decide(policy, REQUEST, [a, b], {}, estimator).worker is b
     assert prefill_ticket(estimator, build_policy("least_load"), REQUEST, a, {}) is None

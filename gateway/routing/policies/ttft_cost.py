@@ -1,4 +1,5 @@
-"""ttft_cost: the candidate with the lowest predicted time to first token.
+"""ttft_cost: the candidate with the lowest predicted time to first token, with a hysteresis that
+keeps a conversation on its cache owner.
 
 Algorithm: for each candidate, predicted TTFT (seconds) =
     (queued prefill tokens on the worker + the request's uncached tokens there) / the worker's prefill rate
@@ -6,17 +7,25 @@ where the uncached tokens are the estimated prompt tokens minus the prefix the w
 the affinity store (`matched_tokens`), the queued tokens are this replica's requests there still
 in prefill plus the other requests its engine reports, in tokens, and the rate (tokens/s) is
 learned per worker from observed TTFTs, bounded and decaying to a prior (both estimated in
-gateway/routing/prefill.py and handed in on each `Candidate` by the dispatch). The lowest
-prediction wins; predictions within `tie_tolerance` of it count as equal, and among those the
-longest cached prefix wins, then the least-loaded worker (ties rotate). So a cache owner keeps
-its prefix while the wait there costs less than recomputing the prefix elsewhere, and loses it to
-an idle worker when the recompute is cheaper. Reasons: `affinity` (the winner holds the longest
-prefix any candidate holds), `cost` (another holds a longer one, but waiting there would take
-longer), `no_match` (no candidate holds any).
+gateway/routing/prefill.py and handed in on each `Candidate` by the dispatch).
+
+1. Cache owner first: the candidate with the longest match (at least `owner_min_tokens`) keeps the
+   request while its prediction exceeds the lowest by no more than
+   `stay_s` + `prefix_value` x (its matched tokens / its rate), reason `affinity`. Moving a
+   conversation recomputes its prefix elsewhere (in this request's prediction) and also leaves the
+   owner's copy unused for its later turns and fills a second cache with it: on the trace replay,
+   moving whenever the prediction was lower cost a quarter of the hit ratio (0.18 vs 0.25), which the
+   later turns paid for in prefill work (loadtest/README.md, "TTFT-aware policy").
+2. Otherwise the lowest prediction wins; predictions within `tie_tolerance` of it count as equal,
+   and among those the longest cached prefix wins, then the least-loaded worker (ties rotate).
+   Reasons: `affinity` (the winner holds the longest prefix any candidate holds), `cost` (another
+   holds a longer one, but waiting there would take longer), `no_match` (no candidate holds any).
 
 Parameters (gateway/config.py `TtftCostParams`): `prior_rate` (tokens/s, default 10,000),
 `min_rate` / `max_rate` (tokens/s, 100 / 1,000,000), `half_life_s` (seconds, 30), `prior_tokens`
-(tokens, 4,096), `request_tokens` (tokens, 1,024), `tie_tolerance` (fraction, 0.1), `base_ttft_s`
+(tokens, 4,096), `request_tokens` (tokens, 1,024), `tie_tolerance` (fraction, 0.1),
+`prefix_value` (multiples of the owner's prefix prefill time, PREFIX_DEFAULT), `stay_s` (seconds, 0),
+`owner_min_tokens` (tokens, 1,024: a short shared system prompt makes no owner), `base_ttft_s`
 (seconds, 0).
 """
 
@@ -47,8 +56,16 @@ class TtftCostPolicy:
         return work / (candidate.prefill_rate or self.params.prior_rate)
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        p = self.params
         predicted = [self.predicted_ttft(request, c) for c in candidates]
-        limit = min(predicted) * (1.0 + self.params.tie_tolerance)
+        lowest = min(predicted)
+        owner = max(range(len(candidates)), key=lambda i: candidates[i].matched_tokens)
+        held = candidates[owner].matched_tokens
+        if held >= max(p.owner_min_tokens, 1):
+            keep = p.stay_s + p.prefix_value * held / (candidates[owner].prefill_rate or p.prior_rate)
+            if predicted[owner] <= lowest + keep:
+                return Decision(candidates[owner].worker, "affinity")
+        limit = lowest * (1.0 + p.tie_tolerance)
         best: list[Candidate] = []
         best_match = -1
         longest = 0
