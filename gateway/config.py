@@ -129,7 +129,7 @@ class TtftCostParams(_Strict):
         default=0.1, ge=0, description="predicted TTFTs within this fraction of the lowest are equal; among them "
         "the longest cached prefix wins")
     prefix_value: float = Field(
-        default=0.0, ge=0, description="the cache owner (longest match) keeps the request while its predicted "
+        default=20.0, ge=0, description="the cache owner (longest match) keeps the request while its predicted "
         "TTFT exceeds the lowest by less than this many times the owner's prefill time of the matched prefix "
         "(plus `stay_s`): moving recomputes the prefix elsewhere and leaves the owner's copy unused")
     stay_s: float = Field(default=0.0, ge=0, description="seconds of predicted TTFT the cache owner may exceed "

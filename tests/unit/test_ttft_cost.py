@@ -51,8 +51,10 @@ def choice(candidates: list[Candidate], params: dict[str, object] | None = None)
                  id="...and the other way round: 1.5 s vs 2 s"),
     pytest.param([candidate(0, queued=3_000), candidate(1, queued=3_000, matched=8_000)], {}, (1, "affinity"),
                  id="equal queues: the long cache match wins"),
-    pytest.param([candidate(0, matched=9_000, queued=50_000), candidate(1)], {}, (1, "cost"),
+    pytest.param([candidate(0, matched=9_000, queued=50_000), candidate(1)], {"prefix_value": 0}, (1, "cost"),
                  id="a heavily queued cache owner loses to an idle worker: 5.1 s of wait vs 1 s of recompute"),
+    pytest.param([candidate(0, matched=9_000, queued=200_000), candidate(1)], {}, (1, "cost"),
+                 id="by default once the extra wait passes 20 x the prefix's prefill: 20.1 s vs 1 s + 18 s"),
     pytest.param([candidate(0, matched=9_000, queued=5_000), candidate(1)], {}, (0, "affinity"),
                  id="a lightly queued cache owner keeps its prefix: 0.6 s vs 1 s"),
     pytest.param([candidate(0, matched=500), candidate(1, rate=11_000)], {}, (0, "affinity"),
@@ -99,7 +101,7 @@ def test_a_hot_prefix_moves_on_once_its_owners_queue_outweighs_the_recompute() -
     # Every request shares 9,000 of its 10,000 tokens with w0's cache; each request sent adds its
     # uncached tokens to its worker's queue (nothing finishes). w0 takes requests while its queue
     # costs less than recomputing the 9,000 tokens elsewhere; then the others get them too.
-    policy = build_policy("ttft_cost")
+    policy = build_policy("ttft_cost", {"prefix_value": 0})
     queued = [0.0, 0.0, 0.0]
     sent = Counter[int]()
     for _ in range(30):

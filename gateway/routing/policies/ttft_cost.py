@@ -24,7 +24,7 @@ gateway/routing/prefill.py and handed in on each `Candidate` by the dispatch).
 Parameters (gateway/config.py `TtftCostParams`): `prior_rate` (tokens/s, default 10,000),
 `min_rate` / `max_rate` (tokens/s, 100 / 1,000,000), `half_life_s` (seconds, 30), `prior_tokens`
 (tokens, 4,096), `request_tokens` (tokens, 1,024), `tie_tolerance` (fraction, 0.1),
-`prefix_value` (multiples of the owner's prefix prefill time, PREFIX_DEFAULT), `stay_s` (seconds, 0),
+`prefix_value` (multiples of the owner's prefix prefill time, 20), `stay_s` (seconds, 0),
 `owner_min_tokens` (tokens, 1,024: a short shared system prompt makes no owner), `base_ttft_s`
 (seconds, 0).
 """
