@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from loadtest.procs import (
 from loadtest.report import RunResult, markdown, summarize_run, write_results
 from loadtest.texts import DEFAULT_CACHE_BLOCKS, BlockTexts, prompt_bytes_for
 from loadtest.trace import ScheduledRequest, TraceSummary, read_trace, schedule, summarize
-from loadtest.workerstats import StatsReader
+from loadtest.workerstats import StatsReader, WorkerTotals
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = REPO.parent / "shared" / "data" / "traces" / "mooncake" / "conversation_trace.jsonl"
@@ -226,14 +226,18 @@ def peer_available() -> str | None:
 # --- processes ------------------------------------------------------------------------------------------
 
 
-def start_workers(group: ProcessGroup, s: Settings, prefill_tps: float | None) -> tuple[list[str], list[str]]:
-    """Start the worker host; returns the worker URLs and the SimConfig fields it had to drop."""
-    spec_path = group.log_dir / "workers-spec.json"
-    ports_path = group.log_dir / "workers-ports.json"
-    spec_path.write_text(json.dumps({"count": s.workers, "sim": sim_fields(s, prefill_tps)}), encoding="utf-8")
+def start_workers(group: ProcessGroup, s: Settings, prefill_tps: float | None, count: int | None = None,
+                  sim: dict[str, Any] | None = None, name: str = "workers") -> tuple[list[str], list[str]]:
+    """Start a worker host process `name` with `count` workers (default `s.workers`) of SimConfig
+    fields `sim` (default `sim_fields(s, prefill_tps)`); returns the worker URLs and the SimConfig
+    fields it had to drop."""
+    spec_path = group.log_dir / f"{name}-spec.json"
+    ports_path = group.log_dir / f"{name}-ports.json"
+    spec = {"count": s.workers if count is None else count, "sim": sim_fields(s, prefill_tps) if sim is None else sim}
+    spec_path.write_text(json.dumps(spec), encoding="utf-8")
     ports_path.unlink(missing_ok=True)
-    proc = group.spawn("workers", python_argv("loadtest.workers", "--spec", str(spec_path),
-                                              "--ports-file", str(ports_path)), env=child_env())
+    proc = group.spawn(name, python_argv("loadtest.workers", "--spec", str(spec_path),
+                                         "--ports-file", str(ports_path)), env=child_env())
     proc.wait_until(ports_path.exists, STARTUP_TIMEOUT_S, "listening")
     info = json.loads(ports_path.read_text(encoding="utf-8"))
     urls = [f"http://127.0.0.1:{port}" for port in info["ports"]]
@@ -245,8 +249,14 @@ def start_workers(group: ProcessGroup, s: Settings, prefill_tps: float | None) -
 def start_gateway(group: ProcessGroup, urls: list[str], policy: str, s: Settings) -> str:
     """Start `kimi-gateway serve` for one policy; returns its base URL once `/ready` answers 200."""
     port = free_port()
+    return launch_gateway(group, gateway_config(port, urls, policy, s.policy_params.get(policy), s.gateway_extra),
+                          port)
+
+
+def launch_gateway(group: ProcessGroup, config: dict[str, Any], port: int) -> str:
+    """Start `kimi-gateway serve` with `config` (listening on `port`); returns its base URL once
+    `/ready` answers 200."""
     path = group.log_dir / "gateway.yaml"
-    config = gateway_config(port, urls, policy, s.policy_params.get(policy), s.gateway_extra)
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     proc = group.spawn("gateway", python_argv("gateway.cli", "serve", "-c", str(path)), env=gateway_env())
     base = f"http://127.0.0.1:{port}"
@@ -270,21 +280,43 @@ def _router_lists_workers(count: int) -> Callable[[httpx.Response], bool]:
 def start_peer(group: ProcessGroup, urls: list[str], policy: str) -> str:
     """Start SGLang's router (`cache_aware` etc.) over the workers; returns its base URL once it
     lists every worker. Offline: no model or tokenizer path is given, `HF_HUB_OFFLINE=1`."""
+    return launch_router(group, ["--worker-urls", *urls, "--policy", policy], len(urls))
+
+
+def launch_router(group: ProcessGroup, worker_args: list[str], workers: int) -> str:
+    """Start `sglang_router.launch_router` with `worker_args` (its workers and policies) on a free
+    port; returns its base URL once it lists `workers` workers."""
     port, metrics_port = free_port(), free_port()
-    argv = python_argv("sglang_router.launch_router", "--worker-urls", *urls, "--policy", policy,
+    argv = python_argv("sglang_router.launch_router", *worker_args,
                        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn",
                        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port))
     proc: ManagedProcess = group.spawn("router", argv, env=child_env())
     base = f"http://127.0.0.1:{port}"
     proc.wait_http(base + "/readiness", STARTUP_TIMEOUT_S)
-    proc.wait_http(base + "/workers", STARTUP_TIMEOUT_S, accept=_router_lists_workers(len(urls)))
+    proc.wait_http(base + "/workers", STARTUP_TIMEOUT_S, accept=_router_lists_workers(workers))
     return base
 
 
 # --- one run --------------------------------------------------------------------------------------------
 
 
-async def replay_and_measure(base: str, urls: list[str], items: list[ScheduledRequest], texts: BlockTexts,
+@dataclass
+class Layout:
+    """What a run's processes offer the load generator: the URL to replay against, the workers
+    whose `/sim/stats` give the hit ratio and prefill spread, and (PD) other workers whose totals
+    `side_figures` turns into `RunResult.pd`."""
+
+    base: str
+    stats_urls: list[str]
+    side_urls: list[str] = field(default_factory=list)
+    side_figures: Callable[[list[WorkerTotals]], dict[str, Any]] | None = None
+
+
+LayoutStarter = Callable[[ProcessGroup], Layout]
+"""Starts a run's workers and router in the group (which stops them); raises ProcessError."""
+
+
+async def replay_and_measure(layout: Layout, items: list[ScheduledRequest], texts: BlockTexts,
                              s: Settings, name: str, kind: str) -> RunResult:
     """Reset the workers' counters, replay, read the counters, summarise."""
 
@@ -293,37 +325,56 @@ async def replay_and_measure(base: str, urls: list[str], items: list[ScheduledRe
         text = texts.prompt(req.hash_ids, prompt_bytes_for(req.input_length, SIM_MESSAGE_OVERHEAD_TOKENS))
         return chat_body(MODEL, text, item.max_tokens)
 
-    stats = StatsReader(urls)
+    stats, side = StatsReader(layout.stats_urls), StatsReader(layout.side_urls)
     await stats.start()
+    await side.start()
     options = LoadOptions(max_concurrency=s.max_concurrency, max_seconds=s.max_seconds,
                           drain_seconds=s.drain_seconds)
-    results, wall = await replay(base, items, build, options)
-    totals = await stats.finish()
-    return summarize_run(name, kind, results, totals, wall)
+    results, wall = await replay(layout.base, items, build, options)
+    run = summarize_run(name, kind, results, await stats.finish(), wall)
+    side_totals = await side.finish()
+    if layout.side_figures is not None:
+        run.pd = layout.side_figures(side_totals)
+    return run
+
+
+def note_dropped(name: str, dropped: list[str], notes: list[str]) -> None:
+    """Note (once) and print SimConfig fields a worker host could not apply."""
+    if not dropped:
+        return
+    note = (f"SimConfig lacks {', '.join(dropped)}: those worker settings were not applied "
+            "(TODO: they land with the simulator's KV-cache model)")
+    if note not in notes:
+        notes.append(note)
+    print(f"[{name}] warning: {note}", flush=True)
 
 
 def run_one(name: str, kind: str, s: Settings, items: list[ScheduledRequest], texts: BlockTexts,
             prefill_tps: float | None, log_dir: Path, notes: list[str]) -> RunResult:
     """Fresh workers + gateway (or peer router), one replay, everything stopped afterwards."""
+
+    def start(group: ProcessGroup) -> Layout:
+        urls, dropped = start_workers(group, s, prefill_tps)
+        note_dropped(name, dropped, notes)
+        if kind == "gateway":
+            return Layout(start_gateway(group, urls, name, s), urls)
+        return Layout(start_peer(group, urls, name.removeprefix("sglang-router:")), urls)
+
+    return run_layout(name, kind, s, items, texts, log_dir, start)
+
+
+def run_layout(name: str, kind: str, s: Settings, items: list[ScheduledRequest], texts: BlockTexts,
+               log_dir: Path, start: LayoutStarter) -> RunResult:
+    """Start a run's processes with `start`, replay, stop everything; a failed start is a failed run."""
     started = time.monotonic()
-    print(f"[{name}] starting {s.workers} workers and the {'gateway' if kind == 'gateway' else kind}...", flush=True)
+    print(f"[{name}] starting the workers and the {kind} router...", flush=True)
     try:
         with ProcessGroup(log_dir / name) as group:
-            urls, dropped = start_workers(group, s, prefill_tps)
-            if dropped:
-                note = (f"SimConfig lacks {', '.join(dropped)}: those worker settings were not applied "
-                        "(TODO: they land with the simulator's KV-cache model)")
-                if note not in notes:
-                    notes.append(note)
-                print(f"[{name}] warning: {note}", flush=True)
-            if kind == "gateway":
-                base = start_gateway(group, urls, name, s)
-            else:
-                base = start_peer(group, urls, name.removeprefix("sglang-router:"))
+            layout = start(group)
             print(f"[{name}] replaying {len(items)} requests...", flush=True)
             pids = {"loadgen": os.getpid(), **{c.name: c.pid for c in group.children if c.pid is not None}}
             with CpuMeter(pids) as meter:
-                run = asyncio.run(replay_and_measure(base, urls, items, texts, s, name, kind))
+                run = asyncio.run(replay_and_measure(layout, items, texts, s, name, kind))
                 run.cpu_seconds, run.machine_busy = meter.read()
     except ProcessError as exc:
         print(f"[{name}] failed: {exc}", file=sys.stderr, flush=True)
@@ -402,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="seed of the block texts")
     add("--quick", action="store_true", help="smoke test: 300 requests at 8x, ~1 minute in all")
     add("--results-dir", type=Path, default=RESULTS_DIR)
+    from loadtest import replay_pd  # builds on this module: imported when used
+
+    replay_pd.add_arguments(parser)
     return parser
 
 
@@ -451,8 +505,11 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run every policy and peer; print the table; write the result files. Exit code 0, or 1 when
     no run completed a request."""
+    from loadtest import replay_pd  # builds on this module: imported when used
+
     argv = sys.argv[1:] if argv is None else argv
-    s = settings_from(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    s, pd = replay_pd.pd_settings(args, settings_from(args))
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     log_dir = s.results_dir / f"replay-{stamp}-logs"
@@ -468,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trace: {summary.requests} requests over {summary.span_s:.0f} s of replay ({s.speedup:g}x), "
           f"{summary.prompt_tokens / 1e6:.1f}M prompt tokens, {summary.distinct_blocks} distinct blocks; "
           f"prefill {prefill_tps:,.0f} tokens/s per request slot", flush=True)
-    references = oracle.references(rows, s.workers, s.kv_capacity_tokens)
+    references = oracle.references(rows, s.workers, s.kv_capacity_tokens) + replay_pd.references(rows, pd)
     texts = BlockTexts(seed=s.seed, cache_blocks=s.text_cache_blocks)
 
     notes: list[str] = []
@@ -484,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"warning: skipping peer {peer}: {missing}", file=sys.stderr)
         plan.append((f"sglang-router:{peer}", "peer", missing))
+    plan += replay_pd.plan(pd)
 
     meta: dict[str, Any] = {
         "started": stamp, "command": command, "gateway_version": _git_describe(), "notes": notes,
@@ -501,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             "drain seconds": s.drain_seconds, "policy params": s.policy_params or "defaults",
             "gateway overrides": s.gateway_extra or "none",
             "logs": str(log_dir),
+            **replay_pd.describe(pd, prefill_tps),
         },
     }
     runs: list[RunResult] = []
@@ -509,7 +568,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(RunResult(name, kind, status=f"skipped: {skip[:100]}"))
             continue
         try:
-            runs.append(run_one(name, kind, s, items, texts, prefill_tps, log_dir, notes))
+            if kind in (replay_pd.GATEWAY_PD, replay_pd.PEER_PD):
+                runs.append(replay_pd.run(name, kind, s, pd, items, texts, prefill_tps, log_dir, notes))
+            else:
+                runs.append(run_one(name, kind, s, items, texts, prefill_tps, log_dir, notes))
         except KeyboardInterrupt:
             print("interrupted: writing what was measured", file=sys.stderr)
             runs.append(RunResult(name, kind, status="failed: interrupted"))

@@ -2,8 +2,9 @@
 
 Per run: block hit ratio = cached prompt tokens / prompt tokens summed over all workers (from the
 workers' `/sim/stats`; else from the `usage.prompt_tokens_details.cached_tokens` the client saw),
-p50/p99 TTFT at the client (seconds), the busiest worker's prefill (uncached) tokens / the mean
-over workers, completed requests per second of replay, and errors.
+p50/p99 TTFT and TPOT at the client (seconds), the busiest worker's prefill (uncached) tokens / the mean
+over workers, completed requests per second of replay, and errors. In a prefill/decode (PD) layout
+the hit ratio and the prefill spread are those of the prefill workers (`loadtest.replay_pd`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class RunResult:
 
     `status` is "ok", "skipped: <why>" or "failed: <why>". `hit_source` says where the hit ratio
     comes from ("sim/stats", "client usage" or "n/a"). `prefill_by_worker` is in worker order.
+    `tpot_*_s`: client-side time per output token (first to last token / (tokens - 1)). `pd`: a
+    PD layout's decode-side totals (`loadtest.replay_pd.decode_figures`), empty otherwise.
     """
 
     name: str
@@ -52,6 +55,8 @@ class RunResult:
     client_hit_ratio: float | None = None
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
+    tpot_p50_s: float | None = None
+    tpot_p99_s: float | None = None
     e2e_p50_s: float | None = None
     send_lag_p99_s: float | None = None
     prefill_max_over_mean: float | None = None
@@ -64,6 +69,7 @@ class RunResult:
     error_samples: list[str] = field(default_factory=list)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     machine_busy: float | None = None
+    pd: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +99,8 @@ def summarize_run(name: str, kind: str, results: list[RequestResult], workers: l
     run.error_samples = list(dict.fromkeys(r.error or "" for r in failed))[:3]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     run.ttft_p50_s, run.ttft_p99_s = percentile(ttfts, 50), percentile(ttfts, 99)
+    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
+    run.tpot_p50_s, run.tpot_p99_s = percentile(tpots, 50), percentile(tpots, 99)
     run.e2e_p50_s = percentile([r.e2e_s for r in ok if r.e2e_s is not None], 50)
     run.send_lag_p99_s = percentile([r.sent_s - r.scheduled_s for r in sent if r.sent_s is not None], 99)
     if ok:
@@ -123,24 +131,30 @@ def _fmt(value: float | None, pattern: str) -> str:
     return "-" if value is None else format(value, pattern)
 
 
-TABLE_HEADER = ("| policy | hit ratio | p50 TTFT (s) | p99 TTFT (s) | max/mean prefill | req/s | errors | ok/sent "
-                "| p99 send lag (s) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+TABLE_HEADER = ("| policy | hit ratio | p50 TTFT (s) | p99 TTFT (s) | p50 TPOT (ms) | p99 TPOT (ms) "
+                "| max/mean prefill | req/s | errors | ok/sent | p99 send lag (s) |\n"
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000.0
 
 
 def table_row(run: RunResult) -> str:
     """One markdown table row; skipped or failed runs show their status instead of figures."""
     label = run.name if run.kind == "gateway" else f"{run.name} ({run.kind})"
     if run.status != "ok" and run.sent == 0:
-        return f"| {label} | {run.status} | | | | | | | |"
+        return f"| {label} | {run.status} | | | | | | | | | |"
     hit = _fmt(run.hit_ratio, ".3f") + ("" if run.hit_source in ("sim/stats", "n/a") else "*")
     return (f"| {label} | {hit} | {_fmt(run.ttft_p50_s, '.3f')} | {_fmt(run.ttft_p99_s, '.3f')} | "
+            f"{_fmt(_ms(run.tpot_p50_s), '.1f')} | {_fmt(_ms(run.tpot_p99_s), '.1f')} | "
             f"{_fmt(run.prefill_max_over_mean, '.2f')} | {_fmt(run.req_per_s, '.1f')} | {run.errors} | "
             f"{run.ok}/{run.sent} | {_fmt(run.send_lag_p99_s, '.2f')} |")
 
 
 def oracle_row(ref: OracleResult) -> str:
     """A table row for an offline reference (hit ratio and prefill spread only)."""
-    return (f"| offline {ref.name} (LRU model, no server) | {ref.hit_ratio:.3f} | - | - | "
+    return (f"| offline {ref.name} (LRU model, no server) | {ref.hit_ratio:.3f} | - | - | - | - | "
             f"{ref.prefill_max_over_mean:.2f} | - | - | - | - |")
 
 
@@ -152,7 +166,8 @@ def markdown(runs: list[RunResult], references: list[OracleResult], meta: dict[s
     lines += [table_row(run) for run in runs]
     lines += [oracle_row(ref) for ref in references]
     lines += ["", "Hit ratio = cached / prompt tokens over all workers (`/sim/stats`; * = from the client's usage "
-              "fields). TTFT at the client. max/mean prefill = busiest worker's uncached prompt tokens / mean. "
+              "fields; PD layouts: prefill workers only). TTFT and TPOT (first to last token / (tokens - 1)) at "
+              "the client. max/mean prefill = busiest worker's uncached prompt tokens / mean. "
               "req/s = completed requests / (last finish - first send). Send lag = actual - scheduled send time "
               "(large when the client's concurrency cap was reached: TTFT then misses that wait).", ""]
     for note in meta.get("notes", []):
@@ -171,6 +186,8 @@ def markdown(runs: list[RunResult], references: list[OracleResult], meta: dict[s
                          f"{[round(v) for v in run.prefill_by_worker]}, requests by worker "
                          f"{[round(v) for v in run.requests_by_worker]}, peak waiting "
                          f"{[round(v) for v in run.max_waiting_by_worker]}")
+        if run.pd:
+            lines.append(f"- {run.name}: decode side {run.pd}")
     return "\n".join(lines) + "\n"
 
 
