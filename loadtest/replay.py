@@ -415,6 +415,16 @@ def _json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
+def auto_or_positive(value: str) -> str:
+    """argparse type: "auto" or a positive number (kept as text)."""
+    try:
+        if value != "auto" and float(value) <= 0:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError("want 'auto' or a positive number") from None
+    return value
+
+
 def _names(value: str) -> list[str]:
     return [] if value.strip().lower() in ("", "none") else [v.strip() for v in value.split(",") if v.strip()]
 
@@ -444,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ttft", type=float, default=0.01, help="fixed part of every prefill, seconds")
     add("--tpot", type=float, default=0.005, help="seconds per output token")
     add("--decode-slowdown", type=float, default=0.0, help="SimConfig.decode_batch_slowdown")
-    add("--prefill-tps", default="auto", help="prefill tokens/s per request, or 'auto' (see --target-util)")
+    add("--prefill-tps", type=auto_or_positive, default="auto",
+        help="prefill tokens/s per request, or 'auto' (see --target-util)")
     add("--target-util", type=float, default=0.8, help="'auto' prefill: busy fraction of workers with no cache hit")
     add("--max-concurrency", type=int, default=256, help="requests in flight at the client, at most")
     add("--max-seconds", type=float, default=600.0, help="stop sending after this many seconds (per run)")
@@ -470,12 +481,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.minutes > TUNING_MINUTES:
         print(f"warning: --minutes {args.minutes:g} reaches past the {TUNING_MINUTES:g}-minute tuning window "
               "into held-out data", file=sys.stderr)
-    if args.prefill_tps != "auto":
-        try:
-            if float(args.prefill_tps) <= 0:
-                raise ValueError
-        except ValueError:
-            raise SystemExit("--prefill-tps wants 'auto' or a positive number") from None
     return Settings(
         trace=args.trace, minutes=args.minutes, limit=args.limit, speedup=args.speedup,
         output_scale=args.output_scale, workers=args.workers, policies=_names(args.policies),

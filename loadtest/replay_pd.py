@@ -35,6 +35,7 @@ from loadtest.procs import ProcessGroup, free_port
 from loadtest.replay import (
     Layout,
     Settings,
+    auto_or_positive,
     deep_merge,
     gateway_config,
     launch_gateway,
@@ -100,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--pd-prefill-kv", type=int,
         help="KV tokens of a prefill worker (default: --kv-capacity x --workers / --pd-prefill, the aggregated total)")
     add("--pd-decode-seqs", type=int, default=DECODE_SEQS, help="slots of a decode worker")
-    add("--kv-transfer-tps", default="auto",
+    add("--kv-transfer-tps", type=auto_or_positive, default="auto",
         help=f"KV transfer, prompt tokens/s, or 'auto' ({AUTO_TRANSFER_FACTOR:g} x the prefill speed)")
     add("--pd-prefill-policy", default="prefix_affinity", help="the gateway PD pool's prefill_policy")
     add("--pd-decode-policy", default="least_load", help="the gateway PD pool's decode_policy")
@@ -117,12 +118,6 @@ def pd_settings(args: argparse.Namespace, s: Settings) -> tuple[Settings, PdSett
         raise SystemExit(f"--layouts: want some of {', '.join(LAYOUTS)}, got {args.layouts!r}")
     if args.pd_prefill < 1 or args.pd_decode < 1 or args.pd_decode_seqs < 1:
         raise SystemExit("--pd-prefill, --pd-decode and --pd-decode-seqs must be positive")
-    if args.kv_transfer_tps != "auto":
-        try:
-            if float(args.kv_transfer_tps) <= 0:
-                raise ValueError
-        except ValueError:
-            raise SystemExit("--kv-transfer-tps wants 'auto' or a positive number") from None
     pd = PdSettings(
         layouts=layouts, prefill=args.pd_prefill, decode=args.pd_decode,
         prefill_seqs=args.pd_prefill_seqs or math.ceil(s.max_num_seqs * s.workers / args.pd_prefill),
