@@ -367,7 +367,7 @@ def run_layout(name: str, kind: str, s: Settings, items: list[ScheduledRequest],
                log_dir: Path, start: LayoutStarter) -> RunResult:
     """Start a run's processes with `start`, replay, stop everything; a failed start is a failed run."""
     started = time.monotonic()
-    print(f"[{name}] starting the workers and the {kind} router...", flush=True)
+    print(f"[{name}] starting the workers and the router ({kind})...", flush=True)
     try:
         with ProcessGroup(log_dir / name) as group:
             layout = start(group)

@@ -134,9 +134,9 @@ def plan(pd: PdSettings) -> list[tuple[str, str, str | None]]:
     """(name, kind, why it is skipped or None) of the PD runs, in run order."""
     out: list[tuple[str, str, str | None]] = []
     if "pd" in pd.layouts:
-        out.append((f"pd:{pd.prefill_policy}/{pd.decode_policy}", GATEWAY_PD, None))
+        out.append((f"pd:{pd.prefill_policy}+{pd.decode_policy}", GATEWAY_PD, None))
     if "sglang-pd" in pd.layouts:
-        out.append((f"sglang-router-pd:{pd.peer_prefill_policy}/{pd.peer_decode_policy}", PEER_PD,
+        out.append((f"sglang-router-pd:{pd.peer_prefill_policy}+{pd.peer_decode_policy}", PEER_PD,
                     peer_available()))
     return out
 
