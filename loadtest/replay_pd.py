@@ -13,13 +13,15 @@ Layouts, each run with fresh processes on the same schedule:
   --decode URL`, `--prefill-policy cache_aware --decode-policy power_of_two`) in front of the same
   kind of workers. Skipped when sglang-router is not installed.
 
-Sizing (defaults, see `PdSettings`): the prefill group gets the aggregated pool's total request
-slots and KV memory (2 prefill workers x 16 slots x 4M tokens against 8 x 4 x 1M), so both layouts
-have the same prefill capacity and prefix-cache memory and differ in how they are split; the
-decode workers are added on top (64 slots each, no prefix cache: each request's whole prompt KV is
-moved from its prefill worker, at `--kv-transfer-tps`, default 10x the per-request prefill speed).
-In PD layouts the hit ratio and the prefill spread are the prefill workers'; the decode workers'
-KV transfers and requests go to `RunResult.pd`.
+Sizing (defaults, see `PdSettings`): the prefill group gets the aggregated pool's totals, so both
+layouts have the same prefill capacity and prefix-cache memory and differ in how they are split:
+KV memory (2 prefill workers x 4M tokens against 8 x 1M) and, with the stepped worker model (one
+prefill budget per worker), prefill speed (each prefill worker 4x the aggregated worker's), with
+the per-request model, slots (2 x 16 against 8 x 4). The decode workers are added on top (at least
+64 slots each, no prefix cache: each request's whole prompt KV is moved from its prefill worker, at
+`--kv-transfer-tps`, default 10x the aggregated workers' prefill speed). In PD layouts the hit
+ratio and the prefill spread are the prefill workers'; the decode workers' KV transfers and
+requests go to `RunResult.pd`.
 """
 
 from __future__ import annotations
@@ -59,21 +61,23 @@ PROTOCOL = "sglang"
 AUTO_TRANSFER_FACTOR = 10.0
 """`--kv-transfer-tps auto`: KV moves this many times faster than one request's prefill computes it."""
 DECODE_SEQS = 64
-"""Default decode slots a worker (`config/k3-pd.yaml`'s decode_max_in_flight_per_worker): enough
-that decode admission never waits, so a prefill never waits for its decode partner's slot."""
+"""Fewest decode slots a worker gets by default (`config/k3-pd.yaml`'s decode_max_in_flight_per_worker):
+enough that decode admission never waits, so a prefill never waits for its decode partner's slot."""
 
 
 @dataclass(frozen=True)
 class PdSettings:
     """The PD layouts of a replay and their workers. Slots are requests a worker runs at once
-    (`max_num_seqs`), KV in tokens, transfer speed in tokens/s ("auto": `AUTO_TRANSFER_FACTOR` x
-    the per-request prefill speed)."""
+    (`max_num_seqs`), KV in tokens, speeds in tokens/s (`prefill_speedup`: a prefill worker's
+    prefill speed / the aggregated worker's; transfer "auto": `AUTO_TRANSFER_FACTOR` x the
+    aggregated prefill speed)."""
 
     layouts: list[str]
     prefill: int
     decode: int
     prefill_seqs: int
     prefill_kv_tokens: int
+    prefill_speedup: float
     decode_seqs: int
     kv_transfer_tps: str
     prefill_policy: str
@@ -97,12 +101,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--pd-prefill", type=int, default=2, help="PD layouts: prefill workers")
     add("--pd-decode", type=int, default=6, help="PD layouts: decode workers")
     add("--pd-prefill-seqs", type=int,
-        help="slots of a prefill worker (default: --max-num-seqs x --workers / --pd-prefill, the aggregated total)")
+        help="slots of a prefill worker (default per_request: --max-num-seqs x --workers / --pd-prefill, the "
+             "aggregated total; stepped: --max-num-seqs)")
+    add("--pd-prefill-speedup", type=float,
+        help="a prefill worker's prefill speed / an aggregated worker's (default stepped: --workers / "
+             "--pd-prefill, the aggregated total; per_request: 1, its slots carry the total)")
     add("--pd-prefill-kv", type=int,
         help="KV tokens of a prefill worker (default: --kv-capacity x --workers / --pd-prefill, the aggregated total)")
-    add("--pd-decode-seqs", type=int, default=DECODE_SEQS, help="slots of a decode worker")
+    add("--pd-decode-seqs", type=int,
+        help=f"slots of a decode worker (default: --max-num-seqs, at least {DECODE_SEQS})")
     add("--kv-transfer-tps", type=auto_or_positive, default="auto",
-        help=f"KV transfer, prompt tokens/s, or 'auto' ({AUTO_TRANSFER_FACTOR:g} x the prefill speed)")
+        help=f"KV transfer, prompt tokens/s, or 'auto' ({AUTO_TRANSFER_FACTOR:g} x an aggregated worker's prefill)")
     add("--pd-prefill-policy", default="prefix_affinity", help="the gateway PD pool's prefill_policy")
     add("--pd-decode-policy", default="least_load", help="the gateway PD pool's decode_policy")
     add("--peer-prefill-policy", default="cache_aware", help="sglang-router PD: --prefill-policy")
@@ -116,13 +125,16 @@ def pd_settings(args: argparse.Namespace, s: Settings) -> tuple[Settings, PdSett
     unknown = sorted(set(layouts) - set(LAYOUTS))
     if unknown or not layouts:
         raise SystemExit(f"--layouts: want some of {', '.join(LAYOUTS)}, got {args.layouts!r}")
-    if args.pd_prefill < 1 or args.pd_decode < 1 or args.pd_decode_seqs < 1:
-        raise SystemExit("--pd-prefill, --pd-decode and --pd-decode-seqs must be positive")
+    if min(args.pd_prefill, args.pd_decode, args.pd_decode_seqs or 1, args.pd_prefill_speedup or 1) <= 0:
+        raise SystemExit("--pd-prefill, --pd-decode, --pd-decode-seqs and --pd-prefill-speedup must be positive")
+    share = s.workers / args.pd_prefill
+    stepped = s.scheduler == "stepped"
     pd = PdSettings(
         layouts=layouts, prefill=args.pd_prefill, decode=args.pd_decode,
-        prefill_seqs=args.pd_prefill_seqs or math.ceil(s.max_num_seqs * s.workers / args.pd_prefill),
-        prefill_kv_tokens=args.pd_prefill_kv or math.ceil(s.kv_capacity_tokens * s.workers / args.pd_prefill),
-        decode_seqs=args.pd_decode_seqs, kv_transfer_tps=args.kv_transfer_tps,
+        prefill_seqs=args.pd_prefill_seqs or (s.max_num_seqs if stepped else math.ceil(s.max_num_seqs * share)),
+        prefill_kv_tokens=args.pd_prefill_kv or math.ceil(s.kv_capacity_tokens * share),
+        prefill_speedup=args.pd_prefill_speedup or (share if stepped else 1.0),
+        decode_seqs=args.pd_decode_seqs or max(DECODE_SEQS, s.max_num_seqs), kv_transfer_tps=args.kv_transfer_tps,
         prefill_policy=args.pd_prefill_policy, decode_policy=args.pd_decode_policy,
         peer_prefill_policy=args.peer_prefill_policy, peer_decode_policy=args.peer_decode_policy)
     if "aggregated" not in layouts:
@@ -148,8 +160,9 @@ def describe(pd: PdSettings, prefill_tps: float | None) -> dict[str, Any]:
     transfer = pd.transfer_tps(prefill_tps)
     return {
         "layouts": ",".join(pd.layouts),
-        "PD workers": f"{pd.prefill} prefill x {pd.prefill_seqs} slots x {pd.prefill_kv_tokens:,} KV tokens; "
-                      f"{pd.decode} decode x {pd.decode_seqs} slots, no prefix cache",
+        "PD workers": f"{pd.prefill} prefill x {pd.prefill_seqs} slots x {pd.prefill_kv_tokens:,} KV tokens x "
+                      f"{pd.prefill_speedup:g} prefill speed; {pd.decode} decode x {pd.decode_seqs} slots, "
+                      "no prefix cache",
         "PD protocol": PROTOCOL,
         "KV transfer (tokens/s)": "instant" if transfer is None else round(transfer),
         "gateway PD policies": f"prefill {pd.prefill_policy}, decode {pd.decode_policy}",
@@ -170,6 +183,8 @@ def role_fields(s: Settings, pd: PdSettings, role: str, prefill_tps: float | Non
     fields = {**sim_fields(s, prefill_tps), "pd_role": role, "pd_protocol": PROTOCOL}
     if role == "prefill":
         fields.update(max_num_seqs=pd.prefill_seqs, kv_capacity_tokens=pd.prefill_kv_tokens)
+        if prefill_tps is not None:
+            fields["prefill_tokens_per_s"] = prefill_tps * pd.prefill_speedup
         return fields
     fields.update(max_num_seqs=pd.decode_seqs, kv_capacity_tokens=None)
     transfer = pd.transfer_tps(prefill_tps)
