@@ -2,6 +2,7 @@
 
     python -m loadtest.replay                       # defaults: 40 min of trace at 20x, 8 workers, ~9 min
     python -m loadtest.replay --quick --policies round_robin,least_load   # ~300 requests, ~1 min
+    python -m loadtest.replay --layouts aggregated,pd,sglang-pd   # + prefill/decode pools (loadtest.replay_pd)
 
 For each policy (and each peer router) a fresh set of processes is started: one process hosting
 N simulated SGLang workers with a prefix (KV) cache model (`loadtest.workers`), then the gateway
