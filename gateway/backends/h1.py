@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import httptools
 
 HIGH_WATER = 128 * 1024  # bytes buffered before reading pauses (aiohttp's default high water mark)
+MAX_HEAD_BYTES = 64 * 1024  # a longer response head is a protocol error (no engine sends one; it bounds memory)
 
 
 class H1Error(Exception):
@@ -88,6 +89,7 @@ class H1Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.header_list: list[tuple[bytes, bytes]] = []
+        self.head_bytes = 0
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.complete = False
@@ -112,8 +114,10 @@ class H1Connection(asyncio.Protocol):
         self.got_bytes = True
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(H1ProtocolError(f"invalid HTTP response from the engine: {exc}"))
+        except httptools.HttpParserError as exc:  # a callback's own error is its __context__
+            cause = exc.__context__
+            self._fail(cause if isinstance(cause, H1ProtocolError)
+                       else H1ProtocolError(f"invalid HTTP response from the engine: {exc}"))
             self.close()
             return
         if self._waiter is not None and (self.chunks or self.complete):
@@ -136,6 +140,9 @@ class H1Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > MAX_HEAD_BYTES:
+            raise H1ProtocolError(f"the engine's response head is longer than {MAX_HEAD_BYTES} bytes")
         self.header_list.append((name, value))
 
     def on_headers_complete(self) -> None:

@@ -114,6 +114,25 @@ def test_a_dead_pooled_connection_is_resent_once_on_a_new_one() -> None:
     asyncio.run(main())
 
 
+def test_an_endless_response_head_is_a_protocol_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for n in range(100_000):  # ~2.5 MB of headers, never ending
+            writer.write(b"x-filler-%06d: abcdefgh\r\n" % n)
+            if n % 1000 == 0:
+                await writer.drain()
+
+    async def main() -> None:
+        server, url, _ = await serve(handler)
+        pool = H1Pool(keep_alive=10)
+        with pytest.raises(H1ProtocolError, match="longer than"):
+            await pool.post(url, b"{}", HEADERS, 2.0, 2.0)
+        server.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("answer, error", [
     (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n", H1Disconnected),  # cut mid-body
     (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf", H1Disconnected),
