@@ -32,6 +32,14 @@ from tests.support import REPO_ROOT, SHARED_DATA, GatewayProcess, OwnRedis, Runn
 os.environ.pop("SSL_CERT_FILE", None)
 os.environ["SSL_CERT_DIR"] = ssl.get_default_verify_paths().openssl_capath
 
+# With PYTHONDONTWRITEBYTECODE set (the Dockerfile's and many dev shells' habit), every xdist worker
+# compiles and assertion-rewrites the ~130 test modules again (~5 s of CPU each) and every gateway or
+# serving process the tests spawn compiles the gateway package again (~0.3 s each, dozens of them).
+# Caching bytecode in the (git-ignored) __pycache__ directories changes no behaviour, only that cost.
+# Set here, in the controller, before xdist starts its workers: they and their children inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
+
 
 def stop_all(servers: list[ThreadedServer]) -> None:
     """Ask every server to exit at once, then wait for each (uvicorn takes ~0.2 s to stop)."""
