@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from gateway.auth.keys import hash_key
 from gateway.server import ThreadedServer
-from tests.integration.auth.conftest import REDIS_URL, wait_clear_of_window_edge
+from tests.integration.auth.conftest import REDIS_URL, start_a_window_now
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -82,7 +82,7 @@ def test_limits_hold_while_another_client_sends_heavy_bodies(start_sim: StartSim
     sim = start_sim("vllm")
     gw = limited_gateway(start_gateway, sim, key_prefix, fail_mode)
     bodies = heavy_bodies()
-    wait_clear_of_window_edge(time.time)  # Redis' TIME: the counts below stay in one window
+    start_a_window_now(gw)  # the counts below stay in one window
     stop = threading.Event()
     mallory: Counter[int] = Counter()
     lock = threading.Lock()
@@ -145,7 +145,7 @@ def test_a_key_over_its_limit_fetches_no_image_url(start_sim: StartSim, start_ga
         sim = start_sim("vllm")
         gw = limited_gateway(start_gateway, sim, key_prefix, "closed",
                              image_fetch={"enabled": True, "allow_networks": ["127.0.0.1/32"]})
-        wait_clear_of_window_edge(time.time)
+        start_a_window_now(gw)
         with httpx.Client(timeout=30) as client:
             def with_images(first: int) -> dict[str, Any]:
                 parts = [{"type": "image_url", "image_url": {"url": f"{images.server.url}/img/{first + i}"}}
