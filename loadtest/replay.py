@@ -13,10 +13,13 @@ the workers' totals afterwards. Results: a markdown table on stdout and
 
 Default sizing (2 cores, all three policies plus the peer in about 9 minutes): the first 40
 minutes of the trace (7,851 requests, 97.6M prompt tokens) compressed 20x into 2 minutes per run;
-outputs scaled by 0.05 (mean ~17 tokens) at 5 ms a token; per worker 1M tokens of KV cache (a
-realistic size for an 8-GPU Kimi node), 4 requests at once, and a prefill speed chosen ("auto")
-so that without any cache hit the workers would be 80% busy on average. Trace bursts (up to 28
-requests in 3 s) then make queues, and every cached token shortens them.
+outputs scaled by 0.05 (mean ~17 tokens) at 5 ms a decode step; per worker 1M tokens of KV cache
+(a realistic size for an 8-GPU Kimi node) and a prefill speed chosen ("auto") so that without any
+cache hit the workers would be 80% busy on average. The workers run the simulator's step scheduler
+(`--scheduler stepped`, `gateway.sim.stepper`): one prefill budget per worker shared by its
+requests in chunks of 8,192 tokens, up to 256 requests at once. `--scheduler per_request` gives
+the earlier model (each request prefills at the auto speed on its own, 4 requests at once). Trace
+bursts (up to 28 requests in 3 s) then make queues, and every cached token shortens them.
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ class Settings:
     kv_capacity_tokens: int
     kv_block_tokens: int
     max_num_seqs: int
+    scheduler: str
+    chunk_tokens: int
+    decode_s_per_seq: float
     ttft_s: float
     tpot_s: float
     decode_batch_slowdown: float
@@ -111,12 +117,19 @@ class Settings:
 def auto_prefill_tps(summary: TraceSummary, s: Settings) -> float:
     """Prefill speed (tokens/s) at which the workers would be `target_util` busy with no cache hit.
 
-    Per worker: arrival rate lam = requests / span / N; a request holds one of `max_num_seqs` slots
-    for ttft + prompt / speed + output x tpot; busy fraction = lam x that / slots.
+    Per worker: arrival rate lam = requests / span / N. Per request (`per_request`): a request holds
+    one of `max_num_seqs` slots for ttft + prompt / speed + output x tpot; busy fraction = lam x that
+    / slots. Stepped: the worker's one prefill budget is busy lam x (prompt / speed + prompt /
+    chunk x step time) of the time (decode steps fill the gaps between prefills).
     """
     lam = summary.requests / summary.span_s / s.workers
     mean_prompt = summary.prompt_tokens / summary.requests
     mean_output = summary.output_tokens / summary.requests
+    if s.scheduler == "stepped":
+        room = s.target_util - lam * mean_prompt / s.chunk_tokens * s.tpot_s
+        if room <= 0:
+            raise SystemExit("--prefill-tps auto: step overheads alone exceed the target utilisation")
+        return lam * mean_prompt / room
     budget = s.target_util * s.max_num_seqs / lam - s.ttft_s - mean_output * s.tpot_s
     if budget <= 0:
         raise SystemExit("--prefill-tps auto: decode alone exceeds the target utilisation; "
@@ -141,6 +154,9 @@ def sim_fields(s: Settings, prefill_tps: float | None) -> dict[str, Any]:
     }
     if prefill_tps is not None:
         fields["prefill_tokens_per_s"] = prefill_tps
+    if s.scheduler == "stepped":
+        fields.update(scheduler="stepped", chunk_tokens=s.chunk_tokens, decode_step_s=s.tpot_s,
+                      decode_s_per_seq=s.decode_s_per_seq)
     return fields
 
 
@@ -389,9 +405,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--peers", default="cache_aware", help="SGLang router policies to run as peers ('none' to skip)")
     add("--kv-capacity", type=int, default=1_000_000, help="KV cache per worker, tokens")
     add("--kv-block", type=int, default=16, help="KV cache block, tokens")
-    add("--max-num-seqs", type=int, default=4, help="requests a worker runs at once (the rest queue)")
+    add("--scheduler", choices=["stepped", "per_request"], default="stepped",
+        help="worker model: one shared prefill budget per worker (stepped) or a prefill per request")
+    add("--max-num-seqs", type=int, help="requests a worker runs at once, the rest queue (default: 256 "
+        "stepped, 4 per_request)")
+    add("--chunk-tokens", type=int, default=8192, help="stepped: tokens per step (max_num_batched_tokens)")
+    add("--decode-ms-per-seq", type=float, default=0.025,
+        help="stepped: step time per decoding sequence, ms (the sim's 0.1 ms per 20 ms step, scaled to --tpot)")
     add("--ttft", type=float, default=0.01, help="fixed part of every prefill, seconds")
-    add("--tpot", type=float, default=0.005, help="seconds per output token")
+    add("--tpot", type=float, default=0.005, help="seconds per output token (stepped: per decode step)")
     add("--decode-slowdown", type=float, default=0.0, help="SimConfig.decode_batch_slowdown")
     add("--prefill-tps", default="auto", help="prefill tokens/s per request, or 'auto' (see --target-util)")
     add("--target-util", type=float, default=0.8, help="'auto' prefill: busy fraction of workers with no cache hit")
@@ -428,7 +450,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         policy_params=_param_pairs(args.policy_params), peers=_names(args.peers),
         gateway_extra=deep_merge({} if args.no_gateway_time_scale else scaled_gateway_timers(args.speedup),
                                  args.gateway_extra),
-        kv_capacity_tokens=args.kv_capacity, kv_block_tokens=args.kv_block, max_num_seqs=args.max_num_seqs,
+        kv_capacity_tokens=args.kv_capacity, kv_block_tokens=args.kv_block,
+        max_num_seqs=args.max_num_seqs or (256 if args.scheduler == "stepped" else 4), scheduler=args.scheduler,
+        chunk_tokens=args.chunk_tokens, decode_s_per_seq=args.decode_ms_per_seq / 1000.0,
         ttft_s=args.ttft, tpot_s=args.tpot, decode_batch_slowdown=args.decode_slowdown,
         prefill_tps=args.prefill_tps, target_util=args.target_util, max_concurrency=args.max_concurrency,
         max_seconds=args.max_seconds, drain_seconds=args.drain_seconds,
@@ -467,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     prefill_tps = auto_prefill_tps(summary, s) if s.prefill_tps == "auto" else float(s.prefill_tps)
     print(f"trace: {summary.requests} requests over {summary.span_s:.0f} s of replay ({s.speedup:g}x), "
           f"{summary.prompt_tokens / 1e6:.1f}M prompt tokens, {summary.distinct_blocks} distinct blocks; "
-          f"prefill {prefill_tps:,.0f} tokens/s per request slot", flush=True)
+          f"prefill {prefill_tps:,.0f} tokens/s "
+          f"{'per worker (shared)' if s.scheduler == 'stepped' else 'per request slot'}", flush=True)
     references = oracle.references(rows, s.workers, s.kv_capacity_tokens)
     texts = BlockTexts(seed=s.seed, cache_blocks=s.text_cache_blocks)
 
@@ -494,7 +519,11 @@ def main(argv: list[str] | None = None) -> int:
             "workers": s.workers, "output scale": s.output_scale,
             "KV capacity (tokens/worker)": s.kv_capacity_tokens, "KV block (tokens)": s.kv_block_tokens,
             "max_num_seqs": s.max_num_seqs, "ttft_s": s.ttft_s, "tpot_s": s.tpot_s,
-            "prefill (tokens/s per request)": round(prefill_tps),
+            "scheduler": s.scheduler,
+            **({"chunk tokens": s.chunk_tokens, "decode s per seq": s.decode_s_per_seq}
+               if s.scheduler == "stepped" else {}),
+            ("prefill (tokens/s per worker)" if s.scheduler == "stepped" else "prefill (tokens/s per request)"):
+                round(prefill_tps),
             "prefill rule": (f"auto: {s.target_util:.0%} busy with no cache hit" if s.prefill_tps == "auto"
                              else "fixed"),
             "max concurrency": s.max_concurrency, "max seconds": s.max_seconds,
