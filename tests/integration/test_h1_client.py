@@ -235,3 +235,113 @@ def test_a_header_with_a_line_break_is_refused() -> None:
             await pool.post("http://127.0.0.1:9/x", b"", {"x-request-id": "a\r\nx-evil: 1"}, 1.0, 1.0)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("after", [
+    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nevil!",  # a whole second answer nobody asked for
+    b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nev",  # the start of one
+    b"garbage",
+])
+@pytest.mark.parametrize("framing", [b"content-length: 2\r\n\r\nok", b"transfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"])
+def test_bytes_after_the_answers_end_never_join_it_nor_stay_in_the_pool(framing: bytes, after: bytes) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nx-n: %d\r\n%s%s" % (index, framing, after))  # one write: one read
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nnext")
+        await writer.drain()
+
+    async def main() -> None:
+        server, url, seen = await serve(handler)
+        pool = H1Pool(keep_alive=10)
+        status, headers, data = await body_of(pool, url)
+        assert (status, headers["x-n"], data) == (200, "0", b"ok")
+        assert "5" not in headers.get("content-length", "")  # the unasked answer's head is not this one's
+        status, headers, data = await body_of(pool, url)  # on a new connection: the old one is poisoned
+        assert (headers["x-n"], data, seen) == ("1", b"ok", [0, 1])
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_interim_1xx_answers_are_skipped_for_the_final_one() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            for interim in (b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"):
+                writer.write(interim)  # each in its own read
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def main() -> None:
+        server, url, seen = await serve(handler)
+        pool = H1Pool(keep_alive=10)
+        for _ in range(2):
+            assert await body_of(pool, url) == (200, {"content-length": "2"}, b"ok")
+        assert seen == [0]  # the connection was reused after the interim answers
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("answer, match", [
+    (b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\nconnection: upgrade\r\n\r\nxyz", "101"),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\nuntil the end", "transfer coding"),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, gzip\r\n\r\n3\r\nabc\r\n0\r\n\r\n", "transfer coding"),
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n", "transfer coding"),
+])
+def test_an_unasked_upgrade_or_transfer_coding_is_a_protocol_error(answer: bytes, match: str,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+
+    async def main() -> None:
+        server, url, _ = await serve(handler)
+        pool = H1Pool(keep_alive=10)
+        with pytest.raises(H1ProtocolError, match=match):
+            await pool.post(url, b"{}", HEADERS, 2.0, 2.0)
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+    assert "Fatal error" not in caplog.text  # handled, not an exception escaping the protocol
+
+
+@pytest.mark.parametrize("start, filler", [
+    (b"HTTP/1.1 200 OK\r\nx-a: ", b"a"),  # one header value that never ends
+    (b"HTTP/1.1 200 OK\r\nx-", b"a"),  # one header name
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n0\r\nx-t: ", b"a"),  # a trailer
+    (b"", b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"),  # interim answers without end
+])
+def test_an_endless_header_line_is_a_protocol_error(start: bytes, filler: bytes) -> None:
+    sent = [0]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(start)
+        piece = filler * (16384 // len(filler))
+        while sent[0] < 8 * 2**20:  # then silence, never the line's end
+            writer.write(piece)
+            sent[0] += len(piece)
+            await writer.drain()
+        await asyncio.sleep(10)
+
+    async def main() -> None:
+        server, url, _ = await serve(handler)
+        pool = H1Pool(keep_alive=10)
+        with pytest.raises(H1ProtocolError, match="longer than"):
+            response = await pool.post(url, b"{}", HEADERS, 2.0, 2.0)
+            while await response.read():
+                pass
+        assert sent[0] < 4 * 2**20  # refused early: not buffered to the engine's end
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
