@@ -4,10 +4,12 @@ Why not aiohttp: measured side by side against the overhead benchmark's fast fak
 streams of 32 SSE events, client alone, one core), aiohttp 3.14 spent 0.19-0.22 ms of CPU per
 streamed request and this connection 0.075-0.08 ms: aiohttp runs ~8 Python calls per body
 read (parser feed, stream buffer, flow control, timeout rescheduling), this one two (the parser's
-`on_body` and the reader's wake-up). It does only what the relay needs: POST with a body, a 1xx-less
-response, a body framed by chunked transfer coding, content-length or the connection's end,
-keep-alive reuse (RFC 9112 §9), TLS for https workers. No redirects, proxies, cookies or
-decompression (the relay refuses encoded answers it would have to decode).
+`on_body` and the reader's wake-up). It does only what the relay needs: POST with a body, a response
+after any 1xx interim ones (skipped), a body framed by chunked transfer coding, content-length or
+the connection's end, keep-alive reuse (RFC 9112 §9), TLS for https workers. Bytes after an
+answer's end close its connection (no pipelining: nobody asked for them). No transfer coding but
+chunked, no redirects, proxies, cookies or decompression (the relay refuses encoded answers it
+would have to decode).
 
 `H1Pool.post` returns an `H1Response` once the response head arrived. Its body is read with
 `chunks()`; `aclose()` returns a fully read keep-alive connection to the pool and closes any other
@@ -94,6 +96,7 @@ class H1Connection(asyncio.Protocol):
         self.buffered = 0
         self.complete = False
         self.keep_alive = False
+        self.interim = False  # parsing a 1xx interim answer (RFC 9110 §15.2): the final one follows
         self.got_bytes = False
         self.error: H1Error | None = None
         self._head: asyncio.Future[None] | None = None
@@ -108,19 +111,30 @@ class H1Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last = self._loop.time()
-        if not self.busy:  # bytes on an idle connection: nothing asked for them; never reuse it
+        if not self.busy or self.complete:  # bytes nobody asked for (idle, or after the answer): never reuse it
             self.close()
             return
         self.got_bytes = True
+        buffered = self.buffered
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:  # a callback's own error is its __context__
-            cause = exc.__context__
-            self._fail(cause if isinstance(cause, H1ProtocolError)
-                       else H1ProtocolError(f"invalid HTTP response from the engine: {exc}"))
+            if not self.complete:  # (after the answer's end: bytes nobody asked for; the answer stands)
+                cause = exc.__context__
+                self._fail(cause if isinstance(cause, H1ProtocolError)
+                           else H1ProtocolError(f"invalid HTTP response from the engine: {exc}"))
             self.close()
-            return
-        if self._waiter is not None and (self.chunks or self.complete):
+        # httptools buffers a header line until its end: count every byte that brought no body, so
+        # one endless line (or trailer, or 1xx after 1xx) is bounded too, not only whole lines.
+        if self.buffered > buffered:
+            self.head_bytes = 0
+        elif not self.complete:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(H1ProtocolError(f"the engine's response head (or trailer section) is longer than "
+                                           f"{MAX_HEAD_BYTES} bytes"))
+                self.close()
+        if self._waiter is not None and (self.chunks or self.complete or self.error is not None):
             self._wake()
 
     def eof_received(self) -> bool | None:
@@ -139,14 +153,26 @@ class H1Connection(asyncio.Protocol):
             self._wake()
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer in the same read: nobody asked for it (no pipelining)
+            raise H1ProtocolError("bytes after the answer's end")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > MAX_HEAD_BYTES:
-            raise H1ProtocolError(f"the engine's response head is longer than {MAX_HEAD_BYTES} bytes")
-        self.header_list.append((name, value))
+        if not self.status:  # (trailers, after the head, are dropped: nothing reads them)
+            self.header_list.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 100 or status == 101:  # no upgrade was asked for
+            raise H1ProtocolError(f"the engine answered with status {status} (no switch of protocols was asked)")
+        if status < 200:  # 100 Continue, 103 Early Hints: skipped, as aiohttp did
+            self.interim = True
+            self.header_list.clear()
+            return
+        for name, value in self.header_list:  # only chunked is asked for (no TE header, RFC 9112 §7.4)
+            if name.lower() == b"transfer-encoding" and value.strip().lower() != b"chunked":
+                raise H1ProtocolError(f"the engine's transfer coding {value[:40]!r} is not chunked")
+        self.status = status
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
 
@@ -158,6 +184,9 @@ class H1Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self.keep_alive = self._parser.should_keep_alive()  # (llhttp forgets it once the message ended)
 

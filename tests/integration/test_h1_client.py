@@ -242,7 +242,8 @@ def test_a_header_with_a_line_break_is_refused() -> None:
     b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nev",  # the start of one
     b"garbage",
 ])
-@pytest.mark.parametrize("framing", [b"content-length: 2\r\n\r\nok", b"transfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"])
+@pytest.mark.parametrize("framing", [b"content-length: 2\r\n\r\nok",
+                                     b"transfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"])
 def test_bytes_after_the_answers_end_never_join_it_nor_stay_in_the_pool(framing: bytes, after: bytes) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
         await read_request(reader)
