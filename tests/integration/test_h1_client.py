@@ -346,3 +346,29 @@ def test_an_endless_header_line_is_a_protocol_error(start: bytes, filler: bytes)
         server.close()
 
     asyncio.run(main())
+
+
+def test_a_pooled_connection_that_dies_after_the_engine_read_the_request_is_not_resent() -> None:
+    """The resend is for an idle close crossing the request on the wire (it ends within one round
+    trip); an engine that read the request and died later may have run it: the caller decides."""
+    requests = [0]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        await read_request(reader)
+        requests[0] += 1
+        await asyncio.sleep(0.3)  # working on it... then gone without a word
+
+    async def main() -> None:
+        server, url, seen = await serve(handler)
+        pool = H1Pool(keep_alive=10, resend_window=0.1)
+        assert (await body_of(pool, url))[2] == b"ok"
+        with pytest.raises(H1Disconnected):
+            await pool.post(url, b"{}", HEADERS, 2.0, 2.0)
+        assert seen == [0] and requests == [1]  # sent once, never again on a new connection
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
