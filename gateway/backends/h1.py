@@ -32,6 +32,10 @@ import httptools
 
 HIGH_WATER = 128 * 1024  # bytes buffered before reading pauses (aiohttp's default high water mark)
 MAX_HEAD_BYTES = 64 * 1024  # a longer response head is a protocol error (no engine sends one; it bounds memory)
+# A pooled connection that ends without a response byte within this many seconds of the request
+# is resent: an idle close crossing the request ends it within one round trip (plus loop lag).
+# One that ends later may have carried a request the engine read and ran (then died): not resent.
+RESEND_WINDOW_S = 1.0
 
 
 class H1Error(Exception):
@@ -85,6 +89,8 @@ class H1Connection(asyncio.Protocol):
         self.busy = False  # a request is in flight
         self.used = 0  # requests sent on it
         self.idle_since = 0.0
+        self.sent_at = 0.0  # loop time of the last request's write
+        self.lost_at = 0.0  # loop time the connection ended
         self.lost = False
         self._reset()
 
@@ -142,6 +148,7 @@ class H1Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self.lost_at = self._loop.time()
         if self.busy and not self.complete:
             if self.status and not self._framed():  # a body delimited by the connection's end
                 self.complete = True
@@ -242,6 +249,7 @@ class H1Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.writelines((head, body))
         self._arm()
+        self.sent_at = self._last
         try:
             await self._head
         except BaseException:
@@ -326,8 +334,10 @@ class H1Pool:
     """Keep-alive connections per origin (scheme, host, port), idle at most `keep_alive` seconds,
     most recently used first; no cap on connections (the engines' queues and the pool gates bound load)."""
 
-    def __init__(self, keep_alive: float, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, keep_alive: float, tls: ssl.SSLContext | None = None,
+                 resend_window: float = RESEND_WINDOW_S) -> None:
         self.keep_alive = keep_alive
+        self.resend_window = resend_window
         self._tls = tls
         self._origins: dict[str, tuple[_Origin, bytes]] = {}
         self._idle: dict[tuple[str, int, bool], list[H1Connection]] = {}
@@ -348,9 +358,11 @@ class H1Pool:
                    read_timeout: float) -> H1Response:
         """POST `body` to `url` and return once the response head arrived. Raises H1Error.
 
-        A request that fails on a kept-alive connection before any response byte (the engine had
-        closed it: a reset, an end of stream) is sent once more on a new connection: the engine
-        never saw it (RFC 9112 §9.3.1.1), and it is no sign of a broken worker."""
+        A request whose kept-alive connection ends before any response byte and within
+        `resend_window` seconds (the engine had closed it: a reset, an end of stream crossing the
+        request) is sent once more on a new connection: the engine never saw it (RFC 9112
+        §9.3.1.1), and it is no sign of a broken worker. aiohttp resent at any delay, even after
+        part of a head; a later end may follow a request the engine read, so it is raised."""
         origin, target = self.origin(url)
         head = _request_head(target, origin.host_header, headers, len(body))
         key = (origin.host, origin.port, origin.ssl is not None)
@@ -360,7 +372,7 @@ class H1Pool:
                 await conn.send(head, body, read_timeout)
             except H1Disconnected:
                 self._forget(conn)
-                if conn.got_bytes:
+                if conn.got_bytes or conn.lost_at - conn.sent_at > self.resend_window:
                     raise
             except BaseException:
                 self._forget(conn)
