@@ -5,6 +5,8 @@ answers, the read timeout, flow control and header injection."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -368,6 +370,31 @@ def test_a_pooled_connection_that_dies_after_the_engine_read_the_request_is_not_
         with pytest.raises(H1Disconnected):
             await pool.post(url, b"{}", HEADERS, 2.0, 2.0)
         assert seen == [0] and requests == [1]  # sent once, never again on a new connection
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_a_reset_ends_a_body_delimited_by_the_connections_end_as_an_error() -> None:
+    """Only a clean end (FIN) ends such a body; a reset cuts it (the engine crashed or was killed)."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{\"cut")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+        writer.transport.abort()
+
+    async def main() -> None:
+        server, url, _ = await serve(handler)
+        pool = H1Pool(keep_alive=10)
+        response = await pool.post(url, b"{}", HEADERS, 2.0, 2.0)
+        assert await response.read() == b'{"cut'
+        with pytest.raises(H1Disconnected, match="Reset"):
+            await response.read()
+        response.aclose()
         pool.close()
         server.close()
 
