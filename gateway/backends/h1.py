@@ -150,7 +150,7 @@ class H1Connection(asyncio.Protocol):
         self.lost = True
         self.lost_at = self._loop.time()
         if self.busy and not self.complete:
-            if self.status and not self._framed():  # a body delimited by the connection's end
+            if self.status and not self._framed() and exc is None:  # a body delimited by the connection's (clean) end
                 self.complete = True
             else:
                 self._fail(H1Disconnected("the engine closed the connection" if exc is None else
