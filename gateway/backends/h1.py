@@ -74,7 +74,7 @@ class _Origin:
         https = parts.scheme == "https"
         self.host = parts.hostname
         self.port = parts.port or (443 if https else 80)
-        self.ssl = (tls or ssl.create_default_context()) if https else None
+        self.ssl = tls if https else None
         self.host_header = parts.netloc.rpartition("@")[2].encode("idna")
 
 
@@ -351,6 +351,8 @@ class H1Pool:
                 self._origins.clear()
             parts = urlsplit(url)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            if self._tls is None and parts.scheme == "https":  # once: it parses the system's CA file (~30 ms)
+                self._tls = ssl.create_default_context()
             known = self._origins[url] = (_Origin(url, self._tls), target.encode("ascii"))
         return known
 

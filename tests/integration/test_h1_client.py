@@ -405,7 +405,8 @@ def test_https_origins_of_a_pool_share_one_tls_context() -> None:
     """Building a default context reads the system's CA file (~30 ms of CPU on the event loop):
     once per pool, not once per worker URL (each worker has several API paths)."""
     pool = H1Pool(keep_alive=10)
-    urls = [f"https://engine-{n}.internal:8000/v1/{path}" for n in range(3) for path in ("chat/completions", "completions")]
+    urls = [f"https://engine-{n}.internal:8000/v1/{path}"
+            for n in range(3) for path in ("chat/completions", "completions")]
     contexts = {id(pool.origin(url)[0].ssl) for url in urls}
     assert len(contexts) == 1 and pool.origin(urls[0])[0].ssl is not None
     assert pool.origin("http://engine-0.internal:8000/v1/completions")[0].ssl is None
