@@ -410,3 +410,71 @@ def test_https_origins_of_a_pool_share_one_tls_context() -> None:
     contexts = {id(pool.origin(url)[0].ssl) for url in urls}
     assert len(contexts) == 1 and pool.origin(urls[0])[0].ssl is not None
     assert pool.origin("http://engine-0.internal:8000/v1/completions")[0].ssl is None
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+
+
+@pytest.mark.parametrize("pieces, body, reused", [
+    ([b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nA;ext=1;q=\"x\"\r\n0123456789\r\n"  # extensions, hex A
+      b"0;last\r\nx-trailer: t\r\n\r\n"], b"0123456789", True),  # and a trailer
+    ([b"HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n3\r\nabc\r\n0", b"\r", b"\n\r", b"\n"], b"abc", True),
+    ([b"HTTP/1.1 204 No Content\r\n\r\n"], b"", True),
+    ([b"HTTP/1.1 304 Not Modified\r\ncontent-length: 10\r\n\r\n"], b"", True),  # no body, whatever the length
+    ([b"HTTP/1.0 200 OK\r\nconnection: keep-alive\r\ncontent-length: 2\r\n\r\nok"], b"ok", True),
+    ([b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok"], b"ok", False),  # HTTP/1.0: closed unless kept alive
+    ([b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok"], b"ok", False),
+])
+def test_framing_edge_cases_that_parse(pieces: list[bytes], body: bytes, reused: bool) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        for piece in pieces if index == 0 else [OK]:  # each in its own read
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+
+    async def main() -> None:
+        server, url, seen = await serve(handler)
+        pool = H1Pool(keep_alive=10)
+        _, headers, data = await body_of(pool, url)
+        assert data == body and "x-trailer" not in headers
+        assert (await body_of(pool, url))[2] == b"ok"
+        assert seen == ([0] if reused else [0, 1])
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",  # smuggling
+    b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 5\r\n\r\nokabc",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 2\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 2, 2\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999999\r\n\r\nok",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1fffffffffffffffff\r\nabc",  # chunk size overflow
+    b"HTTP/1.1 200 OK\r\nx-a: one\r\n two\r\ncontent-length: 2\r\n\r\nok",  # obs-fold (RFC 9112 §5.2: 502)
+    b"HTTP/1.1 200 OK\r\nx-a: a\x00b\r\ncontent-length: 2\r\n\r\nok",
+])
+def test_ambiguous_framing_is_refused_and_the_connection_closed(answer: bytes) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(OK if index else answer)
+        await writer.drain()
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+
+    async def main() -> None:
+        server, url, seen = await serve(handler)
+        pool = H1Pool(keep_alive=10)
+        with pytest.raises(H1ProtocolError):
+            await body_of(pool, url)
+        assert (await body_of(pool, url))[2] == b"ok" and seen == [0, 1]
+        pool.close()
+        server.close()
+
+    asyncio.run(main())
