@@ -197,3 +197,16 @@ def test_a_compressed_answer_is_relayed_unread_or_refused(start_gateway: StartGa
     else:
         assert response.status_code == 200 and response.headers["content-encoding"] == "gzip"
         assert response.content == JSON  # httpx decoded the engine's own bytes
+
+
+def test_a_client_that_leaves_before_the_answers_head_closes_the_engines_connection(
+        start_gateway: StartGateway, engines) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await reader.read(1)  # a long prefill: nothing until the gateway hangs up (b"" then)
+        raise ConnectionResetError
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=0.5)
+    assert engine.ended.wait(3)  # cancelled upstream request: its connection closed, not pooled
