@@ -1,17 +1,21 @@
 """Replay the Kimi (Mooncake) conversation trace through the gateway and compare routing policies.
 
-    python -m loadtest.replay                       # defaults: 40 min of trace at 20x, 8 workers, ~9 min
-    python -m loadtest.replay --quick --policies round_robin,least_load   # ~300 requests, ~1 min
+    python -m loadtest.replay                       # defaults: 40 min of trace at 20x, 8 workers, ~11 min
+    python -m loadtest.replay --quick --policies round_robin,least_load   # ~300 requests, ~1.5 min
+    python -m loadtest.replay --minutes 10 --utilisation 0.6,0.8,0.9 --repeat 3   # levels x repetitions
 
-For each policy (and each peer router) a fresh set of processes is started: one process hosting
-N simulated SGLang workers with a prefix (KV) cache model (`loadtest.workers`), then the gateway
-(`python -m gateway.cli serve -c <generated yaml>`, one pool of those workers, the policy under
-test) or SGLang's own router (`sglang_router.launch_router --policy cache_aware`). This process is
-the load generator: it replays the trace at its (compressed) arrival times, streaming, and reads
-the workers' totals afterwards. Results: a markdown table on stdout and
+Each layout (`loadtest.layouts`: a gateway policy, or a peer router such as SGLang's or vLLM's
+`cache_aware`) runs on a fresh set of processes: one process hosting N simulated SGLang workers
+with a prefix (KV) cache model (`loadtest.workers`), then the gateway (`python -m gateway.cli
+serve -c <generated yaml>`) or the peer router, whose time and size settings are scaled as the
+gateway's are (`loadtest.peers`). This process is the load generator: it replays the trace at its
+(compressed) arrival times, streaming, and reads the workers' totals afterwards. Load levels
+(`--utilisation`) set the speed-up from the workers' capacity (`loadtest.capacity`); repetitions
+rotate the order of the layouts (`loadtest.plan`); the table gives medians and min-max
+(`loadtest.spread`). Results: a markdown table on stdout and
 `loadtest/results/replay-<timestamp>.{md,json}` (with the command line and every setting).
 
-Default sizing (2 cores, all three policies plus the peer in about 9 minutes): the first 40
+Default sizing (2 cores, three policies plus two peers in about 11 minutes): the first 40
 minutes of the trace (7,851 requests, 97.6M prompt tokens) compressed 20x into 2 minutes per run;
 outputs scaled by 0.05 (mean ~17 tokens) at 5 ms a token; per worker 1M tokens of KV cache (a
 realistic size for an 8-GPU Kimi node), 4 requests at once, and a prefill speed chosen ("auto")
