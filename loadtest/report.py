@@ -152,7 +152,8 @@ def table_row(run: RunResult, position: int) -> str:
 
 
 SUMMARY_HEADER = ("| load | policy | hit ratio | p50 TTFT (s) | p99 TTFT (s) | max/mean prefill | req/s | errors "
-                  "| runs ok |\n| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+                  "| p99 send lag (s) | runs ok |\n"
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
 
 def summary_row(cell: Aggregate) -> str:
@@ -160,18 +161,18 @@ def summary_row(cell: Aggregate) -> str:
     head = f"| {cell.level} | {_label(cell.name, cell.kind)} |"
     if cell.ok_runs == 0:
         status = cell.statuses[0] if cell.statuses else "no run"
-        return f"{head} {status} | | | | | | {cell.ok_runs}/{cell.runs} |"
+        return f"{head} {status} | | | | | | | {cell.ok_runs}/{cell.runs} |"
     f = cell.figures
     return (f"{head} {fmt_spread(f.get('hit_ratio'), '.3f')} | {fmt_spread(f.get('ttft_p50_s'), '.3f')} | "
             f"{fmt_spread(f.get('ttft_p99_s'), '.3f')} | {fmt_spread(f.get('prefill_max_over_mean'), '.2f')} | "
             f"{fmt_spread(f.get('req_per_s'), '.1f')} | {fmt_spread(f.get('errors'), '.0f')} | "
-            f"{cell.ok_runs}/{cell.runs} |")
+            f"{fmt_spread(f.get('send_lag_p99_s'), '.1f')} | {cell.ok_runs}/{cell.runs} |")
 
 
 def oracle_row(ref: OracleResult) -> str:
     """A main-table row for an offline reference (hit ratio and prefill spread only)."""
     return (f"| - | offline {ref.name} (LRU model, no server) | {ref.hit_ratio:.3f} | - | - | "
-            f"{ref.prefill_max_over_mean:.2f} | - | - | - |")
+            f"{ref.prefill_max_over_mean:.2f} | - | - | - | - |")
 
 
 def summary_table(runs: list[RunResult], references: list[OracleResult]) -> str:
@@ -187,8 +188,10 @@ def markdown(runs: list[RunResult], references: list[OracleResult], meta: dict[s
     lines += ["", summary_table(runs, references)]
     lines += ["", "Cells: median over the repetitions (min-max). Hit ratio = cached / prompt tokens over all "
               "workers (`/sim/stats`). TTFT at the client. max/mean prefill = busiest worker's uncached prompt "
-              "tokens / mean. req/s = completed requests / (last finish - first send). Load = the workers' offered "
-              "load with no cache hit / their capacity (`loadtest/capacity.py`), or the speed-up.", ""]
+              "tokens / mean. req/s = completed requests / (last finish - first send). Send lag = actual - scheduled "
+              "send time: large when the client's concurrency cap was reached, and TTFT then misses that wait. Load "
+              "= the workers' offered load with no cache hit / their capacity (`loadtest/capacity.py`), or the "
+              "speed-up.", ""]
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
     lines += ["", "All runs, in the order they ran (* = hit ratio from the client's usage fields; send lag = "
