@@ -113,7 +113,10 @@ def cmd_sim(args: argparse.Namespace) -> None:
             keep_alive_s=args.keep_alive, log_level="warning", pd_role=args.pd_role,
             pd_protocol=args.pd_protocol, bootstrap_port=args.bootstrap_port,
             pd_wait_timeout_s=args.pd_wait_timeout, kv_transfer_tokens_per_s=args.kv_transfer_rate,
-            kv_load_failure_policy=args.kv_load_failure_policy)
+            kv_load_failure_policy=args.kv_load_failure_policy, scheduler=args.scheduler,
+            chunk_tokens=args.chunk_tokens,
+            decode_step_s=None if args.decode_step_ms is None else args.decode_step_ms / 1000.0,
+            decode_s_per_seq=None if args.decode_ms_per_seq is None else args.decode_ms_per_seq / 1000.0)
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -176,7 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--served-model-name", action="append")
     sim.add_argument("--max-num-seqs", type=int, help="requests running at once; the rest wait")
     sim.add_argument("--kv-capacity", type=int, help="prefix/KV cache size in tokens (enables the cache model)")
-    sim.add_argument("--prefill-rate", type=float, help="uncached prompt tokens prefilled per second")
+    sim.add_argument("--prefill-rate", "--prefill-tokens-per-s", type=float,
+                     help="uncached prompt tokens prefilled per second (per request; with --scheduler "
+                          "stepped, the worker's whole budget, default 20000)")
+    sim.add_argument("--kv-capacity-tokens", dest="kv_capacity", type=int, help=argparse.SUPPRESS)
+    sim.add_argument("--scheduler", choices=["per_request", "stepped"], default="per_request",
+                     help="per_request: each request sleeps its own prefill/decode time; stepped: one "
+                          "scheduler loop shares the prefill budget, batches decode, preempts on a full KV")
+    sim.add_argument("--chunk-tokens", type=int,
+                     help="stepped: tokens per step (vLLM max_num_batched_tokens, SGLang chunked_prefill_size; "
+                          "default 8192)")
+    sim.add_argument("--decode-step-ms", type=float, help="stepped: fixed time of each step, ms (default 20)")
+    sim.add_argument("--decode-ms-per-seq", type=float,
+                     help="stepped: extra step time per decoding sequence, ms (default 0.1)")
     sim.add_argument("--api-key", help="require `Authorization: Bearer KEY` (as the engine's --api-key does)")
     sim.add_argument("--api-key-scope", choices=["engine", "all"], default="engine",
                      help="paths the key guards: the engine's own choice (vLLM: /v1/*; SGLang: all but "

@@ -107,8 +107,41 @@ class PowerOfTwoParams(_Strict):
     seed: int | None = Field(default=None, description="random seed for a reproducible sequence; null: random")
 
 
+class TtftCostParams(_Strict):
+    """`policy_params` of `ttft_cost` (gateway/routing/policies/ttft_cost.py; the rate estimate:
+    gateway/routing/prefill.py). Tokens are the gateway's estimated prompt tokens."""
+
+    prior_rate: float = Field(
+        default=10_000.0, gt=0, description="tokens/s; a worker's prefill rate before (and long after) any "
+        "observation: an order of magnitude for one 8-GPU node of a large MoE model, replaced by measurement")
+    min_rate: float = Field(default=100.0, gt=0, description="tokens/s; the estimate never goes below")
+    max_rate: float = Field(default=1_000_000.0, gt=0, description="tokens/s; ...nor above")
+    half_life_s: float = Field(
+        default=30.0, gt=0, description="seconds after which an observation counts half: the estimate follows "
+        "a worker that slows down or recovers, and one that gets no traffic returns to `prior_rate`")
+    prior_tokens: float = Field(
+        default=4096.0, gt=0, description="tokens; the prior weighs as much as this much prefill observed at "
+        "`prior_rate`")
+    request_tokens: float = Field(
+        default=1024.0, ge=0, description="tokens of prefill work one engine-reported request that this replica "
+        "did not send stands for, until this replica's own requests to the worker give a mean")
+    tie_tolerance: float = Field(
+        default=0.1, ge=0, description="predicted TTFTs within this fraction of the lowest are equal; among them "
+        "the longest cached prefix wins")
+    base_ttft_s: float = Field(
+        default=0.0, ge=0, description="seconds of every TTFT that no prefill explains (network, scheduling, "
+        "the first decode step), taken off each observation before the rate is fitted")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TtftCostParams:
+        if not self.min_rate <= self.prior_rate <= self.max_rate:
+            raise ValueError("want min_rate <= prior_rate <= max_rate")
+        return self
+
+
 POLICY_PARAMS: dict[str, type[BaseModel]] = {
     "prefix_affinity": PrefixAffinityParams,
+    "ttft_cost": TtftCostParams,
     "least_load": NoPolicyParams,
     "power_of_two": PowerOfTwoParams,
     "round_robin": NoPolicyParams,

@@ -93,6 +93,7 @@ class RequestRecord:
     attempt_answered: bool = False  # that attempt's engine has sent its response headers
     reached_engine: bool = False  # an engine accepted the request or may have worked on it (quota settle)
     on_finish: Callable[[RequestRecord], None] | None = None  # called once by `finish` (quota settle)
+    on_first_byte: Callable[[float], None] | None = None  # called with `first_byte_at` when it is set (prefill)
     _finished: bool = False
 
     def cut_by_shutdown(self, response_started: bool) -> None:

@@ -24,6 +24,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.parsing import ParsePool
 from gateway.routing.image_fetch import ImageFetcher
+from gateway.routing.prefill import PrefillEstimator
 from gateway.routing.router import Router
 from gateway.routing.tokens import TokenEstimator
 from gateway.status import StatusWindow
@@ -60,6 +61,9 @@ class AppState:
     tracing: Tracing | None = None
     """OpenTelemetry exporter; None while `tracing.otlp_endpoint` is unset."""
     """Measures client image URLs (own httpx client); None when `image_fetch.enabled` is false."""
+    prefill: PrefillEstimator = field(default_factory=PrefillEstimator)
+    """Each worker's queued prefill tokens and learned prefill rate, for cost-aware policies
+    (gateway/routing/prefill.py); empty while no pool uses one."""
     parse_pool: ParsePool = field(init=False)
     """Where large request bodies are parsed (`gateway/parsing.py`)."""
     started_unix: int = 0
@@ -79,7 +83,7 @@ class AppState:
         self.status = StatusWindow(self.metrics)
         self.parse_pool = ParsePool(self.config)
         self.discovery = DnsDiscovery(self.registry, self.config.discovery, self.config.pools)
-        self.registry.watchers.extend([self.health, self.load])
+        self.registry.watchers.extend([self.health, self.load, self.prefill])
         self.sweeper = Periodic("retired-worker sweep", SWEEP_EVERY_S, self._sweep)
         self.reload_lock = asyncio.Lock()
 

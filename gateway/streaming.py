@@ -37,6 +37,7 @@ from gateway.protocol.anthropic import ERROR_STATUS
 from gateway.protocol.responses import ERROR_EVENTS, PREAMBLE_EVENTS
 from gateway.protocol.sse import SSETap, event_end, sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
+from gateway.routing.prefill import PrefillTicket
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
 MAX_RETRY_AFTER_S = 3600.0  # an engine's longer (or infinite) Retry-After is taken as this
@@ -85,14 +86,18 @@ class AttemptFailed(Exception):
 class Lease:
     """One leg's slot: this replica's in-flight count on a worker and (`counted`) a slot of its
     pool, taken at creation and released exactly once (`release`, idempotent). Owned by a
-    `Holding`. A PD attempt's prefill leg is not `counted`: a pool's `max_in_flight` counts requests."""
+    `Holding`. A PD attempt's prefill leg is not `counted`: a pool's `max_in_flight` counts requests.
+    `prefill` (a cost-aware policy's prefill ticket) is closed with it: a request that ends or
+    fails before its first byte has no prefill pending any more."""
 
-    __slots__ = ("_gate", "_metrics", "_released", "worker")
+    __slots__ = ("_gate", "_metrics", "_prefill", "_released", "worker")
 
-    def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True) -> None:
+    def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True,
+                 prefill: PrefillTicket | None = None) -> None:
         self.worker = worker
         self._metrics = metrics
         self._gate = gate if counted else None
+        self._prefill = prefill
         self._released = False
         worker.in_flight += 1
         if counted:
@@ -106,6 +111,8 @@ class Lease:
             if self._gate is not None:
                 self._gate.released()
             self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
+            if self._prefill is not None:
+                self._prefill.close()
 
 
 class Closable(Protocol):
@@ -139,10 +146,11 @@ class Holding:
         """Whether anything is still held (a cheap test before awaiting `aclose`)."""
         return bool(self._leases or self._responses)
 
-    def lease(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True) -> Lease:
-        """Take a slot on `worker` (and, `counted`, one of its pool's `gate`), held until this
-        Holding is closed."""
-        lease = Lease(worker, metrics, gate, counted)
+    def lease(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True,
+              prefill: PrefillTicket | None = None) -> Lease:
+        """Take a slot on `worker` (and, `counted`, one of its pool's `gate`; `prefill`: the
+        request's prefill ticket, closed with the slot), held until this Holding is closed."""
+        lease = Lease(worker, metrics, gate, counted, prefill)
         self._leases.append(lease)
         return lease
 
@@ -588,6 +596,8 @@ class UpstreamStream:
 
 
 def mark_first_byte(record: RequestRecord) -> None:
-    """Note the first upstream body byte (TTFT for streams)."""
+    """Note the first upstream body byte (TTFT for streams) and tell `record.on_first_byte`."""
     if record.first_byte_at is None:
-        record.first_byte_at = time.perf_counter()
+        record.first_byte_at = at = time.perf_counter()
+        if record.on_first_byte is not None:
+            record.on_first_byte(at)

@@ -4,16 +4,20 @@ The replay targets a utilisation (offered load / capacity) by choosing the speed
 (`speedup_for_utilisation`) or, for `--prefill-tps auto`, the workers' prefill speed
 (`prefill_for_utilisation`). Both invert `utilisation`, which reads the simulator's settings
 (the `SimConfig` fields the workers are started with) through `service_seconds` and
-`worker_capacity_rps`. When the simulator's service model changes (e.g. a shared per-worker
-prefill budget instead of a per-request prefill speed), `service_seconds`/`worker_capacity_rps`
-are the only functions to update.
+`worker_capacity_rps`. When the simulator's service model changes, those two are the only
+functions to update. Both of the simulator's models (`SimConfig.scheduler`) are covered:
 
-Model of today's simulator (`gateway.sim`, per-request prefill): a request holds one of
-`max_num_seqs` slots for `ttft_s + prompt_tokens / prefill_tokens_per_s + output_tokens x tpot_s x
-(1 + decode_batch_slowdown x (max_num_seqs - 1))` seconds (decode counted at a full batch: an upper
-bound). Capacity of one worker = `max_num_seqs / that` requests/s. Offered load counts every prompt
-token as uncached (no cache hit): a policy's cache hits and balance then decide how far below
-capacity each worker really runs, which is what the replay compares.
+- "stepped" (`gateway.sim.stepper`, one prefill budget per worker): the budget is busy
+  `prompt_tokens / prefill_tokens_per_s + prompt_tokens / chunk_tokens x decode_step_s` seconds
+  per request (its prefill, plus the fixed part of the steps its chunks take); decode steps fill
+  the gaps between prefills and are not counted. Capacity = 1 / that requests/s.
+- "per_request": a request holds one of `max_num_seqs` slots for `ttft_s + prompt_tokens /
+  prefill_tokens_per_s + output_tokens x tpot_s x (1 + decode_batch_slowdown x (max_num_seqs -
+  1))` seconds (decode counted at a full batch: an upper bound). Capacity = `max_num_seqs / that`.
+
+Offered load counts every prompt token as uncached (no cache hit): a policy's cache hits and
+balance then decide how far below capacity each worker really runs, which is what the replay
+compares.
 
     utilisation = (requests / trace span at 1x x speedup / workers) / capacity of one worker
 """
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.sim.config import SimConfig
+from gateway.sim.stepper import DEFAULT_PREFILL_TOKENS_PER_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +65,22 @@ def _field(sim: Mapping[str, Any], name: str) -> Any:
     return None if info is None else info.default
 
 
+def stepped(sim: Mapping[str, Any]) -> bool:
+    """True when the workers run the step scheduler (one shared prefill budget)."""
+    return _field(sim, "scheduler") == "stepped"
+
+
 def service_seconds(sim: Mapping[str, Any], load: Workload) -> float:
-    """Mean seconds a request holds a worker slot with no cache hit (see the module docstring).
+    """Mean seconds a request occupies a worker with no cache hit (see the module docstring): of
+    its prefill budget (stepped) or of one of its slots (per_request).
 
     `sim`: SimConfig fields (missing ones take SimConfig's defaults). Raises ValueError when the
     request would take no time (no latency model: capacity is unbounded).
     """
+    if stepped(sim):
+        budget = float(_field(sim, "prefill_tokens_per_s") or DEFAULT_PREFILL_TOKENS_PER_S)
+        steps = load.mean_prompt_tokens / float(_field(sim, "chunk_tokens"))
+        return load.mean_prompt_tokens / budget + steps * float(_field(sim, "decode_step_s") or 0.0)
     prefill_tps = _field(sim, "prefill_tokens_per_s")
     slots = _field(sim, "max_num_seqs") or 1
     decode_factor = 1.0 + float(_field(sim, "decode_batch_slowdown") or 0.0) * (slots - 1)
@@ -81,9 +96,11 @@ def service_seconds(sim: Mapping[str, Any], load: Workload) -> float:
 def worker_capacity_rps(sim: Mapping[str, Any], load: Workload) -> float:
     """Requests per second one simulated worker serves when always busy, with no cache hit.
 
-    Raises ValueError without `max_num_seqs` (the simulator then runs every request at once: no
-    capacity to speak of) or without a latency model.
+    Raises ValueError, per request, without `max_num_seqs` (the simulator then runs every request
+    at once: no capacity to speak of) or without a latency model.
     """
+    if stepped(sim):
+        return 1.0 / service_seconds(sim, load)
     slots = _field(sim, "max_num_seqs")
     if not slots:
         raise ValueError("utilisation needs max_num_seqs on the simulated workers (unlimited = no capacity)")
@@ -117,8 +134,8 @@ def prefill_for_utilisation(target: float, sim: Mapping[str, Any], load: Workloa
 
     lo, hi = 1e-3, 1e15
     if at(hi) > target:
-        raise ValueError(f"decode and the fixed latency alone exceed {target:.0%} utilisation; "
-                         "lower --tpot, --ttft or --output-scale, or raise --max-num-seqs")
+        raise ValueError(f"decode, step overheads or the fixed latency alone exceed {target:.0%} utilisation; "
+                         "lower --tpot, --ttft or --output-scale, or raise --max-num-seqs or --chunk-tokens")
     if at(lo) < target:
         return lo
     for _ in range(200):  # on a log scale: ~1e-15 relative width after 200 halvings of 60 decades

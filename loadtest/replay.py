@@ -17,10 +17,13 @@ rotate the order of the layouts (`loadtest.plan`); the table gives medians and m
 
 Default sizing (2 cores, three policies plus two peers in about 11 minutes): the first 40
 minutes of the trace (7,851 requests, 97.6M prompt tokens) compressed 20x into 2 minutes per run;
-outputs scaled by 0.05 (mean ~17 tokens) at 5 ms a token; per worker 1M tokens of KV cache (a
-realistic size for an 8-GPU Kimi node), 4 requests at once, and a prefill speed chosen ("auto")
-so that without any cache hit the workers would be 80% busy on average. Trace bursts (up to 28
-requests in 3 s) then make queues, and every cached token shortens them.
+outputs scaled by 0.05 (mean ~17 tokens) at 5 ms a decode step; per worker 1M tokens of KV cache
+(a realistic size for an 8-GPU Kimi node) and a prefill speed chosen ("auto") so that without any
+cache hit the workers would be 80% busy on average. The workers run the simulator's step scheduler
+(`--scheduler stepped`, `gateway.sim.stepper`): one prefill budget per worker shared by its
+requests in chunks of 8,192 tokens, up to 256 requests at once. `--scheduler per_request` gives
+the earlier model (each request prefills at the auto speed on its own, 4 requests at once). Trace
+bursts (up to 28 requests in 3 s) then make queues, and every cached token shortens them.
 """
 
 from __future__ import annotations
@@ -234,11 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the peers with their default eviction interval and tree size (see loadtest/peers.py)")
     add("--kv-capacity", type=int, default=1_000_000, help="KV cache per worker, tokens")
     add("--kv-block", type=int, default=16, help="KV cache block, tokens")
-    add("--max-num-seqs", type=int, default=4, help="requests a worker runs at once (the rest queue)")
+    add("--scheduler", choices=["stepped", "per_request"], default="stepped",
+        help="worker model: one shared prefill budget per worker (stepped) or a prefill per request")
+    add("--max-num-seqs", type=int, help="requests a worker runs at once, the rest queue (default: 256 "
+        "stepped, 4 per_request)")
+    add("--chunk-tokens", type=int, default=8192, help="stepped: tokens per step (max_num_batched_tokens)")
+    add("--decode-ms-per-seq", type=float, default=0.025,
+        help="stepped: step time per decoding sequence, ms (the sim's 0.1 ms per 20 ms step, scaled to --tpot)")
     add("--ttft", type=float, default=0.01, help="fixed part of every prefill, seconds")
-    add("--tpot", type=float, default=0.005, help="seconds per output token")
+    add("--tpot", type=float, default=0.005, help="seconds per output token (stepped: per decode step)")
     add("--decode-slowdown", type=float, default=0.0, help="SimConfig.decode_batch_slowdown")
-    add("--prefill-tps", default="auto", help="prefill tokens/s per request, or 'auto' (see --target-util)")
+    add("--prefill-tps", default="auto",
+        help="prefill tokens/s (stepped: per worker, shared; per_request: per request), or 'auto' (--target-util)")
     add("--target-util", type=float, default=0.8,
         help="'auto' prefill: utilisation of the workers at --speedup with no cache hit")
     add("--max-concurrency", type=int, default=256, help="requests in flight at the client, at most")
@@ -276,8 +286,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         output_scale=args.output_scale, workers=args.workers, policies=_names(args.policies),
         policy_params=_param_pairs(args.policy_params), gateway_extra=args.gateway_extra,
         gateway_time_scale=not args.no_gateway_time_scale, peers=args.peers, peer_scale=not args.no_peer_scale,
-        kv_capacity_tokens=args.kv_capacity, kv_block_tokens=args.kv_block, max_num_seqs=args.max_num_seqs,
-        ttft_s=args.ttft, tpot_s=args.tpot, decode_batch_slowdown=args.decode_slowdown,
+        kv_capacity_tokens=args.kv_capacity, kv_block_tokens=args.kv_block,
+        max_num_seqs=args.max_num_seqs or (256 if args.scheduler == "stepped" else 4), scheduler=args.scheduler,
+        chunk_tokens=args.chunk_tokens, decode_s_per_seq=args.decode_ms_per_seq / 1000.0, ttft_s=args.ttft,
+        tpot_s=args.tpot, decode_batch_slowdown=args.decode_slowdown,
         prefill_tps=args.prefill_tps, target_util=args.target_util, utilisations=args.utilisation,
         repeats=args.repeat, max_concurrency=args.max_concurrency, max_seconds=args.max_seconds,
         drain_seconds=args.drain_seconds, text_cache_blocks=args.text_cache_blocks, seed=args.seed,
@@ -314,8 +326,11 @@ def _meta(s: Settings, stamp: str, command: str, rows: list[TraceRequest], load:
             "repetitions": s.repeats, "run order": "repetition i starts with layout i mod n (loadtest/plan.py)",
             "workers": s.workers, "output scale": s.output_scale,
             "KV capacity (tokens/worker)": s.kv_capacity_tokens, "KV block (tokens)": s.kv_block_tokens,
-            "max_num_seqs": s.max_num_seqs, "ttft_s": s.ttft_s, "tpot_s": s.tpot_s,
-            "prefill (tokens/s per request)": round(levels[0].prefill_tps or 0),
+            "max_num_seqs": s.max_num_seqs, "ttft_s": s.ttft_s, "tpot_s": s.tpot_s, "scheduler": s.scheduler,
+            **({"chunk tokens": s.chunk_tokens, "decode s per seq": s.decode_s_per_seq}
+               if s.scheduler == "stepped" else {}),
+            ("prefill (tokens/s per worker)" if s.scheduler == "stepped" else "prefill (tokens/s per request)"):
+                round(levels[0].prefill_tps or 0),
             "prefill rule": (f"auto: {s.target_util:.0%} utilisation at {s.speedup:g}x with no cache hit"
                              if s.prefill_tps == "auto" else "fixed"),
             "max concurrency": s.max_concurrency, "max seconds": s.max_seconds,
@@ -349,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(items)
         print(f"load {level.label}: {summary.requests} requests over {summary.span_s:.0f} s of replay "
               f"({level.speedup:.3g}x), {summary.prompt_tokens / 1e6:.1f}M prompt tokens; prefill "
-              f"{level.prefill_tps or 0:,.0f} tokens/s per request slot", flush=True)
+              f"{level.prefill_tps or 0:,.0f} tokens/s "
+              f"{'per worker (shared)' if s.scheduler == 'stepped' else 'per request slot'}", flush=True)
     references = oracle.references(rows, s.workers, s.kv_capacity_tokens)
     texts = BlockTexts(seed=s.seed, cache_blocks=s.text_cache_blocks)
 

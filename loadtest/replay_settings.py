@@ -46,6 +46,9 @@ class Settings:
     kv_capacity_tokens: int
     kv_block_tokens: int
     max_num_seqs: int
+    scheduler: str
+    chunk_tokens: int
+    decode_s_per_seq: float
     ttft_s: float
     tpot_s: float
     decode_batch_slowdown: float
@@ -78,4 +81,7 @@ def sim_fields(s: Settings, prefill_tps: float | None) -> dict[str, Any]:
     }
     if prefill_tps is not None:
         fields["prefill_tokens_per_s"] = prefill_tps
+    if s.scheduler == "stepped":
+        fields.update(scheduler="stepped", chunk_tokens=s.chunk_tokens, decode_step_s=s.tpot_s,
+                      decode_s_per_seq=s.decode_s_per_seq)
     return fields

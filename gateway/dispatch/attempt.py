@@ -51,6 +51,7 @@ from gateway.dispatch.answers import (
 from gateway.errors import UpstreamError
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.prefill import PrefillTicket
 from gateway.state import AppState
 from gateway.streaming import (
     AnswerTooLarge,
@@ -181,13 +182,15 @@ class SingleLeg(Attempt):
     `run()`: take a slot, send the body, wait for the engine's headers and its first content
     within their budgets, then hand the stream over (`UpstreamStream`) or read the answer whole.
     `strip_usage`: the usage patch is on (its chunk is not relayed; backends/patches.py).
+    `prefill`: the request's prefill ticket (a cost-aware policy's, `routing/prefill.py`): told the
+    first byte through the record (`RequestRecord.on_first_byte`), closed with the slot.
     """
 
-    __slots__ = ("_api", "_body", "_record", "_request", "_state", "_strip_usage")
+    __slots__ = ("_api", "_body", "_prefill", "_record", "_request", "_state", "_strip_usage")
 
     def __init__(self, state: AppState, api: Api, pool: PoolConfig, worker: Worker, reason: str,
                  matched: float | None, body: bytes, request: RoutingRequest, record: RequestRecord,
-                 strip_usage: bool) -> None:
+                 strip_usage: bool, prefill: PrefillTicket | None = None) -> None:
         super().__init__(pool, worker, reason, matched)
         self._state = state
         self._api = api
@@ -195,12 +198,15 @@ class SingleLeg(Attempt):
         self._request = request
         self._record = record
         self._strip_usage = strip_usage
+        self._prefill = prefill
 
     async def run(self) -> BufferedResponse | RelayResponse:
         """Take the slot, send, wait for headers then first content, and accept (see the class)."""
         holding = Holding()
+        prefill = self._prefill
+        self._record.on_first_byte = None if prefill is None else prefill.first_byte
         try:
-            holding.lease(self.worker, self._state.metrics, self._state.registry.gates[self.pool.name])
+            holding.lease(self.worker, self._state.metrics, self._state.registry.gates[self.pool.name], prefill=prefill)
             return await self._serve(holding, self.upstream_headers())
         finally:
             if holding:  # not handed over: release the slot (a waiter may take it), then the connection

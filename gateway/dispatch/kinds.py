@@ -2,9 +2,12 @@
 attempt among the candidates with room and runs it; it knows nothing of legs.
 
 `Aggregated` (every pool today): the pool's policy picks one worker, whose attempt is a
-`SingleLeg`. `Disaggregated` (a prefill/decode pool, issue 13): a prefill and a decode worker,
-each picked by its role's policy, in a two-leg attempt of the pool's protocol (`pd_attempt.py`);
-`kind_of` picks the kind from the pool's `disaggregation` config.
+`SingleLeg` (with a cost-aware policy, holding the request's prefill ticket:
+`steps.prefill_ticket`). `Disaggregated` (a prefill/decode pool, issue 13): a prefill and a
+decode worker, each picked by its role's policy, in a two-leg attempt of the pool's protocol
+(`pd_attempt.py`); `kind_of` picks the kind from the pool's `disaggregation` config. A cost-aware
+prefill policy sees the prefill workers' engine load in tokens there, but no prefill ticket is
+taken: their rates stay at the prior.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from gateway.config import PoolConfig
 from gateway.dispatch.attempt import Attempt, SingleLeg
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.pd_attempt import MooncakeAttempt, NixlAttempt, PdAttempt, SglangAttempt
-from gateway.dispatch.steps import decide, engine_body
+from gateway.dispatch.steps import decide, engine_body, prefill_ticket
 from gateway.routing.policy import RoutingPolicy
 
 
@@ -42,14 +45,14 @@ class Aggregated:
         a stream's client did not ask for usage and the engine supports it: its tokens are
         counted anyway, backends/patches.py)."""
         request, pool, state = dispatch.request, dispatch.pool, dispatch.state
-        decision = decide(policy, request, workers, match)
+        decision = decide(policy, request, workers, match, state.prefill)
         worker = decision.worker
         patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api,
                            pool.served_model_name or state.config.model.name, worker, patch_usage)
         matched = match.get(worker.url, 0.0) if policy.uses_affinity else None
         return SingleLeg(state, dispatch.api, pool, worker, decision.reason, matched, body, request,
-                         dispatch.record, patch_usage)
+                         dispatch.record, patch_usage, prefill_ticket(state.prefill, policy, request, worker, match))
 
 
 class Disaggregated:
@@ -71,7 +74,7 @@ class Disaggregated:
         request, pool, state = dispatch.request, dispatch.pool, dispatch.state
         registry = state.registry
         prefills = registry.gates[pool.name].with_room(registry.candidates(pool.name, dispatch.tried, "prefill"))
-        prefill = decide(policy, request, prefills, match)
+        prefill = decide(policy, request, prefills, match, state.prefill)  # no ticket: rates stay at the prior
         decode = decide(state.router.policy(pool.name, "decode"), request, workers, {})
         metrics = state.metrics.pd_route_decisions
         metrics.labels(pool.name, "prefill", prefill.reason).inc()

@@ -4,6 +4,7 @@ policy picks among the candidates with room (`decide`), and the engine's body (`
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Mapping
 from enum import StrEnum
 
@@ -13,6 +14,7 @@ from gateway.config import PoolConfig
 from gateway.parsing import Payload, encode_for
 from gateway.routing.features import Api, RoutingRequest
 from gateway.routing.policy import Candidate, Decision, RoutingPolicy
+from gateway.routing.prefill import PrefillEstimator, PrefillTicket
 
 
 class PoolStep(StrEnum):
@@ -56,13 +58,35 @@ def with_room(registry: WorkerRegistry, pool: PoolConfig, workers: list[Worker],
 
 
 def decide(policy: RoutingPolicy, request: RoutingRequest, workers: list[Worker],
-           match: Mapping[str, float]) -> Decision:
+           match: Mapping[str, float], prefill: PrefillEstimator | None = None) -> Decision:
     """The pool policy's choice among `workers` (candidates with room), each seen with its load,
     KV cache usage and the share of the prompt it holds (`match`: worker URL -> 0..1, from the
-    affinity store; the matched tokens are that share of the estimated prompt tokens)."""
-    candidates = [Candidate(w, w.load(), w.kv_usage, match.get(w.url, 0.0),
-                            int(match.get(w.url, 0.0) * request.prompt_tokens)) for w in workers]
+    affinity store; the matched tokens are that share of the estimated prompt tokens); for a
+    policy with a `prefill_model`, given `prefill`, also with its queued prefill tokens and
+    prefill rate (tokens/s)."""
+    model = policy.prefill_model
+    if model is None or prefill is None:
+        candidates = [Candidate(w, w.load(), w.kv_usage, match.get(w.url, 0.0),
+                                int(match.get(w.url, 0.0) * request.prompt_tokens)) for w in workers]
+        return policy.select(request, candidates)
+    now = time.perf_counter()
+    candidates = []
+    for w in workers:
+        share, load, state = match.get(w.url, 0.0), w.load(), prefill.of(w)
+        candidates.append(Candidate(w, load, w.kv_usage, share, int(share * request.prompt_tokens),
+                                    prefill.queued(w, state, model, load), model.rate(state, now)))
     return policy.select(request, candidates)
+
+
+def prefill_ticket(prefill: PrefillEstimator, policy: RoutingPolicy, request: RoutingRequest, worker: Worker,
+                   match: Mapping[str, float]) -> PrefillTicket | None:
+    """For a policy with a `prefill_model`: the ticket of a request about to go to `worker` (its
+    uncached tokens there pending until its first byte; a stream's TTFT observed then), else None."""
+    model = policy.prefill_model
+    if model is None:
+        return None
+    uncached = request.prompt_tokens - int(match.get(worker.url, 0.0) * request.prompt_tokens)
+    return prefill.start(worker, model, max(uncached, 0), request.stream, time.perf_counter())
 
 
 BodyKey = tuple[str, bool, bool]  # (served model name, usage patch, max_tokens for max_completion_tokens)

@@ -12,6 +12,7 @@ from typing import ClassVar, Protocol
 from gateway.backends.worker import Worker
 from gateway.config import NoPolicyParams
 from gateway.routing.features import RoutingRequest
+from gateway.routing.prefill import PrefillModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +22,9 @@ class Candidate:
     `load` is in requests (engine running + waiting + started here since the last scrape);
     `kv_usage` is the engine's KV-cache use 0..1 (None if not exported); `match` is the share of
     the prompt (0..1) whose prefix this worker holds per the affinity store, `matched_tokens` the
-    same in estimated tokens.
+    same in estimated tokens. Only for a policy with a `prefill_model` (else 0): `queued_tokens`,
+    the prefill work ahead of the request there (tokens), and `prefill_rate`, the worker's
+    estimated prefill rate (tokens/s); see gateway/routing/prefill.py.
     """
 
     worker: Worker
@@ -29,6 +32,8 @@ class Candidate:
     kv_usage: float | None = None
     match: float = 0.0
     matched_tokens: int = 0
+    queued_tokens: float = 0.0
+    prefill_rate: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +49,15 @@ NoParams = NoPolicyParams
 
 
 class RoutingPolicy(Protocol):
-    """A policy picks one of `candidates` (never empty: healthy, untried workers) for `request`."""
+    """A policy picks one of `candidates` (never empty: healthy, untried workers) for `request`.
+
+    `prefill_model` is None but for a cost-aware policy: then the dispatch fills each candidate's
+    `queued_tokens` and `prefill_rate` with it and feeds it each request's observed TTFT
+    (gateway/routing/prefill.py); the policy itself stays a pure function of its candidates."""
 
     name: ClassVar[str]
     uses_affinity: ClassVar[bool]
+    prefill_model: PrefillModel | None
 
     def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision: ...
 

@@ -1,9 +1,9 @@
 """Policy names → classes. Adding a policy: one module in `policies/`, one line here and one in config.POLICY_PARAMS.
 
-Each policy class has `name`, `uses_affinity`, a pydantic `Params` model (its parameters,
-validated at start-up from the pool's `policy_params`; defined in gateway/config.py's
-`POLICY_PARAMS`, so a config is checked without importing routing code) and
-`select(request, candidates)`.
+Each policy class has `name`, `uses_affinity`, `prefill_model` (None but for a cost-aware policy),
+a pydantic `Params` model (its parameters, validated at start-up from the pool's `policy_params`;
+defined in gateway/config.py's `POLICY_PARAMS`, so a config is checked without importing routing
+code) and `select(request, candidates)`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from gateway.routing.policies.power_of_two import PowerOfTwoPolicy
 from gateway.routing.policies.prefix_affinity import PrefixAffinityPolicy
 from gateway.routing.policies.round_robin import RoundRobinPolicy
 from gateway.routing.policies.session import SessionPolicy
+from gateway.routing.policies.ttft_cost import TtftCostPolicy
 from gateway.routing.policy import RoutingPolicy
 
 POLICIES: dict[str, Any] = {
     cls.name: cls
-    for cls in (PrefixAffinityPolicy, LeastLoadPolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionPolicy)
+    for cls in (PrefixAffinityPolicy, LeastLoadPolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionPolicy,
+                TtftCostPolicy)
 }
 
 

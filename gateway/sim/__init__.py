@@ -11,7 +11,9 @@ Opt-in engine model for benchmarks (`SimConfig.kv_capacity_tokens`, `prefill_tok
 `decode_batch_slowdown`, `keep_records`): a per-worker prefix cache with LRU eviction
 (`gateway.sim.kvcache`), prefill time that grows with the uncached tokens, a FIFO admission queue,
 `usage.prompt_tokens_details.cached_tokens`, the engines' prefix-cache metrics, and running totals
-on `GET /sim/stats`.
+on `GET /sim/stats`. `SimConfig.scheduler="stepped"` swaps the per-request timing for one step
+scheduler per worker (`gateway.sim.stepper`): a prefill budget shared by concurrent prefills in
+chunks, decode steps that slow with the batch, and preemption when the KV cache is full.
 """
 
 from gateway.sim.app import SimApp, create_sim_app

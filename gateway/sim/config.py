@@ -14,6 +14,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.sim.stepper import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_DECODE_S_PER_SEQ,
+    DEFAULT_DECODE_STEP_S,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+)
+
 Engine = Literal["vllm", "sglang", "ascend"]
 """Engine kinds. "ascend" is vllm-ascend: vLLM's API, wording and metric names."""
 
@@ -33,6 +40,9 @@ PdProtocol = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
 """How the two roles hand the KV cache over: SGLang's bootstrap rooms, or vLLM's
 `kv_transfer_params` with the NixlConnector (pull) or the MooncakeConnector (push, shared
 `transfer_id`); see `gateway.sim.pd`."""
+
+SchedulerKind = Literal["per_request", "stepped"]
+"""How a worker spends its time (see `SimConfig.scheduler`)."""
 
 KvLoadFailurePolicy = Literal["fail", "recompute"]
 """vLLM's `KVTransferConfig.kv_load_failure_policy`: what a decode worker does when it cannot pull
@@ -128,6 +138,13 @@ class SimConfig(BaseModel):
     - `decode_batch_slowdown` makes each output token take `tpot_s` x (1 + `decode_batch_slowdown`
       x (running requests - 1)) seconds.
     - `keep_records=False` keeps only counters (`GET /sim/stats`), no per-request records.
+    - `scheduler="stepped"` replaces the per-request timing above by one step scheduler per worker
+      (`gateway.sim.stepper`): one prefill budget (`prefill_tokens_per_s`, default
+      `DEFAULT_PREFILL_TOKENS_PER_S`) shared by concurrent prefills in chunks of `chunk_tokens`,
+      decode steps of `decode_step_s` + `decode_s_per_seq` x batch, and, with
+      `kv_capacity_tokens`, preemption when the KV cache is full. `ttft_s` is then a fixed delay
+      before the request reaches the scheduler (the API server's share), and `tpot_s` /
+      `decode_batch_slowdown` are not used.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -165,6 +182,16 @@ class SimConfig(BaseModel):
     """Prefill speed in tokens per second; None = the prefill takes `ttft_s` whatever the prompt."""
     decode_batch_slowdown: float = Field(default=0.0, ge=0.0)
     """Extra time per output token per additional running request, as a fraction of `tpot_s`."""
+    scheduler: SchedulerKind = "per_request"
+    """"per_request": each request sleeps its own prefill and decode time (the fields above).
+    "stepped": one scheduler loop per worker shares the prefill budget, batches decode steps and
+    preempts under KV pressure (`gateway.sim.stepper`, which gives the sources of the defaults)."""
+    chunk_tokens: int = Field(default=DEFAULT_CHUNK_TOKENS, gt=0)
+    """Stepped: tokens per step (vLLM `max_num_batched_tokens`, SGLang `chunked_prefill_size`)."""
+    decode_step_s: float = Field(default=DEFAULT_DECODE_STEP_S, ge=0.0)
+    """Stepped: fixed time of every step, seconds."""
+    decode_s_per_seq: float = Field(default=DEFAULT_DECODE_S_PER_SEQ, ge=0.0)
+    """Stepped: extra step time per decoding sequence in the batch, seconds."""
     api_key: str | None = None
     """With a key, guarded paths answer 401 `{"error": "Unauthorized"}` (both engines' answer)
     unless the request carries `Authorization: Bearer <api_key>`; OPTIONS and `/sim/*` (test
@@ -226,6 +253,11 @@ class SimConfig(BaseModel):
         if self.pd_protocol in ("vllm-nixl", "vllm-mooncake") and self.engine == "sglang":
             raise ValueError(f"pd_protocol '{self.pd_protocol}' needs engine 'vllm' or 'ascend'")
         return self
+
+    @property
+    def step_prefill_tokens_per_s(self) -> float:
+        """The stepped scheduler's prefill budget: `prefill_tokens_per_s`, else the default."""
+        return self.prefill_tokens_per_s if self.prefill_tokens_per_s is not None else DEFAULT_PREFILL_TOKENS_PER_S
 
     @property
     def model_name(self) -> str:

@@ -19,6 +19,10 @@ Sources of the exact strings (only the wording and names are taken from the engi
   `python/sglang/srt/metrics/collector.py` (label `model_name`): `SchedulerMetricsCollector`
   gauges `sglang:token_usage` and `sglang:cache_hit_rate`, `TokenizerMetricsCollector` counter
   `sglang:cached_tokens_total`.
+- Preemption counters: vLLM's `vllm:num_preemptions` (same `PrometheusStatLogger`, a counter, so
+  `vllm:num_preemptions_total` on the wire, also before V1); SGLang's
+  `sglang:num_retracted_requests_total` (`SchedulerMetricsCollector`, named "requests" beside the
+  older per-batch gauge `sglang:num_retracted_reqs`, which the simulator does not expose).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class MetricNames:
     """Counter of prompt tokens found in the prefix cache (vLLM: `..._hits`; SGLang: `cached_tokens`)."""
     cache_hit_rate: str | None = None
     """Gauge of the recent prefix-cache hit rate, 0 to 1 (SGLang)."""
+    preemptions: str | None = None
+    """Counter of running requests preempted (vLLM) or retracted (SGLang) for KV-cache room."""
 
 
 ContextCheck = Callable[[int, int | None, int], str | None]
@@ -202,6 +208,7 @@ VLLM_METRICS = MetricNames(
     request_success="vllm:request_success",
     prefix_cache_queries="vllm:prefix_cache_queries",
     prefix_cache_hits="vllm:prefix_cache_hits",
+    preemptions="vllm:num_preemptions",
 )
 VLLM_LEGACY_METRICS = dataclasses.replace(VLLM_METRICS, kv_usage="vllm:gpu_cache_usage_perc",
                                           prefix_cache_queries="vllm:gpu_prefix_cache_queries",
@@ -214,6 +221,7 @@ SGLANG_METRICS = MetricNames(
     generation_tokens="sglang:generation_tokens",
     prefix_cache_hits="sglang:cached_tokens",
     cache_hit_rate="sglang:cache_hit_rate",
+    preemptions="sglang:num_retracted_requests",
 )
 
 

@@ -5,8 +5,10 @@ Order of work for one request: read the body; record it; apply faults (hang, fai
 model name and the context window (errors before any stream byte); hash the prompt's blocks (with
 a prefix cache); wait for admission (`max_num_seqs`, KV room); "prefill" for `ttft_s` (+ uncached
 tokens / `prefill_tokens_per_s`), then cache the prompt's blocks; emit one word per token every
-`tpot_s` (x the batch slowdown). Every wait races the client's disconnect, which marks the record
-aborted.
+`tpot_s` (x the batch slowdown). With `scheduler="stepped"` the worker's step scheduler does the
+admission, prefill and decode timing instead (`gateway.sim.stepper`); the handler waits for its
+request's progress and sends each token as it appears. Every wait races the client's disconnect,
+which marks the record aborted.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
 from gateway.sim.pd import PdFailure
 from gateway.sim.pd_leg import PdLeg
+from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
     PromptError,
     chat_prompt_tokens,
@@ -286,10 +289,16 @@ def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -
 async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, faults: SimFaults) -> None:
     """Queue for admission, then generate; keeps the running/waiting gauges right on every exit."""
-    active = engine.try_admit(plan.total_prompt_tokens, plan.keys)
-    if active is None:
-        active = await watch.run(engine.admit(plan.total_prompt_tokens, plan.keys))
-    engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
+    active: ActiveRequest
+    if engine.stepper is not None:  # admitted by the scheduler loop once `_prefill` queues it
+        active = engine.new_step_request(plan.total_prompt_tokens, plan.keys, len(plan.prompt_tokens),
+                                         plan.output_tokens)
+    else:
+        admitted = engine.try_admit(plan.total_prompt_tokens, plan.keys)
+        if admitted is None:
+            admitted = await watch.run(engine.admit(plan.total_prompt_tokens, plan.keys))
+        active = admitted
+        engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
     reason = "abort"
     try:
         if plan.anthropic and not (plan.stream and faults.raw_stream_chunks is not None):  # raw: streams only
@@ -323,9 +332,20 @@ async def _reply_pd_failure(engine: SimEngine, record: SimRequestRecord, respond
 
 
 async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest,
-                   leg: PdLeg | None = None) -> None:
+                   leg: PdLeg | None = None, record: SimRequestRecord | None = None) -> None:
     """Sleep for the modelled time to first token, then cache the prompt's blocks. A PD leg
-    first waits for its hand-over; KV received from a prefill worker is not computed again."""
+    first waits for its hand-over; KV received from a prefill worker is not computed again. A
+    `StepRequest` waits `ttft_s` (the API server's share), then for the scheduler's prefill; its PD
+    transfer happens before admission, so it does not subtract this worker's own prefix cache."""
+    if isinstance(active, StepRequest):
+        await watch.sleep(engine.config.ttft_s)
+        remote = await leg.before_prefill(watch, active) if leg is not None else 0
+        await watch.run(engine.run_stepped_prefill(active, remote))
+        if record is not None:
+            engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
+        if leg is not None:
+            leg.after_prefill(active)
+        return
     if leg is None:
         await watch.sleep(engine.prefill_seconds(active))
     else:
@@ -338,15 +358,29 @@ async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequ
         leg.after_prefill(active)
 
 
+async def _next_token(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest, i: int,
+                      tokens: int, pause_first_only: bool = False) -> None:
+    """Wait until output token `i` (0-based) of `active` exists. Per-request timing: sleep the decode
+    time before every token but the first (`pause_first_only`: even a zero one, which still yields
+    so a disconnect is noticed; else only with `tpot_s` > 0), then count `tokens` generated.
+    Stepped: wait for the scheduler's step `i` + 1 (which counts the tokens)."""
+    if isinstance(active, StepRequest):
+        if active.steps < i + 1:
+            await watch.run(active.wait_steps(i + 1))
+        return
+    if i > 0 and (pause_first_only or engine.config.tpot_s > 0):
+        await watch.sleep(engine.decode_seconds())
+    if tokens:
+        engine.note_generated(active, tokens)
+
+
 async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                          watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
-    await _prefill(engine, watch, active, plan.leg)
+    await _prefill(engine, watch, active, plan.leg, record)
     n_prompts = len(plan.prompt_tokens)
     for i in range(plan.output_tokens):
-        if i > 0 and config.tpot_s > 0:
-            await watch.sleep(engine.decode_seconds())
-        engine.note_generated(active, n_prompts)
+        await _next_token(engine, watch, active, i, n_prompts)
     completion_tokens = plan.output_tokens * n_prompts
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
     text = output_text(plan.output_tokens)
@@ -368,7 +402,7 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active, plan.leg)
+    await _prefill(engine, watch, active, plan.leg, record)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     prompt_total, cached = plan.total_prompt_tokens, active.cached_tokens
@@ -377,14 +411,16 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
                                                        cached_tokens=cached)))
     sent = 0
     steps = max(plan.output_tokens, 1)
+    stepped = isinstance(active, StepRequest)
     for i in range(steps):
-        if i > 0:
-            await watch.sleep(engine.decode_seconds())
+        if plan.output_tokens > 0 or not stepped:
+            await _next_token(engine, watch, active, i, 0, pause_first_only=True)
         last = i == steps - 1
         text = output_token(i) if plan.output_tokens > 0 else ""
         for index in range(len(plan.prompt_tokens)):
             if plan.output_tokens > 0:
-                engine.note_generated(active)
+                if not stepped:
+                    engine.note_generated(active)
                 sent += 1
             chunk = r.token_chunk(meta, plan.fmt, text, index=index,
                                   finish_reason=plan.finish_reason if last else None,
@@ -400,11 +436,9 @@ async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestReco
                           watch: DisconnectWatch, active: ActiveRequest) -> None:
     """A Messages answer as one `message` object, after the whole generation."""
     config = engine.config
-    await _prefill(engine, watch, active, plan.leg)
+    await _prefill(engine, watch, active, plan.leg, record)
     for i in range(plan.output_tokens):
-        if i > 0 and config.tpot_s > 0:
-            await watch.sleep(engine.decode_seconds())
-        engine.note_generated(active)
+        await _next_token(engine, watch, active, i, 1)
     payload = a.message(a.message_id(), config.model_name, output_text(plan.output_tokens), plan.finish_reason,
                         plan.total_prompt_tokens, plan.output_tokens)
     engine.update(record, completion_tokens_sent=plan.output_tokens)
@@ -418,16 +452,14 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     config = engine.config
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active, plan.leg)
+    await _prefill(engine, watch, active, plan.leg, record)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     await responder.event(a.message_start(a.message_id(), config.model_name, plan.total_prompt_tokens))
     for i in range(plan.output_tokens):
-        if i > 0:
-            await watch.sleep(engine.decode_seconds())
+        await _next_token(engine, watch, active, i, 1, pause_first_only=True)
         if i == 0:
             await responder.event(a.block_start())
-        engine.note_generated(active)
         await responder.event(a.text_delta(output_token(i)))
         engine.update(record, completion_tokens_sent=i + 1)
     if plan.output_tokens == 0:
@@ -443,7 +475,7 @@ async def _generate_raw(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     """Send exactly the configured bytes, one write per chunk, ~20 ms apart."""
     engine.update(record, fault="raw_stream_chunks")
     await responder.start(200, SSE_HEADERS)
-    await _prefill(engine, watch, active, plan.leg)
+    await _prefill(engine, watch, active, plan.leg, record)
     chunks = faults.raw_chunk_bytes() or []
     for i, chunk in enumerate(chunks):
         if i > 0:

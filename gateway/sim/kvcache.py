@@ -191,6 +191,15 @@ class PrefixCache:
         """Tokens `key` would add to the non-evictable total if admitted now (its uncached part)."""
         return key.tokens - self.lookup(key) * self.block_tokens
 
+    def pin_cost(self, key: PromptKey) -> int:
+        """Tokens `key` would add to the non-evictable total if admitted now: its uncached part plus
+        its cached blocks nobody pins (they leave the evictable pool, as vLLM counts touched free
+        blocks against its free-block budget). `room_needed` leaves the latter out."""
+        hits = self.lookup(key)
+        pinned = self._pinned
+        shared = sum(1 for block_hash in key.hashes[:hits] if block_hash in pinned)
+        return key.tokens - shared * self.block_tokens
+
     def fits(self, extra_tokens: int) -> bool:
         """Whether `extra_tokens` more non-evictable tokens fit beside those held now."""
         return self.active_tokens + extra_tokens <= self.capacity_tokens

@@ -29,7 +29,8 @@ class EngineStats:
     `kv_usage` is a fraction in [0, 1]; `finished_by_reason` counts finished requests by finish
     reason ("stop", "length", "abort"). Prefix cache: `prefix_cache_queries_total` prompt tokens
     looked up (0 without a cache), `prefix_cache_hits_total` of them found, `cache_hit_rate` the
-    recent hit fraction in [0, 1].
+    recent hit fraction in [0, 1]. `preemptions_total` counts running requests preempted for KV
+    room (step scheduler only).
     """
 
     running: int
@@ -41,6 +42,7 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     cache_hit_rate: float = 0.0
+    preemptions_total: int = 0
 
 
 class SimMetricsCollector(Collector):
@@ -80,6 +82,9 @@ class SimMetricsCollector(Collector):
         if names.cache_hit_rate is not None:
             yield gauge(names.cache_hit_rate, "Recent prefix cache hit rate, 0 to 1 (simulated).",
                         stats.cache_hit_rate)
+        if names.preemptions is not None:
+            yield counter(names.preemptions, "Running requests preempted for KV-cache room (simulated).",
+                          stats.preemptions_total)
         if names.request_success is not None:
             family = CounterMetricFamily(names.request_success, "Finished requests by reason (simulated).",
                                          labels=[*label_names, "finished_reason"])

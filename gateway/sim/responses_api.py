@@ -56,8 +56,9 @@ from gateway.sim.asgi import (
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _refused_up_front, _Responder
+from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import PromptError, chat_prompt_tokens, output_token
-from gateway.sim.worker_state import SimEngine, SimRequestRecord
+from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
 
 
 @dataclass
@@ -192,10 +193,15 @@ class ResponsesServer:
         output_tokens = limit if limit is not None else engine.config.default_output_tokens
         if engine.config.engine != "sglang":  # vLLM: min(max_output_tokens, max_model_len - prompt)
             output_tokens = min(output_tokens, max_context - prompt_tokens)
-        active = engine.try_admit(prompt_tokens, keys)
-        if active is None:
-            active = await watch.run(engine.admit(prompt_tokens, keys))
-        engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
+        active: ActiveRequest
+        if engine.stepper is not None:
+            active = engine.new_step_request(prompt_tokens, keys, 1, output_tokens)
+        else:
+            admitted = engine.try_admit(prompt_tokens, keys)
+            if admitted is None:
+                admitted = await watch.run(engine.admit(prompt_tokens, keys))
+            active = admitted
+            engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
         reason = "abort"
         response = _response_object(body, engine.config.model_name, prior)
         events = _EventWriter(responder)
@@ -208,14 +214,23 @@ class ResponsesServer:
                 await responder.start(200, SSE_HEADERS)
                 await events.send("response.created", response=response)
                 await events.send("response.in_progress", response=response)
-            await watch.sleep(engine.prefill_seconds(active))
-            engine.finish_prefill(active)
+            if isinstance(active, StepRequest):
+                await watch.sleep(engine.config.ttft_s)
+                await watch.run(engine.run_stepped_prefill(active))
+                engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
+            else:
+                await watch.sleep(engine.prefill_seconds(active))
+                engine.finish_prefill(active)
             item_id = f"msg_{uuid.uuid4().hex}"
             pieces: list[str] = []
             for i in range(output_tokens):
-                if i > 0:
-                    await watch.sleep(engine.decode_seconds())
-                engine.note_generated(active)
+                if isinstance(active, StepRequest):
+                    if active.steps < i + 1:
+                        await watch.run(active.wait_steps(i + 1))
+                else:
+                    if i > 0:
+                        await watch.sleep(engine.decode_seconds())
+                    engine.note_generated(active)
                 pieces.append(output_token(i))
                 engine.update(record, completion_tokens_sent=i + 1)
                 if not stream:

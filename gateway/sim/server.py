@@ -101,17 +101,26 @@ def run_sim(
     pd_wait_timeout_s: float = 300.0,
     kv_transfer_tokens_per_s: float | None = None,
     kv_load_failure_policy: str = "fail",
+    scheduler: str = "per_request",
+    chunk_tokens: int | None = None,
+    decode_step_s: float | None = None,
+    decode_s_per_seq: float | None = None,
 ) -> None:
     """Serve one simulated engine until interrupted (blocking; `kimi-gateway sim --engine ...`).
 
     `engine` is "vllm", "sglang" or "ascend"; invalid values raise pydantic's ValidationError.
-    See `SimConfig` for the meaning and units of the other arguments. With `config`, that config
+    See `SimConfig` for the meaning and units of the other arguments (`chunk_tokens`,
+    `decode_step_s`, `decode_s_per_seq`: None = the `SimConfig` default). With `config`, that config
     is served as it is and only `port`, `host` and `log_level` are read from the arguments. A
     SGLang or vLLM Mooncake prefill worker with a `bootstrap_port` also listens there, as their
     bootstrap servers do (see `gateway.sim.pd`).
     """
     if config is None:
+        stepped = {name: value for name, value in (("chunk_tokens", chunk_tokens), ("decode_step_s", decode_step_s),
+                                                   ("decode_s_per_seq", decode_s_per_seq)) if value is not None}
         config = SimConfig.model_validate({
+            **stepped,
+            "scheduler": scheduler,
             "engine": engine,
             "served_model_names": served_model_names or ["kimi-k3"],
             "max_context_tokens": max_context_tokens,

@@ -23,9 +23,12 @@ class SimTotals:
     - `prompt_tokens`: prompt tokens of admitted requests (as `vllm:prompt_tokens_total`).
     - `cached_tokens`: of those, tokens found in the prefix cache at admission.
     - `prefill_tokens`: uncached prompt tokens whose prefill finished (a request aborted during
-      its prefill adds none).
+      its prefill adds none; with the step scheduler a preempted request's recomputation counts
+      again, as it is work done).
     - `generated_tokens`: output tokens generated.
     - `evicted_tokens`: tokens evicted from the prefix cache.
+    - `preemptions`: running requests preempted for KV room (step scheduler only; vLLM's
+      `vllm:num_preemptions`, SGLang's retractions).
     """
 
     requests: int = 0
@@ -37,6 +40,7 @@ class SimTotals:
     prefill_tokens: int = 0
     generated_tokens: int = 0
     evicted_tokens: int = 0
+    preemptions: int = 0
 
     def copy(self) -> SimTotals:
         """An independent copy."""

@@ -14,16 +14,18 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from gateway.sim.active import ActiveRequest
 from gateway.sim.config import SimConfig, SimFaults
 from gateway.sim.dialects import EngineDialect, dialect_for
 from gateway.sim.kvcache import CacheLease, PrefixCache, PromptKey, seed_for
 from gateway.sim.metrics import EngineStats, PdMetricsCollector, build_registry
 from gateway.sim.pd import PdState
+from gateway.sim.stepper import StepRequest, StepScheduler, new_step_request
 from gateway.sim.tokens import prompt_keys
 from gateway.sim.totals import HitRateWindow, SimTotals
 
@@ -69,26 +71,6 @@ class SimRequestRecord:
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-ready dict."""
         return asdict(self)
-
-
-@dataclass(eq=False)
-class ActiveRequest:
-    """A request admitted for processing (counts as running): its tokens occupy the KV cache.
-
-    `cached_tokens` of its `prompt_tokens` were found in the prefix cache at admission; `leases`
-    are its holds on the cache (one per prompt; empty without a prefix cache). Compared by
-    identity.
-    """
-
-    prompt_tokens: int
-    generated: int = 0
-    cached_tokens: int = 0
-    leases: list[CacheLease] = field(default_factory=list)
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Prompt tokens to compute (not cached)."""
-        return self.prompt_tokens - self.cached_tokens
 
 
 class KVUsageModel(Protocol):
@@ -137,7 +119,9 @@ class SimEngine:
     Load model: requests are admitted in arrival order (FIFO, head-of-line blocking as in vLLM's
     scheduler) while fewer than `max_num_seqs` run and, with a prefix cache, while the uncached
     tokens of the next request fit in `kv_capacity_tokens` beside those of the running requests
-    (one request is always admitted when none runs). The rest count as waiting.
+    (one request is always admitted when none runs). The rest count as waiting. With
+    `scheduler="stepped"`, `stepper` does the admission, the timing and the preemption instead
+    (`gateway.sim.stepper`; requests are `StepRequest`s made by `new_step_request`).
     """
 
     def __init__(self, config: SimConfig, kv_model: KVUsageModel | None = None) -> None:
@@ -166,6 +150,13 @@ class SimEngine:
         self._idle_resets = 0
         self._models_reads = 0
         self._hash_seed = seed_for(config.model_name)
+        self.stepper: StepScheduler | None = None
+        """The step scheduler (None unless `scheduler="stepped"`); use it under the engine's lock."""
+        if config.scheduler == "stepped":
+            self.stepper = StepScheduler(
+                self._cond, self.kv, self._totals, self._hit_rate, chunk_tokens=config.chunk_tokens,
+                prefill_tokens_per_s=config.step_prefill_tokens_per_s, decode_step_s=config.decode_step_s,
+                decode_s_per_seq=config.decode_s_per_seq, max_num_seqs=config.max_num_seqs)
         self.registry = build_registry(self.stats, self.dialect, config.model_name)
         self.pd: PdState | None = None
         """The PD role's state (None for an aggregated worker; see `gateway.sim.pd`)."""
@@ -319,7 +310,10 @@ class SimEngine:
         return self._http
 
     async def aclose(self) -> None:
-        """Release what the server's loop owns (the side channel client, held blocks)."""
+        """Release what the server's loop owns (the scheduler loop, the side channel client, held
+        blocks)."""
+        if self.stepper is not None:
+            await self.stepper.aclose()
         if self.pd is not None:
             self.pd.close()
         if self._http is not None:
@@ -373,6 +367,22 @@ class SimEngine:
         assert waiter.active is not None
         return waiter.active
 
+    def new_step_request(self, prompt_tokens: int, keys: Sequence[PromptKey], seqs: int,
+                         output_tokens: int) -> StepRequest:
+        """Stepped scheduler: a request for `run_stepped_prefill` (not queued yet); `seqs` prompts
+        decode together for `output_tokens` steps."""
+        return new_step_request(prompt_tokens, keys, seqs, output_tokens)
+
+    async def run_stepped_prefill(self, active: StepRequest, remote_tokens: int = 0) -> None:
+        """Stepped scheduler: queue `active` and return once its prefill is done and its first
+        token out. `remote_tokens` of its prompt came as KV from a PD prefill worker. Cancelling
+        leaves it queued: end it with `stop_running`."""
+        assert self.stepper is not None
+        with self._cond:
+            self.stepper.enqueue(active, remote_tokens)
+            self._cond.notify_all()
+        await active.wait_steps(0)
+
     def start_running(self, prompt_tokens: int, keys: Sequence[PromptKey] = ()) -> ActiveRequest:
         """Admit a request at once, bypassing the queue: it counts as running, its prompt tokens
         are counted, and its cached prefix is pinned."""
@@ -403,6 +413,14 @@ class SimEngine:
 
     def stop_running(self, active: ActiveRequest, finish_reason: str) -> None:
         """A running request ended ("stop", "length" or "abort"): free its KV, admit waiters."""
+        if isinstance(active, StepRequest):
+            with self._cond:
+                if self.stepper is not None and self.stepper.finish(active):
+                    self._finished[finish_reason] += 1
+                    if finish_reason != "abort":
+                        self._totals.completed += 1
+                self._cond.notify_all()
+            return
         with self._cond:
             if self._active.pop(id(active), None) is not None:
                 self._finished[finish_reason] += 1
@@ -506,15 +524,25 @@ class SimEngine:
     def _kv_usage(self) -> float:
         if self.kv is not None:
             return self.kv.usage(self.config.kv_usage_includes_cache)
-        return self.kv_model.usage(list(self._active.values()))
+        active: list[ActiveRequest] = list(self._active.values())
+        if self.stepper is not None:
+            active.extend(self.stepper.running)
+        return self.kv_model.usage(active)
+
+    def _running_waiting(self) -> tuple[int, int]:
+        """(running, waiting) now, the step scheduler's included."""
+        if self.stepper is None:
+            return len(self._active), self._waiting
+        return len(self._active) + len(self.stepper.running), self._waiting + self.stepper.waiting_count
 
     def stats(self) -> EngineStats:
         """A snapshot of the load and the lifetime counters (what `/metrics` exposes)."""
         with self._cond:
             totals = self._lifetime_totals()
+            running, waiting = self._running_waiting()
             return EngineStats(
-                running=len(self._active),
-                waiting=self._waiting,
+                running=running,
+                waiting=waiting,
                 kv_usage=self._kv_usage(),
                 prompt_tokens_total=totals.prompt_tokens,
                 generation_tokens_total=totals.generated_tokens,
@@ -522,6 +550,7 @@ class SimEngine:
                 prefix_cache_queries_total=totals.prompt_tokens if self.kv is not None else 0,
                 prefix_cache_hits_total=totals.cached_tokens,
                 cache_hit_rate=self._hit_rate.rate,
+                preemptions_total=totals.preemptions,
             )
 
     def _lifetime_totals(self) -> SimTotals:
@@ -539,11 +568,13 @@ class SimEngine:
         """
         with self._cond:
             out: dict[str, Any] = self._lifetime_totals().minus(self._baseline).to_json()
+            running, waiting = self._running_waiting()
+            stepper = self.stepper
             out.update(
-                max_running=self._peak_running,
-                max_waiting=self._peak_waiting,
-                running=len(self._active),
-                waiting=self._waiting,
+                max_running=max(self._peak_running, stepper.peak_running if stepper is not None else 0),
+                max_waiting=max(self._peak_waiting, stepper.peak_waiting if stepper is not None else 0),
+                running=running,
+                waiting=waiting,
                 cache_tokens_now=self.kv.cached_tokens if self.kv is not None else 0,
                 kv_used_tokens=self.kv.used_tokens if self.kv is not None else 0,
                 kv_capacity_tokens=self.config.kv_capacity_tokens,
@@ -561,4 +592,6 @@ class SimEngine:
             self._baseline = self._lifetime_totals()
             self._peak_running = len(self._active)
             self._peak_waiting = self._waiting
+            if self.stepper is not None:
+                self.stepper.reset_peaks()
             return before

@@ -130,7 +130,7 @@ def test_hot_prefix_in_every_request_does_not_melt_one_worker() -> None:
 
 
 def test_registry_and_params_validation() -> None:
-    assert set(POLICIES) == {"prefix_affinity", "least_load", "power_of_two", "round_robin", "session"}
+    assert set(POLICIES) == {"prefix_affinity", "least_load", "power_of_two", "round_robin", "session", "ttft_cost"}
     with pytest.raises(ValueError, match="known: "):
         build_policy("nope")
     with pytest.raises(ValidationError):

@@ -178,8 +178,22 @@ def test_prefill_for_a_utilisation_inverts_the_same_model() -> None:
     # the closed form of this model (the replay's former 'auto' rule)
     lam = LOAD.rate_1x * 20.0 / 8
     assert tps == pytest.approx(LOAD.mean_prompt_tokens / (0.8 * 4 / lam - 0.01 - 17.0 * 0.005), rel=1e-9)
-    with pytest.raises(ValueError, match="decode and the fixed latency"):
+    with pytest.raises(ValueError, match="fixed latency alone exceed"):
         prefill_for_utilisation(0.8, {**SIM, "tpot_s": 10.0}, LOAD, 8, 20.0)
+
+
+def test_stepped_workers_share_one_prefill_budget() -> None:
+    stepped = {"scheduler": "stepped", "prefill_tokens_per_s": 100_000.0, "chunk_tokens": 8_192,
+               "decode_step_s": 0.005, "max_num_seqs": 256}
+    busy = 12_430.0 / 100_000.0 + 12_430.0 / 8_192 * 0.005
+    assert service_seconds(stepped, LOAD) == pytest.approx(busy)
+    assert worker_capacity_rps(stepped, LOAD) == pytest.approx(1 / busy)  # not x 256 slots
+    budget = prefill_for_utilisation(0.8, {k: v for k, v in stepped.items() if k != "prefill_tokens_per_s"},
+                                     LOAD, 8, 20.0)
+    # the closed form: lam x P / (u - lam x P / chunk x step)
+    lam = LOAD.rate_1x * 20.0 / 8
+    assert budget == pytest.approx(lam * 12_430.0 / (0.8 - lam * 12_430.0 / 8_192 * 0.005), rel=1e-9)
+    assert utilisation({**stepped, "prefill_tokens_per_s": budget}, LOAD, 8, 20.0) == pytest.approx(0.8)
 
 
 def test_load_levels_from_the_command_line(tmp_path: Path) -> None:
@@ -195,6 +209,10 @@ def test_load_levels_from_the_command_line(tmp_path: Path) -> None:
     # 'auto' prefill makes the workers --target-util (0.8) busy at --speedup (20): that level is 20x
     assert levels[1].speedup == pytest.approx(20.0)
     assert levels[0].speedup == pytest.approx(20.0 * 0.6 / 0.8)
+    per_request = plan_levels(settings_from(build_parser().parse_args(
+        ["--utilisation", "0.9", "--scheduler", "per_request"])), LOAD)
+    assert per_request[0].speedup == pytest.approx(20.0 * 0.9 / 0.8)
+    assert per_request[0].prefill_tps != levels[0].prefill_tps  # per slot, not per worker
     plain = plan_levels(settings_from(build_parser().parse_args(["--speedup", "12"])), LOAD)
     assert plain == [Level(None, 12.0, plain[0].prefill_tps)] and plain[0].label == "12x"
     with pytest.raises(SystemExit):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, NoParams, TieBreaker
+from gateway.routing.prefill import PrefillModel
 
 
 class LeastLoadPolicy:
@@ -16,6 +17,7 @@ class LeastLoadPolicy:
 
     name = "least_load"
     uses_affinity = False
+    prefill_model: PrefillModel | None = None
     Params = NoParams
 
     def __init__(self, params: NoParams | None = None) -> None:

@@ -12,6 +12,7 @@ import random
 from gateway.config import PowerOfTwoParams
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision
+from gateway.routing.prefill import PrefillModel
 
 
 class PowerOfTwoPolicy:
@@ -19,6 +20,7 @@ class PowerOfTwoPolicy:
 
     name = "power_of_two"
     uses_affinity = False
+    prefill_model: PrefillModel | None = None
     Params = PowerOfTwoParams
 
     def __init__(self, params: PowerOfTwoParams | None = None) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from gateway.config import PrefixAffinityParams
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, TieBreaker
+from gateway.routing.prefill import PrefillModel
 
 
 class PrefixAffinityPolicy:
@@ -30,6 +31,7 @@ class PrefixAffinityPolicy:
 
     name = "prefix_affinity"
     uses_affinity = True
+    prefill_model: PrefillModel | None = None
     Params = PrefixAffinityParams
 
     def __init__(self, params: PrefixAffinityParams | None = None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, NoParams
+from gateway.routing.prefill import PrefillModel
 
 
 class RoundRobinPolicy:
@@ -15,6 +16,7 @@ class RoundRobinPolicy:
 
     name = "round_robin"
     uses_affinity = False
+    prefill_model: PrefillModel | None = None
     Params = NoParams
 
     def __init__(self, params: NoParams | None = None) -> None:

@@ -12,6 +12,7 @@ import xxhash
 
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, NoParams, TieBreaker
+from gateway.routing.prefill import PrefillModel
 
 
 class SessionPolicy:
@@ -19,6 +20,7 @@ class SessionPolicy:
 
     name = "session"
     uses_affinity = False
+    prefill_model: PrefillModel | None = None
     Params = NoParams
 
     def __init__(self, params: NoParams | None = None) -> None:

@@ -143,7 +143,7 @@ def test_sim_stats_totals_and_reset(start_sim: StartSim) -> None:
     assert stats == {
         "requests": 4, "completed": 2, "aborted": 1, "errors": 1,
         "prompt_tokens": 2 * 504, "cached_tokens": 496, "prefill_tokens": 504 + 8,
-        "generated_tokens": 6, "evicted_tokens": 0,
+        "generated_tokens": 6, "evicted_tokens": 0, "preemptions": 0,
         "max_running": 1, "max_waiting": 0, "running": 0, "waiting": 0,
         "cache_tokens_now": 496, "kv_used_tokens": 496, "kv_capacity_tokens": 10_000, "kv_usage": 0.0,
     }

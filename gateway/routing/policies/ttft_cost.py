@@ -1,0 +1,67 @@
+"""ttft_cost: the candidate with the lowest predicted time to first token.
+
+Algorithm: for each candidate, predicted TTFT (seconds) =
+    (queued prefill tokens on the worker + the request's uncached tokens there) / the worker's prefill rate
+where the uncached tokens are the estimated prompt tokens minus the prefix the worker holds per
+the affinity store (`matched_tokens`), the queued tokens are this replica's requests there still
+in prefill plus the other requests its engine reports, in tokens, and the rate (tokens/s) is
+learned per worker from observed TTFTs, bounded and decaying to a prior (both estimated in
+gateway/routing/prefill.py and handed in on each `Candidate` by the dispatch). The lowest
+prediction wins; predictions within `tie_tolerance` of it count as equal, and among those the
+longest cached prefix wins, then the least-loaded worker (ties rotate). So a cache owner keeps
+its prefix while the wait there costs less than recomputing the prefix elsewhere, and loses it to
+an idle worker when the recompute is cheaper. Reasons: `affinity` (the winner holds the longest
+prefix any candidate holds), `cost` (another holds a longer one, but waiting there would take
+longer), `no_match` (no candidate holds any).
+
+Parameters (gateway/config.py `TtftCostParams`): `prior_rate` (tokens/s, default 10,000),
+`min_rate` / `max_rate` (tokens/s, 100 / 1,000,000), `half_life_s` (seconds, 30), `prior_tokens`
+(tokens, 4,096), `request_tokens` (tokens, 1,024), `tie_tolerance` (fraction, 0.1), `base_ttft_s`
+(seconds, 0).
+"""
+
+from __future__ import annotations
+
+from gateway.config import TtftCostParams
+from gateway.routing.features import RoutingRequest
+from gateway.routing.policy import Candidate, Decision, TieBreaker
+from gateway.routing.prefill import PrefillModel
+
+
+class TtftCostPolicy:
+    """Lowest predicted TTFT wins; near-ties go to the longest cached prefix."""
+
+    name = "ttft_cost"
+    uses_affinity = True
+    Params = TtftCostParams
+
+    def __init__(self, params: TtftCostParams | None = None) -> None:
+        self.params = params or TtftCostParams()
+        self.prefill_model: PrefillModel | None = PrefillModel(self.params)
+        self._ties = TieBreaker()
+
+    def predicted_ttft(self, request: RoutingRequest, candidate: Candidate) -> float:
+        """Seconds to the first token on `candidate` (without `base_ttft_s`, the same everywhere)."""
+        uncached = request.prompt_tokens - candidate.matched_tokens
+        work = candidate.queued_tokens + (uncached if uncached > 0 else 0)
+        return work / (candidate.prefill_rate or self.params.prior_rate)
+
+    def select(self, request: RoutingRequest, candidates: list[Candidate]) -> Decision:
+        predicted = [self.predicted_ttft(request, c) for c in candidates]
+        limit = min(predicted) * (1.0 + self.params.tie_tolerance)
+        best: list[Candidate] = []
+        best_match = -1
+        longest = 0
+        for candidate, seconds in zip(candidates, predicted, strict=True):
+            matched = candidate.matched_tokens
+            longest = max(longest, matched)
+            if seconds > limit or matched < best_match:
+                continue
+            if matched > best_match:
+                best_match, best = matched, [candidate]
+            else:
+                best.append(candidate)
+        chosen = best[0] if len(best) == 1 else self._ties.least_loaded(best)
+        if longest <= 0:
+            return Decision(chosen.worker, "no_match")
+        return Decision(chosen.worker, "affinity" if chosen.matched_tokens >= longest else "cost")

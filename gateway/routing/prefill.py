@@ -1,0 +1,176 @@
+"""Prefill work queued on each worker and each worker's prefill rate, for the cost-aware policy
+(`policies/ttft_cost.py`).
+
+Units: tokens are the gateway's estimated prompt tokens (`routing/tokens.py`; an estimate that is
+off by a constant factor only rescales every rate), times `time.perf_counter()` seconds, rates
+tokens/s.
+
+Queued prefill work on a worker (tokens, `PrefillEstimator.queued`): the uncached prompt tokens of
+this replica's requests sent there whose first byte has not come back yet (`pending`), plus the
+requests its engine reports beyond this replica's in-flight ones (other replicas' requests: scraped
+running + waiting, `Worker.load()`, minus `in_flight`) times the mean uncached tokens of this
+replica's requests to it (`mean_request`: a moving average over about the last 16, starting at the
+policy's `request_tokens`). This replica's requests that already streamed their first token are
+decoding: they add no prefill work.
+
+Prefill rate (tokens/s, `PrefillModel.rate`), learned online: a streamed request whose first byte
+came T seconds after it was sent, with W0 tokens queued ahead of it and U uncached tokens of its
+own, says the worker prefilled W = W0 + U tokens in T - `base_ttft_s` seconds (the model
+TTFT ≈ base + (queued + uncached) / rate). The estimate is a ratio of time-decayed sums, with the
+prior as one pseudo-observation that never decays:
+
+    rate = (Σ d·W + prior_tokens) / (Σ d·(T - base) + prior_tokens / prior_rate),  d = 2^(-age / half_life_s)
+
+clamped to [min_rate, max_rate]. A ratio of sums weighs long prefills most (a short one is mostly
+fixed latency); the decay lets it follow a worker that slows down, and brings a worker that gets
+no traffic back to the prior, so a worker once measured slow is tried again. State: five floats
+per worker, dropped when the worker leaves its pool (`worker_gone`); no history is kept.
+
+Assumed engine: one prefill rate shared by its queue, served first come first served (vLLM's
+FCFS scheduler with chunked prefill; SGLang's default longest-prefix-first order reorders it).
+Decoding requests are not costed: their share of the engine's steps shows in the learned rate.
+An engine that prefills requests side by side at a per-request speed (the replay simulator's
+`max_num_seqs` slots before issue 14) breaks the model: work ahead does not delay a request
+there, so its samples read faster the more is queued, and traffic herds onto such a worker.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gateway.backends.worker import Worker
+from gateway.config import TtftCostParams
+
+MEAN_REQUEST_WEIGHT = 1.0 / 16.0
+"""Weight of the newest request in `WorkerPrefill.mean_request` (a mean over about 16 requests)."""
+
+
+class WorkerPrefill:
+    """One worker's prefill state: `pending` tokens of this replica's requests still in prefill,
+    `mean_request` tokens per request (< 0: none seen yet), `tokens` and `seconds` the decayed sums
+    of observed prefill work and time as of `at` (perf_counter seconds)."""
+
+    __slots__ = ("at", "mean_request", "pending", "seconds", "tokens")
+
+    def __init__(self) -> None:
+        self.pending = 0.0
+        self.mean_request = -1.0
+        self.tokens = 0.0
+        self.seconds = 0.0
+        self.at = 0.0
+
+
+class PrefillModel:
+    """How a pool's rates are estimated (`TtftCostParams`, validated): the prior, its weight, the
+    bounds, the decay and the fixed latency. Built once per policy instance; shared by the policy's
+    candidates and its requests' observations."""
+
+    __slots__ = ("base_s", "max_rate", "min_rate", "per_second", "prior_rate", "prior_seconds", "prior_tokens",
+                 "request_tokens")
+
+    def __init__(self, params: TtftCostParams) -> None:
+        self.prior_rate = params.prior_rate
+        self.min_rate = params.min_rate
+        self.max_rate = params.max_rate
+        self.per_second = math.log(2.0) / params.half_life_s  # decay constant, 1/s
+        self.prior_tokens = params.prior_tokens
+        self.prior_seconds = params.prior_tokens / params.prior_rate
+        self.request_tokens = params.request_tokens
+        self.base_s = params.base_ttft_s
+
+    def rate(self, state: WorkerPrefill, now: float) -> float:
+        """The worker's prefill rate at `now` (tokens/s), within [min_rate, max_rate]."""
+        if not state.seconds:
+            return self.prior_rate
+        decay = math.exp(-self.per_second * (now - state.at))
+        rate = (state.tokens * decay + self.prior_tokens) / (state.seconds * decay + self.prior_seconds)
+        return min(max(rate, self.min_rate), self.max_rate)
+
+    def observe(self, state: WorkerPrefill, work: float, seconds: float, now: float) -> None:
+        """Fold in one observation: `work` tokens of prefill (queued ahead + the request's own
+        uncached) took `seconds` to the first byte. Seconds not above `base_ttft_s` say nothing
+        about the rate and are skipped."""
+        seconds -= self.base_s
+        if seconds <= 0.0 or work < 0.0:
+            return
+        decay = math.exp(-self.per_second * (now - state.at)) if state.seconds else 0.0
+        state.tokens = state.tokens * decay + work
+        state.seconds = state.seconds * decay + seconds
+        state.at = now
+
+
+class PrefillTicket:
+    """One attempt's prefill on its worker: its `uncached` tokens count as pending there from its
+    creation until its first byte (`first_byte`, which also feeds the rate with the observed
+    time when `observe`: a stream's first byte is its first token) or until its slot is released
+    (`close`, after a failure or a client that left), whichever comes first."""
+
+    __slots__ = ("_model", "_observe", "_open", "_queued", "_sent_at", "_state", "_uncached")
+
+    def __init__(self, model: PrefillModel, state: WorkerPrefill, queued: float, uncached: float,
+                 observe: bool, now: float) -> None:
+        self._model = model
+        self._state = state
+        self._queued = queued
+        self._uncached = uncached
+        self._observe = observe
+        self._sent_at = now
+        self._open = True
+        state.pending += uncached
+        mean = state.mean_request
+        state.mean_request = uncached if mean < 0 else mean + MEAN_REQUEST_WEIGHT * (uncached - mean)
+
+    def first_byte(self, at: float) -> None:
+        """The engine's first body byte came at `at` (perf_counter seconds)."""
+        if self._open:
+            self.close()
+            if self._observe:
+                self._model.observe(self._state, self._queued + self._uncached, at - self._sent_at, at)
+
+    def close(self) -> None:
+        """No more prefill pending (idempotent)."""
+        if self._open:
+            self._open = False
+            self._state.pending = max(self._state.pending - self._uncached, 0.0)
+
+
+class PrefillEstimator:
+    """Every worker's `WorkerPrefill`, for the whole process (one in `AppState.prefill`); a
+    `WorkerWatcher` of the registry so that a worker's state goes when the worker does."""
+
+    __slots__ = ("_workers",)
+
+    def __init__(self) -> None:
+        self._workers: dict[Worker, WorkerPrefill] = {}
+
+    def of(self, worker: Worker) -> WorkerPrefill:
+        """The worker's state (created on first use)."""
+        state = self._workers.get(worker)
+        if state is None:
+            state = self._workers[worker] = WorkerPrefill()
+        return state
+
+    def queued(self, worker: Worker, state: WorkerPrefill, model: PrefillModel, load: float) -> float:
+        """Tokens of prefill work ahead of a new request on `worker` (`load`: its `Worker.load()`)."""
+        others = load - worker.in_flight
+        if others <= 0.0:
+            return state.pending
+        mean = state.mean_request
+        return state.pending + others * (mean if mean >= 0 else model.request_tokens)
+
+    def start(self, worker: Worker, model: PrefillModel, uncached: float, observe: bool,
+              now: float) -> PrefillTicket:
+        """A ticket for a request about to be sent to `worker` with `uncached` prompt tokens
+        (`observe`: a stream, whose first byte is its first token)."""
+        state = self.of(worker)
+        return PrefillTicket(model, state, self.queued(worker, state, model, worker.load()), uncached, observe, now)
+
+    def worker_added(self, worker: Worker) -> None:
+        """Nothing to do: a worker's state is made on first use."""
+
+    def worker_gone(self, worker: Worker) -> None:
+        """Forget the worker (an open ticket keeps its own reference and closes harmlessly)."""
+        self._workers.pop(worker, None)
+
+    def __len__(self) -> int:
+        return len(self._workers)

@@ -1,0 +1,27 @@
+"""A request a simulated engine has admitted (or, with the step scheduler, accepted for scheduling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.sim.kvcache import CacheLease
+
+
+@dataclass(eq=False)
+class ActiveRequest:
+    """A request admitted for processing (counts as running): its tokens occupy the KV cache.
+
+    `cached_tokens` of its `prompt_tokens` were found in the prefix cache at admission; `leases`
+    are its holds on the cache (one per prompt; empty without a prefix cache). `generated` counts
+    output tokens (all its prompts together). Compared by identity.
+    """
+
+    prompt_tokens: int
+    generated: int = 0
+    cached_tokens: int = 0
+    leases: list[CacheLease] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens to compute (not cached)."""
+        return self.prompt_tokens - self.cached_tokens
