@@ -27,6 +27,7 @@ from loadtest.peers import Peer, peer_problem, peer_settings, peer_version, rout
 from loadtest.plan import Level
 from loadtest.procs import ProcessGroup, child_env, free_port, python_argv
 from loadtest.replay_settings import MAX_CONTEXT_TOKENS, MODEL, SIM_BYTES_PER_TOKEN, Settings, sim_fields
+from loadtest.workerstats import WorkerTotals
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 60.0
@@ -47,13 +48,16 @@ class Launched:
     """A started layout: `base` URL to replay against, the worker URLs (their `/sim/stats`), the
     SimConfig fields the worker host dropped, `details` worth reporting (flags, versions), and
     `after_replay`: called once the replay ended, its answer goes into the details (e.g. the
-    router's decision counters)."""
+    router's decision counters). A layout with workers outside the hit-ratio figures (PD decode
+    workers) lists them in `side_urls`; `side_figures` turns their totals into `RunResult.pd`."""
 
     base: str
     worker_urls: list[str]
     dropped: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     after_replay: Callable[[], dict[str, Any]] | None = None
+    side_urls: list[str] = field(default_factory=list)
+    side_figures: Callable[[list[WorkerTotals]], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -144,14 +148,18 @@ def check_policy(policy: str, s: Settings, workdir: Path) -> str | None:
 # --- processes ------------------------------------------------------------------------------------------
 
 
-def start_workers(group: ProcessGroup, s: Settings, prefill_tps: float | None) -> tuple[list[str], list[str]]:
-    """Start the worker host; returns the worker URLs and the SimConfig fields it had to drop."""
-    spec_path = group.log_dir / "workers-spec.json"
-    ports_path = group.log_dir / "workers-ports.json"
-    spec_path.write_text(json.dumps({"count": s.workers, "sim": sim_fields(s, prefill_tps)}), encoding="utf-8")
+def start_workers(group: ProcessGroup, s: Settings, prefill_tps: float | None, count: int | None = None,
+                  sim: dict[str, Any] | None = None, name: str = "workers") -> tuple[list[str], list[str]]:
+    """Start a worker host process `name` with `count` workers (default `s.workers`) of SimConfig
+    fields `sim` (default `sim_fields(s, prefill_tps)`); returns the worker URLs and the SimConfig
+    fields it had to drop."""
+    spec_path = group.log_dir / f"{name}-spec.json"
+    ports_path = group.log_dir / f"{name}-ports.json"
+    spec = {"count": s.workers if count is None else count, "sim": sim_fields(s, prefill_tps) if sim is None else sim}
+    spec_path.write_text(json.dumps(spec), encoding="utf-8")
     ports_path.unlink(missing_ok=True)
-    proc = group.spawn("workers", python_argv("loadtest.workers", "--spec", str(spec_path),
-                                              "--ports-file", str(ports_path)), env=child_env())
+    proc = group.spawn(name, python_argv("loadtest.workers", "--spec", str(spec_path),
+                                         "--ports-file", str(ports_path)), env=child_env())
     proc.wait_until(ports_path.exists, STARTUP_TIMEOUT_S, "listening")
     info = json.loads(ports_path.read_text(encoding="utf-8"))
     urls = [f"http://127.0.0.1:{port}" for port in info["ports"]]
@@ -163,8 +171,14 @@ def start_workers(group: ProcessGroup, s: Settings, prefill_tps: float | None) -
 def start_gateway(group: ProcessGroup, urls: list[str], policy: str, s: Settings, speedup: float) -> str:
     """Start `kimi-gateway serve` for one policy; returns its base URL once `/ready` answers 200."""
     port = free_port()
+    return launch_gateway(group, gateway_config(port, urls, policy, s.policy_params.get(policy),
+                                                gateway_overrides(s, speedup)), port)
+
+
+def launch_gateway(group: ProcessGroup, config: dict[str, Any], port: int) -> str:
+    """Start `kimi-gateway serve` with `config` (listening on `port`); returns its base URL once
+    `/ready` answers 200."""
     path = group.log_dir / "gateway.yaml"
-    config = gateway_config(port, urls, policy, s.policy_params.get(policy), gateway_overrides(s, speedup))
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     proc = group.spawn("gateway", python_argv("gateway.cli", "serve", "-c", str(path)), env=gateway_env())
     base = f"http://127.0.0.1:{port}"

@@ -166,14 +166,23 @@ def start_peer(group: ProcessGroup, urls: list[str], peer: Peer, settings: PeerS
                timeout_s: float) -> tuple[str, str]:
     """Start the router over the workers with the scaled flags; returns its base URL (once it lists
     every worker) and its Prometheus URL. Offline: no model or tokenizer path, `HF_HUB_OFFLINE=1`."""
+    return start_router(group, peer, ["--worker-urls", *urls, "--policy", peer.policy], len(urls), settings.flags,
+                        timeout_s)
+
+
+def start_router(group: ProcessGroup, peer: Peer, worker_args: list[str], workers: int, flags: list[str],
+                 timeout_s: float) -> tuple[str, str]:
+    """Start `peer`'s router with `worker_args` (its workers and policies, e.g. a PD mode's) and
+    `flags` on free ports; returns its base URL once it lists `workers` workers, and its
+    Prometheus URL."""
     port, metrics_port = free_port(), free_port()
-    argv = python_argv(f"{peer.spec.module}.launch_router", "--worker-urls", *urls, "--policy", peer.policy,
+    argv = python_argv(f"{peer.spec.module}.launch_router", *worker_args,
                        "--host", "127.0.0.1", "--port", str(port), "--log-level", peer.spec.log_level,
-                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *settings.flags)
+                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *flags)
     proc: ManagedProcess = group.spawn("router", argv, env=child_env())
     base = f"http://127.0.0.1:{port}"
     proc.wait_http(base + "/health", timeout_s)
-    proc.wait_http(base + "/workers", timeout_s, accept=_lists_workers(len(urls)))
+    proc.wait_http(base + "/workers", timeout_s, accept=_lists_workers(workers))
     return base, f"http://127.0.0.1:{metrics_port}/metrics"
 
 

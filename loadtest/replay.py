@@ -43,12 +43,12 @@ from typing import Any
 
 from loadtest import oracle
 from loadtest.capacity import Workload, prefill_for_utilisation, speedup_for_utilisation, utilisation
-from loadtest.layouts import Layout, RunContext, build_layouts, gateway_overrides
+from loadtest.layouts import Launched, Layout, RunContext, build_layouts, gateway_overrides
 from loadtest.loadgen import LoadOptions, chat_body, replay
 from loadtest.peers import KV_AWARE_NOTE, Peer, parse_peer
 from loadtest.plan import Level, run_order
 from loadtest.procs import CpuMeter, ProcessError, ProcessGroup
-from loadtest.replay_settings import MODEL, SIM_MESSAGE_OVERHEAD_TOKENS, Settings, sim_fields
+from loadtest.replay_settings import MODEL, SIM_MESSAGE_OVERHEAD_TOKENS, Settings, auto_or_positive, sim_fields
 from loadtest.report import RunResult, summarize_run, summary_table, write_results
 from loadtest.texts import DEFAULT_CACHE_BLOCKS, BlockTexts, prompt_bytes_for
 from loadtest.trace import ScheduledRequest, TraceRequest, read_trace, schedule, summarize
@@ -98,22 +98,27 @@ def plan_levels(s: Settings, load: Workload) -> list[Level]:
 # --- one run --------------------------------------------------------------------------------------------
 
 
-async def replay_and_measure(base: str, urls: list[str], items: list[ScheduledRequest], texts: BlockTexts,
+async def replay_and_measure(launched: Launched, items: list[ScheduledRequest], texts: BlockTexts,
                              s: Settings, name: str, kind: str) -> RunResult:
-    """Reset the workers' counters, replay, read the counters, summarise."""
+    """Reset the workers' counters, replay, read the counters, summarise (a layout's side workers,
+    e.g. PD decode workers, into `RunResult.pd`)."""
 
     def build(item: ScheduledRequest) -> bytes:
         req = item.request
         text = texts.prompt(req.hash_ids, prompt_bytes_for(req.input_length, SIM_MESSAGE_OVERHEAD_TOKENS))
         return chat_body(MODEL, text, item.max_tokens)
 
-    stats = StatsReader(urls)
+    stats, side = StatsReader(launched.worker_urls), StatsReader(launched.side_urls)
     await stats.start()
+    await side.start()
     options = LoadOptions(max_concurrency=s.max_concurrency, max_seconds=s.max_seconds,
                           drain_seconds=s.drain_seconds)
-    results, wall = await replay(base, items, build, options)
-    totals = await stats.finish()
-    return summarize_run(name, kind, results, totals, wall)
+    results, wall = await replay(launched.base, items, build, options)
+    run = summarize_run(name, kind, results, await stats.finish(), wall)
+    side_totals = await side.finish()
+    if launched.side_figures is not None:
+        run.pd = launched.side_figures(side_totals)
+    return run
 
 
 def run_one(layout: Layout, ctx: RunContext, repeat: int, items: list[ScheduledRequest], texts: BlockTexts,
@@ -137,8 +142,7 @@ def run_one(layout: Layout, ctx: RunContext, repeat: int, items: list[ScheduledR
             print(f"[{tag}] replaying {len(items)} requests at {level.speedup:.3g}x...", flush=True)
             pids = {"loadgen": os.getpid(), **{c.name: c.pid for c in group.children if c.pid is not None}}
             with CpuMeter(pids) as meter:
-                run = asyncio.run(replay_and_measure(launched.base, launched.worker_urls, items, texts, s,
-                                                     layout.name, layout.kind))
+                run = asyncio.run(replay_and_measure(launched, items, texts, s, layout.name, layout.kind))
                 run.cpu_seconds, run.machine_busy = meter.read()
             if launched.after_replay is not None:
                 details = {**details, **launched.after_replay()}
@@ -247,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--ttft", type=float, default=0.01, help="fixed part of every prefill, seconds")
     add("--tpot", type=float, default=0.005, help="seconds per output token (stepped: per decode step)")
     add("--decode-slowdown", type=float, default=0.0, help="SimConfig.decode_batch_slowdown")
-    add("--prefill-tps", default="auto",
+    add("--prefill-tps", type=auto_or_positive, default="auto",
         help="prefill tokens/s (stepped: per worker, shared; per_request: per request), or 'auto' (--target-util)")
     add("--target-util", type=float, default=0.8,
         help="'auto' prefill: utilisation of the workers at --speedup with no cache hit")
@@ -275,12 +279,6 @@ def settings_from(args: argparse.Namespace) -> Settings:
     if args.minutes > TUNING_MINUTES:
         print(f"warning: --minutes {args.minutes:g} reaches past the {TUNING_MINUTES:g}-minute tuning window "
               "into held-out data", file=sys.stderr)
-    if args.prefill_tps != "auto":
-        try:
-            if float(args.prefill_tps) <= 0:
-                raise ValueError
-        except ValueError:
-            raise SystemExit("--prefill-tps wants 'auto' or a positive number") from None
     return Settings(
         trace=args.trace, minutes=args.minutes, limit=args.limit, speedup=args.speedup,
         output_scale=args.output_scale, workers=args.workers, policies=_names(args.policies),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,3 +86,13 @@ def sim_fields(s: Settings, prefill_tps: float | None) -> dict[str, Any]:
         fields.update(scheduler="stepped", chunk_tokens=s.chunk_tokens, decode_step_s=s.tpot_s,
                       decode_s_per_seq=s.decode_s_per_seq)
     return fields
+
+
+def auto_or_positive(value: str) -> str:
+    """argparse type: "auto" or a positive number (kept as text)."""
+    try:
+        if value != "auto" and float(value) <= 0:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError("want 'auto' or a positive number") from None
+    return value
