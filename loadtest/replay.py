@@ -3,6 +3,7 @@
     python -m loadtest.replay                       # defaults: 40 min of trace at 20x, 8 workers, ~11 min
     python -m loadtest.replay --quick --policies round_robin,least_load   # ~300 requests, ~1.5 min
     python -m loadtest.replay --minutes 10 --utilisation 0.6,0.8,0.9 --repeat 3   # levels x repetitions
+    python -m loadtest.replay --layouts aggregated,pd,sglang-pd   # + prefill/decode pools (loadtest.replay_pd)
 
 Each layout (`loadtest.layouts`: a gateway policy, or a peer router such as SGLang's or vLLM's
 `cache_aware`) runs on a fresh set of processes: one process hosting N simulated SGLang workers
@@ -146,6 +147,9 @@ def run_one(layout: Layout, ctx: RunContext, repeat: int, items: list[ScheduledR
                 run.cpu_seconds, run.machine_busy = meter.read()
             if launched.after_replay is not None:
                 details = {**details, **launched.after_replay()}
+            exited = [c.name for c in group.children if not c.alive()]
+            if exited and run.status == "ok":  # e.g. could not bind: the load went to whoever holds the port
+                run.status = f"failed: {', '.join(exited)} exited during the run"
     except ProcessError as exc:
         print(f"[{tag}] failed: {exc}", file=sys.stderr, flush=True)
         run = RunResult(layout.name, layout.kind, status=f"failed: {str(exc).splitlines()[0][:120]}")
@@ -262,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="seed of the block texts")
     add("--quick", action="store_true", help="smoke test: 300 requests at 8x, ~20 s a run")
     add("--results-dir", type=Path, default=RESULTS_DIR)
+    from loadtest import replay_pd  # builds on this module's helpers: imported when used
+
+    replay_pd.add_arguments(parser)
     return parser
 
 
@@ -344,8 +351,11 @@ def _meta(s: Settings, stamp: str, command: str, rows: list[TraceRequest], load:
 def main(argv: list[str] | None = None) -> int:
     """Run every layout at every load level, `--repeat` times in rotated order; print the tables;
     write the result files. Exit code 0, or 1 when no run completed a request."""
+    from loadtest import replay_pd  # builds on this module's helpers: imported when used
+
     argv = sys.argv[1:] if argv is None else argv
-    s = settings_from(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    s, pd = replay_pd.pd_settings(args, settings_from(args))
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     log_dir = s.results_dir / f"replay-{stamp}-logs"
@@ -364,13 +374,13 @@ def main(argv: list[str] | None = None) -> int:
               f"({level.speedup:.3g}x), {summary.prompt_tokens / 1e6:.1f}M prompt tokens; prefill "
               f"{level.prefill_tps or 0:,.0f} tokens/s "
               f"{'per worker (shared)' if s.scheduler == 'stepped' else 'per request slot'}", flush=True)
-    references = oracle.references(rows, s.workers, s.kv_capacity_tokens)
+    references = oracle.references(rows, s.workers, s.kv_capacity_tokens) + replay_pd.references(rows, pd)
     texts = BlockTexts(seed=s.seed, cache_blocks=s.text_cache_blocks)
 
     notes: list[str] = []
     if any(p.router == "vllm-router" and p.policy == "kv_aware" for p in s.peers):
         notes.append(KV_AWARE_NOTE)
-    layouts = build_layouts(s, log_dir)
+    layouts = build_layouts(s, log_dir) + replay_pd.layouts(pd)
     runs: list[RunResult] = []
     for layout in layouts:
         if layout.problem is not None:
@@ -380,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                      for level in levels]
     runnable = [layout for layout in layouts if layout.problem is None]
     meta = _meta(s, stamp, command, rows, load, levels, log_dir, notes)
+    meta["settings"].update(replay_pd.describe(pd, levels[0].prefill_tps))
     order = run_order(len(runnable), len(levels), s.repeats)
     for i, slot in enumerate(order):
         layout, level = runnable[slot.layout], levels[slot.level]

@@ -23,8 +23,8 @@ class Measured(Protocol):
     level: str
 
 
-FIGURES: tuple[str, ...] = ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "prefill_max_over_mean", "req_per_s",
-                            "errors", "send_lag_p99_s")
+FIGURES: tuple[str, ...] = ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+                            "prefill_max_over_mean", "req_per_s", "errors", "send_lag_p99_s")
 """RunResult attributes summarised per (level, layout)."""
 
 

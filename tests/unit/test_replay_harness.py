@@ -21,7 +21,7 @@ from loadtest.capacity import (
 from loadtest.peers import ROUTERS, Peer, parse_peer, peer_settings
 from loadtest.plan import Level, rotated, run_order
 from loadtest.replay import build_parser, plan_levels, settings_from
-from loadtest.report import RunResult, summary_row
+from loadtest.report import RunResult, check_served, summary_row
 from loadtest.spread import aggregate, fmt_spread, spread
 
 # --- median and spread -------------------------------------------------------------------------------------
@@ -77,6 +77,20 @@ def test_a_cell_without_an_ok_run_shows_its_status() -> None:
     cells = aggregate([_run("vllm-router:cache_aware", "20x", status="skipped: not installed")])
     assert cells[0].ok_runs == 0 and all(v is None for v in cells[0].figures.values())
     assert "skipped: not installed" in summary_row(cells[0])
+
+
+def test_a_run_whose_workers_did_not_see_the_load_is_failed() -> None:
+    # seen on a shared machine: the gateway could not bind its port and another process's
+    # gateway answered the load generator instead
+    foreign = RunResult("prefix_affinity", "gateway", ok=188)
+    check_served(foreign, 0.0)
+    assert foreign.status.startswith("failed: the workers counted 0 of 188")
+    retried = RunResult("sglang-router:cache_aware", "peer", ok=1750)
+    check_served(retried, 1_760.0)  # retries make the workers count more, never fewer
+    assert retried.status == "ok"
+    unknown = RunResult("least_load", "gateway", ok=10)
+    check_served(unknown, None)
+    assert unknown.status == "ok"
 
 
 # --- run order -------------------------------------------------------------------------------------------
