@@ -5,13 +5,17 @@
 Layouts, each run with fresh processes on the same schedule:
 
 - `aggregated`: the policies and peers of `loadtest.replay` (N aggregated workers).
+  Each PD layout is one `loadtest.layouts.Layout` appended to the replay's list (`layouts`), so it
+  runs at every load level and repetition in the rotated order like the others.
 - `pd`: the gateway with one PD pool (`disaggregation: {mode: sglang}`): `--pd-prefill` simulated
   SGLang prefill workers (`pd_role: prefill`) and `--pd-decode` decode workers (`pd_role:
   decode`), prefill policy `--pd-prefill-policy` (default prefix_affinity), decode policy
   `--pd-decode-policy` (default least_load).
 - `sglang-pd`: sglang-router's PD mode (`launch_router --pd-disaggregation --prefill URL PORT
   --decode URL`, `--prefill-policy cache_aware --decode-policy power_of_two`) in front of the same
-  kind of workers. Skipped when sglang-router is not installed.
+  kind of workers, its eviction interval and tree size scaled as the aggregated peer's
+  (`loadtest.peers.peer_settings`, the tree sized to a prefill worker's KV). Skipped when
+  sglang-router is not installed.
 
 Sizing (defaults, see `PdSettings`): the prefill group gets the aggregated pool's totals, so both
 layouts have the same prefill capacity and prefix-cache memory and differ in how they are split:
@@ -28,29 +32,26 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from loadtest import oracle
-from loadtest.procs import ProcessGroup, free_port
-from loadtest.replay import (
+from loadtest.layouts import (
+    STARTUP_TIMEOUT_S,
+    Launched,
     Layout,
-    Settings,
-    auto_or_positive,
+    RunContext,
     deep_merge,
     gateway_config,
+    gateway_overrides,
     launch_gateway,
-    launch_router,
-    note_dropped,
-    peer_available,
-    run_layout,
-    sim_fields,
     start_workers,
 )
-from loadtest.report import RunResult
-from loadtest.texts import BlockTexts
-from loadtest.trace import ScheduledRequest, TraceRequest
+from loadtest.peers import Peer, peer_problem, peer_settings, start_router
+from loadtest.procs import ProcessGroup, free_port
+from loadtest.replay_settings import SIM_BYTES_PER_TOKEN, Settings, auto_or_positive, sim_fields
+from loadtest.trace import TraceRequest
 from loadtest.workerstats import WorkerTotals
 
 LAYOUTS = ("aggregated", "pd", "sglang-pd")
@@ -142,14 +143,14 @@ def pd_settings(args: argparse.Namespace, s: Settings) -> tuple[Settings, PdSett
     return s, pd
 
 
-def plan(pd: PdSettings) -> list[tuple[str, str, str | None]]:
-    """(name, kind, why it is skipped or None) of the PD runs, in run order."""
-    out: list[tuple[str, str, str | None]] = []
+def layouts(pd: PdSettings) -> list[Layout]:
+    """The PD layouts asked for, in the replay's layout list order (after the aggregated ones)."""
+    out: list[Layout] = []
     if "pd" in pd.layouts:
-        out.append((f"pd:{pd.prefill_policy}+{pd.decode_policy}", GATEWAY_PD, None))
+        out.append(Layout(f"pd:{pd.prefill_policy}+{pd.decode_policy}", GATEWAY_PD, _launcher(GATEWAY_PD, pd)))
     if "sglang-pd" in pd.layouts:
-        out.append((f"sglang-router-pd:{pd.peer_prefill_policy}+{pd.peer_decode_policy}", PEER_PD,
-                    peer_available()))
+        out.append(Layout(f"sglang-router-pd:{pd.peer_prefill_policy}+{pd.peer_decode_policy}", PEER_PD,
+                          _launcher(PEER_PD, pd), peer_problem(PEER)))
     return out
 
 
@@ -194,10 +195,10 @@ def role_fields(s: Settings, pd: PdSettings, role: str, prefill_tps: float | Non
 
 
 def pd_gateway_config(port: int, prefill_urls: list[str], decode_urls: list[str], s: Settings,
-                      pd: PdSettings) -> dict[str, Any]:
-    """The gateway config of the `pd` layout: the replay's pool as a PD pool of these workers
-    (each prefill worker's bootstrap port is its HTTP port, where the simulator answers it)."""
-    config = gateway_config(port, [], pd.prefill_policy, None, s.gateway_extra)
+                      pd: PdSettings, speedup: float) -> dict[str, Any]:
+    """The gateway config of the `pd` layout at `speedup`: the replay's pool as a PD pool of these
+    workers (each prefill worker's bootstrap port is its HTTP port, where the simulator answers it)."""
+    config = gateway_config(port, [], pd.prefill_policy, None, gateway_overrides(s, speedup))
     pool = config["pools"][0]
     for key in ("workers", "policy", "policy_params"):
         pool.pop(key, None)
@@ -238,23 +239,31 @@ def decode_figures(totals: list[WorkerTotals]) -> dict[str, Any]:
     }
 
 
-def run(name: str, kind: str, s: Settings, pd: PdSettings, items: list[ScheduledRequest], texts: BlockTexts,
-        prefill_tps: float | None, log_dir: Path, notes: list[str]) -> RunResult:
-    """One PD run: fresh prefill and decode workers, the gateway's PD pool (`kind` GATEWAY_PD) or
-    sglang-router's PD mode (PEER_PD) in front, one replay, everything stopped afterwards."""
+PEER = Peer("sglang-router", "cache_aware")
+"""The router of the `sglang-pd` layout (its PD policies are `--peer-prefill/decode-policy`)."""
 
-    def start(group: ProcessGroup) -> Layout:
-        prefill_urls, dropped = start_workers(group, s, prefill_tps, pd.prefill,
-                                              role_fields(s, pd, "prefill", prefill_tps), "prefill")
-        note_dropped(name, dropped, notes)
-        decode_urls, dropped = start_workers(group, s, prefill_tps, pd.decode,
-                                             role_fields(s, pd, "decode", prefill_tps), "decode")
-        note_dropped(name, dropped, notes)
+
+def _launcher(kind: str, pd: PdSettings) -> Callable[[ProcessGroup, RunContext], Launched]:
+    """Starts fresh prefill and decode workers, then the gateway's PD pool (`kind` GATEWAY_PD) or
+    sglang-router's PD mode (PEER_PD) in front; the decode workers' totals go to `RunResult.pd`."""
+
+    def launch(group: ProcessGroup, ctx: RunContext) -> Launched:
+        s, level = ctx.settings, ctx.level
+        prefill_urls, dropped = start_workers(group, s, level.prefill_tps, pd.prefill,
+                                              role_fields(s, pd, "prefill", level.prefill_tps), "prefill")
+        decode_urls, more = start_workers(group, s, level.prefill_tps, pd.decode,
+                                          role_fields(s, pd, "decode", level.prefill_tps), "decode")
         if kind == GATEWAY_PD:
             port = free_port()
-            base = launch_gateway(group, pd_gateway_config(port, prefill_urls, decode_urls, s, pd), port)
-        else:
-            base = launch_router(group, peer_args(prefill_urls, decode_urls, pd), pd.prefill + pd.decode)
-        return Layout(base, prefill_urls, decode_urls, decode_figures)
+            base = launch_gateway(group, pd_gateway_config(port, prefill_urls, decode_urls, s, pd, level.speedup),
+                                  port)
+            details = {"gateway overrides": gateway_overrides(s, level.speedup)}
+            return Launched(base, prefill_urls, dropped + more, details, side_urls=decode_urls,
+                            side_figures=decode_figures)
+        scaled = peer_settings(PEER, level.speedup, pd.prefill_kv_tokens, SIM_BYTES_PER_TOKEN, s.peer_scale)
+        base, _ = start_router(group, PEER, peer_args(prefill_urls, decode_urls, pd), pd.prefill + pd.decode,
+                               scaled.flags, STARTUP_TIMEOUT_S)
+        return Launched(base, prefill_urls, dropped + more, {"flags": scaled.mapping},
+                        side_urls=decode_urls, side_figures=decode_figures)
 
-    return run_layout(name, kind, s, items, texts, log_dir, start)
+    return launch
