@@ -40,7 +40,7 @@ class AppState:
 
     config: GatewayConfig
     upstream: UpstreamClient
-    """Generation requests to the engines (aiohttp; see backends/client.py for why)."""
+    """Generation requests to the engines (backends/h1.py; see backends/client.py for why)."""
     http: httpx.AsyncClient
     """Health probes and engine `/metrics` scrapes."""
     registry: WorkerRegistry

@@ -2,7 +2,8 @@
 
 One `httpx.AsyncClient` sends every request at its scheduled time (seconds after the start) as a
 streaming chat completion with `stream_options.include_usage`, so the client sees the time to the
-first token (TTFT) and the engine's usage (prompt and cached tokens). Bounds: at most
+first token (TTFT), the time per output token after it (TPOT) and the engine's usage (prompt and
+cached tokens). Bounds: at most
 `max_concurrency` requests in flight (the dispatcher waits for a free slot, so later requests may
 start late: the lag is recorded), nothing is sent after `max_seconds`, and requests still running
 then get at most `drain_seconds` more before they are cancelled and counted as errors.
@@ -30,7 +31,9 @@ class RequestResult:
     """What the client saw of one request. Times in seconds; tokens as the engine reported them.
 
     `scheduled_s` / `sent_s`: offsets from the replay start; `ttft_s`: from sending to the first
-    content token; `e2e_s`: from sending to the end of the stream. `cached_tokens` is None when the
+    content token; `tpot_s`: from the first to the last content token / (output tokens - 1), output
+    tokens from the usage (else the content events), None for fewer than 2; `e2e_s`: from sending
+    to the end of the stream. `cached_tokens` is None when the
     usage carried no `prompt_tokens_details`. `error` is None for a complete, successful stream.
     """
 
@@ -38,6 +41,7 @@ class RequestResult:
     scheduled_s: float
     sent_s: float | None = None
     ttft_s: float | None = None
+    tpot_s: float | None = None
     e2e_s: float | None = None
     status: int | None = None
     prompt_tokens: int | None = None
@@ -87,6 +91,8 @@ class _StreamReader:
         self.started = started
         self.done = False
         self._buffer = b""
+        self._last_token_s: float | None = None
+        self._content_events = 0
 
     def feed(self, chunk: bytes) -> None:
         self._buffer += chunk
@@ -115,12 +121,14 @@ class _StreamReader:
             message = err.get("message") if isinstance(err, dict) else err
             self.result.error = f"stream error: {str(message)[:200]}"
             return
-        if self.result.ttft_s is None:
-            for choice in event.get("choices") or ():
-                delta = choice.get("delta") or {}
-                if delta.get("content") or delta.get("reasoning_content"):
-                    self.result.ttft_s = time.monotonic() - self.started
-                    break
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("reasoning_content"):
+                self._last_token_s = time.monotonic() - self.started
+                self._content_events += 1
+                if self.result.ttft_s is None:
+                    self.result.ttft_s = self._last_token_s
+                break
         usage = event.get("usage")
         if isinstance(usage, dict):
             self.result.prompt_tokens = usage.get("prompt_tokens")
@@ -128,6 +136,13 @@ class _StreamReader:
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and details.get("cached_tokens") is not None:
                 self.result.cached_tokens = int(details["cached_tokens"])
+
+    def finish_tpot(self) -> None:
+        """Set `tpot_s` once the stream ended: (last - first token time) / (output tokens - 1)."""
+        tokens = self.result.completion_tokens or self._content_events
+        first, last = self.result.ttft_s, self._last_token_s
+        if first is not None and last is not None and tokens >= 2:
+            self.result.tpot_s = (last - first) / (tokens - 1)
 
 
 async def send_one(client: httpx.AsyncClient, url: str, body: bytes, result: RequestResult, t0: float) -> None:
@@ -149,6 +164,7 @@ async def send_one(client: httpx.AsyncClient, url: str, body: bytes, result: Req
                 result.error = "stream ended without [DONE]"
             if result.error is None and result.ttft_s is None:
                 result.error = "no content token"
+            reader.finish_tpot()
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {str(exc)[:160]}"
     if result.error is None:

@@ -16,8 +16,10 @@ from typing import Any
 import httpx
 
 COUNTERS = ("requests", "completed", "aborted", "errors", "prompt_tokens", "cached_tokens", "prefill_tokens",
-            "generated_tokens", "evicted_tokens")
-"""Monotonic `/sim/stats` fields, summed over a run (requests or tokens)."""
+            "generated_tokens", "evicted_tokens", "pd_transfers", "pd_transfer_seconds", "pd_transferred_tokens")
+"""Monotonic `/sim/stats` fields, summed over a run (requests, tokens, or seconds). `pd_*` are a PD
+worker's KV hand-over counters (`/sim/stats` `pd.transfers` ..., lifetime values: the run's are
+differences from the baseline)."""
 
 PEAKS = ("max_running", "max_waiting")
 """`/sim/stats` peak fields (requests) since the last reset."""
@@ -80,7 +82,11 @@ class StatsReader:
         try:
             resp = await client.get(url + "/sim/stats")
             if resp.status_code == 200:
-                return "sim/stats", dict(resp.json())
+                data = dict(resp.json())
+                pd = data.get("pd")
+                if isinstance(pd, dict):
+                    data.update({f"pd_{key}": value for key, value in pd.items()})
+                return "sim/stats", data
             resp = await client.get(url + "/metrics")
             value = _prometheus_sum(resp.text, PROMPT_COUNTER_SUFFIX) if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError):

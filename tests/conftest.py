@@ -6,6 +6,7 @@ import os
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,13 +33,28 @@ from tests.support import REPO_ROOT, SHARED_DATA, GatewayProcess, OwnRedis, Runn
 os.environ.pop("SSL_CERT_FILE", None)
 os.environ["SSL_CERT_DIR"] = ssl.get_default_verify_paths().openssl_capath
 
+# With PYTHONDONTWRITEBYTECODE set (the Dockerfile's and many dev shells' habit), every xdist worker
+# compiles and assertion-rewrites the ~130 test modules again (~5 s of CPU each) and every gateway or
+# serving process the tests spawn compiles the gateway package again (~0.3 s each, dozens of them).
+# Caching bytecode in the (git-ignored) __pycache__ directories changes no behaviour, only that cost.
+# Set here, in the controller, before xdist starts its workers: they and their children inherit it.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
-def stop_all(servers: list[ThreadedServer]) -> None:
-    """Ask every server to exit at once, then wait for each (uvicorn takes ~0.2 s to stop)."""
+
+def stop_all(servers: list[ThreadedServer], timeout: float = 10.0) -> None:
+    """Ask every server to exit at once, then wait for them all, `timeout` seconds in total (uvicorn
+    takes ~0.2 s to stop). The threads are daemons: one still stuck after that (a lifespan's end that
+    hangs) is named on stderr and dies with the process, instead of costing 10 s per server."""
     for server in servers:
         server.server.should_exit = True
+    deadline = time.monotonic() + timeout
     for server in servers:
-        server.stop()
+        server.stop(max(0.0, deadline - time.monotonic()))
+    alive = {thread.name for thread in threading.enumerate()}
+    stuck = [server.thread_name for server in servers if server.thread_name in alive]
+    if stuck:
+        print(f"servers still stopping after {timeout} s: {', '.join(stuck)}", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

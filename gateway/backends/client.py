@@ -1,12 +1,13 @@
 """The one pooled HTTP client for requests to the engines, and the per-request timeout budget.
 
-Generation requests go through aiohttp: measured side by side with httpx against the same fast
-fake engine (`python -m loadtest.upstream_clients`), httpx 0.28 spent 2.7 ms of CPU per streamed
-request at 32 concurrent streams and 7 ms at 256 (its connection pool scans every connection on
-each request), aiohttp 3.14 0.26 ms and 0.35 ms. Health probes and `/metrics` scrapes (a few per
-second) keep using httpx (`AppState.http`).
+Generation requests go through `backends/h1.py`, a minimal HTTP/1.1 client on asyncio protocols
+and httptools. Measured against the overhead benchmark's fast fake engine (64 streams of 32 SSE
+events, the client alone on one core): httpx 0.28 spent 2.7 ms of CPU per streamed request at 32
+concurrent streams and 7 ms at 256 (its pool scans every connection per request); aiohttp 3.14
+0.19-0.26 ms; h1.py 0.075-0.08 ms. Health probes and `/metrics` scrapes (a few per second) keep
+using httpx (`AppState.http`).
 
-`UpstreamResponse` hides the library from the relay: status, headers, the body as raw chunks
+`UpstreamResponse` hides the client from the relay: status, headers, the body as raw chunks
 (transfer decoding only: compression is refused, so bytes relay unchanged) and `aclose()`, which
 returns a fully read connection to the pool and closes any other, so the engine sees the client
 leave and aborts the request (vLLM and SGLang abort on disconnect).
@@ -14,28 +15,23 @@ leave and aborts the request (vLLM and SGLang abort on disconnect).
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import AsyncIterator, Mapping
-from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
 
-import aiohttp
 import httpx
-from aiohttp.connector import Connection
 
+from gateway.backends.h1 import H1ConnectError, H1Error, H1Pool, H1Response
 from gateway.config import TimeoutConfig
 
 DEFAULT_KEEP_ALIVE_S = 4.0  # below the 5 s idle keep-alive of uvicorn (vLLM, SGLang) and cpp-httplib (llama.cpp)
 
-# What a failed exchange with an engine raises (aiohttp's timeouts are TimeoutErrors too).
-TransportError = (aiohttp.ClientError, TimeoutError)
+# What a failed exchange with an engine raises (every timeout is a TimeoutError too).
+TransportError = (H1Error, TimeoutError)
 
 
 def is_connect_error(exc: BaseException) -> bool:
     """The connection was never made (refused, unreachable, connect timeout): safe to retry anywhere."""
-    return isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
+    return isinstance(exc, H1ConnectError)
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -51,12 +47,30 @@ class UpstreamTimeouts:
     read: float
 
 
+class _Body:
+    """The body of a response as an async iterator of non-empty chunks."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: H1Response) -> None:
+        self._raw = raw
+
+    def __aiter__(self) -> _Body:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self._raw.read()
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+
 class UpstreamResponse:
     """An engine's answer once its headers arrived; the body is not read yet."""
 
     __slots__ = ("_raw",)
 
-    def __init__(self, raw: aiohttp.ClientResponse) -> None:
+    def __init__(self, raw: H1Response) -> None:
         self._raw = raw
 
     @property
@@ -65,54 +79,17 @@ class UpstreamResponse:
 
     @property
     def headers(self) -> Mapping[str, str]:
-        """Response headers, case-insensitive."""
+        """Response headers, by lower-case name."""
         return self._raw.headers
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (each chunk non-empty); raises TransportError if the engine fails."""
-        return self._raw.content.iter_any()
+        return _Body(self._raw)
 
     async def aclose(self) -> None:
         """Release a fully read response's connection for reuse; close any other (the engine sees
         the disconnect and aborts the request). Idempotent."""
-        if self._raw.content.at_eof():
-            self._raw.release()
-        else:
-            self._raw.close()
-
-
-class _Reuse:
-    """One request's note: did it go out on a pooled (reused) connection?"""
-
-    __slots__ = ("reused",)
-
-    def __init__(self) -> None:
-        self.reused = False
-
-
-# The note of the request being sent in this task; `_PoolConnector.connect` runs in the caller's task.
-_REUSE: ContextVar[_Reuse | None] = ContextVar("upstream_reuse", default=None)
-
-
-class _PoolConnector(aiohttp.TCPConnector):
-    """aiohttp's TCP pool, noting for each request whether its connection had carried one before.
-
-    (aiohttp's `on_connection_reuseconn` trace signal says the same, but a trace config made every
-    streamed request cost ~0.3 ms more CPU in `loadtest.overhead`.)"""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._used: weakref.WeakSet[Any] = weakref.WeakSet()
-
-    async def connect(self, req: aiohttp.ClientRequest, traces: list[Any],
-                      timeout: aiohttp.ClientTimeout) -> Connection:
-        conn = await super().connect(req, traces, timeout)
-        protocol = conn.protocol
-        if protocol is not None:
-            if (note := _REUSE.get()) is not None:
-                note.reused = protocol in self._used
-            self._used.add(protocol)
-        return conn
+        self._raw.aclose()
 
 
 class UpstreamClient:
@@ -120,62 +97,30 @@ class UpstreamClient:
     `upstream_keep_alive`), with no connection cap (the engines' own queues and the pool gates
     bound load). Call `start()` on the event loop that will use it, `aclose()` at the end.
 
-    A request that fails on a reused connection before any response byte (the engine had closed
-    it: `ServerDisconnectedError`, a reset) is sent once more on a new connection: the engine
-    never saw it (RFC 9112 9.3.1.1), and it is no sign of a broken worker.
+    A request that fails on a reused connection before any response byte, within a second of its
+    sending (an idle close crossing it), is sent once more on a new connection (`H1Pool.post`).
     """
 
     def __init__(self, timeouts: TimeoutConfig, keep_alive: Mapping[str, float] | None = None) -> None:
         self._timeouts = timeouts
         self._keep_alive = dict(keep_alive or {})
-        self._sessions: dict[str | None, aiohttp.ClientSession] = {}
-        self._fresh: aiohttp.ClientSession | None = None
-
-    def _session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
-        return aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, trust_env=False,
-            headers={"accept-encoding": "identity"}, skip_auto_headers=("User-Agent",),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeouts.connect,
-                                          sock_read=self._timeouts.read),
-        )
+        self._pools: dict[str | None, H1Pool] = {}
 
     async def start(self) -> None:
         for pool, seconds in [(None, DEFAULT_KEEP_ALIVE_S), *self._keep_alive.items()]:
-            connector = _PoolConnector(limit=0, keepalive_timeout=seconds, ttl_dns_cache=10)
-            self._sessions[pool] = self._session(connector)
-        # Only for the resend after a dead pooled connection: always a new connection.
-        self._fresh = self._session(aiohttp.TCPConnector(limit=0, force_close=True, ttl_dns_cache=10))
+            self._pools[pool] = H1Pool(seconds)
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str],
                    timeouts: UpstreamTimeouts, pool: str | None = None) -> UpstreamResponse:
         """POST `body` on `pool`'s connections and return once the response headers arrived.
         Raises TransportError."""
-        session = self._sessions.get(pool) or self._sessions.get(None)
-        assert session is not None and self._fresh is not None, "UpstreamClient.start() was not called"
-        reuse = _Reuse()
-        timeout = _client_timeout(timeouts)
-        token = _REUSE.set(reuse)
-        try:
-            raw = await session.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if not reuse.reused or isinstance(exc, aiohttp.ClientConnectorError):
-                raise
-            raw = await self._fresh.post(url, data=body, headers=headers, timeout=timeout, allow_redirects=False)
-        finally:
-            _REUSE.reset(token)
-        return UpstreamResponse(raw)
+        client = self._pools.get(pool) or self._pools.get(None)
+        assert client is not None, "UpstreamClient.start() was not called"
+        return UpstreamResponse(await client.post(url, body, headers, timeouts.connect, timeouts.read))
 
     async def aclose(self) -> None:
-        for session in [*self._sessions.values(), self._fresh]:
-            if session is not None:
-                await session.close()
-
-
-@functools.lru_cache(maxsize=1024)
-def _client_timeout(timeouts: UpstreamTimeouts) -> aiohttp.ClientTimeout:
-    """aiohttp's timeout object for `timeouts`, built once per distinct value (building one per
-    request showed in the profile; the read budget takes few distinct values)."""
-    return aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=timeouts.read)
+        for client in self._pools.values():
+            client.close()
 
 
 def first_byte_budget(timeouts: TimeoutConfig, prompt_tokens: int) -> float:

@@ -106,7 +106,7 @@ def budgets(timeouts: TimeoutConfig, request: RoutingRequest,
     """An attempt's time limits: the engine request's timeouts, the budget (seconds) for a
     stream's first content or a whole answer, and the wait for response headers (seconds).
 
-    The budget is its own: aiohttp's read timeout is per read and must also allow a long
+    The budget is its own: the client's read timeout is per read and must also allow a long
     prefill, so it cannot catch a worker that hangs quickly. A stream's headers have a shorter
     wait: engines send them before the prefill."""
     output = request.output_tokens if request.output_tokens is not None else pool.default_output_tokens

@@ -143,7 +143,7 @@ class PrefillLeg:
                 try:
                     first, rest = await first_chunk(response)
                     self.answer = await read_rest(response, first, rest, state.config.max_body_bytes)
-                except (TransportError, ValueError) as exc:
+                except (*TransportError, ValueError) as exc:
                     raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"prefill answer broke: {exc}", answered=True) from exc
                 finally:
                     await response.aclose()

@@ -76,9 +76,7 @@ class SSETap:
         if self.on_response_id is not None and b'"response.created"' in lines:
             self._response_created(lines)
         if b'"usage":{' in lines or b'"usage": {' in lines:
-            for line in lines.split(b"\n"):
-                if line.startswith(b"data:") and b'"usage"' in line:
-                    self._usage_line(line)
+            self._usage_lines(lines)
 
     def end(self) -> None:
         """The stream ended cleanly: read a last line that had no newline (`data: [DONE]` at EOF)."""
@@ -94,6 +92,19 @@ class SSETap:
             self.done = True
         if not self.failed and b"error" in lines and _ERROR_EVENT.search(lines) is not None:
             self.failed = True
+
+    def _usage_lines(self, lines: bytes) -> None:
+        """Read each `data:` line of `lines` (whole lines) that holds `"usage"`: found by substring
+        search, not by splitting every line (a chunk often holds a whole answer of ~35 lines)."""
+        pos = lines.find(b'"usage"')
+        while pos >= 0:
+            start = lines.rfind(b"\n", 0, pos) + 1
+            end = lines.find(b"\n", pos)
+            end = len(lines) if end < 0 else end
+            line = lines[start:end]
+            if line.startswith(b"data:"):
+                self._usage_line(line.rstrip(b"\r"))
+            pos = lines.find(b'"usage"', end)
 
     def _usage_line(self, line: bytes) -> None:
         try:
@@ -136,6 +147,8 @@ _ERROR_EVENT = re.compile(rb"(?:^|\n)event: ?error\r?\n")
 def event_end(data: bytes, stop: int | None = None) -> int:
     """Index just past the last complete SSE event in `data[:stop]` (0 if none): after `\n\n` or
     `\r\n\r\n`. Where the relay may cut a chunk, and where the event holding `stop` starts."""
+    if stop is None and data.endswith((b"\n\n", b"\r\n\r\n")):
+        return len(data)  # the common case (an engine writes whole events): no scan of the chunk
     lf, crlf = data.rfind(b"\n\n", 0, stop), data.rfind(b"\r\n\r\n", 0, stop)
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 

@@ -279,13 +279,18 @@ class SimEngine:
 
     def decode_seconds(self) -> float:
         """Time of the next output token (seconds): `tpot_s` x (1 + `decode_batch_slowdown` x
-        (running requests - 1))."""
+        (running requests - 1)). A PD worker's requests still waiting for their hand-over (a decode
+        worker's KV, a SGLang prefill worker's bootstrap) hold a slot but are not in the batch
+        (SGLang's transfer and bootstrap queues), so they do not slow it."""
         slowdown = self.config.decode_batch_slowdown
         if slowdown == 0.0:
             return self.config.tpot_s
         with self._cond:
-            others = max(0, len(self._active) - 1)
-        return self.config.tpot_s * (1.0 + slowdown * others)
+            running = len(self._active)
+        if self.pd is not None:
+            waiting = self.pd.counters()
+            running -= waiting.waiting_for_kv + waiting.bootstrapping
+        return self.config.tpot_s * (1.0 + slowdown * max(0, running - 1))
 
     def hold_blocks(self, keys: Sequence[PromptKey]) -> list[CacheLease]:
         """Pin the cached blocks of `keys` beyond their request (a NIXL prefill worker keeps

@@ -48,6 +48,7 @@ def gateways(engines: list[LlamaCppWorker], tmp_path: Path) -> Iterator[list[str
                    "max_context_tokens": 4096, "default_output_tokens": 64, "policy": "prefix_affinity",
                    "policy_params": {"min_match_tokens": 256}}],
         "redis_url": REDIS_URL, "affinity": {"key_prefix": prefix}, "log_level": "warning",
+        "shutdown": {"drain_delay": 0},  # the 5 s default held each teardown's SIGTERM for 5 s
     }
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(config))

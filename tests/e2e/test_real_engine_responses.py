@@ -38,7 +38,8 @@ def test_stateless_response_streamed_and_not(gateway: RunningGateway) -> None:
     assert len(deltas) >= 2, "tokens arrive as separate events"
     final = events[-1].response  # type: ignore[union-attr]
     assert "".join(deltas) == final.output_text
-    assert final.usage is not None and final.usage.output_tokens == len(deltas)
+    # An end-of-generation token is counted in usage but sends no delta (seen: 3 tokens, 2 deltas).
+    assert final.usage is not None and len(deltas) <= final.usage.output_tokens <= len(deltas) + 1
     # The relay saw the stream complete and counted the engine's usage.
     counted = response.usage.output_tokens + final.usage.output_tokens
     gateway.wait_for_metric('kimi_gateway_tokens_total{kind="completion",pool="cpu"}', lambda n: n == counted)

@@ -214,7 +214,7 @@ def test_slow_reader_back_pressure_reaches_the_engine(start_sim: StartSim, start
         assert record.completion_tokens_sent == sent_while_stalled, "the engine kept writing into the gateway"
     # What is in flight fits in the kernel's socket buffers (loopback autotunes them up to tcp_rmem /
     # tcp_wmem's maximum: two connections, each with a send and a receive buffer) plus the gateway's
-    # own bounded buffers (aiohttp pauses reading at 128 KiB, uvicorn's writes at 64 KiB).
+    # own bounded buffers (backends/h1.py pauses reading at 128 KiB, uvicorn's writes at 64 KiB).
     maxima = [int(Path(f"/proc/sys/net/ipv4/{name}").read_text().split()[2]) for name in ("tcp_rmem", "tcp_wmem")]
     assert sent_while_stalled * event_bytes < 2 * sum(maxima) + (1 << 20) < 1_000_000 * event_bytes
     sim.engine.wait_for(lambda: record.aborted, timeout=5)

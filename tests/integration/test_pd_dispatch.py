@@ -130,13 +130,19 @@ def test_client_disconnect_aborts_both_legs(start_sim: StartSim, start_gateway: 
     assert gw.metric("kimi_gateway_in_flight{") == 0
 
 
-@pytest.mark.parametrize("mode", ["sglang", "vllm-mooncake"])
+@pytest.mark.parametrize(("mode", "prefill_hangs"), [("sglang", "before headers"), ("vllm-mooncake", "before headers"),
+                                                     ("sglang", "after headers")])
 def test_decode_whose_prefill_partner_dies_gets_a_clean_sse_error(start_sim: StartSim, start_gateway: StartGateway,
-                                                                  mode: str) -> None:
+                                                                  mode: str, prefill_hangs: str) -> None:
     """The stream was committed (keep-alives) while the decode worker waited for KV; its prefill
-    worker then fails its health probe: the decode leg is aborted and the client gets one SSE error."""
-    group = pd_group(start_sim, mode)
-    group.prefill[0].engine.set_faults(SimFaults(**{"hang_before_headers": True}))
+    worker then fails its health probe: the decode leg is aborted and the client gets one SSE error.
+    The prefill leg hangs before its answer's headers, or after them (a streamed SGLang prefill leg
+    gets its headers at once and its first token after the prefill, here 30 s)."""
+    group = pd_group(start_sim, mode, prefill=0)
+    group.prefill = [start_sim(ENGINE[mode], pd_role="prefill", pd_protocol=mode,
+                               ttft_s=30.0 if prefill_hangs == "after headers" else 0.0)]
+    if prefill_hangs == "before headers":
+        group.prefill[0].engine.set_faults(SimFaults(**{"hang_before_headers": True}))
     gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.2, "keepalive_interval": 0.1},
                        health={"interval": 0.1, "timeout": 0.2})
     with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:

@@ -13,6 +13,7 @@ import redis
 
 from gateway.auth.keys import hash_key
 from gateway.auth.limits import MemoryRateLimiter
+from gateway.auth.redis_limits import RedisRateLimiter
 from tests.support import RunningGateway
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -35,14 +36,28 @@ def left_in_window(clock: Callable[[], float], window_s: float) -> float:
 
 
 def start_a_window_now(gw: RunningGateway) -> None:
-    """Give a gateway's in-process limiter a clock whose window starts now: a real MemoryRateLimiter
-    reading `time.monotonic()` seconds since this call. A test checking exact counts then runs a
-    whole minute clear of a window edge, without sleeping to the next edge (up to 15 s). Call it
-    before the test's first request (the replaced limiter's counts are dropped)."""
+    """Give a gateway's limiter a clock whose window starts now, reading `time.monotonic()` seconds
+    since this call: a real MemoryRateLimiter, or a real RedisRateLimiter on the gateway's Redis
+    (the script then takes that time instead of Redis' `TIME`; the test's key prefix is its own, so
+    no other window shares its keys). A test checking exact counts then runs a whole minute clear
+    of a window edge, without sleeping to the next edge (up to 15 s). Call it before the test's
+    first request (the replaced limiter's counts are dropped). Redis' own clock keeps its tests:
+    the limiter contract's and `test_limits_are_shared_by_replicas_through_redis`."""
     guard = gw.server.app.state.gateway.auth
-    assert guard is not None and isinstance(guard.limiter, MemoryRateLimiter), "an in-process limiter"
+    assert guard is not None, "auth is on"
     origin = time.monotonic()
-    guard.limiter = MemoryRateLimiter(clock=lambda: time.monotonic() - origin)
+
+    def clock() -> float:
+        return time.monotonic() - origin
+
+    old = guard.limiter
+    if isinstance(old, RedisRateLimiter):
+        assert gw.config.redis_url is not None
+        guard.limiter = RedisRateLimiter(gw.config.redis_url, old.config, old.metrics, clock=clock)
+        gw.server.call(old.stop())
+    else:
+        assert isinstance(old, MemoryRateLimiter), "an in-process or Redis limiter"
+        guard.limiter = MemoryRateLimiter(clock=clock)
 
 
 def wait_clear_of_window_edge(clock: Callable[[], float], window_s: float = 60.0, need_s: float = 15.0) -> None:

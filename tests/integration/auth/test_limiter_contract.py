@@ -170,3 +170,23 @@ async def test_lua_script_equals_the_python_rule(key_prefix: str) -> None:
                     assert abs(wait_ms - expected.retry_after * 1000) <= 1, f"step {step}"
     finally:
         await lua.stop()
+
+
+@pytest.mark.anyio
+async def test_a_redis_limiter_given_a_clock_counts_in_that_clocks_windows(key_prefix: str) -> None:
+    """The tests' seam (tests/integration/auth/conftest.py `start_a_window_now`): with a clock the
+    script takes its time instead of Redis' TIME, so windows start where the clock says."""
+    now = [59.5]
+    lim = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=key_prefix), GatewayMetrics(), clock=lambda: now[0])
+    try:
+        alice = key(rpm=1)
+        first = await lim.acquire(alice, 1)
+        assert first is not None and first.allowed and first.window == 0
+        refused = await lim.acquire(alice, 1)
+        assert refused is not None and not refused.allowed
+        assert 0 < refused.retry_after <= 60.5  # the rest of window 0, then window 1 weighs window 0's use
+        now[0] = 120.5  # window 2: windows 0 and 1 no longer count
+        later = await lim.acquire(alice, 1)
+        assert later is not None and later.allowed and later.window == 2
+    finally:
+        await lim.stop()

@@ -11,6 +11,7 @@ limit still made the gateway fetch its image URLs.
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import threading
 import time
@@ -28,7 +29,7 @@ from starlette.routing import Route
 
 from gateway.auth.keys import hash_key
 from gateway.server import ThreadedServer
-from tests.integration.auth.conftest import REDIS_URL, wait_clear_of_window_edge
+from tests.integration.auth.conftest import REDIS_URL, start_a_window_now
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -71,9 +72,21 @@ def limited_gateway(start_gateway: StartGateway, sim: RunningSim, key_prefix: st
                          affinity={"enabled": False}, load={"enabled": False}, **settings)
 
 
+def encoded(body: dict[str, Any]) -> tuple[str, bytes]:
+    """`(path, JSON bytes)` of a body, to encode a heavy one once: re-encoding its ~5-8 MB on every
+    send held the GIL of the process the gateway runs in for ~0.1 s at a time, stalling the gateway's
+    event loop (its Redis checks timed out) as no remote client can."""
+    return ("/completions" if "prompt" in body else "/chat/completions"), json.dumps(body).encode()
+
+
+def send(client: httpx.Client, gw: RunningGateway, key: str, request: tuple[str, bytes]) -> httpx.Response:
+    path, content = request
+    return client.post(gw.v1 + path, content=content,
+                       headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+
+
 def post(client: httpx.Client, gw: RunningGateway, key: str, body: dict[str, Any]) -> httpx.Response:
-    path = "/completions" if "prompt" in body else "/chat/completions"
-    return client.post(gw.v1 + path, headers={"authorization": f"Bearer {key}"}, json=body)
+    return send(client, gw, key, encoded(body))
 
 
 @pytest.mark.parametrize("fail_mode", ["open", "closed"])
@@ -81,8 +94,8 @@ def test_limits_hold_while_another_client_sends_heavy_bodies(start_sim: StartSim
                                                              key_prefix: str, fail_mode: str) -> None:
     sim = start_sim("vllm")
     gw = limited_gateway(start_gateway, sim, key_prefix, fail_mode)
-    bodies = heavy_bodies()
-    wait_clear_of_window_edge(time.time)  # Redis' TIME: the counts below stay in one window
+    bodies = {name: encoded(body) for name, body in heavy_bodies().items()}
+    start_a_window_now(gw)  # the counts below stay in one window
     stop = threading.Event()
     mallory: Counter[int] = Counter()
     lock = threading.Lock()
@@ -91,12 +104,12 @@ def test_limits_hold_while_another_client_sends_heavy_bodies(start_sim: StartSim
         with httpx.Client(timeout=60) as client:
             while not stop.is_set():
                 for name in names:
-                    status = post(client, gw, MALLORY_KEY, bodies[name]).status_code
+                    status = send(client, gw, MALLORY_KEY, bodies[name]).status_code
                     with lock:
                         mallory[status] += 1
 
     cheap = {"model": "kimi-k3", "messages": HI, "max_tokens": 2}
-    bodies["cheap"] = cheap
+    bodies["cheap"] = encoded(cheap)
     attackers = [threading.Thread(target=attack, args=(names,), daemon=True)
                  for names in (["images", "cheap"], ["parts", "ids", "cheap"], ["cheap"])]
     for thread in attackers:
@@ -145,7 +158,7 @@ def test_a_key_over_its_limit_fetches_no_image_url(start_sim: StartSim, start_ga
         sim = start_sim("vllm")
         gw = limited_gateway(start_gateway, sim, key_prefix, "closed",
                              image_fetch={"enabled": True, "allow_networks": ["127.0.0.1/32"]})
-        wait_clear_of_window_edge(time.time)
+        start_a_window_now(gw)
         with httpx.Client(timeout=30) as client:
             def with_images(first: int) -> dict[str, Any]:
                 parts = [{"type": "image_url", "image_url": {"url": f"{images.server.url}/img/{first + i}"}}

@@ -20,7 +20,6 @@ from tests.integration.auth.conftest import (
     REDIS_URL,
     auth_section,
     start_a_window_now,
-    wait_clear_of_window_edge,
 )
 from tests.support import RunningGateway, RunningSim, pool
 
@@ -37,17 +36,8 @@ def gateway(start_gateway: StartGateway, sims: list[RunningSim], tpm: int, limit
                        auth=auth_section({"tokens_per_minute": tpm, "requests_per_minute": 1000},
                                          key_prefix=key_prefix),
                        affinity={"enabled": False}, load={"enabled": False}, **extra, **settings)
-    clear_of_window_edge(gw, limiter)
+    start_a_window_now(gw)
     return gw
-
-
-def clear_of_window_edge(gw: RunningGateway, limiter: str) -> None:
-    """Make the counts below stay in one window: the in-process limiter gets a window starting now;
-    the Redis limiter's windows follow Redis' clock, so wait past an edge less than 15 s away."""
-    if limiter == "redis":
-        wait_clear_of_window_edge(time.time)
-    else:
-        start_a_window_now(gw)
 
 
 def used_now(gw: RunningGateway, probe_tokens: int) -> int:
@@ -125,7 +115,7 @@ def test_an_engines_refusal_costs_nothing(start_sim: StartSim, start_gateway: St
                        auth=auth_section({"tokens_per_minute": 4000}, key_prefix=key_prefix),
                        affinity={"enabled": False}, load={"enabled": False},
                        **({"redis_url": REDIS_URL} if limiter == "redis" else {}))
-    clear_of_window_edge(gw, limiter)
+    start_a_window_now(gw)
     long_prompt = [{"role": "user", "content": "word " * 1000}]  # ~1,540 estimated, 5,000 for the engine
     for _ in range(3):  # ~1,600 reserved each: kept, the third would get a 429
         response = httpx.post(gw.v1 + "/chat/completions", headers=HEADERS,

@@ -79,6 +79,17 @@ def test_latency_formulas() -> None:
     assert plain.prompt_keys("chat", _chat("x" * 100), [29]) == []
 
 
+def test_requests_waiting_for_their_kv_do_not_slow_a_decode_workers_batch() -> None:
+    engine = SimEngine(SimConfig(engine="sglang", max_context_tokens=10_000, tpot_s=0.01, decode_batch_slowdown=0.5,
+                                 pd_role="decode", pd_protocol="sglang"))
+    for _ in range(3):
+        engine.start_running(10)
+    assert engine.decode_seconds() == pytest.approx(0.01 * (1 + 0.5 * 2))
+    assert engine.pd is not None
+    engine.pd.count(waiting_for_kv=2)  # what a decode leg does while its KV is on the way
+    assert engine.decode_seconds() == pytest.approx(0.01)
+
+
 @pytest.mark.anyio
 async def test_queue_is_fifo_and_bounded_by_kv_room() -> None:
     engine = SimEngine(SimConfig(engine="vllm", max_context_tokens=10_000, kv_capacity_tokens=1000))
