@@ -46,8 +46,10 @@ from gateway.sim.kvcache import PrefixCache, PromptKey
 from gateway.sim.stepper import StepScheduler, new_step_request
 from gateway.sim.totals import HitRateWindow, SimTotals
 from loadtest import replay as rp
+from loadtest.layouts import gateway_overrides
+from loadtest.replay_settings import MODEL, Settings
 from loadtest.report import percentile
-from loadtest.trace import ScheduledRequest, read_trace, schedule, summarize
+from loadtest.trace import ScheduledRequest, read_trace, schedule
 
 TRACE_BLOCK_TOKENS = 512
 """Tokens per trace hash id (the replay's 2,048-byte block texts at the simulator's 4 bytes a token)."""
@@ -183,7 +185,7 @@ TABLE_HEADER = ("| policy | hit ratio | p50 TTFT (s) | p99 TTFT (s) | p99 over f
                 "preemptions | reasons |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 
 
-def floors(items: list[ScheduledRequest], s: rp.Settings, prefill_tps: float) -> list[float]:
+def floors(items: list[ScheduledRequest], s: Settings, prefill_tps: float) -> list[float]:
     """Per request, a TTFT no router can beat (seconds): `ttft_s` + its prompt less the longest
     prefix any earlier request had (an unbounded shared cache), alone on an idle worker, with one
     base step time per chunk."""
@@ -206,7 +208,8 @@ def floors(items: list[ScheduledRequest], s: rp.Settings, prefill_tps: float) ->
 class Evaluation:
     """One policy (or the peer approximation) over the schedule, in virtual time."""
 
-    def __init__(self, s: rp.Settings, prefill_tps: float, policy: RoutingPolicy | CacheAwarePeer) -> None:
+    def __init__(self, s: Settings, prefill_tps: float, policy: RoutingPolicy | CacheAwarePeer,
+                 timers: dict[str, Any]) -> None:
         self.s = s
         self.policy = policy
         self.prefill = PrefillEstimator()
@@ -220,7 +223,6 @@ class Evaluation:
                                   decode_step_s=s.tpot_s, decode_s_per_seq=s.decode_s_per_seq,
                                   max_num_seqs=s.max_num_seqs)
             self.workers.append(SimWorker(Worker("replay", i, f"w{i}", ENGINES["sglang"]), sched, totals, lock))
-        timers = s.gateway_extra
         self.scrape_s = float(timers.get("load", {}).get("interval", 1.0))
         self.ttl_s = float(timers.get("affinity", {}).get("ttl_seconds", 600.0))
         self.owners: dict[int, tuple[str, float]] = {}
@@ -245,7 +247,7 @@ class Evaluation:
             policy.sent(chosen, prefixes, tokens)
             return chosen, None
         match = self._match(prefixes, tokens, now) if policy.uses_affinity else {}
-        request = RoutingRequest(api="chat", model=rp.MODEL, prompt_tokens=tokens, output_tokens=item.max_tokens,
+        request = RoutingRequest(api="chat", model=MODEL, prompt_tokens=tokens, output_tokens=item.max_tokens,
                                  stream=True, modalities=frozenset({"text"}), estimate_method="bytes")
         model = policy.prefill_model
         candidates = []
@@ -325,34 +327,40 @@ class Evaluation:
         return self.outcome
 
 
-def evaluate(s: rp.Settings, items: list[ScheduledRequest], prefill_tps: float, name: str,
-             params: dict[str, Any] | None = None) -> Outcome:
+def evaluate(s: Settings, items: list[ScheduledRequest], prefill_tps: float, name: str,
+             params: dict[str, Any] | None = None, speedup: float | None = None) -> Outcome:
     """Run one policy (a gateway policy name, or "cache_aware" for the peer approximation) over
-    `items` on a fresh virtual-time loop; deterministic for the same inputs."""
+    `items` (scheduled at `speedup`, default `s.speedup`: it scales the gateway's timers as the
+    replay does) on a fresh virtual-time loop; deterministic for the same inputs."""
     urls = [f"w{i}" for i in range(s.workers)]
     policy: RoutingPolicy | CacheAwarePeer = (CacheAwarePeer(urls) if name == "cache_aware"
                                               else build_policy(name, params))
     loop = VirtualTimeLoop()
     try:
-        return loop.run_until_complete(Evaluation(s, prefill_tps, policy).run(items))
+        timers = gateway_overrides(s, s.speedup if speedup is None else speedup)
+        return loop.run_until_complete(Evaluation(s, prefill_tps, policy, timers).run(items))
     finally:
         loop.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the replay's flags, evaluate each policy and the peer approximation, print a table."""
+    """Parse the replay's flags, evaluate each policy and the `cache_aware` approximation at each
+    load level (`--utilisation`, else `--speedup`), print a table per level."""
     argv = sys.argv[1:] if argv is None else argv
     s = rp.settings_from(rp.build_parser().parse_args(argv))
     if s.scheduler != "stepped":
         raise SystemExit("loadtest.vtime models the stepped scheduler only")
     rows = read_trace(s.trace, s.minutes, s.limit)
-    items = schedule(rows, s.speedup, s.output_scale)
-    prefill_tps = rp.auto_prefill_tps(summarize(items), s) if s.prefill_tps == "auto" else float(s.prefill_tps)
-    print(f"{len(items)} requests, prefill {prefill_tps:,.0f} tokens/s per worker, "
-          f"params {json.dumps(s.policy_params)} (virtual time: a tuning aid, not published figures)")
-    print(TABLE_HEADER)
-    for name in [*s.policies, *s.peers]:
-        print(evaluate(s, items, prefill_tps, name, s.policy_params.get(name)).row(), flush=True)
+    names = [*s.policies, *(["cache_aware"] if any(peer.policy == "cache_aware" for peer in s.peers) else [])]
+    for level in rp.plan_levels(s, rp.workload_of(rows, s)):
+        items = schedule(rows, level.speedup, s.output_scale)
+        prefill = level.prefill_tps or 0.0
+        print(f"\n{len(items)} requests at {level.speedup:.1f}x (utilisation {level.utilisation}), prefill "
+              f"{prefill:,.0f} tokens/s per worker, params {json.dumps(s.policy_params)} "
+              "(virtual time: a tuning aid, not published figures)")
+        print(TABLE_HEADER)
+        for name in names:
+            print(evaluate(s, items, prefill, name, s.policy_params.get(name), level.speedup).row(), flush=True)
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from loadtest import replay as rp
+from loadtest.replay_settings import Settings
 from loadtest.trace import ScheduledRequest, TraceRequest
 from loadtest.vtime import VirtualTimeLoop, evaluate, prompt_key
 
@@ -44,7 +45,7 @@ def _conversations(turns: int, talks: int) -> list[ScheduledRequest]:
     return items
 
 
-def _settings() -> rp.Settings:
+def _settings() -> Settings:
     return rp.settings_from(rp.build_parser().parse_args(
         ["--workers", "2", "--kv-capacity", "200000", "--speedup", "1", "--no-gateway-time-scale"]))
 
