@@ -118,7 +118,8 @@ class TtftCostParams(_Strict):
     max_rate: float = Field(default=1_000_000.0, gt=0, description="tokens/s; ...nor above")
     half_life_s: float = Field(
         default=30.0, gt=0, description="seconds after which an observation counts half: the estimate follows "
-        "a worker that slows down or recovers, and one that gets no traffic returns to `prior_rate`")
+        "a worker that slows down or recovers, and one that gets no traffic returns to its pool's rate (a pool "
+        "with none to `prior_rate`)")
     prior_tokens: float = Field(
         default=4096.0, gt=0, description="tokens; the prior weighs as much as this much prefill observed at "
         "`prior_rate`")

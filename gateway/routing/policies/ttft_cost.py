@@ -6,7 +6,7 @@ Algorithm: for each candidate, predicted TTFT (seconds) =
 where the uncached tokens are the estimated prompt tokens minus the prefix the worker holds per
 the affinity store (`matched_tokens`), the queued tokens are this replica's requests there still
 in prefill plus the other requests its engine reports, in tokens, and the rate (tokens/s) is
-learned per worker from observed TTFTs, bounded and decaying to a prior (both estimated in
+learned per worker from observed TTFTs, bounded and decaying to the pool's rate (both estimated in
 gateway/routing/prefill.py and handed in on each `Candidate` by the dispatch).
 
 1. Cache owner first: the candidate with the longest match (at least `owner_min_tokens`) keeps the
@@ -14,8 +14,9 @@ gateway/routing/prefill.py and handed in on each `Candidate` by the dispatch).
    `stay_s` + `prefix_value` x (its matched tokens / its rate), reason `affinity`. Moving a
    conversation recomputes its prefix elsewhere (in this request's prediction) and also leaves the
    owner's copy unused for its later turns and fills a second cache with it: on the trace replay,
-   moving whenever the prediction was lower cost a quarter of the hit ratio (0.18 vs 0.25), which the
-   later turns paid for in prefill work (loadtest/README.md, "TTFT-aware policy").
+   moving whenever the prediction was lower cost a quarter of the hit ratio (0.19 vs 0.26 in the
+   virtual-time evaluator), which the later turns paid for in prefill work; with `prefix_value` 20
+   the hit ratio matches SGLang's cache_aware (loadtest/README.md, "TTFT-aware policy").
 2. Otherwise the lowest prediction wins; predictions within `tie_tolerance` of it count as equal,
    and among those the longest cached prefix wins, then the least-loaded worker (ties rotate).
    Reasons: `affinity` (the winner holds the longest prefix any candidate holds), `cost` (another
