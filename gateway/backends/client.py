@@ -97,8 +97,8 @@ class UpstreamClient:
     `upstream_keep_alive`), with no connection cap (the engines' own queues and the pool gates
     bound load). Call `start()` on the event loop that will use it, `aclose()` at the end.
 
-    A request that fails on a reused connection before any response byte is sent once more on a
-    new connection (`H1Pool.post`).
+    A request that fails on a reused connection before any response byte, within a second of its
+    sending (an idle close crossing it), is sent once more on a new connection (`H1Pool.post`).
     """
 
     def __init__(self, timeouts: TimeoutConfig, keep_alive: Mapping[str, float] | None = None) -> None:

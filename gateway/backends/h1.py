@@ -4,10 +4,12 @@ Why not aiohttp: measured side by side against the overhead benchmark's fast fak
 streams of 32 SSE events, client alone, one core), aiohttp 3.14 spent 0.19-0.22 ms of CPU per
 streamed request and this connection 0.075-0.08 ms: aiohttp runs ~8 Python calls per body
 read (parser feed, stream buffer, flow control, timeout rescheduling), this one two (the parser's
-`on_body` and the reader's wake-up). It does only what the relay needs: POST with a body, a 1xx-less
-response, a body framed by chunked transfer coding, content-length or the connection's end,
-keep-alive reuse (RFC 9112 §9), TLS for https workers. No redirects, proxies, cookies or
-decompression (the relay refuses encoded answers it would have to decode).
+`on_body` and the reader's wake-up). It does only what the relay needs: POST with a body, a response
+after any 1xx interim ones (skipped), a body framed by chunked transfer coding, content-length or
+the connection's end, keep-alive reuse (RFC 9112 §9), TLS for https workers. Bytes after an
+answer's end close its connection (no pipelining: nobody asked for them). No transfer coding but
+chunked, no redirects, proxies, cookies or decompression (the relay refuses encoded answers it
+would have to decode).
 
 `H1Pool.post` returns an `H1Response` once the response head arrived. Its body is read with
 `chunks()`; `aclose()` returns a fully read keep-alive connection to the pool and closes any other
@@ -30,6 +32,10 @@ import httptools
 
 HIGH_WATER = 128 * 1024  # bytes buffered before reading pauses (aiohttp's default high water mark)
 MAX_HEAD_BYTES = 64 * 1024  # a longer response head is a protocol error (no engine sends one; it bounds memory)
+# A pooled connection that ends without a response byte within this many seconds of the request
+# is resent: an idle close crossing the request ends it within one round trip (plus loop lag).
+# One that ends later may have carried a request the engine read and ran (then died): not resent.
+RESEND_WINDOW_S = 1.0
 
 
 class H1Error(Exception):
@@ -68,7 +74,7 @@ class _Origin:
         https = parts.scheme == "https"
         self.host = parts.hostname
         self.port = parts.port or (443 if https else 80)
-        self.ssl = (tls or ssl.create_default_context()) if https else None
+        self.ssl = tls if https else None
         self.host_header = parts.netloc.rpartition("@")[2].encode("idna")
 
 
@@ -83,6 +89,8 @@ class H1Connection(asyncio.Protocol):
         self.busy = False  # a request is in flight
         self.used = 0  # requests sent on it
         self.idle_since = 0.0
+        self.sent_at = 0.0  # loop time of the last request's write
+        self.lost_at = 0.0  # loop time the connection ended
         self.lost = False
         self._reset()
 
@@ -94,6 +102,7 @@ class H1Connection(asyncio.Protocol):
         self.buffered = 0
         self.complete = False
         self.keep_alive = False
+        self.interim = False  # parsing a 1xx interim answer (RFC 9110 §15.2): the final one follows
         self.got_bytes = False
         self.error: H1Error | None = None
         self._head: asyncio.Future[None] | None = None
@@ -108,19 +117,30 @@ class H1Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last = self._loop.time()
-        if not self.busy:  # bytes on an idle connection: nothing asked for them; never reuse it
+        if not self.busy or self.complete:  # bytes nobody asked for (idle, or after the answer): never reuse it
             self.close()
             return
         self.got_bytes = True
+        buffered = self.buffered
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:  # a callback's own error is its __context__
-            cause = exc.__context__
-            self._fail(cause if isinstance(cause, H1ProtocolError)
-                       else H1ProtocolError(f"invalid HTTP response from the engine: {exc}"))
+            if not self.complete:  # (after the answer's end: bytes nobody asked for; the answer stands)
+                cause = exc.__context__
+                self._fail(cause if isinstance(cause, H1ProtocolError)
+                           else H1ProtocolError(f"invalid HTTP response from the engine: {exc}"))
             self.close()
-            return
-        if self._waiter is not None and (self.chunks or self.complete):
+        # httptools buffers a header line until its end: count every byte that brought no body, so
+        # one endless line (or trailer, or 1xx after 1xx) is bounded too, not only whole lines.
+        if self.buffered > buffered:
+            self.head_bytes = 0
+        elif not self.complete:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(H1ProtocolError(f"the engine's response head (or trailer section) is longer than "
+                                           f"{MAX_HEAD_BYTES} bytes"))
+                self.close()
+        if self._waiter is not None and (self.chunks or self.complete or self.error is not None):
             self._wake()
 
     def eof_received(self) -> bool | None:
@@ -128,8 +148,9 @@ class H1Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        self.lost_at = self._loop.time()
         if self.busy and not self.complete:
-            if self.status and not self._framed():  # a body delimited by the connection's end
+            if self.status and not self._framed() and exc is None:  # a body delimited by the connection's (clean) end
                 self.complete = True
             else:
                 self._fail(H1Disconnected("the engine closed the connection" if exc is None else
@@ -139,14 +160,26 @@ class H1Connection(asyncio.Protocol):
             self._wake()
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer in the same read: nobody asked for it (no pipelining)
+            raise H1ProtocolError("bytes after the answer's end")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > MAX_HEAD_BYTES:
-            raise H1ProtocolError(f"the engine's response head is longer than {MAX_HEAD_BYTES} bytes")
-        self.header_list.append((name, value))
+        if not self.status:  # (trailers, after the head, are dropped: nothing reads them)
+            self.header_list.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 100 or status == 101:  # no upgrade was asked for
+            raise H1ProtocolError(f"the engine answered with status {status} (no switch of protocols was asked)")
+        if status < 200:  # 100 Continue, 103 Early Hints: skipped, as aiohttp did
+            self.interim = True
+            self.header_list.clear()
+            return
+        for name, value in self.header_list:  # only chunked is asked for (no TE header, RFC 9112 §7.4)
+            if name.lower() == b"transfer-encoding" and value.strip().lower() != b"chunked":
+                raise H1ProtocolError(f"the engine's transfer coding {value[:40]!r} is not chunked")
+        self.status = status
         if self._head is not None and not self._head.done():
             self._head.set_result(None)
 
@@ -158,6 +191,9 @@ class H1Connection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self.keep_alive = self._parser.should_keep_alive()  # (llhttp forgets it once the message ended)
 
@@ -213,6 +249,7 @@ class H1Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.writelines((head, body))
         self._arm()
+        self.sent_at = self._last
         try:
             await self._head
         except BaseException:
@@ -297,8 +334,10 @@ class H1Pool:
     """Keep-alive connections per origin (scheme, host, port), idle at most `keep_alive` seconds,
     most recently used first; no cap on connections (the engines' queues and the pool gates bound load)."""
 
-    def __init__(self, keep_alive: float, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, keep_alive: float, tls: ssl.SSLContext | None = None,
+                 resend_window: float = RESEND_WINDOW_S) -> None:
         self.keep_alive = keep_alive
+        self.resend_window = resend_window
         self._tls = tls
         self._origins: dict[str, tuple[_Origin, bytes]] = {}
         self._idle: dict[tuple[str, int, bool], list[H1Connection]] = {}
@@ -312,6 +351,8 @@ class H1Pool:
                 self._origins.clear()
             parts = urlsplit(url)
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            if self._tls is None and parts.scheme == "https":  # once: it parses the system's CA file (~30 ms)
+                self._tls = ssl.create_default_context()
             known = self._origins[url] = (_Origin(url, self._tls), target.encode("ascii"))
         return known
 
@@ -319,9 +360,11 @@ class H1Pool:
                    read_timeout: float) -> H1Response:
         """POST `body` to `url` and return once the response head arrived. Raises H1Error.
 
-        A request that fails on a kept-alive connection before any response byte (the engine had
-        closed it: a reset, an end of stream) is sent once more on a new connection: the engine
-        never saw it (RFC 9112 §9.3.1.1), and it is no sign of a broken worker."""
+        A request whose kept-alive connection ends before any response byte and within
+        `resend_window` seconds (the engine had closed it: a reset, an end of stream crossing the
+        request) is sent once more on a new connection: the engine never saw it (RFC 9112
+        §9.3.1.1), and it is no sign of a broken worker. aiohttp resent at any delay, even after
+        part of a head; a later end may follow a request the engine read, so it is raised."""
         origin, target = self.origin(url)
         head = _request_head(target, origin.host_header, headers, len(body))
         key = (origin.host, origin.port, origin.ssl is not None)
@@ -331,7 +374,7 @@ class H1Pool:
                 await conn.send(head, body, read_timeout)
             except H1Disconnected:
                 self._forget(conn)
-                if conn.got_bytes:
+                if conn.got_bytes or conn.lost_at - conn.sent_at > self.resend_window:
                     raise
             except BaseException:
                 self._forget(conn)

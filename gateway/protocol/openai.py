@@ -202,7 +202,10 @@ def _ids_integral_on_retry(value: Any, handler: ValidatorFunctionWrapHandler) ->
         return handler([_integral(item) for item in value])
 
 
-TokenIds = Annotated[list[StrictInt], Field(min_length=1), WrapValidator(_ids_integral_on_retry)]
+# A token id is an index into the model's vocabulary: non-negative, and the engines hold it as a
+# 32-bit integer (vLLM refuses an id outside the vocabulary with a 400).
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1), WrapValidator(_ids_integral_on_retry)]
 
 # One adapter per shape of a list prompt, picked by its first element: a plain union would try
 # list[str] first and build one error per element of a 4M-id prompt (~1 s of event loop).

@@ -35,7 +35,8 @@ def test_other_numbers_stay_refused(field: str, value: object) -> None:
         ChatCompletionRequest.model_validate({**CHAT, field: value})
 
 
-@pytest.mark.parametrize("prompt", [[1, 2.5], [[1], [2.5]], [1.5], [True, 1]])
+@pytest.mark.parametrize("prompt", [[1, 2.5], [[1], [2.5]], [1.5], [True, 1],
+                                    [-1], [[3], [2**31]], [2**70], [[2**70, 1]]])
 def test_token_ids_stay_whole_numbers(prompt: list[Any]) -> None:
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": prompt})
@@ -66,3 +67,13 @@ def test_the_other_apis_output_limits_take_integral_numbers_too() -> None:
     assert ResponsesRequest.model_json_schema()["properties"]["input"]["anyOf"][1]["minItems"] == 1
     with pytest.raises(ValidationError):
         ResponsesRequest.model_validate({"model": "m", "input": []})
+
+
+def test_token_ids_hold_the_vocabulary_range() -> None:
+    """Hypothesis sent `[[2**70]]` to /v1/completions and got a 500 (the prefix hasher's JSON encoder
+    refuses integers beyond 64 bits); an id is a vocabulary index, 0 .. 2**31 - 1."""
+    ids = CompletionRequest.model_validate({"model": "m", "prompt": [[0, 2**31 - 1]]})
+    assert ids.prompt == [[0, 2**31 - 1]]
+    with pytest.raises(ValidationError) as refused:
+        CompletionRequest.model_validate({"model": "m", "prompt": [[5], [1, 2**70]]})
+    assert refused.value.errors()[0]["loc"][-2:] == (1, 1)

@@ -1,0 +1,212 @@
+"""The real gateway in front of scripted engines that speak odd or hostile HTTP/1.1 on loopback:
+interim answers, bytes after an answer's end, compressed answers, a slow-loris head, a client
+that leaves mid-stream. (The client itself, alone: tests/integration/test_h1_client.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+
+import httpx
+import pytest
+
+from tests.support import RunningGateway, pool
+
+StartGateway = Callable[..., RunningGateway]
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+SSE = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"kimi-k3","choices":[{"index":0,'
+       b'"delta":{"content":"hello"},"finish_reason":null}]}\n\ndata: [DONE]\n\n')
+JSON = (b'{"id":"c","object":"chat.completion","created":1,"model":"kimi-k3","choices":[{"index":0,"message":'
+        b'{"role":"assistant","content":"hello"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,'
+        b'"completion_tokens":1,"total_tokens":2}}')
+
+
+class ScriptedEngine:
+    """An engine on a loopback port, on its own thread and loop: GETs (probes, scrapes) get `{}`;
+    each POST on a connection is answered by `answer(reader, writer, connection index)` after its
+    body was read. `connections` counts connections, `post_connections` holds the indexes of those
+    that carried a POST, `ended` is set when the gateway closed one of those."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.connections = 0
+        self.post_connections: set[int] = set()
+        self.ended = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(5)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._on_connect, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        ready.set()
+        self.loop.run_forever()
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = self.connections
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length")), 0)
+                await reader.readexactly(length)
+                if head.startswith(b"GET"):
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                    continue
+                self.post_connections.add(index)
+                await self.answer(reader, writer, index)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            if index in self.post_connections:  # (a probe's idle connection ending says nothing)
+                self.ended.set()
+        except asyncio.CancelledError:  # stop(): a task that ends quietly (asyncio logs a cancelled one)
+            pass
+        finally:
+            writer.close()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+    async def _stop(self) -> None:
+        self.server.close()
+        tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[[Answer], ScriptedEngine]]:
+    started: list[ScriptedEngine] = []
+
+    def start(answer: Answer) -> ScriptedEngine:
+        started.append(ScriptedEngine(answer))
+        return started[-1]
+
+    yield start
+    for engine in started:
+        engine.stop()
+
+
+def gateway_for(start_gateway: StartGateway, engine: ScriptedEngine, **settings: object) -> RunningGateway:
+    return start_gateway([pool("p", "vllm", [engine.url], 131072)], health={"interval": 60},
+                         load={"enabled": False}, **settings)
+
+
+def chunked(*events: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_interim_answers_before_the_engines_answer(start_gateway: StartGateway, engines, stream: bool) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        for interim in (b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"):
+            writer.write(interim)
+            await writer.drain()
+            await asyncio.sleep(0.01)  # each in its own read
+        if stream:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                         + chunked(SSE))
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(JSON), JSON))
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+    assert response.status_code == 200, response.text
+    assert "hello" in response.text and response.headers["x-kimi-gateway-attempts"] == "1"
+    assert "link" not in response.headers
+
+
+def test_bytes_after_an_answers_end_reach_no_client(start_gateway: StartGateway, engines) -> None:
+    evil = b'{"choices":[{"message":{"content":"EVIL"}}]}'
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        body = JSON.replace(b"hello", b"conn%d" % index)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(body), body, len(evil), evil))
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    texts = []
+    for _ in range(2):
+        response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+        assert response.status_code == 200, response.text
+        texts.append(response.json()["choices"][0]["message"]["content"])
+    assert texts[0].startswith("conn") and texts[1].startswith("conn")  # never the unasked answer
+    assert texts[0] != texts[1]  # the connection that carried bytes after its answer was not reused
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_engines_connection(start_gateway: StartGateway,
+                                                                      engines) -> None:
+    posts = [0]
+    event = SSE.split(b"\n\n")[0] + b"\n\n"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        posts[0] += 1
+        if posts[0] > 1:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(JSON), JSON))
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(200):  # 10 s of decoding unless the gateway hangs up
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        assert response.status_code == 200
+        assert any("hello" in line for line in response.iter_lines())
+    assert engine.ended.wait(3)  # the engine saw the gateway leave (and would abort the request)
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "hello"
+    assert len(engine.post_connections) == 2  # the cut stream's connection never went back to the pool
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_compressed_answer_is_relayed_unread_or_refused(start_gateway: StartGateway, engines,
+                                                          stream: bool) -> None:
+    """The gateway asks for identity; an engine that compresses anyway has its JSON answer passed on
+    with its content-encoding (bytes unchanged), its stream refused (the SSE tap cannot read it)."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        if stream:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n" + chunked(gzip.compress(SSE)))
+        else:
+            body = gzip.compress(JSON)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+    if stream:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_error"
+    else:
+        assert response.status_code == 200 and response.headers["content-encoding"] == "gzip"
+        assert response.content == JSON  # httpx decoded the engine's own bytes
+
+
+def test_a_client_that_leaves_before_the_answers_head_closes_the_engines_connection(
+        start_gateway: StartGateway, engines) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await reader.read(1)  # a long prefill: nothing until the gateway hangs up (b"" then)
+        raise ConnectionResetError
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=0.5)
+    assert engine.ended.wait(3)  # cancelled upstream request: its connection closed, not pooled
