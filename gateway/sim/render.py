@@ -30,6 +30,7 @@ import orjson
 from gateway.sim.asgi import Receive, Scope, Send, read_body, send_bytes, send_json
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.tokens import (
+    VOCAB_SIZE,
     PromptError,
     chat_prompt_tokens,
     completion_prompt_tokens,
@@ -117,12 +118,27 @@ def _token_ids(engine: SimEngine, kind: str, body: dict[str, Any], check_context
         requested = requested_output_tokens(body, kind == "chat") if check_context else None
     except PromptError as exc:
         return engine.dialect.bad_request(str(exc))
+    if kind == "text":
+        bad = _out_of_vocabulary(body.get("prompt"))
+        if bad is not None:  # vLLM's input processor: a ValueError, answered 400
+            return engine.dialect.bad_request(f"Token id {bad} is out of vocabulary")
     if check_context:
         for count in counts:
             error = engine.dialect.check_context(count, requested, config.max_context_tokens, False)
             if error is not None:
                 return error
     return prompt_token_ids(kind, body, counts, config)
+
+
+def _out_of_vocabulary(prompt: Any) -> int | None:
+    """The first token id of a token-id prompt outside 0..VOCAB_SIZE-1, else None."""
+    if not isinstance(prompt, list):
+        return None
+    for item in prompt:
+        for token in item if isinstance(item, list) else [item]:
+            if isinstance(token, int) and not 0 <= token < VOCAB_SIZE:
+                return token
+    return None
 
 
 async def render_chat(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:

@@ -96,6 +96,12 @@ def test_render_errors_have_vllm_shapes(start_sim: StartSim) -> None:
     assert "maximum context length is 64 tokens" in too_long.json()["error"]["message"]
     bad_prompt = httpx.post(srv.url + "/tokenize", json={"prompt": [1, 2]})
     assert bad_prompt.status_code == 400
+    for ids in ([5, -1], [[VOCAB_SIZE]]):  # ids are echoed: only vocabulary indices
+        oov = httpx.post(srv.url + TEXT_RENDER, json={"prompt": ids})
+        assert oov.status_code == 400, ids
+        assert oov.json()["error"]["message"].endswith("is out of vocabulary")
+    huge = httpx.post(srv.url + TEXT_RENDER, json={"prompt": [[2**70]]})  # beyond 64 bits: not an id
+    assert huge.status_code == 400 and huge.json()["error"]["type"] == "BadRequestError"
 
 
 def test_only_current_vllm_family_serves_render(start_sim: StartSim) -> None:
