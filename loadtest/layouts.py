@@ -206,7 +206,8 @@ def peer_layout(peer: Peer) -> Layout:
 
     def launch(group: ProcessGroup, ctx: RunContext) -> Launched:
         s = ctx.settings
-        urls, dropped = start_workers(group, s, ctx.level.prefill_tps)
+        sim = {**sim_fields(s, ctx.level.prefill_tps), "engine": peer.spec.worker_engine}
+        urls, dropped = start_workers(group, s, ctx.level.prefill_tps, sim=sim)
         settings = peer_settings(peer, ctx.level.speedup, s.kv_capacity_tokens, SIM_BYTES_PER_TOKEN, s.peer_scale)
         base, metrics_url = start_peer(group, urls, peer, settings, STARTUP_TIMEOUT_S)
         return Launched(base, urls, dropped, {"router": peer_version(peer), "flags": settings.mapping},

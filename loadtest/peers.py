@@ -48,6 +48,9 @@ class RouterSpec:
     policies: tuple[str, ...]
     eviction_interval_s: int
     max_tree_chars: int
+    worker_engine: str = "sglang"
+    """The simulated workers' engine dialect in its runs (`SimConfig.engine`): the engine the router
+    is built for. vllm-router's `cache_aware` needs vLLM's render routes (`gateway.sim.render`)."""
 
 
 ROUTERS: dict[str, RouterSpec] = {
@@ -55,7 +58,7 @@ ROUTERS: dict[str, RouterSpec] = {
                                 ("cache_aware", "round_robin", "random", "power_of_two"), 60, 2**26),
     "vllm-router": RouterSpec("vllm_router", "vllm-router", "warning",
                               ("cache_aware", "kv_aware", "round_robin", "random", "power_of_two",
-                               "consistent_hash"), 120, 2**25),
+                               "consistent_hash"), 120, 2**25, worker_engine="vllm"),
 }
 """Defaults as printed by `--help` of sglang-router 0.3.2 and vllm-router 0.1.17."""
 

@@ -11,6 +11,8 @@ Engine endpoints:
     GET /v1/models     OpenAI model list with the served names
     GET /metrics       Prometheus text with the engine's own metric names (or a trickling or
                        endless body with `metrics_body`)
+    POST /v1/chat/completions/render, POST /v1/completions/render, POST /tokenize
+                       vLLM family only: a prompt's token ids (`gateway.sim.render`)
 With `SimConfig.api_key`, the engine's guarded paths (or every path: `api_key_scope`) answer 401
 to a request without the key.
 Test endpoints:
@@ -46,6 +48,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from gateway.sim import render
 from gateway.sim import responses as r
 from gateway.sim.asgi import (
     ClientDisconnected,
@@ -94,6 +97,11 @@ class SimApp:
         if engine.config.api_version == "current":
             self._routes[("POST", "/v1/messages")] = self._messages
             self._routes[("POST", "/v1/messages/count_tokens")] = self._count_tokens
+        if render.serves_render(engine):
+            self._routes[("POST", render.CHAT_RENDER_PATH)] = self._render_chat
+            self._routes[("POST", render.COMPLETIONS_RENDER_PATH)] = self._render_completion
+        if render.serves_tokenize(engine):
+            self._routes[("POST", render.TOKENIZE_PATH)] = self._tokenize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -243,6 +251,15 @@ class SimApp:
 
     async def _count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
         await handle_generation(self.engine, "chat", scope, receive, send, anthropic="count_tokens")
+
+    async def _render_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await render.render_chat(self.engine, scope, receive, send)
+
+    async def _render_completion(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await render.render_completion(self.engine, scope, receive, send)
+
+    async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await render.tokenize(self.engine, scope, receive, send)
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine.note_health_check()

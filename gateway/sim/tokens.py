@@ -15,6 +15,7 @@ integers (blocks of exactly `kv_block_tokens` ids).
 from __future__ import annotations
 
 import math
+import sys
 from array import array
 from collections.abc import Iterator
 from typing import Any
@@ -175,3 +176,65 @@ def output_token(index: int) -> str:
 def output_text(count: int) -> str:
     """The whole output of `count` tokens."""
     return "".join(output_token(i) for i in range(count))
+
+
+VOCAB_SIZE = 163_840
+"""Size of the simulated vocabulary (Kimi K2's tokenizer has 163,840 ids); token ids are below it."""
+
+
+def prompt_token_ids(kind: str, body: dict[str, Any], prompt_tokens: list[int], config: SimConfig) -> list[list[int]]:
+    """The token ids of each prompt of a validated request: exactly `prompt_tokens[i]` ids each.
+
+    Id i of a text or chat prompt is the little-endian integer of bytes
+    [floor(i x bytes_per_token), floor((i+1) x bytes_per_token)) of the same bytes the prefix
+    cache hashes (`chat_prompt_bytes` / the UTF-8 prompt), modulo `VOCAB_SIZE`; ids past the end
+    of those bytes (chat's per-message overhead and images) are filled from their position and the
+    byte length. So prompts that share their first k prefix-cache blocks share their first
+    k x `kv_block_tokens` ids, and equal pieces of text get equal ids, as with a real tokenizer.
+    A token-id prompt is its own ids.
+    """
+    if kind == "chat":
+        sources: list[bytes | list[int]] = [chat_prompt_bytes(body["messages"])]
+    else:
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            sources = [prompt.encode("utf-8")]
+        elif all(isinstance(p, str) for p in prompt):
+            sources = [p.encode("utf-8") for p in prompt]
+        else:
+            sources = [prompt] if all(isinstance(p, int) for p in prompt) else list(prompt)
+    return [list(src) if isinstance(src, list) else _byte_ids(src, count, config.bytes_per_token)
+            for src, count in zip(sources, prompt_tokens, strict=True)]
+
+
+def _byte_ids(raw: bytes, count: int, bytes_per_token: float) -> list[int]:
+    """`count` ids cut from `raw` in windows of `bytes_per_token` bytes (see `prompt_token_ids`).
+
+    Whole windows of a whole number of bytes are read in bulk (4 bytes: one `array` of 32-bit
+    integers): vllm-router renders every request on every worker, so this runs N times a request."""
+    size = len(raw)
+    width = int(bytes_per_token)
+    if width == bytes_per_token:
+        whole = min(count, size // width)
+        if width == 4 and _U32.itemsize == 4:
+            words = array("I")
+            words.frombytes(raw[:whole * 4])
+            if sys.byteorder == "big":
+                words.byteswap()
+            ids = [w % VOCAB_SIZE for w in words]
+        else:
+            ids = [int.from_bytes(raw[i:i + width], "little") % VOCAB_SIZE for i in range(0, whole * width, width)]
+    else:
+        ids = []
+    for i in range(len(ids), count):
+        start = math.floor(i * bytes_per_token)
+        if start < size:
+            end = max(start + 1, math.floor((i + 1) * bytes_per_token))
+            ids.append(int.from_bytes(raw[start:end], "little") % VOCAB_SIZE)
+        else:
+            ids.append((i * 2_654_435_761 + size) % VOCAB_SIZE)
+    return ids
+
+
+_U32 = array("I")
+"""Probe of the platform's `array("I")` item size (4 bytes on every platform CPython supports today)."""

@@ -1,0 +1,187 @@
+"""vLLM's render and tokenize endpoints: a prompt's token ids without generating.
+
+    POST /v1/chat/completions/render   chat request -> one GenerateRequest object
+    POST /v1/completions/render        completion request -> a list of GenerateRequest, one per prompt
+    POST /tokenize                     {"prompt"} or {"messages"} -> {"count", "max_model_len",
+                                       "tokens", "token_strs"}
+
+Shapes from vLLM's API server (`vllm/entrypoints/openai/api_server.py` registers the render
+routes with `response_model=GenerateRequest` / `list[GenerateRequest]`, the model of
+`vllm/entrypoints/serve/disagg/protocol.py`: `request_id`, `token_ids`, `features`,
+`sampling_params`, `model`, `stream`, `stream_options`, `cache_salt`, `priority`,
+`kv_transfer_params`; `/tokenize` answers `TokenizeResponse`). `sampling_params` holds a subset of
+vLLM's `SamplingParams` (n, temperature, top_p, max_tokens, stop, seed). Only the vLLM family at
+api_version "current" serves the render routes (vLLM added them in 2026); `/tokenize` is older
+and served by every vLLM-family version. Errors as the generation endpoints word them: 400 for a
+bad body or a prompt over the context window, the engine's unknown-model answer.
+
+vllm-router 0.1.17's `cache_aware` asks every worker for the render of each request (the chat or
+completion body it will send, as is) and keys its prefix tree on `token_ids`; it falls back to
+`/tokenize` when the render fails (observed against a logging stub, 2026-12-01).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+
+from gateway.sim.asgi import Receive, Scope, Send, read_body, send_bytes, send_json
+from gateway.sim.dialects import ErrorReply
+from gateway.sim.tokens import (
+    VOCAB_SIZE,
+    PromptError,
+    chat_prompt_tokens,
+    completion_prompt_tokens,
+    prompt_token_ids,
+    requested_output_tokens,
+)
+from gateway.sim.worker_state import SimEngine
+
+CHAT_RENDER_PATH = "/v1/chat/completions/render"
+COMPLETIONS_RENDER_PATH = "/v1/completions/render"
+TOKENIZE_PATH = "/tokenize"
+
+
+def serves_render(engine: SimEngine) -> bool:
+    """Whether the engine has the render routes (vLLM family, api_version "current")."""
+    return engine.config.engine in ("vllm", "ascend") and engine.config.api_version == "current"
+
+
+def serves_tokenize(engine: SimEngine) -> bool:
+    """Whether the engine has vLLM's `/tokenize` (every vLLM-family version)."""
+    return engine.config.engine in ("vllm", "ascend")
+
+
+def _sampling_params(body: dict[str, Any], kind: str, prompt_tokens: int, max_context: int) -> dict[str, Any]:
+    requested = requested_output_tokens(body, kind == "chat")
+    stop = body.get("stop")
+    return {
+        "n": body.get("n") or 1,
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "max_tokens": requested if requested is not None else max(max_context - prompt_tokens, 1),
+        "stop": [stop] if isinstance(stop, str) else (stop or []),
+        "seed": body.get("seed"),
+    }
+
+
+def _generate_request(body: dict[str, Any], kind: str, ids: list[int], model: str,
+                      max_context: int) -> dict[str, Any]:
+    return {
+        "request_id": str(body.get("request_id") or uuid.uuid4().hex),
+        "token_ids": ids,
+        "features": None,
+        "sampling_params": _sampling_params(body, kind, len(ids), max_context),
+        "model": model,
+        "stream": body.get("stream") is True,
+        "stream_options": body.get("stream_options"),
+        "cache_salt": body.get("cache_salt"),
+        "priority": body.get("priority") or 0,
+        "kv_transfer_params": body.get("kv_transfer_params"),
+    }
+
+
+async def _json_body(engine: SimEngine, receive: Receive, send: Send) -> dict[str, Any] | None:
+    """The request's JSON object with a served (or absent) model; answers the error itself and
+    returns None otherwise (also when the client left)."""
+    raw = await read_body(receive)
+    if raw is None:
+        return None
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        await _reply(send, engine.dialect.bad_request("Invalid JSON body."))
+        return None
+    error = engine.dialect.check_model(body.get("model"), engine.config.served_model_names)
+    if error is not None:
+        await _reply(send, error)
+        return None
+    return body
+
+
+async def _reply(send: Send, reply: ErrorReply) -> None:
+    await send_bytes(send, reply.status, reply.body)
+
+
+def _token_ids(engine: SimEngine, kind: str, body: dict[str, Any], check_context: bool) -> list[list[int]] | ErrorReply:
+    """Token ids of each prompt, or the engine's 400 (malformed prompt, prompt over the window)."""
+    config = engine.config
+    try:
+        if kind == "chat":
+            counts = [chat_prompt_tokens(body.get("messages"), config)]
+        else:
+            counts = completion_prompt_tokens(body.get("prompt"), config)
+        requested = requested_output_tokens(body, kind == "chat") if check_context else None
+    except PromptError as exc:
+        return engine.dialect.bad_request(str(exc))
+    if kind == "text":
+        bad = _out_of_vocabulary(body.get("prompt"))
+        if bad is not None:  # vLLM's input processor: a ValueError, answered 400
+            return engine.dialect.bad_request(f"Token id {bad} is out of vocabulary")
+    if check_context:
+        for count in counts:
+            error = engine.dialect.check_context(count, requested, config.max_context_tokens, False)
+            if error is not None:
+                return error
+    return prompt_token_ids(kind, body, counts, config)
+
+
+def _out_of_vocabulary(prompt: Any) -> int | None:
+    """The first token id of a token-id prompt outside 0..VOCAB_SIZE-1, else None."""
+    if not isinstance(prompt, list):
+        return None
+    for item in prompt:
+        for token in item if isinstance(item, list) else [item]:
+            if isinstance(token, int) and not 0 <= token < VOCAB_SIZE:
+                return token
+    return None
+
+
+async def render_chat(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
+    """POST /v1/chat/completions/render: one GenerateRequest for the chat request."""
+    body = await _json_body(engine, receive, send)
+    if body is None:
+        return
+    ids = _token_ids(engine, "chat", body, check_context=True)
+    if isinstance(ids, ErrorReply):
+        await _reply(send, ids)
+        return
+    config = engine.config
+    await send_json(send, 200, _generate_request(body, "chat", ids[0], body.get("model") or config.model_name,
+                                                 config.max_context_tokens))
+
+
+async def render_completion(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
+    """POST /v1/completions/render: a list of GenerateRequest, one per prompt."""
+    body = await _json_body(engine, receive, send)
+    if body is None:
+        return
+    ids = _token_ids(engine, "text", body, check_context=True)
+    if isinstance(ids, ErrorReply):
+        await _reply(send, ids)
+        return
+    config = engine.config
+    model = body.get("model") or config.model_name
+    await send_json(send, 200, [_generate_request(body, "text", one, model, config.max_context_tokens)
+                                for one in ids])
+
+
+async def tokenize(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
+    """POST /tokenize: `{"messages": ...}` (chat) or `{"prompt": str}`; one prompt's ids."""
+    body = await _json_body(engine, receive, send)
+    if body is None:
+        return
+    kind = "chat" if "messages" in body else "text"
+    if kind == "text" and not isinstance(body.get("prompt"), str):
+        await _reply(send, engine.dialect.bad_request("prompt must be a string"))
+        return
+    ids = _token_ids(engine, kind, body, check_context=False)
+    if isinstance(ids, ErrorReply):
+        await _reply(send, ids)
+        return
+    await send_json(send, 200, {"count": len(ids[0]), "max_model_len": engine.config.max_context_tokens,
+                                "tokens": ids[0], "token_strs": None})
