@@ -118,7 +118,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if not _installed(module):
         if os.environ.get("CI"):  # .ci/run installs the peers: there a skipped wire check proves nothing
             raise RuntimeError(f"{module} is not installed; .ci/run must install it")
-        pytest.skip(f"{module} not installed (pip install '.[bench]')")
+        pytest.skip(f"{module} not installed (pip install -c constraints.txt sglang-router vllm-router)")
     running = _start_pair(request.param, tmp_path_factory.mktemp("peer") / "router.log")
     yield running
     _stop(running.proc)

@@ -56,7 +56,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if importlib.util.find_spec("vllm_router") is None:
         if os.environ.get("CI"):
             raise RuntimeError("vllm_router is not installed; .ci/run must install it")
-        pytest.skip("vllm_router not installed (pip install '.[bench]')")
+        pytest.skip("vllm_router not installed (pip install -c constraints.txt sglang-router vllm-router)")
     sims = [sim_server(SimConfig(engine="vllm", api_version=request.param, max_context_tokens=32_768,
                                    kv_capacity_tokens=100_000)).start()
             for _ in range(2)]
