@@ -150,3 +150,28 @@ class GatewayProcess:
             assert time.monotonic() < deadline, f"gateway still running after {timeout} s:\n{self.log_text()}"
             await asyncio.sleep(0.02)
         return self.proc.returncode
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 10 s: a peer router or other child process of a test."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def wait_router_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, name: str, timeout: float = 30) -> None:
+    """Poll `url`/health until it answers 200 (a peer router answers once its workers are registered);
+    AssertionError with the log's tail if the process exits or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, log.read_text()[-2000:]
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{name} not ready: {log.read_text()[-2000:]}"
+        time.sleep(0.1)

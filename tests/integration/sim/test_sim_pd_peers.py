@@ -22,13 +22,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from gateway.server import ThreadedServer
@@ -36,7 +34,7 @@ from gateway.sim import SimConfig, sim_server
 from gateway.sim.pd_wire import pd_wire_constants, pd_wire_shape
 from gateway.sim.tokens import output_text
 from tests.integration.pd_support import send
-from tests.support import free_port
+from tests.support import free_port, stop_process, wait_router_healthy
 
 SHAPES_FILE = Path(__file__).with_name("pd_wire_shapes.json")
 CASES = [(kind, stream) for kind in ("chat", "text") for stream in (False, True)]
@@ -72,13 +70,6 @@ def _router_command(protocol: str, prefill: str, decode: str, port: int) -> list
             "--prefill", prefill, *common]
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def _start_pair(protocol: str, log: Path) -> PeerPair:
@@ -93,19 +84,10 @@ def _start_pair(protocol: str, log: Path) -> PeerPair:
     proc = subprocess.Popen(_router_command(protocol, sims[0].url, sims[1].url, port), env=env,
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
     try:
-        while True:  # bounded readiness poll: the router answers /health once its workers are registered
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"{protocol} router not ready: {log.read_text()[-2000:]}"
-            time.sleep(0.1)
+        wait_router_healthy(proc, url, log, f"{protocol} router")
     except BaseException:
-        _stop(proc)
+        stop_process(proc)
         for sim in sims:
             sim.stop()
         raise
@@ -121,7 +103,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         pytest.skip(f"{module} not installed (pip install -c constraints.txt sglang-router vllm-router)")
     running = _start_pair(request.param, tmp_path_factory.mktemp("peer") / "router.log")
     yield running
-    _stop(running.proc)
+    stop_process(running.proc)
     running.prefill.stop()
     running.decode.stop()
 

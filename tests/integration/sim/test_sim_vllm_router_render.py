@@ -22,7 +22,7 @@ import pytest
 
 from gateway.server import ThreadedServer
 from gateway.sim import SimConfig, sim_server
-from tests.support import free_port
+from tests.support import free_port, stop_process, wait_router_healthy
 
 PREFIXES = {name: f"You are the {name} assistant. " + f"Background on {name}: lorem ipsum dolor. " * 30
             for name in ("alpha", "beta", "gamma")}
@@ -40,13 +40,6 @@ class RouterPair:
     proc: subprocess.Popen[bytes]
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 @pytest.fixture(scope="module", params=["current", "legacy"])
@@ -70,19 +63,10 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:  # bounded readiness poll: /health answers once the workers are registered
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"vllm-router not ready: {log.read_text()[-2000:]}"
-            time.sleep(0.1)
+        wait_router_healthy(proc, url, log, "vllm-router")
         yield RouterPair(url, f"http://127.0.0.1:{metrics_port}/metrics", request.param == "current", sims, proc)
     finally:
-        _stop(proc)
+        stop_process(proc)
         for sim in sims:
             sim.stop()
 
