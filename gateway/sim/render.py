@@ -143,31 +143,31 @@ def _out_of_vocabulary(prompt: Any) -> int | None:
 
 async def render_chat(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
     """POST /v1/chat/completions/render: one GenerateRequest for the chat request."""
-    body = await _json_body(engine, receive, send)
-    if body is None:
-        return
-    ids = _token_ids(engine, "chat", body, check_context=True)
-    if isinstance(ids, ErrorReply):
-        await _reply(send, ids)
-        return
-    config = engine.config
-    await send_json(send, 200, _generate_request(body, "chat", ids[0], body.get("model") or config.model_name,
-                                                 config.max_context_tokens))
+    requests = await _rendered(engine, "chat", receive, send)
+    if requests is not None:
+        await send_json(send, 200, requests[0])
 
 
 async def render_completion(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
     """POST /v1/completions/render: a list of GenerateRequest, one per prompt."""
+    requests = await _rendered(engine, "text", receive, send)
+    if requests is not None:
+        await send_json(send, 200, requests)
+
+
+async def _rendered(engine: SimEngine, kind: str, receive: Receive, send: Send) -> list[dict[str, Any]] | None:
+    """The GenerateRequests of a render call's body, one per prompt (`kind` "chat" or "text"); None
+    when the body was refused (the error answer is sent)."""
     body = await _json_body(engine, receive, send)
     if body is None:
-        return
-    ids = _token_ids(engine, "text", body, check_context=True)
+        return None
+    ids = _token_ids(engine, kind, body, check_context=True)
     if isinstance(ids, ErrorReply):
         await _reply(send, ids)
-        return
+        return None
     config = engine.config
     model = body.get("model") or config.model_name
-    await send_json(send, 200, [_generate_request(body, "text", one, model, config.max_context_tokens)
-                                for one in ids])
+    return [_generate_request(body, kind, one, model, config.max_context_tokens) for one in ids]
 
 
 async def tokenize(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
