@@ -83,8 +83,10 @@ def test_a_client_that_stops_reading_is_cut_and_the_engine_request_aborted(
 def test_a_body_trickled_a_byte_at_a_time_gets_408_at_its_deadline(
         start_sim: StartSim, start_gateway: StartGateway, first: int, rate: int) -> None:
     sim = start_sim("vllm")
+    # body_idle (under the deadline) well above the 0.3 s gaps: a busy CPU stretches a gap (the sleep,
+    # then this thread's turn), and one past body_idle is the other 408 ("stalled"), not the deadline's.
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072)],
-                       timeouts={"body_idle": 0.5, "body_deadline": 1.0, "body_min_rate": rate})
+                       timeouts={"body_idle": 0.9, "body_deadline": 1.0, "body_min_rate": rate})
     body = json.dumps({**CHAT, "user": "u" * first}).encode()
     sock = _connect(gw)
     started = time.monotonic()
