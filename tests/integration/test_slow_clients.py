@@ -70,8 +70,9 @@ def test_a_client_that_stops_reading_is_cut_and_the_engine_request_aborted(
     assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
     sock.close()
     # A client that reads gets the whole answer (10 MiB): writing pauses and resumes all along, never stalls.
+    # (Its ~14 MB request, the answer's base64, takes a while to encode, relay and decode on a busy CPU.)
     faults = {"raw_stream_chunks": SimFaults.encode_chunks([EVENT, *[BIG_COMMENT] * 40, b"data: [DONE]\n\n"])}
-    with httpx.stream("POST", gw.url + path, json={**request, "x_sim_faults": faults}) as response:
+    with httpx.stream("POST", gw.url + path, json={**request, "x_sim_faults": faults}, timeout=30) as response:
         assert sum(len(chunk) for chunk in response.iter_raw()) > 40 * len(BIG_COMMENT)
     assert gw.metric("kimi_gateway_client_send_stalls_total") == 1
 
