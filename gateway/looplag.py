@@ -26,6 +26,13 @@ MAX_EXTENSIONS = 3
 """Fresh budgets a call gets after late deadlines; a call lasts at most (1 + this) x `seconds` of a
 lagging loop."""
 
+SOCKET_BACKSTOP_S = 30.0
+"""redis-py's own `socket_timeout` (seconds) for clients whose every call runs under a StoreTimeout,
+which is what bounds them. redis-py times its reads with the event loop's timers too: a shorter one
+(it was 1 s) fired after a loop stall that long, in the same iteration as the late StoreTimeout, and
+cancelled the read with its reply already in the socket, a Redis error that opened the breaker
+(issue 15's 1.3 s stall did; found again under a loaded CPU by the heavy-bodies test)."""
+
 
 class StoreTimeout:
     """`async with StoreTimeout(seconds):` — like `asyncio.timeout(seconds)` (TimeoutError on expiry),

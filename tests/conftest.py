@@ -23,7 +23,16 @@ from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.keepalive import sim_http_options
-from tests.support import REPO_ROOT, SHARED_DATA, GatewayProcess, OwnRedis, RunningGateway, RunningSim, free_port
+from tests.support import (
+    REPO_ROOT,
+    SHARED_DATA,
+    GatewayProcess,
+    OwnRedis,
+    RunningGateway,
+    RunningSim,
+    free_port,
+    with_test_redis_budgets,
+)
 
 # Every httpx client (each `httpx.get(...)`, each `openai.OpenAI(...)`) builds an SSL context. From a
 # CA *file* (certifi's, or SSL_CERT_FILE) that parses ~150 certificates: 50-140 ms of CPU per client,
@@ -125,7 +134,7 @@ def start_gateway(_stopping_servers: list[ThreadedServer]) -> Iterator[Callable[
     """Factory: `start_gateway(pools=[{...pool config...}], **top-level config)` → RunningGateway.
 
     The config is parsed with an empty environment (`environ={}`): exported `KIMI_GATEWAY_*`
-    variables never reach it."""
+    variables never reach it. Redis call budgets the test leaves unset are 1 s (`with_test_redis_budgets`)."""
     servers: list[ThreadedServer] = []
 
     def start(pools: list[dict[str, Any]], **settings: Any) -> RunningGateway:
@@ -133,7 +142,7 @@ def start_gateway(_stopping_servers: list[ThreadedServer]) -> Iterator[Callable[
         # Routing tests put pools of any max context in front of sims of another: the /v1/models
         # check (on in production) is opted into by the tests of it (test_worker_models.py).
         settings["health"] = {"verify_models": False, **settings["health"]}
-        config = parse_config({"pools": pools, **settings}, environ={})
+        config = parse_config({"pools": pools, **with_test_redis_budgets(settings)}, environ={})
         server = ThreadedServer(create_app(config), **http_options(config)).start()
         servers.append(server)
         return RunningGateway(server, config)
@@ -164,13 +173,15 @@ def start_gateway_process(
     """Factory: `start(pools, **top-level config)` → a serving gateway process (ready answers 200).
 
     Unless the test gives its own `shutdown`, the drain delay is 0: the 5 s default would hold every
-    SIGTERM (the test's and the teardown's) for 5 s, and only shutdown tests are about it."""
+    SIGTERM (the test's and the teardown's) for 5 s, and only shutdown tests are about it. Redis call
+    budgets as in `start_gateway`."""
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(pools: list[dict[str, Any]], **settings: Any) -> GatewayProcess:
         config = {"pools": pools, "health": {"interval": 0.5, "timeout": 1.0}, "log_level": "info",
                   "shutdown": {"drain_delay": 0}, **settings}
         config["health"] = {"verify_models": False, **config["health"]}  # as in start_gateway
+        config = with_test_redis_budgets(config)
         config_path = tmp_path / "gateway.yaml"
         config_path.write_text(yaml.safe_dump(config))
         log = tmp_path / "gateway.log"

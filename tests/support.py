@@ -25,6 +25,23 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("KIMI_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
+# Each Redis call's budget in a gateway config, by section. The defaults (20-50 ms) suit a production
+# Redis; on a test machine running more busy processes than it has cores (the suite on 4 xdist workers
+# over 2), the Redis server or the gateway's thread may wait that long for a CPU, and a missed budget is
+# an affinity miss, a 503 or an open breaker that fails a test about something else.
+REDIS_BUDGETS = {"affinity": "lookup_timeout", "responses": "lookup_timeout", "auth": "redis_timeout"}
+TEST_REDIS_BUDGET_S = 1.0
+
+
+def with_test_redis_budgets(settings: dict[str, Any]) -> dict[str, Any]:
+    """A gateway config's top-level `settings` with every Redis call budget the test left unset at
+    `TEST_REDIS_BUDGET_S` seconds (the tests of those budgets set theirs)."""
+    out = dict(settings)
+    for section, field in REDIS_BUDGETS.items():
+        out[section] = {field: TEST_REDIS_BUDGET_S, **(out.get(section) or {})}
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that nobody listened on a moment ago (the OS picked it for port 0)."""
     with socket.socket() as sock:

@@ -37,7 +37,7 @@ from redis.exceptions import RedisError
 from gateway.affinity.batch_writer import BatchWriter
 from gateway.affinity.breaker import CircuitBreaker
 from gateway.config import AffinityConfig
-from gateway.looplag import StoreTimeout
+from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import redis_from_url
 
@@ -63,7 +63,7 @@ class RedisAffinityStore:
         self.config = config
         self.metrics = metrics
         self.redis = redis_from_url(
-            url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=1.0,
+            url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=SOCKET_BACKSTOP_S,
             retry=STALE_CONNECTION_RETRY, max_connections=128, health_check_interval=0,
         )
         self._writes: BatchWriter[tuple[str, Sequence[int], str]] = BatchWriter(

@@ -41,7 +41,7 @@ from gateway.affinity.breaker import CircuitBreaker
 from gateway.affinity.redis_store import STALE_CONNECTION_RETRY
 from gateway.config import ResponsesConfig
 from gateway.errors import GatewayError
-from gateway.looplag import StoreTimeout
+from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import redis_from_url
 
@@ -137,8 +137,9 @@ class RedisResponseStore:
     def __init__(self, url: str, config: ResponsesConfig, metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.redis = redis_from_url(url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=1.0,
-                                    retry=STALE_CONNECTION_RETRY, max_connections=32, health_check_interval=0)
+        self.redis = redis_from_url(url, socket_connect_timeout=max(config.lookup_timeout, 0.25),
+                                    socket_timeout=SOCKET_BACKSTOP_S, retry=STALE_CONNECTION_RETRY,
+                                    max_connections=32, health_check_interval=0)
         self._writes: BatchWriter[tuple[str, ResponseOwner | None]] = BatchWriter(
             self._write, config.write_queue, metrics.affinity_writes_dropped.inc, "response-store-writer")
         self._last_log = 0.0

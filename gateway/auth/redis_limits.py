@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from gateway.auth.keys import Principal
 from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
 from gateway.config import AuthConfig
-from gateway.looplag import StoreTimeout
+from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import redis_from_url
 
@@ -134,7 +134,7 @@ class RedisRateLimiter:
         self.window_ms = round(window_s * 1000)
         self._clock = clock
         self.redis = redis_from_url(
-            url, socket_connect_timeout=max(config.redis_timeout, 0.25), socket_timeout=1.0,
+            url, socket_connect_timeout=max(config.redis_timeout, 0.25), socket_timeout=SOCKET_BACKSTOP_S,
             retry=Retry(NoBackoff(), 0), max_connections=128, health_check_interval=0,
         )
         self._script = self.redis.register_script(LUA)

@@ -18,12 +18,13 @@ from redis.exceptions import RedisError
 from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
+from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.redis_client import redis_from_url
 
 log = logging.getLogger("gateway.drains")
 
 SYNC_EVERY_S = 1.0
-CALL_TIMEOUT_S = 0.5
+CALL_TIMEOUT_S = 0.5  # per call, as a StoreTimeout: a stall of this process' event loop is not Redis' fault
 
 
 class DrainBoard:
@@ -32,8 +33,8 @@ class DrainBoard:
     def __init__(self, registry: WorkerRegistry, redis_url: str | None, key_prefix: str) -> None:
         self.registry = registry
         self.key = f"{key_prefix}:drained"
-        self._redis = (redis_from_url(redis_url, socket_timeout=CALL_TIMEOUT_S,
-                                               socket_connect_timeout=CALL_TIMEOUT_S)
+        self._redis = (redis_from_url(redis_url, socket_timeout=SOCKET_BACKSTOP_S,
+                                      socket_connect_timeout=CALL_TIMEOUT_S)
                        if redis_url else None)
         self.loop = Periodic("drain-sync", SYNC_EVERY_S, self.sync)
 
@@ -48,11 +49,12 @@ class DrainBoard:
         if self._redis is None:
             return False
         try:
-            if draining:
-                await self._redis.sadd(self.key, worker.id)
-            else:
-                await self._redis.srem(self.key, worker.id)
-        except (RedisError, OSError) as exc:
+            async with StoreTimeout(CALL_TIMEOUT_S):
+                if draining:
+                    await self._redis.sadd(self.key, worker.id)
+                else:
+                    await self._redis.srem(self.key, worker.id)
+        except (RedisError, OSError) as exc:  # OSError: TimeoutError too
             log.warning("drain of %s applies to this process only: Redis failed (%s)", worker.id, exc)
             return False
         return True
@@ -62,7 +64,9 @@ class DrainBoard:
         if self._redis is None:
             return
         try:
-            drained = {member.decode() for member in await self._redis.smembers(self.key)}
+            async with StoreTimeout(CALL_TIMEOUT_S):
+                members = await self._redis.smembers(self.key)
+            drained = {member.decode() for member in members}
         except (RedisError, OSError) as exc:
             log.debug("drain sync skipped: %s", exc)
             return

@@ -12,6 +12,11 @@ from tests.support import RunningSim
 
 StartSim = Callable[..., RunningSim]
 ENGINE = {"sglang": "sglang", "vllm-nixl": "vllm", "vllm-mooncake": "vllm"}
+# Health probes of tests whose prefill worker is black-holed mid-request: frequent, so its wedge is
+# found ~1 s later. The timeout only bounds that failure; one much shorter (0.2 s) also failed the
+# probes of *healthy* sims whenever the CPU was busy (the suite on more xdist workers than cores),
+# marking them unhealthy before the fault and failing the test.
+WEDGE_PROBES = {"interval": 0.1, "timeout": 1.0}
 
 
 @dataclass

@@ -156,21 +156,31 @@ async def test_clients_hanging_up_at_random_leak_nothing(start_sim: StartSim, st
     gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072)], load={"enabled": False})
     rng = random.Random(5)
 
-    async def one(client: httpx.AsyncClient, stream: bool) -> None:
-        async def call() -> None:
-            if stream:
-                async with client.stream("POST", gw.v1 + "/chat/completions",
-                                         json={**CHAT, "stream": True, "max_tokens": 100}) as response:
-                    async for _ in response.aiter_raw():
-                        pass
-            else:
-                await client.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 100})
+    async def stream(client: httpx.AsyncClient, hang_up_after_first_bytes: float | None) -> None:
+        async with client.stream("POST", gw.v1 + "/chat/completions",
+                                 json={**CHAT, "stream": True, "max_tokens": 100}) as response:
+            chunks = response.aiter_raw()
+            await anext(chunks)
+            async with asyncio.timeout(hang_up_after_first_bytes):
+                async for _ in chunks:
+                    pass
 
+    async def post(client: httpx.AsyncClient) -> None:
+        await client.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 100})
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        """Request `i` hangs up at a random 0.05-1.5 s: from its start, or for every fourth (a stream)
+        from its first bytes. An answer takes over 2 s (100 tokens, 20 ms each), so those are
+        mid-stream hang-ups however long a busy CPU made the wait for the first bytes."""
+        hang_up_after = rng.uniform(0.05, 1.5)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(call(), timeout=rng.uniform(0.05, 1.5))  # streams last ~2 s
+            if i % 4 == 0:
+                await stream(client, hang_up_after)
+            else:
+                await asyncio.wait_for(stream(client, None) if i % 2 == 0 else post(client), timeout=hang_up_after)
 
     async with httpx.AsyncClient(timeout=10, limits=httpx.Limits(max_connections=200)) as client:
-        await asyncio.gather(*(one(client, i % 2 == 0) for i in range(80)))
+        await asyncio.gather(*(one(client, i) for i in range(80)))
     await asyncio.to_thread(gw.wait_until_idle)  # every upstream lease released (a deadline poll)
     # Every request that reached an engine is accounted for (a client may give up before sending).
     for sim in sims:

@@ -282,7 +282,9 @@ def test_64_bit_integers_reach_the_engine_exactly_and_larger_ones_are_400(start_
 def test_a_stalled_upload_gets_408_and_a_slow_live_one_is_served(start_sim: StartSim,
                                                                  start_gateway: StartGateway) -> None:
     sim = start_sim("vllm")
-    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"body_idle": 0.5})
+    # body_idle well above the trickle's 0.2 s gaps below, which a busy CPU stretches (the sleep, then
+    # this thread's turn): one past body_idle would be a stall too.
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], timeouts={"body_idle": 1.0})
     body = json.dumps(CHAT).encode()
     host, port = gw.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=5) as conn:
@@ -292,9 +294,9 @@ def test_a_stalled_upload_gets_408_and_a_slow_live_one_is_served(start_sim: Star
         answer = conn.recv(65536)
         assert time.monotonic() - started < 3
     assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer.replace(b" ", b"")
-    assert b"no byte of it for 0.5 seconds (10 bytes received)" in answer
+    assert b"no byte of it for 1 seconds (10 bytes received)" in answer
 
-    def trickle() -> Iterator[bytes]:  # 8 pieces 0.2 s apart: 1.6 s in all, never idle for 0.5 s
+    def trickle() -> Iterator[bytes]:  # 8 pieces 0.2 s apart: 1.6 s in all, never idle for 1 s
         step = len(body) // 8 + 1
         for i in range(0, len(body), step):
             time.sleep(0.2)

@@ -76,6 +76,27 @@ async def test_rate_limit_check_survives_a_held_loop(fail_mode: str) -> None:
 
 
 @pytest.mark.anyio
+async def test_rate_limit_check_survives_a_loop_held_past_a_second() -> None:
+    """Held longer than redis-py's own socket timeout was (1 s, now `looplag.SOCKET_BACKSTOP_S`): that
+    timer fired with the late StoreTimeout and dropped the reply waiting in the socket, opening the
+    breaker (issue 15's 1.3 s stall; seen again as 503s in the heavy-bodies test on a busy CPU)."""
+    prefix = f"test-lag-{uuid.uuid4().hex[:10]}"
+    metrics = GatewayMetrics()
+    limiter = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=prefix, redis_timeout=0.05, fail_mode="closed"),
+                               metrics)
+    alice = Principal("alice", frozenset({"user"}), 1000, None)
+    try:
+        assert (await limiter.acquire(alice, 1)) is not None
+        for hops in HOPS:
+            verdict = await while_the_loop_is_held(lambda: limiter.acquire(alice, 1), hops, 1.1)
+            assert verdict is not None and verdict.allowed, f"the held loop was taken for a Redis failure ({hops})"
+        assert (metrics.registry.get_sample_value("kimi_gateway_redis_errors_total", {"op": "rate_limit"}) or 0) == 0
+    finally:
+        await limiter.stop()
+        await delete_prefix(prefix)
+
+
+@pytest.mark.anyio
 async def test_affinity_lookup_survives_a_held_loop() -> None:
     prefix = f"test-lag-{uuid.uuid4().hex[:10]}"
     metrics = GatewayMetrics()

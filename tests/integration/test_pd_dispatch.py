@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from gateway.sim.config import SimFaults
-from tests.integration.pd_support import ENGINE, StartSim, pd_group
+from tests.integration.pd_support import ENGINE, WEDGE_PROBES, StartSim, pd_group
 from tests.support import RunningGateway, free_port, pool
 
 StartGateway = Callable[..., RunningGateway]
@@ -144,7 +144,7 @@ def test_decode_whose_prefill_partner_dies_gets_a_clean_sse_error(start_sim: Sta
     if prefill_hangs == "before headers":
         group.prefill[0].engine.set_faults(SimFaults(**{"hang_before_headers": True}))
     gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.2, "keepalive_interval": 0.1},
-                       health={"interval": 0.1, "timeout": 0.2})
+                       health=WEDGE_PROBES)
     with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
         assert response.status_code == 200
         chunks = response.iter_bytes()
@@ -280,7 +280,7 @@ def test_nixl_deferred_stream_whose_prefill_fails_ends_with_one_sse_error(start_
     group.prefill = [start_sim("vllm", pd_role="prefill", pd_protocol="vllm-nixl",
                                faults={"hang_before_headers": True})]
     gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.1, "keepalive_interval": 0.1},
-                       health={"interval": 0.1, "timeout": 0.2})
+                       health=WEDGE_PROBES)
     with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
         assert response.status_code == 200
         chunks = response.iter_bytes()

@@ -18,7 +18,7 @@ from gateway.config import parse_config
 from gateway.reload import apply_config
 from gateway.sim.config import SimFaults
 from tests.integration.auth.conftest import ALICE_KEY, auth_section, start_a_window_now
-from tests.integration.pd_support import ENGINE, StartSim, pd_group
+from tests.integration.pd_support import ENGINE, WEDGE_PROBES, StartSim, pd_group
 from tests.support import RunningGateway, free_port, pool
 
 StartGateway = Callable[..., RunningGateway]
@@ -336,7 +336,7 @@ def test_a_decode_aborted_for_its_dead_prefill_partner_is_not_blamed(start_sim: 
     group = pd_group(start_sim, mode)
     group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True))
     gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.2, "keepalive_interval": 0.1},
-                       health={"interval": 0.1, "timeout": 0.2, "passive_failures": 1, "ejection_base": 30})
+                       health={**WEDGE_PROBES, "passive_failures": 1, "ejection_base": 30})
     with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
         assert response.status_code == 200
         chunks = response.iter_bytes()

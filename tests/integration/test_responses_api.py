@@ -144,7 +144,7 @@ def test_worker_gone_and_unavailable_errors_are_clear_and_counted(start_sim: Sta
                                                                   start_gateway: StartGateway) -> None:
     sims = [start_sim("vllm", max_context_tokens=131072) for _ in range(2)]
     gw = start_gateway([sims_pool(sims)], load={"enabled": False},
-                       health={"interval": 0.1, "timeout": 0.3, "verify_models": False})
+                       health={"interval": 0.1, "timeout": 1.0, "verify_models": False})
     c = client(gw)
     raw = c.responses.with_raw_response.create(model="kimi-k3", input="Hi", max_output_tokens=2)
     owner_id = raw.headers["x-kimi-gateway-worker"]

@@ -70,8 +70,9 @@ def test_a_client_that_stops_reading_is_cut_and_the_engine_request_aborted(
     assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
     sock.close()
     # A client that reads gets the whole answer (10 MiB): writing pauses and resumes all along, never stalls.
+    # (Its ~14 MB request, the answer's base64, takes a while to encode, relay and decode on a busy CPU.)
     faults = {"raw_stream_chunks": SimFaults.encode_chunks([EVENT, *[BIG_COMMENT] * 40, b"data: [DONE]\n\n"])}
-    with httpx.stream("POST", gw.url + path, json={**request, "x_sim_faults": faults}) as response:
+    with httpx.stream("POST", gw.url + path, json={**request, "x_sim_faults": faults}, timeout=30) as response:
         assert sum(len(chunk) for chunk in response.iter_raw()) > 40 * len(BIG_COMMENT)
     assert gw.metric("kimi_gateway_client_send_stalls_total") == 1
 
@@ -83,8 +84,10 @@ def test_a_client_that_stops_reading_is_cut_and_the_engine_request_aborted(
 def test_a_body_trickled_a_byte_at_a_time_gets_408_at_its_deadline(
         start_sim: StartSim, start_gateway: StartGateway, first: int, rate: int) -> None:
     sim = start_sim("vllm")
+    # body_idle (under the deadline) well above the 0.3 s gaps: a busy CPU stretches a gap (the sleep,
+    # then this thread's turn), and one past body_idle is the other 408 ("stalled"), not the deadline's.
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072)],
-                       timeouts={"body_idle": 0.5, "body_deadline": 1.0, "body_min_rate": rate})
+                       timeouts={"body_idle": 0.9, "body_deadline": 1.0, "body_min_rate": rate})
     body = json.dumps({**CHAT, "user": "u" * first}).encode()
     sock = _connect(gw)
     started = time.monotonic()

@@ -63,7 +63,7 @@ def test_engine_that_never_answers_health_is_taken_out(start_sim: StartSim, star
     stuck = start_sim("vllm", faults=SimFaults(hang_health=True))
     good = start_sim("vllm")
     gw = start_gateway([pool("p", "vllm", [stuck.url, good.url], 131072, policy="round_robin")],
-                       health={"interval": 0.2, "timeout": 0.3})
+                       health={"interval": 0.2, "timeout": 1.0})
     deadline = time.monotonic() + 5
     while httpx.get(gw.url + "/ready").json()["pools"]["p"][0]["healthy"]:
         assert time.monotonic() < deadline, "the probe timeout must mark the worker unhealthy"

@@ -91,8 +91,10 @@ def test_two_gateway_replicas_agree_through_redis(four_workers: list[RunningSim]
 
 def test_redis_dies_and_returns(four_workers: list[RunningSim], start_gateway: StartGateway,
                                 own_redis: OwnRedis, shared_data: Path) -> None:
+    # The killed Redis refuses connections at once; `lookup_timeout` only has to outlast a live one's
+    # answer on a busy machine (a lookup timing out is a miss and opens the breaker).
     gw = start_gateway([affinity_pool(four_workers)], redis_url=own_redis.url,
-                       affinity={"retry_after": 0.3, "lookup_timeout": 0.2}, load={"enabled": False})
+                       affinity={"retry_after": 0.3, "lookup_timeout": 1.0}, load={"enabled": False})
     conversations = [list(conversation_turns(t, "Answer. " * 50)) for t in mt_bench(shared_data, 20)]
 
     def turn_pair(conversation: list[list[dict[str, str]]]) -> tuple[str, str, str]:
