@@ -37,17 +37,12 @@ E2E_HEALTH = {"interval": 0.5, "timeout": 10.0}
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[dict[str, LlamaCppWorker]]:
-    small = LlamaCppWorker(LlamaCppSettings(n_ctx=2048, threads=2)).start()
+def workers(worker_2k: LlamaCppWorker) -> Iterator[dict[str, LlamaCppWorker]]:
+    """The session's 2K worker (tests/e2e/conftest.py) and an 8K one of this module."""
+    large = LlamaCppWorker(LlamaCppSettings(n_ctx=8192)).start()
     try:
-        large = LlamaCppWorker(LlamaCppSettings(n_ctx=8192, threads=2)).start()
-    except BaseException:
-        small.stop()
-        raise
-    try:
-        yield {"small": small, "large": large}
+        yield {"small": worker_2k, "large": large}
     finally:
-        small.stop()
         large.stop()
 
 
@@ -125,7 +120,7 @@ def cjk_prompt(lang: str, chars: int) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_worker() -> Iterator[LlamaCppWorker]:
-    worker = LlamaCppWorker(LlamaCppSettings(n_ctx=512, threads=1)).start()
+    worker = LlamaCppWorker(LlamaCppSettings(n_ctx=512)).start()
     try:
         yield worker
     finally:
