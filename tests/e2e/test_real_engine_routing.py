@@ -1,10 +1,10 @@
-"""Real engines behind the gateway: pools of llama.cpp workers (n_ctx 512, 2048 and 8192, SmolLM2-135M).
+"""Real engines behind the gateway: pools of llama.cpp workers (n_ctx 256, 2048 and 8192, SmolLM2-135M).
 
-An MT-Bench prompt streams real tokens through the gateway to the openai SDK; a ~700-token book
-prompt is routed to the 2048 pool and answered, while the same prompt sent straight to the 512
+An MT-Bench prompt streams real tokens through the gateway to the openai SDK; a ~360-token book
+prompt is routed to the 2048 pool and answered, while the same prompt sent straight to the 256
 worker is refused by the engine itself; the same for Chinese, Japanese and Korean prompts, which the
 gateway estimates with SmolLM2's own tokens per character (`tests/e2e/smollm2.py`). The boundaries
-are at 512/2K tokens so the real prefills stay short on a loaded 2-core machine (a 3,000-token
+are at 256/2K tokens so the real prefills stay short on a loaded 2-core machine (a 3,000-token
 prefill into the 8K worker took up to 170 s there).
 """
 
@@ -27,9 +27,9 @@ from tests.support import RunningGateway, pool
 
 pytestmark = pytest.mark.engine
 
-# English prose is ~3.8 UTF-8 bytes per SmolLM2 token (measured on the book below): ~700 tokens,
-# over the 512-token pool with room to spare, well inside the 2K one.
-BOOK_PROMPT_BYTES = 2_700
+# English prose is ~3.8 UTF-8 bytes per SmolLM2 token (measured on the book below): ~360 tokens,
+# over the 256-token pool with room to spare, well inside the 2K one.
+BOOK_PROMPT_BYTES = 1_350
 # These tests are about routing, not health: a real engine busy with a prefill on a loaded 2-core
 # machine may take over the default 1 s to answer a probe, and an unhealthy verdict would move the
 # request to another pool.
@@ -37,17 +37,12 @@ E2E_HEALTH = {"interval": 0.5, "timeout": 10.0}
 
 
 @pytest.fixture(scope="module")
-def workers() -> Iterator[dict[str, LlamaCppWorker]]:
-    small = LlamaCppWorker(LlamaCppSettings(n_ctx=2048, threads=2)).start()
+def workers(worker_2k: LlamaCppWorker) -> Iterator[dict[str, LlamaCppWorker]]:
+    """The session's 2K worker (tests/e2e/conftest.py) and an 8K one of this module."""
+    large = LlamaCppWorker(LlamaCppSettings(n_ctx=8192)).start()
     try:
-        large = LlamaCppWorker(LlamaCppSettings(n_ctx=8192, threads=2)).start()
-    except BaseException:
-        small.stop()
-        raise
-    try:
-        yield {"small": small, "large": large}
+        yield {"small": worker_2k, "large": large}
     finally:
-        small.stop()
         large.stop()
 
 
@@ -103,19 +98,19 @@ def test_long_book_prompt_goes_to_the_larger_pool_and_the_small_engine_refuses_i
     assert raw.headers["x-kimi-gateway-pool"] == "cpu-2k"
     assert raw.headers["x-kimi-gateway-attempts"] == "1"
     assert completion.choices[0].message.content
-    assert completion.usage is not None and 600 < completion.usage.prompt_tokens < 850
+    assert completion.usage is not None and 300 < completion.usage.prompt_tokens < 450
 
     direct = httpx.post(tiny_worker.url + "/v1/chat/completions", timeout=60,
                         json={"model": "kimi-k3", "messages": messages, "max_tokens": 16})
     assert direct.status_code == 400
     error = direct.json()["error"]
-    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 512
+    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 256
     assert error["n_prompt_tokens"] == completion.usage.prompt_tokens
 
 
-# Characters of each language that SmolLM2 counts at 630-730 tokens: over a 512-token pool, inside
-# the 2K one (a 512/2K boundary keeps the real prefills short on a 2-core machine).
-CJK_PROMPT_CHARS = {"zh": 400, "ja": 400, "ko": 320}
+# Characters of each language that SmolLM2 counts at 330-380 tokens: over a 256-token pool, inside
+# the 2K one (a 256/2K boundary keeps the real prefills short on a 2-core machine).
+CJK_PROMPT_CHARS = {"zh": 200, "ja": 200, "ko": 160}
 
 
 def cjk_prompt(lang: str, chars: int) -> str:
@@ -125,7 +120,7 @@ def cjk_prompt(lang: str, chars: int) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_worker() -> Iterator[LlamaCppWorker]:
-    worker = LlamaCppWorker(LlamaCppSettings(n_ctx=512, threads=1)).start()
+    worker = LlamaCppWorker(LlamaCppSettings(n_ctx=256)).start()
     try:
         yield worker
     finally:
@@ -136,7 +131,7 @@ def tiny_worker() -> Iterator[LlamaCppWorker]:
 def cjk_gateway(workers: dict[str, LlamaCppWorker], tiny_worker: LlamaCppWorker,
                 start_gateway: Callable[..., RunningGateway]) -> RunningGateway:
     return start_gateway([
-        pool("cpu-512", "llamacpp", [tiny_worker.url], 512, default_output_tokens=64),
+        pool("cpu-256", "llamacpp", [tiny_worker.url], 256, default_output_tokens=64),
         pool("cpu-2k", "llamacpp", [workers["small"].url], 2048, default_output_tokens=256),
     ], timeouts={"first_byte_base": 120.0}, estimation=SMOLLM2_ESTIMATION, health=E2E_HEALTH)
 
@@ -148,9 +143,9 @@ def test_long_cjk_prompt_goes_to_the_larger_pool_first_and_the_small_engine_refu
     client = openai.OpenAI(base_url=cjk_gateway.v1, api_key="unused", max_retries=0, timeout=180)
     raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=2)
     completion = raw.parse()
-    # The estimate alone chose the 2K pool: no round trip to the 512-token engine first.
+    # The estimate alone chose the 2K pool: no round trip to the 256-token engine first.
     assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-2k", "1")
-    assert completion.usage is not None and 512 < completion.usage.prompt_tokens < 1000
+    assert completion.usage is not None and 256 < completion.usage.prompt_tokens < 500
     estimated = int(raw.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0])
     assert completion.usage.prompt_tokens <= estimated <= 1.4 * completion.usage.prompt_tokens
 
@@ -161,12 +156,12 @@ def test_long_cjk_prompt_goes_to_the_larger_pool_first_and_the_small_engine_refu
 
 @pytest.mark.parametrize("lang", ["zh", "ja", "ko"])
 def test_cjk_prompt_that_fits_stays_in_the_small_pool(cjk_gateway: RunningGateway, lang: str) -> None:
-    # Under half the small engine's context: the estimate errs high, but not so far as to leave the cheap pool.
-    messages = [{"role": "user", "content": cjk_prompt(lang, CJK_PROMPT_CHARS[lang] // 3)}]
+    # Half the small engine's context: the estimate errs high, but not so far as to leave the cheap pool.
+    messages = [{"role": "user", "content": cjk_prompt(lang, CJK_PROMPT_CHARS[lang] // 4)}]
     client = openai.OpenAI(base_url=cjk_gateway.v1, api_key="unused", max_retries=0, timeout=180)
     raw = client.chat.completions.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=2)
     completion = raw.parse()
-    assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-512", "1")
+    assert (raw.headers["x-kimi-gateway-pool"], raw.headers["x-kimi-gateway-attempts"]) == ("cpu-256", "1")
     estimated = int(raw.headers["x-kimi-gateway-estimated-prompt-tokens"].split(";")[0])
     assert completion.usage is not None and completion.usage.prompt_tokens <= estimated
 
@@ -186,10 +181,10 @@ def test_issue_japanese_prompt_is_estimated_over_the_engines_count(workers: dict
 def test_engine_too_long_answer_moves_the_request_to_the_larger_pool(
         workers: dict[str, LlamaCppWorker], tiny_worker: LlamaCppWorker, start_gateway: Callable[..., RunningGateway],
         shared_data: Path) -> None:
-    # A gateway that under-counts (a letter 0.1 token, spaces free) sends the book prompt to the 512 pool;
+    # A gateway that under-counts (a letter 0.1 token, spaces free) sends the book prompt to the 256 pool;
     # llama.cpp's own `exceed_context_size_error` must move it to the 2K pool before any byte reaches the client.
     gw = start_gateway([
-        pool("cpu-512", "llamacpp", [tiny_worker.url], 512, default_output_tokens=64),
+        pool("cpu-256", "llamacpp", [tiny_worker.url], 256, default_output_tokens=64),
         pool("cpu-2k", "llamacpp", [workers["small"].url], 2048, default_output_tokens=256),
     ], estimation={"text_rates": {"latin": 0.1, "whitespace": 0.0, "punctuation": 0.1}, "safety_margin": 1.0},
         timeouts={"first_byte_base": 120.0}, health=E2E_HEALTH)
@@ -199,7 +194,7 @@ def test_engine_too_long_answer_moves_the_request_to_the_larger_pool(
     assert (stream.headers["x-kimi-gateway-pool"], stream.headers["x-kimi-gateway-attempts"]) == ("cpu-2k", "2")
     assert "".join(c.choices[0].delta.content or "" for c in stream.parse() if c.choices)
     metrics = httpx.get(gw.url + "/metrics").text
-    assert 'kimi_gateway_upstream_attempts_total{outcome="too_long",pool="cpu-512",worker="cpu-512/0"} 1.0' in metrics
+    assert 'kimi_gateway_upstream_attempts_total{outcome="too_long",pool="cpu-256",worker="cpu-256/0"} 1.0' in metrics
 
 
 def test_client_hang_up_frees_the_engine_slot(gateway: RunningGateway, workers: dict[str, LlamaCppWorker]) -> None:
