@@ -14,6 +14,7 @@ costs ~2 ms.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -75,18 +76,22 @@ class PrefixHasher:
     def hash(self, canonical: bytes, model: str) -> PrefixKey:
         """Sampled chained block hashes of `canonical` seeded with `model`."""
         size = self.block_bytes
-        n_blocks = -(-len(canonical) // size)
-        wanted = sampled_positions(n_blocks, self.dense, self.per_octave)
+        wanted = _positions(-(-len(canonical) // size), self.dense, self.per_octave)
         view = memoryview(canonical)
-        h = xxhash.xxh3_64_intdigest(model.encode())
-        hashes = []
-        next_wanted = 0
-        for i in range(n_blocks):
-            h = xxhash.xxh3_64_intdigest(view[i * size:(i + 1) * size], h)
-            if i == wanted[next_wanted]:
-                hashes.append(h)
-                next_wanted += 1
-        return PrefixKey(tuple(wanted), tuple(hashes), len(canonical), size)
+        digest = xxhash.xxh3_64_intdigest
+        h = digest(model.encode())
+        chain: list[int] = []  # every block's hash (each seeds the next); the sampled ones are kept
+        for start in range(0, len(canonical), size):
+            h = digest(view[start:start + size], h)
+            chain.append(h)
+        return PrefixKey(wanted, tuple([chain[p] for p in wanted]), len(canonical), size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _positions(n_blocks: int, dense: int, per_octave: int) -> tuple[int, ...]:
+    """`sampled_positions` as a tuple, computed once per prompt length in blocks (not a Python loop
+    per request)."""
+    return tuple(sampled_positions(n_blocks, dense, per_octave))
 
 
 def image_digest(url: str) -> bytes:
@@ -96,7 +101,7 @@ def image_digest(url: str) -> bytes:
 
 def canonical_message(role: str, parts: Iterable[bytes]) -> bytes:
     """One message as canonical bytes: role, separator, content pieces, end mark."""
-    return role.encode() + ROLE_SEP + b"".join(parts) + MESSAGE_SEP
+    return b"".join((role.encode(), ROLE_SEP, *parts, MESSAGE_SEP))  # one copy of the content
 
 
 def canonical_prelude(tools: object | None) -> bytes:

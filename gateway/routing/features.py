@@ -107,12 +107,14 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     extra = wire.model_extra or {}
     images: dict[str, tuple[int, str, bytes]] = {}  # URL -> tokens, method, digest: each image measured once
     try:
-        canonical = [canonical_prelude(extra.get("tools") or extra.get("functions"))]
+        prelude = canonical_prelude(extra.get("tools") or extra.get("functions"))
         calls_json = [orjson.dumps(m.model_extra["tool_calls"]) if m.model_extra and "tool_calls" in m.model_extra
                       else None for m in wire.messages]
     except TypeError as exc:  # orjson writes at most 254 levels of nesting
         raise InvalidRequest(f"'tools' or 'tool_calls' cannot be read: {exc}", code="invalid_json") from None
-    texts.append(canonical[0])
+    # No empty prelude in the lists: `b"".join` of one item returns it, so a one-message prompt is not copied.
+    canonical = [prelude] if prelude else []
+    texts.extend(canonical)
     for i, message in enumerate(wire.messages):
         content = message.content
         parts: list[bytes] = []
@@ -268,10 +270,11 @@ def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstim
             items.append((role if isinstance(role, str) else str(item.get("type", "item")), texts, urls, others,
                           f"input[{i}].content"))
     try:
-        canonical = [canonical_prelude(wire.tools)]
+        prelude = canonical_prelude(wire.tools)
     except TypeError as exc:
         raise InvalidRequest(f"'tools' cannot be read: {exc}", code="invalid_json") from None
-    texts_all: list[bytes] = [canonical[0]]
+    canonical = [prelude] if prelude else []  # as in `chat_features`
+    texts_all = list(canonical)
     tokens = config.tokens_per_request + config.tokens_per_message * len(items)
     modalities = {"text"}
     methods = {"bytes"}
