@@ -180,9 +180,11 @@ class _SentinelPrimary(aioredis.Redis):
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         pool = self.connection_pool
-        await super().aclose(close_connection_pool)
-        if isinstance(pool, SentinelConnectionPool):
-            await pool.sentinel_manager.aclose()
+        try:
+            await super().aclose(close_connection_pool)
+        finally:  # the sentinels' clients too when a primary connection's close timed out
+            if isinstance(pool, SentinelConnectionPool):
+                await pool.sentinel_manager.aclose()
 
 
 def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
@@ -205,3 +207,15 @@ def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
     return manager.master_for(target.service_name, redis_class=_SentinelPrimary,
                               connection_pool_class=_WatchedSentinelPool, db=target.db,
                               username=target.username, password=target.password, **kwargs)
+
+
+async def close_redis(client: aioredis.Redis, store: str) -> None:
+    """Close a store's Redis `client` at shutdown without raising. redis-py starts closing every socket
+    and then waits for the closes under its `socket_connect_timeout` (0.25-0.5 s for the stores);
+    when that wait runs out (an event loop busy at shutdown, a Redis gone) it raises a TimeoutError
+    although the sockets are closing anyway, and that would skip the rest of the gateway's shutdown.
+    Logged at warning level instead, naming `store`."""
+    try:
+        await client.aclose()
+    except (RedisError, OSError) as exc:
+        log.warning("closing the %s store's Redis client: %s: %s", store, type(exc).__name__, exc)

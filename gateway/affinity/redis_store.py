@@ -39,7 +39,7 @@ from gateway.affinity.breaker import CircuitBreaker
 from gateway.config import AffinityConfig
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import redis_from_url
+from gateway.redis_client import close_redis, redis_from_url
 
 log = logging.getLogger("gateway.affinity")
 
@@ -172,4 +172,4 @@ class RedisAffinityStore:
             self._pinger.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pinger
-        await self.redis.aclose()
+        await close_redis(self.redis, "affinity")

@@ -43,7 +43,7 @@ from gateway.config import ResponsesConfig
 from gateway.errors import GatewayError
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import redis_from_url
+from gateway.redis_client import close_redis, redis_from_url
 
 log = logging.getLogger("gateway.affinity")
 
@@ -215,7 +215,7 @@ class RedisResponseStore:
 
     async def stop(self) -> None:
         await self._writes.stop(flush=True)
-        await self.redis.aclose()
+        await close_redis(self.redis, "responses")
 
 
 def build_response_store(redis_url: str | None, config: ResponsesConfig, metrics: GatewayMetrics) -> ResponseStore:

@@ -40,7 +40,7 @@ from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
 from gateway.config import AuthConfig
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import redis_from_url
+from gateway.redis_client import close_redis, redis_from_url
 
 log = logging.getLogger("gateway.auth")
 
@@ -216,4 +216,4 @@ class RedisRateLimiter:
         return None
 
     async def stop(self) -> None:
-        await self.redis.aclose()
+        await close_redis(self.redis, "rate-limit")

@@ -19,7 +19,7 @@ from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
-from gateway.redis_client import redis_from_url
+from gateway.redis_client import close_redis, redis_from_url
 
 log = logging.getLogger("gateway.drains")
 
@@ -81,4 +81,4 @@ class DrainBoard:
     async def stop(self) -> None:
         await self.loop.stop()
         if self._redis is not None:
-            await self._redis.aclose()
+            await close_redis(self._redis, "drains")

@@ -5,6 +5,7 @@ circuit breaker stays closed. Real Redis at 127.0.0.1:6379 (own key prefixes, cl
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -93,6 +94,30 @@ async def test_rate_limit_check_survives_a_loop_held_past_a_second() -> None:
         assert (metrics.registry.get_sample_value("kimi_gateway_redis_errors_total", {"op": "rate_limit"}) or 0) == 0
     finally:
         await limiter.stop()
+        await delete_prefix(prefix)
+
+
+@pytest.mark.anyio
+async def test_a_store_stops_when_the_loop_is_held_through_its_redis_close(caplog: pytest.LogCaptureFixture) -> None:
+    """redis-py waits for its sockets' close under `socket_connect_timeout` (the store's Redis budget,
+    at least 0.25 s) and raised a TimeoutError when the loop was held through that wait, although the
+    sockets were closing: the store's stop() raised and AppState.stop skipped what came after it
+    (seen as a TimeoutError from the rate limiter's stop() with the CPU oversubscribed). Holds at
+    successive `HOPS` until one falls inside the close: every stop() returns, the slow close is logged."""
+    caplog.set_level(logging.WARNING, "gateway.redis")
+    prefix = f"test-lag-{uuid.uuid4().hex[:10]}"
+    alice = Principal("alice", frozenset({"user"}), 1000, None)
+    slow_close = "closing the rate-limit store's Redis client: TimeoutError"
+    try:
+        for hops in HOPS:
+            limiter = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=prefix, redis_timeout=1.0), GatewayMetrics())
+            assert (await limiter.acquire(alice, 1)) is not None  # a connection to close
+            await while_the_loop_is_held(limiter.stop, hops, 1.2)  # past the 1 s close budget
+            if slow_close in caplog.text:
+                break
+        else:
+            pytest.fail(f"no hold fell inside the Redis close: {caplog.text}")
+    finally:
         await delete_prefix(prefix)
 
 
