@@ -96,8 +96,11 @@ def gateway_config(port: int, worker_urls: list[str], policy: str, params: dict[
     }
     if params:
         pool["policy_params"] = params
+    # drain_delay 0: the gateway is stopped after the replay's last answer with no load balancer to
+    # tell, so the default 5 s of `/ready` answering 503 before the listener closes would only be waited.
     config = {"host": "127.0.0.1", "port": port, "log_level": "warning",
-              "model": {"name": MODEL, "aliases": []}, "pools": [pool], "health": {"interval": 2.0}}
+              "model": {"name": MODEL, "aliases": []}, "pools": [pool], "health": {"interval": 2.0},
+              "shutdown": {"drain_delay": 0}}
     return deep_merge(config, extra or {})
 
 
