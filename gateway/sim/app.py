@@ -201,6 +201,8 @@ class SimApp:
         async with DisconnectWatch(receive) as watch:
             try:
                 status, reason = await watch.run(self.engine.pd.sglang_claim(room, timeout_s))
+                if self.engine.faults.black_hole:  # wedged meanwhile: its decode partners hear nothing
+                    await watch.until_disconnected()
             except ClientDisconnected:
                 return
         await send_json(send, status, {"room": room, "failed": reason})
@@ -227,6 +229,8 @@ class SimApp:
             try:
                 status, tokens = await watch.run(self.engine.pd.mooncake_pull(
                     str(body.get("transfer_id")), body.get("remote_engine_id"), timeout_s))
+                if self.engine.faults.black_hole:  # wedged meanwhile: its decode partners hear nothing
+                    await watch.until_disconnected()
             except ClientDisconnected:
                 return
         await send_json(send, status, {"tokens": tokens})

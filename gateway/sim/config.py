@@ -66,7 +66,8 @@ class SimFaults(BaseModel):
       ending); "endless" (200 headers, then 64 KiB writes as fast as the client reads, never
       ending). Both stop when the client leaves (hostile-endpoint tests of probes and scrapes).
     - `black_hole`: every request (generation, `/health`, `/metrics`) is accepted and never
-      answered, as by a wedged engine process.
+      answered, as by a wedged engine process; a PD prefill worker's KV hand-over waits that end
+      while it is set are not answered either (its decode partners hear nothing from a wedged engine).
     - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
       the chunked body, so the client sees an incomplete response (not a clean end).
     - `null_max_tokens_500`: `/v1/completions` with `"max_tokens": null` gets HTTP 500 (an engine

@@ -4,7 +4,9 @@ the PD metrics. The router's part is played by the test (the real routers: test_
 
 from __future__ import annotations
 
+import json
 import random
+import socket
 import string
 import time
 from collections.abc import Callable
@@ -15,7 +17,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from gateway.sim import SimConfig
+from gateway.sim import SimConfig, SimFaults
 from tests.support import RunningSim, free_port
 
 StartSim = Callable[..., RunningSim]
@@ -307,6 +309,39 @@ def test_sglang_client_leaving_a_bootstrapping_prefill_forgets_the_room(start_si
     assert prefill.engine.pd is not None and prefill.engine.pd.open_rooms == 0
     assert _metric(prefill.url, "sglang:num_prefill_prealloc_queue_reqs") == 0
 
+
+
+@pytest.mark.parametrize("wedged", [False, True], ids=["alive", "black-holed"])
+def test_sglang_prefill_leg_ending_without_kv_tells_its_decode_unless_wedged(start_sim: StartSim,
+                                                                             wedged: bool) -> None:
+    """The prefill request's client leaves mid-prefill: a live prefill engine fails the decode worker
+    waiting for that room's KV at once ("it might be dead"); one black-holed meanwhile (a wedged
+    engine) tells it nothing, so only the decode's own client can end it (the gateway's abort, as
+    test_pd_dispatch checks: there the decode ending itself first was a race)."""
+    prefill = start_sim("sglang", pd_role="prefill", pd_protocol="sglang", pd_wait_timeout_s=30, ttft_s=30.0)
+    decode = start_sim("sglang", pd_role="decode", pd_protocol="sglang", pd_wait_timeout_s=30)
+    body = json.dumps({"model": "kimi-k3", "prompt": "hello", **_bootstrap(prefill, 79)}).encode()
+    host, port = prefill.url.removeprefix("http://").rsplit(":", 1)
+    with ThreadPoolExecutor(1) as pool, socket.create_connection((host, int(port))) as prefill_leg:
+        prefill_leg.sendall(b"POST " + TEXT.encode() + b" HTTP/1.1\r\nhost: sim\r\ncontent-type: application/json\r\n"
+                            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        _until(lambda: prefill.engine.sim_stats()["pd"]["bootstrapping"] == 1)  # waits for its decode partner
+        waiting = pool.submit(httpx.post, decode.url + TEXT, content=body, timeout=httpx.Timeout(5, read=2.0))
+        # claimed: the prefill computes the KV (30 s), the decode waits for it
+        _until(lambda: prefill.engine.sim_stats()["pd"]["bootstrapping"] == 0
+               and decode.engine.sim_stats()["pd"]["waiting_for_kv"] == 1)
+        if wedged:
+            prefill.engine.set_faults(SimFaults(black_hole=True))
+        prefill_leg.close()  # the prefill leg's client leaves before the KV is computed
+        if wedged:
+            with pytest.raises(httpx.ReadTimeout):
+                waiting.result()
+            rec = decode.engine.wait_for(lambda: [r for r in decode.engine.records if r.finished_at], timeout=5)[0]
+            assert rec.aborted and rec.pd_failure is None
+        else:
+            answer = waiting.result()
+            assert answer.status_code == 500 and "it might be dead" in answer.text
+            assert decode.engine.records[0].pd_failure == "transfer"
 
 # --- vLLM Mooncake -------------------------------------------------------------------------------
 
