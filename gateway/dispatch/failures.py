@@ -117,10 +117,10 @@ def exhausted(registry: WorkerRegistry, last: AttemptFailed | None, record: Requ
         return UpstreamTimeout(f"The inference server of {where} did not answer in time ({last.detail}).",
                                headers=None if record.stream else dict(NO_CLIENT_RETRY))
     if last.outcome is Outcome.STATUS_429:
-        busy = failures.busy or last
-        wait = max(1, math.ceil(busy.retry_after if busy.retry_after is not None else DEFAULT_RETRY_AFTER_S))
+        soonest = failures.busy or last  # the 429 with the shortest Retry-After
+        wait = max(1, math.ceil(soonest.retry_after if soonest.retry_after is not None else DEFAULT_RETRY_AFTER_S))
         return NoCapacity(f"Every inference server of {where} is busy (HTTP 429); try again in {wait} s.",
-                          headers={**busy.headers, "retry-after": str(wait)}, code="upstream_overloaded")
+                          headers={**soonest.headers, "retry-after": str(wait)}, code="upstream_overloaded")
     return UpstreamError(f"The inference servers of {where} failed to answer ({last.detail}) after "
                          f"{record.attempts} attempt{'s' if record.attempts != 1 else ''}.")
 
