@@ -96,13 +96,14 @@ class RequestRecord:
     on_first_byte: Callable[[float], None] | None = None  # called with `first_byte_at` when it is set (prefill)
     _finished: bool = False
 
-    def cut_by_shutdown(self, response_started: bool) -> None:
-        """The server ended the request at the end of its shutdown grace period (gateway/lifecycle.py
-        answers the client: a 503 if nothing was sent, else one SSE error event)."""
+    def cut_by_shutdown(self, response_started: bool, status: int = 503) -> None:
+        """The server ended the request at the end of its shutdown grace period. `status`: what the
+        client got if nothing was sent yet: gateway/lifecycle.py's 503 (a started stream gets one SSE
+        error event), or uvicorn's 500 when its own graceful-shutdown timeout cancelled the request."""
         self.outcome = RequestOutcome.SHUTTING_DOWN
         self.error = "the gateway shut down before the response ended"
         if not response_started:
-            self.status = 503
+            self.status = status
 
     def client_gone(self, stage: str) -> None:
         """The client hung up at `stage` (`before_response` or `mid_stream`), or stopped reading and was

@@ -254,7 +254,12 @@ class ProxyEndpoint:
                 await self._send_buffered(result, record, send)
         except asyncio.CancelledError:
             if watch is None or not watch.absorb():
-                raise  # server shutdown: the finally below still closes the upstream
+                # Not the client: the server cancelled the request (uvicorn's `timeout_graceful_shutdown`
+                # ran out on a server without serve's ShutdownGuard: the demo, tests' ThreadedServer).
+                # uvicorn answers 500 if nothing was sent, else closes the connection; the finally below
+                # still closes the upstream (the engine aborts the request).
+                record.cut_by_shutdown(response_started=isinstance(result, RelayResponse), status=500)
+                raise
             hung_up(scope, record, state.metrics, response_started=isinstance(result, RelayResponse))
         finally:
             if watch is not None:

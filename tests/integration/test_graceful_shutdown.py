@@ -1,4 +1,5 @@
-"""Graceful shutdown of a real `kimi-gateway serve` process on SIGTERM (gateway/lifecycle.py).
+"""Graceful shutdown of a real `kimi-gateway serve` process on SIGTERM (gateway/lifecycle.py), and
+the accounting of requests a plain uvicorn server (no drain, no guard) cancels when it stops.
 
 The gateway runs as a subprocess (signals, exit status and the listener are the real ones); the
 simulated engines run in this process, so their request records show what the engine saw.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -17,8 +19,11 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from gateway.app import create_app
 from gateway.auth.keys import hash_key
 from gateway.config import parse_config
+from gateway.request_head import http_options
+from gateway.server import ThreadedServer
 from tests.support import GatewayProcess, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -182,3 +187,43 @@ async def test_with_auth_on_the_shutdown_503_still_names_the_request(
     assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down"
     assert answer.headers["x-request-id"] == "hang-0" and answer.headers["retry-after"] == "1"
     assert await gw.wait_exit(timeout=10) == 0
+
+
+
+@pytest.mark.anyio
+async def test_without_the_guard_requests_uvicorn_cancels_at_shutdown_count_as_cut_by_it(
+        start_sim: StartSim, caplog: pytest.LogCaptureFixture) -> None:
+    """Plain uvicorn (the demo, tests' ThreadedServer): no drain, no guard; its own
+    `timeout_graceful_shutdown` cancels what still runs. The clients are still connected and reading:
+    the access log and `requests_total` say `shutting_down` (5xx), not a client disconnect."""
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    sim = start_sim("vllm", ttft_s=0.05, tpot_s=0.05)  # 400 tokens: ~20 s
+    config = parse_config({"pools": [pool("p", "vllm", [sim.url], 131072)],
+                           "health": {"interval": 0.5, "timeout": 1.0, "verify_models": False}}, environ={})
+    server = ThreadedServer(create_app(config), **http_options(config), timeout_graceful_shutdown=0.2).start()
+    metrics = server.app.state.gateway.metrics
+    async with httpx.AsyncClient(timeout=10) as client:
+        waiting = asyncio.create_task(client.post(server.url + "/v1/chat/completions",
+                                                  json={**CHAT, "x_sim_faults": {"hang_before_headers": True}}))
+        async with client.stream("POST", server.url + "/v1/chat/completions",
+                                 json={**CHAT, "stream": True, "max_tokens": 400}) as answer:
+            assert answer.status_code == 200
+            chunks = answer.aiter_raw()  # kept: dropping it would close the connection (a real hang-up)
+            await anext(chunks)
+            await sim.engine.async_wait_for(lambda: len(sim.engine.records) == 2)
+            await asyncio.to_thread(server.stop)
+            with pytest.raises(httpx.RemoteProtocolError):  # uvicorn closed the connection inside the body
+                async for _ in chunks:
+                    pass
+        assert (await asyncio.wait_for(waiting, timeout=5)).status_code == 500  # uvicorn's own answer
+
+    labels = {"api": "chat", "pool": "p"}
+    assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "5xx"}) == 2
+    assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "4xx"}) is None
+    access = [json.loads(r.getMessage()) for r in caplog.records
+              if r.name == "gateway.access" and r.threadName == server.thread_name]
+    assert sorted((a["outcome"], a["status"]) for a in access) == [("shutting_down", 200), ("shutting_down", 500)]
+    # Both engine requests were aborted.
+    records = await sim.engine.async_wait_for(lambda: sim.engine.records if all(
+        r.aborted for r in sim.engine.records) else None, timeout=5)
+    assert len(records) == 2 and not any(r.completed for r in records)
