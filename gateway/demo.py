@@ -21,7 +21,8 @@ DEMO_TPOT_S = 0.02
 
 def demo_servers(config: GatewayConfig, host: str, port: int) -> list[QuietServer]:
     """uvicorn servers for every simulated worker (at its configured loopback port), then the gateway
-    (last: `serve_many(..., start_last_after_others=True)` starts it once the workers listen)."""
+    (last: `serve_many(..., last_depends_on_others=True)` starts it once the workers listen and stops
+    it before them)."""
     servers = []
     for pool in config.pools:
         if pool.engine == "llamacpp":
@@ -53,7 +54,7 @@ def run_demo(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000) -
     print(f"  curl -s {url}/v1/models; curl -s {url}/ready; curl -s {url}/metrics | grep kimi_gateway_requests")
     print("Ctrl-C stops it.", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_many(servers, start_last_after_others=True, sockets=sockets))
+        asyncio.run(serve_many(servers, last_depends_on_others=True, sockets=sockets))
 
 
 def listen_or_exit(servers: list[QuietServer]) -> list[socket.socket]:

@@ -102,25 +102,33 @@ class QuietServer(uvicorn.Server):
         yield
 
 
-async def serve_many(servers: list[QuietServer], start_last_after_others: bool = False,
+async def serve_many(servers: list[QuietServer], last_depends_on_others: bool = False,
                      sockets: list[socket.socket] | None = None) -> None:
     """Serve several servers in the current event loop; SIGINT/SIGTERM stop all of them.
 
-    With `start_last_after_others`, the last server starts only once the others listen (the demo's
-    gateway: its first health probe then finds its workers instead of waiting a probe interval).
-    `sockets`: one bound listening socket per server (else each binds its configured port)."""
+    With `last_depends_on_others`, the last server (the demo's gateway, a client of the others)
+    starts only once the others listen, so its first health probe finds them instead of waiting a
+    probe interval; and a signal stops it first, the others once it has stopped, so what it still
+    serves is cut by its own shutdown (`shutting_down`), not by its workers vanishing under it (an
+    `upstream_error` and a worker marked unhealthy). `sockets`: one bound listening socket per
+    server (else each binds its configured port)."""
     loop = asyncio.get_running_loop()
+    ordered = last_depends_on_others and len(servers) > 1
 
     def stop_all() -> None:
-        for server in servers:
+        for server in servers[-1:] if ordered else servers:
             server.should_exit = True
 
     async def serve_last(last: QuietServer, others: list[QuietServer]) -> None:
-        while not all(s.started for s in others):  # bounded: uvicorn sets should_exit when a bind fails
-            if any(s.should_exit for s in others):
-                return
-            await asyncio.sleep(0.01)
-        await last.serve(**listen(len(servers) - 1))
+        try:
+            while not all(s.started for s in others):  # bounded: uvicorn sets should_exit when a bind fails
+                if any(s.should_exit for s in others) or last.should_exit:
+                    return
+                await asyncio.sleep(0.01)
+            await last.serve(**listen(len(servers) - 1))
+        finally:
+            for server in others:
+                server.should_exit = True
 
     def listen(index: int) -> dict[str, list[socket.socket]]:
         return {"sockets": [sockets[index]]} if sockets is not None else {}
@@ -128,7 +136,7 @@ async def serve_many(servers: list[QuietServer], start_last_after_others: bool =
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop_all)
     try:
-        if start_last_after_others and len(servers) > 1:
+        if ordered:
             *others, last = servers
             await asyncio.gather(*(s.serve(**listen(i)) for i, s in enumerate(others)), serve_last(last, others))
         else:
