@@ -9,7 +9,8 @@ line, holds gateway memory or a connection slot for as long as it likes, before 
 - more than `max_header_bytes` of head → 431 (RFC 6585) with an OpenAI error object, connection
   closed;
 - no complete head within `timeouts.header` seconds of the connection opening or of the request's
-  first byte → 408 (or a silent close when not one byte came), connection closed.
+  first byte → 408 (or a silent close when not one byte came), connection closed;
+- a request httptools cannot parse → uvicorn's 400, with an OpenAI error object instead of text.
 
 The head is counted from the parser's callbacks (request target and header fields, plus a few
 bytes per line for the separators) once it is complete, and by the raw bytes of each read while it
@@ -190,18 +191,36 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._refuse(408, "request_timeout",
                      f"The request line and headers did not arrive within {self.header_timeout:g} seconds.")
 
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse (a garbage request line, a bad `Content-Length`, broken
+        chunked framing): uvicorn answers 400 and closes at once, as before, but with an OpenAI error
+        object instead of its plain text. The app never sees the request (or sees its client go)."""
+        message = f"The request is not valid HTTP/1.1 ({msg.rstrip('.')})."
+        if self.cycle is not None and not self.cycle.response_complete:  # broken framing mid-request: as uvicorn
+            self.transport.write(self._refusal(400, "invalid_http_request", message))
+            self.transport.close()
+            return
+        self._write_refusal(400, "invalid_http_request", message)
+
     def _refuse(self, status: int, code: str, message: str) -> None:
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined head behind a response still being sent: stop reading, refuse after it.
             self._pending = (status, code, message)
             self.transport.pause_reading()
             return
+        self._write_refusal(status, code, message)
+
+    @staticmethod
+    def _refusal(status: int, code: str, message: str) -> bytes:
+        """A whole HTTP/1.1 answer with an OpenAI error object that closes the connection."""
         body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                        "code": code}})
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
-        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                             b"x-content-type-options: nosniff\r\nconnection: close\r\n\r\n%s"
-                             % (status, reason, len(body), body))
+        reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"x-content-type-options: nosniff\r\nconnection: close\r\n\r\n%s" % (status, reason, len(body), body))
+
+    def _write_refusal(self, status: int, code: str, message: str) -> None:
+        self.transport.write(self._refusal(status, code, message))
         self._disarm()
         self._refused = True
         # Closing with the client's bytes unread would send a TCP reset, which can destroy the

@@ -15,7 +15,10 @@ whose usage is `input_tokens` (the whole prompt) and `output_tokens`; streamed, 
 reason; `input_tokens` and `output_tokens`), `message_stop`, each as `event: <type>` +
 `data: <json>`; vLLM then writes `data: [DONE]` (its chat stream's end, passed on), SGLang does not.
 Neither sends Anthropic's `ping` events (the gateway holds them as content-less if an engine does).
-Errors are `{"type": "error", "error": {"type", "message"}}` with the engine's error type.
+Errors are `{"type": "error", "error": {"type", "message"}}` with the engine's error type, except
+a body the engine's `AnthropicMessagesRequest` refuses (`max_tokens` missing, 5.5 or <= 0): FastAPI
+validates it before the handler runs, so the engine's app-wide RequestValidationError handler answers
+in its OpenAI shape (`tokens.FieldValidationError`).
 """
 
 from __future__ import annotations

@@ -49,6 +49,9 @@ class ErrorReply:
     body: bytes
     in_band_stream: bool = False
     stream_event: bytes = b""
+    app_wide: bool = False
+    """Answered by the engine's app-wide exception handler (request validation): the same OpenAI
+    error shape on every route, `/v1/messages` included."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,11 @@ class EngineDialect:
     def bad_request(self, message: str, param: str | None = None) -> ErrorReply:
         """A 400 `BadRequestError` in this engine's shape."""
         return self.error(message, "BadRequestError", 400, param)
+
+    def validation_error(self, message: str) -> ErrorReply:
+        """The engines' FastAPI `RequestValidationError` answer: 400, type "Bad Request"
+        (`HTTPStatus.BAD_REQUEST.phrase`), `param` null, in this engine's OpenAI shape on every route."""
+        return dataclasses.replace(self.error(message, "Bad Request", 400), app_wide=True)
 
     def check_context(self, prompt_tokens: int, requested_output: int | None, max_context: int,
                       stream: bool) -> ErrorReply | None:

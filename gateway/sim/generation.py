@@ -40,9 +40,11 @@ from gateway.sim.pd import PdFailure
 from gateway.sim.pd_leg import PdLeg
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
+    FieldValidationError,
     PromptError,
     chat_prompt_tokens,
     completion_prompt_tokens,
+    messages_max_tokens,
     output_text,
     output_token,
     requested_output_tokens,
@@ -124,7 +126,7 @@ class _Responder:
         await self.body(b"", more=False)
 
     async def reply(self, reply: ErrorReply, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        if self.anthropic and reply.status >= 400:
+        if self.anthropic and reply.status >= 400 and not reply.app_wide:
             reply = _anthropic_error(reply)
         headers = [*JSON_HEADERS, (b"content-length", str(len(reply.body)).encode()), *(extra_headers or [])]
         await self.start(reply.status, headers)
@@ -194,6 +196,9 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
         if anthropic is not None:
             body = _as_chat(body, anthropic == "messages")
         plan = _plan(engine, kind, body, stream)
+    except FieldValidationError as exc:
+        await responder.reply(dialect.validation_error(str(exc)))
+        return
     except PromptError as exc:
         await responder.reply(dialect.bad_request(str(exc)))
         return
@@ -263,14 +268,15 @@ async def _reply_context_error(responder: _Responder, error: ErrorReply) -> None
 
 
 def _as_chat(body: dict[str, Any], needs_max_tokens: bool) -> dict[str, Any]:
-    """An Anthropic request as the chat request the engine serves it as. Raises PromptError (400),
-    also for a Messages request without `max_tokens` (Anthropic's API requires it; vLLM's
-    `AnthropicMessagesRequest` too)."""
-    max_tokens = body.get("max_tokens")
-    if needs_max_tokens and (type(max_tokens) is not int or max_tokens < 1):
-        raise PromptError("max_tokens: Field required (an integer of at least 1)")
+    """An Anthropic request as the chat request the engine serves it as, with `max_tokens` as the
+    integer the engine's `AnthropicMessagesRequest` read (5.0 is 5). Raises PromptError (400), and
+    FieldValidationError for a Messages `max_tokens` that model refuses: missing ("Field
+    required"), not an integer (5.5) or not positive."""
+    max_tokens = messages_max_tokens(body) if needs_max_tokens else None
     chat = {k: v for k, v in body.items() if k not in ("system", "stream")}
     chat["messages"] = a.chat_messages(body)
+    if max_tokens is not None:
+        chat["max_tokens"] = max_tokens
     return chat
 
 

@@ -31,9 +31,11 @@ from gateway.sim.asgi import Receive, Scope, Send, read_body, send_bytes, send_j
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.tokens import (
     VOCAB_SIZE,
+    FieldValidationError,
     PromptError,
     chat_prompt_tokens,
     completion_prompt_tokens,
+    engine_ints,
     prompt_token_ids,
     requested_output_tokens,
 )
@@ -58,7 +60,7 @@ def _sampling_params(body: dict[str, Any], kind: str, prompt_tokens: int, max_co
     requested = requested_output_tokens(body, kind == "chat")
     stop = body.get("stop")
     return {
-        "n": body.get("n") or 1,
+        "n": engine_ints(body, kind == "chat")["n"] or 1,
         "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
         "max_tokens": requested if requested is not None else max(max_context - prompt_tokens, 1),
@@ -116,6 +118,8 @@ def _token_ids(engine: SimEngine, kind: str, body: dict[str, Any], check_context
         else:
             counts = completion_prompt_tokens(body.get("prompt"), config)
         requested = requested_output_tokens(body, kind == "chat") if check_context else None
+    except FieldValidationError as exc:
+        return engine.dialect.validation_error(str(exc))
     except PromptError as exc:
         return engine.dialect.bad_request(str(exc))
     if kind == "text":

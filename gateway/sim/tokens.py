@@ -20,6 +20,8 @@ from array import array
 from collections.abc import Iterator
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
 from gateway.sim.config import SimConfig
 from gateway.sim.kvcache import PromptKey, block_hashes, short_digest
 
@@ -35,6 +37,93 @@ OUTPUT_WORDS: tuple[str, ...] = (
 
 class PromptError(ValueError):
     """The request's prompt is malformed (the caller answers 400)."""
+
+
+class FieldValidationError(PromptError):
+    """A field the engine's pydantic request model refuses, answered as the engines' app-wide
+    FastAPI `RequestValidationError` handler answers it (vLLM `entrypoints/openai/api_server.py`,
+    SGLang `srt/entrypoints/http_server.py`): 400, type "Bad Request", `param` null, on every route
+    in the engine's OpenAI error shape (also `/v1/messages`, whose body FastAPI validates first).
+
+    The message is theirs: `f"{str(exc)} {str(exc.errors())}"`, where `str(exc)` is FastAPI's
+    "N validation error(s):" and one line per error (without the endpoint's source file and line,
+    which recent FastAPI appends), and each error is pydantic's dict with `loc` ("body", field)."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        self.errors = errors
+        count = len(errors)
+        head = f"{count} validation error{'s' if count != 1 else ''}:\n" + "".join(f"  {e}\n" for e in errors)
+        super().__init__(f"{head.rstrip()} {errors}")
+
+
+class _EngineInts(BaseModel):
+    """The integer fields the simulator reads, typed as vLLM's and SGLang's request models type
+    them: plain `int` in pydantic's default (lax) mode, so the JSON number 5.0 is 5, while 5.5 fails
+    (`int_from_float`), as do "5.5" and lists; "5" and `true` pass as 5 and 1 (lax mode).
+    vLLM `entrypoints/openai/chat_completion/protocol.py`: `max_tokens: int | None`,
+    `max_completion_tokens: int | None`, `n: int | None = 1`; SGLang
+    `srt/entrypoints/openai/protocol.py`: `Optional[int]` for both limits, `n: int = 1`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = None
+
+
+class _MessagesMaxTokens(BaseModel):
+    """`AnthropicMessagesRequest.max_tokens` of vLLM (`entrypoints/anthropic/protocol.py`) and SGLang
+    (`srt/entrypoints/anthropic/protocol.py`): a required `int` with a validator refusing <= 0."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_tokens: int
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError("max_tokens must be positive")
+        return value
+
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n")
+
+
+def _engine_errors(exc: ValidationError) -> FieldValidationError:
+    """pydantic's errors as FastAPI reports them for a request body: `loc` starts with "body"."""
+    return FieldValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)])
+
+
+def engine_ints(body: dict[str, Any], chat: bool = True) -> dict[str, int | None]:
+    """`max_tokens`, `max_completion_tokens` and `n` of a request as the engines read them (count of
+    tokens, count of choices; None when absent or null). Raises FieldValidationError for a value
+    their pydantic models refuse (5.5, "x", a list). JSON integers take the fast path. With `chat`
+    False (`CompletionRequest`, which has no `max_completion_tokens`) that field is not read."""
+    values = {name: body.get(name) if chat or name != "max_completion_tokens" else None for name in _INT_FIELDS}
+    if all(v is None or type(v) is int for v in values.values()):
+        return values
+    try:
+        model = _EngineInts.model_validate(values)
+    except ValidationError as exc:
+        raise _engine_errors(exc) from None
+    return {name: getattr(model, name) for name in _INT_FIELDS}
+
+
+def messages_max_tokens(body: dict[str, Any]) -> int:
+    """A Messages request's `max_tokens` (tokens) as vLLM's and SGLang's `AnthropicMessagesRequest`
+    reads it: required, lax `int` (5.0 is 5), positive. Raises FieldValidationError otherwise
+    (missing: pydantic's "Field required" with the body as input, as FastAPI reports it)."""
+    value = body.get("max_tokens", _MISSING)
+    if type(value) is int and value > 0:
+        return value
+    try:
+        return _MessagesMaxTokens.model_validate(body if value is _MISSING else {"max_tokens": value}).max_tokens
+    except ValidationError as exc:
+        raise _engine_errors(exc) from None
+
+
+_MISSING = object()
 
 
 def text_tokens(byte_count: int, bytes_per_token: float) -> int:
@@ -157,11 +246,14 @@ def requested_output_tokens(body: dict[str, Any], chat: bool = True) -> int | No
     """`max_completion_tokens`, else `max_tokens`, or None when the request gives neither.
 
     With `chat` False (`/v1/completions`) only `max_tokens` counts: vLLM's and SGLang's
-    `CompletionRequest` have no `max_completion_tokens` and ignore it."""
+    `CompletionRequest` have no `max_completion_tokens` and ignore it. An integral float (5.0) is
+    that integer and a non-integral one a FieldValidationError, as the engines' pydantic models
+    read them (`engine_ints`)."""
+    values = engine_ints(body, chat)
     for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
-        value = body.get(name)
+        value = values[name]
         if value is not None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if value < 0:
                 raise PromptError(f"{name} must be a non-negative integer")
             return value
     return None

@@ -352,3 +352,25 @@ def test_a_head_refusal_never_lands_inside_the_response_before_it(start_sim: Sta
     assert b"data: [DONE]" in first and b"HTTP/1.1 408" not in first  # the stream came whole ...
     assert after.startswith(b"HTTP/1.1 408 ")  # ... and the refusal of the half head after it
     assert sim.engine.records[0].completion_tokens_sent == 30
+
+
+@pytest.mark.parametrize("data", [
+    b"GARBAGE\r\n\r\n",  # no request line
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ncontent-length: 3\r\n\r\n{}",
+    b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    b"transfer-encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",  # broken chunked framing mid-request
+], ids=["request-line", "content-length-text", "content-length-twice", "chunk-size"])
+def test_unparsable_http_gets_a_json_400_and_the_gateway_serves_on(start_sim: StartSim, start_gateway: StartGateway,
+                                                                   data: bytes) -> None:
+    """httptools refuses the request: uvicorn's 400 answers with an OpenAI error object, not text."""
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    answer, _ = _raw(gw, data)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
+    assert "not valid HTTP/1.1" in error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert not sim.engine.records
+    assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10).status_code == 200

@@ -355,3 +355,37 @@ def test_output_is_valid_utf8_json(start_sim: StartSim) -> None:
     raw = httpx.post(srv.url + CHAT, json={"messages": HELLO, "max_tokens": 16}).content
     assert "東京".encode() in raw and "🚀".encode() in raw  # raw UTF-8, not \\u escapes
     assert orjson.loads(raw)["choices"][0]["message"]["content"] == output_text(16)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_integral_float_limits_are_integers_as_in_the_engines(start_sim: StartSim, engine: str) -> None:
+    """JSON's 5.0 passes the engines' lax `int` fields: 5 tokens generated, n read as 1."""
+    srv = start_sim(engine)
+    chat = httpx.post(srv.url + CHAT, json={"messages": HELLO, "max_tokens": 5.0, "n": 1.0})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 5
+    assert chat.json()["choices"][0]["message"]["content"] == output_text(5)
+    newer = httpx.post(srv.url + CHAT, json={"messages": HELLO, "max_completion_tokens": 2.0, "max_tokens": 9})
+    assert newer.json()["usage"]["completion_tokens"] == 2
+    text = httpx.post(srv.url + TEXT, json={"prompt": "once upon", "max_tokens": 3.0})
+    assert text.status_code == 200 and text.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(("engine", "api_version", "nested"), [
+    ("vllm", "current", True), ("vllm", "legacy", False), ("sglang", "current", False)])
+@pytest.mark.parametrize(("path", "field"), [(CHAT, "max_tokens"), (CHAT, "max_completion_tokens"),
+                                             (CHAT, "n"), (TEXT, "max_tokens")])
+def test_non_integral_limits_get_the_engines_validation_error(start_sim: StartSim, engine: str, api_version: str,
+                                                              nested: bool, path: str, field: str) -> None:
+    """5.5 fails pydantic (`int_from_float`); the engines' RequestValidationError handler answers
+    400 "Bad Request" with param null, naming the field in the message's `loc`."""
+    srv = start_sim(engine, api_version=api_version)
+    body: dict[str, Any] = {"messages": HELLO} if path == CHAT else {"prompt": "once upon"}
+    response = httpx.post(srv.url + path, json={**body, field: 5.5})
+    assert response.status_code == 400
+    error = response.json()
+    inner = error["error"] if nested else error
+    assert (set(error) == {"error"}) is nested and (error.get("object") == "error") is not nested
+    assert (inner["type"], inner["param"], inner["code"]) == ("Bad Request", None, 400)
+    assert inner["message"].startswith("1 validation error:\n  {'type': 'int_from_float', "
+                                       f"'loc': ('body', '{field}'), 'msg': 'Input should be a valid integer, "
+                                       "got a number with a fractional part', 'input': 5.5}")

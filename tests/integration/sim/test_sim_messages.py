@@ -59,7 +59,6 @@ def test_same_prompt_tokens_and_cache_blocks_as_chat(start_sim: StartSim) -> Non
 
 
 @pytest.mark.parametrize(("body", "status", "words"), [
-    ({"model": "kimi-k3", "messages": HELLO}, 400, "max_tokens"),
     ({"model": "kimi-k3", "max_tokens": 2, "messages": []}, 400, "messages"),
     ({"model": "nope", "max_tokens": 2, "messages": HELLO}, 404, "does not exist"),
     ({"model": "kimi-k3", "max_tokens": 500_000, "messages": HELLO}, 400, "maximum context length"),
@@ -77,3 +76,35 @@ def test_legacy_engines_do_not_serve_messages(start_sim: StartSim) -> None:
     srv = start_sim("vllm", api_version="legacy")
     assert httpx.post(srv.url + "/v1/messages", json={"model": "kimi-k3", "max_tokens": 2,
                                                       "messages": HELLO}).status_code == 404
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_integral_float_max_tokens_is_that_many_tokens(start_sim: StartSim, engine: str) -> None:
+    """`AnthropicMessagesRequest.max_tokens: int` (lax): 5.0 is 5."""
+    srv = start_sim(engine)
+    response = httpx.post(srv.url + "/v1/messages", json={"model": "kimi-k3", "max_tokens": 5.0, "messages": HELLO})
+    assert response.status_code == 200
+    assert response.json()["usage"]["output_tokens"] == 5 and response.json()["stop_reason"] == "max_tokens"
+
+
+@pytest.mark.parametrize(("engine", "nested"), [("vllm", True), ("sglang", False)])
+@pytest.mark.parametrize(("max_tokens", "error_type", "words"), [
+    (None, "missing", "Field required"), (5.5, "int_from_float", "fractional part"),
+    (0, "value_error", "max_tokens must be positive")])
+def test_max_tokens_refused_by_the_request_model(start_sim: StartSim, engine: str, nested: bool,
+                                                 max_tokens: float | None, error_type: str, words: str) -> None:
+    """Refused by pydantic before the Messages handler runs, so answered by the engine's app-wide
+    RequestValidationError handler, in its OpenAI shape (not Anthropic's), naming the field in
+    `loc`; a missing field is "Field required", a sent one says what is wrong with it."""
+    srv = start_sim(engine)
+    body: dict[str, object] = {"model": "kimi-k3", "messages": HELLO}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    response = httpx.post(srv.url + "/v1/messages", json=body)
+    assert response.status_code == 400
+    error = response.json()
+    inner = error["error"] if nested else error
+    assert "type" not in error or error["type"] != "error"
+    assert (inner["type"], inner["param"]) == ("Bad Request", None)
+    assert f"'type': '{error_type}', 'loc': ('body', 'max_tokens')" in inner["message"] and words in inner["message"]
+    assert ("Field required" in inner["message"]) is (max_tokens is None)

@@ -12,9 +12,12 @@ from pydantic import ValidationError
 from gateway.sim import SimConfig, SimEngine, SimFaults
 from gateway.sim.tokens import (
     OUTPUT_WORDS,
+    FieldValidationError,
     PromptError,
     chat_prompt_tokens,
     completion_prompt_tokens,
+    engine_ints,
+    messages_max_tokens,
     output_text,
     output_token,
     requested_output_tokens,
@@ -61,9 +64,52 @@ def test_requested_output_tokens() -> None:
     # /v1/completions of vLLM and SGLang read only max_tokens (their CompletionRequest has no other).
     assert requested_output_tokens({"max_completion_tokens": 200}, chat=False) is None
     assert requested_output_tokens({"max_tokens": 5, "max_completion_tokens": 2}, chat=False) == 5
-    for bad in (-1, "3", True):
-        with pytest.raises(PromptError):
-            requested_output_tokens({"max_tokens": bad})
+    with pytest.raises(PromptError, match="non-negative"):
+        requested_output_tokens({"max_tokens": -1})
+
+
+@pytest.mark.parametrize(("value", "read"), [(5.0, 5), (0.0, 0), (1e3, 1000), ("7", 7), (True, 1)])
+def test_output_limits_read_as_the_engines_lax_int(value: object, read: int) -> None:
+    """vLLM's and SGLang's `max_tokens: int | None` in pydantic's lax mode: 5.0 is 5 (and "7", true)."""
+    assert requested_output_tokens({"max_tokens": value}) == read
+    assert requested_output_tokens({"max_completion_tokens": value, "max_tokens": 99}) == read
+    assert engine_ints({"n": value})["n"] == read
+
+
+@pytest.mark.parametrize(("field", "value", "error_type"), [
+    ("max_tokens", 5.5, "int_from_float"), ("max_completion_tokens", 0.1, "int_from_float"),
+    ("n", 2.5, "int_from_float"), ("max_tokens", "5.5", "int_parsing"), ("max_tokens", [5], "int_type")])
+def test_non_integers_fail_as_the_engines_pydantic_model(field: str, value: object, error_type: str) -> None:
+    with pytest.raises(FieldValidationError) as caught:
+        requested_output_tokens({field: value})
+    error = {"type": error_type, "loc": ("body", field)}
+    assert [{k: e[k] for k in ("type", "loc")} for e in caught.value.errors] == [error]
+    message = str(caught.value)
+    assert message.startswith(f"1 validation error:\n  {{'type': '{error_type}', 'loc': ('body', '{field}')")
+    assert message.endswith(f" {caught.value.errors}")  # FastAPI's str(exc), then str(exc.errors())
+
+
+def test_completions_do_not_read_max_completion_tokens() -> None:
+    """`CompletionRequest` has no such field: the engines ignore it, even when it is no integer."""
+    assert requested_output_tokens({"max_completion_tokens": 5.5, "max_tokens": 3}, chat=False) == 3
+    assert engine_ints({"max_completion_tokens": 5.5}, chat=False)["max_completion_tokens"] is None
+
+
+def test_messages_max_tokens_as_anthropic_messages_request() -> None:
+    assert messages_max_tokens({"max_tokens": 5.0}) == 5
+    assert messages_max_tokens({"max_tokens": 7}) == 7
+    cases = [({"model": "m"}, "missing", "Field required"), ({"max_tokens": None}, "int_type", "valid integer"),
+             ({"max_tokens": 5.5}, "int_from_float", "fractional part"),
+             ({"max_tokens": 0}, "value_error", "max_tokens must be positive"),
+             ({"max_tokens": -3.0}, "value_error", "max_tokens must be positive")]
+    for body, error_type, words in cases:
+        with pytest.raises(FieldValidationError) as caught:
+            messages_max_tokens(body)
+        (error,) = caught.value.errors
+        assert (error["type"], error["loc"]) == (error_type, ("body", "max_tokens")) and words in error["msg"]
+    with pytest.raises(FieldValidationError) as caught:
+        messages_max_tokens({"model": "m"})
+    assert caught.value.errors[0]["input"] == {"model": "m"}  # FastAPI reports the whole body as input
 
 
 def test_output_words_are_deterministic_and_multibyte() -> None:
