@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import AUTH_ERROR, principal_of
@@ -219,23 +219,30 @@ class ProxyEndpoint:
         try:
             try:
                 check_head(scope, headers, state.config.max_body_bytes, json_only=state.auth is None)
+                timeouts = state.config.timeouts
+                reading = read_body(receive, state.config.max_body_bytes, timeouts.body_idle, timeouts.body_deadline,
+                                    timeouts.body_min_rate, state.config.parse_offload_bytes)
                 try:
-                    async with asyncio.timeout_at(deadline):
-                        timeouts = state.config.timeouts
-                        body = await read_body(receive, state.config.max_body_bytes, timeouts.body_idle,
-                                               timeouts.body_deadline, timeouts.body_min_rate,
-                                               state.config.parse_offload_bytes)
+                    if deadline is None:  # no cap (the default): no timeout context to enter and leave
+                        body = await reading
+                    else:
+                        async with asyncio.timeout_at(deadline):
+                            body = await reading
                 except TimeoutError:
                     record.outcome = RequestOutcome.TIMEOUT
                     raise RequestBodyTimeout(f"The request body did not arrive within the gateway's overall time "
                                              f"limit of {total:g} seconds.") from None
                 watch = _HangUpWatch(receive)
-                cap = asyncio.timeout_at(deadline)
+                handling = service.handle(self.api, body, headers, record, principal)
+                cap = None if deadline is None else asyncio.timeout_at(deadline)
                 try:
-                    async with cap:
-                        result = await service.handle(self.api, body, headers, record, principal)
+                    if cap is None:
+                        result = await handling
+                    else:
+                        async with cap:
+                            result = await handling
                 except TimeoutError:
-                    if not cap.expired():
+                    if cap is None or not cap.expired():
                         raise
                     record.outcome = RequestOutcome.TIMEOUT  # over the cap; the work's cleanup closed the upstream
                     service.attempt_cut_by_cap(record)
@@ -308,22 +315,32 @@ class ProxyEndpoint:
         event-loop time) passes. A client hang-up arrives as a cancellation (`_HangUpWatch`)."""
         body = result.stream.body()
         started = False
-        cap = asyncio.timeout_at(deadline)
+        cap = None if deadline is None else asyncio.timeout_at(deadline)
         try:
-            async with cap:
+            if cap is None:  # no cap (the default): no timeout context to enter and leave
                 await send(self._start(200, result.content_type, result.headers, record, None))
                 started = True
-                async for chunk in body:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await self._pump(body, send)
+            else:
+                async with cap:
+                    await send(self._start(200, result.content_type, result.headers, record, None))
+                    started = True
+                    await self._pump(body, send)
         except TimeoutError:
-            if not cap.expired():
+            if cap is None or not cap.expired():
                 raise
             await self._cut_at_cap(result, record, send, started, _over_cap_message(total))
         except OSError:  # the server says the client is gone
             record.client_gone("mid_stream")
         finally:
             await body.aclose()
+
+    @staticmethod
+    async def _pump(body: AsyncIterator[bytes], send: Send) -> None:
+        """Send every chunk of `body` to the client, then the end of the response."""
+        async for chunk in body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _cut_at_cap(self, result: RelayResponse, record: RequestRecord, send: Send, started: bool,
                           message: str) -> None:
