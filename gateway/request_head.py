@@ -194,8 +194,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (a garbage request line, a bad `Content-Length`, broken
-        chunked framing): uvicorn answers 400 and closes at once, as before, but with an OpenAI error
-        object instead of its plain text. The app never sees the request (or sees its client go)."""
+        chunked framing): a 400 with an OpenAI error object instead of uvicorn's plain text, then the
+        connection closes. Broken framing inside a body is answered at once; garbage after a whole
+        request once that request's answer is complete. The app never sees the bad request."""
         message = f"The request is not valid HTTP/1.1 ({msg.rstrip('.')})."
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and cycle.more_body:
