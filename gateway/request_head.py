@@ -10,7 +10,8 @@ line, holds gateway memory or a connection slot for as long as it likes, before 
   closed;
 - no complete head within `timeouts.header` seconds of the connection opening or of the request's
   first byte → 408 (or a silent close when not one byte came), connection closed;
-- a request httptools cannot parse → uvicorn's 400, with an OpenAI error object instead of text.
+- a request httptools cannot parse → uvicorn's 400, with an OpenAI error object instead of text
+  (after the answer to a whole request before it, as the 408/431 are).
 
 The head is counted from the parser's callbacks (request target and header fields, plus a few
 bytes per line for the separators) once it is complete, and by the raw bytes of each read while it
@@ -193,19 +194,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (a garbage request line, a bad `Content-Length`, broken
-        chunked framing): uvicorn answers 400 and closes at once, as before, but with an OpenAI error
-        object instead of its plain text. The app never sees the request (or sees its client go)."""
+        chunked framing): a 400 with an OpenAI error object instead of uvicorn's plain text, then the
+        connection closes. Broken framing inside a body is answered at once; garbage after a whole
+        request once that request's answer is complete. The app never sees the bad request."""
         message = f"The request is not valid HTTP/1.1 ({msg.rstrip('.')})."
-        if self.cycle is not None and not self.cycle.response_complete:  # broken framing mid-request: as uvicorn
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and cycle.more_body:
+            # Broken framing inside the body being read (a bad chunk size): as uvicorn, answer and
+            # close; the app reading it sees its client go.
             self.transport.write(self._refusal(400, "invalid_http_request", message))
             self.transport.close()
             return
-        self._write_refusal(400, "invalid_http_request", message)
+        # Garbage after a whole request (pipelined, or arriving while its answer streams) is the next
+        # request's: refused once the answer before it is complete, as a late or oversize head is.
+        self._refuse(400, "invalid_http_request", message)
 
     def _refuse(self, status: int, code: str, message: str) -> None:
         if self.cycle is not None and not self.cycle.response_complete:
             # A pipelined head behind a response still being sent: stop reading, refuse after it.
             self._pending = (status, code, message)
+            self._in_head = False  # decided: no head timer or size count may replace this refusal
+            self._disarm()
             self.transport.pause_reading()
             return
         self._write_refusal(status, code, message)

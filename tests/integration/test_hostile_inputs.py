@@ -374,3 +374,42 @@ def test_unparsable_http_gets_a_json_400_and_the_gateway_serves_on(start_sim: St
     assert "not valid HTTP/1.1" in error["message"] and set(error) == {"message", "type", "param", "code"}
     assert not sim.engine.records
     assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-write", "garbage-mid-stream"])
+def test_unparsable_http_behind_a_stream_is_refused_after_it(start_sim: StartSim, start_gateway: StartGateway,
+                                                             split: bool) -> None:
+    """Garbage pipelined behind a good streamed request (in the same write, or while its answer
+    streams): the stream is answered whole and accounted once as ok, the 400 follows it."""
+    sim = start_sim("vllm", ttft_s=0.0, tpot_s=0.05)  # 30 tokens: a 1.5 s stream
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
+    body = json.dumps({**CHAT, "stream": True, "max_tokens": 30}).encode()
+    stream = request_bytes(body)
+    host, port = gw.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(stream if split else stream + b"GARBAGE\r\n\r\n")
+        received = b""
+        if split:
+            while b"data: " not in received:  # the stream has begun
+                received += conn.recv(65536)
+            conn.sendall(b"GARBAGE\r\n\r\n")
+        while chunk := conn.recv(65536):
+            received += chunk
+    first, _, after = received.partition(b"\r\n0\r\n\r\n")  # the end of the stream's chunked body
+    assert first.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in first and b"HTTP/1.1 400" not in first
+    assert after.startswith(b"HTTP/1.1 400 ") and b'"code":"invalid_http_request"' in after
+    assert sim.engine.records[0].completion_tokens_sent == 30
+    gw.wait_for_metric('kimi_gateway_requests_total{api="chat",pool="p",status_class="2xx"}', lambda v: v == 1)
+    assert gw.metric("kimi_gateway_requests_total{") == 1
+    gw.wait_until_idle()
+
+
+def test_an_oversize_head_followed_by_garbage_gets_its_431(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """A whole head over the limit and garbage in one write: the 431 answers the head (its answer
+    closes the connection), not a 400 for what came after it."""
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], max_header_bytes=1024)
+    answer, _ = _raw(gw, b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 5000
+                     + b"\r\ncontent-length: 0\r\n\r\nGARBAGE\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"invalid_http_request" not in answer
+    assert not sim.engine.records

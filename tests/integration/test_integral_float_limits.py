@@ -107,3 +107,15 @@ def test_a_fractional_limit_is_refused_by_the_gateway_naming_it(
     assert "Field required" not in messages.value.body["error"]["message"]  # type: ignore[index]
     assert all(not sim.engine.records for sim in sims.values()), "the gateway refused them itself"
 
+
+
+def test_responses_max_output_tokens_5_0_is_5_tokens(two_pools: tuple[RunningGateway, dict[str, RunningSim]]) -> None:
+    """The gateway reads `max_output_tokens: 5.0` as 5 and forwards it; the engines' `ResponsesRequest`
+    (`max_output_tokens: int | None`, lax) does too, so the answer has 5 output tokens, not a 400."""
+    gw, sims = two_pools
+    raw = _openai(gw).responses.with_raw_response.create(model="kimi-k3", input="Say hello.",
+                                                        max_output_tokens=5.0)  # type: ignore[arg-type]
+    response = raw.parse()
+    assert response.usage is not None and response.usage.output_tokens == 5
+    sent = sims[raw.headers["x-kimi-gateway-pool"]].engine.records[-1].body
+    assert type(sent["max_output_tokens"]) is float, "forwarded as the client sent it"
