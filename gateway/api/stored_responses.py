@@ -23,7 +23,8 @@ responses_delete|responses_cancel}`, the request duration; `x-request-id` on the
 `GET …?stream=true` (with `starting_after`): vLLM replays the SSE events of a background response
 (`retrieve_responses` → `responses_background_stream_generator`). The gateway passes both query
 parameters on and, when the engine answers `200 text/event-stream`, relays its bytes unchanged as
-they come (no deadline but `timeouts.total`; the client's hang-up closes the upstream). Any other
+they come (no deadline but `timeouts.total`; the client's hang-up closes the upstream, as does a
+server shutdown, recorded as `shutting_down`, not as a client disconnect: `_Replay`). Any other
 answer (the stored response as JSON, an engine's error) is read whole and relayed as JSON. The SSE
 or JSON choice follows the engine's content type, never the query: an SSE body is never read
 into a JSON answer.
@@ -41,8 +42,9 @@ from fastapi import APIRouter
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope
 
-from gateway.api.proxy import request_id_of
+from gateway.api.proxy import hung_up, request_id_of
 from gateway.api.responses import error_response
 from gateway.api.schemas import ResponseObject, error_responses
 from gateway.auth.middleware import principal_of
@@ -127,9 +129,8 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
             record.stream = True
             record.status = 200
             finish = False
-            return StreamingResponse(_relay(upstream, record, state), media_type="text/event-stream",
-                                     headers={**route, "cache-control": "no-cache", "x-accel-buffering": "no"},
-                                     background=BackgroundTask(record.finish, state.metrics))
+            return _Replay(upstream, record, state, request.scope,
+                           {**route, "cache-control": "no-cache", "x-accel-buffering": "no"})
         try:
             status, body = upstream.status_code, await _drain(upstream, url, state.config.max_body_bytes)
         except GatewayError as exc:
@@ -203,10 +204,33 @@ async def _drain(response: httpx.Response, url: str, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _relay(response: httpx.Response, record: RequestRecord, state: AppState) -> AsyncIterator[bytes]:
+class _Replay(StreamingResponse):
+    """The relayed SSE replay. Starlette (ASGI spec 2.3, as uvicorn's HTTP protocols report) runs
+    the relay in a child task and waits in `listen_for_disconnect` for the client's `http.disconnect`,
+    then cancels the relay. A server shutdown cancels the relay too: serve's ShutdownGuard by
+    answering that same `receive()` with `http.disconnect` (its `hung_up` flag says so), plain uvicorn
+    by cancelling the request's task at its `timeout_graceful_shutdown` (no disconnect arrives).
+    `disconnected` tells the relay which: set once, when the disconnect message came, not per chunk."""
+
+    def __init__(self, upstream: httpx.Response, record: RequestRecord, state: AppState, scope: Scope,
+                 headers: dict[str, str]) -> None:
+        self.disconnected = False
+        super().__init__(_relay(upstream, record, state, scope, self), media_type="text/event-stream",
+                         headers=headers, background=BackgroundTask(record.finish, state.metrics))
+
+    async def listen_for_disconnect(self, receive: Receive) -> None:
+        """Return when `http.disconnect` arrives (then Starlette cancels the relay), noting it first."""
+        await super().listen_for_disconnect(receive)
+        self.disconnected = True
+
+
+async def _relay(response: httpx.Response, record: RequestRecord, state: AppState, scope: Scope,
+                 replay: _Replay) -> AsyncIterator[bytes]:
     """The engine's SSE bytes as they come, until its end or `timeouts.total`. A break is recorded
-    (`upstream_error`, `timeout`); the client's hang-up cancels this and closes the upstream. The
-    record is finished here or, if this never ran, by the response's background task."""
+    (`upstream_error`, `timeout`); a cancel closes the upstream and is recorded as the client's
+    hang-up (`client_disconnect`, or `send_stalled`) when `http.disconnect` came from the client, else
+    as the server's shutdown (`shutting_down`: serve's guard hung up, or uvicorn cancelled the task).
+    The record is finished here or, if this never ran, by the response's background task."""
     total = state.config.timeouts.total
     try:
         async with asyncio.timeout(total):
@@ -220,8 +244,11 @@ async def _relay(response: httpx.Response, record: RequestRecord, state: AppStat
     except httpx.HTTPError as exc:
         record.outcome = RequestOutcome.UPSTREAM_ERROR
         record.error = f"The worker's replayed stream broke ({type(exc).__name__})."
-    except (asyncio.CancelledError, GeneratorExit):  # the client hung up (the server cancels or closes this)
-        record.client_gone("mid_stream")
+    except (asyncio.CancelledError, GeneratorExit):  # the headers went out before this ran: response started
+        if replay.disconnected:  # the client's hang-up, or serve's guard hanging up at the end of the grace period
+            hung_up(scope, record, state.metrics, response_started=True)
+        else:  # the server cancelled the request: uvicorn's `timeout_graceful_shutdown` (no guard)
+            record.cut_by_shutdown(response_started=True, status=500)
         raise
     finally:
         with contextlib.suppress(Exception):

@@ -12,8 +12,10 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        the SSE events of a response created streaming, replayed from
                                        sequence number N + 1 (vLLM replays a background response's
                                        events so; the simulator has no background mode, so it keeps
-                                       a streamed response's events instead); 400 for one created
-                                       without streaming
+                                       a streamed response's events instead), one per `tpot_s` (a
+                                       background response's events come as it generates); 400 for
+                                       one created without streaming. Each replay is recorded in
+                                       `ResponsesServer.replays` (events sent, ended by the client)
     DELETE /v1/responses/{id}          `{"id", "object": "response", "deleted": true}` (OpenAI's shape;
                                        vLLM itself has no DELETE route)
     POST /v1/responses/{id}/cancel     400 "Cannot cancel a synchronous response." (no background mode)
@@ -86,11 +88,23 @@ class StoredResponse:
 
 
 @dataclass
+class Replay:
+    """One `GET ?stream=true` replay: events sent so far; `aborted` when the client hung up before its end."""
+
+    response_id: str
+    sent: int = 0
+    aborted: bool = False
+    completed: bool = False
+
+
+@dataclass
 class ResponsesServer:
-    """The Responses API of one simulated engine; `stored` is its in-memory response store."""
+    """The Responses API of one simulated engine; `stored` is its in-memory response store,
+    `replays` the stream replays served, in order."""
 
     engine: SimEngine
     stored: dict[str, StoredResponse] = field(default_factory=dict)
+    replays: list[Replay] = field(default_factory=list)
 
     async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
         """POST /v1/responses."""
@@ -126,7 +140,7 @@ class ResponsesServer:
             reply = self._not_found(response_id)
             await send_json(send, reply.status, orjson.loads(reply.body))
         elif method == "GET" and _query(scope, "stream") == "true":
-            await self._replay(stored, _query(scope, "starting_after"), send)
+            await self._replay(response_id, stored, _query(scope, "starting_after"), receive, send)
         elif method == "GET":
             await send_json(send, 200, stored.response)
         elif method == "DELETE":
@@ -136,18 +150,32 @@ class ResponsesServer:
             reply = self.engine.dialect.error("Cannot cancel a synchronous response.", "invalid_request_error", 400)
             await send_json(send, 400, orjson.loads(reply.body))
 
-    async def _replay(self, stored: StoredResponse, starting_after: str | None, send: Send) -> None:
-        """GET ?stream=true: the stored events after sequence number `starting_after` (-1 if absent)."""
+    async def _replay(self, response_id: str, stored: StoredResponse, starting_after: str | None,
+                      receive: Receive, send: Send) -> None:
+        """GET ?stream=true: the stored events after sequence number `starting_after` (-1 if absent),
+        one per `tpot_s` seconds; a client's hang-up ends it (`Replay.aborted`)."""
         after = int(starting_after) if starting_after is not None and starting_after.lstrip("-").isdigit() else -1
         if not stored.events:
             reply = self.engine.dialect.error("This response was not created with stream=true; it cannot be "
                                               "streamed.", "invalid_request_error", 400)
             await send_json(send, 400, orjson.loads(reply.body))
             return
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        for event in stored.events[max(after + 1, 0):]:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+        replay = Replay(response_id)
+        self.replays.append(replay)
+        pause = self.engine.config.tpot_s
+        async with DisconnectWatch(receive) as watch:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            try:
+                for event in stored.events[max(after + 1, 0):]:
+                    if pause:
+                        await watch.sleep(pause)
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                    replay.sent += 1
+            except ClientDisconnected:
+                replay.aborted = True
+                return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        replay.completed = True
 
     def _not_found(self, response_id: str) -> ErrorReply:
         return self.engine.dialect.error(f"Response with id '{response_id}' not found.", "invalid_request_error", 404)

@@ -227,3 +227,83 @@ async def test_without_the_guard_requests_uvicorn_cancels_at_shutdown_count_as_c
     records = await sim.engine.async_wait_for(lambda: sim.engine.records if all(
         r.aborted for r in sim.engine.records) else None, timeout=5)
     assert len(records) == 2 and not any(r.completed for r in records)
+
+
+async def stored_stream(url: str) -> tuple[str, int]:
+    """A streamed Responses API answer created through the gateway at `url`: its id and event count."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        created = await client.post(url + "/v1/responses", json={"model": "kimi-k3", "input": "Count.",
+                                                                 "max_output_tokens": 20, "stream": True})
+    assert created.status_code == 200
+    events = [e for e in created.content.split(b"\n\n") if e.startswith(b"event: ")]
+    first = json.loads(events[0].split(b"data: ", 1)[1])
+    return first["response"]["id"], len(events)
+
+
+async def replays_ended(sim: RunningSim) -> list[Any]:
+    """The sim's stream replays once every one has ended (completed, or aborted by the gateway)."""
+    return await sim.engine.async_wait_for(lambda: sim.app.responses.replays if sim.app.responses.replays and all(
+        r.aborted or r.completed for r in sim.app.responses.replays) else None, timeout=5)
+
+
+@pytest.mark.anyio
+async def test_without_the_guard_a_replay_uvicorn_cancels_at_shutdown_counts_as_cut_by_it(
+        start_sim: StartSim, caplog: pytest.LogCaptureFixture) -> None:
+    """`GET /v1/responses/{id}?stream=true` still relaying when plain uvicorn stops: `shutting_down`
+    (5xx), not the client disconnect (4xx) it was counted as; the engine's replay is closed."""
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    sim = start_sim("vllm", tpot_s=0.1)  # the replay sends one event per 0.1 s: ~2.8 s for 28 events
+    config = parse_config({"pools": [pool("p", "vllm", [sim.url], 131072)],
+                           "health": {"interval": 0.5, "timeout": 1.0, "verify_models": False}}, environ={})
+    server = ThreadedServer(create_app(config), **http_options(config), timeout_graceful_shutdown=0.2).start()
+    metrics = server.app.state.gateway.metrics
+    rid, count = await stored_stream(server.url)
+    async with httpx.AsyncClient(timeout=10) as client, \
+            client.stream("GET", f"{server.url}/v1/responses/{rid}", params={"stream": "true"}) as answer:
+        assert answer.status_code == 200
+        chunks = answer.aiter_raw()  # kept: dropping it would close the connection (a real hang-up)
+        await anext(chunks)
+        await asyncio.to_thread(server.stop)
+        with pytest.raises(httpx.RemoteProtocolError):  # uvicorn closed the connection inside the body
+            async for _ in chunks:
+                pass
+
+    labels = {"api": "responses_get", "pool": "p"}
+    assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "5xx"}) == 1
+    assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "4xx"}) is None
+    access = [json.loads(r.getMessage()) for r in caplog.records
+              if r.name == "gateway.access" and r.threadName == server.thread_name and r.getMessage().find(
+                  '"responses_get"') >= 0]
+    assert [(a["outcome"], a["status"]) for a in access] == [("shutting_down", 200)]
+    [replay] = await replays_ended(sim)
+    assert replay.aborted and replay.sent < count
+
+
+@pytest.mark.anyio
+async def test_a_replay_past_the_grace_period_is_ended_as_a_shutdown(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
+    """serve's ShutdownGuard hangs up on a replay still streaming at the end of the grace period: the
+    client gets the SSE `shutting_down` event, the access log says `shutting_down` (not a client
+    disconnect), and the engine's replay is closed."""
+    sim = start_sim("vllm", tpot_s=0.1)  # ~2.8 s a replay
+    drain, grace = 0.2, 0.5
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)],
+                               shutdown={"drain_delay": drain, "grace_period": grace})
+    rid, count = await stored_stream(gw.url)
+    async with httpx.AsyncClient(timeout=10) as client, \
+            client.stream("GET", f"{gw.url}/v1/responses/{rid}", params={"stream": "true"}) as answer:
+        assert answer.status_code == 200
+        chunks = answer.aiter_raw()
+        body = await anext(chunks)
+        gw.proc.send_signal(signal.SIGTERM)
+        async for chunk in chunks:
+            body += chunk
+    assert await gw.wait_exit(timeout=drain + grace + 5) == 0
+    last = body.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]  # the Responses API's `event:` + `data:` lines
+    assert json.loads(last.split(b"data: ", 1)[1])["error"]["code"] == "shutting_down"
+    access = [json.loads(line[line.index("{"):]) for line in gw.log_text().splitlines()
+              if '"event":"request"' in line and '"responses_get"' in line]
+    assert [(a["outcome"], a["status"]) for a in access] == [("shutting_down", 200)]
+    [replay] = await replays_ended(sim)
+    assert replay.aborted and replay.sent < count
+    assert "Traceback" not in gw.log_text()

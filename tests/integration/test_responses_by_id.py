@@ -18,6 +18,7 @@ import pytest
 
 from gateway.auth.keys import hash_key
 from gateway.auth.limits import MemoryRateLimiter
+from gateway.sim.responses_api import Replay
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]
@@ -38,6 +39,17 @@ def access_lines(caplog: pytest.LogCaptureFixture, gw: RunningGateway, count: in
         if len(lines) >= count:
             return lines
         assert time.monotonic() < deadline, f"{len(lines)} access log lines, expected {count}"
+        time.sleep(0.02)
+
+
+def ended_replays(sim: RunningSim, count: int) -> list[Replay]:
+    """The sim's `GET ?stream=true` replays once `count` of them have ended (completed or aborted)."""
+    deadline = time.monotonic() + 5
+    while True:
+        replays = list(sim.app.responses.replays)
+        if sum(r.aborted or r.completed for r in replays) >= count:
+            return replays
+        assert time.monotonic() < deadline, f"{len(replays)} replays, fewer than {count} ended"
         time.sleep(0.02)
 
 
@@ -110,3 +122,22 @@ def test_get_stream_true_relays_the_engines_replay_byte_exact(start_sim: StartSi
     refused = httpx.get(f"{gw.v1}/responses/{plain.id}", params={"stream": "true"})
     assert refused.status_code == 400 and refused.headers["content-type"] == "application/json"
     assert refused.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_hanging_up_mid_replay_is_a_disconnect_and_closes_the_engines_replay(
+        start_sim: StartSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture) -> None:
+    """The client drops a `GET ?stream=true` replay after its first bytes: a client disconnect (4xx,
+    `mid_stream`), never a shutdown, and the gateway closes the engine's replay at once."""
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    sim = start_sim("vllm", tpot_s=0.1)  # the replay sends one event per 0.1 s: ~2.8 s for 28 events
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+    events = list(sdk(gw).responses.create(model="kimi-k3", input="Count.", max_output_tokens=20, stream=True))
+    rid = events[0].response.id  # type: ignore[union-attr]
+    with httpx.stream("GET", f"{gw.v1}/responses/{rid}", params={"stream": "true"}) as replay:
+        assert replay.status_code == 200
+        assert next(replay.iter_raw())  # then the client closes the connection mid-stream
+    [line] = [a for a in access_lines(caplog, gw, 2) if a["api"] == "responses_get"]
+    assert (line["outcome"], line["status"], line["stream"]) == ("client_disconnect", 499, True)
+    assert gw.metric('kimi_gateway_requests_total{api="responses_get",pool="p",status_class="4xx"}') == 1
+    [engine_replay] = ended_replays(sim, 1)
+    assert engine_replay.aborted and engine_replay.sent < len(events)
