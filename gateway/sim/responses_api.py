@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from gateway.sim.asgi import (
     SSE_HEADERS,
@@ -59,22 +59,14 @@ from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _refused_up_front, _Responder
 from gateway.sim.stepper import StepRequest
-from gateway.sim.tokens import PromptError, chat_prompt_tokens, output_token
+from gateway.sim.tokens import (
+    FieldValidationError,
+    PromptError,
+    chat_prompt_tokens,
+    output_token,
+    responses_output_limit,
+)
 from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
-
-_LAX_INT = TypeAdapter(int)
-
-
-def _output_limit(value: Any) -> int | None:
-    """`max_output_tokens` (tokens) as the engines' `ResponsesRequest` reads it (vLLM and SGLang:
-    `int | None` in pydantic's lax mode, so 5.0 is 5); 0 for a value that model refuses (5.5, "x"),
-    which the caller refuses as it refuses 0."""
-    if value is None or type(value) is int:
-        return value
-    try:
-        return _LAX_INT.validate_python(value)
-    except ValidationError:
-        return 0
 
 
 @dataclass
@@ -197,7 +189,11 @@ class ResponsesServer:
         responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None)
         if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
             return
-        limit = _output_limit(body.get("max_output_tokens"))
+        try:
+            limit = responses_output_limit(body)
+        except FieldValidationError as exc:
+            await responder.reply(dialect.validation_error(str(exc)))
+            return
         if limit is not None and limit < 1:
             await responder.reply(dialect.bad_request("max_output_tokens must be a positive integer",
                                                       "max_output_tokens"))

@@ -87,6 +87,14 @@ class _MessagesMaxTokens(BaseModel):
         return value
 
 
+class _ResponsesLimit(BaseModel):
+    """`ResponsesRequest.max_output_tokens` of vLLM and SGLang: `int | None`, lax (5.0 is 5)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_output_tokens: int | None = None
+
+
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n")
 
 
@@ -108,6 +116,18 @@ def engine_ints(body: dict[str, Any], chat: bool = True) -> dict[str, int | None
     except ValidationError as exc:
         raise _engine_errors(exc) from None
     return {name: getattr(model, name) for name in _INT_FIELDS}
+
+
+def responses_output_limit(body: dict[str, Any]) -> int | None:
+    """A Responses request's `max_output_tokens` (tokens; None when absent) as the engines'
+    `ResponsesRequest` reads it. Raises FieldValidationError for a value that model refuses (5.5, "x")."""
+    value = body.get("max_output_tokens")
+    if value is None or type(value) is int:
+        return value
+    try:
+        return _ResponsesLimit.model_validate({"max_output_tokens": value}).max_output_tokens
+    except ValidationError as exc:
+        raise _engine_errors(exc) from None
 
 
 def messages_max_tokens(body: dict[str, Any]) -> int:

@@ -21,6 +21,7 @@ from gateway.sim.tokens import (
     output_text,
     output_token,
     requested_output_tokens,
+    responses_output_limit,
 )
 from gateway.sim.worker_state import ActiveRequest, ProportionalKVUsage
 
@@ -190,3 +191,12 @@ def test_wait_for_wakes_on_updates_from_another_thread() -> None:
         engine.wait_for(lambda: record.completed, timeout=0.05)
     assert engine.records[0].to_json()["aborted"] is True
     assert engine.clear_records() == 1 and engine.records == []
+
+
+def test_responses_output_limit_reads_as_the_engines_responses_request() -> None:
+    assert responses_output_limit({}) is None
+    assert responses_output_limit({"max_output_tokens": 7}) == 7
+    assert responses_output_limit({"max_output_tokens": 5.0}) == 5
+    with pytest.raises(FieldValidationError) as refused:
+        responses_output_limit({"max_output_tokens": 5.5})
+    assert refused.value.errors[0]["loc"] == ("body", "max_output_tokens")
