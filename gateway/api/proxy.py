@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import AUTH_ERROR, principal_of
@@ -110,6 +110,21 @@ def _require_json_content_type(headers: dict[str, str]) -> None:
             return
     raise UnsupportedMediaType(f"Send the request body as JSON with 'Content-Type: application/json' (got "
                                f"{media[:60] or 'none'!r}).", param="content-type")
+
+
+_NO_CAP = contextlib.nullcontext()
+"""The overall cap's stand-in when `timeouts.total` is unset (the default): entering it costs two
+calls, an `asyncio.timeout_at(None)` about six."""
+
+
+def _cap(deadline: float | None) -> asyncio.Timeout | contextlib.nullcontext[None]:
+    """The overall cap as an async context: `asyncio.timeout_at(deadline)`, or `_NO_CAP` without one."""
+    return _NO_CAP if deadline is None else asyncio.timeout_at(deadline)
+
+
+def _expired(cap: asyncio.Timeout | contextlib.nullcontext[None]) -> bool:
+    """True when a TimeoutError came from the overall cap itself (not from the work under it)."""
+    return isinstance(cap, asyncio.Timeout) and cap.expired()
 
 
 def _over_cap_message(total: float | None) -> str:
@@ -219,30 +234,23 @@ class ProxyEndpoint:
         try:
             try:
                 check_head(scope, headers, state.config.max_body_bytes, json_only=state.auth is None)
-                timeouts = state.config.timeouts
-                reading = read_body(receive, state.config.max_body_bytes, timeouts.body_idle, timeouts.body_deadline,
-                                    timeouts.body_min_rate, state.config.parse_offload_bytes)
                 try:
-                    if deadline is None:  # no cap (the default): no timeout context to enter and leave
-                        body = await reading
-                    else:
-                        async with asyncio.timeout_at(deadline):
-                            body = await reading
+                    async with _cap(deadline):
+                        timeouts = state.config.timeouts
+                        body = await read_body(receive, state.config.max_body_bytes, timeouts.body_idle,
+                                               timeouts.body_deadline, timeouts.body_min_rate,
+                                               state.config.parse_offload_bytes)
                 except TimeoutError:
                     record.outcome = RequestOutcome.TIMEOUT
                     raise RequestBodyTimeout(f"The request body did not arrive within the gateway's overall time "
                                              f"limit of {total:g} seconds.") from None
                 watch = _HangUpWatch(receive)
-                handling = service.handle(self.api, body, headers, record, principal)
-                cap = None if deadline is None else asyncio.timeout_at(deadline)
+                cap = _cap(deadline)
                 try:
-                    if cap is None:
-                        result = await handling
-                    else:
-                        async with cap:
-                            result = await handling
+                    async with cap:
+                        result = await service.handle(self.api, body, headers, record, principal)
                 except TimeoutError:
-                    if cap is None or not cap.expired():
+                    if not _expired(cap):
                         raise
                     record.outcome = RequestOutcome.TIMEOUT  # over the cap; the work's cleanup closed the upstream
                     service.attempt_cut_by_cap(record)
@@ -315,32 +323,22 @@ class ProxyEndpoint:
         event-loop time) passes. A client hang-up arrives as a cancellation (`_HangUpWatch`)."""
         body = result.stream.body()
         started = False
-        cap = None if deadline is None else asyncio.timeout_at(deadline)
+        cap = _cap(deadline)
         try:
-            if cap is None:  # no cap (the default): no timeout context to enter and leave
+            async with cap:
                 await send(self._start(200, result.content_type, result.headers, record, None))
                 started = True
-                await self._pump(body, send)
-            else:
-                async with cap:
-                    await send(self._start(200, result.content_type, result.headers, record, None))
-                    started = True
-                    await self._pump(body, send)
+                async for chunk in body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
-            if cap is None or not cap.expired():
+            if not _expired(cap):
                 raise
             await self._cut_at_cap(result, record, send, started, _over_cap_message(total))
         except OSError:  # the server says the client is gone
             record.client_gone("mid_stream")
         finally:
             await body.aclose()
-
-    @staticmethod
-    async def _pump(body: AsyncIterator[bytes], send: Send) -> None:
-        """Send every chunk of `body` to the client, then the end of the response."""
-        async for chunk in body:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _cut_at_cap(self, result: RelayResponse, record: RequestRecord, send: Send, started: bool,
                           message: str) -> None:
