@@ -190,6 +190,20 @@ async def test_with_auth_on_the_shutdown_503_still_names_the_request(
 
 
 
+def unguarded_gateway(sim: RunningSim) -> ThreadedServer:
+    """A gateway in front of `sim` on plain uvicorn (no serve drain, no ShutdownGuard), as the demo
+    runs it; its `stop()` cancels what still runs after uvicorn's 0.2 s graceful-shutdown timeout."""
+    config = parse_config({"pools": [pool("p", "vllm", [sim.url], 131072)],
+                           "health": {"interval": 0.5, "timeout": 1.0, "verify_models": False}}, environ={})
+    return ThreadedServer(create_app(config), **http_options(config), timeout_graceful_shutdown=0.2).start()
+
+
+def access_lines(caplog: pytest.LogCaptureFixture, server: ThreadedServer) -> list[dict[str, Any]]:
+    """The access-log lines `server` wrote (by its thread's name), parsed."""
+    return [json.loads(r.getMessage()) for r in caplog.records
+            if r.name == "gateway.access" and r.threadName == server.thread_name]
+
+
 @pytest.mark.anyio
 async def test_without_the_guard_requests_uvicorn_cancels_at_shutdown_count_as_cut_by_it(
         start_sim: StartSim, caplog: pytest.LogCaptureFixture) -> None:
@@ -198,9 +212,7 @@ async def test_without_the_guard_requests_uvicorn_cancels_at_shutdown_count_as_c
     the access log and `requests_total` say `shutting_down` (5xx), not a client disconnect."""
     caplog.set_level(logging.INFO, logger="gateway.access")
     sim = start_sim("vllm", ttft_s=0.05, tpot_s=0.05)  # 400 tokens: ~20 s
-    config = parse_config({"pools": [pool("p", "vllm", [sim.url], 131072)],
-                           "health": {"interval": 0.5, "timeout": 1.0, "verify_models": False}}, environ={})
-    server = ThreadedServer(create_app(config), **http_options(config), timeout_graceful_shutdown=0.2).start()
+    server = unguarded_gateway(sim)
     metrics = server.app.state.gateway.metrics
     async with httpx.AsyncClient(timeout=10) as client:
         waiting = asyncio.create_task(client.post(server.url + "/v1/chat/completions",
@@ -220,8 +232,7 @@ async def test_without_the_guard_requests_uvicorn_cancels_at_shutdown_count_as_c
     labels = {"api": "chat", "pool": "p"}
     assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "5xx"}) == 2
     assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "4xx"}) is None
-    access = [json.loads(r.getMessage()) for r in caplog.records
-              if r.name == "gateway.access" and r.threadName == server.thread_name]
+    access = access_lines(caplog, server)
     assert sorted((a["outcome"], a["status"]) for a in access) == [("shutting_down", 200), ("shutting_down", 500)]
     # Both engine requests were aborted.
     records = await sim.engine.async_wait_for(lambda: sim.engine.records if all(
@@ -253,9 +264,7 @@ async def test_without_the_guard_a_replay_uvicorn_cancels_at_shutdown_counts_as_
     (5xx), not the client disconnect (4xx) it was counted as; the engine's replay is closed."""
     caplog.set_level(logging.INFO, logger="gateway.access")
     sim = start_sim("vllm", tpot_s=0.1)  # the replay sends one event per 0.1 s: ~2.8 s for 28 events
-    config = parse_config({"pools": [pool("p", "vllm", [sim.url], 131072)],
-                           "health": {"interval": 0.5, "timeout": 1.0, "verify_models": False}}, environ={})
-    server = ThreadedServer(create_app(config), **http_options(config), timeout_graceful_shutdown=0.2).start()
+    server = unguarded_gateway(sim)
     metrics = server.app.state.gateway.metrics
     rid, count = await stored_stream(server.url)
     async with httpx.AsyncClient(timeout=10) as client, \
@@ -271,9 +280,7 @@ async def test_without_the_guard_a_replay_uvicorn_cancels_at_shutdown_counts_as_
     labels = {"api": "responses_get", "pool": "p"}
     assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "5xx"}) == 1
     assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "4xx"}) is None
-    access = [json.loads(r.getMessage()) for r in caplog.records
-              if r.name == "gateway.access" and r.threadName == server.thread_name and r.getMessage().find(
-                  '"responses_get"') >= 0]
+    access = [a for a in access_lines(caplog, server) if a["api"] == "responses_get"]
     assert [(a["outcome"], a["status"]) for a in access] == [("shutting_down", 200)]
     [replay] = await replays_ended(sim)
     assert replay.aborted and replay.sent < count
