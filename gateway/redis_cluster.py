@@ -85,21 +85,33 @@ def parse_cluster_url(url: str) -> ClusterTarget:
 
 
 class GatewayCluster(RedisCluster):
-    """redis-py's asyncio cluster client whose first slot-map read is not cut by a store's timeout:
-    it runs as its own task that a caller's timeout leaves running (the next call finds the map
-    ready) instead of cancelling it half done and starting again on every call."""
+    """redis-py's asyncio cluster client whose slot-map read (`CLUSTER SLOTS`, then `COMMAND`: a few
+    milliseconds, more than an affinity lookup's budget) is not cut by a store's timeout: it runs as
+    its own task, begun at construction when an event loop runs (the stores are built in the app's
+    lifespan), which a caller's timeout leaves running, so the next call finds the map ready instead
+    of every call starting it again and cancelling it half done."""
 
     _init_task: asyncio.Task[Any] | None = None
 
-    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
-        if not self._initialize:
-            return self
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # built outside a loop: the first command reads the map
+        self._start_init()
+
+    def _start_init(self, *args: Any, **kwargs: Any) -> asyncio.Task[Any]:
         task = self._init_task
         if task is None or task.done():
             task = asyncio.ensure_future(RedisCluster.initialize(self, *args, **kwargs))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved"
             self._init_task = task
-        await asyncio.shield(task)
+        return task
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        if self._initialize:
+            await asyncio.shield(self._start_init(*args, **kwargs))
         return self
 
     async def aclose(self) -> None:

@@ -86,7 +86,7 @@ class RedisAffinityStore:
         """The keys of one prompt's sampled blocks `hashes` (chained, the first block's first). On Redis
         Cluster they carry the first block's hash as their hash tag, `{prefix}:{pool}:{{first}}:{hash}`:
         one slot per prompt, so its MGET and record script stay on one node (gateway/redis_cluster.py)."""
-        if not self.cluster:
+        if not self.cluster or not hashes:
             return [self.key(pool, h) for h in hashes]
         tag = f"{self.config.key_prefix}:{pool}:{{{hashes[0]:016x}}}"
         return [f"{tag}:{h:016x}" for h in hashes]

@@ -11,6 +11,7 @@ by `check-config --strict`.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import shutil
@@ -32,6 +33,8 @@ from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.cli import main
 from gateway.config import AuthConfig
 from gateway.metrics import GatewayMetrics
+from gateway.redis_client import redis_from_url
+from gateway.redis_cluster import GatewayCluster
 from tests.support import RunningGateway, RunningSim, free_ports, pool
 
 StartSim = Callable[..., RunningSim]
@@ -123,6 +126,40 @@ async def test_rate_limits_hold_for_keys_on_every_shard(cluster: Cluster) -> Non
         await limiter.stop()
         for key in cluster.keys(f"{prefix}:*"):
             cluster.client.delete(key)
+
+
+@pytest.mark.anyio
+async def test_the_slot_map_read_outlives_a_store_timeout_and_starts_with_the_store(cluster: Cluster) -> None:
+    # Reading the map (CLUSTER SLOTS + COMMAND) takes ~25 ms here, more than an affinity lookup's 20 ms.
+    client = await asyncio.to_thread(cluster_client, cluster.url)  # built outside a loop: nothing read yet
+    assert client._initialize
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.001):  # a store's budget running out while the map is read
+                await client.get("kgw-test-cluster-absent")
+        await wait_until(lambda: not client._initialize)  # went on reading: the next call is served at once
+        assert await client.get("kgw-test-cluster-absent") is None
+    finally:
+        await client.aclose()
+    eager = redis_from_url(cluster.url, socket_timeout=2)  # a store built in the app's lifespan
+    try:
+        await wait_until(lambda: not eager._initialize)  # read before any command
+    finally:
+        await eager.aclose()
+
+
+def cluster_client(url: str) -> GatewayCluster:
+    """The stores' cluster client for `url`."""
+    client = redis_from_url(url, socket_timeout=2)
+    assert isinstance(client, GatewayCluster)
+    return client
+
+
+async def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s"
+        await asyncio.sleep(0.02)
 
 
 def sha(key: str) -> str:
