@@ -98,13 +98,22 @@ def _check_production_safety(path: str, config: GatewayConfig, strict: bool) -> 
 
 def _redis_cluster_findings(config: GatewayConfig) -> list[Finding]:
     """A finding when a plain `redis://` URL names a Redis Cluster node (asked with `INFO cluster`, 1 s at
-    most; an unreachable Redis says nothing): the gateway's connections would refuse that node."""
+    most; an unreachable Redis says nothing): the gateway's connections would refuse that node. The
+    probe runs in a daemon thread given 1.5 s: a name lookup that hangs holds no exit."""
     import asyncio
+    import threading
 
     from gateway.plans.safety import Finding
     from gateway.redis_cluster import probe_cluster_node
 
-    if not config.redis_url or not asyncio.run(probe_cluster_node(config.redis_url)):
+    url = config.redis_url
+    if not url:
+        return []
+    answer: list[bool | None] = []
+    probe = threading.Thread(target=lambda: answer.append(asyncio.run(probe_cluster_node(url))), daemon=True)
+    probe.start()
+    probe.join(1.5)
+    if not answer or not answer[0]:
         return []
     return [Finding("redis_url", "this Redis is a Redis Cluster node (INFO cluster: cluster_enabled:1): a plain "
                                  "redis:// URL reaches only its own slots' keys, so the gateway refuses it; "
