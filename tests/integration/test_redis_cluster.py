@@ -88,6 +88,19 @@ class Cluster:
         """The port of the primary that holds `key`'s slot."""
         return int(self.client.get_node_from_key(key).port)
 
+    def move_slot(self, slot: int, source: int, target: int) -> None:
+        """Reshard `slot` with its keys from the primary on port `source` to the one on `target`
+        (CLUSTER SETSLOT IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE), as `redis-cli --cluster reshard` does."""
+        src, dst = self.node(source), self.node(target)
+        src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+        dst.cluster("setslot", slot, "importing", src_id)
+        src.cluster("setslot", slot, "migrating", dst_id)
+        while keys := src.cluster("getkeysinslot", slot, 100):
+            src.migrate("127.0.0.1", target, keys, 0, 5000)
+        for port in self.ports:
+            self.node(port).cluster("setslot", slot, "node", dst_id)
+        self.client.nodes_manager.initialize()  # the test's own client reads the new map
+
     def keys(self, pattern: str) -> list[str]:
         return [k for p in self.ports for k in self.node(p).scan_iter(pattern, count=1000)]
 
@@ -108,6 +121,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         group.stop()
 
 
+async def allowed(limiter: RedisRateLimiter, principal: Principal) -> bool:
+    """One request charged to `principal`: whether the limiter let it through (Redis must answer)."""
+    verdict = await limiter.acquire(principal, tokens=0)
+    assert verdict is not None, f"{principal.name}: Redis did not answer (the limiter would fail open)"
+    return verdict.allowed
+
+
 @pytest.mark.anyio
 async def test_rate_limits_hold_for_keys_on_every_shard(cluster: Cluster) -> None:
     prefix = f"kgw-test-cluster-rl-{uuid.uuid4().hex[:8]}"
@@ -118,9 +138,7 @@ async def test_rate_limits_hold_for_keys_on_every_shard(cluster: Cluster) -> Non
     try:
         for name in names:
             principal = Principal(name, frozenset(), requests_per_minute=2)
-            verdicts = [await limiter.acquire(principal, tokens=0) for _ in range(3)]
-            assert all(v is not None for v in verdicts), f"{name}: Redis did not answer"
-            assert [v.allowed for v in verdicts if v is not None] == [True, True, False], name
+            assert [await allowed(limiter, principal) for _ in range(3)] == [True, True, False], name
         assert {cluster.client.hget(limiter.key(name), "r") for name in names} == {"2"}
     finally:
         await limiter.stop()
@@ -160,6 +178,28 @@ async def wait_until(check: Callable[[], bool], timeout: float = 5.0) -> None:
     while not check():
         assert time.monotonic() < deadline, f"not within {timeout} s"
         await asyncio.sleep(0.02)
+
+
+@pytest.mark.anyio
+async def test_limits_follow_a_slot_moved_to_another_shard(cluster: Cluster) -> None:
+    prefix = f"kgw-test-cluster-move-{uuid.uuid4().hex[:8]}"
+    metrics = GatewayMetrics()
+    limiter = RedisRateLimiter(cluster.url, AuthConfig(key_prefix=prefix, redis_timeout=1.0), metrics)
+    principal = Principal("mover", frozenset(), requests_per_minute=3)
+    key = limiter.key(principal.name)
+    try:
+        assert [await allowed(limiter, principal) for _ in range(2)] == [True, True]
+        source = cluster.port_of(key)
+        target = next(p for p in cluster.ports if p != source)
+        cluster.move_slot(int(cluster.client.keyslot(key)), source, target)
+        assert cluster.node(target).hget(key, "r") == "2"  # the count moved with its slot
+        # The limiter's map still names the source, which answers MOVED: followed, counted on the target.
+        assert [await allowed(limiter, principal) for _ in range(2)] == [True, False]
+        assert cluster.node(target).hget(key, "r") == "3"
+    finally:
+        await limiter.stop()
+        for stale in cluster.keys(f"{prefix}:*"):
+            cluster.client.delete(stale)
 
 
 def sha(key: str) -> str:
