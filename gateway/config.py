@@ -845,7 +845,9 @@ class GatewayConfig(_Strict):
                                  description="parse processes per serving process, started on first use")
     redis_url: str | None = Field(
         default=None, description="redis://, rediss:// or unix:// URL (redis-py's schemes), or "
-        "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...]",
+        "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...], "
+        "or a Redis Cluster: redis+cluster://[[user]:password@]host[:port][,host[:port]...] "
+        "(rediss+cluster:// for TLS)",
     )
     redis: RedisSentinelConfig | None = Field(
         default=None, description="Redis behind Sentinel, as a block (instead of a redis+sentinel:// redis_url)"
@@ -871,8 +873,14 @@ class GatewayConfig(_Strict):
 
             parse_sentinel_url(url)  # ValueError says what is wrong (never echoes the password)
             return url
+        if re.match(r"^rediss?\+cluster:", url, re.IGNORECASE):
+            from gateway.redis_cluster import parse_cluster_url
+
+            parse_cluster_url(url)  # ValueError says what is wrong (never echoes the password)
+            return url
         if not re.match(r"^(redis|rediss|unix):\S+$", url, re.IGNORECASE):
-            raise ValueError(f"must be a redis://, rediss://, unix:// or redis+sentinel:// URL, got {url[:80]!r}")
+            raise ValueError("must be a redis://, rediss://, unix://, redis+sentinel:// or redis+cluster:// URL, "
+                             f"got {url[:80]!r}")
         return url
 
     @model_validator(mode="after")
