@@ -828,7 +828,8 @@ class GatewayConfig(_Strict):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes; also the "
+                                "largest non-streamed answer and the longest SSE event relayed")
     max_header_bytes: int = Field(
         default=64 * 1024, ge=1024, description="request line + headers limit, bytes (431 above it)"
     )

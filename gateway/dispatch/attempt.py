@@ -266,7 +266,8 @@ class SingleLeg(Attempt):
         if content:
             mark_first_byte(record)
         stream = UpstreamStream(response, first, rest, holding.hand_over(), record, not content,
-                                self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage)
+                                self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage,
+                                self._state.config.max_body_bytes)
         return RelayResponse(stream, content_type, passed)
 
     def _buffered(self, answer: bytes, content_type: bytes, passed: Headers) -> BufferedResponse:
