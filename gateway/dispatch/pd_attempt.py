@@ -38,7 +38,7 @@ import orjson
 
 from gateway.backends.client import TransportError, UpstreamTimeouts
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
+from gateway.config import PoolConfig, TimeoutConfig
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, BufferedResponse, RelayResponse
 from gateway.dispatch.attempt import UPSTREAM_PATHS, SingleLeg, budgets, hold_window
 from gateway.errors import UpstreamError
@@ -99,6 +99,15 @@ def vllm_prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) 
     return out
 
 
+def prefill_budget(timeouts: TimeoutConfig, prompt_tokens: int) -> float:
+    """Seconds a prefill worker may take to answer its leg: `timeouts.prefill_first_byte` (else
+    `first_byte_base`) plus `first_byte_per_1k_tokens` per 1,000 prompt tokens. A prefill is
+    prompt work only, so a non-streamed request's answer budget (its generation) is no measure of
+    it: a prefill worker that accepts the leg and never answers is found within this, not minutes."""
+    base = timeouts.first_byte_base if timeouts.prefill_first_byte is None else timeouts.prefill_first_byte
+    return base + timeouts.first_byte_per_1k_tokens * prompt_tokens / 1000.0
+
+
 def host_of(url: str) -> str:
     """The host part of a worker URL (no brackets for IPv6)."""
     return urlsplit(url).hostname or ""
@@ -152,8 +161,8 @@ class PrefillLeg:
         except asyncio.CancelledError:
             if self.failure is None:  # cancelled by its owner: nothing to report
                 raise
-        except TimeoutError:
-            self.failure = AttemptFailed(Outcome.TIMEOUT, f"the prefill leg took over {budget:.1f}s", answered=True)
+        except TimeoutError:  # not `answered`: another prefill worker may repeat a prefill (no generation lost)
+            self.failure = AttemptFailed(Outcome.TIMEOUT, f"the prefill worker did not answer within {budget:.1f}s")
         except AttemptFailed as failure:
             self.failure = failure
         finally:
@@ -224,7 +233,9 @@ class PdAttempt(SingleLeg):
 
     def _start_prefill(self, holding: Holding, body: dict[str, Any], headers: dict[str, str]) -> PrefillLeg:
         """Open the prefill leg (its own task) into `holding`."""
-        timeout, budget, _ = budgets(self._state.config.timeouts, self._request, self.pool)
+        timeouts = self._state.config.timeouts
+        timeout, _, _ = budgets(timeouts, self._request, self.pool)
+        budget = prefill_budget(timeouts, self._request.prompt_tokens)
         leg = PrefillLeg(self._state, self.pool, self.prefill, self.prefill.url + UPSTREAM_PATHS[self._api],
                          orjson.dumps(body), headers, timeout, budget)
         self._prefill_leg = leg
