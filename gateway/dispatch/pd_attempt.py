@@ -119,13 +119,17 @@ class PrefillLeg:
     health probe of the prefill worker meanwhile ends it at once (`Outcome.MOVED`). Closable
     (`aclose` cancels it when still running, which closes its upstream response): owned by the
     attempt's Holding. `on_late_failure` (set once the decode stream was committed) is awaited
-    when the leg fails after that."""
+    when the leg fails after that. Its headers mark the worker alive (`Worker.answered_at`) and
+    clear the request's `record.prefill_pending`."""
 
-    __slots__ = ("_registry", "_task", "answer", "done_at", "failure", "on_late_failure", "started", "worker")
+    __slots__ = ("_record", "_registry", "_task", "answer", "done_at", "failure", "on_late_failure", "started",
+                 "worker")
 
     def __init__(self, state: AppState, pool: PoolConfig, worker: Worker, url: str, body: bytes,
-                 headers: dict[str, str], timeout: UpstreamTimeouts, budget: float) -> None:
+                 headers: dict[str, str], timeout: UpstreamTimeouts, budget: float,
+                 record: RequestRecord) -> None:
         self.worker = worker
+        self._record = record
         self._registry = state.registry
         self.answer: bytes | None = None
         self.failure: AttemptFailed | None = None
@@ -149,6 +153,9 @@ class PrefillLeg:
         try:
             async with asyncio.timeout(budget):
                 response = await open_upstream(state.upstream, url, body, headers, timeout, pool.name)
+                self.worker.answered_at = time.perf_counter()
+                if self._record.prefill_pending is self.worker:
+                    self._record.prefill_pending = None
                 try:
                     first, rest = await first_chunk(response)
                     self.answer = await read_rest(response, first, rest, state.config.max_body_bytes)
@@ -236,8 +243,9 @@ class PdAttempt(SingleLeg):
         timeouts = self._state.config.timeouts
         timeout, _, _ = budgets(timeouts, self._request, self.pool)
         budget = prefill_budget(timeouts, self._request.prompt_tokens)
+        self._record.prefill_pending = self.prefill  # the worker a hang-up meanwhile is held against
         leg = PrefillLeg(self._state, self.pool, self.prefill, self.prefill.url + UPSTREAM_PATHS[self._api],
-                         orjson.dumps(body), headers, timeout, budget)
+                         orjson.dumps(body), headers, timeout, budget, self._record)
         self._prefill_leg = leg
         return holding.opened(leg)
 

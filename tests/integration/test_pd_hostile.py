@@ -487,3 +487,24 @@ def test_a_pd_pool_whose_only_prefill_worker_is_wedged_spills_over(start_sim: St
     assert answer.headers["x-kimi-gateway-pool"] == "agg" and time.monotonic() - started < 5
     assert group.decode[0].engine.records == []
     _settled(group, gw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hang_up_while_the_prefill_leg_is_unanswered_is_held_against_the_prefill_worker(
+        start_sim: StartSim, start_gateway: StartGateway, mode: str) -> None:
+    """The client gives up (after the no-token answer budget) while a wedged prefill worker has not
+    answered its leg: that worker is charged, not the decode worker waiting for its KV."""
+    group = pd_group(start_sim, mode)
+    group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True))
+    gw = start_gateway([group.pool(spillover=False)],
+                       timeouts={"first_byte_base": 0.2, "first_byte_per_1k_tokens": 0, "generation": 0.2,
+                                 "prefill_first_byte": 60},
+                       health={"passive_failures": 1, "ejection_base": 60})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=1.0)
+    deadline = time.monotonic() + 5
+    while _wedged(gw, group.prefill[0])["state"] != "ejected":
+        assert time.monotonic() < deadline, _wedged(gw, group.prefill[0])
+        time.sleep(0.05)
+    assert _wedged(gw, group.decode[0])["state"] == "healthy"
+    _settled(group, gw)
