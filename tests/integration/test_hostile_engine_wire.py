@@ -266,3 +266,26 @@ def test_a_line_without_end_after_content_ends_the_stream_with_one_error(start_g
     assert orjson.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
     assert b"aaaa" not in body and b"[DONE]" not in body
     assert engine.ended.wait(3)
+
+
+def test_a_long_event_that_ends_is_relayed_whole(start_gateway: StartGateway, engines) -> None:
+    """A 300 KiB event (past the relay's 64 KiB held in place) in 4 KiB writes, its blank line split
+    between two writes, then [DONE]: the client gets the engine's bytes exactly, no error event."""
+    big = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"kimi-k3","choices":[{"index":0,'
+           b'"delta":{"content":"' + b"b" * (300 * 1024) + b'"},"finish_reason":null}]}\n')
+    body = SSE.split(b"\n\n")[0] + b"\n\n" + big + b"\n" + b"data: [DONE]\n\n"
+    cut = len(SSE.split(b"\n\n")[0]) + 2 + len(big)  # the event's second newline starts the last write
+    pieces = [body[i:min(i + 4096, cut)] for i in range(0, cut, 4096)] + [body[cut:]]
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        writer.write(ENDLESS_HEAD)
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    assert response.status_code == 200
+    assert response.content == body
