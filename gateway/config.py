@@ -398,6 +398,14 @@ class TimeoutConfig(_Strict):
         "once the request is tokenized, before the prefill. A worker that sent no headers is not generating: the "
         "request moves to another worker and the timeout counts toward the worker's outlier ejection",
     )
+    prefill_first_byte: float | None = Field(
+        default=None, gt=0,
+        description="PD pools: seconds a prefill worker may take to answer its leg (the prompt's KV cache and one "
+        "token; its headers come with that answer) for a short prompt, plus `first_byte_per_1k_tokens` per 1,000 "
+        "prompt tokens, whether the client streams or not. A prefill worker that has not answered by then fails "
+        "the attempt against it (it counts toward outlier ejection) and the request goes to another prefill "
+        "worker or pool. None: `first_byte_base`, a stream's first-content budget",
+    )
     generation: float = Field(
         default=60.0, gt=0,
         description="non-streaming: fixed time for the answer beyond the first-byte budget, before the per-token "
@@ -828,7 +836,8 @@ class GatewayConfig(_Strict):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes; also the "
+                                "largest non-streamed answer and the longest SSE event relayed")
     max_header_bytes: int = Field(
         default=64 * 1024, ge=1024, description="request line + headers limit, bytes (431 above it)"
     )
