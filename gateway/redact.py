@@ -74,7 +74,3 @@ class Redactor:
             if form in data:
                 data = data.replace(form, MARK)
         return data
-
-    def text(self, text: str) -> str:
-        """`text` with every secret replaced by `[redacted]`."""
-        return self(text.encode("utf-8", "surrogateescape")).decode("utf-8", "surrogateescape") if self else text

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from gateway.config import parse_config
+from gateway.reload import apply_config
 from gateway.sim.config import SimFaults
 from tests.support import RunningGateway, RunningSim, pool
 
@@ -94,3 +96,20 @@ def test_an_error_event_mid_stream_echoing_the_backend_key_is_relayed_redacted(
     assert ECHO.replace(KEY, "[redacted]") in text  # the engine's error event, relayed without the key
     access_errors(caplog, gw, 1)
     assert KEY not in caplog.text
+
+
+def test_a_key_a_reload_brings_is_redacted_too(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    new_key = "sk-rotated-Z9k2m4p6r8"
+    body = json.dumps({"object": "error", "message": f"bad header: Bearer {new_key}", "code": 400})
+    sim = start_sim("vllm", faults={"fail_status": 400, "fail_body": body})
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+    new = parse_config({"pools": [pool("p", "vllm", [sim.url], 131072, api_key=new_key)],
+                        "health": {"verify_models": False}, "load": {"enabled": False}}, environ={})
+
+    async def apply() -> None:
+        apply_config(gw.server.app.state.gateway, new)
+
+    gw.server.call(apply())
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert response.status_code == 400 and new_key not in response.text
+    assert response.json()["error"]["message"] == "bad header: Bearer [redacted]"
