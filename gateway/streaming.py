@@ -47,6 +47,9 @@ from gateway.routing.prefill import PrefillTicket
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
 MAX_RETRY_AFTER_S = 3600.0  # an engine's longer (or infinite) Retry-After is taken as this
 KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WHATWG SSE spec)
+# Every error event holds this JSON string (OpenAI's `{"error": ...}`, Anthropic's and the Responses
+# API's `"type":"error"`, `response.failed`'s `"error"`); generated text cannot (its quotes are escaped).
+ERROR_KEY = b'"error"'
 MAX_PARTIAL_EVENT = 1 << 20  # a longer unfinished event is passed on; more content-less events fail over
 
 
@@ -522,7 +525,8 @@ class UpstreamStream:
         per write is relayed write for write); a partial event waits for its end, so a failure
         mid-event never leaves the client a corrupt event. A failure, or an end without
         `data: [DONE]`, is reported with one SSE error event and no `[DONE]`. A non-SSE body
-        passes through as it arrives. Bytes that carry an error have the config's secrets taken out.
+        passes through as it arrives. Events that carry an error (`ERROR_KEY`) have the config's secrets
+        taken out.
         """
         tap = self.tap
         redact = self._redact
@@ -543,7 +547,7 @@ class UpstreamStream:
                             carry, for_client = b"", data
                         if for_client:
                             for_client = self._patched(for_client)
-                    if redact is not None and b"error" in for_client:
+                    if redact is not None and ERROR_KEY in for_client:
                         for_client = redact(for_client)
                     if for_client:
                         yield for_client
@@ -597,7 +601,7 @@ class UpstreamStream:
     def _tail(self, carry: bytes) -> bytes:
         """The last, unfinished event as the client gets it (patched, an error's secrets out)."""
         carry = self._patched(carry)
-        return self._redact(carry) if self._redact is not None and b"error" in carry else carry
+        return self._redact(carry) if self._redact is not None and ERROR_KEY in carry else carry
 
     async def abort(self, why: str) -> None:
         """End the upstream response on the gateway's own decision (another leg of the attempt
