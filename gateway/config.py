@@ -838,6 +838,12 @@ class GatewayConfig(_Strict):
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes; also the "
                                 "largest non-streamed answer and the longest SSE event relayed")
+    max_decoded_bytes: int = Field(
+        default=256 * 1024 * 1024, ge=1024,
+        description="the most bytes one engine answer compressed although the gateway asked for identity (gzip, "
+        "deflate) may decode to; past it the answer is an engine failure (a non-streaming one also stops at "
+        "max_body_bytes)",
+    )
     max_header_bytes: int = Field(
         default=64 * 1024, ge=1024, description="request line + headers limit, bytes (431 above it)"
     )

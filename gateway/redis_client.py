@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 
-from gateway.redis_cluster import cluster_from_url, is_cluster_url, refuse_cluster_node
+from gateway.redis_cluster import cluster_from_url, host_port, is_cluster_url, refuse_cluster_node
 
 log = logging.getLogger("gateway.redis")
 
@@ -109,18 +109,8 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
 
 def sentinel_address(item: str, default_port: int = SENTINEL_PORT, what: str = "sentinel") -> tuple[str, int]:
     """`host[:port]` or `[v6]:port` → (host, port), `default_port` (26379) when left out; `what` names
-    the address in errors. Raises ValueError."""
-    item = item.strip()
-    if item.startswith("["):  # [IPv6]:port
-        host, _, rest = item[1:].partition("]")
-        port_text = rest.removeprefix(":")
-    else:
-        host, _, port_text = item.partition(":")
-    if not host:
-        raise ValueError(f"a {what} address without a host: {item!r}")
-    if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
-        raise ValueError(f"a {what} port must be 1-65535, got {item!r}")
-    return host, int(port_text) if port_text else default_port
+    the address in errors. Raises ValueError (`gateway.redis_cluster.host_port`)."""
+    return host_port(item, default_port, what)
 
 
 class _DemotionAwareConnection(Connection):

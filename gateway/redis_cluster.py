@@ -55,6 +55,22 @@ class ClusterTarget:
     tls: bool = False
 
 
+def host_port(item: str, default_port: int, what: str) -> tuple[str, int]:
+    """`host[:port]` or `[v6]:port` → (host, port), `default_port` when left out; `what` names
+    the address in errors. Raises ValueError."""
+    item = item.strip()
+    if item.startswith("["):  # [IPv6]:port
+        host, _, rest = item[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise ValueError(f"a {what} address without a host: {item!r}")
+    if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+        raise ValueError(f"a {what} port must be 1-65535, got {item!r}")
+    return host, int(port_text) if port_text else default_port
+
+
 def is_cluster_url(url: str) -> bool:
     """True for a `redis+cluster://` or `rediss+cluster://` URL."""
     return url.split("://", 1)[0].lower() in CLUSTER_SCHEMES and "://" in url
@@ -63,8 +79,6 @@ def is_cluster_url(url: str) -> bool:
 def parse_cluster_url(url: str) -> ClusterTarget:
     """Parse a `redis+cluster://` URL (shape in the module doc). Raises ValueError saying what is
     wrong (never echoing a password)."""
-    from gateway.redis_client import sentinel_address
-
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in CLUSTER_SCHEMES:
@@ -74,7 +88,7 @@ def parse_cluster_url(url: str) -> ClusterTarget:
         raise ValueError("the user or password holds '/', '?' or '#': percent-encode it "
                          "(urllib.parse.quote(secret, safe=''))")
     user, colon, secret = userinfo.partition(":")
-    nodes = tuple(sentinel_address(item, CLUSTER_PORT, "node") for item in hostlist.split(",") if item.strip())
+    nodes = tuple(host_port(item, CLUSTER_PORT, "node") for item in hostlist.split(",") if item.strip())
     if not nodes:
         raise ValueError("no node address (redis+cluster://HOST[:PORT][,HOST[:PORT]...])")
     if parts.path.strip("/") not in ("", "0"):

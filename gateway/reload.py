@@ -58,6 +58,7 @@ def apply_config(state: AppState, new: GatewayConfig) -> ReloadResult:
     state.health.set_pools(new.pools)
     state.load.set_pools(new.pools)
     state.discovery.set_pools(new.discovery, new.pools)
+    state.upstream.redactor.learn(new)  # a new api_key: kept out of engines' error answers too
     old = state.config
     restart = [name for name in type(new).model_fields
                if name not in RELOADABLE and getattr(new, name) != getattr(old, name)]

@@ -23,6 +23,7 @@ from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.parsing import ParsePool
+from gateway.redact import Redactor
 from gateway.routing.image_fetch import ImageFetcher
 from gateway.routing.prefill import PrefillEstimator
 from gateway.routing.router import Router
@@ -110,7 +111,8 @@ class AppState:
             else:
                 affinity = MemoryAffinityStore(config.affinity.ttl_seconds, config.affinity.memory_max_entries)
         images = ImageFetcher(config.image_fetch, metrics.image_fetches) if config.image_fetch.enabled else None
-        upstream = UpstreamClient(config.timeouts, {p.name: p.upstream_keep_alive for p in config.pools})
+        upstream = UpstreamClient(config.timeouts, {p.name: p.upstream_keep_alive for p in config.pools},
+                                  Redactor.of(config), config.max_decoded_bytes)
         return cls(config=config, upstream=upstream, http=http, registry=registry,
                    router=Router(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,

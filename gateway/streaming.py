@@ -1,10 +1,13 @@
 """One upstream attempt and the byte relay (design §2 steps 7-10).
 
 An attempt succeeds once the engine sent 2xx headers AND its first body byte; until then every
-failure is an `AttemptFailed` the service may retry elsewhere. After that the relay passes raw
-bytes through as they arrive (`UpstreamResponse.chunks`, no re-encoding); a tap observes a copy. A failure after
-the first byte becomes one SSE error event and the stream ends without `[DONE]`. Closing the
-upstream response in `finally` is what makes the engine abort a request whose client hung up.
+failure is an `AttemptFailed` the service may retry elsewhere. After that the relay passes the
+body's bytes through as they arrive (`UpstreamResponse.chunks`: identity bytes, a content coding
+the engine applied unasked decoded, backends/encoding.py; no re-encoding); a tap observes a copy. A
+failure after the first byte becomes one SSE error event and the stream ends without `[DONE]`.
+Closing the upstream response in `finally` is what makes the engine abort a request whose client
+hung up. The config's secrets are taken out of an engine's error answer (its non-2xx body, its
+in-stream error events) before it is relayed or logged (`UpstreamResponse.redact`, gateway/redact.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from gateway.backends.client import (
     is_connect_error,
     is_timeout,
 )
+from gateway.backends.encoding import DecodeError, UnsupportedEncoding
 from gateway.backends.engine_kinds import is_context_too_long
 from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
@@ -37,11 +41,15 @@ from gateway.protocol.anthropic import ERROR_STATUS
 from gateway.protocol.responses import ERROR_EVENTS, PREAMBLE_EVENTS
 from gateway.protocol.sse import SSETap, event_end, sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
+from gateway.redact import Redactor
 from gateway.routing.prefill import PrefillTicket
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
 MAX_RETRY_AFTER_S = 3600.0  # an engine's longer (or infinite) Retry-After is taken as this
 KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WHATWG SSE spec)
+# Every error event holds this JSON string (OpenAI's `{"error": ...}`, Anthropic's and the Responses
+# API's `"type":"error"`, `response.failed`'s `"error"`); generated text cannot (its quotes are escaped).
+ERROR_KEY = b'"error"'
 MAX_PARTIAL_EVENT = 1 << 20  # before any content: a longer unfinished event, or more content-less events, fail over
 LONG_EVENT = 64 * 1024  # an unfinished event past this is held in a growing buffer (linear, not copied per read)
 MAX_EVENT = 64 << 20  # the longest SSE event a stream relays by default (`max_body_bytes`'s default)
@@ -218,7 +226,14 @@ def _retry_after(response: UpstreamResponse) -> float | None:
     return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
 
 
+def _describe(exc: BaseException) -> str:
+    """A transport error as a failure's detail: a decoding failure's own words, else its class."""
+    return str(exc) if isinstance(exc, DecodeError) else type(exc).__name__
+
+
 async def _read_error(response: UpstreamResponse) -> bytes:
+    """An error answer's body (at most ERROR_BODY_LIMIT bytes, decoded, secrets redacted); empty
+    when its content coding cannot be decoded (its bytes are never shown)."""
     body = bytearray()
     try:
         async for chunk in response.chunks():
@@ -227,7 +242,9 @@ async def _read_error(response: UpstreamResponse) -> bytes:
                 break
     except TransportError:
         pass
-    return bytes(body[:ERROR_BODY_LIMIT])
+    except UnsupportedEncoding:
+        return b""
+    return response.redact(bytes(body))[:ERROR_BODY_LIMIT]
 
 
 async def open_upstream(client: UpstreamClient, url: str, body: bytes, headers: dict[str, str],
@@ -235,7 +252,8 @@ async def open_upstream(client: UpstreamClient, url: str, body: bytes, headers: 
     """POST `body` (on `pool`'s connections) and return the response once 2xx headers arrived
     (body not read yet).
 
-    Raises AttemptFailed: transport errors, 5xx, 429, the engine's "context too long", other 4xx.
+    Raises AttemptFailed: transport errors, 5xx, 429, the engine's "context too long", other 4xx,
+    a 200 whose content coding the gateway cannot decode (protocol_error, before any body byte).
     """
     try:
         response = await client.post(url, body, headers, timeout, pool)
@@ -243,6 +261,12 @@ async def open_upstream(client: UpstreamClient, url: str, body: bytes, headers: 
         raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} from {url}") from exc
     status = response.status_code
     if status == 200:
+        if "content-encoding" in response.headers:
+            try:
+                response.codings()
+            except UnsupportedEncoding as exc:
+                await response.aclose()
+                raise AttemptFailed(Outcome.PROTOCOL_ERROR, str(exc), answered=True) from None
         return response
     try:
         error_body = await _read_error(response)
@@ -275,7 +299,7 @@ async def first_chunk(response: UpstreamResponse) -> tuple[bytes, AsyncIterator[
         first = await anext(chunks, b"")
     except TransportError as exc:
         await response.aclose()
-        raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} before the first byte",
+        raise AttemptFailed(_classify_transport_error(exc), f"{_describe(exc)} before the first byte",
                             answered=True) from exc
     except BaseException:
         await response.aclose()
@@ -370,7 +394,7 @@ async def first_content(response: UpstreamResponse, hold: float | None,
                 while True:
                     chunk = await anext(chunks, b"")
                     if not chunk:
-                        if held and sse and _scan(held, scanned, len(held)):
+                        if held and sse and _scan(held, scanned, len(held), response.redact):
                             return held, chunks, True  # a whole answer whose last event lacks its blank line
                         raise AttemptFailed(Outcome.PROTOCOL_ERROR, "engine ended the stream before any content"
                                             if held else "engine answered 200 with an empty body", answered=True)
@@ -379,7 +403,7 @@ async def first_content(response: UpstreamResponse, hold: float | None,
                         return held, chunks, True
                     end = event_end(held)
                     if end > scanned:
-                        if _scan(held, scanned, end):
+                        if _scan(held, scanned, end, response.redact):
                             return held, chunks, True
                         scanned = end
                     if scanned > MAX_PARTIAL_EVENT:  # no engine sends that much before a token: fail over
@@ -394,7 +418,7 @@ async def first_content(response: UpstreamResponse, hold: float | None,
             raise
     except TransportError as exc:
         await response.aclose()
-        raise AttemptFailed(_classify_transport_error(exc), f"{type(exc).__name__} before any content",
+        raise AttemptFailed(_classify_transport_error(exc), f"{_describe(exc)} before any content",
                             answered=True) from exc
     except BaseException:
         await response.aclose()
@@ -404,8 +428,9 @@ async def first_content(response: UpstreamResponse, hold: float | None,
 _EVENT_BREAK = re.compile(rb"\r?\n\r?\n")
 
 
-def _scan(data: bytes, start: int, end: int) -> bool:
-    """True when an event of `data[start:end]` has content; raises AttemptFailed on an error event.
+def _scan(data: bytes, start: int, end: int, redact: Redactor) -> bool:
+    """True when an event of `data[start:end]` has content; raises AttemptFailed on an error event
+    (its payload with `redact`'s secrets taken out).
 
     Looks at one event at a time and stops at the first with content: an engine's first read often
     holds the whole answer, and splitting all of it cost ~10 % of the relay's CPU."""
@@ -416,7 +441,7 @@ def _scan(data: bytes, start: int, end: int) -> bool:
         if verdict is Held.CONTENT:
             return True
         if verdict is Held.ERROR:
-            raise _error_event(payload)
+            raise _error_event(redact(payload))
         if brk is None:
             break
         pos = brk.end()
@@ -452,7 +477,8 @@ class AnswerTooLarge(ValueError):
 async def read_rest(response: UpstreamResponse, first: bytes, chunks: AsyncIterator[bytes], limit: int) -> bytes:
     """The whole body of a non-streaming response, given its first chunk.
 
-    Raises TransportError if the engine fails midway, AnswerTooLarge above `limit` bytes.
+    Raises TransportError if the engine fails midway, AnswerTooLarge above `limit` bytes (DecodeError
+    when they are the decoded bytes of a content coding the engine applied unasked: its fault).
     """
     body = bytearray(first)
     async for chunk in chunks:
@@ -460,6 +486,8 @@ async def read_rest(response: UpstreamResponse, first: bytes, chunks: AsyncItera
             break
         body += chunk
     if len(body) > limit:
+        if "content-encoding" in response.headers and response.codings():
+            raise DecodeError(f"the engine's encoded answer decodes to more than {limit} bytes (max_body_bytes)")
         raise AnswerTooLarge(f"engine response is larger than {limit} bytes")
     return bytes(body)
 
@@ -517,6 +545,7 @@ class UpstreamStream:
         self.tap = SSETap(record.api)
         self.sse = response.headers.get("content-type", "").startswith("text/event-stream")
         self._strip_usage = strip_usage and self.sse  # the usage patch's second half (backends/patches.py)
+        self._redact = response.redact if response.redact else None
 
     async def body(self) -> AsyncIterator[bytes]:
         """Yield the upstream bytes unchanged (but for the usage patch's own chunk when
@@ -527,9 +556,11 @@ class UpstreamStream:
         mid-event never leaves the client a corrupt event. A failure, an end without
         `data: [DONE]`, or an event longer than `max_event` bytes (a line that never ends) is
         reported with one SSE error event and no `[DONE]`. A non-SSE body passes through as it
-        arrives.
+        arrives. Events that carry an error (`ERROR_KEY`) have the config's secrets
+        taken out.
         """
         tap = self.tap
+        redact = self._redact
         carry = b""
         long: bytearray | None = None  # an unfinished event over LONG_EVENT bytes (`_grow`)
         try:
@@ -553,6 +584,8 @@ class UpstreamStream:
                                 carry, for_client = b"", data
                         if for_client:
                             for_client = self._patched(for_client)
+                    if redact is not None and ERROR_KEY in for_client:
+                        for_client = redact(for_client)
                     if for_client:
                         yield for_client
                 if waiting:  # a long prefill: keep idle proxies from cutting the stream
@@ -584,7 +617,7 @@ class UpstreamStream:
                                           "incomplete.", api=self._record.api)
             else:
                 if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
-                    yield self._patched(carry)
+                    yield self._tail(carry)
                 self._ended(None)
         except EventTooLarge:
             self._broken(f"an SSE event of over {self._max_event} bytes without its end")
@@ -595,13 +628,13 @@ class UpstreamStream:
                 carry = bytes(long)
             if tap.done:
                 if carry:
-                    yield self._patched(carry)
+                    yield self._tail(carry)
                 self._ended(None)
                 return  # the answer was complete; only the connection's end was untidy
-            self._broken(f"{type(exc).__name__} mid-stream after {tap.events} events")
+            self._broken(f"{_describe(exc)} mid-stream after {tap.events} events")
             if tap.failed and not carry:  # the engine said why before it went: no second error event
                 return
-            why = self._aborted or f"The inference server failed mid-stream ({type(exc).__name__})"
+            why = self._aborted or f"The inference server failed mid-stream ({_describe(exc)})"
             yield sse_error_event(f"{why}; the response is incomplete.", api=self._record.api)
         finally:
             await self.aclose()
@@ -609,6 +642,11 @@ class UpstreamStream:
     def _patched(self, events: bytes) -> bytes:
         """Whole events as the client gets them: without the usage patch's own bytes when it is on."""
         return drop_usage_events(events) if self._strip_usage else events
+
+    def _tail(self, carry: bytes) -> bytes:
+        """The last, unfinished event as the client gets it (patched, an error's secrets out)."""
+        carry = self._patched(carry)
+        return self._redact(carry) if self._redact is not None and ERROR_KEY in carry else carry
 
     async def abort(self, why: str) -> None:
         """End the upstream response on the gateway's own decision (another leg of the attempt

@@ -145,7 +145,7 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
             record.status = status
         else:  # an engine's error in whatever shape it uses, as an OpenAI error object
             record.answered_with_error(status)
-            body = error_bytes_from_upstream(status, body, None, None)
+            body = error_bytes_from_upstream(status, state.upstream.redactor(body), None, None)
         # always JSON: never serve an engine's text/html from the gateway's origin
         return Response(body, status_code=status, media_type="application/json", headers=route)
     finally:

@@ -7,10 +7,12 @@ concurrent streams and 7 ms at 256 (its pool scans every connection per request)
 0.19-0.26 ms; h1.py 0.075-0.08 ms. Health probes and `/metrics` scrapes (a few per second) keep
 using httpx (`AppState.http`).
 
-`UpstreamResponse` hides the client from the relay: status, headers, the body as raw chunks
-(transfer decoding only: compression is refused, so bytes relay unchanged) and `aclose()`, which
-returns a fully read connection to the pool and closes any other, so the engine sees the client
-leave and aborts the request (vLLM and SGLang abort on disconnect).
+`UpstreamResponse` hides the client from the relay: status, headers, the body as identity chunks
+(transfer decoding, and the content coding an engine applied although it was asked for identity:
+`backends/encoding.py`, gzip and deflate, bounded), `redact` (the config's secrets out of an
+engine's error answer: `gateway/redact.py`) and `aclose()`, which returns a fully read connection
+to the pool and closes any other, so the engine sees the client leave and aborts the request
+(vLLM and SGLang abort on disconnect).
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from dataclasses import dataclass
 
 import httpx
 
+from gateway.backends.encoding import codings_of, decoded
 from gateway.backends.h1 import H1ConnectError, H1Error, H1Pool, H1Response
 from gateway.config import TimeoutConfig
+from gateway.redact import Redactor
 
+DEFAULT_MAX_DECODED_BYTES = 256 * 1024 * 1024  # GatewayConfig.max_decoded_bytes' default
 DEFAULT_KEEP_ALIVE_S = 4.0  # below the 5 s idle keep-alive of uvicorn (vLLM, SGLang) and cpp-httplib (llama.cpp)
 
 # What a failed exchange with an engine raises (every timeout is a TimeoutError too).
@@ -66,12 +71,16 @@ class _Body:
 
 
 class UpstreamResponse:
-    """An engine's answer once its headers arrived; the body is not read yet."""
+    """An engine's answer once its headers arrived; the body is not read yet. `redact` takes the
+    gateway's configured secrets out of bytes read from it (an engine's error answer)."""
 
-    __slots__ = ("_raw",)
+    __slots__ = ("_limit", "_raw", "redact")
 
-    def __init__(self, raw: H1Response) -> None:
+    def __init__(self, raw: H1Response, redact: Redactor | None = None,
+                 decoded_limit: int = DEFAULT_MAX_DECODED_BYTES) -> None:
         self._raw = raw
+        self._limit = decoded_limit
+        self.redact = redact if redact is not None else Redactor()
 
     @property
     def status_code(self) -> int:
@@ -82,9 +91,19 @@ class UpstreamResponse:
         """Response headers, by lower-case name."""
         return self._raw.headers
 
+    def codings(self) -> tuple[str, ...]:
+        """The content codings the engine applied to the body (`encoding.codings_of`); raises
+        UnsupportedEncoding for one the gateway cannot decode."""
+        return codings_of(self._raw.headers.get("content-encoding"))
+
     def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (each chunk non-empty); raises TransportError if the engine fails."""
-        return _Body(self._raw)
+        """The body as it arrives, decoded to identity (each chunk non-empty); raises TransportError
+        if the engine fails, DecodeError (a TransportError) for an encoded body that is broken or
+        decodes past the limit, UnsupportedEncoding (at once) for a coding it cannot decode."""
+        if "content-encoding" not in self._raw.headers:
+            return _Body(self._raw)
+        codings = self.codings()
+        return decoded(_Body(self._raw), codings, self._limit) if codings else _Body(self._raw)
 
     async def aclose(self) -> None:
         """Release a fully read response's connection for reuse; close any other (the engine sees
@@ -99,12 +118,18 @@ class UpstreamClient:
 
     A request that fails on a reused connection before any response byte, within a second of its
     sending (an idle close crossing it), is sent once more on a new connection (`H1Pool.post`).
+
+    `redactor` holds the config's secrets (applied by the relay to engines' error answers);
+    `decoded_limit` is the most bytes one encoded answer may decode to.
     """
 
-    def __init__(self, timeouts: TimeoutConfig, keep_alive: Mapping[str, float] | None = None) -> None:
+    def __init__(self, timeouts: TimeoutConfig, keep_alive: Mapping[str, float] | None = None,
+                 redactor: Redactor | None = None, decoded_limit: int = DEFAULT_MAX_DECODED_BYTES) -> None:
         self._timeouts = timeouts
         self._keep_alive = dict(keep_alive or {})
         self._pools: dict[str | None, H1Pool] = {}
+        self.redactor = redactor if redactor is not None else Redactor()
+        self._decoded_limit = decoded_limit
 
     async def start(self) -> None:
         for pool, seconds in [(None, DEFAULT_KEEP_ALIVE_S), *self._keep_alive.items()]:
@@ -116,7 +141,8 @@ class UpstreamClient:
         Raises TransportError."""
         client = self._pools.get(pool) or self._pools.get(None)
         assert client is not None, "UpstreamClient.start() was not called"
-        return UpstreamResponse(await client.post(url, body, headers, timeouts.connect, timeouts.read))
+        return UpstreamResponse(await client.post(url, body, headers, timeouts.connect, timeouts.read),
+                                self.redactor, self._decoded_limit)
 
     async def aclose(self) -> None:
         for client in self._pools.values():

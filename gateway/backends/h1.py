@@ -8,8 +8,8 @@ read (parser feed, stream buffer, flow control, timeout rescheduling), this one 
 after any 1xx interim ones (skipped), a body framed by chunked transfer coding, content-length or
 the connection's end, keep-alive reuse (RFC 9112 §9), TLS for https workers. Bytes after an
 answer's end close its connection (no pipelining: nobody asked for them). No transfer coding but
-chunked, no redirects, proxies, cookies or decompression (the relay refuses encoded answers it
-would have to decode).
+chunked, no redirects, proxies or cookies; content codings an engine applies although it was
+asked for identity are undone above it (`backends/encoding.py`, through `backends/client.py`).
 
 `H1Pool.post` returns an `H1Response` once the response head arrived. Its body is read with
 `chunks()`; `aclose()` returns a fully read keep-alive connection to the pool and closes any other

@@ -2,13 +2,13 @@
 shapes of the answers it builds itself (an engine's own error, the route headers).
 
 `BufferedResponse` is a complete answer (errors, non-streaming answers); `RelayResponse` an accepted
-upstream stream to relay. The checks of an engine's 200 (its content type, its content encoding,
-a non-streaming answer's JSON) live here too: they decide what the client may be shown.
+upstream stream to relay. The checks of an engine's 200 (its content type, a non-streaming
+answer's JSON) live here too: they decide what the client may be shown. (A content coding the
+engine applied is undone, or refused, by the engine client: backends/encoding.py.)
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -114,17 +114,6 @@ def relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
     if declared.partition(";")[0].strip().lower() == ("text/event-stream" if stream else "application/json"):
         return SSE_CONTENT_TYPE if stream else JSON_CONTENT_TYPE
     raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered 200 with content type {declared[:60]!r}")
-
-
-def passed_headers(response: UpstreamResponse) -> Headers:
-    """Upstream headers the client needs besides content-type (an encoding the engine applied).
-    Raises AttemptFailed (protocol_error) for an encoding that is not an HTTP token."""
-    encoding = response.headers.get("content-encoding")
-    if not encoding:
-        return []
-    if not re.fullmatch(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,40}", encoding.strip()):  # RFC 9110 token
-        raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered with content encoding {encoding[:60]!r}")
-    return [(b"content-encoding", encoding.strip().encode("ascii"))]
 
 
 def json_answer_usage(content: bytes, content_type: bytes) -> dict[str, Any] | None:

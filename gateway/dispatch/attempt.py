@@ -42,10 +42,8 @@ from gateway.backends.worker import Worker
 from gateway.config import PoolConfig, TimeoutConfig
 from gateway.dispatch.answers import (
     BufferedResponse,
-    Headers,
     RelayResponse,
     json_answer_usage,
-    passed_headers,
     relayed_content_type,
 )
 from gateway.errors import UpstreamError
@@ -250,26 +248,25 @@ class SingleLeg(Attempt):
                     first, rest = await first_chunk(response)
         except TimeoutError:
             raise timed_out(probe.moved, record.attempt_answered, header_wait, budget) from None
-        content_type, passed = self._accepted(response)
+        content_type = self._accepted(response)
         if request.stream:
-            return self._relay(holding, response, first, rest, content, content_type, passed)
+            return self._relay(holding, response, first, rest, content, content_type)
         mark_first_byte(record)
         try:
             answer = await read_rest(response, first, rest, state.config.max_body_bytes)
         except Exception as exc:
             raise self._broken(exc) from exc
-        return self._buffered(answer, content_type, passed)
+        return self._buffered(answer, content_type)
 
-    def _accepted(self, response: UpstreamResponse) -> tuple[bytes, Headers]:
-        """The engine's 200 checked: the client's content type and the headers passed on.
-        Raises AttemptFailed (protocol_error) for a type or encoding we must not relay."""
+    def _accepted(self, response: UpstreamResponse) -> bytes:
+        """The engine's 200 checked: the client's content type. Raises AttemptFailed
+        (protocol_error) for a type we must not relay."""
         content_type = relayed_content_type(response, self._request.stream)
-        passed = passed_headers(response)
         self._record.status = response.status_code
-        return content_type, passed
+        return content_type
 
     def _relay(self, holding: Holding, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes],
-               content: bool, content_type: bytes, passed: Headers) -> RelayResponse:
+               content: bool, content_type: bytes) -> RelayResponse:
         """Hand the stream over: from here the `UpstreamStream` owns the slot and the response."""
         record = self._record
         if content:
@@ -277,18 +274,17 @@ class SingleLeg(Attempt):
         stream = UpstreamStream(response, first, rest, holding.hand_over(), record, not content,
                                 self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage,
                                 self._state.config.max_body_bytes)
-        return RelayResponse(stream, content_type, passed)
+        return RelayResponse(stream, content_type)
 
-    def _buffered(self, answer: bytes, content_type: bytes, passed: Headers) -> BufferedResponse:
-        """A whole non-streaming answer; its usage is read for the record (an encoded answer is
-        relayed as it is, unread). A cut or broken JSON answer is the engine's failure."""
-        if not passed:
-            try:
-                self._record.usage = json_answer_usage(answer, content_type)
-            except ValueError as exc:
-                raise self._broken(exc) from exc
+    def _buffered(self, answer: bytes, content_type: bytes) -> BufferedResponse:
+        """A whole non-streaming answer (identity bytes); its usage is read for the record. A cut or
+        broken JSON answer is the engine's failure."""
+        try:
+            self._record.usage = json_answer_usage(answer, content_type)
+        except ValueError as exc:
+            raise self._broken(exc) from exc
         self._ended(None)
-        return BufferedResponse(200, answer, content_type, passed)
+        return BufferedResponse(200, answer, content_type)
 
     def _broken(self, exc: Exception) -> UpstreamError:
         """The error for a non-streaming answer that broke after the engine accepted the request

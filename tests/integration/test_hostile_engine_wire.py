@@ -1,12 +1,13 @@
 """The real gateway in front of scripted engines that speak odd or hostile HTTP/1.1 on loopback:
-interim answers, bytes after an answer's end, compressed answers, a slow-loris head, a client
-that leaves mid-stream. (The client itself, alone: tests/integration/test_h1_client.py.)"""
+interim answers, bytes after an answer's end, compressed answers (decoded, bounded, or refused), a
+slow-loris head, a client that leaves mid-stream. (The client itself, alone: tests/integration/test_h1_client.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
 import threading
+import zlib
 from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
@@ -176,28 +177,133 @@ def test_a_client_that_leaves_mid_stream_closes_the_engines_connection(start_gat
     assert len(engine.post_connections) == 2  # the cut stream's connection never went back to the pool
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_compressed_answer_is_relayed_unread_or_refused(start_gateway: StartGateway, engines,
-                                                          stream: bool) -> None:
-    """The gateway asks for identity; an engine that compresses anyway has its JSON answer passed on
-    with its content-encoding (bytes unchanged), its stream refused (the SSE tap cannot read it)."""
+def gzip_flushed(*parts: bytes) -> list[bytes]:
+    """`parts` gzip-encoded as one gzip stream, each part flushed into its own piece (as a server
+    that compresses an SSE stream flushes per event)."""
+    encoder = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    pieces = [encoder.compress(part) + encoder.flush(zlib.Z_SYNC_FLUSH) for part in parts]
+    pieces[-1] += encoder.flush()
+    return pieces
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_a_compressed_answer_is_decoded_for_the_client(start_gateway: StartGateway, engines, coding: str) -> None:
+    """The gateway asks for identity; an engine that compresses anyway has its answer decoded: the
+    client gets identity bytes (no content-encoding) and the gateway reads its usage."""
+    body = gzip.compress(JSON) if coding == "gzip" else zlib.compress(JSON)
+
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
-        if stream:
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
-                         b"transfer-encoding: chunked\r\n\r\n" + chunked(gzip.compress(SSE)))
-        else:
-            body = gzip.compress(JSON)
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: %s\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (coding.encode(), len(body), body))
 
     engine = engines(answer)
     gw = gateway_for(start_gateway, engine)
-    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+    with httpx.Client(timeout=10) as client:
+        response = client.post(gw.v1 + "/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert "content-encoding" not in response.headers and response.content == JSON
+    gw.wait_for_metric('kimi_gateway_tokens_total{kind="completion",pool="p"}', lambda n: n == 1)  # usage read
+
+
+def test_a_gzip_stream_is_decoded_event_by_event(start_gateway: StartGateway, engines) -> None:
+    """A gzip-encoded SSE stream reaches the client decoded as the engine flushes: its first event
+    before the engine sends the rest (it waits for the client to have read it)."""
+    first, rest = SSE.split(b"\n\n", 1)
+    pieces = gzip_flushed(first + b"\n\n", rest)
+    client_has_first = threading.Event()
+    waited: list[bool] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(pieces[0]), pieces[0]))
+        await writer.drain()
+        waited.append(await asyncio.to_thread(client_has_first.wait, 5))
+        if waited[-1]:  # else the stream stays cut: the client never got its first event on its own
+            writer.write(chunked(pieces[1]))
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    lines = []
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        assert response.status_code == 200 and "content-encoding" not in response.headers
+        for line in response.iter_lines():
+            lines.append(line)
+            if "hello" in line:
+                client_has_first.set()
+    assert waited == [True] and [line for line in lines if line][-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_compressed_answer_that_decodes_past_the_limit_is_refused(start_gateway: StartGateway, engines,
+                                                                    stream: bool) -> None:
+    """A gzip bomb (about 50 KiB that decode to 50 MiB) is decoded only up to `max_decoded_bytes`:
+    a non-streaming answer is a 502 saying so, a stream ends with an error event saying so."""
     if stream:
-        assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_error"
+        event = SSE.split(b"\n\n")[0] + b"\n\n"
+        bomb = gzip.compress(event * (50 * 1024 * 1024 // len(event)))
     else:
-        assert response.status_code == 200 and response.headers["content-encoding"] == "gzip"
-        assert response.content == JSON  # httpx decoded the engine's own bytes
+        bomb = gzip.compress(JSON[:-1] + b" " * (50 * 1024 * 1024))
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-encoding: gzip\r\n"
+                     b"content-length: %d\r\n\r\n%s"
+                     % (b"text/event-stream" if stream else b"application/json", len(bomb), bomb))
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine, max_decoded_bytes=1 << 20)
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
+    assert "content-encoding" not in response.headers
+    if stream:
+        assert response.status_code == 200 and len(response.content) < 2 << 20
+        last = response.text.strip().split("\n\n")[-1]
+        assert "decodes to more than 1048576 bytes" in last and "[DONE]" not in response.text
+    else:
+        assert response.status_code == 502 and response.json()["error"]["code"] == "upstream_error"
+        assert "decodes to more than 1048576 bytes" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("stream", "api"), [(False, "chat"), (True, "chat"), (True, "messages")])
+@pytest.mark.parametrize("coding", ["br", "zstd", "compress"])
+def test_an_encoding_the_gateway_cannot_decode_is_refused_before_content(
+        start_gateway: StartGateway, engines, stream: bool, api: str, coding: str) -> None:
+    """No decoder for it (brotli and zstandard are not installed with the gateway): the attempt fails
+    at the engine's headers, before any body byte, and the client gets an error in its API's shape
+    naming the encoding, never the engine's bytes."""
+    garbage = b"\x8b\x07\x80ENCODED\x03"
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-encoding: %s\r\n"
+                     b"content-length: %d\r\n\r\n%s"
+                     % (b"text/event-stream" if stream else b"application/json", coding.encode(), len(garbage),
+                        garbage))
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    path = "/messages" if api == "messages" else "/chat/completions"
+    response = httpx.post(gw.v1 + path, json={**CHAT, "stream": stream}, timeout=10)
+    assert response.status_code == 502 and "content-encoding" not in response.headers
+    assert b"ENCODED" not in response.content
+    body = response.json()
+    if api == "messages":
+        assert body["type"] == "error" and body["error"]["type"] == "api_error"
+    else:
+        assert body["error"]["code"] == "upstream_error"
+    assert f"Content-Encoding: {coding} although the gateway asked for identity" in body["error"]["message"]
+
+
+def test_a_compressed_error_answer_is_relayed_decoded(start_gateway: StartGateway, engines) -> None:
+    body = gzip.compress(b'{"object":"error","message":"max_tokens must be at least 1","type":"BadRequestError",'
+                         b'"param":null,"code":400}')
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        writer.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    response = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert response.status_code == 400 and "content-encoding" not in response.headers
+    assert response.json()["error"]["message"] == "max_tokens must be at least 1"
 
 
 def test_a_client_that_leaves_before_the_answers_head_closes_the_engines_connection(

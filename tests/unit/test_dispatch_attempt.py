@@ -23,6 +23,7 @@ from gateway.dispatch.service import ProxyService
 from gateway.errors import NoCapacity, UpstreamError
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestOutcome, RequestRecord
+from gateway.redact import Redactor
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Holding, Outcome
@@ -47,6 +48,7 @@ class Answer:
                  log: list[str] | None = None) -> None:
         self.status_code = status
         self.headers: Mapping[str, str] = {"content-type": content_type}
+        self.redact = Redactor()  # no secrets configured
         self._chunks = chunks
         self.closed = 0
         self._log = log
