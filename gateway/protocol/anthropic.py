@@ -13,7 +13,10 @@ integer); unknown fields and block types are kept and forwarded to the engine un
 from a Messages request (vLLM's `entrypoints/anthropic/serving.py` and SGLang's
 `srt/entrypoints/anthropic/serving.py` translate it into their chat request, read 2026-11):
 `system` first as one system message (its text blocks joined by a newline, as SGLang joins them;
-vLLM joins them with nothing), then each turn in order; a user turn's `tool_result` blocks become
+vLLM joins them with nothing), then each turn in order (a `system` turn among them stays a system
+message in its place, as llama.cpp renders it and vLLM and SGLang do when the chat template can
+place it: prefix hashes then change only at the end of a growing conversation, which is why vLLM
+keeps it there rather than hoisting it into the leading system prompt); a user turn's `tool_result` blocks become
 `tool` messages (in place, before the rest of that turn's blocks; text blocks joined by newlines,
 with images as parts), an assistant turn's `tool_use` blocks become its `tool_calls` (arguments
 as Python's `json.dumps` writes them, as both engines do), images become `image_url` parts (a
@@ -134,7 +137,17 @@ ContentBlock = Annotated[
 
 
 class Message(_Open):
-    role: Literal["user", "assistant"]
+    """One turn of `messages`. Besides `user` and `assistant`, a `system` turn anywhere in the list:
+    Claude Code 2.1 sends one mid-conversation (a system reminder). Current vLLM (its
+    `entrypoints/anthropic/inline_system.py`: kept in place, or folded into the neighbouring user
+    turn when the chat template cannot place it), SGLang (`srt/entrypoints/anthropic/
+    request_conversion.py`: kept in place, or merged into the leading system message) and llama.cpp's
+    server (`tools/server/server-chat.cpp`, `server_chat_convert_anthropic_to_oai`: every role passed on
+    as it is) accept it, so the gateway forwards it unchanged and lets the engine place it for its
+    template. Any other non-empty role is forwarded too (llama.cpp passes it to its template; vLLM
+    and SGLang answer their own 400), never refused here."""
+
+    role: StrictStr = Field(min_length=1)
     content: StrictStr | list[ContentBlock]
 
 
@@ -204,6 +217,11 @@ def _system_message(system: str | list[TextBlock] | None) -> list[dict[str, Any]
     return [{"role": "system", "content": text}] if text else []
 
 
+# Roles read as themselves in the canonical conversation; another role (forwarded unchanged) is read
+# as a user turn there: its text is still counted and hashed.
+_CANONICAL_ROLES = frozenset({"user", "assistant", "system"})
+
+
 def to_chat(request: CountTokensRequest) -> dict[str, Any]:
     """The chat request (`messages`, `tools`, and for a `MessagesRequest` `max_tokens`, `stream`,
     `user`) a Messages request stands for; see the module docstring for the canonical form. The
@@ -211,8 +229,9 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
     messages = _system_message(request.system)
     for turn in request.messages:
         content = turn.content
+        role = turn.role if turn.role in _CANONICAL_ROLES else "user"
         if isinstance(content, str):
-            messages.append({"role": turn.role, "content": content})
+            messages.append({"role": role, "content": content})
             continue
         parts: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []
@@ -235,7 +254,7 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         if results and not parts and not calls and not reasoning:
             continue  # a user turn of tool results only
         # A turn of unmodelled blocks only (a PDF `document`) stays, empty: the engine reads it.
-        message: dict[str, Any] = {"role": turn.role, "content": parts or ("" if turn.role == "user" else None)}
+        message: dict[str, Any] = {"role": role, "content": parts or (None if role == "assistant" else "")}
         if len(parts) == 1 and parts[0]["type"] == "text":
             message["content"] = parts[0]["text"]  # one text block renders as a plain string turn
         if calls:

@@ -3,7 +3,8 @@
 Served by the simulated engines at `api_version` "current" (vLLM's `vllm/entrypoints/anthropic`
 layer, SGLang's `srt/entrypoints/anthropic` since 2026-02); "legacy" engines answer 404 as those
 releases did. Like the engines, the simulator serves the request as its chat request (system
-first as a system message, then the turns; tool results as tool messages, tool uses as tool calls
+first as a system message, then the turns, a mid-conversation `system` turn as a system message in
+its place; tool results as tool messages, tool uses as tool calls
 with `json.dumps` arguments, images as image parts, thinking left out), so prompt tokens and
 prefix-cache blocks are those of the equivalent chat request: a conversation alternating between
 the two APIs hits the same cached blocks.
@@ -25,18 +26,39 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import orjson
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gateway.sim.tokens import PromptError
+from gateway.sim.tokens import PromptError, engine_errors
 
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+_ROLES = ("user", "assistant", "system")
+
+
+class _EngineTurn(BaseModel):
+    """A turn's role as vLLM's and SGLang's `AnthropicMessage` types it now: `user`, `assistant` and
+    `system` (a system turn mid-conversation, which Claude Code 2.1 sends: vLLM
+    `entrypoints/anthropic/inline_system.py`, SGLang `srt/entrypoints/anthropic/request_conversion.py`).
+    Another role fails their FastAPI body validation (a 400 in their OpenAI shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user", "assistant", "system"]
+
+
+class _EngineTurns(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    messages: list[_EngineTurn]
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages an Anthropic request stands for, as the engines build them. Raises
-    PromptError for a malformed `system` or `messages`."""
+    """The chat messages an Anthropic request stands for, as the engines build them; a `system` turn
+    stays a system message in its place (vLLM and SGLang do so when the chat template can place it,
+    else they fold or merge it: the simulator has no template, so it keeps it). A role other than
+    user, assistant or system raises FieldValidationError, as their pydantic request model refuses
+    it (llama.cpp, which passes every role on, is not simulated: tests/e2e runs the real one).
+    Raises PromptError for a malformed `system` or `messages`."""
     system = body.get("system")
     out: list[dict[str, Any]] = []
     if isinstance(system, str):
@@ -53,9 +75,14 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise PromptError("messages: Field required (a non-empty list)")
+    if not all(isinstance(t, dict) and t.get("role") in _ROLES for t in messages):
+        try:
+            _EngineTurns.model_validate({"messages": messages})
+        except ValidationError as exc:
+            raise engine_errors(exc) from None
     for turn in messages:
-        if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
-            raise PromptError("each message needs role 'user' or 'assistant'")
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not turn["role"]:
+            raise PromptError("each message needs a role")
         content = turn.get("content")
         if isinstance(content, str):
             out.append({"role": turn["role"], "content": content})
