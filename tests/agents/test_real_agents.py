@@ -18,7 +18,10 @@ their environment variables and flags below, and each run is bounded by a subpro
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
+import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -50,11 +53,27 @@ def agent(name: str) -> str:
     return str(path)
 
 
+_ADDRESS = re.compile(r'inet_addr\("([^"]+)"\)|inet_pton\(AF_INET6, "([^"]+)"')
+
+
 def run_agent(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run an agent to completion with no standard input and only `env` (plus PATH)."""
+    """Run an agent to completion with no standard input and only `env` (plus PATH), under
+    `strace` (its socket calls), then assert it addressed nothing but loopback: no update check,
+    telemetry, plugin sync or DNS lookup (a resolver is a non-loopback address). Without strace
+    that check is skipped, except under CI (`.ci/run` installs it)."""
     base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "NO_COLOR": "1"}
-    return subprocess.run(args, cwd=cwd, env={**base, **env}, stdin=subprocess.DEVNULL, capture_output=True,
-                          text=True, timeout=AGENT_TIMEOUT)
+    strace = shutil.which("strace")
+    if strace is None and os.environ.get("CI"):
+        pytest.fail("strace is not installed; .ci/run must install it")
+    trace = cwd.parent / "sockets.strace"
+    prefix = [strace, "-f", "-qq", "-e", "trace=connect,sendto,sendmsg,sendmmsg", "-o", str(trace)] if strace else []
+    done = subprocess.run([*prefix, *args], cwd=cwd, env={**base, **env}, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=AGENT_TIMEOUT)
+    if strace:
+        addressed = {a or b for a, b in _ADDRESS.findall(trace.read_text(errors="replace"))}
+        assert addressed, "strace saw no socket call: the agent cannot have reached the gateway"
+        assert all(ipaddress.ip_address(a).is_loopback for a in addressed), addressed
+    return done
 
 
 @pytest.fixture
@@ -120,6 +139,7 @@ def test_codex_runs_a_tool_through_the_gateway(scripted: tuple[RunningGateway, R
         "-c", "model_providers.kimi.env_key=KIMI_API_KEY",
         "-c", "model_providers.kimi.wire_api=responses",
         "-c", "analytics.enabled=false", "-c", "check_for_update_on_startup=false",
+        "-c", "features.plugins=false",  # else it syncs its plugin marketplace from GitHub at start
     ]
     env = {"HOME": str(home), "CODEX_HOME": str(home / "codex"), "KIMI_API_KEY": "sk-kimi-test"}
     done = run_agent([codex, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
