@@ -7,7 +7,8 @@ Shapes follow https://docs.claude.com/en/api/messages (`POST /v1/messages`) and
 `url` source, `tool_use`, `tool_result`, `thinking`, `redacted_thinking`, `document`...), an optional
 top-level `system` (a string or text blocks), `max_tokens` (required on `/v1/messages`, absent on
 count_tokens), `stream`, `tools`. Validation is as strict as the OpenAI models (`"5"` is not an
-integer); unknown fields and block types are kept and forwarded to the engine unchanged.
+integer); unknown fields and block types are kept and forwarded to the engine unchanged, but
+for `search_result` and plain-text `document` blocks, which `portable_blocks` turns into text.
 
 `to_chat(request)` is the canonical conversation routing reads: the chat messages the engines build
 from a Messages request (vLLM's `entrypoints/anthropic/serving.py` and SGLang's
@@ -273,6 +274,93 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         if request.metadata is not None and request.metadata.user_id is not None:
             chat["user"] = request.metadata.user_id
     return chat
+
+
+def _search_result_text(block: dict[str, Any]) -> str:
+    """A `search_result` block as SGLang renders it (`srt/entrypoints/anthropic/request_conversion.py`,
+    `_text_from_search_result`): `Title: …`, `Source: …` (a URL, or the source's text), `Content: …`
+    (its text blocks, newline-joined), each line only when present."""
+    lines: list[str] = []
+    if title := block.get("title"):
+        lines.append(f"Title: {title}")
+    source = block.get("source")
+    if isinstance(source, dict):
+        if named := source.get("url") or source.get("text"):
+            lines.append(f"Source: {named}")
+    elif source:
+        lines.append(f"Source: {source}")
+    content = block.get("content")
+    texts = [content] if isinstance(content, str) else [
+        part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text"
+        and isinstance(part.get("text"), str) and part["text"]] if isinstance(content, list) else []
+    if texts:
+        lines.append("Content: " + "\n".join(texts))
+    return "\n".join(lines)
+
+
+def _document_text(block: dict[str, Any]) -> str | None:
+    """A text document's words (a `text` source's `data`, or a `content` source of text blocks only),
+    after its `Title: …` and `context` lines; None for any other document (a PDF, a file id, images)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        return None
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        body = source["data"]
+    elif source.get("type") == "content" and isinstance(source.get("content"), list) and all(
+            isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+            for b in source["content"]):
+        body = "\n".join(b["text"] for b in source["content"])
+    else:
+        return None
+    head = [f"Title: {block['title']}"] if isinstance(block.get("title"), str) and block["title"] else []
+    if isinstance(block.get("context"), str) and block["context"]:
+        head.append(block["context"])
+    return "\n".join([*head, body])
+
+
+def _as_text(block: dict[str, Any], text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "text", "text": text}
+    if "cache_control" in block:
+        out["cache_control"] = block["cache_control"]
+    return out
+
+
+def portable_blocks(payload: dict[str, Any]) -> int:
+    """Rewrite, in place, the content blocks that some engine kinds refuse or drop into the text an
+    engine that reads them renders, so that every engine sees their words; returns how many.
+
+    - `search_result` (a tool's cited search hit): SGLang renders it as text (see
+      `_search_result_text`), vLLM 0.33.0 refuses the block type (400), llama.cpp's server drops it
+      unread. As SGLang's text it means the same to SGLang and reaches the other two.
+    - `document` of plain text (a `text` or text-only `content` source): vLLM and SGLang refuse the
+      type, llama.cpp drops it; as a text block (title, context, then the text) all three read it.
+      A PDF, file or image document is left as it is: no engine reads it, and its words cannot be
+      had without a PDF reader (the engine's own 400, or llama.cpp's silence, says so).
+
+    Both in a turn's `content` and inside a `tool_result`'s `content`; `cache_control` is kept.
+    Anything malformed is left for the request's validation to refuse."""
+    rewritten = 0
+
+    def walk(blocks: list[Any]) -> None:
+        nonlocal rewritten
+        for i, block in enumerate(blocks):
+            if not isinstance(block, dict):
+                continue
+            kind = block.get("type")
+            if kind == "tool_result" and isinstance(block.get("content"), list):
+                walk(block["content"])
+            elif kind == "search_result":
+                blocks[i] = _as_text(block, _search_result_text(block))
+                rewritten += 1
+            elif kind == "document" and (text := _document_text(block)) is not None:
+                blocks[i] = _as_text(block, text)
+                rewritten += 1
+
+    messages = payload.get("messages")
+    for turn in messages if isinstance(messages, list) else []:
+        if isinstance(turn, dict) and isinstance(turn.get("content"), list):
+            walk(turn["content"])
+    return rewritten
 
 
 def openai_usage(usage: dict[str, Any]) -> dict[str, Any]:

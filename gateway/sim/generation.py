@@ -198,7 +198,7 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
     step = sc.next_step(engine.script, "messages", body) if anthropic == "messages" else None
     try:
         if anthropic is not None:
-            body = _as_chat(body, anthropic == "messages")
+            body = _as_chat(body, anthropic == "messages", engine.config.engine == "sglang")
         plan = _plan(engine, kind, body, stream)
     except FieldValidationError as exc:
         await responder.reply(dialect.validation_error(str(exc)))
@@ -273,14 +273,14 @@ async def _reply_context_error(responder: _Responder, error: ErrorReply) -> None
     await responder.end_stream()
 
 
-def _as_chat(body: dict[str, Any], needs_max_tokens: bool) -> dict[str, Any]:
+def _as_chat(body: dict[str, Any], needs_max_tokens: bool, sglang: bool) -> dict[str, Any]:
     """An Anthropic request as the chat request the engine serves it as, with `max_tokens` as the
     integer the engine's `AnthropicMessagesRequest` read (5.0 is 5). Raises PromptError (400), and
     FieldValidationError for a Messages `max_tokens` that model refuses: missing ("Field
     required"), not an integer (5.5) or not positive."""
     max_tokens = messages_max_tokens(body) if needs_max_tokens else None
     chat = {k: v for k, v in body.items() if k not in ("system", "stream")}
-    chat["messages"] = a.chat_messages(body)
+    chat["messages"] = a.chat_messages(body, sglang)
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
     return chat

@@ -98,7 +98,7 @@ class _ResponsesLimit(BaseModel):
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n")
 
 
-def engine_errors(exc: ValidationError) -> FieldValidationError:
+def _engine_errors(exc: ValidationError) -> FieldValidationError:
     """pydantic's errors as FastAPI reports them for a request body: `loc` starts with "body"."""
     return FieldValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)])
 
@@ -114,7 +114,7 @@ def engine_ints(body: dict[str, Any], chat: bool = True) -> dict[str, int | None
     try:
         model = _EngineInts.model_validate(values)
     except ValidationError as exc:
-        raise engine_errors(exc) from None
+        raise _engine_errors(exc) from None
     return {name: getattr(model, name) for name in _INT_FIELDS}
 
 
@@ -127,7 +127,7 @@ def responses_output_limit(body: dict[str, Any]) -> int | None:
     try:
         return _ResponsesLimit.model_validate({"max_output_tokens": value}).max_output_tokens
     except ValidationError as exc:
-        raise engine_errors(exc) from None
+        raise _engine_errors(exc) from None
 
 
 def messages_max_tokens(body: dict[str, Any]) -> int:
@@ -140,7 +140,7 @@ def messages_max_tokens(body: dict[str, Any]) -> int:
     try:
         return _MessagesMaxTokens.model_validate(body if value is _MISSING else {"max_tokens": value}).max_tokens
     except ValidationError as exc:
-        raise engine_errors(exc) from None
+        raise _engine_errors(exc) from None
 
 
 _MISSING = object()
