@@ -139,12 +139,14 @@ ContentBlock = Annotated[
 
 class Message(_Open):
     """One turn of `messages`. Besides `user` and `assistant`, a `system` turn anywhere in the list:
-    Claude Code 2.1 sends one mid-conversation (a system reminder). Current vLLM (its
-    `entrypoints/anthropic/inline_system.py`: kept in place, or folded into the neighbouring user
-    turn when the chat template cannot place it), SGLang (`srt/entrypoints/anthropic/
-    request_conversion.py`: kept in place, or merged into the leading system message) and llama.cpp's
-    server (`tools/server/server-chat.cpp`, `server_chat_convert_anthropic_to_oai`: every role passed on
-    as it is) accept it, so the gateway forwards it unchanged and lets the engine place it for its
+    Claude Code 2.1 sends one mid-conversation (a system reminder). vLLM (0.33.0
+    `entrypoints/anthropic/protocol.py` types the role user/assistant/system; its `serving.py` keeps
+    the turn in place when the chat template renders a late system message, else merges it into the
+    leading system prompt; its main branch's `inline_system.py` folds it into the neighbouring user
+    turn instead), SGLang (0.5.23 `srt/entrypoints/anthropic/protocol.py` and `serving.py`: the same
+    role type, kept in place or merged by the same template test) and llama.cpp's server
+    (`tools/server/server-chat.cpp`, `server_chat_convert_anthropic_to_oai`: every role passed on as it
+    is) accept it, so the gateway forwards it unchanged and lets the engine place it for its
     template. Any other non-empty role is forwarded too (llama.cpp passes it to its template; vLLM
     and SGLang answer their own 400), never refused here."""
 
@@ -277,7 +279,7 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
 
 
 def _search_result_text(block: dict[str, Any]) -> str:
-    """A `search_result` block as SGLang renders it (`srt/entrypoints/anthropic/request_conversion.py`,
+    """A `search_result` block as SGLang renders it (0.5.23 `srt/entrypoints/anthropic/serving.py`,
     `_text_from_search_result`): `Title: …`, `Source: …` (a URL, or the source's text), `Content: …`
     (its text blocks, newline-joined), each line only when present."""
     lines: list[str] = []
