@@ -1,5 +1,5 @@
 """The real coding agents, from the npm registry, run non-interactively through the gateway to a
-simulated vLLM worker that follows a script (`POST /sim/script`, gateway.sim.script): the model asks
+simulated vLLM or SGLang worker that follows a script (`POST /sim/script`, gateway.sim.script): the model asks
 for one shell command, the agent runs it and sends its output back, the model answers with text.
 
 - Claude Code (`claude -p`, Anthropic Messages API on `/v1/messages?beta=true`; it sends a `system`
@@ -76,11 +76,14 @@ def run_agent(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Com
     return done
 
 
-@pytest.fixture
-def scripted(start_sim: StartSim, start_gateway: StartGateway) -> tuple[RunningGateway, RunningSim]:
-    """A gateway in front of one simulated vLLM worker (262K context: the agents ask for 32K output)."""
-    sim = start_sim("vllm", max_context_tokens=262144)
-    gw = start_gateway([pool("vllm-256k", "vllm", [sim.url], 262144)])
+@pytest.fixture(params=["vllm", "sglang"])
+def scripted(request: pytest.FixtureRequest, start_sim: StartSim,
+             start_gateway: StartGateway) -> tuple[RunningGateway, RunningSim]:
+    """A gateway in front of one simulated vLLM or SGLang worker (each refuses the shapes its engine
+    refuses; 262K context: the agents ask for 32K output)."""
+    engine = request.param
+    sim = start_sim(engine, max_context_tokens=262144)
+    gw = start_gateway([pool(f"{engine}-256k", engine, [sim.url], 262144)])
     return gw, sim
 
 
