@@ -12,21 +12,23 @@ yet all of step i's. Past the last step, or with no script, the engine answers a
 
 Only `/v1/messages` and `/v1/responses` follow the script, in the engines' own shapes:
 
-- Messages (vLLM `entrypoints/anthropic/serving.py`, SGLang `srt/entrypoints/anthropic/serving.py`):
+- Messages (vLLM 0.33.0 `vllm/entrypoints/anthropic/serving.py`, SGLang `srt/entrypoints/anthropic/serving.py`):
   streamed, `message_start`, a text block (`content_block_start` / `text_delta`s /
   `content_block_stop`) when there is text, then per call `content_block_start` with
   `{"type": "tool_use", "id", "name", "input": {}}`, its arguments as `input_json_delta`
   `partial_json` pieces, `content_block_stop`; `message_delta` with `stop_reason` `tool_use` (or
   `end_turn`), `message_stop` (vLLM then `data: [DONE]`). Not streamed: one `message` with the
   text and `tool_use` blocks.
-- Responses (vLLM `entrypoints/openai/serving_responses.py`): per call an output item
+- Responses (vLLM 0.33.0 `vllm/entrypoints/openai/responses/streaming_events.py`): per call an output item
   `{"type": "function_call", "id": "fc_…", "call_id", "name", "arguments", "status"}`, streamed as
   `response.output_item.added` (empty arguments), `response.function_call_arguments.delta` pieces,
   `response.function_call_arguments.done`, `response.output_item.done`; text as the usual message
   item. The final `response.completed` lists every item.
 
 Call ids are the step's own (`id`) or `toolu_sim_{step}_{call}` (Messages) / `call_sim_{step}_{call}`
-(Responses). Each text word and each ~8-character argument piece counts as one output token.
+(Responses), item ids `fc_` + the call id: deterministic where vLLM draws `fc_<uuid>` / `call_<uuid>`,
+so a test can name the result it expects back. Each text word and each ~8-character argument piece
+counts as one output token.
 """
 
 from __future__ import annotations
