@@ -7,11 +7,15 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
 from gateway.logs import setup_logging
+
+if TYPE_CHECKING:
+    from gateway.plans.safety import Finding
 
 REPO_CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 
@@ -85,11 +89,35 @@ def _check_production_safety(path: str, config: GatewayConfig, strict: bool) -> 
 
     from gateway.plans.safety import production_findings, read_tree
 
-    findings = production_findings(read_tree(path), config, os.environ)
+    findings = production_findings(read_tree(path), config, os.environ) + _redis_cluster_findings(config)
     for finding in findings:
         print(f"warning: {finding}")
     if findings and strict:
         sys.exit(f"check-config --strict: {len(findings)} warning(s) in {path}")
+
+
+def _redis_cluster_findings(config: GatewayConfig) -> list[Finding]:
+    """A finding when a plain `redis://` URL names a Redis Cluster node (asked with `INFO cluster`, 1 s at
+    most; an unreachable Redis says nothing): the gateway's connections would refuse that node. The
+    probe runs in a daemon thread given 1.5 s: a name lookup that hangs holds no exit."""
+    import asyncio
+    import threading
+
+    from gateway.plans.safety import Finding
+    from gateway.redis_cluster import probe_cluster_node
+
+    url = config.redis_url
+    if not url:
+        return []
+    answer: list[bool | None] = []
+    probe = threading.Thread(target=lambda: answer.append(asyncio.run(probe_cluster_node(url))), daemon=True)
+    probe.start()
+    probe.join(1.5)
+    if not answer or not answer[0]:
+        return []
+    return [Finding("redis_url", "this Redis is a Redis Cluster node (INFO cluster: cluster_enabled:1): a plain "
+                                 "redis:// URL reaches only its own slots' keys, so the gateway refuses it; "
+                                 "give the nodes as redis+cluster://host:port[,host:port...]")]
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -398,6 +398,14 @@ class TimeoutConfig(_Strict):
         "once the request is tokenized, before the prefill. A worker that sent no headers is not generating: the "
         "request moves to another worker and the timeout counts toward the worker's outlier ejection",
     )
+    prefill_first_byte: float | None = Field(
+        default=None, gt=0,
+        description="PD pools: seconds a prefill worker may take to answer its leg (the prompt's KV cache and one "
+        "token; its headers come with that answer) for a short prompt, plus `first_byte_per_1k_tokens` per 1,000 "
+        "prompt tokens, whether the client streams or not. A prefill worker that has not answered by then fails "
+        "the attempt against it (it counts toward outlier ejection) and the request goes to another prefill "
+        "worker or pool. None: `first_byte_base`, a stream's first-content budget",
+    )
     generation: float = Field(
         default=60.0, gt=0,
         description="non-streaming: fixed time for the answer beyond the first-byte budget, before the per-token "
@@ -828,7 +836,8 @@ class GatewayConfig(_Strict):
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes")
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes; also the "
+                                "largest non-streamed answer and the longest SSE event relayed")
     max_header_bytes: int = Field(
         default=64 * 1024, ge=1024, description="request line + headers limit, bytes (431 above it)"
     )
@@ -845,7 +854,9 @@ class GatewayConfig(_Strict):
                                  description="parse processes per serving process, started on first use")
     redis_url: str | None = Field(
         default=None, description="redis://, rediss:// or unix:// URL (redis-py's schemes), or "
-        "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...]",
+        "redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?sentinel_password=...], "
+        "or a Redis Cluster: redis+cluster://[[user]:password@]host[:port][,host[:port]...] "
+        "(rediss+cluster:// for TLS)",
     )
     redis: RedisSentinelConfig | None = Field(
         default=None, description="Redis behind Sentinel, as a block (instead of a redis+sentinel:// redis_url)"
@@ -871,8 +882,14 @@ class GatewayConfig(_Strict):
 
             parse_sentinel_url(url)  # ValueError says what is wrong (never echoes the password)
             return url
+        if re.match(r"^rediss?\+cluster:", url, re.IGNORECASE):
+            from gateway.redis_cluster import parse_cluster_url
+
+            parse_cluster_url(url)  # ValueError says what is wrong (never echoes the password)
+            return url
         if not re.match(r"^(redis|rediss|unix):\S+$", url, re.IGNORECASE):
-            raise ValueError(f"must be a redis://, rediss://, unix:// or redis+sentinel:// URL, got {url[:80]!r}")
+            raise ValueError("must be a redis://, rediss://, unix://, redis+sentinel:// or redis+cluster:// URL, "
+                             f"got {url[:80]!r}")
         return url
 
     @model_validator(mode="after")

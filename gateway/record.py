@@ -91,6 +91,8 @@ class RequestRecord:
     trace: RequestSpans | None = None  # OpenTelemetry spans (gateway/tracing.py) when tracing is on
     open_attempt: Any = None  # the Worker of an upstream attempt still running (a cut one stays set)
     attempt_answered: bool = False  # that attempt's engine has sent its response headers
+    attempt_at: float = 0.0  # when that attempt started
+    prefill_pending: Any = None  # a PD attempt's prefill Worker while its leg has sent no headers
     reached_engine: bool = False  # an engine accepted the request or may have worked on it (quota settle)
     on_finish: Callable[[RequestRecord], None] | None = None  # called once by `finish` (quota settle)
     on_first_byte: Callable[[float], None] | None = None  # called with `first_byte_at` when it is set (prefill)

@@ -5,6 +5,8 @@ found through Redis Sentinel, behind the same redis-py asyncio `Redis` interface
 `redis+sentinel://[[USER]:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/SERVICE[/DB][?sentinel_password=P]`
 (sentinel port 26379 by default; PASSWORD is the primary's, `sentinel_password` the sentinels'; all
 percent-encoded). The `redis:` block of the config (`RedisSentinelConfig`) is rendered to that URL.
+`redis+cluster://HOST[:PORT][,HOST[:PORT]...]` is a Redis Cluster (gateway/redis_cluster.py); a plain
+URL's connections refuse a cluster node (`ClusterNodeError`) instead of reaching a third of the keys.
 
 With Sentinel, redis-py's `SentinelConnectionPool` asks the sentinels for the primary's address
 whenever it opens a connection, and a connection whose command answers `READONLY` (the primary it
@@ -33,6 +35,8 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
+
+from gateway.redis_cluster import cluster_from_url, is_cluster_url, refuse_cluster_node
 
 log = logging.getLogger("gateway.redis")
 
@@ -103,8 +107,9 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     return SentinelTarget(sentinels, path[0], db, username, password, sentinel_password)
 
 
-def sentinel_address(item: str) -> tuple[str, int]:
-    """`host[:port]` or `[v6]:port` → (host, port), port 26379 when left out. Raises ValueError."""
+def sentinel_address(item: str, default_port: int = SENTINEL_PORT, what: str = "sentinel") -> tuple[str, int]:
+    """`host[:port]` or `[v6]:port` → (host, port), `default_port` (26379) when left out; `what` names
+    the address in errors. Raises ValueError."""
     item = item.strip()
     if item.startswith("["):  # [IPv6]:port
         host, _, rest = item[1:].partition("]")
@@ -112,10 +117,10 @@ def sentinel_address(item: str) -> tuple[str, int]:
     else:
         host, _, port_text = item.partition(":")
     if not host:
-        raise ValueError(f"a sentinel address without a host: {item!r}")
+        raise ValueError(f"a {what} address without a host: {item!r}")
     if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
-        raise ValueError(f"a sentinel port must be 1-65535, got {item!r}")
-    return host, int(port_text) if port_text else SENTINEL_PORT
+        raise ValueError(f"a {what} port must be 1-65535, got {item!r}")
+    return host, int(port_text) if port_text else default_port
 
 
 class _DemotionAwareConnection(Connection):
@@ -129,6 +134,10 @@ class _DemotionAwareConnection(Connection):
         except ReadOnlyError:
             await self.disconnect()
             raise RedisConnectionError(f"{self.host}:{self.port} answered READONLY: no longer the primary") from None
+
+    async def on_connect_check_health(self, check_health: bool = True) -> None:
+        await super().on_connect_check_health(check_health=check_health)
+        await refuse_cluster_node(self)  # a cluster node behind a plain URL: refused (gateway/redis_cluster.py)
 
 
 class _DemotionAwareSSLConnection(_DemotionAwareConnection, SSLConnection):
@@ -191,7 +200,10 @@ def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
     """A redis-py asyncio client for `url` (no I/O yet). `kwargs` are redis-py connection options
     (`socket_timeout`, `socket_connect_timeout` in seconds, `retry`, `max_connections`, ...); with a
     `redis+sentinel://` URL they apply to the primary's connections, and the socket timeouts also to
-    the sentinels'. Raises ValueError for a malformed sentinel URL."""
+    the sentinels'; with `redis+cluster://` to every node's (gateway/redis_cluster.py). Raises ValueError
+    for a malformed sentinel or cluster URL."""
+    if is_cluster_url(url):
+        return cluster_from_url(url, **kwargs)  # type: ignore[return-value]  # same command interface
     if not is_sentinel_url(url):
         scheme = urlsplit(url).scheme.lower()
         if scheme in ("redis", "rediss"):

@@ -42,7 +42,9 @@ from gateway.routing.prefill import PrefillTicket
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
 MAX_RETRY_AFTER_S = 3600.0  # an engine's longer (or infinite) Retry-After is taken as this
 KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WHATWG SSE spec)
-MAX_PARTIAL_EVENT = 1 << 20  # a longer unfinished event is passed on; more content-less events fail over
+MAX_PARTIAL_EVENT = 1 << 20  # before any content: a longer unfinished event, or more content-less events, fail over
+LONG_EVENT = 64 * 1024  # an unfinished event past this is held in a growing buffer (linear, not copied per read)
+MAX_EVENT = 64 << 20  # the longest SSE event a stream relays by default (`max_body_bytes`'s default)
 
 
 class Outcome(StrEnum):
@@ -355,7 +357,9 @@ async def first_content(response: UpstreamResponse, hold: float | None,
     content (`classify_event`) are held so that an engine that fails before its first token fails
     over to another worker unseen by the client. A non-SSE body counts its first byte as content.
     Raises AttemptFailed (and closes the response) when the engine fails, ends or sends an error
-    event before any content; an error saying the prompt is too long is Outcome.TOO_LONG.
+    event before any content, or over `MAX_PARTIAL_EVENT` bytes without content (content-less events,
+    or one event that does not end: a line without its newline); an error saying the prompt is too
+    long is Outcome.TOO_LONG.
     """
     chunks = response.chunks()
     held = b""
@@ -381,8 +385,9 @@ async def first_content(response: UpstreamResponse, hold: float | None,
                     if scanned > MAX_PARTIAL_EVENT:  # no engine sends that much before a token: fail over
                         raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine sent {scanned} bytes of events "
                                             "without content", answered=True)
-                    if len(held) - scanned > MAX_PARTIAL_EVENT:
-                        return held, chunks, True
+                    if len(held) - scanned > MAX_PARTIAL_EVENT:  # one line without end (no newline): fail over
+                        raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine sent over {MAX_PARTIAL_EVENT} bytes "
+                                            "of one unfinished event before any content", answered=True)
         except TimeoutError:
             if window.expired():
                 return held, chunks, False
@@ -459,6 +464,28 @@ async def read_rest(response: UpstreamResponse, first: bytes, chunks: AsyncItera
     return bytes(body)
 
 
+class EventTooLarge(Exception):
+    """An engine's unfinished SSE event grew past the relay's limit (`UpstreamStream`'s `max_event`)."""
+
+
+def _grow(long: bytearray, chunk: bytes, limit: int) -> tuple[bytearray | None, bytes, bytes]:
+    """An unfinished event held in `long` (over `LONG_EVENT` bytes) and the `chunk` read after it:
+    `(long, carry, events)`: the unfinished event still held (None once it ended), the small rest
+    after the last event's end, and the whole events to relay now. Raises EventTooLarge when the
+    event passes `limit` bytes without ending."""
+    seam = max(0, len(long) - 3)  # an event's end (up to 4 bytes) may straddle the two
+    long += chunk
+    end = event_end(long, start=seam)
+    if not end:
+        if len(long) > limit:
+            raise EventTooLarge(len(long))
+        return long, b"", b""
+    data = bytes(long)
+    if len(data) - end > LONG_EVENT:
+        return bytearray(data[end:]), b"", data[:end]
+    return None, data[end:], data[:end]
+
+
 class UpstreamStream:
     """An accepted streaming response: the bytes held before it was accepted, then the rest,
     relayed as bytes.
@@ -467,14 +494,17 @@ class UpstreamStream:
     than `timeouts.hold_headers`): until its next byte arrives, an SSE comment goes out every
     `keepalive_interval` seconds (None: none). Owns the attempt's `Holding` (its slots and the
     upstream `response`, among any other legs' responses); `aclose()` (idempotent, also safe when
-    the body was never iterated) releases them all. Facts for
-    the record: first byte time, usage, outcome.
+    the body was never iterated) releases them all. `max_event`: the longest SSE event relayed
+    (bytes; an unfinished event is held until its end, and one growing past this ends the stream
+    with an SSE error event). Facts for the record: first byte time, usage, outcome.
     """
 
     def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], holding: Holding,
                  record: RequestRecord, waiting: bool = False, keepalive_interval: float | None = None,
-                 on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False) -> None:
+                 on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False,
+                 max_event: int = MAX_EVENT) -> None:
         self.response = response
+        self._max_event = max_event
         self._on_end = on_end
         self._aborted: str | None = None
         self._first = first
@@ -494,12 +524,14 @@ class UpstreamStream:
 
         Whole events pass as soon as their last byte arrives (an engine that writes one event
         per write is relayed write for write); a partial event waits for its end, so a failure
-        mid-event never leaves the client a corrupt event. A failure, or an end without
-        `data: [DONE]`, is reported with one SSE error event and no `[DONE]`. A non-SSE body
-        passes through as it arrives.
+        mid-event never leaves the client a corrupt event. A failure, an end without
+        `data: [DONE]`, or an event longer than `max_event` bytes (a line that never ends) is
+        reported with one SSE error event and no `[DONE]`. A non-SSE body passes through as it
+        arrives.
         """
         tap = self.tap
         carry = b""
+        long: bytearray | None = None  # an unfinished event over LONG_EVENT bytes (`_grow`)
         try:
             for_client = self._first
             chunks = self._rest
@@ -508,12 +540,17 @@ class UpstreamStream:
                 if for_client:
                     tap.feed(for_client)
                     if self.sse:
-                        data = carry + for_client if carry else for_client
-                        end = event_end(data)
-                        if end < len(data) and len(data) - end <= MAX_PARTIAL_EVENT:
-                            carry, for_client = data[end:], data[:end]
+                        if long is not None:
+                            long, carry, for_client = _grow(long, for_client, self._max_event)
                         else:
-                            carry, for_client = b"", data
+                            data = carry + for_client if carry else for_client
+                            end = event_end(data)
+                            if end < len(data):
+                                carry, for_client = data[end:], data[:end]
+                                if len(carry) > LONG_EVENT:
+                                    long, carry = bytearray(carry), b""
+                            else:
+                                carry, for_client = b"", data
                         if for_client:
                             for_client = self._patched(for_client)
                     if for_client:
@@ -535,6 +572,8 @@ class UpstreamStream:
                     for_client = await anext(chunks, b"")
                 if not for_client:
                     break
+            if long is not None:
+                carry = bytes(long)
             tap.end()
             if self.sse and not tap.done:
                 if tap.failed and not carry:  # the engine's own error event was the client's last: no second one
@@ -547,7 +586,13 @@ class UpstreamStream:
                 if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
                     yield self._patched(carry)
                 self._ended(None)
+        except EventTooLarge:
+            self._broken(f"an SSE event of over {self._max_event} bytes without its end")
+            yield sse_error_event(f"The inference server sent an event longer than the gateway relays "
+                                  f"({self._max_event} bytes); the response is incomplete.", api=self._record.api)
         except TransportError as exc:
+            if long is not None:
+                carry = bytes(long)
             if tap.done:
                 if carry:
                     yield self._patched(carry)

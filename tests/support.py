@@ -49,6 +49,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback TCP ports that nobody listened on a moment ago (all held open while picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 @dataclass
 class RunningSim:
     """A simulated engine on a loopback port."""

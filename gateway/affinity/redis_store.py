@@ -5,7 +5,9 @@ Key layout: `{key_prefix}:{pool}:{hash as 16 hex digits}` → worker URL (string
 A lookup is one MGET of at most ~97 keys (1M-token prompt); writes go through a bounded queue
 to a background task that pipelines them (one round trip per batch), one EVALSHA of `RECORD_LUA`
 per request (SET ... PX, the TTL in milliseconds, for each of its keys): packing one SET command per block in redis-py
-cost ~0.5 ms of CPU per 16 KiB prompt (33 blocks) in the overhead benchmark.
+cost ~0.5 ms of CPU per 16 KiB prompt (33 blocks) in the overhead benchmark. On Redis Cluster the keys
+carry a hash tag, `{key_prefix}:{pool}:{{first block's hash}}:{hash}` (`keys`), and the script is sent as
+EVAL (its text): one prompt's keys share a slot.
 
 Cost at 1,000 requests/s with ~20 sampled blocks each: 1,000 MGETs/s plus ~20,000 pipelined
 SETs/s (about 50 batches/s) — a few percent of one Redis core. Each key is ~60 bytes of key and
@@ -40,6 +42,7 @@ from gateway.config import AffinityConfig
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import close_redis, redis_from_url
+from gateway.redis_cluster import is_cluster_url
 
 log = logging.getLogger("gateway.affinity")
 
@@ -73,10 +76,20 @@ class RedisAffinityStore:
         self._up: bool | None = None
         self._up_gauge = metrics.track_redis()
         self._record = self.redis.register_script(RECORD_LUA)
+        self.cluster = is_cluster_url(url)
         self._last_log = 0.0
 
     def key(self, pool: str, h: int) -> str:
         return f"{self.config.key_prefix}:{pool}:{h:016x}"
+
+    def keys(self, pool: str, hashes: Sequence[int]) -> list[str]:
+        """The keys of one prompt's sampled blocks `hashes` (chained, the first block's first). On Redis
+        Cluster they carry the first block's hash as their hash tag, `{prefix}:{pool}:{{first}}:{hash}`:
+        one slot per prompt, so its MGET and record script stay on one node (gateway/redis_cluster.py)."""
+        if not self.cluster or not hashes:
+            return [self.key(pool, h) for h in hashes]
+        tag = f"{self.config.key_prefix}:{pool}:{{{hashes[0]:016x}}}"
+        return [f"{tag}:{h:016x}" for h in hashes]
 
     def _set_up(self, up: bool) -> None:
         if self._up is not up:
@@ -108,7 +121,7 @@ class RedisAffinityStore:
         timer = StoreTimeout(self.config.lookup_timeout)
         try:
             async with timer:
-                values = await self.redis.mget([self.key(pool, h) for h in hashes])
+                values = await self.redis.mget(self.keys(pool, hashes))
         except (RedisError, OSError, TimeoutError) as exc:
             if not timer.expired_late:  # a loop still busy at the deadline is not Redis' fault
                 self._failed("lookup", exc)
@@ -140,7 +153,11 @@ class RedisAffinityStore:
             # timeout cuts it.
             async with timer, self.redis.pipeline(transaction=False) as pipe:
                 for pool, hashes, worker in batch:
-                    await self._record(keys=[self.key(pool, h) for h in hashes], args=[worker, ttl_ms], client=pipe)
+                    keys = self.keys(pool, hashes)
+                    if self.cluster:  # a cluster pipeline sends no SCRIPT LOAD on NOSCRIPT: the script's text
+                        pipe.eval(RECORD_LUA, len(keys), *keys, worker, ttl_ms)
+                    else:
+                        await self._record(keys=keys, args=[worker, ttl_ms], client=pipe)
                 await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
             if not timer.expired_late:

@@ -276,6 +276,7 @@ class ProxyEndpoint:
                 record.cut_by_shutdown(response_started=isinstance(result, RelayResponse), status=500)
                 raise
             hung_up(scope, record, state.metrics, response_started=isinstance(result, RelayResponse))
+            service.attempt_cut_by_hang_up(record)
         finally:
             if watch is not None:
                 await watch.stop()

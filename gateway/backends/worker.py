@@ -22,6 +22,9 @@ class Worker:
     `retired` marks a worker discovery or a reload removed (out of its pool, finishing its requests).
     `role` is None for an aggregated pool's worker, "prefill" or "decode" in a prefill/decode pool
     (`bootstrap_port`: a SGLang / vLLM Mooncake prefill worker's bootstrap server port).
+    `answered_at`: when it last sent response headers for any request (a wedged engine accepts
+    requests and answers none; a client hang-up is held against it only when it answered nothing
+    since that request was sent).
     """
 
     pool: str
@@ -47,6 +50,7 @@ class Worker:
     engine_waiting: float | None = None
     kv_usage: float | None = None
     in_flight_at_scrape: int = 0
+    answered_at: float = 0.0  # time.perf_counter() s of its last response headers (any request): alive then
 
     def load(self) -> float:
         """Requests on the engine, in requests: its own running + waiting at the last scrape,

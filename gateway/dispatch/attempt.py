@@ -115,6 +115,14 @@ def budgets(timeouts: TimeoutConfig, request: RoutingRequest,
     return timeout, budget, min(timeouts.response_header, budget) if request.stream else budget
 
 
+def silence_limit(timeouts: TimeoutConfig, prompt_tokens: int) -> float:
+    """Seconds a client must have waited for an attempt whose worker sent it nothing (no response
+    headers) for its hang-up to count against that worker: the answer budget of an answer of no
+    tokens (the first-byte budget plus `timeouts.generation`), the least the gateway allows any
+    non-streamed answer. A client that gives up sooner says nothing about the worker."""
+    return first_byte_budget(timeouts, prompt_tokens) + timeouts.generation
+
+
 def hold_window(timeouts: TimeoutConfig, record: RequestRecord) -> float | None:
     """How long (seconds) a stream's response may be held back waiting for its first content
     (`timeouts.hold_headers`, None: no limit), counted from the client's arrival: its proxies'
@@ -232,6 +240,7 @@ class SingleLeg(Attempt):
                         state.upstream, worker.url + UPSTREAM_PATHS[self._api], self._body, headers, timeout,
                         pool.name))
                 record.attempt_answered = True
+                worker.answered_at = time.perf_counter()
                 deadline.reschedule(started + budget)
                 content = True
                 if request.stream:  # `content` False: still prefilling; commit and send keep-alives
@@ -266,7 +275,8 @@ class SingleLeg(Attempt):
         if content:
             mark_first_byte(record)
         stream = UpstreamStream(response, first, rest, holding.hand_over(), record, not content,
-                                self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage)
+                                self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage,
+                                self._state.config.max_body_bytes)
         return RelayResponse(stream, content_type, passed)
 
     def _buffered(self, answer: bytes, content_type: bytes, passed: Headers) -> BufferedResponse:

@@ -38,7 +38,7 @@ import orjson
 
 from gateway.backends.client import TransportError, UpstreamTimeouts
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
+from gateway.config import PoolConfig, TimeoutConfig
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, BufferedResponse, RelayResponse
 from gateway.dispatch.attempt import UPSTREAM_PATHS, SingleLeg, budgets, hold_window
 from gateway.errors import UpstreamError
@@ -99,6 +99,15 @@ def vllm_prefill_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) 
     return out
 
 
+def prefill_budget(timeouts: TimeoutConfig, prompt_tokens: int) -> float:
+    """Seconds a prefill worker may take to answer its leg: `timeouts.prefill_first_byte` (else
+    `first_byte_base`) plus `first_byte_per_1k_tokens` per 1,000 prompt tokens. A prefill is
+    prompt work only, so a non-streamed request's answer budget (its generation) is no measure of
+    it: a prefill worker that accepts the leg and never answers is found within this, not minutes."""
+    base = timeouts.first_byte_base if timeouts.prefill_first_byte is None else timeouts.prefill_first_byte
+    return base + timeouts.first_byte_per_1k_tokens * prompt_tokens / 1000.0
+
+
 def host_of(url: str) -> str:
     """The host part of a worker URL (no brackets for IPv6)."""
     return urlsplit(url).hostname or ""
@@ -110,13 +119,17 @@ class PrefillLeg:
     health probe of the prefill worker meanwhile ends it at once (`Outcome.MOVED`). Closable
     (`aclose` cancels it when still running, which closes its upstream response): owned by the
     attempt's Holding. `on_late_failure` (set once the decode stream was committed) is awaited
-    when the leg fails after that."""
+    when the leg fails after that. Its headers mark the worker alive (`Worker.answered_at`) and
+    clear the request's `record.prefill_pending`."""
 
-    __slots__ = ("_registry", "_task", "answer", "done_at", "failure", "on_late_failure", "started", "worker")
+    __slots__ = ("_record", "_registry", "_task", "answer", "done_at", "failure", "on_late_failure", "started",
+                 "worker")
 
     def __init__(self, state: AppState, pool: PoolConfig, worker: Worker, url: str, body: bytes,
-                 headers: dict[str, str], timeout: UpstreamTimeouts, budget: float) -> None:
+                 headers: dict[str, str], timeout: UpstreamTimeouts, budget: float,
+                 record: RequestRecord) -> None:
         self.worker = worker
+        self._record = record
         self._registry = state.registry
         self.answer: bytes | None = None
         self.failure: AttemptFailed | None = None
@@ -140,6 +153,9 @@ class PrefillLeg:
         try:
             async with asyncio.timeout(budget):
                 response = await open_upstream(state.upstream, url, body, headers, timeout, pool.name)
+                self.worker.answered_at = time.perf_counter()
+                if self._record.prefill_pending is self.worker:
+                    self._record.prefill_pending = None
                 try:
                     first, rest = await first_chunk(response)
                     self.answer = await read_rest(response, first, rest, state.config.max_body_bytes)
@@ -152,8 +168,8 @@ class PrefillLeg:
         except asyncio.CancelledError:
             if self.failure is None:  # cancelled by its owner: nothing to report
                 raise
-        except TimeoutError:
-            self.failure = AttemptFailed(Outcome.TIMEOUT, f"the prefill leg took over {budget:.1f}s", answered=True)
+        except TimeoutError:  # not `answered`: another prefill worker may repeat a prefill (no generation lost)
+            self.failure = AttemptFailed(Outcome.TIMEOUT, f"the prefill worker did not answer within {budget:.1f}s")
         except AttemptFailed as failure:
             self.failure = failure
         finally:
@@ -224,9 +240,12 @@ class PdAttempt(SingleLeg):
 
     def _start_prefill(self, holding: Holding, body: dict[str, Any], headers: dict[str, str]) -> PrefillLeg:
         """Open the prefill leg (its own task) into `holding`."""
-        timeout, budget, _ = budgets(self._state.config.timeouts, self._request, self.pool)
+        timeouts = self._state.config.timeouts
+        timeout, _, _ = budgets(timeouts, self._request, self.pool)
+        budget = prefill_budget(timeouts, self._request.prompt_tokens)
+        self._record.prefill_pending = self.prefill  # the worker a hang-up meanwhile is held against
         leg = PrefillLeg(self._state, self.pool, self.prefill, self.prefill.url + UPSTREAM_PATHS[self._api],
-                         orjson.dumps(body), headers, timeout, budget)
+                         orjson.dumps(body), headers, timeout, budget, self._record)
         self._prefill_leg = leg
         return holding.opened(leg)
 

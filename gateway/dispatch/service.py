@@ -22,7 +22,7 @@ from gateway.auth.keys import Principal
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.dispatch.answers import BufferedResponse, RelayResponse, response_id_in_json, route_headers
-from gateway.dispatch.attempt import Attempt
+from gateway.dispatch.attempt import Attempt, silence_limit
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
@@ -204,6 +204,7 @@ class ProxyService:
         if dispatch.last is not None:
             metrics.retries.labels(attempt.pool.name, dispatch.last.outcome).inc()
         record.open_attempt, record.attempt_answered = attempt.worker, False
+        record.attempt_at, record.prefill_pending = time.perf_counter(), None
 
     def _attempt_failed(self, dispatch: Dispatch, attempt: Attempt,
                         failure: AttemptFailed) -> BufferedResponse | None:
@@ -286,6 +287,26 @@ class ProxyService:
             record.trace.end_attempt(Outcome.TIMEOUT)
         if record.stream and not record.attempt_answered:
             self.state.registry.request_failed(worker, "no response headers within the overall cap")
+
+    def attempt_cut_by_hang_up(self, record: RequestRecord) -> None:
+        """Passive health for a client that hung up before its response while an attempt still
+        waited: the worker that had sent it nothing (a PD attempt's prefill worker while its leg is
+        unanswered, else the attempt's worker before its response headers) counts a failed request
+        when the client waited at least `silence_limit` seconds and that worker answered no other
+        request since this attempt started. A wedged engine (it accepts requests and answers none,
+        its health probe green) is so ejected within the patience of its clients, when a
+        non-streamed answer budget would keep it in for minutes; a quick hang-up, or a busy engine
+        answering others, is held against nobody."""
+        worker = record.open_attempt
+        if worker is None or record.disconnect_stage != "before_response":
+            return
+        silent = record.prefill_pending or (None if record.attempt_answered else worker)
+        if silent is None or silent.answered_at >= record.attempt_at:
+            return
+        waited = time.perf_counter() - record.attempt_at
+        if waited >= silence_limit(self.state.config.timeouts, record.estimated_prompt_tokens or 0):
+            self.state.registry.request_failed(silent, f"its client hung up after {waited:.1f}s without a byte "
+                                                       "from it (it answered no request meanwhile)")
 
 
 def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, failed: bool) -> int | None:

@@ -27,6 +27,7 @@ import yaml
 from gateway.config import _ENV_REF, ENV_PREFIX, GatewayConfig
 from gateway.plans.models import expand_plan_refs
 from gateway.redis_client import is_sentinel_url, parse_sentinel_url
+from gateway.redis_cluster import is_cluster_url, parse_cluster_url
 
 _PLACEHOLDER = re.compile(r"(^|\.)(example\.(com|net|org)|example|invalid|test|localhost)$", re.IGNORECASE)
 
@@ -70,9 +71,12 @@ def _is_local(host: str | None) -> bool:
 
 
 def _redis_host(url: str | None) -> str | None:
-    """The host of a Redis URL; of a `redis+sentinel://` one, the first sentinel's."""
+    """The host of a Redis URL; of a `redis+sentinel://` one, the first sentinel's; of a
+    `redis+cluster://` one, the first node's."""
     if url is None:
         return None
+    if is_cluster_url(url):
+        return parse_cluster_url(url).nodes[0][0]
     return parse_sentinel_url(url).sentinels[0][0] if is_sentinel_url(url) else urlsplit(url).hostname
 
 

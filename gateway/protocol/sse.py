@@ -144,12 +144,13 @@ _TERMINAL = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'
 _ERROR_EVENT = re.compile(rb"(?:^|\n)event: ?error\r?\n")
 
 
-def event_end(data: bytes, stop: int | None = None) -> int:
+def event_end(data: bytes | bytearray, stop: int | None = None, start: int = 0) -> int:
     """Index just past the last complete SSE event in `data[:stop]` (0 if none): after `\n\n` or
-    `\r\n\r\n`. Where the relay may cut a chunk, and where the event holding `stop` starts."""
+    `\r\n\r\n` (looked for from `start` on). Where the relay may cut a chunk, and where the event
+    holding `stop` starts."""
     if stop is None and data.endswith((b"\n\n", b"\r\n\r\n")):
         return len(data)  # the common case (an engine writes whole events): no scan of the chunk
-    lf, crlf = data.rfind(b"\n\n", 0, stop), data.rfind(b"\r\n\r\n", 0, stop)
+    lf, crlf = data.rfind(b"\n\n", start, stop), data.rfind(b"\r\n\r\n", start, stop)
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
+import orjson
 import pytest
 
 from tests.support import RunningGateway, pool
@@ -210,3 +211,81 @@ def test_a_client_that_leaves_before_the_answers_head_closes_the_engines_connect
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=0.5)
     assert engine.ended.wait(3)  # cancelled upstream request: its connection closed, not pooled
+
+
+ENDLESS_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+ENDLESS_LINE = b'data: {"x": "'
+
+
+def endless_line(first: bytes = b"") -> Answer:
+    """An engine that sends `first` (whole events), then one SSE line that never ends: `data: {"x":
+    "aaaa...` in 64 KiB writes, as fast as the gateway reads, until the gateway hangs up (issue 25 §8)."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        writer.write(ENDLESS_HEAD + (b"%x\r\n%s\r\n" % (len(first), first) if first else b""))
+        writer.write(b"%x\r\n%s\r\n" % (len(ENDLESS_LINE), ENDLESS_LINE))
+        piece = b"a" * 65536
+        while True:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+    return answer
+
+
+def read_at_most(response: httpx.Response, limit: int) -> bytes:
+    """The response body, failing the test once more than `limit` bytes came (a relay without end)."""
+    body = b""
+    for chunk in response.iter_bytes():
+        body += chunk
+        assert len(body) <= limit, f"over {limit} bytes relayed: {body[:200]!r}"
+    return body
+
+
+def test_a_line_without_end_before_any_content_is_an_error_not_a_relay(start_gateway: StartGateway,
+                                                                         engines) -> None:
+    """`data: {"x": "aaaa...` forever and no content before it: the gateway fails the attempt after
+    its 1 MiB bound (no other worker: a 502 JSON error, not a 200), and hangs up on the engine."""
+    engine = engines(endless_line())
+    gw = gateway_for(start_gateway, engine)
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        body = read_at_most(response, 64 * 1024)
+    assert response.status_code == 502, body[:300]
+    assert orjson.loads(body)["error"]["code"] == "upstream_error"
+    assert engine.ended.wait(3)  # the engine's connection was closed (it would abort the request)
+
+
+def test_a_line_without_end_after_content_ends_the_stream_with_one_error(start_gateway: StartGateway,
+                                                                          engines) -> None:
+    """First content, then a line that never ends: the client has the content and one SSE error event
+    (the unfinished event held back, never relayed), the engine's connection is closed."""
+    engine = engines(endless_line(SSE.split(b"\n\n")[0] + b"\n\n"))
+    gw = gateway_for(start_gateway, engine, max_body_bytes=2 << 20)
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
+        assert response.status_code == 200
+        body = read_at_most(response, 64 * 1024)
+    events = [e for e in body.split(b"\n\n") if e]
+    assert b'"hello"' in events[0] and len(events) == 2, body[:600]
+    assert orjson.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
+    assert b"aaaa" not in body and b"[DONE]" not in body
+    assert engine.ended.wait(3)
+
+
+def test_a_long_event_that_ends_is_relayed_whole(start_gateway: StartGateway, engines) -> None:
+    """A 300 KiB event (past the relay's 64 KiB held in place) in 4 KiB writes, its blank line split
+    between two writes, then [DONE]: the client gets the engine's bytes exactly, no error event."""
+    big = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"kimi-k3","choices":[{"index":0,'
+           b'"delta":{"content":"' + b"b" * (300 * 1024) + b'"},"finish_reason":null}]}\n')
+    body = SSE.split(b"\n\n")[0] + b"\n\n" + big + b"\n" + b"data: [DONE]\n\n"
+    cut = len(SSE.split(b"\n\n")[0]) + 2 + len(big)  # the event's second newline starts the last write
+    pieces = [body[i:min(i + 4096, cut)] for i in range(0, cut, 4096)] + [body[cut:]]
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        writer.write(ENDLESS_HEAD)
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    engine = engines(answer)
+    gw = gateway_for(start_gateway, engine)
+    response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10)
+    assert response.status_code == 200
+    assert response.content == body

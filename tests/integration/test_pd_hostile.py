@@ -439,3 +439,72 @@ def test_nixl_prefill_answer_without_kv_transfer_params_runs_the_decode_aggregat
     (d_rec,) = group.decode[0].engine.records
     assert d_rec.body["kv_transfer_params"] is None and d_rec.completed
     _settled(group, gw)
+
+
+def _wedged(gw: RunningGateway, sim) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """The /admin/workers entry of `sim`'s worker."""
+    pools = httpx.get(gw.url + "/admin/workers").json()["pools"]
+    return next(w for p in pools for w in p["workers"] if w["url"] == sim.url)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_wedged_prefill_worker_is_failed_over_within_its_budget_and_charged(start_sim: StartSim,
+                                                                              start_gateway: StartGateway,
+                                                                              mode: str) -> None:
+    """A prefill worker that accepts its leg and never answers, its health probe green (issue 26 §5):
+    a non-streamed request goes on to the other prefill worker after the prefill leg's budget
+    (`first_byte_base` here, not the request's whole answer budget of a minute), and the wedged
+    worker is charged: ejected, it gets no more legs."""
+    group = pd_group(start_sim, mode, prefill=2)
+    group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True))
+    gw = start_gateway([group.pool(disaggregation={"prefill_policy": "round_robin"})],
+                       timeouts={"first_byte_base": 0.5, "first_byte_per_1k_tokens": 0},
+                       health={"passive_failures": 1, "ejection_base": 60})
+    for _ in range(3):
+        started = time.monotonic()
+        answer = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert time.monotonic() - started < 5
+        assert answer.headers["x-kimi-gateway-prefill-worker"] != _wedged(gw, group.prefill[0])["id"]
+    assert len(group.prefill[0].engine.records) == 1  # tried once, then ejected
+    wedged = _wedged(gw, group.prefill[0])
+    assert wedged["state"] == "ejected" and "prefill" in wedged["last_error"], wedged
+    _settled(group, gw)
+
+
+def test_a_pd_pool_whose_only_prefill_worker_is_wedged_spills_over(start_sim: StartSim,
+                                                                   start_gateway: StartGateway) -> None:
+    """The PD pool's only prefill worker wedged (probe green): after the prefill leg's budget the
+    request goes on to the next pool, as for any failed attempt."""
+    group = pd_group(start_sim, "vllm-nixl")
+    group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True))
+    aggregated = start_sim("vllm")
+    gw = start_gateway([group.pool("pd", 131072), pool("agg", "vllm", [aggregated.url], 262144)],
+                       timeouts={"prefill_first_byte": 0.5})
+    started = time.monotonic()
+    answer = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kimi-gateway-pool"] == "agg" and time.monotonic() - started < 5
+    assert group.decode[0].engine.records == []
+    _settled(group, gw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hang_up_while_the_prefill_leg_is_unanswered_is_held_against_the_prefill_worker(
+        start_sim: StartSim, start_gateway: StartGateway, mode: str) -> None:
+    """The client gives up (after the no-token answer budget) while a wedged prefill worker has not
+    answered its leg: that worker is charged, not the decode worker waiting for its KV."""
+    group = pd_group(start_sim, mode)
+    group.prefill[0].engine.set_faults(SimFaults(hang_before_headers=True))
+    gw = start_gateway([group.pool(spillover=False)],
+                       timeouts={"first_byte_base": 0.2, "first_byte_per_1k_tokens": 0, "generation": 0.2,
+                                 "prefill_first_byte": 60},
+                       health={"passive_failures": 1, "ejection_base": 60})
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=1.0)
+    deadline = time.monotonic() + 5
+    while _wedged(gw, group.prefill[0])["state"] != "ejected":
+        assert time.monotonic() < deadline, _wedged(gw, group.prefill[0])
+        time.sleep(0.05)
+    assert _wedged(gw, group.decode[0])["state"] == "healthy"
+    _settled(group, gw)

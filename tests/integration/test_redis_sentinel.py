@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -26,24 +25,13 @@ import redis
 
 from gateway.redis_client import redis_from_url
 from tests.integration.auth.conftest import start_a_window_now
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, free_ports, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
 SERVICE = "kgw-primary"
 KEYS = {"before": 3, "after": 3, "killed": 3}  # key name -> requests per minute
 BULK, ADMIN = "bulk-key-1", "admin-key-1"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> float:

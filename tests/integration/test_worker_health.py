@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from gateway.sim.config import SimFaults
 from tests.support import RunningGateway, RunningSim, pool
@@ -101,3 +103,81 @@ def test_streams_that_break_after_the_first_byte_eject_the_worker(start_sim: Sta
     assert all(ok for worker, ok in outcomes if worker == "p/1")
     assert outcomes[-4:] == [("p/1", True)] * 4
     assert httpx.get(gw.url + "/ready").json()["pools"]["p"][0]["ejected"] is True
+
+
+def _state(gw: RunningGateway, worker: str) -> str:
+    workers = httpx.get(gw.url + "/admin/workers").json()["pools"][0]["workers"]
+    return next(w["state"] for w in workers if w["id"] == worker)
+
+
+def _wait_for_state(gw: RunningGateway, worker: str, state: str, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while _state(gw, worker) != state:
+        assert time.monotonic() < deadline, f"{worker} never became {state}: {_state(gw, worker)}"
+        time.sleep(0.05)
+
+
+# A non-streamed answer budget of ~80 s (the clients give up after 1 s), and a no-token answer
+# budget (`silence_limit`) of 0.4 s.
+PATIENT_BUDGETS = {"first_byte_base": 0.2, "first_byte_per_1k_tokens": 0, "generation": 0.2,
+                   "generation_per_token": 80}
+
+
+def test_clients_hanging_up_on_a_wedged_worker_eject_it(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """A worker that accepts requests and never answers, its health probe green (issue 26 §10): a
+    non-streamed request's own budget outlasts its client, but each client that hangs up after the
+    no-token answer budget without a byte from the worker counts against it; after two it is
+    ejected and new requests go to the other worker."""
+    wedged = start_sim("vllm", faults=SimFaults(hang_before_headers=True))
+    steady = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [wedged.url, steady.url], 131072, policy="round_robin")],
+                       timeouts=PATIENT_BUDGETS, health={"interval": 0.2, "passive_failures": 2, "ejection_base": 60})
+    hung_up = 0
+    for _ in range(6):
+        try:
+            answer = httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=1.0)
+        except httpx.ReadTimeout:
+            hung_up += 1
+            continue
+        assert answer.status_code == 200 and answer.headers["x-kimi-gateway-worker"] == "p/1"
+        if hung_up >= 2:
+            break
+    assert hung_up >= 2
+    _wait_for_state(gw, "p/0", "ejected")  # (the last hang-up is judged as the gateway sees it)
+    assert _state(gw, "p/1") == "healthy"
+    assert {send(gw).headers["x-kimi-gateway-worker"] for _ in range(4)} == {"p/1"}
+    assert len(wedged.engine.records) == hung_up
+
+
+def test_quick_hang_ups_and_hang_ups_on_a_busy_worker_eject_nobody(start_sim: StartSim,
+                                                                    start_gateway: StartGateway) -> None:
+    """No false positives: a client that gives up before the no-token answer budget says nothing of
+    its worker; nor does one that waited longer on a worker that answered other requests meanwhile
+    (busy, not wedged). With one failure to eject, the worker stays in."""
+    slow = start_sim("vllm", ttft_s=1.5)
+    gw = start_gateway([pool("p", "vllm", [slow.url], 131072)],
+                       timeouts={**PATIENT_BUDGETS, "first_byte_base": 1.0, "generation": 1.0},
+                       health={"interval": 60, "passive_failures": 1, "ejection_base": 60})
+    for _ in range(2):  # gone after 0.3 s, under the 2 s no-token answer budget
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=0.3)
+    gw.wait_until_idle()
+    assert _state(gw, "p/0") == "healthy"
+
+    busy = start_sim("vllm", ttft_s=0.2, tpot_s=0.02)
+    gw = start_gateway([pool("p", "vllm", [busy.url], 131072)], timeouts=PATIENT_BUDGETS,
+                       health={"interval": 60, "passive_failures": 1, "ejection_base": 60})
+
+    def impatient() -> float:  # a 200-token answer (4 s): gone after 1 s, over the 0.4 s no-token budget
+        started = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 200}, timeout=1.0)
+        return time.monotonic() - started
+
+    with ThreadPoolExecutor(1) as pool_:
+        waited = pool_.submit(impatient)
+        time.sleep(0.1)
+        assert send(gw).status_code == 200  # meanwhile the worker answers another request
+        assert waited.result() >= 0.9
+    gw.wait_until_idle()
+    assert _state(gw, "p/0") == "healthy"

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from gateway.config import TimeoutConfig
-from gateway.streaming import Held, classify_event
+from gateway.streaming import LONG_EVENT, EventTooLarge, Held, _grow, classify_event
 
 
 def event(choices: list[dict[str, object]] | None = None, **extra: object) -> bytes:
@@ -71,3 +71,17 @@ def test_defaults_keep_a_load_balancers_idle_timeout_from_cutting_a_prefill() ->
     # keep-alives further apart, would let them cut a 1M-token prefill.
     assert timeouts.hold_headers is not None and timeouts.hold_headers < 60
     assert timeouts.keepalive_interval is not None and timeouts.keepalive_interval < 60
+
+
+def test_a_long_unfinished_event_is_held_until_its_end_even_across_a_split_blank_line() -> None:
+    """`_grow` (the relay's buffer for an event over 64 KiB): nothing to relay until the event ends,
+    its `\\r\\n\\r\\n` found when split between two reads, the rest after it carried; past the limit
+    EventTooLarge."""
+    long = bytearray(b"data: " + b"x" * LONG_EVENT)
+    held, carry, events = _grow(long, b"y" * 10 + b"\r\n", 1 << 20)
+    assert held is not None and (carry, events) == (b"", b"")
+    held, carry, events = _grow(held, b"\r\ndata: next", 1 << 20)
+    assert held is None and events == b"data: " + b"x" * LONG_EVENT + b"y" * 10 + b"\r\n\r\n"
+    assert carry == b"data: next"
+    with pytest.raises(EventTooLarge):
+        _grow(bytearray(b"data: " + b"x" * LONG_EVENT), b"z" * 100, LONG_EVENT + 50)
