@@ -39,7 +39,7 @@ from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
-from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, to_chat
+from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, portable_blocks, to_chat
 from gateway.protocol.body import decode_json_object
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.protocol.responses import ResponsesRequest
@@ -188,6 +188,7 @@ class BodyParser:
         wire: Wire
         try:
             if api == "messages" or api == "count_tokens":
+                portable_blocks(payload)  # search results and text documents as text, for every engine
                 anthropic = (MessagesRequest if api == "messages" else CountTokensRequest).model_validate(payload)
                 wire = AnthropicWire(api, ChatCompletionRequest.model_validate(to_chat(anthropic)))
             elif api == "responses":

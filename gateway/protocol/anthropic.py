@@ -7,13 +7,17 @@ Shapes follow https://docs.claude.com/en/api/messages (`POST /v1/messages`) and
 `url` source, `tool_use`, `tool_result`, `thinking`, `redacted_thinking`, `document`...), an optional
 top-level `system` (a string or text blocks), `max_tokens` (required on `/v1/messages`, absent on
 count_tokens), `stream`, `tools`. Validation is as strict as the OpenAI models (`"5"` is not an
-integer); unknown fields and block types are kept and forwarded to the engine unchanged.
+integer); unknown fields and block types are kept and forwarded to the engine unchanged, but
+for `search_result` and plain-text `document` blocks, which `portable_blocks` turns into text.
 
 `to_chat(request)` is the canonical conversation routing reads: the chat messages the engines build
 from a Messages request (vLLM's `entrypoints/anthropic/serving.py` and SGLang's
 `srt/entrypoints/anthropic/serving.py` translate it into their chat request, read 2026-11):
 `system` first as one system message (its text blocks joined by a newline, as SGLang joins them;
-vLLM joins them with nothing), then each turn in order; a user turn's `tool_result` blocks become
+vLLM joins them with nothing), then each turn in order (a `system` turn among them stays a system
+message in its place, as llama.cpp renders it and vLLM and SGLang do when the chat template can
+place it: prefix hashes then change only at the end of a growing conversation, which is why vLLM
+keeps it there rather than hoisting it into the leading system prompt); a user turn's `tool_result` blocks become
 `tool` messages (in place, before the rest of that turn's blocks; text blocks joined by newlines,
 with images as parts), an assistant turn's `tool_use` blocks become its `tool_calls` (arguments
 as Python's `json.dumps` writes them, as both engines do), images become `image_url` parts (a
@@ -134,7 +138,19 @@ ContentBlock = Annotated[
 
 
 class Message(_Open):
-    role: Literal["user", "assistant"]
+    """One turn of `messages`. Besides `user` and `assistant`, a `system` turn anywhere in the list:
+    Claude Code 2.1 sends one mid-conversation (a system reminder). vLLM (0.33.0
+    `entrypoints/anthropic/protocol.py` types the role user/assistant/system; its `serving.py` keeps
+    the turn in place when the chat template renders a late system message, else merges it into the
+    leading system prompt; its main branch's `inline_system.py` folds it into the neighbouring user
+    turn instead), SGLang (0.5.23 `srt/entrypoints/anthropic/protocol.py` and `serving.py`: the same
+    role type, kept in place or merged by the same template test) and llama.cpp's server
+    (`tools/server/server-chat.cpp`, `server_chat_convert_anthropic_to_oai`: every role passed on as it
+    is) accept it, so the gateway forwards it unchanged and lets the engine place it for its
+    template. Any other non-empty role is forwarded too (llama.cpp passes it to its template; vLLM
+    and SGLang answer their own 400), never refused here."""
+
+    role: StrictStr = Field(min_length=1)
     content: StrictStr | list[ContentBlock]
 
 
@@ -204,6 +220,11 @@ def _system_message(system: str | list[TextBlock] | None) -> list[dict[str, Any]
     return [{"role": "system", "content": text}] if text else []
 
 
+# Roles read as themselves in the canonical conversation; another role (forwarded unchanged) is read
+# as a user turn there: its text is still counted and hashed.
+_CANONICAL_ROLES = frozenset({"user", "assistant", "system"})
+
+
 def to_chat(request: CountTokensRequest) -> dict[str, Any]:
     """The chat request (`messages`, `tools`, and for a `MessagesRequest` `max_tokens`, `stream`,
     `user`) a Messages request stands for; see the module docstring for the canonical form. The
@@ -211,8 +232,9 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
     messages = _system_message(request.system)
     for turn in request.messages:
         content = turn.content
+        role = turn.role if turn.role in _CANONICAL_ROLES else "user"
         if isinstance(content, str):
-            messages.append({"role": turn.role, "content": content})
+            messages.append({"role": role, "content": content})
             continue
         parts: list[dict[str, Any]] = []
         calls: list[dict[str, Any]] = []
@@ -235,7 +257,7 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         if results and not parts and not calls and not reasoning:
             continue  # a user turn of tool results only
         # A turn of unmodelled blocks only (a PDF `document`) stays, empty: the engine reads it.
-        message: dict[str, Any] = {"role": turn.role, "content": parts or ("" if turn.role == "user" else None)}
+        message: dict[str, Any] = {"role": role, "content": parts or (None if role == "assistant" else "")}
         if len(parts) == 1 and parts[0]["type"] == "text":
             message["content"] = parts[0]["text"]  # one text block renders as a plain string turn
         if calls:
@@ -254,6 +276,93 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         if request.metadata is not None and request.metadata.user_id is not None:
             chat["user"] = request.metadata.user_id
     return chat
+
+
+def _search_result_text(block: dict[str, Any]) -> str:
+    """A `search_result` block as SGLang renders it (0.5.23 `srt/entrypoints/anthropic/serving.py`,
+    `_text_from_search_result`): `Title: …`, `Source: …` (a URL, or the source's text), `Content: …`
+    (its text blocks, newline-joined), each line only when present."""
+    lines: list[str] = []
+    if title := block.get("title"):
+        lines.append(f"Title: {title}")
+    source = block.get("source")
+    if isinstance(source, dict):
+        if named := source.get("url") or source.get("text"):
+            lines.append(f"Source: {named}")
+    elif source:
+        lines.append(f"Source: {source}")
+    content = block.get("content")
+    texts = [content] if isinstance(content, str) else [
+        part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text"
+        and isinstance(part.get("text"), str) and part["text"]] if isinstance(content, list) else []
+    if texts:
+        lines.append("Content: " + "\n".join(texts))
+    return "\n".join(lines)
+
+
+def _document_text(block: dict[str, Any]) -> str | None:
+    """A text document's words (a `text` source's `data`, or a `content` source of text blocks only),
+    after its `Title: …` and `context` lines; None for any other document (a PDF, a file id, images)."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        return None
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        body = source["data"]
+    elif source.get("type") == "content" and isinstance(source.get("content"), list) and all(
+            isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+            for b in source["content"]):
+        body = "\n".join(b["text"] for b in source["content"])
+    else:
+        return None
+    head = [f"Title: {block['title']}"] if isinstance(block.get("title"), str) and block["title"] else []
+    if isinstance(block.get("context"), str) and block["context"]:
+        head.append(block["context"])
+    return "\n".join([*head, body])
+
+
+def _as_text(block: dict[str, Any], text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "text", "text": text}
+    if "cache_control" in block:
+        out["cache_control"] = block["cache_control"]
+    return out
+
+
+def portable_blocks(payload: dict[str, Any]) -> int:
+    """Rewrite, in place, the content blocks that some engine kinds refuse or drop into the text an
+    engine that reads them renders, so that every engine sees their words; returns how many.
+
+    - `search_result` (a tool's cited search hit): SGLang renders it as text (see
+      `_search_result_text`), vLLM 0.33.0 refuses the block type (400), llama.cpp's server drops it
+      unread. As SGLang's text it means the same to SGLang and reaches the other two.
+    - `document` of plain text (a `text` or text-only `content` source): vLLM and SGLang refuse the
+      type, llama.cpp drops it; as a text block (title, context, then the text) all three read it.
+      A PDF, file or image document is left as it is: no engine reads it, and its words cannot be
+      had without a PDF reader (the engine's own 400, or llama.cpp's silence, says so).
+
+    Both in a turn's `content` and inside a `tool_result`'s `content`; `cache_control` is kept.
+    Anything malformed is left for the request's validation to refuse."""
+    rewritten = 0
+
+    def walk(blocks: list[Any]) -> None:
+        nonlocal rewritten
+        for i, block in enumerate(blocks):
+            if not isinstance(block, dict):
+                continue
+            kind = block.get("type")
+            if kind == "tool_result" and isinstance(block.get("content"), list):
+                walk(block["content"])
+            elif kind == "search_result":
+                blocks[i] = _as_text(block, _search_result_text(block))
+                rewritten += 1
+            elif kind == "document" and (text := _document_text(block)) is not None:
+                blocks[i] = _as_text(block, text)
+                rewritten += 1
+
+    messages = payload.get("messages")
+    for turn in messages if isinstance(messages, list) else []:
+        if isinstance(turn, dict) and isinstance(turn.get("content"), list):
+            walk(turn["content"])
+    return rewritten
 
 
 def openai_usage(usage: dict[str, Any]) -> dict[str, Any]:

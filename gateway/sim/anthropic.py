@@ -3,7 +3,8 @@
 Served by the simulated engines at `api_version` "current" (vLLM's `vllm/entrypoints/anthropic`
 layer, SGLang's `srt/entrypoints/anthropic` since 2026-02); "legacy" engines answer 404 as those
 releases did. Like the engines, the simulator serves the request as its chat request (system
-first as a system message, then the turns; tool results as tool messages, tool uses as tool calls
+first as a system message, then the turns, a mid-conversation `system` turn as a system message in
+its place; tool results as tool messages, tool uses as tool calls
 with `json.dumps` arguments, images as image parts, thinking left out), so prompt tokens and
 prefix-cache blocks are those of the equivalent chat request: a conversation alternating between
 the two APIs hits the same cached blocks.
@@ -29,14 +30,68 @@ from typing import Any
 
 import orjson
 
-from gateway.sim.tokens import PromptError
+from gateway.sim.tokens import FieldValidationError, PromptError
 
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
+_ROLES = ("user", "assistant", "system")
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages an Anthropic request stands for, as the engines build them. Raises
-    PromptError for a malformed `system` or `messages`."""
+# The content block types each engine's Anthropic request model accepts (released versions read:
+# vLLM 0.33.0 `vllm/entrypoints/anthropic/protocol.py`, `AnthropicContentBlock.type`, whose
+# `tool_addition` / `tool_removal` only a `system` turn may carry; SGLang 0.5.23
+# `srt/entrypoints/anthropic/protocol.py`, the `AnthropicContentBlock` union, which also types the
+# blocks inside a `tool_result`, where vLLM takes any object). Both type `role` as user, assistant
+# or system. Anything else fails their FastAPI body validation: a 400 in their OpenAI shape.
+VLLM_BLOCKS = frozenset({"text", "image", "tool_use", "tool_result", "tool_reference", "thinking",
+                         "redacted_thinking", "tool_addition", "tool_removal"})
+SGLANG_BLOCKS = frozenset({"text", "image", "tool_use", "tool_result", "tool_reference", "search_result",
+                           "thinking", "redacted_thinking"})
+_SYSTEM_ONLY = frozenset({"tool_addition", "tool_removal"})
+
+
+def check_shapes(body: dict[str, Any], sglang: bool) -> None:
+    """Refuse what the engine's request model refuses: a role other than user, assistant or system,
+    a content block type outside the engine's set (in `system`, in each turn and, on SGLang, inside
+    a `tool_result`), and on vLLM a `tool_addition` / `tool_removal` outside a system turn. Raises
+    FieldValidationError (pydantic's errors, `loc` from "body"); shapes it does not read pass."""
+    allowed = SGLANG_BLOCKS if sglang else VLLM_BLOCKS
+    errors: list[dict[str, Any]] = []
+
+    def blocks(content: Any, loc: tuple[Any, ...], role: str | None) -> None:
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if not isinstance(kind, str):
+                continue  # left to the conversion's own error
+            if kind not in allowed:
+                errors.append({"type": "literal_error", "loc": (*loc, j, "type"), "input": kind,
+                               "msg": "Input should be " + ", ".join(f"'{k}'" for k in sorted(allowed))})
+            elif not sglang and kind in _SYSTEM_ONLY and role != "system":
+                errors.append({"type": "value_error", "loc": (*loc, j), "input": block,
+                               "msg": f'Value error, {kind} blocks are only allowed in messages with role "system"'})
+            elif sglang and kind == "tool_result":
+                blocks(block.get("content"), (*loc, j, "content"), role)
+
+    blocks(body.get("system"), ("body", "system"), "system")
+    for i, turn in enumerate(body.get("messages") if isinstance(body.get("messages"), list) else []):
+        if not isinstance(turn, dict):
+            continue
+        role = turn.get("role")
+        if role not in _ROLES:
+            errors.append({"type": "literal_error", "loc": ("body", "messages", i, "role"), "input": role,
+                           "msg": "Input should be 'user', 'assistant' or 'system'"})
+        blocks(turn.get("content"), ("body", "messages", i, "content"), role if isinstance(role, str) else None)
+    if errors:
+        raise FieldValidationError(errors)
+
+
+def chat_messages(body: dict[str, Any], sglang: bool = False) -> list[dict[str, Any]]:
+    """The chat messages an Anthropic request stands for, as the engines build them; a `system` turn
+    stays a system message in its place (vLLM 0.33.0 `entrypoints/anthropic/serving.py` and SGLang
+    0.5.23 `srt/entrypoints/anthropic/serving.py` keep it there when the chat template renders a
+    system message after others, else merge it into the leading system message: the simulator has
+    no template, so it keeps it). Raises FieldValidationError for what `check_shapes` refuses
+    (llama.cpp, which passes every role on and drops unknown blocks, is not simulated: tests/e2e
+    runs the real one), PromptError for a malformed `system` or `messages`."""
     system = body.get("system")
     out: list[dict[str, Any]] = []
     if isinstance(system, str):
@@ -53,9 +108,10 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise PromptError("messages: Field required (a non-empty list)")
+    check_shapes(body, sglang)
     for turn in messages:
-        if not isinstance(turn, dict) or turn.get("role") not in ("user", "assistant"):
-            raise PromptError("each message needs role 'user' or 'assistant'")
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not turn["role"]:
+            raise PromptError("each message needs a role")
         content = turn.get("content")
         if isinstance(content, str):
             out.append({"role": turn["role"], "content": content})

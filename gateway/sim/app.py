@@ -18,6 +18,8 @@ to a request without the key.
 Test endpoints:
     GET /sim/requests, DELETE /sim/requests     request records (JSON list) / clear them
     GET /sim/faults, POST /sim/faults           global faults (JSON `SimFaults`; POST replaces)
+    GET /sim/script, POST /sim/script           scripted answers (JSON `SimScript`, gateway.sim.script;
+                                                POST replaces, `{}` clears)
     GET /sim/stats, DELETE /sim/stats           running totals of this worker (JSON object, see
                                                 `SimEngine.sim_stats`) / restart them (DELETE
                                                 answers the totals just before the reset)
@@ -42,11 +44,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from gateway.sim import render
 from gateway.sim import responses as r
@@ -65,6 +67,7 @@ from gateway.sim.config import BodyMode, SimConfig, SimFaults
 from gateway.sim.generation import handle_generation
 from gateway.sim.pd import MOONCAKE_PULL_PATH, MOONCAKE_QUERY_PATH, NIXL_READ_PATH, SGLANG_ROOMS_PATH
 from gateway.sim.responses_api import ResponsesServer
+from gateway.sim.script import SimScript
 from gateway.sim.worker_state import SimEngine
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -87,6 +90,8 @@ class SimApp:
             ("DELETE", "/sim/requests"): self._clear_requests,
             ("GET", "/sim/faults"): self._get_faults,
             ("POST", "/sim/faults"): self._set_faults,
+            ("GET", "/sim/script"): self._get_script,
+            ("POST", "/sim/script"): self._set_script,
             ("GET", "/sim/stats"): self._get_stats,
             ("DELETE", "/sim/stats"): self._reset_stats,
             ("DELETE", "/sim/cache"): self._clear_cache,
@@ -317,16 +322,35 @@ class SimApp:
         await send_json(send, 200, self.engine.faults.model_dump())
 
     async def _set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw = await read_body(receive)
-        if raw is None:
-            return
-        try:
-            faults = SimFaults.model_validate(orjson.loads(raw or b"{}"))
-        except (orjson.JSONDecodeError, ValidationError) as exc:
-            await send_json(send, 422, {"detail": str(exc)})
-            return
-        self.engine.set_faults(faults)
-        await send_json(send, 200, faults.model_dump())
+        faults = await _read_model(SimFaults, receive, send)
+        if faults is not None:
+            self.engine.set_faults(faults)
+            await send_json(send, 200, faults.model_dump())
+
+    async def _get_script(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.engine.script.model_dump())
+
+    async def _set_script(self, scope: Scope, receive: Receive, send: Send) -> None:
+        script = await _read_model(SimScript, receive, send)
+        if script is not None:
+            self.engine.script = script
+            await send_json(send, 200, script.model_dump())
+
+
+async def _read_model(model: type[_Body], receive: Receive, send: Send) -> _Body | None:
+    """The request body as `model` (an empty body is `{}`); None when the client left or the body is
+    not a valid one (then answered 422 with pydantic's message)."""
+    raw = await read_body(receive)
+    if raw is None:
+        return None
+    try:
+        return model.model_validate(orjson.loads(raw or b"{}"))
+    except (orjson.JSONDecodeError, ValidationError) as exc:
+        await send_json(send, 422, {"detail": str(exc)})
+        return None
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 def create_sim_app(config: SimConfig) -> SimApp:

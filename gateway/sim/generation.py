@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from gateway.sim import anthropic as a
 from gateway.sim import responses as r
+from gateway.sim import script as sc
 from gateway.sim.asgi import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -38,6 +39,7 @@ from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
 from gateway.sim.pd import PdFailure
 from gateway.sim.pd_leg import PdLeg
+from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
     FieldValidationError,
@@ -80,6 +82,7 @@ class _Plan:
     leg: PdLeg | None = None
     """The PD hand-over of a worker with a `pd_role` (see `gateway.sim.pd_leg`)."""
     anthropic: bool = False  # a Messages request: Anthropic's answer shapes
+    script: tuple[int, ScriptStep] | None = None  # the scripted answer (`gateway.sim.script`), if any
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -192,9 +195,10 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
         engine.update(record, fault="null_max_tokens_500")
         await responder.reply(dialect.error(NULL_MAX_TOKENS_MESSAGE, "InternalServerError", 500))
         return
+    step = sc.next_step(engine.script, "messages", body) if anthropic == "messages" else None
     try:
         if anthropic is not None:
-            body = _as_chat(body, anthropic == "messages")
+            body = _as_chat(body, anthropic == "messages", engine.config.engine == "sglang")
         plan = _plan(engine, kind, body, stream)
     except FieldValidationError as exc:
         await responder.reply(dialect.validation_error(str(exc)))
@@ -208,6 +212,8 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
         return
     if anthropic is not None:
         plan = replace(plan, anthropic=True, finish_reason="length")
+    if step is not None:
+        plan = replace(plan, script=step, output_tokens=sc.output_tokens(step[1]), finish_reason="stop")
     for tokens in plan.prompt_tokens:
         error = dialect.check_context(tokens, requested_output_tokens(body, kind == "chat"),
                                       engine.config.max_context_tokens, stream)
@@ -267,14 +273,14 @@ async def _reply_context_error(responder: _Responder, error: ErrorReply) -> None
     await responder.end_stream()
 
 
-def _as_chat(body: dict[str, Any], needs_max_tokens: bool) -> dict[str, Any]:
+def _as_chat(body: dict[str, Any], needs_max_tokens: bool, sglang: bool) -> dict[str, Any]:
     """An Anthropic request as the chat request the engine serves it as, with `max_tokens` as the
     integer the engine's `AnthropicMessagesRequest` read (5.0 is 5). Raises PromptError (400), and
     FieldValidationError for a Messages `max_tokens` that model refuses: missing ("Field
     required"), not an integer (5.5) or not positive."""
     max_tokens = messages_max_tokens(body) if needs_max_tokens else None
     chat = {k: v for k, v in body.items() if k not in ("system", "stream")}
-    chat["messages"] = a.chat_messages(body)
+    chat["messages"] = a.chat_messages(body, sglang)
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
     return chat
@@ -447,6 +453,8 @@ async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestReco
         await _next_token(engine, watch, active, i, 1)
     payload = a.message(a.message_id(), config.model_name, output_text(plan.output_tokens), plan.finish_reason,
                         plan.total_prompt_tokens, plan.output_tokens)
+    if plan.script is not None:
+        payload.update(content=sc.messages_content(plan.script), stop_reason=sc.stop_reason(plan.script[1]))
     engine.update(record, completion_tokens_sent=plan.output_tokens)
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
@@ -462,6 +470,9 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     await responder.event(a.message_start(a.message_id(), config.model_name, plan.total_prompt_tokens))
+    if plan.script is not None:
+        await _scripted_messages_sse(engine, plan, plan.script, record, responder, watch, active)
+        return
     for i in range(plan.output_tokens):
         await _next_token(engine, watch, active, i, 1, pause_first_only=True)
         if i == 0:
@@ -473,6 +484,27 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     for chunk in a.stream_end(plan.finish_reason, plan.total_prompt_tokens, plan.output_tokens,
                               done=engine.config.engine != "sglang"):
         await responder.event(chunk)
+    await responder.end_stream()
+
+
+async def _scripted_messages_sse(engine: SimEngine, plan: _Plan, step: tuple[int, ScriptStep],
+                                 record: SimRequestRecord, responder: _Responder, watch: DisconnectWatch,
+                                 active: ActiveRequest) -> None:
+    """The rest of a scripted Messages stream (after `message_start`): the step's content events,
+    each delta one decoded token, then `message_delta` (`tool_use` / `end_turn`) and `message_stop`."""
+    sent = 0
+    for chunk in sc.messages_events(step):
+        if chunk.startswith(b"event: content_block_delta\n"):
+            await _next_token(engine, watch, active, sent, 1, pause_first_only=True)
+            sent += 1
+            engine.update(record, completion_tokens_sent=sent)
+        await responder.event(chunk)
+    await responder.event(a.event({"type": "message_delta", "delta": {"stop_reason": sc.stop_reason(step[1]),
+                                                                      "stop_sequence": None},
+                                   "usage": a.usage(plan.total_prompt_tokens, sent)}))
+    await responder.event(a.event({"type": "message_stop"}))
+    if engine.config.engine != "sglang":
+        await responder.event(r.SSE_DONE)
     await responder.end_stream()
 
 

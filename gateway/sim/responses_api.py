@@ -44,6 +44,7 @@ from urllib.parse import parse_qs
 import orjson
 from pydantic import ValidationError
 
+from gateway.sim import script as sc
 from gateway.sim.asgi import (
     SSE_HEADERS,
     ClientDisconnected,
@@ -58,6 +59,7 @@ from gateway.sim.asgi import (
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _refused_up_front, _Responder
+from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
     FieldValidationError,
@@ -228,7 +230,10 @@ class ResponsesServer:
             await responder.reply(error)
             return
         keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens])
+        step = sc.next_step(engine.script, "responses", body)
         output_tokens = limit if limit is not None else engine.config.default_output_tokens
+        if step is not None:
+            output_tokens = sc.output_tokens(step[1])
         if engine.config.engine != "sglang":  # vLLM: min(max_output_tokens, max_model_len - prompt)
             output_tokens = min(output_tokens, max_context - prompt_tokens)
         active: ActiveRequest
@@ -260,15 +265,14 @@ class ResponsesServer:
                 await watch.sleep(engine.prefill_seconds(active))
                 engine.finish_prefill(active)
             item_id = f"msg_{uuid.uuid4().hex}"
+            if step is not None:
+                await self._scripted(step, item_id, body, response, messages, prompt_tokens, active, record,
+                                     watch, events if stream else None, responder)
+                reason = "stop"
+                return
             pieces: list[str] = []
             for i in range(output_tokens):
-                if isinstance(active, StepRequest):
-                    if active.steps < i + 1:
-                        await watch.run(active.wait_steps(i + 1))
-                else:
-                    if i > 0:
-                        await watch.sleep(engine.decode_seconds())
-                    engine.note_generated(active)
+                await _decode_token(engine, active, watch, i)
                 pieces.append(output_token(i))
                 engine.update(record, completion_tokens_sent=i + 1)
                 if not stream:
@@ -304,6 +308,76 @@ class ResponsesServer:
             reason = "length" if limit is not None else "stop"
         finally:
             engine.stop_running(active, reason)
+
+
+    async def _scripted(self, step: tuple[int, ScriptStep], item_id: str, body: dict[str, Any],
+                        response: dict[str, Any], messages: list[dict[str, Any]], prompt_tokens: int,
+                        active: ActiveRequest, record: SimRequestRecord, watch: DisconnectWatch,
+                        events: _EventWriter | None, responder: _Responder) -> None:
+        """A scripted answer (`gateway.sim.script`): its text item and `function_call` items, each
+        delta one decoded token, streamed (`events`) in vLLM's event order or as one response."""
+        engine = self.engine
+        output: list[dict[str, Any]] = []
+        sent = 0
+        for index, (item, deltas) in enumerate(sc.responses_items(step, item_id)):
+            output.append(item)
+            call = item["type"] == "function_call"
+            if events is not None:
+                added = ({**item, "arguments": "", "status": "in_progress"} if call
+                         else {**item, "content": [], "status": "in_progress"})
+                await events.send("response.output_item.added", output_index=index, item=added)
+                if not call:
+                    await events.send("response.content_part.added", item_id=item["id"], output_index=index,
+                                      content_index=0, part={"annotations": [], "text": "", "type": "output_text",
+                                                             "logprobs": []})
+            for delta in deltas:
+                await _decode_token(engine, active, watch, sent)
+                sent += 1
+                engine.update(record, completion_tokens_sent=sent)
+                if events is None:
+                    continue
+                if call:
+                    await events.send("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=index, delta=delta)
+                else:
+                    await events.send("response.output_text.delta", item_id=item["id"], output_index=index,
+                                      content_index=0, delta=delta, logprobs=[])
+            if events is None:
+                continue
+            if call:
+                await events.send("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"], name=item["name"])
+            else:
+                part = item["content"][0]
+                await events.send("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"], logprobs=[])
+                await events.send("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part)
+            await events.send("response.output_item.done", output_index=index, item=item)
+        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": active.cached_tokens},
+                 "output_tokens": sent, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": prompt_tokens + sent}
+        final = {**response, "status": "completed", "output": output, "usage": usage}
+        if body.get("store", True) is not False:
+            self.stored[response["id"]] = StoredResponse(messages, step[1].text, final,
+                                                         events.sent if events is not None else [])
+        if events is not None:
+            await events.send("response.completed", response=final)
+            await responder.body(b"", more=False)
+        else:
+            await responder.reply(ErrorReply(200, orjson.dumps(final)))
+
+
+async def _decode_token(engine: SimEngine, active: ActiveRequest, watch: DisconnectWatch, i: int) -> None:
+    """Wait until output token `i` (0-based) exists: the scheduler's step i + 1 (stepped), else the
+    decode time (none before the first token), counting it generated."""
+    if isinstance(active, StepRequest):
+        if active.steps < i + 1:
+            await watch.run(active.wait_steps(i + 1))
+        return
+    if i > 0:
+        await watch.sleep(engine.decode_seconds())
+    engine.note_generated(active)
 
 
 async def _send_raw(engine: SimEngine, record: SimRequestRecord, responder: _Responder, watch: DisconnectWatch,

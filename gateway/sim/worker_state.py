@@ -25,6 +25,7 @@ from gateway.sim.dialects import EngineDialect, dialect_for
 from gateway.sim.kvcache import CacheLease, PrefixCache, PromptKey, seed_for
 from gateway.sim.metrics import EngineStats, PdMetricsCollector, build_registry
 from gateway.sim.pd import PdState
+from gateway.sim.script import SimScript
 from gateway.sim.stepper import StepRequest, StepScheduler, new_step_request
 from gateway.sim.tokens import prompt_keys
 from gateway.sim.totals import HitRateWindow, SimTotals
@@ -137,6 +138,7 @@ class SimEngine:
         self._ids = itertools.count(1)
         self._records: list[SimRequestRecord] = []
         self._faults = config.faults.model_copy(deep=True)
+        self.script = SimScript()  # scripted answers (`gateway.sim.script`), replaced whole by POST /sim/script
         self._active: dict[int, ActiveRequest] = {}
         self._queue: deque[_Waiter] = deque()
         self._waiting = 0

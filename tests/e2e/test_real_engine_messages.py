@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -56,3 +57,16 @@ def test_count_tokens_and_the_chat_twin_share_the_engines_cache(gateway: Running
     details = chat.usage.prompt_tokens_details
     assert details is not None and details.cached_tokens is not None
     assert details.cached_tokens >= counted.input_tokens - 2  # the Messages turn's prompt, found in the cache
+
+
+def test_a_mid_conversation_system_turn_and_another_role_reach_llamacpp(gateway: RunningGateway) -> None:
+    """Claude Code 2.1's `system` turn between the others, and a role of no API's (`developer`):
+    llama.cpp's server passes every role to its chat template (server_chat_convert_anthropic_to_oai),
+    so the gateway forwards both and the engine answers."""
+    for role in ("system", "developer"):
+        answer = httpx.post(f"{gateway.url}/v1/messages?beta=true", timeout=120, json={
+            "model": "kimi-k3", "max_tokens": 4, "system": [{"type": "text", "text": "Answer briefly."}],
+            "messages": [{"role": "user", "content": "Name a colour."},
+                         {"role": role, "content": "<system-reminder>Be brief.</system-reminder>"}]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["content"][0]["text"]

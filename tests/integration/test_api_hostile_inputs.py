@@ -254,19 +254,22 @@ def test_no_engine_request_left_open(target: Target) -> None:
 
 
 def test_a_turn_of_unmodelled_blocks_only_is_forwarded(target: Target) -> None:
-    """A user turn holding only a block type the gateway does not model (a PDF `document`, a
-    `search_result`) is a legal Messages request: forwarded to the engine, not refused for an
-    empty conversation the gateway made up."""
+    """A user turn holding only a block type the gateway does not model is a legal Messages request,
+    never refused for an empty conversation the gateway made up: a PDF `document` reaches the engine
+    as sent (vLLM refuses the type: its 400, in Anthropic's shape), a `search_result` reaches it as
+    the text SGLang renders it as (`portable_blocks`), which every engine reads."""
     document = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
-    for content in ([document], [{"type": "search_result", "source": "s", "title": "t",
-                                  "content": [{"type": "text", "text": "x"}]}]):
+    search = {"type": "search_result", "source": "s", "title": "t", "content": [{"type": "text", "text": "x"}]}
+    as_text = {"type": "text", "text": "Title: t\nSource: s\nContent: x"}
+    for content, status, sent_content in (([document], 400, [document]), ([search], 200, [as_text])):
         body = {"model": "kimi-k3", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
             payload = body if path == "/v1/messages" else {k: v for k, v in body.items() if k != "max_tokens"}
             response = check_answer(target, path, json.dumps(payload).encode())
-            assert response.status_code == 200, response.text
+            assert response.status_code == status, response.text
             sent = [r for s in target.sims for r in s.app.engine.records if r.path == path]  # type: ignore[attr-defined]
-            assert max(sent, key=lambda r: r.received_at).body["messages"] == body["messages"]
+            last = max(sent, key=lambda r: r.received_at)
+            assert last.body["messages"] == [{"role": "user", "content": sent_content}]
 
 
 # --- engines that fail mid-stream (their own sims and gateways) -----------------------------------

@@ -103,7 +103,7 @@ def test_count_tokens_reserves_no_output_and_charges_nothing() -> None:
 @pytest.mark.parametrize("body", [
     {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]},  # no max_tokens
     {"model": "kimi-k3", "max_tokens": "5", "messages": [{"role": "user", "content": "hi"}]},
-    {"model": "kimi-k3", "max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]},
+    {"model": "kimi-k3", "max_tokens": 5, "messages": [{"role": "", "content": "hi"}]},
     {"model": "kimi-k3", "max_tokens": 5, "messages": [{"role": "user", "content": [{"text": "no type"}]}]},
     {"model": "kimi-k3", "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}]}]},
