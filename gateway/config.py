@@ -318,6 +318,13 @@ class PoolConfig(_Strict):
         "engines' own idle keep-alive (5 s: uvicorn's default, which vLLM and SGLang run with, and llama.cpp's) "
         "so the gateway never sends a request on a connection the engine is closing",
     )
+    allow_kv_transfer_fields: bool = Field(
+        default=False,
+        description="pass a client's kv_transfer_params, bootstrap_host, bootstrap_port and bootstrap_room on to "
+        "this pool's workers (a trusted client running its own prefill/decode hand-off); off: the gateway strips "
+        "them, since they make a worker with a KV connector pull or push KV cache from a host the client names. "
+        "Never on a PD pool (it sets its own)",
+    )
 
     @field_validator("workers")
     @classmethod
@@ -368,6 +375,9 @@ class PoolConfig(_Strict):
         if {"policy", "policy_params"} & self.model_fields_set:
             raise ValueError("a PD pool has two policies: set disaggregation.prefill_policy and "
                              "disaggregation.decode_policy instead of `policy`")
+        if self.allow_kv_transfer_fields:
+            raise ValueError("allow_kv_transfer_fields is for aggregated pools: a PD pool sets kv_transfer_params "
+                             "and the bootstrap fields of both legs itself")
         return self
 
     def pd_workers(self) -> list[tuple[str, str | None, int | None]]:
