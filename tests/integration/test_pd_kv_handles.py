@@ -22,7 +22,8 @@ def _refused(gw: RunningGateway, stream: bool) -> str:
     """The gateway's answer to one request, which must fail: its error message."""
     answer = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "stream": stream}, timeout=10)
     if answer.status_code == 200:  # a committed stream ends with one error event
-        assert stream and answer.text.count('"error"') == 1 and "[DONE]" not in answer.text, answer.text
+        assert stream and answer.text.startswith(": keep-alive"), answer.text
+        assert answer.text.count('"error"') == 1 and "[DONE]" not in answer.text, answer.text
         return answer.text
     assert answer.status_code == 502, answer.text
     error = answer.json()["error"]
@@ -30,21 +31,28 @@ def _refused(gw: RunningGateway, stream: bool) -> str:
     return str(error["message"])
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("stream", "deferred"), [(False, False), (True, False), (True, True)])
 def test_a_handle_naming_another_host_never_reaches_the_decode_worker(start_sim: StartSim,
                                                                        start_gateway: StartGateway,
-                                                                       stream: bool) -> None:
-    group = pd_group(start_sim, "vllm-nixl")
+                                                                       stream: bool, deferred: bool) -> None:
+    """`deferred`: the prefill leg outlasts `hold_headers`, so the stream is committed (keep-alives)
+    before the handle comes: it ends with one SSE error event instead of a 502."""
+    group = pd_group(start_sim, "vllm-nixl", ttft_s=0.4 if deferred else 0.0)
     hostile = group.prefill[0].engine
     hostile.config.side_channel_host = "127.0.0.2"  # a host that is not this prefill worker's
-    gw = start_gateway([group.pool()])
-    _refused(gw, stream)
+    gw = start_gateway([group.pool()], timeouts={"hold_headers": 0.1 if deferred else 5.0, "keepalive_interval": 0.1})
+    message = _refused(gw, stream)
+    assert "127.0.0.2" in message or deferred
     assert group.decode[0].engine.records == []  # the decode worker never saw the handle
     assert hostile.records, "the prefill leg was sent"
     gw.wait_until_idle()
     assert gw.metric('kimi_gateway_pd_leg_failures_total{outcome="protocol_error",phase="prefill",pool="pd"}') >= 1
     # the prefill worker (pd/0) is charged, not the decode worker
-    assert gw.metric('kimi_gateway_upstream_attempts_total{outcome="protocol_error",pool="pd",worker="pd/0"}') >= 1
+    prefill, decode = gw.server.app.state.gateway.registry.pools["pd"]
+    assert prefill.role == "prefill" and "remote_host '127.0.0.2'" in (prefill.last_error or "")
+    assert decode.last_error is None and decode.consecutive_failures == 0
+    if not deferred:  # a committed stream's attempt was accepted: its failure is the stream's
+        assert gw.metric('kimi_gateway_upstream_attempts_total{outcome="protocol_error",pool="pd",worker="pd/0"}') >= 1
     assert gw.metric('kimi_gateway_upstream_attempts_total{outcome="protocol_error",pool="pd",worker="pd/1"}') == 0
 
 
