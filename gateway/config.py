@@ -202,10 +202,20 @@ def clean_worker_urls(urls: list[str]) -> list[str]:
 class PrefillWorkerConfig(_Strict):
     """A prefill worker of a PD pool: its base URL and, for SGLang and vLLM Mooncake, the port of
     its bootstrap server (SGLang `--disaggregation-bootstrap-port`, vLLM
-    `VLLM_MOONCAKE_BOOTSTRAP_PORT`; 8998 by default in both). A bare URL string is accepted."""
+    `VLLM_MOONCAKE_BOOTSTRAP_PORT`; 8998 by default in both); for vLLM NIXL, where its KV handles
+    may point (`side_channel_host`, `side_channel_port`: `NixlAttempt` refuses a handle naming
+    another host or port). A bare URL string is accepted."""
 
     url: str
     bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    side_channel_host: str | None = Field(
+        default=None, min_length=1, max_length=253,
+        description="vLLM NIXL: the host its KV handles name (`remote_host`, the engine's "
+        "VLLM_NIXL_SIDE_CHANNEL_HOST); null: the host of `url`. A handle naming another host fails the attempt")
+    side_channel_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="vLLM NIXL: the port its KV handles name (`remote_port`, VLLM_NIXL_SIDE_CHANNEL_PORT, 5600 by "
+        "default); null: not checked")
 
     @model_validator(mode="before")
     @classmethod
@@ -258,6 +268,9 @@ class DisaggregationConfig(_Strict):
             if self.mode == "vllm-nixl" and worker.bootstrap_port is not None:
                 raise ValueError(f"prefill worker {url}: bootstrap_port is for modes sglang and vllm-mooncake; "
                                  "NIXL finds the KV through the prefill answer's kv_transfer_params")
+            if self.mode != "vllm-nixl" and (worker.side_channel_host, worker.side_channel_port) != (None, None):
+                raise ValueError(f"prefill worker {url}: side_channel_host and side_channel_port are for mode "
+                                 "vllm-nixl (the host and port its KV handles name)")
         for role, name, params in (("prefill", self.prefill_policy, self.prefill_policy_params),
                                    ("decode", self.decode_policy, self.decode_policy_params)):
             _check_policy(name, params, f"{role}_policy")
@@ -318,6 +331,13 @@ class PoolConfig(_Strict):
         "engines' own idle keep-alive (5 s: uvicorn's default, which vLLM and SGLang run with, and llama.cpp's) "
         "so the gateway never sends a request on a connection the engine is closing",
     )
+    allow_kv_transfer_fields: bool = Field(
+        default=False,
+        description="pass a client's kv_transfer_params, bootstrap_host, bootstrap_port and bootstrap_room on to "
+        "this pool's workers (a trusted client running its own prefill/decode hand-off); off: the gateway strips "
+        "them, since they make a worker with a KV connector pull or push KV cache from a host the client names. "
+        "Never on a PD pool (it sets its own)",
+    )
 
     @field_validator("workers")
     @classmethod
@@ -368,6 +388,9 @@ class PoolConfig(_Strict):
         if {"policy", "policy_params"} & self.model_fields_set:
             raise ValueError("a PD pool has two policies: set disaggregation.prefill_policy and "
                              "disaggregation.decode_policy instead of `policy`")
+        if self.allow_kv_transfer_fields:
+            raise ValueError("allow_kv_transfer_fields is for aggregated pools: a PD pool sets kv_transfer_params "
+                             "and the bootstrap fields of both legs itself")
         return self
 
     def pd_workers(self) -> list[tuple[str, str | None, int | None]]:

@@ -40,7 +40,7 @@ from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, portable_blocks, to_chat
-from gateway.protocol.body import decode_json_object
+from gateway.protocol.body import ENGINE_ID_FIELDS, KV_TRANSFER_FIELDS, decode_json_object
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routing.features import (
@@ -67,15 +67,19 @@ to twice the characters a token of the least configured `text_rates` rate should
 
 
 def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = False,
-                  output_as_max_tokens: bool = False) -> bytes:
+                  output_as_max_tokens: bool = False, kv_transfer_fields: bool = False) -> bytes:
     """The client's JSON object as the engine gets it. The only edits: `model` becomes the pool's
     served name; top-level fields set to null are left out (null means "the default" in OpenAI's
     API, but some engine versions fail on it, e.g. `max_tokens: null` on vLLM's completions);
+    the engine request ids (`ENGINE_ID_FIELDS`) are left out, and so are the KV connector's fields
+    (`KV_TRANSFER_FIELDS`) unless `kv_transfer_fields` (the pool's `allow_kv_transfer_fields`);
     the usage patch's `stream_options` when `ask_usage`; and with `output_as_max_tokens` (an
     engine that ignores `max_completion_tokens` on this API, `EngineSpec.max_completion_tokens_apis`)
     `max_completion_tokens` is sent as `max_tokens`, which it replaces, as OpenAI ranks them.
     Raises InvalidRequest for JSON nested deeper than orjson writes."""
     body = {name: value for name, value in payload.items() if value is not None}
+    for name in ENGINE_ID_FIELDS if kv_transfer_fields else _STRIPPED:
+        body.pop(name, None)
     if ask_usage:
         body = ask_for_usage(body)
     if output_as_max_tokens and "max_completion_tokens" in body:
@@ -92,11 +96,12 @@ def _dumps(value: Any) -> bytes:
                              code="invalid_json") from None
 
 
-BodyKey = tuple[str, bool, bool]
-"""(served model name, usage patch, `max_completion_tokens` sent as `max_tokens`): what makes one
-pool's engine body differ from another's (`upstream_body`'s arguments)."""
+BodyKey = tuple[str, bool, bool, bool]
+"""(served model name, usage patch, `max_completion_tokens` sent as `max_tokens`, the KV connector's
+fields kept): what makes one pool's engine body differ from another's (`upstream_body`'s arguments)."""
 
-_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens")
+_STRIPPED = ENGINE_ID_FIELDS + KV_TRANSFER_FIELDS
+_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", *KV_TRANSFER_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +119,14 @@ class ForwardBody:
 
     @classmethod
     def of(cls, payload: dict[str, Any], served_model: str, ask_usage: bool,
-           output_as_max_tokens: bool = False) -> ForwardBody:
-        """Encode `payload` for its first pool. Raises InvalidRequest (nested too deeply)."""
-        rest = {k: v for k, v in payload.items() if k not in _HEAD_FIELDS and v is not None}
+           output_as_max_tokens: bool = False, kv_transfer_fields: bool = False) -> ForwardBody:
+        """Encode `payload` for its first pool (the engine request ids left out; the KV connector's
+        fields in the per-pool head). Raises InvalidRequest (nested too deeply)."""
+        rest = {k: v for k, v in payload.items()
+                if k not in _HEAD_FIELDS and k not in ENGINE_ID_FIELDS and v is not None}
         members = _dumps(rest)[1:-1]
         own = tuple((k, payload[k]) for k in _HEAD_FIELDS[1:] if payload.get(k) is not None)
-        key = (served_model, ask_usage, output_as_max_tokens)
+        key = (served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
         head = cls(b"", key, 0, own)._head(key, bool(members))
         return cls(head + members + b"}", key, len(head), own)
 
@@ -127,10 +134,11 @@ class ForwardBody:
         head = upstream_body(dict(self.head_fields), *key)
         return head[:-1] + (b"," if more and len(head) > 2 else b"")
 
-    def encode(self, served_model: str, ask_usage: bool, output_as_max_tokens: bool = False) -> bytes:
+    def encode(self, served_model: str, ask_usage: bool, output_as_max_tokens: bool = False,
+               kv_transfer_fields: bool = False) -> bytes:
         """The engine's body for a pool serving `served_model`, with the usage patch or not, with
-        `max_completion_tokens` as `max_tokens` or not."""
-        key = (served_model, ask_usage, output_as_max_tokens)
+        `max_completion_tokens` as `max_tokens` or not, with the client's KV connector fields or not."""
+        key = (served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
         if key == self.first_key:
             return self.first
         members = memoryview(self.first)[self.members_at:-1]
@@ -140,11 +148,12 @@ class ForwardBody:
 Payload = dict[str, Any] | ForwardBody
 
 
-def encode_for(payload: Payload, served_model: str, ask_usage: bool, output_as_max_tokens: bool = False) -> bytes:
+def encode_for(payload: Payload, served_model: str, ask_usage: bool, output_as_max_tokens: bool = False,
+               kv_transfer_fields: bool = False) -> bytes:
     """The engine's body from a decoded payload or a `ForwardBody`. Raises InvalidRequest."""
     if isinstance(payload, ForwardBody):
-        return payload.encode(served_model, ask_usage, output_as_max_tokens)
-    return upstream_body(payload, served_model, ask_usage, output_as_max_tokens)
+        return payload.encode(served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
+    return upstream_body(payload, served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +245,8 @@ class BodyParser:
         engine = ENGINES[pool.engine]
         usage = request.stream and not request.include_usage and engine.supports_include_usage
         as_max_tokens = api not in engine.max_completion_tokens_apis
-        return Parsed(request, ForwardBody.of(payload, self.served[pool.name], usage, as_max_tokens), urls)
+        return Parsed(request, ForwardBody.of(payload, self.served[pool.name], usage, as_max_tokens,
+                                              pool.allow_kv_transfer_fields), urls)
 
     def check_size(self, api: Api, payload: dict[str, Any]) -> int:
         """The count limits, then the lower bound of the tokens (module docstring); returns the

@@ -69,7 +69,7 @@ class RequestRecord:
     `shutting_down` (cut at the end of the shutdown grace period) or `client_disconnect`.
     """
 
-    request_id: str
+    request_id: str  # the client's `x-request-id` (echoed to it, logged), else one the gateway made
     api: str
     started: float = field(default_factory=time.perf_counter)
     pool: str = NO_POOL
@@ -96,6 +96,7 @@ class RequestRecord:
     reached_engine: bool = False  # an engine accepted the request or may have worked on it (quota settle)
     on_finish: Callable[[RequestRecord], None] | None = None  # called once by `finish` (quota settle)
     on_first_byte: Callable[[float], None] | None = None  # called with `first_byte_at` when it is set (prefill)
+    engine_request_id: str | None = None  # engines get `x-request-id: {this}-{attempt}` (set by the first attempt)
     _finished: bool = False
 
     def cut_by_shutdown(self, response_started: bool, status: int = 503) -> None:
@@ -164,6 +165,8 @@ class RequestRecord:
             }
             if self.prefill_worker is not None:  # a PD pool's request: `worker` is its decode worker
                 entry["prefill_worker"] = self.prefill_worker
+            if self.engine_request_id is not None:  # what the engines' own logs call this request
+                entry["engine_request_id"] = self.engine_request_id
             log.info(orjson.dumps(entry).decode())
         if self.trace is not None:
             self.trace.finish(self, status, now)

@@ -80,7 +80,10 @@ class ResponseOwner:
 
 class ResponseStore(Protocol):
     """Response id → owner. `lookup` answers None for an unknown id and raises only
-    ResponseStoreUnavailable; `record` and `forget` are fire-and-forget, applied in order."""
+    ResponseStoreUnavailable; `record` and `forget` are fire-and-forget, applied in order. A recorded
+    id never changes owner: `record` of an id already recorded (and not expired or forgotten) keeps
+    the first record (Redis `SET NX`), so an engine answering an id it was made to reuse cannot hand
+    another tenant's response, and its history, to the caller."""
 
     async def lookup(self, response_id: str) -> ResponseOwner | None: ...
 
@@ -113,7 +116,13 @@ class MemoryResponseStore:
         return entry[0]
 
     def record(self, response_id: str, owner: ResponseOwner) -> None:
-        self._entries[response_id] = (owner, time.monotonic() + self.ttl)
+        now = time.monotonic()
+        entry = self._entries.get(response_id)
+        if entry is not None and entry[1] > now:
+            if entry[0] != owner:
+                log.warning("response %s already belongs to another owner; not recorded again", response_id[:64])
+            return
+        self._entries[response_id] = (owner, now + self.ttl)
         self._entries.move_to_end(response_id)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -205,7 +214,7 @@ class RedisResponseStore:
                     if owner is None:
                         pipe.delete(self.key(response_id))
                     else:
-                        pipe.set(self.key(response_id), owner.encode(), px=ttl_ms)
+                        pipe.set(self.key(response_id), owner.encode(), px=ttl_ms, nx=True)  # never a new owner
                 await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("response_write", exc, timer)

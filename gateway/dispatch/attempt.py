@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
@@ -130,9 +131,19 @@ def hold_window(timeouts: TimeoutConfig, record: RequestRecord) -> float | None:
 
 
 def upstream_headers(pool: PoolConfig, worker: Worker, record: RequestRecord) -> dict[str, str]:
-    """The headers of the engine request: JSON, the request id, the trace context (opening the
-    attempt's span when tracing is on) and the pool's bearer credential."""
-    headers = {"content-type": "application/json", "x-request-id": record.request_id}
+    """The headers of the engine request: JSON, the engine request id, the trace context (opening
+    the attempt's span when tracing is on) and the pool's bearer credential.
+
+    The engine request id (`x-request-id`, which vLLM makes its request id: `chatcmpl-{id}`) is the
+    gateway's, never the client's: `{record.engine_request_id}-{attempt number}`, the first a fresh
+    uuid4 hex per request (logged as `engine_request_id`), the same on both legs of a PD attempt.
+    So two clients sending the same id never collide on an engine that refuses a duplicate running
+    id, nor does a retry on a worker still ending the attempt before it. The client's id stays the
+    client's (`record.request_id`: the answer's `x-request-id`, the access log)."""
+    base = record.engine_request_id
+    if base is None:
+        base = record.engine_request_id = uuid.uuid4().hex
+    headers = {"content-type": "application/json", "x-request-id": f"{base}-{record.attempts}"}
     if record.trace is not None:
         headers.update(record.trace.start_attempt(pool.name, worker.id))
     if pool.api_key is not None:

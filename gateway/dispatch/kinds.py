@@ -48,7 +48,7 @@ class Aggregated:
         decision = decide(policy, request, workers, match, state.prefill)
         worker = decision.worker
         patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
-        body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api,
+        body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
                            pool.served_model_name or state.config.model.name, worker, patch_usage)
         matched = match.get(worker.url, 0.0) if policy.uses_affinity else None
         return SingleLeg(state, dispatch.api, pool, worker, decision.reason, matched, body, request,
@@ -81,7 +81,7 @@ class Disaggregated:
         metrics.labels(pool.name, "decode", decode.reason).inc()
         worker = decode.worker
         patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
-        body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api,
+        body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
                            pool.served_model_name or state.config.model.name, worker, patch_usage)
         matched = match.get(prefill.worker.url, 0.0) if policy.uses_affinity else None
         return self._attempt(state, dispatch.api, pool, worker, prefill.worker,
@@ -110,7 +110,7 @@ class Pinned:
         request, pool, state = dispatch.request, dispatch.pool, dispatch.state
         worker = workers[0]
         patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
-        body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api,
+        body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
                            pool.served_model_name or state.config.model.name, worker, patch_usage)
         return SingleLeg(state, dispatch.api, pool, worker, RESPONSE_AFFINITY, None, body, request,
                          dispatch.record, patch_usage)

@@ -15,7 +15,12 @@ docstring; tests/integration/test_pd_wire.py checks these legs against the peers
 - `MooncakeAttempt` (vLLM MooncakeConnector): both legs at once, tied by a fresh `transfer_id`; the
   decode leg names the prefill worker's bootstrap server and engine id (its `GET /query`).
 
-Both legs carry the same `x-request-id`. The decode leg is the `SingleLeg` path (held start,
+Both legs carry the same `x-request-id` (the gateway's engine request id, never the client's). A
+NIXL prefill answer's handle is checked before the decode leg opens (`foreign_kv_handle`): one
+naming another host or port than the prefill worker's fails the attempt against the prefill
+worker (`protocol_error`), so a decode worker never pulls KV from a host the prefill worker chose
+freely. The client's own `kv_transfer_params` and bootstrap fields never reach these legs
+(`gateway/parsing.py` strips them; each protocol writes its own). The decode leg is the `SingleLeg` path (held start,
 first-content wait, relay); the prefill leg is a `PrefillLeg` task in the attempt's `Holding`, so
 the relay's end or a client hang-up aborts both. A prefill failure before the decode leg's first
 content fails the attempt against the prefill worker (the dispatch retries with a new prefill
@@ -111,6 +116,31 @@ def prefill_budget(timeouts: TimeoutConfig, prompt_tokens: int) -> float:
 def host_of(url: str) -> str:
     """The host part of a worker URL (no brackets for IPv6)."""
     return urlsplit(url).hostname or ""
+
+
+def foreign_kv_handle(params: dict[str, Any], pool: PoolConfig, prefill: Worker) -> str | None:
+    """Why a vLLM NIXL prefill answer's `kv_transfer_params` must not reach a decode worker, or None.
+
+    The decode worker reads the KV blocks from the handle's `remote_host:remote_port` (the NIXL side
+    channel, `nixl_connector.py`), so a handle is only passed on when it names the prefill worker
+    that answered: `remote_host` its configured `side_channel_host` (else its URL's host, compared
+    case-insensitively) and, when `side_channel_port` is configured, `remote_port` that port. A
+    handle without a remote prefill (`do_remote_prefill` not true and no host or port: the decode
+    worker then prefills locally) passes."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if params.get("do_remote_prefill") is not True and host is None and port is None:
+        return None
+    configured = pool.disaggregation.prefill if pool.disaggregation is not None else []
+    entry = next((p for p in configured if p.url == prefill.url), None)
+    expected_host = (entry.side_channel_host if entry is not None else None) or host_of(prefill.url)
+    expected_port = entry.side_channel_port if entry is not None else None
+    if not isinstance(host, str) or host.strip("[]").lower() != expected_host.strip("[]").lower():
+        return (f"the prefill answer's KV handle names remote_host {str(host)[:80]!r}, not the prefill worker's "
+                f"{expected_host!r}")
+    if type(port) is not int or not 0 < port < 65536 or (expected_port is not None and port != expected_port):
+        return (f"the prefill answer's KV handle names remote_port {str(port)[:20]!r}"
+                + (f", not the prefill worker's {expected_port}" if expected_port is not None else ""))
+    return None
 
 
 class PrefillLeg:
@@ -440,6 +470,10 @@ class NixlAttempt(PdAttempt):
             self._failed = self.prefill
             raise AttemptFailed(Outcome.PROTOCOL_ERROR, "the prefill answer's kv_transfer_params is not an object",
                                 answered=True)
+        if params is not None and (refused := foreign_kv_handle(params, self.pool, self.prefill)) is not None:
+            self._failed = self.prefill
+            self._state.metrics.pd_leg_failures.labels(self.pool.name, "prefill", Outcome.PROTOCOL_ERROR).inc()
+            raise AttemptFailed(Outcome.PROTOCOL_ERROR, refused, answered=True)
         body["kv_transfer_params"] = params
         self._body = orjson.dumps(body)
         try:

@@ -11,7 +11,7 @@ from enum import StrEnum
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
-from gateway.parsing import Payload, encode_for
+from gateway.parsing import BodyKey, Payload, encode_for
 from gateway.routing.features import Api, RoutingRequest
 from gateway.routing.policy import Candidate, Decision, RoutingPolicy
 from gateway.routing.prefill import PrefillEstimator, PrefillTicket
@@ -89,15 +89,14 @@ def prefill_ticket(prefill: PrefillEstimator, policy: RoutingPolicy, request: Ro
     return prefill.start(worker, model, max(uncached, 0), request.stream, time.perf_counter())
 
 
-BodyKey = tuple[str, bool, bool]  # (served model name, usage patch, max_tokens for max_completion_tokens)
-
-
-def engine_body(bodies: dict[BodyKey, bytes], payload: Payload, api: Api, served_name: str,
+def engine_body(bodies: dict[BodyKey, bytes], payload: Payload, api: Api, pool: PoolConfig, served_name: str,
                 worker: Worker, patch_usage: bool) -> bytes:
     """The engine's request body for `worker`: the payload encoded with the pool's served model
-    name, the usage patch, and `max_tokens` for engines without `max_completion_tokens` on `api`;
+    name, the usage patch, `max_tokens` for engines without `max_completion_tokens` on `api`, the
+    client's KV connector fields only where the pool allows them (`allow_kv_transfer_fields`);
     encoded once per distinct form (`bodies` caches them for the request's later attempts)."""
-    key = (served_name, patch_usage, api not in worker.engine.max_completion_tokens_apis)
+    key = (served_name, patch_usage, api not in worker.engine.max_completion_tokens_apis,
+           pool.allow_kv_transfer_fields)
     body = bodies.get(key)
     if body is None:
         body = bodies[key] = encode_for(payload, *key)

@@ -75,3 +75,17 @@ def _refuse(name: str, text: str | None) -> None:
     else:
         message = f"The integer {text if len(text) <= 40 else text[:37] + '...'} does not fit in 64 bits."
     raise InvalidRequest(message, param=name, code="integer_out_of_range")
+
+
+ENGINE_ID_FIELDS = ("request_id", "rid")
+"""Body fields an engine takes as its own request id, never forwarded (the gateway assigns engine
+request ids, `RequestRecord.engine_request_id`): vLLM's `request_id` (chat, completions, Responses;
+on the Responses API it becomes the stored response's id, `ResponsesRequest.request_id` in
+`vllm/entrypoints/openai/protocol.py`, the `response_store` key in `serving_responses.py`, so a
+client could overwrite another tenant's stored response) and SGLang's `rid`."""
+
+KV_TRANSFER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+"""Body fields that steer a worker's KV connector: vLLM's `kv_transfer_params` (the NIXL or Mooncake
+handle a decode worker pulls KV from: `remote_host`, `remote_port`, `remote_bootstrap_addr`) and
+SGLang's bootstrap fields (the prefill worker a decode worker connects to). Stripped from every
+client body unless the pool sets `allow_kv_transfer_fields`; a PD pool writes its own on both legs."""

@@ -39,6 +39,7 @@ from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
 from gateway.sim.pd import PdFailure
 from gateway.sim.pd_leg import PdLeg
+from gateway.sim.request_ids import VLLM_FAMILY, already_running, engine_request_id
 from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
@@ -220,17 +221,28 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
         if error is not None:
             await _reply_context_error(responder, error)
             return
-    plan = replace(plan, keys=tuple(engine.prompt_keys(kind, body, plan.prompt_tokens)))
-    if engine.pd is not None:
-        leg = PdLeg.start(engine, record, kind, body, len(plan.prompt_tokens), scope)
-        if isinstance(leg, ErrorReply):
-            await responder.reply(leg)
+    running_id = None
+    if engine.config.engine in VLLM_FAMILY:  # vLLM refuses an id already running (gateway/sim/request_ids.py)
+        running_id = engine_request_id(kind, record.headers, body)
+        if not engine.running_ids.claim(running_id):
+            await _reply_context_error(responder, already_running(dialect.error, running_id,
+                                                                  stream and anthropic is None))
             return
-        leg.keys = plan.keys
-        if leg.sglang_prefill:  # SGLang's prefill worker stops after the first token
-            plan = replace(plan, output_tokens=min(plan.output_tokens, 1))
-        plan = replace(plan, leg=leg)
-    await _run_admitted(engine, plan, record, responder, watch, faults)
+    try:
+        plan = replace(plan, keys=tuple(engine.prompt_keys(kind, body, plan.prompt_tokens)))
+        if engine.pd is not None:
+            leg = PdLeg.start(engine, record, kind, body, len(plan.prompt_tokens), scope)
+            if isinstance(leg, ErrorReply):
+                await responder.reply(leg)
+                return
+            leg.keys = plan.keys
+            if leg.sglang_prefill:  # SGLang's prefill worker stops after the first token
+                plan = replace(plan, output_tokens=min(plan.output_tokens, 1))
+            plan = replace(plan, leg=leg)
+        await _run_admitted(engine, plan, record, responder, watch, faults)
+    finally:
+        if running_id is not None:
+            engine.running_ids.release(running_id)
 
 
 async def _refused_up_front(engine: SimEngine, record: SimRequestRecord, responder: _Responder,

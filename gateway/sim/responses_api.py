@@ -20,6 +20,12 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        vLLM itself has no DELETE route)
     POST /v1/responses/{id}/cancel     400 "Cannot cancel a synchronous response." (no background mode)
 
+A response's id is the body's `request_id` when it has one, else `resp_` + a uuid, as vLLM's
+`ResponsesRequest.request_id` (`vllm/entrypoints/openai/protocol.py`) becomes the response id and
+the store's key (`serving_responses.py`): a second request with that id stores over the first. A
+request whose id is running already is refused as vLLM's engine refuses it
+(`gateway/sim/request_ids.py`).
+
 Stored responses live in this process's memory (`ResponsesServer.stored`), keyed by id: the input
 messages and the output text. `previous_response_id` prepends that conversation (instructions, stored
 messages, the stored answer as an assistant message) to the new input, as vLLM's
@@ -59,6 +65,7 @@ from gateway.sim.asgi import (
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _refused_up_front, _Responder
+from gateway.sim.request_ids import VLLM_FAMILY, already_running, engine_request_id
 from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
@@ -229,6 +236,22 @@ class ResponsesServer:
         if error is not None:
             await responder.reply(error)
             return
+        response_id = engine_request_id("responses", record.headers, body)  # the client's `request_id`, as vLLM
+        if engine.config.engine in VLLM_FAMILY and not engine.running_ids.claim(response_id):
+            await responder.reply(already_running(dialect.error, response_id, False))
+            return
+        try:
+            await self._generate(body, record, watch, responder, faults, engine, messages, prompt_tokens, limit,
+                                 prior, stream, response_id)
+        finally:
+            engine.running_ids.release(response_id)
+
+    async def _generate(self, body: dict[str, Any], record: SimRequestRecord, watch: DisconnectWatch,
+                        responder: _Responder, faults: SimFaults, engine: SimEngine, messages: list[dict[str, Any]],
+                        prompt_tokens: int, limit: int | None, prior: StoredResponse | None, stream: bool,
+                        response_id: str) -> None:
+        """Admission, prefill, the answer (JSON or events) and the store, for a request checked above."""
+        max_context = engine.config.max_context_tokens
         keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens])
         step = sc.next_step(engine.script, "responses", body)
         output_tokens = limit if limit is not None else engine.config.default_output_tokens
@@ -246,7 +269,7 @@ class ResponsesServer:
             active = admitted
             engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
         reason = "abort"
-        response = _response_object(body, engine.config.model_name, prior)
+        response = _response_object(body, engine.config.model_name, response_id)
         events = _EventWriter(responder)
         try:
             if stream and faults.raw_stream_chunks is not None:
@@ -414,10 +437,11 @@ def _query(scope: Scope, name: str) -> str | None:
     return values[0] if values else None
 
 
-def _response_object(body: dict[str, Any], model: str, prior: StoredResponse | None) -> dict[str, Any]:
-    """The `response` object before its output (status in_progress), with the request's settings."""
+def _response_object(body: dict[str, Any], model: str, response_id: str) -> dict[str, Any]:
+    """The `response` object before its output (status in_progress), with the request's settings;
+    `response_id` is the request's id (vLLM's `ResponsesResponse.from_request`: `id=request.request_id`)."""
     return {
-        "id": f"resp_{uuid.uuid4().hex}", "created_at": int(time.time()), "incomplete_details": None,
+        "id": response_id, "created_at": int(time.time()), "incomplete_details": None,
         "instructions": body.get("instructions"), "metadata": body.get("metadata"), "model": model,
         "object": "response", "output": [], "parallel_tool_calls": True, "temperature": body.get("temperature", 1.0),
         "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "background": False,

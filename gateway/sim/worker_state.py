@@ -25,6 +25,7 @@ from gateway.sim.dialects import EngineDialect, dialect_for
 from gateway.sim.kvcache import CacheLease, PrefixCache, PromptKey, seed_for
 from gateway.sim.metrics import EngineStats, PdMetricsCollector, build_registry
 from gateway.sim.pd import PdState
+from gateway.sim.request_ids import RunningIds
 from gateway.sim.script import SimScript
 from gateway.sim.stepper import StepRequest, StepScheduler, new_step_request
 from gateway.sim.tokens import prompt_keys
@@ -166,6 +167,8 @@ class SimEngine:
             self.pd = PdState(config, self.hold_blocks, self.release_blocks)
             self.registry.register(PdMetricsCollector(self.pd, self.dialect, config))
         self._http: httpx.AsyncClient | None = None
+        self.running_ids = RunningIds()
+        """The engine request ids running now (vLLM refuses a duplicate; `gateway.sim.request_ids`)."""
 
     # --- records -----------------------------------------------------------------------------
 

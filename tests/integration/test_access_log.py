@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,12 +41,14 @@ def test_one_json_line_per_request_with_the_callers_request_id(
     with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, headers={"x-request-id": "trace-42"}) as r:
         assert r.headers["x-request-id"] == "trace-42"
         assert b"[DONE]" in b"".join(r.iter_raw())
-    assert sim.engine.records[-1].headers["x-request-id"] == "trace-42"  # passed on to the engine
+    engine_id = sim.engine.records[-1].headers["x-request-id"]  # the engine gets the gateway's own id
+    assert re.fullmatch("[0-9a-f]{32}-1", engine_id)  # per request, then the attempt
     bad = httpx.post(gw.v1 + "/chat/completions", json={**body, "max_tokens": -1})
     assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 32  # minted when none came
 
     ok, refused = _access_lines(caplog, 2, gw)
-    assert ok["request_id"] == "trace-42"
+    assert ok["request_id"] == "trace-42" and f'{ok["engine_request_id"]}-1' == engine_id
+    assert "engine_request_id" not in refused  # it reached no engine
     assert (ok["pool"], ok["worker"], ok["status"], ok["attempts"]) == ("p", "p/0", 200, 1)
     assert ok["reason"] == r.headers["x-kimi-gateway-route-reason"] and ok["outcome"] == "ok" and ok["stream"] is True
     assert 0 < ok["ttft_s"] <= ok["duration_s"]

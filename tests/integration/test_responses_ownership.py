@@ -11,6 +11,7 @@ import openai
 import pytest
 import redis
 
+from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.keys import hash_key
 from tests.support import RunningGateway, RunningSim, pool
 
@@ -91,3 +92,51 @@ def test_another_key_sees_a_stored_response_as_unknown(gateway: RunningGateway) 
     assert not_found_body(lambda: bob.responses.retrieve(follow.id))["code"] == "response_not_found"
     alice.responses.delete(created.id)
     assert not_found_body(lambda: alice.responses.retrieve(created.id))["code"] == "response_not_found"
+
+
+def test_a_client_chosen_request_id_cannot_take_over_a_stored_response(gateway: RunningGateway) -> None:
+    """Issue 25 §2: vLLM names the response after the body's `request_id` (the simulator does too,
+    gateway/sim/request_ids.py) and stores it under that key. Bob sending Alice's response id as his
+    `request_id` must not overwrite her response, nor make the gateway record her id as his."""
+    alice, bob = sdk(gateway, ALICE), sdk(gateway, BOB)
+    created = alice.responses.create(model="kimi-k3", input="My secret is 42.", max_output_tokens=3)
+    flush(gateway)
+    for stream in (False, True):
+        if stream:
+            with bob.responses.stream(model="kimi-k3", input="Mine now.", max_output_tokens=2,
+                                      extra_body={"request_id": created.id}) as events:
+                taken = events.get_final_response()
+        else:
+            taken = bob.responses.create(model="kimi-k3", input="Mine now.", max_output_tokens=2,
+                                         extra_body={"request_id": created.id})
+        flush(gateway)
+        assert taken.id != created.id  # the engine named it itself
+        assert bob.responses.retrieve(taken.id).id == taken.id
+        # Alice's response is still hers, with her own answer; Bob still cannot see it.
+        assert alice.responses.retrieve(created.id).output_text == created.output_text
+        assert not_found_body(lambda: bob.responses.retrieve(created.id))["code"] == "response_not_found"
+    follow = alice.responses.create(model="kimi-k3", input="And?", previous_response_id=created.id,
+                                    max_output_tokens=2)
+    assert follow.previous_response_id == created.id
+
+
+def test_a_recorded_response_id_never_changes_owner(gateway: RunningGateway) -> None:
+    """The store keeps an id's first owner when an engine answers the same id again."""
+    store = gateway.server.app.state.gateway.responses
+    rid = f"resp_{uuid.uuid4().hex}"
+    url = gateway.server.app.state.gateway.config.pools[0].workers[0]
+
+    async def record(owner: str) -> ResponseOwner | None:
+        store.record(rid, ResponseOwner("p", url, owner))
+        await store.flush()
+        return await store.lookup(rid)
+
+    assert gateway.server.call(record("alice")) == ResponseOwner("p", url, "alice")
+    assert gateway.server.call(record("bob")) == ResponseOwner("p", url, "alice")
+    assert not_found_body(lambda: sdk(gateway, BOB).responses.retrieve(rid))["code"] == "response_not_found"
+
+    async def forget() -> None:
+        store.forget(rid)
+
+    gateway.server.call(forget())  # a deleted response's id may be recorded anew
+    assert gateway.server.call(record("bob")) == ResponseOwner("p", url, "bob")

@@ -4,8 +4,10 @@ policy's decision, the engine body, what a failed attempt leads to, and an attem
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.backends.registry import WorkerRegistry
@@ -137,17 +139,31 @@ def test_decide_takes_the_policy_of_the_pool_and_sees_load_and_prefix_matches() 
 # -- the engine body -------------------------------------------------------------------------------
 
 def test_engine_body_is_encoded_once_per_form() -> None:
-    registry, _, _ = setup()
+    registry, (small, large), _ = setup()
     a, b = registry.pools["small"]
     c = registry.pools["large"][0]
     payload = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7}
-    bodies: dict[tuple[str, bool, bool], bytes] = {}
-    first = engine_body(bodies, payload, "chat", "served-a", a, False)
-    assert engine_body(bodies, payload, "chat", "served-a", b, False) is first  # same engine kind: cached
+    bodies: dict[tuple[str, bool, bool, bool], bytes] = {}
+    first = engine_body(bodies, payload, "chat", small, "served-a", a, False)
+    assert engine_body(bodies, payload, "chat", small, "served-a", b, False) is first  # same engine kind: cached
     assert b'"served-a"' in first
-    other = engine_body(bodies, payload, "chat", "served-c", c, True)
+    other = engine_body(bodies, payload, "chat", large, "served-c", c, True)
     assert b'"served-c"' in other and b"include_usage" in other
     assert len(bodies) == 2
+
+
+def test_engine_body_strips_engine_control_fields_unless_the_pool_allows_the_kv_ones() -> None:
+    registry, (small, _), _ = setup()
+    a = registry.pools["small"][0]
+    control = {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.6.6.6", "remote_port": 5600},
+               "bootstrap_host": "10.6.6.6", "bootstrap_port": 8998, "bootstrap_room": 7}
+    payload = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "request_id": "resp_x",
+               "rid": "r1", **control}
+    allowing = small.model_copy(update={"allow_kv_transfer_fields": True})
+    stripped = orjson.loads(engine_body({}, payload, "chat", small, "served-a", a, False))
+    assert stripped == {"model": "served-a", "messages": payload["messages"]}
+    allowed = orjson.loads(engine_body({}, payload, "chat", allowing, "served-a", a, False))
+    assert allowed == {"model": "served-a", "messages": payload["messages"], **control}  # never the ids
 
 
 # -- what a failed attempt leads to ------------------------------------------------------------------
@@ -245,8 +261,15 @@ def test_route_headers_name_pool_attempts_worker_and_reason() -> None:
 def test_upstream_headers_carry_the_request_id_and_the_pools_credential_only() -> None:
     registry, pools, _ = setup(large={"api_key": "sk-engine"})
     a, c = registry.pools["small"][0], registry.pools["large"][0]
-    assert upstream_headers(pools[0], a, record()) == {"content-type": "application/json", "x-request-id": "r"}
-    assert upstream_headers(pools[1], c, record())["authorization"] == "Bearer sk-engine"
+    first = record()
+    first.attempts = 1
+    headers = upstream_headers(pools[0], a, first)
+    assert headers == {"content-type": "application/json", "x-request-id": f"{first.engine_request_id}-1"}
+    assert re.fullmatch("[0-9a-f]{32}-1", headers["x-request-id"])  # the gateway's id, never the client's "r"
+    first.attempts = 2
+    assert upstream_headers(pools[0], a, first)["x-request-id"] == f"{first.engine_request_id}-2"  # per attempt
+    again = upstream_headers(pools[1], c, record())
+    assert again["authorization"] == "Bearer sk-engine" and again["x-request-id"][:32] != first.engine_request_id
 
 
 @pytest.mark.parametrize(("moved", "answered", "outcome", "detail", "was_answered"), [

@@ -21,12 +21,16 @@ PAYLOADS: list[dict[str, Any]] = [
     {"stream_options": {"x": 1}, "model": "kimi-k3"},
     {"model": "kimi-k3"},
     {"prompt": [1, 2, 3], "model": "kimi-k3", "tools": [{"a": [1, {"b": None}]}]},
+    {"request_id": "resp_1", "model": "kimi-k3", "rid": "r", "kv_transfer_params": {"remote_host": "10.6.6.6"},
+     "bootstrap_host": "10.6.6.6", "bootstrap_port": None, "bootstrap_room": 7, "input": "hi"},
+    {"kv_transfer_params": {"remote_port": 5600}},
 ]
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_forward_body_equals_the_payload_encoding(payload: dict[str, Any]) -> None:
-    keys = [("kimi-k3", False), ("moonshotai/Kimi-K3", True), ("kimi-k3", True), ("other", False)]
+    keys = [("kimi-k3", False), ("moonshotai/Kimi-K3", True), ("kimi-k3", True), ("other", False),
+            ("kimi-k3", False, False, True), ("other", True, True, True)]
     for first in keys:
         forward = ForwardBody.of(payload, *first)
         assert forward.encode(*first) is forward.first
@@ -34,6 +38,16 @@ def test_forward_body_equals_the_payload_encoding(payload: dict[str, Any]) -> No
             expected = upstream_body(payload, *key)
             assert orjson.loads(forward.encode(*key)) == orjson.loads(expected), (first, key)
             assert orjson.loads(encode_for(forward, *key)) == orjson.loads(encode_for(payload, *key))
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_engine_ids_never_reach_an_engine_and_kv_fields_only_where_allowed(offloaded: bool) -> None:
+    kv = {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.6.6.6", "remote_port": 5600},
+          "bootstrap_host": "10.6.6.6", "bootstrap_port": 8998, "bootstrap_room": 7}
+    payload = {"model": "kimi-k3", "input": "hi", "request_id": "resp_someone_elses", "rid": "r", **kv}
+    encoded = ForwardBody.of(payload, "kimi-k3", False) if offloaded else payload
+    assert orjson.loads(encode_for(encoded, "served", False)) == {"model": "served", "input": "hi"}
+    assert orjson.loads(encode_for(encoded, "served", False, False, True)) == {"model": "served", "input": "hi", **kv}
 
 
 def test_forward_body_refuses_what_cannot_be_written() -> None:
