@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
@@ -118,6 +118,17 @@ def sentinel_address(item: str) -> tuple[str, int]:
     return host, int(port_text) if port_text else SENTINEL_PORT
 
 
+class PrimaryDemoted(RedisConnectionError):
+    """A command answered `READONLY`: the server this connection reached is a replica now. The
+    connection was dropped, and the command was refused before it changed anything, so it is safe
+    to send again on a new connection (`DEMOTED_RETRY`), which finds the primary anew."""
+
+
+DEMOTED_RETRY = Retry(NoBackoff(), 1, supported_errors=(PrimaryDemoted,))
+"""redis-py `retry` for a store that must not resend a command that may have run (a rate-limit
+count): only a command refused with `READONLY` is sent again, once, at once."""
+
+
 class _DemotionAwareConnection(Connection):
     """A plain `redis://` connection that drops itself on `READONLY`, as redis-py's Sentinel
     connections do: behind a DNS name that follows the primary (a cloud's primary endpoint, a
@@ -128,7 +139,19 @@ class _DemotionAwareConnection(Connection):
             return await super().read_response(*args, **kwargs)
         except ReadOnlyError:
             await self.disconnect()
-            raise RedisConnectionError(f"{self.host}:{self.port} answered READONLY: no longer the primary") from None
+            raise PrimaryDemoted(f"{self.host}:{self.port} answered READONLY: no longer the primary") from None
+
+
+class _SentinelConnection(SentinelManagedConnection):
+    """redis-py's Sentinel connection, raising PrimaryDemoted (not a bare ConnectionError) on
+    `READONLY`, so that `DEMOTED_RETRY` resends the command to the primary the sentinels name now."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await Connection.read_response(self, *args, **kwargs)
+        except ReadOnlyError:
+            await self.disconnect()
+            raise PrimaryDemoted(f"{self.host}:{self.port} answered READONLY: no longer the primary") from None
 
 
 class _DemotionAwareSSLConnection(_DemotionAwareConnection, SSLConnection):
@@ -205,7 +228,8 @@ def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
         sentinel_kwargs["password"] = target.sentinel_password
     manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)
     return manager.master_for(target.service_name, redis_class=_SentinelPrimary,
-                              connection_pool_class=_WatchedSentinelPool, db=target.db,
+                              connection_pool_class=_WatchedSentinelPool, connection_class=_SentinelConnection,
+                              db=target.db,
                               username=target.username, password=target.password, **kwargs)
 
 
