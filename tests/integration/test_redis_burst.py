@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -30,6 +31,7 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 RPM = 60
 BURST = 300  # concurrent requests of one key: more than any store's pool holds
 OTHERS = 10  # requests of another key sent during the burst, well within its limit
+FLOOD = 250  # concurrent lookups of unknown stored-response ids: more than that store's pool holds
 
 
 def sha(key: str) -> str:
@@ -88,3 +90,65 @@ def test_a_burst_of_one_key_gets_exactly_its_limit_and_other_keys_are_unaffected
     assert crossed or int(counted[b"r"]) == RPM, counted
     assert other == [200] * OTHERS, f"another key's requests during the burst: {Counter(other)}"
     assert len(sim.engine.records) == seen[200] + OTHERS  # a refused request never reached the engine
+
+
+def test_a_flood_of_stored_response_lookups_fails_no_other_tenant_and_drops_no_write(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
+    prefix = f"kgw-test-flood-{uuid.uuid4().hex[:8]}"
+    keys = [{"name": name, "sha256": sha(f"{name}-key")} for name in ("flooder", "tenant")]
+    sim = start_sim("vllm")
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], redis_url=REDIS_URL,
+                               auth={"enabled": True, "keys": keys}, affinity={"enabled": False},
+                               responses={"key_prefix": f"{prefix}:resp"})
+    admin = redis.Redis.from_url(REDIS_URL)
+
+    def recorded(response_id: str) -> bool:
+        deadline = time.monotonic() + 5  # the write is queued, then sent by the store's writer
+        while time.monotonic() < deadline:
+            if admin.exists(f"{prefix}:resp:{response_id}"):
+                return True
+            time.sleep(0.02)
+        return False
+
+    async def run(client: httpx.AsyncClient, before: str) -> tuple[list[int], list[int], str]:
+        tenant = {"authorization": "Bearer tenant-key"}
+
+        async def lookup(response_id: str, key: str) -> int:
+            answer = await client.get(f"{gw.url}/v1/responses/{response_id}",
+                                      headers={"authorization": f"Bearer {key}"})
+            return answer.status_code
+
+        async def tenant_meanwhile() -> tuple[list[int], str]:
+            await asyncio.sleep(0.05)  # the flood is under way
+            created = await client.post(gw.url + "/v1/responses", headers=tenant,
+                                        json={"model": "kimi-k3", "input": "hi", "max_output_tokens": 2})
+            assert created.status_code == 200, created.text
+            reads = [await lookup(before, "tenant-key") for _ in range(5)]
+            return reads, created.json()["id"]
+
+        flood, (reads, during) = await asyncio.gather(
+            asyncio.gather(*(lookup(f"resp_{uuid.uuid4().hex}", "flooder-key") for _ in range(FLOOD))),
+            tenant_meanwhile())
+        return list(flood), reads, during
+
+    async def main() -> tuple[list[int], list[int], str]:
+        limits = httpx.Limits(max_connections=FLOOD + 2, max_keepalive_connections=0)
+        async with httpx.AsyncClient(limits=limits, timeout=30) as client:
+            first = await client.post(gw.url + "/v1/responses", headers={"authorization": "Bearer tenant-key"},
+                                      json={"model": "kimi-k3", "input": "hi", "max_output_tokens": 2})
+            assert first.status_code == 200, first.text
+            assert recorded(first.json()["id"])
+            return await run(client, first.json()["id"])
+
+    try:
+        flood, reads, during = asyncio.run(main())
+        during_recorded = recorded(during)
+    finally:
+        for key in admin.scan_iter(f"{prefix}:*"):
+            admin.delete(key)
+        admin.close()
+    seen = f"unknown ids {Counter(flood)}, another tenant's lookups {reads}, its new response recorded: " \
+           f"{during_recorded}"
+    assert during_recorded, f"a response created during the flood was never recorded ({seen})"
+    assert reads == [200] * 5, seen
+    assert Counter(flood) == {404: FLOOD}, seen
