@@ -45,7 +45,7 @@ from gateway.config import ResponsesConfig
 from gateway.errors import GatewayError
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import close_redis, redis_from_url
+from gateway.redis_client import close_redis, primary_known, redis_from_url
 from gateway.redis_gate import WAIT_S, StoreBusy, StoreGate
 
 log = logging.getLogger("gateway.affinity")
@@ -179,6 +179,7 @@ class RedisResponseStore:
             async with self.gate:
                 if not self.breaker.closed:  # Redis failed while this lookup waited for its turn
                     raise self._unavailable()
+                await primary_known(self.redis)
                 timer = StoreTimeout(self.config.lookup_timeout)
                 try:
                     async with timer:
@@ -215,6 +216,7 @@ class RedisResponseStore:
         if not self.breaker.closed:
             self.metrics.affinity_writes_dropped.inc(len(batch))
             return
+        await primary_known(self.redis)
         timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
         try:
             async with timer, self.redis.pipeline(transaction=False) as pipe:

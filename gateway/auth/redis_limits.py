@@ -42,7 +42,7 @@ from gateway.config import AuthConfig
 from gateway.errors import RateLimitBusy
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import DEMOTED_RETRY, close_redis, redis_from_url
+from gateway.redis_client import DEMOTED_RETRY, close_redis, primary_known, redis_from_url
 from gateway.redis_gate import WAIT_S, StoreBusy, StoreGate
 
 log = logging.getLogger("gateway.auth")
@@ -190,6 +190,7 @@ class RedisRateLimiter:
             async with self.gate:
                 if not self.available:  # Redis failed while this call waited for its turn
                     return None
+                await primary_known(self.redis)  # with Sentinel, after a quiet spell: where the primary is now
                 started = time.perf_counter()
                 timer = StoreTimeout(self.config.redis_timeout)
                 try:
