@@ -5,8 +5,9 @@ connections"), the refusal opened the store's circuit breaker, and for `retry_af
 rate limit was off (`fail_mode: open`; every key refused with `closed`), or the stored-response
 store answered 503 to everyone and dropped the writes of responses created meanwhile.
 
-The gateways here are real `kimi-gateway serve` processes (one and two serving processes) on the
-machine's real Redis, each test under its own key prefix.
+The gateways here are real `kimi-gateway serve` processes (one and two serving processes) on a
+real redis-server of the test's own (the machine's shared one may be slowed by other tests, which
+this test would rightly take for an outage).
 """
 
 from __future__ import annotations
@@ -17,21 +18,28 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 import redis
 
-from tests.support import GatewayProcess, RunningSim, pool
+from tests.support import GatewayProcess, OwnRedis, RunningSim, free_port, pool
 
 StartSim = Callable[..., RunningSim]
 StartGatewayProcess = Callable[..., GatewayProcess]
-REDIS_URL = "redis://127.0.0.1:6379/0"
 RPM = 60
 BURST = 300  # concurrent requests of one key: more than any store's pool holds
 OTHERS = 10  # requests of another key sent during the burst, well within its limit
 FLOOD = 250  # concurrent lookups of unknown stored-response ids: more than that store's pool holds
+
+
+@pytest.fixture
+def private_redis() -> Iterator[OwnRedis]:
+    server = OwnRedis(free_port())  # not `own_redis`: its port is the gateway process's `unused_port`
+    server.start()
+    yield server
+    server.kill()
 
 
 def sha(key: str) -> str:
@@ -56,15 +64,16 @@ async def statuses(gw: GatewayProcess, key: str, n: int, client: httpx.AsyncClie
 
 @pytest.mark.parametrize(("processes", "fail_mode"), [(1, "open"), (2, "open"), (2, "closed")])
 def test_a_burst_of_one_key_gets_exactly_its_limit_and_other_keys_are_unaffected(
-        start_sim: StartSim, start_gateway_process: StartGatewayProcess, processes: int, fail_mode: str) -> None:
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess, private_redis: OwnRedis, processes: int,
+        fail_mode: str) -> None:
     prefix = f"kgw-test-burst-{uuid.uuid4().hex[:8]}"
     keys = [{"name": name, "sha256": sha(f"{name}-key"), "requests_per_minute": RPM} for name in ("burst", "other")]
     sim = start_sim("vllm")
-    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=processes, redis_url=REDIS_URL,
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], processes=processes, redis_url=private_redis.url,
                                auth={"enabled": True, "keys": keys, "key_prefix": f"{prefix}:rl",
                                      "fail_mode": fail_mode},
                                affinity={"enabled": False})
-    admin = redis.Redis.from_url(REDIS_URL)
+    admin = redis.Redis.from_url(private_redis.url)
 
     async def run() -> tuple[list[int], list[int]]:
         limits = httpx.Limits(max_connections=BURST + OTHERS, max_keepalive_connections=0)
@@ -93,14 +102,14 @@ def test_a_burst_of_one_key_gets_exactly_its_limit_and_other_keys_are_unaffected
 
 
 def test_a_flood_of_stored_response_lookups_fails_no_other_tenant_and_drops_no_write(
-        start_sim: StartSim, start_gateway_process: StartGatewayProcess) -> None:
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess, private_redis: OwnRedis) -> None:
     prefix = f"kgw-test-flood-{uuid.uuid4().hex[:8]}"
     keys = [{"name": name, "sha256": sha(f"{name}-key")} for name in ("flooder", "tenant")]
     sim = start_sim("vllm")
-    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], redis_url=REDIS_URL,
+    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], redis_url=private_redis.url,
                                auth={"enabled": True, "keys": keys}, affinity={"enabled": False},
                                responses={"key_prefix": f"{prefix}:resp"})
-    admin = redis.Redis.from_url(REDIS_URL)
+    admin = redis.Redis.from_url(private_redis.url)
 
     def recorded(response_id: str) -> bool:
         deadline = time.monotonic() + 5  # the write is queued, then sent by the store's writer
