@@ -24,6 +24,12 @@ import httpx
 import pytest
 import redis
 
+from gateway.auth.keys import Principal
+from gateway.auth.redis_limits import RedisRateLimiter
+from gateway.config import AuthConfig
+from gateway.errors import RateLimitBusy
+from gateway.metrics import GatewayMetrics
+from gateway.redis_gate import StoreGate
 from tests.support import GatewayProcess, OwnRedis, RunningSim, free_port, pool
 
 StartSim = Callable[..., RunningSim]
@@ -161,3 +167,25 @@ def test_a_flood_of_stored_response_lookups_fails_no_other_tenant_and_drops_no_w
     assert during_recorded, f"a response created during the flood was never recorded ({seen})"
     assert reads == [200] * 5, seen
     assert Counter(flood) == {404: FLOOD}, seen
+
+
+@pytest.mark.anyio
+async def test_a_check_that_gets_no_turn_is_refused_even_failing_open_and_blames_no_one(
+        private_redis: OwnRedis) -> None:
+    metrics = GatewayMetrics()
+    limiter = RedisRateLimiter(private_redis.url, AuthConfig(key_prefix="kgw-test-turn", fail_mode="open"), metrics)
+    limiter.gate = StoreGate(1, 0.05)  # one turn, a 50 ms wait for it
+    alice = Principal("alice", frozenset({"user"}), RPM, None)
+    try:
+        async with limiter.gate:  # every turn taken (as by a burst's other checks)
+            with pytest.raises(RateLimitBusy) as busy:
+                await limiter.acquire(alice, 1)
+            assert busy.value.status == 503 and busy.value.code == "rate_limit_unavailable"
+            assert busy.value.headers == {"retry-after": "1"}
+        assert limiter.available, "no turn is no Redis failure: the breaker stays closed"
+        assert (metrics.registry.get_sample_value("kimi_gateway_redis_errors_total", {"op": "rate_limit"}) or 0) == 0
+        verdict = await limiter.acquire(alice, 1)
+        assert verdict is not None and verdict.allowed
+        assert (limiter.gate.in_use, limiter.gate.waiting) == (0, 0)
+    finally:
+        await limiter.stop()
