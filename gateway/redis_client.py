@@ -173,6 +173,7 @@ class _WatchedSentinelPool(SentinelConnectionPool):
         self._next_check = 0.0
         self._checked_at = -math.inf  # when the sentinels last named the primary (monotonic seconds)
         self._check: asyncio.Task[None] | None = None
+        self._waited_out: asyncio.Task[None] | None = None  # a check that outlasted CHECK_WAIT_S
 
     def _start_check(self) -> asyncio.Task[None] | None:
         now = time.monotonic()
@@ -192,8 +193,11 @@ class _WatchedSentinelPool(SentinelConnectionPool):
         if time.monotonic() - self._checked_at <= STALE_S:
             return
         check = self._start_check()
-        if check is not None and not check.done():
-            await asyncio.wait({check}, timeout=CHECK_WAIT_S)
+        if check is None or check.done() or check is self._waited_out:
+            return  # a sentinel that hangs delays the calls of one CHECK_WAIT_S, not every call after
+        await asyncio.wait({check}, timeout=CHECK_WAIT_S)
+        if not check.done():
+            self._waited_out = check
 
     async def get_master_address(self) -> Any:
         before = self.master_address
