@@ -20,8 +20,13 @@ call's own time: a deadline the event loop passed while busy with other work is 
 (`gateway/looplag.py`), so the gateway's own stalls are not read as a Redis outage; any error
 or timeout returns None (the guard then fails open or closed, `auth.fail_mode`), is counted in
 `kimi_gateway_redis_errors_total{op="rate_limit"}`, logged at most once per 10 s, and Redis is
-skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again. A call
-that expires while the loop is still lagging fails that one request only (no breaker, no error).
+skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again. The
+gateway's own load is no outage (issue 25 §1): at most `POOL_CONNECTIONS` checks are in flight
+(`gateway/redis_gate.py`), more wait for a turn up to `redis_gate.WAIT_S` before their timeout
+starts, and a check that gets no turn, or that expires while the loop is still lagging, refuses
+that one request with RateLimitBusy (503, whatever `fail_mode` says: passing it would let a
+burst through its key's limit; no breaker, no Redis error). A command refused with `READONLY`
+(a demoted primary) changed nothing and is resent once on a new connection (`DEMOTED_RETRY`).
 """
 
 from __future__ import annotations
