@@ -184,6 +184,13 @@ class RateLimitUnavailable(GatewayError):
     code = "rate_limit_unavailable"
 
 
+class RateLimitBusy(RateLimitUnavailable):
+    """503 `rate_limit_unavailable` whatever `auth.fail_mode` says: the gateway itself was too busy to
+    get this request's rate-limit decision in time (every Redis connection taken for the wait
+    deadline, or its event loop held through the call). Redis is fine, so the limits are not off:
+    passing the request would let a burst through its key's limit (issue 25 §1)."""
+
+
 def error_bytes_from_upstream(status: int, body: bytes, code: str | None = None, param: str | None = None) -> bytes:
     """An engine's 4xx answer as exactly an OpenAI error object `{"error": {message, type, param, code}}`.
 

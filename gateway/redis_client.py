@@ -15,7 +15,11 @@ skips Redis for its `retry_after` and the next connection goes to the new primar
 not answer `READONLY` on a demoted primary, so the pool here also asks the sentinels, at most every
 `RECHECK_S` seconds and in the background (a command never waits for a sentinel), where the primary
 is, and drops idle connections to any other address: a store that only reads (drain sync) also
-moves to the new primary within seconds of a failover.
+moves to the new primary within seconds of a failover. After a quiet spell (no command for
+`STALE_S`) that background check would come too late for the first commands, so the stores call
+`primary_known()` before each call (outside its Redis budget): it asks the sentinels first, waiting
+at most `CHECK_WAIT_S`. A command refused with `READONLY` raises `PrimaryDemoted`, which the
+stores' `retry` resends once on a new connection (`DEMOTED_RETRY`, `STALE_CONNECTION_RETRY`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +36,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
@@ -43,6 +48,8 @@ log = logging.getLogger("gateway.redis")
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_PORT = 26379
 RECHECK_S = 1.0
+STALE_S = RECHECK_S
+CHECK_WAIT_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +120,17 @@ def sentinel_address(item: str, default_port: int = SENTINEL_PORT, what: str = "
     return host_port(item, default_port, what)
 
 
+class PrimaryDemoted(RedisConnectionError):
+    """A command answered `READONLY`: the server this connection reached is a replica now. The
+    connection was dropped, and the command was refused before it changed anything, so it is safe
+    to send again on a new connection (`DEMOTED_RETRY`), which finds the primary anew."""
+
+
+DEMOTED_RETRY = Retry(NoBackoff(), 1, supported_errors=(PrimaryDemoted,))
+"""redis-py `retry` for a store that must not resend a command that may have run (a rate-limit
+count): only a command refused with `READONLY` is sent again, once, at once."""
+
+
 class _DemotionAwareConnection(Connection):
     """A plain `redis://` connection that drops itself on `READONLY`, as redis-py's Sentinel
     connections do: behind a DNS name that follows the primary (a cloud's primary endpoint, a
@@ -123,11 +141,23 @@ class _DemotionAwareConnection(Connection):
             return await super().read_response(*args, **kwargs)
         except ReadOnlyError:
             await self.disconnect()
-            raise RedisConnectionError(f"{self.host}:{self.port} answered READONLY: no longer the primary") from None
+            raise PrimaryDemoted(f"{self.host}:{self.port} answered READONLY: no longer the primary") from None
 
     async def on_connect_check_health(self, check_health: bool = True) -> None:
         await super().on_connect_check_health(check_health=check_health)
         await refuse_cluster_node(self)  # a cluster node behind a plain URL: refused (gateway/redis_cluster.py)
+
+
+class _SentinelConnection(SentinelManagedConnection):
+    """redis-py's Sentinel connection, raising PrimaryDemoted (not a bare ConnectionError) on
+    `READONLY`, so that `DEMOTED_RETRY` resends the command to the primary the sentinels name now."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await Connection.read_response(self, *args, **kwargs)
+        except ReadOnlyError:
+            await self.disconnect()
+            raise PrimaryDemoted(f"{self.host}:{self.port} answered READONLY: no longer the primary") from None
 
 
 class _DemotionAwareSSLConnection(_DemotionAwareConnection, SSLConnection):
@@ -140,14 +170,33 @@ class _WatchedSentinelPool(SentinelConnectionPool):
     def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
         super().__init__(service_name, sentinel_manager, **kwargs)
         self._next_check = 0.0
+        self._checked_at = -math.inf  # when the sentinels last named the primary (monotonic seconds)
         self._check: asyncio.Task[None] | None = None
+        self._waited_out: asyncio.Task[None] | None = None  # a check that outlasted CHECK_WAIT_S
 
-    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+    def _start_check(self) -> asyncio.Task[None] | None:
         now = time.monotonic()
         if now >= self._next_check and (self._check is None or self._check.done()):
             self._next_check = now + RECHECK_S
             self._check = asyncio.create_task(self._recheck(), name=f"redis-sentinel:{self.service_name}")
+        return self._check
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        self._start_check()
         return await super().get_connection(*args, **kwargs)
+
+    async def primary_known(self) -> None:
+        """Return at once when the sentinels named the primary within `STALE_S`; else ask them and
+        wait for their answer, at most `CHECK_WAIT_S` (then go on: sentinels that do not answer must
+        not stop the store)."""
+        if time.monotonic() - self._checked_at <= STALE_S:
+            return
+        check = self._start_check()
+        if check is None or check.done() or check is self._waited_out:
+            return  # a sentinel that hangs delays the calls of one CHECK_WAIT_S, not every call after
+        await asyncio.wait({check}, timeout=CHECK_WAIT_S)
+        if not check.done():
+            self._waited_out = check
 
     async def get_master_address(self) -> Any:
         before = self.master_address
@@ -162,6 +211,7 @@ class _WatchedSentinelPool(SentinelConnectionPool):
         except (RedisError, OSError) as exc:
             log.debug("sentinels did not name the primary of %s: %s", self.service_name, exc)
             return
+        self._checked_at = time.monotonic()
         for connection in list(self._available_connections):
             if connection.is_connected and (connection.host, connection.port) != tuple(address):
                 await connection.disconnect()  # was in use when the primary moved: now idle, drop it
@@ -207,8 +257,22 @@ def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
         sentinel_kwargs["password"] = target.sentinel_password
     manager = Sentinel(list(target.sentinels), sentinel_kwargs=sentinel_kwargs)
     return manager.master_for(target.service_name, redis_class=_SentinelPrimary,
-                              connection_pool_class=_WatchedSentinelPool, db=target.db,
+                              connection_pool_class=_WatchedSentinelPool, connection_class=_SentinelConnection,
+                              db=target.db,
                               username=target.username, password=target.password, **kwargs)
+
+
+async def primary_known(client: aioredis.Redis) -> None:
+    """Before a store's call (outside its Redis budget): with Sentinel, when the pool has not heard
+    from the sentinels for `STALE_S` (quiet since), ask them where the primary is, waiting at most
+    `CHECK_WAIT_S`, and drop idle connections to any other server. Without it the first commands
+    after a quiet spell took the idle connections to a primary the sentinels had replaced (still
+    writable until they demote it): counts written there are lost at the demotion, and a burst of
+    one key passed its limit on two servers (issue 26 §9). A no-op for other clients (a Redis Cluster
+    client has no single pool)."""
+    pool = getattr(client, "connection_pool", None)
+    if isinstance(pool, _WatchedSentinelPool):
+        await pool.primary_known()
 
 
 async def close_redis(client: aioredis.Redis, store: str) -> None:

@@ -34,15 +34,16 @@ from collections.abc import Sequence
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gateway.affinity.batch_writer import BatchWriter
 from gateway.affinity.breaker import CircuitBreaker
 from gateway.config import AffinityConfig
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import close_redis, redis_from_url
+from gateway.redis_client import close_redis, primary_known, redis_from_url
 from gateway.redis_cluster import is_cluster_url
+from gateway.redis_gate import StoreBusy, StoreGate
 
 log = logging.getLogger("gateway.affinity")
 
@@ -52,6 +53,9 @@ return #KEYS
 """
 LOG_EVERY_S = 10.0
 PING_EVERY_S = 5.0
+LOOKUP_CONNECTIONS = 128
+"""Lookups in flight to Redis (`StoreGate`); one more waits at most `lookup_timeout` for a turn,
+then routes as a miss (Redis is not blamed). The writer and the pinger have connections of their own."""
 
 # After Redis restarts, a pooled connection to the old server can fail its next command with
 # "connection reset": resend once on a new connection (lookups and the record script are
@@ -65,9 +69,10 @@ class RedisAffinityStore:
     def __init__(self, url: str, config: AffinityConfig, metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self.redis = redis_from_url(
+        self.gate = StoreGate(LOOKUP_CONNECTIONS, config.lookup_timeout)
+        self.redis = redis_from_url(  # + the writer's and the pinger's connections
             url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=SOCKET_BACKSTOP_S,
-            retry=STALE_CONNECTION_RETRY, max_connections=128, health_check_interval=0,
+            retry=STALE_CONNECTION_RETRY, max_connections=LOOKUP_CONNECTIONS + 2, health_check_interval=0,
         )
         self._writes: BatchWriter[tuple[str, Sequence[int], str]] = BatchWriter(
             self._write, config.write_queue, metrics.affinity_writes_dropped.inc, "affinity-writer")
@@ -117,15 +122,24 @@ class RedisAffinityStore:
         if not self.available:
             self.metrics.affinity_lookups.labels(pool, "skipped").inc()
             return None
-        started = time.perf_counter()
-        timer = StoreTimeout(self.config.lookup_timeout)
         try:
-            async with timer:
-                values = await self.redis.mget(self.keys(pool, hashes))
-        except (RedisError, OSError, TimeoutError) as exc:
-            if not timer.expired_late:  # a loop still busy at the deadline is not Redis' fault
-                self._failed("lookup", exc)
-            self.metrics.affinity_lookups.labels(pool, "error").inc()
+            async with self.gate:
+                if not self.available:  # Redis failed while this lookup waited for its turn
+                    self.metrics.affinity_lookups.labels(pool, "skipped").inc()
+                    return None
+                await primary_known(self.redis)
+                started = time.perf_counter()
+                timer = StoreTimeout(self.config.lookup_timeout)
+                try:
+                    async with timer:
+                        values = await self.redis.mget(self.keys(pool, hashes))
+                except (RedisError, OSError, TimeoutError) as exc:
+                    if not timer.expired_late:  # a loop still busy at the deadline is not Redis' fault
+                        self._failed("lookup", exc)
+                    self.metrics.affinity_lookups.labels(pool, "error").inc()
+                    return None
+        except StoreBusy:  # the gateway's own lookups fill the pool: a miss, Redis is not blamed
+            self.metrics.affinity_lookups.labels(pool, "skipped").inc()
             return None
         self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - started)
         self._set_up(True)
@@ -146,25 +160,36 @@ class RedisAffinityStore:
         if not self.available:
             self.metrics.affinity_writes_dropped.inc(len(batch))
             return
+        await primary_known(self.redis)
         started = time.perf_counter()
         timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
         try:
-            # `async with` resets the pipeline (its connection back to the pool) even when the
-            # timeout cuts it.
-            async with timer, self.redis.pipeline(transaction=False) as pipe:
-                for pool, hashes, worker in batch:
-                    keys = self.keys(pool, hashes)
-                    if self.cluster:  # a cluster pipeline sends no SCRIPT LOAD on NOSCRIPT: the script's text
-                        pipe.eval(RECORD_LUA, len(keys), *keys, worker, ttl_ms)
-                    else:
-                        await self._record(keys=keys, args=[worker, ttl_ms], client=pipe)
-                await pipe.execute()
+            async with timer:
+                try:
+                    await self._send(batch, ttl_ms)
+                except NoScriptError:  # a new primary (failover), which never ran the script: load it there
+                    await self._send(batch, ttl_ms)
         except (RedisError, OSError, TimeoutError) as exc:
             if not timer.expired_late:
                 self._failed("write", exc)
             return
         self.metrics.redis_seconds.labels("write").observe(time.perf_counter() - started)
         self._set_up(True)
+
+    async def _send(self, batch: list[tuple[str, Sequence[int], str]], ttl_ms: int) -> None:
+        """`batch` in one pipeline. The pipeline checks that the record script is on its connection's
+        server first (SCRIPT EXISTS, then LOAD), but a connection that answers READONLY is replaced
+        (`STALE_CONNECTION_RETRY`), and the script then runs on a new primary that has not seen it:
+        NoScriptError, which the caller answers with one more pipeline."""
+        # `async with` resets the pipeline (its connection back to the pool) even when the timeout cuts it.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for pool, hashes, worker in batch:
+                keys = self.keys(pool, hashes)
+                if self.cluster:  # a cluster pipeline sends no SCRIPT LOAD on NOSCRIPT: the script's text
+                    pipe.eval(RECORD_LUA, len(keys), *keys, worker, ttl_ms)
+                else:
+                    await self._record(keys=keys, args=[worker, ttl_ms], client=pipe)
+            await pipe.execute()
 
     async def _ping_forever(self) -> None:
         while True:

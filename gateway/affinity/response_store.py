@@ -12,7 +12,9 @@ name}` (the key name empty when auth was off; a value without that line, written
 were recorded, reads as unowned) with a TTL of `responses.store_ttl` seconds (the engine itself
 never forgets, but a conversation idle for longer is assumed over). Writes are queued and written
 by a background task (`flush()` waits for them: a barrier for tests and shutdown); a lookup is
-one GET with a hard timeout.
+one GET with a hard timeout, at most `LOOKUP_CONNECTIONS` of them in flight (more wait up to
+`redis_gate.WAIT_S` for a turn, then that lookup alone answers 503, and Redis is not blamed); the
+writer has a connection of its own, so a flood of lookups never delays or drops a write (issue 25 §5).
 
 A Redis error or timeout (counted in
 `kimi_gateway_redis_errors_total{op="response_lookup"|"response_write"}`) fails the lookup with
@@ -43,10 +45,14 @@ from gateway.config import ResponsesConfig
 from gateway.errors import GatewayError
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import close_redis, redis_from_url
+from gateway.redis_client import close_redis, primary_known, redis_from_url
+from gateway.redis_gate import WAIT_S, StoreBusy, StoreGate
 
 log = logging.getLogger("gateway.affinity")
 
+LOOKUP_CONNECTIONS = 32
+"""Lookups in flight to Redis (`StoreGate`, waiting up to `redis_gate.WAIT_S` for a turn); the
+pool holds one connection more, the writer's, so lookups never starve the writes."""
 
 
 class ResponseStoreUnavailable(GatewayError):
@@ -146,9 +152,10 @@ class RedisResponseStore:
     def __init__(self, url: str, config: ResponsesConfig, metrics: GatewayMetrics) -> None:
         self.config = config
         self.metrics = metrics
+        self.gate = StoreGate(LOOKUP_CONNECTIONS, WAIT_S)
         self.redis = redis_from_url(url, socket_connect_timeout=max(config.lookup_timeout, 0.25),
                                     socket_timeout=SOCKET_BACKSTOP_S, retry=STALE_CONNECTION_RETRY,
-                                    max_connections=32, health_check_interval=0)
+                                    max_connections=LOOKUP_CONNECTIONS + 1, health_check_interval=0)
         self._writes: BatchWriter[tuple[str, ResponseOwner | None]] = BatchWriter(
             self._write, config.write_queue, metrics.affinity_writes_dropped.inc, "response-store-writer")
         self._last_log = 0.0
@@ -166,20 +173,31 @@ class RedisResponseStore:
         if not timer.expired_late:  # a loop still busy at the deadline is not Redis' fault
             self.breaker.trip()
         self.metrics.redis_errors.labels(op).inc()
+        self._log_at_most_every_10s(f"redis {op} failed ({type(exc).__name__}: {exc})")
+
+    def _log_at_most_every_10s(self, message: str) -> None:
         now = time.monotonic()
         if now - self._last_log >= 10.0:
             self._last_log = now
-            log.warning("redis %s failed (%s: %s)", op, type(exc).__name__, exc)
+            log.warning("%s", message)
 
     async def lookup(self, response_id: str) -> ResponseOwner | None:
         if not self.breaker.closed:  # Redis failed moments ago: answer at once, do not wait on it again
             raise self._unavailable()
-        timer = StoreTimeout(self.config.lookup_timeout)
         try:
-            async with timer:
-                value = await self.redis.get(self.key(response_id))
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed("response_lookup", exc, timer)
+            async with self.gate:
+                if not self.breaker.closed:  # Redis failed while this lookup waited for its turn
+                    raise self._unavailable()
+                await primary_known(self.redis)
+                timer = StoreTimeout(self.config.lookup_timeout)
+                try:
+                    async with timer:
+                        value = await self.redis.get(self.key(response_id))
+                except (RedisError, OSError, TimeoutError) as exc:
+                    self._failed("response_lookup", exc, timer)
+                    raise self._unavailable() from None
+        except StoreBusy as exc:  # the gateway's own lookups fill the pool: this one fails, Redis is fine
+            self._log_at_most_every_10s(f"redis response_lookup not sent: {exc}")
             raise self._unavailable() from None
         return ResponseOwner.decode(value.decode()) if value is not None else None
 
@@ -207,6 +225,7 @@ class RedisResponseStore:
         if not self.breaker.closed:
             self.metrics.affinity_writes_dropped.inc(len(batch))
             return
+        await primary_known(self.redis)
         timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
         try:
             async with timer, self.redis.pipeline(transaction=False) as pipe:

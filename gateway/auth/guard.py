@@ -9,7 +9,9 @@ OpenAI's (https://platform.openai.com/docs/guides/error-codes):
   (seconds) and OpenAI's wording ("Rate limit reached ... on tokens per min (TPM): Limit L, Used U,
   Requested R. Please try again in Ns."); a request larger than its key's whole token limit gets
   OpenAI's "Request too large" 429 with `x-should-retry: false` (the OpenAI SDKs then do not retry);
-- 503 `rate_limit_unavailable` with `Retry-After` when Redis cannot answer and `fail_mode: closed`.
+- 503 `rate_limit_unavailable` with `Retry-After` when Redis cannot answer and `fail_mode: closed`,
+  and whatever `fail_mode` says when the gateway itself was too busy to ask Redis in time
+  (`RateLimitBusy`: every connection taken for the wait deadline, `gateway/redis_gate.py`).
 
 A quota check returns a `Reservation`; the request path settles it when the request ends
 (`settle`: to the tokens used, or all of it back when no engine worked on the request).
@@ -26,7 +28,7 @@ from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token, key_id
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.config import AuthConfig, GatewayConfig
-from gateway.errors import InvalidApiKey, PermissionDenied, RateLimited, RateLimitUnavailable
+from gateway.errors import InvalidApiKey, PermissionDenied, RateLimitBusy, RateLimited, RateLimitUnavailable
 from gateway.metrics import GatewayMetrics
 
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
@@ -138,7 +140,11 @@ class AuthGuard:
 
     async def _acquire(self, principal: Principal, tokens: int, requests: int) -> int | None:
         """The limiter's window number the charge was counted in; None when it was not counted."""
-        verdict = await self.limiter.acquire(principal, tokens, requests)
+        try:
+            verdict = await self.limiter.acquire(principal, tokens, requests)
+        except RateLimitBusy:
+            self.metrics.rate_limit_unavailable.labels("refused").inc()
+            raise
         if verdict is None:
             if self.config.fail_mode == "open":
                 self.metrics.rate_limit_unavailable.labels("allowed").inc()

@@ -112,14 +112,16 @@ def decide(principal: Principal, tokens: int, prev: tuple[float, float], cur: tu
 
 
 class RateLimiter(Protocol):
-    """Per-key request and token limits. Implementations never raise from `acquire`."""
+    """Per-key request and token limits. `acquire` raises only `errors.RateLimitBusy`."""
 
     async def acquire(self, principal: Principal, tokens: int, requests: int = 1) -> Verdict | None:
         """Check `requests` requests (1; 0 to charge tokens only) of `tokens` tokens against the key's
         limits and, if they pass, count them.
 
         None when the limiter could not answer (Redis down, timed out, circuit open: the
-        implementation counts it); the caller then fails open or closed as configured.
+        implementation counts it); the caller then fails open or closed as configured. Raises
+        `errors.RateLimitBusy` (503) when the gateway's own load kept it from an answer (no turn
+        to Redis within its wait deadline): not an outage, so never failed open.
         """
         ...
 

@@ -20,31 +20,41 @@ call's own time: a deadline the event loop passed while busy with other work is 
 (`gateway/looplag.py`), so the gateway's own stalls are not read as a Redis outage; any error
 or timeout returns None (the guard then fails open or closed, `auth.fail_mode`), is counted in
 `kimi_gateway_redis_errors_total{op="rate_limit"}`, logged at most once per 10 s, and Redis is
-skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again. A call
-that expires while the loop is still lagging fails that one request only (no breaker, no error).
+skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again. The
+gateway's own load is no outage (issue 25 §1): at most `POOL_CONNECTIONS` checks are in flight
+(`gateway/redis_gate.py`), more wait for a turn up to `redis_gate.WAIT_S` before their timeout
+starts, and a check that gets no turn, or that expires while the loop is still lagging, refuses
+that one request with RateLimitBusy (503, whatever `fail_mode` says: passing it would let a
+burst through its key's limit; no breaker, no Redis error). A command refused with `READONLY`
+(a demoted primary) changed nothing and is resent once on a new connection (`DEMOTED_RETRY`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import RedisError
 
 from gateway.auth.keys import Principal
 from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
 from gateway.config import AuthConfig
+from gateway.errors import RateLimitBusy
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
-from gateway.redis_client import close_redis, redis_from_url
+from gateway.redis_client import DEMOTED_RETRY, close_redis, primary_known, redis_from_url
+from gateway.redis_gate import WAIT_S, StoreBusy, StoreGate
 
 log = logging.getLogger("gateway.auth")
 
 LOG_EVERY_S = 10.0
+POOL_CONNECTIONS = 128
+"""Redis connections of one serving process's limiter, and so its checks in flight (`StoreGate`)."""
 
 # KEYS[1]: the key's hash. ARGV: window (ms), requests limit, tokens limit (-1: no limit), tokens,
 # optionally the time in ms (tests compare the script with limits.py on one clock; the gateway
@@ -133,9 +143,10 @@ class RedisRateLimiter:
         self.metrics = metrics
         self.window_ms = round(window_s * 1000)
         self._clock = clock
+        self.gate = StoreGate(POOL_CONNECTIONS, WAIT_S)
         self.redis = redis_from_url(
             url, socket_connect_timeout=max(config.redis_timeout, 0.25), socket_timeout=SOCKET_BACKSTOP_S,
-            retry=Retry(NoBackoff(), 0), max_connections=128, health_check_interval=0,
+            retry=DEMOTED_RETRY, max_connections=POOL_CONNECTIONS, health_check_interval=0,
         )
         self._script = self.redis.register_script(LUA)
         self._refund = self.redis.register_script(REFUND_LUA)
@@ -160,37 +171,60 @@ class RedisRateLimiter:
             log.warning("redis rate limit check failed (%s: %s); failing %s for %.1fs", type(exc).__name__, exc,
                         self.config.fail_mode, self.config.redis_retry_after)
 
-    def _loop_busy(self, waited: float) -> None:
-        now = time.monotonic()
-        if now - self._last_log >= LOG_EVERY_S:
-            self._last_log = now
-            log.warning("rate limit check gave up after %.3fs with the event loop still busy; failing %s for "
-                        "this request only (Redis is not blamed)", waited, self.config.fail_mode)
-
     async def acquire(self, principal: Principal, tokens: int, requests: int = 1) -> Verdict | None:
         if not self.available:
             return None
         rpm, tpm = principal.requests_per_minute, principal.tokens_per_minute
-        started = time.perf_counter()
-        timer = StoreTimeout(self.config.redis_timeout)
-        try:
-            async with timer:
-                reply = await self._script(keys=[self.key(principal.name)],
-                                           args=[self.window_ms, -1 if rpm is None else rpm,
-                                                 -1 if tpm is None else tpm, tokens, self._now_ms(), requests])
-        except (RedisError, OSError, TimeoutError) as exc:
-            if timer.expired_late:  # the event loop was still busy at the deadline: not Redis' fault
-                self._loop_busy(time.perf_counter() - started)
-            else:
-                self._failed(exc)
+        reply = await self._run(self._script, principal, [self.window_ms, -1 if rpm is None else rpm,
+                                                           -1 if tpm is None else tpm, tokens, self._now_ms(),
+                                                           requests])
+        if reply is None:
             return None
-        self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
         allowed, wait_ms, kind, limit, used, requested, window = reply
         if allowed:
             return Verdict(True, window=int(window))
         retry_after = math.inf if wait_ms < 0 else wait_ms / 1000
         limit_kind: LimitKind = "tokens" if kind in (b"tokens", "tokens") else "requests"
         return Verdict(False, limit_kind, int(limit), int(used), int(requested), retry_after)
+
+    async def _run(self, script: AsyncScript, principal: Principal, args: list[int | str]) -> Any:
+        """`script`'s reply for `principal`'s key; None when Redis could not answer (counted, the
+        breaker tripped: module doc). Raises RateLimitBusy when the gateway's own load kept the call
+        from an answer: no turn within `WAIT_S`, or the event loop still held at the deadline."""
+        try:
+            async with self.gate:
+                if not self.available:  # Redis failed while this call waited for its turn
+                    return None
+                await primary_known(self.redis)  # with Sentinel, after a quiet spell: where the primary is now
+                started = time.perf_counter()
+                timer = StoreTimeout(self.config.redis_timeout)
+                try:
+                    async with timer:
+                        reply = await script(keys=[self.key(principal.name)], args=args)
+                except (RedisError, OSError, TimeoutError) as exc:
+                    if not timer.expired_late:
+                        self._failed(exc)
+                        return None
+                    self._busy(f"the event loop was still busy at the {self.config.redis_timeout:g} s deadline "
+                               f"after {time.perf_counter() - started:.3f} s")
+                    raise self._busy_error() from None
+        except StoreBusy as exc:
+            self._busy(str(exc))
+            raise self._busy_error() from None
+        self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
+        return reply
+
+    def _busy(self, why: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            log.warning("rate limit check not answered: %s; refusing that request with 503 (Redis is not "
+                        "blamed, the limits stay on)", why)
+
+    @staticmethod
+    def _busy_error() -> RateLimitBusy:
+        return RateLimitBusy("The gateway is too busy to check rate limits right now; please try again shortly.",
+                             headers={"retry-after": "1"})
 
     def _now_ms(self) -> str:
         """The script's time argument: "" (Redis' clock) unless a test gave a clock."""
@@ -199,18 +233,8 @@ class RedisRateLimiter:
     async def refund(self, principal: Principal, window: int, requests: int, tokens: int) -> None:
         if not self.available:
             return
-        started = time.perf_counter()
-        timer = StoreTimeout(self.config.redis_timeout)
-        try:
-            async with timer:
-                await self._refund(keys=[self.key(principal.name)], args=[window, requests, tokens])
-        except (RedisError, OSError, TimeoutError) as exc:
-            if timer.expired_late:  # the event loop was still busy at the deadline: not Redis' fault
-                self._loop_busy(time.perf_counter() - started)
-            else:
-                self._failed(exc)
-            return
-        self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
+        with contextlib.suppress(RateLimitBusy):  # logged by _run; the key stays charged
+            await self._run(self._refund, principal, [window, requests, tokens])
 
     async def start(self) -> None:
         return None

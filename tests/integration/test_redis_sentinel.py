@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from tests.support import RunningGateway, RunningSim, free_ports, pool
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
 SERVICE = "kgw-primary"
-KEYS = {"before": 3, "after": 3, "killed": 3}  # key name -> requests per minute
+KEYS = {"before": 3, "after": 3, "killed": 3, "reader": 5, "fresh": 5}  # key name -> requests per minute
 BULK, ADMIN = "bulk-key-1", "admin-key-1"
 
 
@@ -118,7 +119,7 @@ def sha(key: str) -> str:
 
 
 def gateway_with_sentinels(start_sim: StartSim, start_gateway: StartGateway, group: SentinelSet,
-                           as_url: bool) -> tuple[RunningGateway, str]:
+                           as_url: bool, fail_mode: str = "open") -> tuple[RunningGateway, str]:
     prefix = f"kgw-test-sentinel-{uuid.uuid4().hex[:8]}"
     sentinel_list = [f"127.0.0.1:{port}" for port in group.sentinel_ports]
     redis_settings: dict[str, Any] = (
@@ -130,7 +131,7 @@ def gateway_with_sentinels(start_sim: StartSim, start_gateway: StartGateway, gro
     sims = [start_sim("vllm"), start_sim("vllm")]  # traffic goes on while the test drains p/1
     gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072)], **redis_settings,
                        auth={"enabled": True, "keys": keys, "key_prefix": f"{prefix}:rl", "redis_timeout": 0.5,
-                             "redis_retry_after": 0.5},
+                             "redis_retry_after": 0.5, "fail_mode": fail_mode},
                        affinity={"key_prefix": f"{prefix}:aff", "lookup_timeout": 0.5, "retry_after": 0.5})
     # Exact counts below ("r" == 3): a minute's edge inside a test would move some to the previous window.
     start_a_window_now(gw)
@@ -263,3 +264,37 @@ async def test_a_connection_answering_readonly_is_dropped_and_the_next_one_reach
         admin.close()
         await client.aclose()
         servers.stop()
+
+
+@pytest.mark.parametrize("fail_mode", ["open", "closed"])
+def test_a_burst_after_a_quiet_failover_gets_its_limit_once_on_the_new_primary(
+        start_sim: StartSim, start_gateway: StartGateway, sentinels: SentinelSet, fail_mode: str) -> None:
+    # Issue 26 §9: after a failover the store's idle connections still reached the old primary,
+    # which stays writable until the sentinels demote it (<= 10 s): a burst of a 5 RPM key after a
+    # quiet second was counted there (counts lost at the demotion) and on the new primary, and passed
+    # its limit; a write refused with READONLY opened the breaker (failing open passed the burst).
+    # The affinity store's record script, never run on the new primary, answered NoScriptError there.
+    gw, prefix = gateway_with_sentinels(start_sim, start_gateway, sentinels, as_url=True, fail_mode=fail_mode)
+    old, new = sentinels.primary_port, sentinels.replica_port
+    with ThreadPoolExecutor(8) as warm:  # idle connections to the old primary in each store's pool
+        assert set(warm.map(lambda i: chat(gw, BULK, f"warm {i} " + "context " * 400), range(8))) == {200}
+    assert [chat(gw, "reader-key-1") for _ in range(6)] == [200] * 5 + [429]
+    gw.flush_affinity()
+    assert affinity_keys(sentinels.client(old), prefix) > 0
+    assert sentinels.client(sentinels.sentinel_ports[0]).execute_command("SENTINEL", "FAILOVER", SERVICE)
+    wait_for(lambda: sentinels.primary() == new, 10, "the sentinels promote the replica")
+    time.sleep(1.5)  # quiet for longer than the pools ask the sentinels (RECHECK_S)
+    with ThreadPoolExecutor(8) as burst:
+        statuses = list(burst.map(lambda _: chat(gw, "fresh-key-1"), range(8)))
+    assert sorted(statuses) == [200] * 5 + [429] * 3, f"a 5 RPM key's burst of 8 after the failover: {statuses}"
+    assert sentinels.client(new).hget(f"{prefix}:rl:fresh", "r") == "5", "counted on the new primary"
+    wait_for(lambda: sentinels.client(old).info("replication")["role"] == "slave", 15, "the old primary demoted")
+    assert [chat(gw, "fresh-key-1") for _ in range(3)] == [429] * 3, "the counts outlived the demotion"
+    assert [chat(gw, "reader-key-1") for _ in range(2)] == [429] * 2
+    errors_before = gw.metric('kimi_gateway_redis_errors_total{op="write"}')
+    written = affinity_keys(sentinels.client(new), prefix)
+    for i in range(3):
+        assert chat(gw, BULK, f"after the failover {i} " + "context " * 400) == 200
+    gw.flush_affinity()
+    assert gw.metric('kimi_gateway_redis_errors_total{op="write"}') == errors_before, "an affinity write failed"
+    assert affinity_keys(sentinels.client(new), prefix) > written
