@@ -126,7 +126,9 @@ class SimConfig(BaseModel):
     Token accounting (no real tokenizer): prompt tokens = ceil(UTF-8 bytes of all prompt text /
     `bytes_per_token`) + `image_tokens` per image part + `message_overhead_tokens` per chat message.
     Output: one word per token; the count is `max_completion_tokens`, else `max_tokens`, else
-    `default_output_tokens`. Latency: `ttft_s` before the first token, `tpot_s` between tokens.
+    `default_output_tokens` (where the model stops by itself; `eos_after_tokens`, `min_tokens` and
+    `ignore_eos` move that end as the engines' sampling params do: `tokens.generated_count`).
+    Latency: `ttft_s` before the first token, `tpot_s` between tokens.
 
     Opt-in engine model (every field below defaults to today's behaviour):
 
@@ -156,6 +158,9 @@ class SimConfig(BaseModel):
     ttft_s: float = Field(default=0.0, ge=0.0)
     tpot_s: float = Field(default=0.0, ge=0.0)
     default_output_tokens: int = Field(default=16, ge=0)
+    eos_after_tokens: int | None = Field(
+        default=None, ge=0, description="the model ends by itself after this many tokens under any output limit "
+        "(finish `stop`); None: it runs to an explicit limit (`tokens.generated_count`)")
     bytes_per_token: float = Field(default=4.0, gt=0.0)
     image_tokens: int = Field(default=256, ge=0)
     message_overhead_tokens: int = Field(default=4, ge=0)

@@ -44,6 +44,7 @@ from gateway.sim.tokens import (
     PromptError,
     chat_prompt_tokens,
     completion_prompt_tokens,
+    generated_count,
     messages_max_tokens,
     output_text,
     output_token,
@@ -273,7 +274,9 @@ def _as_chat(body: dict[str, Any], needs_max_tokens: bool) -> dict[str, Any]:
     FieldValidationError for a Messages `max_tokens` that model refuses: missing ("Field
     required"), not an integer (5.5) or not positive."""
     max_tokens = messages_max_tokens(body) if needs_max_tokens else None
-    chat = {k: v for k, v in body.items() if k not in ("system", "stream")}
+    # vLLM's and SGLang's AnthropicMessagesRequest build their chat request from Anthropic's own
+    # fields only: sampling extras such as `min_tokens` / `ignore_eos` do not reach the sampler.
+    chat = {k: v for k, v in body.items() if k not in ("system", "stream", "min_tokens", "ignore_eos")}
     chat["messages"] = a.chat_messages(body)
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
@@ -287,8 +290,9 @@ def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -
     else:
         prompt_tokens = completion_prompt_tokens(body.get("prompt"), config)
     requested = requested_output_tokens(body, kind == "chat")
-    output_tokens = requested if requested is not None else config.default_output_tokens
-    finish_reason = "length" if requested is not None else "stop"
+    output_tokens, finish_reason = generated_count(body, requested, config.default_output_tokens,
+                                                   config.max_context_tokens - max(prompt_tokens, default=0),
+                                                   config.eos_after_tokens)
     return _Plan(kind, stream, prompt_tokens, output_tokens, finish_reason, r.StreamFormat.from_body(body))
 
 
