@@ -473,7 +473,8 @@ class UpstreamStream:
 
     def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], holding: Holding,
                  record: RequestRecord, waiting: bool = False, keepalive_interval: float | None = None,
-                 on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False) -> None:
+                 on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False,
+                 cache_in_input: bool = False) -> None:
         self.response = response
         self._on_end = on_end
         self._aborted: str | None = None
@@ -484,7 +485,7 @@ class UpstreamStream:
         self._holding = holding
         self._record = record
         self._closed = False
-        self.tap = SSETap(record.api)
+        self.tap = SSETap(record.api, cache_in_input)
         self.sse = response.headers.get("content-type", "").startswith("text/event-stream")
         self._strip_usage = strip_usage and self.sse  # the usage patch's second half (backends/patches.py)
 

@@ -299,17 +299,19 @@ class ProxyService:
 def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, failed: bool) -> int | None:
     """The tokens a request that ended (`failed`: with an error, or a stream cut short) counts
     against its key's token limit: the engine's usage (prompt + completion tokens) when it
-    reported one; the reservation when the client hung up, or a complete answer came without
-    usage (nothing to settle by); the prompt estimate when an engine accepted the request (or
-    may have been working on it) and it failed later; None, "release it all", when no engine
-    worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
+    reported one (a prompt it counted as 0, or did not report where its output was, is charged
+    at the estimate: no prompt is empty); the reservation when the client hung up, or a complete
+    answer came without usage (nothing to settle by); the prompt estimate when an engine accepted
+    the request (or may have been working on it) and it failed later; None, "release it all",
+    when no engine worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
     usage = record.usage
+    estimate = request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
     if usage is not None:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
-            return prompt + completion
+            return (prompt if prompt > 0 else estimate) + completion
     if record.disconnect_stage is not None or (record.reached_engine and not failed):
         return reserved
     if record.reached_engine:
-        return request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
+        return estimate
     return None

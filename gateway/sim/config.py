@@ -27,6 +27,9 @@ Engine = Literal["vllm", "sglang", "ascend"]
 ApiVersion = Literal["current", "legacy"]
 """Which generation of the engine's API to mimic (see `SimConfig.api_version`)."""
 
+MessagesUsage = Literal["vllm", "sglang", "sglang_message_stop", "llamacpp"]
+"""Where an engine's Messages layer puts the usage (`gateway.sim.anthropic`)."""
+
 BodyMode = Literal["normal", "trickle", "endless"]
 """How a probe endpoint sends its body (see `SimFaults.health_body`)."""
 
@@ -171,6 +174,9 @@ class SimConfig(BaseModel):
     request is validated and the first SSE event after `ttft_s`. True: hold the headers until the
     first token is ready."""
     api_version: ApiVersion = "current"
+    messages_usage: Literal["engine"] | MessagesUsage = Field(
+        default="engine", description="where the Messages API's usage goes (`gateway.sim.anthropic`): "
+        "`engine` is the engine's own (SGLang's for sglang, vLLM's otherwise)")
     """"current" mimics the engines as of 2026; "legacy" mimics older releases: vLLM ≤ 0.9 flat
     `{"object": "error", ...}` errors with the "(N in the messages, M in the completion)" wording
     and `vllm:gpu_cache_usage_perc`; SGLang before 2026-04 (context errors of streaming requests
@@ -269,3 +275,10 @@ class SimConfig(BaseModel):
     def model_name(self) -> str:
         """The name responses report as `model` (the first served name)."""
         return self.served_model_names[0]
+
+    @property
+    def messages_usage_mode(self) -> MessagesUsage:
+        """`messages_usage` with `engine` resolved: SGLang's shape for sglang, vLLM's for vLLM and Ascend."""
+        if self.messages_usage != "engine":
+            return self.messages_usage
+        return "sglang" if self.engine == "sglang" else "vllm"

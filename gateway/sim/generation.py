@@ -449,8 +449,10 @@ async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestReco
     await _prefill(engine, watch, active, plan.leg, record)
     for i in range(plan.output_tokens):
         await _next_token(engine, watch, active, i, 1)
+    shapes = a.usage_shapes(config.messages_usage_mode, plan.total_prompt_tokens, plan.output_tokens,
+                            active.cached_tokens)
     payload = a.message(a.message_id(), config.model_name, output_text(plan.output_tokens), plan.finish_reason,
-                        plan.total_prompt_tokens, plan.output_tokens)
+                        shapes.answer)
     engine.update(record, completion_tokens_sent=plan.output_tokens)
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
@@ -465,7 +467,10 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     await _prefill(engine, watch, active, plan.leg, record)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await responder.event(a.message_start(a.message_id(), config.model_name, plan.total_prompt_tokens))
+    shapes = a.usage_shapes(config.messages_usage_mode, plan.total_prompt_tokens, plan.output_tokens,
+                            active.cached_tokens)
+    mid = a.message_id()
+    await responder.event(a.message_start(mid, config.model_name, shapes.start))
     for i in range(plan.output_tokens):
         await _next_token(engine, watch, active, i, 1, pause_first_only=True)
         if i == 0:
@@ -474,8 +479,8 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
         engine.update(record, completion_tokens_sent=i + 1)
     if plan.output_tokens == 0:
         await responder.event(a.block_start())
-    for chunk in a.stream_end(plan.finish_reason, plan.total_prompt_tokens, plan.output_tokens,
-                              done=engine.config.engine != "sglang"):
+    for chunk in a.stream_end(plan.finish_reason, shapes, engine.config.engine != "sglang", mid, config.model_name,
+                              output_text(plan.output_tokens) if shapes.stop is not None else ""):
         await responder.event(chunk)
     await responder.end_stream()
 
