@@ -4,7 +4,8 @@ Key layout: one hash per API key, `{key_prefix}:{key name}` (the configured name
 with five fields: `w` (the current one-minute window's number, Redis time ÷ 60 s), `r` and `t`
 (requests and tokens counted in it), `pr` and `pt` (the same in the window before). It expires two
 windows after its last write, so an idle key costs nothing and the store holds at most one hash per
-configured key (~150 bytes each).
+configured key (~150 bytes each), and one more, `{key_prefix}:{key name}/count_tokens`, for a key's
+count_tokens requests (`AuthGuard.count_counting`).
 
 Cost: one EVALSHA per limit a request is charged — HMGET + HSET + PEXPIRE of that one key inside a
 Lua script, so the check and the count are atomic across replicas, in one round trip; a key with

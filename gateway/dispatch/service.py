@@ -95,6 +95,8 @@ class ProxyService:
         counted = None
         if guard is not None:
             assert principal is not None
+            if api == "count_tokens":  # their own request limit (no tokens), first: a refusal costs no request
+                await guard.count_counting(principal)
             counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
         payload, request = await self.parse(api, body, headers)
         record.stream = request.stream
