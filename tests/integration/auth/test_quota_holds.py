@@ -93,3 +93,36 @@ def test_a_token_limit_holds_over_three_windows(start_sim: StartSim, start_gatew
         limit = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
         assert limit == (MIN_TOKENS if body.get("min_tokens") else DEFAULT_OUTPUT), body
         assert record.completion_tokens_sent <= limit * (body.get("n") or 1)
+
+
+@pytest.mark.parametrize("limiter", ["memory", "redis"])
+def test_a_stream_that_outlives_its_window_still_pays_its_debt(start_sim: StartSim, start_gateway: StartGateway,
+                                                               limiter: str, key_prefix: str) -> None:
+    """A stream running past two windows whose engine counted a longer prompt than the gateway
+    estimated: what it used beyond its reservation is charged when it ends, to the window then
+    current (the one it was charged in is gone)."""
+    sim = start_sim("vllm", bytes_per_token=1.0, tpot_s=0.6)  # one token a byte: more than the estimate
+    extra: dict[str, Any] = {"redis_url": REDIS_URL} if limiter == "redis" else {}
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072, default_output_tokens=DEFAULT_OUTPUT)],
+                       auth=auth_section({"tokens_per_minute": 5000}, key_prefix=key_prefix),
+                       affinity={"enabled": False}, load={"enabled": False}, **extra)
+    clock = short_windows(gw)
+    body = {"model": "kimi-k3", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "x" * 2000}]}
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, headers=HEADERS, timeout=30) as response:
+        assert response.status_code == 200
+        response.read()
+    assert clock() > 2 * WINDOW_S  # it ended two windows after it was charged
+    record = sim.engine.records[-1]
+    estimate = gw.server.app.state.gateway.estimator.utf8_tokens(b"x" * 2000) + 40 + 5  # + template, + output
+    debt = record.prompt_tokens + record.completion_tokens_sent - estimate
+    assert debt > 1000
+    deadline = time.monotonic() + 5
+    while True:  # the settlement runs as a task once the stream ended
+        # Fits only if the debt was lost; let through, the engine refuses it at once (no engine work, no charge).
+        probe = httpx.post(gw.v1 + "/chat/completions", headers=HEADERS,
+                           json={"model": "kimi-k3", "messages": HI, "max_tokens": 5000 - debt // 2,
+                                 "x_sim_faults": {"fail_status": 400}})
+        if probe.status_code == 429 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert probe.status_code == 429, "the debt was not charged"
