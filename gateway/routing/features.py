@@ -103,9 +103,10 @@ def forced_output(extra: Mapping[str, Any] | None) -> int:
 
 
 def completions_per_prompt(n: int | None, extra: Mapping[str, Any] | None) -> int:
-    """Sequences the engine generates per prompt: `n`, or `best_of` when larger (vLLM before V1
-    and SGLang's completions generate `best_of` candidates and return the best `n`: all of them
-    are generated tokens)."""
+    """Sequences the engine may generate per prompt: `n`, or `best_of` when larger (vLLM's V0
+    engine generated `best_of` candidates and returned the best `n`, all of them generated tokens;
+    SGLang's `CompletionRequest` in `srt/entrypoints/openai/protocol.py` still accepts the field),
+    so the reservation covers whichever engine version serves it."""
     best_of = (extra or {}).get("best_of")
     return max(n or 1, best_of if type(best_of) is int and best_of > 0 else 1)
 
