@@ -110,7 +110,7 @@ class ForwardBody:
     first: bytes
     first_key: BodyKey
     members_at: int
-    head_fields: tuple[tuple[str, Any], ...] = ()  # the client's own non-null values of _HEAD_FIELDS
+    head_fields: tuple[tuple[str, Any], ...] = ()  # the client's own non-null values of _HEAD_FIELDS, + `with_member`'s
 
     @classmethod
     def of(cls, payload: dict[str, Any], served_model: str, ask_usage: bool,
