@@ -641,6 +641,10 @@ class ShutdownConfig(_Strict):
     )
 
 
+DEFAULT_COUNT_TOKENS_PER_MINUTE = 100
+"""count_tokens requests per minute of a key that has a request or token limit but sets none for them."""
+
+
 class ApiKeyConfig(_Strict):
     """One client API key: its name (logs, metric labels, Redis keys), the key's SHA-256, scopes, limits.
 
@@ -657,6 +661,18 @@ class ApiKeyConfig(_Strict):
     tokens_per_minute: int | None = Field(
         default=None, ge=1, description="estimated prompt + requested output tokens; None: no token limit"
     )
+    count_tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="POST /v1/messages/count_tokens requests (they cost no tokens); None: "
+        f"{DEFAULT_COUNT_TOKENS_PER_MINUTE} for a key with another limit, no limit for a key without any",
+    )
+
+    @property
+    def count_tokens_limit(self) -> int | None:
+        """The key's count_tokens requests per minute, the default filled in (`count_tokens_per_minute`)."""
+        if self.count_tokens_per_minute is not None:
+            return self.count_tokens_per_minute
+        limited = self.requests_per_minute is not None or self.tokens_per_minute is not None
+        return DEFAULT_COUNT_TOKENS_PER_MINUTE if limited else None
 
     @field_validator("sha256", mode="before")
     @classmethod

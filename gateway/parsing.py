@@ -115,7 +115,7 @@ class ForwardBody:
     first: bytes
     first_key: BodyKey
     members_at: int
-    head_fields: tuple[tuple[str, Any], ...] = ()  # the client's own non-null values of _HEAD_FIELDS
+    head_fields: tuple[tuple[str, Any], ...] = ()  # the client's own non-null values of _HEAD_FIELDS, + `with_member`'s
 
     @classmethod
     def of(cls, payload: dict[str, Any], served_model: str, ask_usage: bool,
@@ -133,6 +133,15 @@ class ForwardBody:
     def _head(self, key: BodyKey, more: bool) -> bytes:
         head = upstream_body(dict(self.head_fields), *key)
         return head[:-1] + (b"," if more and len(head) > 2 else b"")
+
+    def with_member(self, name: str, value: Any) -> ForwardBody:
+        """This body with top-level member `name` set to `value` (one the client left out or set to
+        null, so not among the encoded members): written into the head, as the client's own
+        head fields are. Raises InvalidRequest as `of`."""
+        own = (*((k, v) for k, v in self.head_fields if k != name), (name, value))
+        members = self.first[self.members_at:-1]
+        head = ForwardBody(b"", self.first_key, 0, own)._head(self.first_key, bool(members))
+        return ForwardBody(head + members + b"}", self.first_key, len(head), own)
 
     def encode(self, served_model: str, ask_usage: bool, output_as_max_tokens: bool = False,
                kv_transfer_fields: bool = False) -> bytes:
@@ -154,6 +163,25 @@ def encode_for(payload: Payload, served_model: str, ask_usage: bool, output_as_m
     if isinstance(payload, ForwardBody):
         return payload.encode(served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
     return upstream_body(payload, served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
+
+
+OUTPUT_LIMIT_FIELD: dict[str, str] = {"chat": "max_completion_tokens", "completions": "max_tokens",
+                                      "messages": "max_tokens", "responses": "max_output_tokens"}
+"""The output limit each API's body names (OpenAI's chat and completions, Anthropic's Messages,
+OpenAI's Responses). On chat `max_completion_tokens` is sent as `max_tokens` to an engine that
+ignores it there (`upstream_body`'s `output_as_max_tokens`)."""
+
+
+def with_output_limit(payload: Payload, api: str, tokens: int) -> Payload:
+    """`payload` with the API's output limit (`OUTPUT_LIMIT_FIELD`) set to `tokens`, for a request
+    that set none: the engine then generates at most what the gateway reserved for it. A payload
+    of an API without such a field (count_tokens) is returned as it is."""
+    name = OUTPUT_LIMIT_FIELD.get(api)
+    if name is None:
+        return payload
+    if isinstance(payload, ForwardBody):
+        return payload.with_member(name, tokens)
+    return {**payload, name: tokens}
 
 
 @dataclass(frozen=True, slots=True)

@@ -530,7 +530,7 @@ class UpstreamStream:
     def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], holding: Holding,
                  record: RequestRecord, waiting: bool = False, keepalive_interval: float | None = None,
                  on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False,
-                 max_event: int = MAX_EVENT) -> None:
+                 max_event: int = MAX_EVENT, cache_in_input: bool = False) -> None:
         self.response = response
         self._max_event = max_event
         self._on_end = on_end
@@ -542,7 +542,7 @@ class UpstreamStream:
         self._holding = holding
         self._record = record
         self._closed = False
-        self.tap = SSETap(record.api)
+        self.tap = SSETap(record.api, cache_in_input)
         self.sse = response.headers.get("content-type", "").startswith("text/event-stream")
         self._strip_usage = strip_usage and self.sse  # the usage patch's second half (backends/patches.py)
         self._redact = response.redact if response.redact else None

@@ -123,6 +123,19 @@ class AuthGuard:
         window = await self._acquire(principal, 0, 1)
         return None if window is None else Reservation(principal, 0, window)
 
+    async def count_counting(self, principal: Principal) -> None:
+        """Count one `POST /v1/messages/count_tokens` request against the key's own limit for them
+        (`Principal.count_tokens_per_minute`), apart from its other limits: Anthropic does not bill
+        token counting and limits it by requests per minute, separately from message creation
+        (https://docs.claude.com/en/docs/build-with-claude/token-counting). It costs the engine a
+        tokenizer pass, no generation, so it takes no token quota (a client counting before each
+        send would otherwise pay twice). It still counts against `requests_per_minute` like any
+        request (`count_request`). Never given back. Raises as `check_quota`."""
+        if principal.count_tokens_per_minute is None:
+            return
+        counter = Principal(f"{principal.name}/count_tokens", principal.scopes, principal.count_tokens_per_minute)
+        await self._acquire(counter, 0, 1, principal.name)
+
     async def check_quota(self, principal: Principal, tokens: int, requests: int = 1,
                           counted: Reservation | None = None) -> Reservation | None:
         """Count `requests` requests (1; 0 when `count_request` already counted it, whose Reservation
@@ -138,13 +151,19 @@ class AuthGuard:
             return counted
         return Reservation(principal, tokens, window, requests=requests, counted=counted)
 
-    async def _acquire(self, principal: Principal, tokens: int, requests: int) -> int | None:
-        """The limiter's window number the charge was counted in; None when it was not counted."""
+    async def _acquire(self, principal: Principal, tokens: int, requests: int, label: str | None = None) -> int | None:
+        """The limiter's window number the charge was counted in; None when it was not counted
+        (`label`: as `_acquired`'s). Raises RateLimitBusy when the gateway could not finish the check."""
         try:
             verdict = await self.limiter.acquire(principal, tokens, requests)
         except RateLimitBusy:
             self.metrics.rate_limit_unavailable.labels("refused").inc()
             raise
+        return self._acquired(principal, verdict, label)
+
+    def _acquired(self, principal: Principal, verdict: Verdict | None, label: str | None = None) -> int | None:
+        """`_acquire`'s answer for the limiter's `verdict` on `principal` (`label`: the key name its
+        metrics go under, when another than the principal's)."""
         if verdict is None:
             if self.config.fail_mode == "open":
                 self.metrics.rate_limit_unavailable.labels("allowed").inc()
@@ -156,7 +175,8 @@ class AuthGuard:
         if verdict.allowed:
             return verdict.window
         assert verdict.limit is not None
-        self.metrics.rate_limited.labels(self.metric_labels.get(principal.name, "unknown"), verdict.limit).inc()
+        key = self.metric_labels.get(label or principal.name, "unknown")
+        self.metrics.rate_limited.labels(key, verdict.limit).inc()
         raise rate_limited(principal, verdict)
 
     async def settle(self, reservation: Reservation, used_tokens: int | None) -> None:

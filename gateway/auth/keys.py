@@ -44,13 +44,16 @@ def key_id(sha256_hex: str) -> str:
 class Principal:
     """Who is calling: the key's configured name (never the key), its scopes and its limits.
 
-    `requests_per_minute` and `tokens_per_minute` are None when that limit is off.
+    `requests_per_minute` and `tokens_per_minute` are None when that limit is off;
+    `count_tokens_per_minute` limits `POST /v1/messages/count_tokens` requests on their own
+    (`ApiKeyConfig.count_tokens_limit`; None: off).
     """
 
     name: str
     scopes: frozenset[str]
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    count_tokens_per_minute: int | None = None
 
     def has(self, scope: Scope) -> bool:
         return scope in self.scopes
@@ -78,7 +81,8 @@ class KeyRing:
 
     def __init__(self, keys: Iterable[ApiKeyConfig]) -> None:
         self._by_hash: dict[str, Principal] = {
-            key.sha256: Principal(key.name, frozenset(key.scopes), key.requests_per_minute, key.tokens_per_minute)
+            key.sha256: Principal(key.name, frozenset(key.scopes), key.requests_per_minute, key.tokens_per_minute,
+                                  key.count_tokens_limit)
             for key in keys
         }
 

@@ -8,6 +8,9 @@ maximum of max_tokens and the estimated number of tokens based on the character 
 a flat charge, the reservation is settled when the request ends (`RateLimiter.refund`, called by
 `AuthGuard.settle`): down (or up) to what it used, and in full, request included, when it failed
 before any engine worked on it, so clients retrying through an outage do not exhaust their key.
+A settlement that arrives after its window slid out charges a debt to the current window (a
+refund is then moot). For a key with a token limit the engine is sent the output limit that was
+reserved (`ProxyService.handle`), so what a request generates stays within what it was charged.
 
 Algorithm: a *sliding window counter* (the approximation Cloudflare and nginx-style limiters use).
 Time is cut into fixed one-minute windows; the use over the last 60 s is estimated as
@@ -127,8 +130,10 @@ class RateLimiter(Protocol):
 
     async def refund(self, principal: Principal, window: int, requests: int, tokens: int) -> None:
         """Take `requests` and `tokens` back from what fixed window number `window` counted (negative
-        `tokens` add: a request that used more than it reserved). Counts never go below 0; a window
-        older than the one before the key's current one is gone, and so is the refund. Never raises
+        `tokens` add: a request that used more than it reserved). Counts never go below 0. When
+        `window` is older than the one before the current window (a long stream, a background
+        response), its reservation has already slid out: a refund is dropped, and a debt (negative
+        `tokens`) is charged to the current window, so a late settlement is never lost. Never raises
         (a Redis failure is counted and the refund lost: the key stays charged, as without settling).
         """
         ...
@@ -188,16 +193,21 @@ class MemoryRateLimiter:
         return verdict
 
     async def refund(self, principal: Principal, window: int, requests: int, tokens: int) -> None:
+        index = math.floor(self._clock() / self.window)
         windows = self._keys.get(principal.name)
         if windows is None:
-            return
-        # Windows roll lazily on acquire: `index` is the last one counted in, as in the Redis hash.
-        if window == windows.index:
+            if tokens >= 0:
+                return
+            windows = self._keys[principal.name] = _Windows(index)
+        windows.roll(index)  # as acquire does: the settlement lands on the windows as they are now
+        if window == index:
             windows.requests = max(0.0, windows.requests - requests)
             windows.tokens = max(0.0, windows.tokens - tokens)
-        elif window == windows.index - 1:
+        elif window == index - 1:
             windows.prev_requests = max(0.0, windows.prev_requests - requests)
             windows.prev_tokens = max(0.0, windows.prev_tokens - tokens)
+        elif tokens < 0:  # a debt whose window is gone: charged to this one
+            windows.tokens -= tokens
 
     async def start(self) -> None:
         return None

@@ -4,13 +4,14 @@ Key layout: one hash per API key, `{key_prefix}:{key name}` (the configured name
 with five fields: `w` (the current one-minute window's number, Redis time ÷ 60 s), `r` and `t`
 (requests and tokens counted in it), `pr` and `pt` (the same in the window before). It expires two
 windows after its last write, so an idle key costs nothing and the store holds at most one hash per
-configured key (~150 bytes each).
+configured key (~150 bytes each), and one more, `{key_prefix}:{key name}/count_tokens`, for a key's
+count_tokens requests (`AuthGuard.count_counting`).
 
 Cost: one EVALSHA per limit a request is charged — HMGET + HSET + PEXPIRE of that one key inside a
 Lua script, so the check and the count are atomic across replicas, in one round trip; a key with
 both limits costs two (the request is counted on arrival, its tokens once estimated: `limits.py`) —
-and one more, smaller one (`REFUND_LUA`: HMGET + HSET) when the request ends using less than it
-reserved. At 1,000 requests/s
+and one more (`REFUND_LUA`: HMGET + HSET + PEXPIRE) when the request ends using another amount
+than it reserved (a debt whose window is gone is charged to the current one). At 1,000 requests/s
 that is 1,000 small scripts/s, a few percent of one Redis core. The script reads Redis' own clock
 (`TIME`), so replicas whose clocks disagree still agree on the windows. One key per script call
 keeps it valid on Redis Cluster.
@@ -56,13 +57,7 @@ LOG_EVERY_S = 10.0
 POOL_CONNECTIONS = 128
 """Redis connections of one serving process's limiter, and so its checks in flight (`StoreGate`)."""
 
-# KEYS[1]: the key's hash. ARGV: window (ms), requests limit, tokens limit (-1: no limit), tokens,
-# optionally the time in ms (tests compare the script with limits.py on one clock; the gateway
-# passes "", so the script reads Redis' clock), and optionally the requests charged (default 1; 0
-# when only tokens are charged: `limits.decide`'s `requests`).
-# Returns {allowed 0/1, wait ms (-1: never), limit kind, limit, used, requested, window number}.
-# `wait` is limits.wait_seconds in milliseconds: keep the two equal.
-LUA = """
+_WINDOWS_NOW = """
 if redis.replicate_commands then redis.replicate_commands() end
 local now_ms = tonumber(ARGV[5])
 if not now_ms then
@@ -80,6 +75,17 @@ if w ~= index then
   if w == index - 1 then pr, pt = r, t else pr, pt = 0, 0 end
   r, t = 0, 0
 end
+"""
+"""The start both scripts share: ARGV[1] the window (ms), ARGV[5] the time in ms or "" (Redis' clock);
+the key's hash read into the current window `index` and its counts, rolled as `limits._Windows.roll`."""
+
+# KEYS[1]: the key's hash. ARGV: window (ms), requests limit, tokens limit (-1: no limit), tokens,
+# optionally the time in ms (tests compare the script with limits.py on one clock; the gateway
+# passes "", so the script reads Redis' clock), and optionally the requests charged (default 1; 0
+# when only tokens are charged: `limits.decide`'s `requests`).
+# Returns {allowed 0/1, wait ms (-1: never), limit kind, limit, used, requested, window number}.
+# `wait` is limits.wait_seconds in milliseconds: keep the two equal.
+LUA = _WINDOWS_NOW + """
 local function wait(limit, prev, cur, cost)
   if limit < 0 or cost <= 0 then return 0 end
   if cost > limit then return math.huge end
@@ -107,24 +113,26 @@ redis.call('PEXPIRE', KEYS[1], 2 * window)
 return {1, 0, '', 0, 0, 0, index}
 """
 
-# KEYS[1]: the key's hash. ARGV: the window number the request was counted in, requests, tokens to
-# take back. The hash's `w` is the last window counted in (windows roll lazily, as in LUA), so the
-# refund lands on `r`/`t` when that is the request's window, on `pr`/`pt` when it is the one after,
-# and nowhere when the request's window is older. Counts stay >= 0; the expiry is left as it is.
-REFUND_LUA = """
-local s = redis.call('HMGET', KEYS[1], 'w', 'r', 't', 'pr', 'pt')
-local w = tonumber(s[1])
-if not w then return 0 end
-local target, dr, dt = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-if target == w then
-  redis.call('HSET', KEYS[1], 'r', math.max(0, (tonumber(s[2]) or 0) - dr),
-             't', math.max(0, (tonumber(s[3]) or 0) - dt))
-elseif target == w - 1 then
-  redis.call('HSET', KEYS[1], 'pr', math.max(0, (tonumber(s[4]) or 0) - dr),
-             'pt', math.max(0, (tonumber(s[5]) or 0) - dt))
+# KEYS[1]: the key's hash. ARGV: the window (ms), the window number the request was counted in,
+# requests, tokens to take back (negative: a debt, the request used more than it reserved), and the
+# time in ms ("" reads Redis' clock, as in LUA). The hash's windows are rolled to now first (as LUA
+# does), so the settlement lands on `r`/`t` when the request's window is the current one, on
+# `pr`/`pt` when it is the one before; when it is older its reservation has slid out of the sliding
+# window: a refund is then moot and dropped, and a debt is charged to the current window (it is not
+# lost with the window). Counts stay >= 0.
+REFUND_LUA = _WINDOWS_NOW + """
+local target, dr, dt = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if target == index then
+  r, t = math.max(0, r - dr), math.max(0, t - dt)
+elseif target == index - 1 then
+  pr, pt = math.max(0, pr - dr), math.max(0, pt - dt)
+elseif dt < 0 then
+  t = t - dt
 else
   return 0
 end
+redis.call('HSET', KEYS[1], 'w', index, 'r', r, 't', t, 'pr', pr, 'pt', pt)
+redis.call('PEXPIRE', KEYS[1], 2 * window)
 return 1
 """
 
@@ -234,7 +242,7 @@ class RedisRateLimiter:
         if not self.available:
             return
         with contextlib.suppress(RateLimitBusy):  # logged by _run; the key stays charged
-            await self._run(self._refund, principal, [window, requests, tokens])
+            await self._run(self._refund, principal, [self.window_ms, window, requests, tokens, self._now_ms()])
 
     async def start(self) -> None:
         return None

@@ -53,6 +53,10 @@ class EngineSpec:
     # Whether the engine keeps stored responses (`store`, `previous_response_id`, GET/cancel by id):
     # the gateway records a response's worker only on such engines.
     stores_responses: bool = True
+    # Whether its Messages usage counts the cached prompt inside `input_tokens` and again as
+    # `cache_read_input_tokens` (SGLang's `srt/entrypoints/anthropic/serving.py`), not apart as
+    # Anthropic does (`gateway.protocol.anthropic.openai_usage`).
+    messages_cache_in_input: bool = False
 
 
 _VLLM_TOO_LONG = (
@@ -76,7 +80,7 @@ ENGINES: dict[str, EngineSpec] = {
                              "longer than the model's context length",  # "The input (N tokens) is longer than ..."
                              "exceeds the model's maximum context length",
                              "maximum context length",
-                         ), context_slack_tokens=1),
+                         ), context_slack_tokens=1, messages_cache_in_input=True),
     # llama.cpp's server (xllamacpp 2026.10) exports no KV usage gauge.
     "llamacpp": EngineSpec("llamacpp", "/health", "llamacpp:requests_processing",
                            "llamacpp:requests_deferred", (), (

@@ -116,8 +116,10 @@ def relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
     raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered 200 with content type {declared[:60]!r}")
 
 
-def json_answer_usage(content: bytes, content_type: bytes) -> dict[str, Any] | None:
-    """The usage of a non-streaming JSON answer; ValueError when the JSON is cut or broken."""
+def json_answer_usage(content: bytes, content_type: bytes, cache_in_input: bool = False) -> dict[str, Any] | None:
+    """The usage of a non-streaming JSON answer; ValueError when the JSON is cut or broken.
+    `cache_in_input`: an Anthropic usage counts the cached prompt inside `input_tokens`
+    (`EngineSpec.messages_cache_in_input`)."""
     if b"json" not in content_type:
         return None
     try:
@@ -129,7 +131,7 @@ def json_answer_usage(content: bytes, content_type: bytes) -> dict[str, Any] | N
         return None
     if data.get("object") == "response":  # the Responses API: its input_tokens include the cached ones
         return chat_usage(usage)
-    return openai_usage(usage)  # Anthropic's names → OpenAI's
+    return openai_usage(usage, cache_in_input)  # Anthropic's names → OpenAI's
 
 
 def response_id_in_json(body: bytes) -> str | None:

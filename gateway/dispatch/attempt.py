@@ -38,6 +38,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 from gateway.backends.client import UpstreamResponse, UpstreamTimeouts, first_byte_budget, request_timeout
+from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig, TimeoutConfig
@@ -284,14 +285,16 @@ class SingleLeg(Attempt):
             mark_first_byte(record)
         stream = UpstreamStream(response, first, rest, holding.hand_over(), record, not content,
                                 self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage,
-                                self._state.config.max_body_bytes)
+                                self._state.config.max_body_bytes,
+                                ENGINES[self.pool.engine].messages_cache_in_input)
         return RelayResponse(stream, content_type)
 
     def _buffered(self, answer: bytes, content_type: bytes) -> BufferedResponse:
         """A whole non-streaming answer (identity bytes); its usage is read for the record. A cut or
         broken JSON answer is the engine's failure."""
         try:
-            self._record.usage = json_answer_usage(answer, content_type)
+            self._record.usage = json_answer_usage(answer, content_type,
+                                                   ENGINES[self.pool.engine].messages_cache_in_input)
         except ValueError as exc:
             raise self._broken(exc) from exc
         self._ended(None)

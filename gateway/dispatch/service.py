@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 
 from gateway.affinity.hashing import longest_match
 from gateway.affinity.response_store import ResponseOwner
@@ -28,7 +29,7 @@ from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
 from gateway.dispatch.steps import PoolStep, choose_pool
 from gateway.errors import GatewayError
-from gateway.parsing import Body, BodyParser, Payload
+from gateway.parsing import Body, BodyParser, Payload, with_output_limit
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
 from gateway.routing.pools import fitting_pools, skipped_pools
@@ -84,14 +85,18 @@ class ProxyService:
         and a key over its limit fetches no image URL); its token limit is charged the request's
         estimated prompt tokens + its output limit (else the first fitting pool's reservation) times
         the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
-        (429) or RateLimitUnavailable (503) when refused. The charge is settled when the request
-        ends (`quota_used`): at once for an answer or error given here, at the record's finish for
-        a stream.
+        (429) or RateLimitUnavailable (503) when refused. A key with a token limit whose request
+        sets no output limit has the reserved one written into the engine's body
+        (`parsing.with_output_limit`), so the engine cannot generate past what was charged. The
+        charge is settled when the request ends (`quota_used`): at once for an answer or error given
+        here, at the record's finish for a stream.
         """
         guard = self.state.auth if principal is not None else None
         counted = None
         if guard is not None:
             assert principal is not None
+            if api == "count_tokens":  # their own request limit (no tokens), first: a refusal costs no request
+                await guard.count_counting(principal)
             counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
         payload, request = await self.parse(api, body, headers)
         record.stream = request.stream
@@ -109,7 +114,12 @@ class ProxyService:
         if guard is None:
             return await self._dispatch(api, payload, request, pools, record, pinned)
         assert principal is not None
-        reservation = await guard.check_quota(principal, request.quota_tokens(pools[0].default_output_tokens),
+        default_output = pools[0].default_output_tokens
+        if principal.tokens_per_minute is not None and request.output_tokens is None and api != "count_tokens":
+            # What is reserved bounds what the engine may generate: it gets that output limit.
+            out = request.reserved_output(default_output)
+            payload, request = with_output_limit(payload, api, out), replace(request, output_tokens=out)
+        reservation = await guard.check_quota(principal, request.quota_tokens(default_output),
                                               requests=0, counted=counted)
         if reservation is None:
             return await self._dispatch(api, payload, request, pools, record, pinned)
@@ -312,17 +322,19 @@ class ProxyService:
 def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, failed: bool) -> int | None:
     """The tokens a request that ended (`failed`: with an error, or a stream cut short) counts
     against its key's token limit: the engine's usage (prompt + completion tokens) when it
-    reported one; the reservation when the client hung up, or a complete answer came without
-    usage (nothing to settle by); the prompt estimate when an engine accepted the request (or
-    may have been working on it) and it failed later; None, "release it all", when no engine
-    worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
+    reported one (a prompt it counted as 0, or did not report where its output was, is charged
+    at the estimate: no prompt is empty); the reservation when the client hung up, or a complete
+    answer came without usage (nothing to settle by); the prompt estimate when an engine accepted
+    the request (or may have been working on it) and it failed later; None, "release it all",
+    when no engine worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
     usage = record.usage
+    estimate = request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
     if usage is not None:
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
-            return prompt + completion
+            return (prompt if prompt > 0 else estimate) + completion
     if record.disconnect_stage is not None or (record.reached_engine and not failed):
         return reserved
     if record.reached_engine:
-        return request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
+        return estimate
     return None

@@ -365,19 +365,27 @@ def portable_blocks(payload: dict[str, Any]) -> int:
     return rewritten
 
 
-def openai_usage(usage: dict[str, Any]) -> dict[str, Any]:
+def openai_usage(usage: dict[str, Any], cache_in_input: bool = False) -> dict[str, Any]:
     """An engine's usage object in OpenAI's names, which the gateway accounts by (token limits,
     `kimi_gateway_tokens_total`): an Anthropic one (`input_tokens`, `output_tokens`,
-    `cache_read_input_tokens`, `cache_creation_input_tokens`; Anthropic counts the cached parts
-    apart from `input_tokens`) becomes `prompt_tokens` (all three inputs), `completion_tokens`
-    and `prompt_tokens_details.cached_tokens`; any other usage is returned as it is."""
+    `cache_read_input_tokens`, `cache_creation_input_tokens`) becomes `prompt_tokens`,
+    `completion_tokens` and `prompt_tokens_details.cached_tokens`; any other usage is returned as it is.
+
+    Anthropic counts the cached parts apart from `input_tokens`, so by default the prompt is all
+    three. With `cache_in_input` (`EngineSpec.messages_cache_in_input`: SGLang, whose
+    `srt/entrypoints/anthropic/serving.py` sends its chat usage's `prompt_tokens` as `input_tokens`
+    and the cached part of it again as `cache_read_input_tokens`) the prompt is `input_tokens`.
+    vLLM and llama.cpp send no cache fields. A missing `input_tokens` counts 0 (`quota_used` then
+    charges the prompt estimate)."""
     if "input_tokens" not in usage and "output_tokens" not in usage:
         return usage
     def count(name: str) -> int:
         value = usage.get(name)
         return value if isinstance(value, int) and not isinstance(value, bool) else 0
     cached = count("cache_read_input_tokens")
-    prompt = count("input_tokens") + cached + count("cache_creation_input_tokens")
+    prompt = count("input_tokens")
+    if not cache_in_input:
+        prompt += cached + count("cache_creation_input_tokens")
     out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": count("output_tokens")}
     if cached:
         out["prompt_tokens_details"] = {"cached_tokens": cached}

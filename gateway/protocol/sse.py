@@ -3,7 +3,8 @@
 It never changes bytes; it reads a copy of each chunk. Lines split across chunks are joined from a
 small carry buffer; JSON is parsed only for `data:` lines that carry a non-null `usage`
 (OpenAI's `stream_options.include_usage` chunk, https://platform.openai.com/docs/api-reference/chat-streaming;
-Anthropic's `message_start` and `message_delta` events, https://docs.claude.com/en/docs/build-with-claude/streaming).
+Anthropic's `message_start` and `message_delta` events, https://docs.claude.com/en/docs/build-with-claude/streaming,
+and wherever else an engine puts it: `SSETap._usage_line`).
 A stream ends with `data: [DONE]` (OpenAI) or `event: message_stop` (Anthropic).
 """
 
@@ -28,7 +29,7 @@ class SSETap:
     `events` (data events seen), `done` (`data: [DONE]` or `event: message_stop` seen, or a Responses
     API stream's last event: `response.completed`, `response.incomplete`, `response.failed`; that API
     sends no `[DONE]`), `usage` (the last usage dict or None; an Anthropic stream's usage merged from
-    its `message_start` and `message_delta` events, in OpenAI's names:
+    its events (each count's largest), in OpenAI's names:
     `gateway.protocol.anthropic.openai_usage`; a Responses usage, nested in its final event's
     `response`, with the chat names added: `gateway.protocol.responses.chat_usage`).
     `on_response_id`, when set, is called once with the id of a Responses stream's `response.created`.
@@ -37,14 +38,16 @@ class SSETap:
 
     `api` (the request's: "chat", "completions", "messages", "responses", ...) picks the scans a
     chunk gets: a chat stream is searched for `[DONE]` and usage only; the typed streams (Messages,
-    Responses) also for their end event and `event: error`.
+    Responses) also for their end event and `event: error`. `cache_in_input`: the engine's Messages
+    usage counts its cached prompt inside `input_tokens` (`EngineSpec.messages_cache_in_input`).
     """
 
-    __slots__ = ("_anthropic", "_carry", "_messages", "_responses", "done", "events", "failed", "on_response_id",
-                 "usage")
+    __slots__ = ("_anthropic", "_cache_in_input", "_carry", "_messages", "_responses", "done", "events", "failed",
+                 "on_response_id", "usage")
 
-    def __init__(self, api: str = "chat") -> None:
+    def __init__(self, api: str = "chat", cache_in_input: bool = False) -> None:
         self._messages = api == "messages"
+        self._cache_in_input = cache_in_input
         self._responses = api == "responses"
         self.events = 0
         self.done = False
@@ -107,19 +110,37 @@ class SSETap:
             pos = lines.find(b'"usage"', end)
 
     def _usage_line(self, line: bytes) -> None:
+        """One event's usage, wherever the engine put it: on the event (a chat chunk, with choices or
+        without; Anthropic's `message_delta`), or in the object it carries (`message`: Anthropic's
+        `message_start`, and SGLang's earlier Messages layer's `message_stop`; `response`: the
+        Responses API's final events). An Anthropic stream's counts are merged over its events,
+        each field's largest kept: the engines split them differently (vLLM: the prompt in both
+        `message_start` and `message_delta`; SGLang: zeros in `message_start`, all in `message_delta`;
+        llama.cpp: the prompt only in `message_start`, as Anthropic; `gateway/sim/anthropic.py`), and
+        counts only grow, so a zero in one event never hides a count another one reported."""
         try:
             event = orjson.loads(line[5:].strip())
-            kind = event.get("type")
-            usage = event.get("message", {}).get("usage") if kind == "message_start" else event.get("usage")
-            if usage is None and isinstance(event.get("response"), dict):  # a Responses API final event
-                usage = event["response"].get("usage")
-        except (orjson.JSONDecodeError, AttributeError):
+        except orjson.JSONDecodeError:
             return
+        if not isinstance(event, dict):
+            return
+        usage = event.get("usage")
+        for holder in ("message", "response"):
+            if isinstance(usage, dict):
+                break
+            nested = event.get(holder)
+            usage = nested.get("usage") if isinstance(nested, dict) else None
         if not isinstance(usage, dict):
             return
-        if kind in ("message_start", "message_delta"):  # Anthropic: message_delta's counts replace the start's
-            self._anthropic = {**(self._anthropic or {}), **{k: v for k, v in usage.items() if v is not None}}
-            self.usage = openai_usage(self._anthropic)
+        kind = event.get("type")
+        if isinstance(kind, str) and kind.startswith("message_"):  # Anthropic's message_start/_delta/_stop
+            merged = dict(self._anthropic or {})
+            for name, value in usage.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    old = merged.get(name)
+                    merged[name] = max(value, old) if isinstance(old, int) else value
+            self._anthropic = merged
+            self.usage = openai_usage(merged, self._cache_in_input)
         else:
             self.usage = chat_usage(usage)
 

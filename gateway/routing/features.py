@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 
@@ -39,7 +39,9 @@ class RoutingRequest:
     `prefix` holds the sampled block hashes of the canonical prompt (None when affinity is off).
     `outputs` is how many completions the engine generates (`n` times the prompts of a completions
     batch) and `batch_prompt_tokens` the prompt tokens of all prompts together: they size the
-    request's quota charge, not its context.
+    request's quota charge, not its context. `min_output_tokens` is what the client forces the
+    engine to generate at least (vLLM's and SGLang's `min_tokens` sampling parameter, 0 when unset):
+    with no output limit the reservation is at least that (`reserved_output`).
     """
 
     api: Api
@@ -58,16 +60,25 @@ class RoutingRequest:
     """Responses API: the stored response this one continues; its worker must serve it."""
     store: bool = False
     """Responses API: the engine stores the response (the gateway records its worker)."""
+    min_output_tokens: int = 0
 
     def context_tokens(self, default_output_tokens: int) -> int:
         """Tokens of context one sequence needs on a pool that reserves `default_output_tokens` by default."""
         out = self.output_tokens if self.output_tokens is not None else default_output_tokens
         return self.prompt_tokens + out
 
+    def reserved_output(self, default_output_tokens: int) -> int:
+        """The output tokens reserved for each completion (tokens): the client's output limit, else
+        the pool's `default_output_tokens` or the client's `min_tokens`, whichever is larger. For a
+        key with a token limit the gateway sends the engine exactly this limit (`ProxyService.handle`)."""
+        if self.output_tokens is not None:
+            return self.output_tokens
+        return max(default_output_tokens, self.min_output_tokens)
+
     def quota_tokens(self, default_output_tokens: int) -> int:
         """Tokens charged to a per-key token limit: every prompt plus the output limit of every
-        completion (as OpenAI's TPM counts a request: prompt + max_tokens * n)."""
-        out = self.output_tokens if self.output_tokens is not None else default_output_tokens
+        completion (as OpenAI's TPM counts a request: prompt + max_tokens * n; `reserved_output`)."""
+        out = self.reserved_output(default_output_tokens)
         prompts = self.batch_prompt_tokens if self.batch_prompt_tokens is not None else self.prompt_tokens
         return prompts + out * self.outputs
 
@@ -76,6 +87,28 @@ def output_limit(wire: ChatCompletionRequest | CompletionRequest) -> int | None:
     """The output tokens a request asks for: `max_completion_tokens`, which OpenAI ranks over the
     deprecated `max_tokens`, else `max_tokens`; None when it sets neither."""
     return wire.max_completion_tokens if wire.max_completion_tokens is not None else wire.max_tokens
+
+
+def forced_output(extra: Mapping[str, Any] | None) -> int:
+    """The output tokens a request forces the engine to generate at least: `min_tokens` (vLLM's
+    `SamplingParams.min_tokens`, read from the chat, completions and Responses bodies by
+    `vllm/entrypoints/openai/*/protocol.py`; SGLang's `ChatCompletionRequest.min_tokens`, its
+    `min_new_tokens`), 0 when unset or not a non-negative integer (the engine refuses those).
+    `ignore_eos` needs nothing here: it makes the engine run to its output limit, which the
+    reservation already is."""
+    value = (extra or {}).get("min_tokens")
+    if type(value) is float and value.is_integer():
+        value = int(value)
+    return value if type(value) is int and value > 0 else 0
+
+
+def completions_per_prompt(n: int | None, extra: Mapping[str, Any] | None) -> int:
+    """Sequences the engine may generate per prompt: `n`, or `best_of` when larger (vLLM's V0
+    engine generated `best_of` candidates and returned the best `n`, all of them generated tokens;
+    SGLang's `CompletionRequest` in `srt/entrypoints/openai/protocol.py` still accepts the field),
+    so the reservation covers whichever engine version serves it."""
+    best_of = (extra or {}).get("best_of")
+    return max(n or 1, best_of if type(best_of) is int and best_of > 0 else 1)
 
 
 def image_urls(wire: ChatCompletionRequest) -> list[str]:
@@ -155,7 +188,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
         api="chat", model=model, prompt_tokens=tokens, output_tokens=output, stream=bool(wire.stream),
         modalities=frozenset(modalities), estimate_method=method, session_key=session_key or wire.user,
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
-        prefix=prefix, outputs=wire.n or 1,
+        prefix=prefix, outputs=completions_per_prompt(wire.n, extra), min_output_tokens=forced_output(extra),
     )
 
 
@@ -234,7 +267,8 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
         stream=bool(wire.stream), modalities=frozenset({"text"}), estimate_method=method,
         session_key=session_key or wire.user,
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage), prefix=prefix,
-        outputs=(wire.n or 1) * prompts, batch_prompt_tokens=total,
+        outputs=completions_per_prompt(wire.n, wire.model_extra) * prompts, batch_prompt_tokens=total,
+        min_output_tokens=forced_output(wire.model_extra),
     )
 
 
@@ -303,6 +337,7 @@ def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstim
         stream=bool(wire.stream), modalities=frozenset(modalities), estimate_method=method,
         session_key=session_key or wire.user, include_usage=True, prefix=prefix,
         previous_response_id=wire.previous_response_id, store=wire.store is not False,
+        min_output_tokens=forced_output(wire.model_extra),
     )
 
 

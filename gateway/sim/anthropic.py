@@ -10,11 +10,25 @@ prefix-cache blocks are those of the equivalent chat request: a conversation alt
 the two APIs hits the same cached blocks.
 
 Shapes as those engines produce them (their serving code, read 2026-11): a non-streaming `message`
-whose usage is `input_tokens` (the whole prompt) and `output_tokens`; streamed, `message_start`
-(input usage), `content_block_start` (an empty text block, with the first token),
-`content_block_delta` (one `text_delta` per token), `content_block_stop`, `message_delta` (stop
-reason; `input_tokens` and `output_tokens`), `message_stop`, each as `event: <type>` +
-`data: <json>`; vLLM then writes `data: [DONE]` (its chat stream's end, passed on), SGLang does not.
+whose usage has `input_tokens` (the whole prompt) and `output_tokens`; streamed, `message_start`,
+`content_block_start` (an empty text block, with the first token), `content_block_delta` (one
+`text_delta` per token), `content_block_stop`, `message_delta` (stop reason, usage), `message_stop`,
+each as `event: <type>` + `data: <json>`; vLLM then writes `data: [DONE]` (its chat stream's end,
+passed on), SGLang does not. Where the usage goes differs per engine (`MessagesUsage`, chosen by
+`SimConfig.messages_usage`; `usage_shapes`):
+
+- `vllm` (`vllm/entrypoints/anthropic/serving.py`: its chat stream runs with
+  `continuous_usage_stats`, so the first chunk has the prompt): `message_start` `{input_tokens: P,
+  output_tokens: 0}`, `message_delta` `{input_tokens: P, output_tokens: O}`;
+- `sglang` (`python/sglang/srt/entrypoints/anthropic/serving.py`, on its OpenAI chat stream, whose
+  usage comes only in the last chunk): `message_start` `{input_tokens: 0, cache_read_input_tokens: 0,
+  output_tokens: 0}`, `message_delta` `{input_tokens: P, output_tokens: O, cache_read_input_tokens: C}`
+  with P the whole prompt and C its cached part (not Anthropic's split); the answer likewise;
+- `sglang_message_stop` (SGLang's earlier `entrypoints/anthropic/serving_messages.py`):
+  `message_start` `{input_tokens: 0, output_tokens: 0}`, no `message_delta`, and the usage in
+  `message_stop`'s `message`;
+- `llamacpp` (`tools/server/server-task.cpp`, `to_json_anthropic*`): `message_start`
+  `{input_tokens: P, output_tokens: 0}`, `message_delta` `{output_tokens: O}` only, as Anthropic does.
 Neither sends Anthropic's `ping` events (the gateway holds them as content-less if an engine does).
 Errors are `{"type": "error", "error": {"type", "message"}}` with the engine's error type, except
 a body the engine's `AnthropicMessagesRequest` refuses (`max_tokens` missing, 5.5 or <= 0): FastAPI
@@ -26,10 +40,12 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from gateway.sim.config import MessagesUsage
 from gateway.sim.tokens import FieldValidationError, PromptError
 
 STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
@@ -161,17 +177,35 @@ def message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, output_tokens: int) -> dict[str, int]:
-    """The engines' usage: the whole prompt as `input_tokens` (no cache fields)."""
-    return {"input_tokens": prompt_tokens, "output_tokens": output_tokens}
+@dataclass(frozen=True, slots=True)
+class UsageShapes:
+    """One answer's usage objects as an engine writes them: in `message_start`, in `message_delta`
+    (None: no such event), in `message_stop`'s `message` (None: no usage there), in the JSON answer."""
+
+    start: dict[str, int]
+    delta: dict[str, int] | None
+    stop: dict[str, int] | None
+    answer: dict[str, int]
 
 
-def message(mid: str, model: str, text: str, finish_reason: str, prompt_tokens: int,
-            output_tokens: int) -> dict[str, Any]:
+def usage_shapes(mode: MessagesUsage, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> UsageShapes:
+    """The usage objects of an answer of `prompt_tokens` (whole prompt, `cached_tokens` of it from the
+    prefix cache) and `output_tokens`, as engine `mode` writes them."""
+    whole = {"input_tokens": prompt_tokens, "output_tokens": output_tokens}
+    if mode == "sglang":
+        full = {**whole, "cache_read_input_tokens": cached_tokens}
+        return UsageShapes({"input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}, full, None, full)
+    if mode == "sglang_message_stop":
+        return UsageShapes({"input_tokens": 0, "output_tokens": 0}, None, whole, whole)
+    start = {"input_tokens": prompt_tokens, "output_tokens": 0}
+    return UsageShapes(start, {"output_tokens": output_tokens} if mode == "llamacpp" else whole, None, whole)
+
+
+def message(mid: str, model: str, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
     """The non-streaming answer: one text block."""
     return {"id": mid, "type": "message", "role": "assistant", "content": [{"type": "text", "text": text}],
             "model": model, "stop_reason": STOP_REASONS.get(finish_reason, "end_turn"), "stop_sequence": None,
-            "usage": usage(prompt_tokens, output_tokens)}
+            "usage": usage}
 
 
 def event(payload: dict[str, Any]) -> bytes:
@@ -179,10 +213,10 @@ def event(payload: dict[str, Any]) -> bytes:
     return b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
-def message_start(mid: str, model: str, prompt_tokens: int) -> bytes:
-    """`message_start`: the message shell with the input usage."""
+def message_start(mid: str, model: str, usage: dict[str, int]) -> bytes:
+    """`message_start`: the message shell with the engine's start usage."""
     shell = {"id": mid, "type": "message", "role": "assistant", "content": [], "model": model,
-             "stop_reason": None, "stop_sequence": None, "usage": usage(prompt_tokens, 0)}
+             "stop_reason": None, "stop_sequence": None, "usage": usage}
     return event({"type": "message_start", "message": shell})
 
 
@@ -195,12 +229,18 @@ def text_delta(text: str) -> bytes:
     return event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
 
 
-def stream_end(finish_reason: str, prompt_tokens: int, output_tokens: int, done: bool) -> list[bytes]:
-    """`content_block_stop`, `message_delta` (stop reason, usage), `message_stop`, and with `done`
-    (vLLM) `data: [DONE]`."""
-    events = [event({"type": "content_block_stop", "index": 0}),
-              event({"type": "message_delta", "delta": {"stop_reason": STOP_REASONS.get(finish_reason, "end_turn"),
-                                                        "stop_sequence": None},
-                     "usage": usage(prompt_tokens, output_tokens)}),
-              event({"type": "message_stop"})]
+def stream_end(finish_reason: str, shapes: UsageShapes, done: bool, mid: str = "", model: str = "",
+               text: str = "") -> list[bytes]:
+    """`content_block_stop`, `message_delta` (stop reason, usage) unless the engine sends none,
+    `message_stop` (with the message and its usage where the engine puts it there: `mid`, `model`,
+    `text`), and with `done` (vLLM) `data: [DONE]`."""
+    stop_reason = STOP_REASONS.get(finish_reason, "end_turn")
+    events = [event({"type": "content_block_stop", "index": 0})]
+    if shapes.delta is not None:
+        events.append(event({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                             "usage": shapes.delta}))
+    if shapes.stop is not None:
+        events.append(event({"type": "message_stop", "message": message(mid, model, text, finish_reason, shapes.stop)}))
+    else:
+        events.append(event({"type": "message_stop"}))
     return [*events, b"data: [DONE]\n\n"] if done else events

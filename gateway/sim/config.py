@@ -27,6 +27,9 @@ Engine = Literal["vllm", "sglang", "ascend"]
 ApiVersion = Literal["current", "legacy"]
 """Which generation of the engine's API to mimic (see `SimConfig.api_version`)."""
 
+MessagesUsage = Literal["vllm", "sglang", "sglang_message_stop", "llamacpp"]
+"""Where an engine's Messages layer puts the usage (`gateway.sim.anthropic`)."""
+
 BodyMode = Literal["normal", "trickle", "endless"]
 """How a probe endpoint sends its body (see `SimFaults.health_body`)."""
 
@@ -126,7 +129,9 @@ class SimConfig(BaseModel):
     Token accounting (no real tokenizer): prompt tokens = ceil(UTF-8 bytes of all prompt text /
     `bytes_per_token`) + `image_tokens` per image part + `message_overhead_tokens` per chat message.
     Output: one word per token; the count is `max_completion_tokens`, else `max_tokens`, else
-    `default_output_tokens`. Latency: `ttft_s` before the first token, `tpot_s` between tokens.
+    `default_output_tokens` (where the model stops by itself; `eos_after_tokens`, `min_tokens` and
+    `ignore_eos` move that end as the engines' sampling params do: `tokens.generated_count`).
+    Latency: `ttft_s` before the first token, `tpot_s` between tokens.
 
     Opt-in engine model (every field below defaults to today's behaviour):
 
@@ -156,6 +161,9 @@ class SimConfig(BaseModel):
     ttft_s: float = Field(default=0.0, ge=0.0)
     tpot_s: float = Field(default=0.0, ge=0.0)
     default_output_tokens: int = Field(default=16, ge=0)
+    eos_after_tokens: int | None = Field(
+        default=None, ge=0, description="the model ends by itself after this many tokens under any output limit "
+        "(finish `stop`); None: it runs to an explicit limit (`tokens.generated_count`)")
     bytes_per_token: float = Field(default=4.0, gt=0.0)
     image_tokens: int = Field(default=256, ge=0)
     message_overhead_tokens: int = Field(default=4, ge=0)
@@ -166,6 +174,9 @@ class SimConfig(BaseModel):
     request is validated and the first SSE event after `ttft_s`. True: hold the headers until the
     first token is ready."""
     api_version: ApiVersion = "current"
+    messages_usage: Literal["engine"] | MessagesUsage = Field(
+        default="engine", description="where the Messages API's usage goes (`gateway.sim.anthropic`): "
+        "`engine` is the engine's own (SGLang's for sglang, vLLM's otherwise)")
     """"current" mimics the engines as of 2026; "legacy" mimics older releases: vLLM ≤ 0.9 flat
     `{"object": "error", ...}` errors with the "(N in the messages, M in the completion)" wording
     and `vllm:gpu_cache_usage_perc`; SGLang before 2026-04 (context errors of streaming requests
@@ -264,3 +275,10 @@ class SimConfig(BaseModel):
     def model_name(self) -> str:
         """The name responses report as `model` (the first served name)."""
         return self.served_model_names[0]
+
+    @property
+    def messages_usage_mode(self) -> MessagesUsage:
+        """`messages_usage` with `engine` resolved: SGLang's shape for sglang, vLLM's for vLLM and Ascend."""
+        if self.messages_usage != "engine":
+            return self.messages_usage
+        return "sglang" if self.engine == "sglang" else "vllm"

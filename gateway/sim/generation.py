@@ -47,6 +47,7 @@ from gateway.sim.tokens import (
     PromptError,
     chat_prompt_tokens,
     completion_prompt_tokens,
+    generated_count,
     messages_max_tokens,
     output_text,
     output_token,
@@ -291,7 +292,9 @@ def _as_chat(body: dict[str, Any], needs_max_tokens: bool, sglang: bool) -> dict
     FieldValidationError for a Messages `max_tokens` that model refuses: missing ("Field
     required"), not an integer (5.5) or not positive."""
     max_tokens = messages_max_tokens(body) if needs_max_tokens else None
-    chat = {k: v for k, v in body.items() if k not in ("system", "stream")}
+    # vLLM's and SGLang's AnthropicMessagesRequest build their chat request from Anthropic's own
+    # fields only: sampling extras such as `min_tokens` / `ignore_eos` do not reach the sampler.
+    chat = {k: v for k, v in body.items() if k not in ("system", "stream", "min_tokens", "ignore_eos")}
     chat["messages"] = a.chat_messages(body, sglang)
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
@@ -305,8 +308,9 @@ def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -
     else:
         prompt_tokens = completion_prompt_tokens(body.get("prompt"), config)
     requested = requested_output_tokens(body, kind == "chat")
-    output_tokens = requested if requested is not None else config.default_output_tokens
-    finish_reason = "length" if requested is not None else "stop"
+    output_tokens, finish_reason = generated_count(body, requested, config.default_output_tokens,
+                                                   config.max_context_tokens - max(prompt_tokens, default=0),
+                                                   config.eos_after_tokens)
     return _Plan(kind, stream, prompt_tokens, output_tokens, finish_reason, r.StreamFormat.from_body(body))
 
 
@@ -463,8 +467,10 @@ async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestReco
     await _prefill(engine, watch, active, plan.leg, record)
     for i in range(plan.output_tokens):
         await _next_token(engine, watch, active, i, 1)
+    shapes = a.usage_shapes(config.messages_usage_mode, plan.total_prompt_tokens, plan.output_tokens,
+                            active.cached_tokens)
     payload = a.message(a.message_id(), config.model_name, output_text(plan.output_tokens), plan.finish_reason,
-                        plan.total_prompt_tokens, plan.output_tokens)
+                        shapes.answer)
     if plan.script is not None:
         payload.update(content=sc.messages_content(plan.script), stop_reason=sc.stop_reason(plan.script[1]))
     engine.update(record, completion_tokens_sent=plan.output_tokens)
@@ -481,7 +487,10 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     await _prefill(engine, watch, active, plan.leg, record)
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
-    await responder.event(a.message_start(a.message_id(), config.model_name, plan.total_prompt_tokens))
+    shapes = a.usage_shapes(config.messages_usage_mode, plan.total_prompt_tokens, plan.output_tokens,
+                            active.cached_tokens)
+    mid = a.message_id()
+    await responder.event(a.message_start(mid, config.model_name, shapes.start))
     if plan.script is not None:
         await _scripted_messages_sse(engine, plan, plan.script, record, responder, watch, active)
         return
@@ -493,8 +502,8 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
         engine.update(record, completion_tokens_sent=i + 1)
     if plan.output_tokens == 0:
         await responder.event(a.block_start())
-    for chunk in a.stream_end(plan.finish_reason, plan.total_prompt_tokens, plan.output_tokens,
-                              done=engine.config.engine != "sglang"):
+    for chunk in a.stream_end(plan.finish_reason, shapes, engine.config.engine != "sglang", mid, config.model_name,
+                              output_text(plan.output_tokens) if shapes.stop is not None else ""):
         await responder.event(chunk)
     await responder.end_stream()
 
@@ -511,9 +520,10 @@ async def _scripted_messages_sse(engine: SimEngine, plan: _Plan, step: tuple[int
             sent += 1
             engine.update(record, completion_tokens_sent=sent)
         await responder.event(chunk)
+    shapes = a.usage_shapes(engine.config.messages_usage_mode, plan.total_prompt_tokens, sent, active.cached_tokens)
     await responder.event(a.event({"type": "message_delta", "delta": {"stop_reason": sc.stop_reason(step[1]),
                                                                       "stop_sequence": None},
-                                   "usage": a.usage(plan.total_prompt_tokens, sent)}))
+                                   "usage": shapes.delta if shapes.delta is not None else shapes.answer}))
     await responder.event(a.event({"type": "message_stop"}))
     if engine.config.engine != "sglang":
         await responder.event(r.SSE_DONE)

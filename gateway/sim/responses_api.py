@@ -257,6 +257,8 @@ class ResponsesServer:
         output_tokens = limit if limit is not None else engine.config.default_output_tokens
         if step is not None:
             output_tokens = sc.output_tokens(step[1])
+        if engine.config.eos_after_tokens is not None:  # the model's own end, under any limit
+            output_tokens = min(output_tokens, engine.config.eos_after_tokens)
         if engine.config.engine != "sglang":  # vLLM: min(max_output_tokens, max_model_len - prompt)
             output_tokens = min(output_tokens, max_context - prompt_tokens)
         active: ActiveRequest

@@ -11,7 +11,17 @@ import pytest
 
 from gateway.config import EstimationConfig, TextRates, parse_config
 from gateway.errors import ContextLengthExceeded, InvalidRequest
-from gateway.parsing import BodyParser, ChunkedBody, ForwardBody, ParsePool, body_of, encode_for, upstream_body
+from gateway.parsing import (
+    OUTPUT_LIMIT_FIELD,
+    BodyParser,
+    ChunkedBody,
+    ForwardBody,
+    ParsePool,
+    body_of,
+    encode_for,
+    upstream_body,
+    with_output_limit,
+)
 from gateway.routing.pools import fitting_pools
 
 PAYLOADS: list[dict[str, Any]] = [
@@ -170,3 +180,43 @@ def test_the_lower_bound_reads_the_output_limit_the_estimate_reads(api: str) -> 
     assert fitting_pools(parser.features(wire, model, None, None), CONFIG.pools)
     with pytest.raises(ContextLengthExceeded):
         parser.check_size(api, {"model": "kimi-k3", **head, "max_completion_tokens": 10.0**9})
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+@pytest.mark.parametrize("payload", PAYLOADS)
+def test_an_output_limit_set_by_the_gateway_reaches_every_pools_body(api: str, payload: dict[str, Any]) -> None:
+    """`with_output_limit` (a token-limited key's reservation, issue 25 §3) on a decoded payload and
+    on a parse process's ForwardBody gives the same engine body, for every pool's encoding."""
+    name = OUTPUT_LIMIT_FIELD[api]
+    keys = [("kimi-k3", False, False), ("other", True, False), ("kimi-k3", False, True)]
+    for first in keys:
+        forward = with_output_limit(ForwardBody.of(payload, *first), api, 321)
+        limited = with_output_limit(payload, api, 321)
+        for key in keys:
+            body = orjson.loads(encode_for(forward, *key))
+            assert body == orjson.loads(encode_for(limited, *key)), (first, key)
+            renamed = "max_tokens" if key[2] and name == "max_completion_tokens" else name
+            assert body[renamed] == 321 and body["model"] == key[0]
+    assert with_output_limit(payload, "count_tokens", 321) is payload
+
+
+def test_the_reservation_counts_what_the_request_forces() -> None:
+    """`min_tokens` raises the reserved output when no limit is set, and `best_of` (more candidates
+    than `n`) multiplies it; an explicit output limit stays the reservation."""
+    parser = BodyParser(parse_config({"pools": [
+        {"name": "p", "engine": "vllm", "workers": ["http://127.0.0.1:1"], "max_context_tokens": 131072,
+         "default_output_tokens": 100}]}, environ={}))
+
+    def features(api: Any, **fields: Any) -> Any:
+        base = {"model": "kimi-k3", **({"prompt": "hi"} if api == "completions" else
+                                        {"messages": [{"role": "user", "content": "hi"}]})}
+        wire, model, _ = parser.validate(api, {**base, **fields})
+        return parser.features(wire, model, None, None)
+
+    plain = features("chat")
+    assert plain.reserved_output(100) == 100
+    assert features("chat", min_tokens=300).reserved_output(100) == 300
+    assert features("chat", min_tokens=300, max_tokens=400).reserved_output(100) == 400
+    assert features("chat", min_tokens=50).quota_tokens(100) == plain.quota_tokens(100)
+    batch = features("completions", n=2, best_of=5)
+    assert batch.outputs == 5 and batch.quota_tokens(100) == batch.prompt_tokens + 500

@@ -38,6 +38,8 @@ def record(**fields: object) -> RequestRecord:
     ({"disconnect_stage": "mid_stream", "reached_engine": True}, True, RESERVED),  # hung up: kept
     ({"disconnect_stage": "before_response"}, True, RESERVED),
     ({"usage": {"prompt_tokens": "70"}, "reached_engine": True, "outcome": "upstream_error"}, True, 70),
+    # A prompt the engine counted as 0 (or reported nowhere the gateway read) is the estimate: none is empty.
+    ({"usage": {"prompt_tokens": 0, "completion_tokens": 33}, "reached_engine": True}, False, 70 + 33),
 ])
 def test_quota_used(fields: dict[str, object], failed: bool, expected: int | None) -> None:
     assert quota_used(record(**fields), REQUEST, RESERVED, failed) == expected

@@ -95,3 +95,83 @@ def test_the_gateways_error_event_takes_each_apis_shape() -> None:
     assert typed["error"] == {"message": "cut", "type": "server_error", "param": None, "code": "shutting_down"}
     name, data = sse_error_event("cut", code="shutting_down", api="messages").split(b"\n")[:2]
     assert name == b"event: error" and json.loads(data[6:])["error"]["type"] == "overloaded_error"
+
+
+def _events(*payloads: dict[str, object], typed: bool = True) -> bytes:
+    """SSE events as the engines write them (`event:` lines on the typed APIs)."""
+    out = b""
+    for payload in payloads:
+        head = b"event: " + str(payload.get("type")).encode() + b"\n" if typed and "type" in payload else b""
+        out += head + b"data: " + orjson.dumps(payload) + b"\n\n"
+    return out
+
+
+def _message_stream(start: dict[str, int], delta: dict[str, int] | None, stop: dict[str, int] | None) -> bytes:
+    events: list[dict[str, object]] = [
+        {"type": "message_start", "message": {"id": "m", "content": [], "usage": start}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "usage"}},
+        {"type": "content_block_stop", "index": 0}]
+    if delta is not None:
+        events.append({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": delta})
+    events.append({"type": "message_stop", **({"message": {"id": "m", "usage": stop}} if stop else {})})
+    return _events(*events)
+
+
+# Where each engine's Messages layer puts its usage (gateway/sim/anthropic.py has the sources): the
+# whole prompt is 40 tokens (15 of them cached), the output 9.
+@pytest.mark.parametrize(("stream", "cache_in_input", "prompt"), [
+    (_message_stream({"input_tokens": 40, "output_tokens": 0}, {"input_tokens": 40, "output_tokens": 9}, None),
+     False, 40),  # vLLM
+    (_message_stream({"input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0},
+                     {"input_tokens": 40, "output_tokens": 9, "cache_read_input_tokens": 15}, None),
+     True, 40),  # SGLang: the cached part inside input_tokens, not on top
+    (_message_stream({"input_tokens": 0, "output_tokens": 0}, None, {"input_tokens": 40, "output_tokens": 9}),
+     False, 40),  # SGLang's earlier layer: zeros at the start, all in message_stop
+    (_message_stream({"input_tokens": 40, "output_tokens": 0}, {"output_tokens": 9}, None),
+     False, 40),  # llama.cpp, and Anthropic: the prompt only at the start
+    (_message_stream({"input_tokens": 40, "output_tokens": 1}, {"input_tokens": 0, "output_tokens": 9}, None),
+     False, 40),  # a zero later on does not hide the count reported before
+    (_message_stream({"input_tokens": 25, "cache_read_input_tokens": 15, "output_tokens": 0},
+                     {"output_tokens": 9}, None), False, 40),  # Anthropic's split: cached apart from input
+])
+@pytest.mark.parametrize("size", [5, 64, 100_000])
+def test_messages_usage_is_read_wherever_the_engine_puts_it(stream: bytes, cache_in_input: bool, prompt: int,
+                                                             size: int) -> None:
+    tap = SSETap("messages", cache_in_input)
+    for i in range(0, len(stream), size):
+        tap.feed(stream[i:i + size])
+    assert tap.done
+    assert tap.usage is not None
+    assert (tap.usage["prompt_tokens"], tap.usage["completion_tokens"]) == (prompt, 9)
+
+
+CHUNK = {"id": "c", "object": "chat.completion.chunk"}
+
+
+@pytest.mark.parametrize(("api", "stream"), [
+    ("chat", _events({**CHUNK, "choices": [{"delta": {"content": "a"}}]},
+                     {**CHUNK, "choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 9}},
+                     typed=False) + b"data: [DONE]\n\n"),  # include_usage's last chunk (vLLM, SGLang, llama.cpp)
+    ("chat", _events({**CHUNK, "choices": [{"delta": {"content": "a"}}]},
+                     {**CHUNK, "choices": [{"delta": {}, "finish_reason": "stop"}],
+                      "usage": {"prompt_tokens": 40, "completion_tokens": 9}},
+                     typed=False) + b"data: [DONE]\n\n"),  # usage on the last content chunk
+    ("chat", _events({**CHUNK, "choices": [{"delta": {"content": "a"}}],
+                      "usage": {"prompt_tokens": 40, "completion_tokens": 1}},
+                     {**CHUNK, "choices": [{"delta": {"content": "b"}}],
+                      "usage": {"prompt_tokens": 40, "completion_tokens": 9}},
+                     typed=False) + b"data: [DONE]\n\n"),  # vLLM's continuous_usage_stats: the last one counts
+    ("responses", _events({"type": "response.created", "response": {"id": "r", "usage": None}},
+                          {"type": "response.completed", "response": {
+                              "id": "r", "usage": {"input_tokens": 40, "output_tokens": 9,
+                                                   "input_tokens_details": {"cached_tokens": 3}}}})),
+    ("responses", _events({"type": "response.incomplete", "response": {
+        "id": "r", "usage": {"input_tokens": 40, "output_tokens": 9}}})),
+])
+def test_chat_and_responses_usage_shapes(api: str, stream: bytes) -> None:
+    tap = SSETap(api)
+    tap.feed(stream)
+    assert tap.done
+    assert tap.usage is not None
+    assert (tap.usage["prompt_tokens"], tap.usage["completion_tokens"]) == (40, 9)

@@ -109,6 +109,29 @@ async def test_refund_reaches_the_previous_window_only(limiter: RateLimiter) -> 
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("idle", [False, True])
+async def test_a_late_debt_is_charged_to_the_current_window(limiter: RateLimiter, idle: bool) -> None:
+    """A request that used more than it reserved and settled after its window slid out (a long
+    stream, a background response) still pays: the debt lands on the current window, also when the
+    key counted nothing since (its stored windows are stale, or gone in Redis), and it refuses
+    what would not fit beside it. A late refund stays dropped (issue 25 §3)."""
+    clock = time.monotonic if isinstance(limiter, MemoryRateLimiter) else time.time
+    alice = key(tpm=100)
+    first = await limiter.acquire(alice, 30)
+    assert first is not None and first.window is not None
+    await asyncio.sleep(2 * WINDOW_S - clock() % WINDOW_S + 0.02)  # two windows later: the first one is gone
+    if not idle:
+        assert (await limiter.acquire(alice, 1)).allowed
+    await async_wait_clear_of_window_edge(clock, WINDOW_S, WINDOW_S / 2)
+    await limiter.refund(alice, first.window, 0, -70)  # it used 100 of its 30
+    await limiter.refund(alice, first.window, 1, 30)  # a refund of a gone window: nothing comes back
+    refused = await limiter.acquire(alice, 40)
+    assert refused is not None and not refused.allowed and refused.limit == "tokens"
+    assert refused.used >= 70
+    assert (await limiter.acquire(alice, 29 if idle else 28)).allowed  # the debt, the 1 and this fill it
+
+
+@pytest.mark.anyio
 async def test_redis_key_layout(key_prefix: str) -> None:
     limiter = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=key_prefix, redis_timeout=0.5), GatewayMetrics())
     try:

@@ -82,10 +82,11 @@ def test_an_outage_does_not_exhaust_the_key(start_sim: StartSim, start_gateway: 
 @pytest.mark.parametrize("limiter", ["memory", "redis"])
 def test_the_reservation_is_settled_against_the_engines_usage(start_sim: StartSim, start_gateway: StartGateway,
                                                               limiter: str, key_prefix: str) -> None:
-    sim = start_sim("vllm", default_output_tokens=16)
+    sim = start_sim("vllm", eos_after_tokens=16)
     gw = gateway(start_gateway, [sim], 1000, limiter, key_prefix)
     sdk = openai.OpenAI(base_url=gw.v1, api_key=ALICE_KEY, max_retries=0)
-    # No max_tokens: 41 + the pool's 500 are reserved; the engine stops after its own 16.
+    # No max_tokens: 41 + the pool's 500 are reserved (and sent as the engine's limit); the engine
+    # stops after its own 16.
     first = sdk.chat.completions.create(model="kimi-k3", messages=HI)  # type: ignore[arg-type]
     assert first.usage is not None and first.usage.total_tokens < 100
     assert used_now(gw, 990) == first.usage.total_tokens

@@ -17,7 +17,7 @@ StartGateway = Callable[..., RunningGateway]
 
 
 def test_responses_usage_settles_the_reservation(start_sim: StartSim, start_gateway: StartGateway) -> None:
-    sim = start_sim("vllm", default_output_tokens=16)
+    sim = start_sim("vllm", eos_after_tokens=16)  # its model ends after 16 under the limit the gateway sends
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072, default_output_tokens=500)],
                        auth=auth_section({"tokens_per_minute": 1000, "requests_per_minute": 1000}),
                        affinity={"enabled": False}, load={"enabled": False})

@@ -22,7 +22,8 @@ def test_message_shape_and_usage(start_sim: StartSim) -> None:
     assert body["id"].startswith("msg_") and body["type"] == "message" and body["role"] == "assistant"
     assert body["content"] == [{"type": "text", "text": output_text(3)}]
     assert (body["stop_reason"], body["stop_sequence"]) == ("max_tokens", None)
-    assert body["usage"] == {"input_tokens": 7, "output_tokens": 3}  # the whole prompt, as vLLM and SGLang report
+    # the whole prompt, and SGLang's cached part of it again (srt/entrypoints/anthropic/serving.py)
+    assert body["usage"] == {"input_tokens": 7, "output_tokens": 3, "cache_read_input_tokens": 0}
 
 
 @pytest.mark.parametrize(("engine", "done"), [("vllm", True), ("sglang", False)])
@@ -38,7 +39,29 @@ def test_stream_events_in_the_engines_order(start_sim: StartSim, engine: str, do
     assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
                      "content_block_stop", "message_delta", "message_stop"]
     assert all(e[1].startswith(b'data: {"type":"' + n.encode() + b'"') for e, n in zip(events, names, strict=True))
-    assert orjson.loads(events[5][1][6:])["usage"] == {"input_tokens": 7, "output_tokens": 2}
+    cache = {"cache_read_input_tokens": 0} if engine == "sglang" else {}
+    start = orjson.loads(events[0][1][6:])["message"]["usage"]
+    assert start == ({"input_tokens": 0, "output_tokens": 0, **cache} if engine == "sglang" else
+                     {"input_tokens": 7, "output_tokens": 0})  # SGLang's chat stream has no usage before its end
+    assert orjson.loads(events[5][1][6:])["usage"] == {"input_tokens": 7, "output_tokens": 2, **cache}
+
+
+@pytest.mark.parametrize(("mode", "start", "delta", "stop"), [
+    ("llamacpp", {"input_tokens": 7, "output_tokens": 0}, {"output_tokens": 2}, None),
+    ("sglang_message_stop", {"input_tokens": 0, "output_tokens": 0}, None, {"input_tokens": 7, "output_tokens": 2}),
+])
+def test_messages_usage_modes(start_sim: StartSim, mode: str, start: dict[str, int], delta: dict[str, int] | None,
+                              stop: dict[str, int] | None) -> None:
+    """`messages_usage` puts the usage where that engine's Messages layer does (gateway/sim/anthropic.py)."""
+    srv = start_sim("vllm", messages_usage=mode)
+    with httpx.stream("POST", srv.url + "/v1/messages",
+                      json={"model": "kimi-k3", "max_tokens": 2, "messages": HELLO, "stream": True}) as response:
+        raw = response.read()
+    events = {e.split(b"\n")[0].removeprefix(b"event: ").decode(): orjson.loads(e.split(b"\n")[1][6:])
+              for e in raw.split(b"\n\n") if e.startswith(b"event:")}
+    assert events["message_start"]["message"]["usage"] == start
+    assert (events["message_delta"]["usage"] if "message_delta" in events else None) == delta
+    assert events["message_stop"].get("message", {}).get("usage") == stop
 
 
 def test_same_prompt_tokens_and_cache_blocks_as_chat(start_sim: StartSim) -> None:

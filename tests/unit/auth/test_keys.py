@@ -8,7 +8,7 @@ import pytest
 
 from gateway.auth.keys import KeyRing, Principal, bearer_token, hash_key
 from gateway.cli import main
-from gateway.config import ApiKeyConfig
+from gateway.config import DEFAULT_COUNT_TOKENS_PER_MINUTE, ApiKeyConfig
 
 KEY = "sk-test-0123456789abcdefghijklmnopqrstuv"
 
@@ -41,10 +41,11 @@ def test_key_ring_finds_keys_by_hash_only() -> None:
     ])
     assert len(ring) == 2
     alice = ring.lookup(KEY)
-    assert alice == Principal("alice", frozenset({"user"}), 5, None)
+    # a limited key gets the default count_tokens limit (issue 25 §9); a key without limits gets none
+    assert alice == Principal("alice", frozenset({"user"}), 5, None, DEFAULT_COUNT_TOKENS_PER_MINUTE)
     assert alice.limited and alice.has("user") and not alice.has("admin")
     ops = ring.lookup("other-" + KEY)
-    assert ops is not None and ops.has("admin") and not ops.limited
+    assert ops is not None and ops.has("admin") and not ops.limited and ops.count_tokens_per_minute is None
     assert ring.lookup(KEY + "x") is None
     assert ring.lookup(hash_key(KEY)) is None  # the stored hash is not a key
 
@@ -61,3 +62,11 @@ def test_hash_key_command(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     main(["hash-key", "short"])
     out, err = capsys.readouterr()
     assert out.strip() == hash_key("short") and "warning" in err
+
+
+def test_count_tokens_limit_defaults_only_for_limited_keys() -> None:
+    digest = hash_key(KEY)
+    assert ApiKeyConfig(name="a", sha256=digest, tokens_per_minute=10).count_tokens_limit == \
+        DEFAULT_COUNT_TOKENS_PER_MINUTE
+    assert ApiKeyConfig(name="a", sha256=digest, count_tokens_per_minute=7).count_tokens_limit == 7
+    assert ApiKeyConfig(name="a", sha256=digest).count_tokens_limit is None

@@ -17,6 +17,7 @@ from gateway.sim.tokens import (
     chat_prompt_tokens,
     completion_prompt_tokens,
     engine_ints,
+    generated_count,
     messages_max_tokens,
     output_text,
     output_token,
@@ -200,3 +201,33 @@ def test_responses_output_limit_reads_as_the_engines_responses_request() -> None
     with pytest.raises(FieldValidationError) as refused:
         responses_output_limit({"max_output_tokens": 5.5})
     assert refused.value.errors[0]["loc"] == ("body", "max_output_tokens")
+
+
+@pytest.mark.parametrize(("body", "requested", "expected"), [
+    ({}, None, (16, "stop")),  # the model stops by itself
+    ({}, 8, (8, "length")),
+    ({"min_tokens": 40}, None, (40, "stop")),  # its end held back until 40 are out
+    ({"min_tokens": 4}, 8, (8, "length")),
+    ({"ignore_eos": True}, None, (900, "length")),  # no end: the context's room (vLLM's default max_tokens)
+    ({"ignore_eos": True}, 30, (30, "length")),
+    ({"min_tokens": 5000}, None, (900, "length")),
+])
+def test_generated_count_follows_the_sampling_params(body: dict[str, object], requested: int | None,
+                                                     expected: tuple[int, str]) -> None:
+    assert generated_count(body, requested, 16, 900) == expected
+
+
+@pytest.mark.parametrize(("body", "requested", "expected"), [
+    ({}, 100, (12, "stop")),  # the model's own end comes first
+    ({}, 8, (8, "length")),
+    ({"min_tokens": 50}, 100, (50, "stop")),
+    ({"ignore_eos": True}, 100, (100, "length")),
+])
+def test_an_eos_after_ends_the_model_under_any_limit(body: dict[str, object], requested: int | None,
+                                                      expected: tuple[int, str]) -> None:
+    assert generated_count(body, requested, 16, 900, eos_after=12) == expected
+
+
+def test_min_tokens_over_max_tokens_is_refused() -> None:
+    with pytest.raises(PromptError, match="min_tokens must be less than or equal to max_tokens"):
+        generated_count({"min_tokens": 9}, 8, 16, 900)
