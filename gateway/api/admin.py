@@ -191,7 +191,9 @@ async def status(request: Request) -> JSONResponse:
     pools = pools_view(state)
     return JSONResponse({"time_unix": round(time.time(), 3), "started_unix": state.started_unix,
                          "shutting_down": state.draining,
-                         "ready": all(p["ready"] for p in pools) and not state.draining, "pools": pools,
+                         "ready": state.config.readiness.is_ready([p["name"] for p in pools],
+                                                                  [p["name"] for p in pools if not p["ready"]])
+                         and not state.draining, "pools": pools,
                          "recent": state.status.recent(p.name for p in state.config.pools)})
 
 

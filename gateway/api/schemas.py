@@ -92,11 +92,12 @@ class WorkerSnapshot(BaseModel):
 
 
 class Ready(BaseModel):
-    """`GET /ready`: 200 when every pool has a usable worker and no shutdown began, else 503."""
+    """`GET /ready`: 200 when the pools `readiness.pools` asks for (by default: any one) have a usable
+    worker and no shutdown began, else 503. `unready_pools` lists every pool with no usable worker."""
 
     ready: bool
     draining: bool
-    unready_pools: list[str]
+    unready_pools: list[str] = Field(description="every pool with no usable worker, whether or not /ready is 200")
     pools: dict[str, list[WorkerSnapshot]] | None = Field(
         default=None, description="Per-pool worker snapshots; absent when auth is enabled.")
 

@@ -282,8 +282,9 @@ def test_gateway_probes_and_termination_grace_match_the_drain(rendered: dict[str
     drain = pre_stop + shutdown.drain_delay + shutdown.grace_period
     assert drain < pod["terminationGracePeriodSeconds"] <= drain + 15
     # SIGKILL must not cut a drain that the readiness probe already announced: failing /ready takes
-    # one probe period, far inside drain_delay.
+    # failureThreshold probe periods, inside drain_delay; one failed probe alone is no verdict.
     probe = container["readinessProbe"]
+    assert probe["failureThreshold"] >= 2
     assert probe["periodSeconds"] * probe["failureThreshold"] < shutdown.drain_delay
 
 
