@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     config = _load_or_exit(args.config)
     setup_logging(config.log_level)
+    _serve_safety(args.config, config, args.strict)
     processes = args.processes or config.processes
     host, port = args.host or config.host, args.port or config.port
     # The port is bound before anything starts, so one already in use ends the command at once
@@ -85,15 +86,31 @@ def cmd_check_config(args: argparse.Namespace) -> None:
 
 def _check_production_safety(path: str, config: GatewayConfig, strict: bool) -> None:
     """Warn about what is valid but unsafe to deploy (gateway/plans/safety.py); `strict` exits 1 on any."""
-    import os
-
-    from gateway.plans.safety import production_findings, read_tree
-
-    findings = production_findings(read_tree(path), config, os.environ) + _redis_cluster_findings(config)
+    findings = _safety_findings(path, config)
     for finding in findings:
         print(f"warning: {finding}")
     if findings and strict:
         sys.exit(f"check-config --strict: {len(findings)} warning(s) in {path}")
+
+
+def _serve_safety(path: str, config: GatewayConfig, strict: bool) -> None:
+    """`serve`'s start-up run of check-config's production checks: each finding logged as a warning;
+    with `strict`, one `warning: ...` line each on stderr and exit 1 before anything listens."""
+    findings = _safety_findings(path, config)
+    if findings and strict:
+        for finding in findings:
+            print(f"warning: {finding}", file=sys.stderr)
+        sys.exit(f"serve --strict: {len(findings)} warning(s) in {path}; not starting")
+    log = logging.getLogger("gateway.cli")
+    for finding in findings:
+        log.warning("config warning: %s", finding)
+
+
+def _safety_findings(path: str, config: GatewayConfig) -> list[Finding]:
+    """The production-safety findings of the config at `path` (loaded as `config`) in this environment."""
+    from gateway.plans.safety import production_findings, read_tree
+
+    return production_findings(read_tree(path), config, os.environ) + _redis_cluster_findings(config)
 
 
 def _redis_cluster_findings(config: GatewayConfig) -> list[Finding]:
@@ -182,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--processes", type=int, help="serving processes sharing the port (overrides `processes`)")
+    serve.add_argument("--strict", action="store_true",
+                       help="refuse to start on any production-safety warning (those of check-config --strict)")
     serve.set_defaults(func=cmd_serve)
 
     check = sub.add_parser("check-config", help="validate a config file and explain errors")

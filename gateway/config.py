@@ -932,6 +932,12 @@ class GatewayConfig(_Strict):
     redis: RedisSentinelConfig | None = Field(
         default=None, description="Redis behind Sentinel, as a block (instead of a redis+sentinel:// redis_url)"
     )
+    allow_plaintext: list[Literal["redis", "engines"]] = Field(
+        default_factory=list,
+        description="unencrypted links beyond loopback that are deliberate (a private network, a NetworkPolicy, "
+        "a service mesh's mTLS): `redis` for redis://, redis+sentinel:// or redis+cluster://, `engines` for "
+        "http:// workers; the production checks (check-config, serve) warn about the others",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @field_validator("admin_origins")

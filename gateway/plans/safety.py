@@ -9,7 +9,15 @@ A config can be valid and still unsafe to deploy. Each finding names the config 
   example.com/net/org, .example, .invalid, .test, .localhost);
 - `redis_url`: more than one gateway replica (`replicas`) with no Redis or a Redis on this host
   (loopback or unix socket), so affinity, rate limits and drains stay per replica;
-- `pools.N.api_key`: a pool that sends no engine credential while other pools do.
+- `pools.N.api_key`: a pool that sends no engine credential while other pools do;
+- `redis_url`, `pools.N.workers`: plaintext links beyond loopback (`redis://`, `redis+sentinel://`,
+  `redis+cluster://`; `http://` workers or DNS discovery), unless `allow_plaintext` names them:
+  engine keys, prompts and answers, affinity keys and limits would cross the network unencrypted.
+  `rediss://` (`rediss+cluster://`) takes redis-py's TLS options as query parameters, e.g.
+  `rediss://redis:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt&ssl_cert_reqs=required`.
+
+`kimi-gateway check-config` prints them and `serve` logs them at start-up; `--strict` makes either
+exit 1 on any (gateway/cli.py).
 """
 
 from __future__ import annotations
@@ -80,6 +88,49 @@ def _redis_host(url: str | None) -> str | None:
     return parse_sentinel_url(url).sentinels[0][0] if is_sentinel_url(url) else urlsplit(url).hostname
 
 
+_PLAINTEXT_REDIS = ("redis", "redis+sentinel", "redis+cluster")
+
+
+def _redis_hosts(url: str) -> list[str]:
+    """Every host a Redis URL names: the sentinels' or cluster nodes' for those schemes."""
+    if is_cluster_url(url):
+        return [host for host, _ in parse_cluster_url(url).nodes]
+    if is_sentinel_url(url):
+        return [host for host, _ in parse_sentinel_url(url).sentinels]
+    host = urlsplit(url).hostname
+    return [host] if host else []
+
+
+def plaintext_findings(config: GatewayConfig) -> list[Finding]:
+    """Findings for unencrypted links beyond loopback that `config.allow_plaintext` does not accept:
+    a plaintext Redis URL (one finding naming its remote hosts, never its credentials) and, per
+    pool, its `http://` workers (configured, PD roles, or DNS discovery with `scheme: http`)."""
+    findings: list[Finding] = []
+    url = config.redis_url
+    if url is not None and "redis" not in config.allow_plaintext:
+        scheme = url.split("://", 1)[0].lower()
+        remote = [host for host in _redis_hosts(url) if not _is_local(host)]
+        if scheme in _PLAINTEXT_REDIS and remote:
+            tls = "rediss+cluster://" if scheme == "redis+cluster" else "rediss://"
+            findings.append(Finding("redis_url", f"plaintext {scheme}:// to {', '.join(remote)}: affinity keys, "
+                                                 f"limits and any password cross the network unencrypted; use "
+                                                 f"{tls} (TLS options as query parameters, e.g. ?ssl_ca_certs="
+                                                 "/path/ca.crt) or accept it with allow_plaintext: [redis]"))
+    if "engines" in config.allow_plaintext:
+        return findings
+    for index, pool in enumerate(config.pools):
+        urls = [url for url, _, _ in pool.pd_workers()]
+        hosts = sorted({urlsplit(u).hostname or "" for u in urls
+                        if urlsplit(u).scheme.lower() == "http" and not _is_local(urlsplit(u).hostname)})
+        if pool.discover is not None and pool.discover.scheme == "http":
+            hosts.append(f"{pool.discover.name} (DNS discovery)")
+        if hosts:
+            findings.append(Finding(f"pools.{index}.workers", f"pool {pool.name} reaches {', '.join(hosts)} over "
+                                    "plaintext http://: the engine key and every prompt and answer cross the "
+                                    "network unencrypted; use https:// or accept it with allow_plaintext: [engines]"))
+    return findings
+
+
 def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
                         environ: Mapping[str, str]) -> list[Finding]:
     """The safety findings of `config`, loaded from `tree` (read_tree) with `environ`; empty when safe."""
@@ -117,4 +168,4 @@ def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
             if pool.api_key is None:
                 findings.append(Finding(f"pools.{index}.api_key", f"pool {pool.name} sends no engine credential "
                                                                   f"while {', '.join(keyed)} do"))
-    return findings
+    return findings + plaintext_findings(config)

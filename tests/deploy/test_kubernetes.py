@@ -39,7 +39,7 @@ needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installe
 needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validate not installed (PyPI, dev extra)")
 CRD_GROUPS = ("monitoring.coreos.com/",)  # Prometheus Operator: not in the core schemas
 VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64,
-              "REDIS_URL": "redis://redis-master.data.svc:6379/0"}
+              "REDIS_URL": "rediss://redis-master.data.svc:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt"}
 
 
 def load_generator() -> ModuleType:
