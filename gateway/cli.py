@@ -1,4 +1,4 @@
-"""`kimi-gateway` command line: serve, check-config, demo, sim, engine, plan, hash-key."""
+"""`kimi-gateway` command line: serve, check-config, drain, demo, sim, engine, plan, hash-key."""
 
 from __future__ import annotations
 
@@ -137,6 +137,15 @@ def _redis_cluster_findings(config: GatewayConfig) -> list[Finding]:
                                  "give the nodes as redis+cluster://host:port[,host:port...]")]
 
 
+def cmd_drain(args: argparse.Namespace) -> None:
+    """Drain one worker on every gateway replica and wait for its in-flight requests (gateway/drain_command.py)."""
+    from gateway.drain_command import run_drain
+
+    sys.exit(run_drain(args.gateway, args.pool, args.worker, wait_s=args.wait, interval_s=args.interval,
+                       admin_key_env=args.admin_key_env, resolve_every_address=args.every_address,
+                       undrain=args.undrain))
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from gateway.demo import run_demo
 
@@ -207,6 +216,26 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config")
     check.add_argument("--strict", action="store_true", help="fail on production-safety warnings too")
     check.set_defaults(func=cmd_check_config)
+
+    from gateway.drain_command import DEFAULT_ADMIN_KEY_ENV
+
+    drain = sub.add_parser("drain", help="drain a worker on every gateway replica and wait for its requests "
+                                         "(an engine pod's preStop hook)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    drain.add_argument("--gateway", action="append", required=True,
+                       help="a gateway's base URL; repeat it for each replica (each counts its own in-flight "
+                            "requests), or give one name with --every-address")
+    drain.add_argument("--pool", required=True, help="the worker's pool")
+    drain.add_argument("--worker", required=True, help="the worker's URL (as the gateway has it) or its index")
+    drain.add_argument("--wait", type=float, default=300.0, help="seconds to wait for in-flight requests to end")
+    drain.add_argument("--interval", type=float, default=0.5, help="seconds between polls of /admin/workers")
+    drain.add_argument("--admin-key-env", default=DEFAULT_ADMIN_KEY_ENV,
+                       help="environment variable holding a key with the admin scope (none: no key sent)")
+    drain.add_argument("--every-address", action="store_true",
+                       help="poll every address each --gateway host resolves to (a headless Service: every replica)")
+    drain.add_argument("--undrain", action="store_true",
+                       help="put the worker back into service instead (when its engine starts again) and exit")
+    drain.set_defaults(func=cmd_drain)
 
     demo = sub.add_parser("demo", help="simulated pools + the gateway in one process")
     demo.add_argument("--config", default=str(REPO_CONFIG_DIR / "demo.yaml"))

@@ -18,11 +18,15 @@ A config can be valid and still unsafe to deploy. Each finding names the config 
 
 `kimi-gateway check-config` prints them and `serve` logs them at start-up; `--strict` makes either
 exit 1 on any (gateway/cli.py).
+
+Also here: `longest_request_seconds` and `grace_period_seconds`, what a deployment gives a gateway
+pod to stop (Kubernetes `terminationGracePeriodSeconds`), derived from the config's timeouts.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from gateway.backends.client import answer_budget
 from gateway.config import _ENV_REF, ENV_PREFIX, GatewayConfig
 from gateway.plans.models import expand_plan_refs
 from gateway.redis_client import is_sentinel_url, parse_sentinel_url
@@ -169,3 +174,42 @@ def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
                 findings.append(Finding(f"pools.{index}.api_key", f"pool {pool.name} sends no engine credential "
                                                                   f"while {', '.join(keyed)} do"))
     return findings + plaintext_findings(config)
+
+
+GRACE_MARGIN_S = 10
+"""Seconds `grace_period_seconds` adds for the process's own exit (closing clients, flushing logs)."""
+
+
+def longest_request_seconds(config: GatewayConfig) -> float:
+    """Seconds the longest request the timeouts allow may run: a non-streaming request to the pool
+    with the largest `max_context_tokens` C, its prompt filling the context but for that pool's
+    `default_output_tokens` O (gateway/backends/client.py `answer_budget`):
+
+        first_byte_base + first_byte_per_1k_tokens * (C - O) / 1000 + generation + generation_per_token * O
+
+    capped at `timeouts.total` when set. A stream's first content has the same prefill allowance;
+    what it generates after that is bounded by `timeouts.total` alone (each gap by `read`), so set
+    `total` to bound long generations too. Shipped config, nvl72-1m (C = 1,048,576, O = 8,192):
+    60 + 0.5 * 1040.384 + 60 + 0.1 * 8192 = 1,459.4 s."""
+    largest = max(config.pools, key=lambda pool: pool.max_context_tokens)
+    output = min(largest.default_output_tokens, largest.max_context_tokens)
+    longest = answer_budget(config.timeouts, largest.max_context_tokens - output, output)
+    return longest if config.timeouts.total is None else min(longest, config.timeouts.total)
+
+
+def grace_period_seconds(config: GatewayConfig, pre_stop_s: float = 0.0) -> int:
+    """Kubernetes `terminationGracePeriodSeconds` for a gateway pod running `config`, whole seconds:
+
+        ceil(pre_stop_s + shutdown.drain_delay + max(shutdown.grace_period, longest_request_seconds) + 10)
+
+    `pre_stop_s` is a preStop hook's sleep before SIGTERM (deploy/kubernetes/base/gateway.yaml: 5).
+    After SIGTERM the gateway serves `drain_delay` seconds (`/ready` 503), closes its listener, and
+    lets in-flight requests run `shutdown.grace_period` seconds more; the longest request the
+    timeouts allow (`longest_request_seconds`) may have started just before the listener closed.
+    The pod waits for the longer of the two, plus `GRACE_MARGIN_S` for the exit; Kubernetes stops
+    waiting as soon as the gateway exits, so an idle pod stops at once. Give `shutdown.grace_period`
+    at least `longest_request_seconds(config)` too, or the gateway itself ends such requests (a
+    `shutting_down` error) before the pod's grace runs out."""
+    shutdown = config.shutdown
+    window = max(shutdown.grace_period, longest_request_seconds(config))
+    return math.ceil(pre_stop_s + shutdown.drain_delay + window + GRACE_MARGIN_S)
