@@ -23,10 +23,11 @@ kept in Redis by worker id, so an engine back at the same URL takes no traffic u
 it when the engine pod starts: the gateway's health probes hold traffic back until it is healthy).
 
 Exit status: 0 once every replica reports the worker drained and idle (with `--undrain`: once it
-is undrained); 1 on an error (gateway
-unreachable, refused key, unknown pool or worker) or when `--wait` ran out with requests still in
-flight (the last counts are printed). Progress goes to stderr. The admin key is read from the
-environment variable `--admin-key-env` names (never from the command line, which `ps` shows).
+is undrained); 1 on an error (the first gateway unreachable, a refused key, an unknown pool or
+worker) or when `--wait` ran out with requests still in flight or a gateway not answering the
+polls (the last counts are printed; a gateway that fails one poll is asked again at the next).
+Progress goes to stderr. The admin key is read from the environment variable `--admin-key-env`
+names (never from the command line, which `ps` shows).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -43,6 +45,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 DEFAULT_ADMIN_KEY_ENV = "KIMI_GATEWAY_ADMIN_KEY"
+UNREACHABLE = -1
+"""`DrainResult.in_flight` of a gateway that did not answer its last poll (it counts as not idle)."""
 
 
 class DrainError(Exception):
@@ -141,12 +145,12 @@ def _call(client: httpx.Client, method: str, url: str) -> dict[str, Any]:
 
 def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, interval_s: float = 0.5,
                  admin_key: str | None = None, timeout_s: float = 5.0,
-                 log: Any = None) -> DrainResult:
+                 log: Callable[[str], None] | None = None) -> DrainResult:
     """Drain `worker` (index or URL) of `pool` through `gateways[0]` and wait up to `wait_s` seconds
     until every URL in `gateways` reports it draining with 0 in flight, polling every `interval_s`.
     `admin_key` is sent as `Authorization: Bearer`; each call may take `timeout_s` seconds. `log`
     (a callable taking one line) hears progress. Raises DrainError (module doc)."""
-    say = log or (lambda line: None)
+    say: Callable[[str], None] = log or (lambda line: None)
     headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
     with httpx.Client(headers=headers, timeout=timeout_s) as client:
         first = gateways[0].rstrip("/")
@@ -163,8 +167,13 @@ def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, 
             for gateway in gateways:
                 base = gateway.rstrip("/")
                 try:
-                    snapshot = find_worker(_call(client, "GET", base + "/admin/workers")["pools"], pool, url,
-                                           retiring=True)
+                    pools = _call(client, "GET", base + "/admin/workers")["pools"]
+                except DrainError as exc:  # a replica restarting, or a network hiccup: ask again
+                    say(f"{base}: {exc}; asking again")
+                    counts[base] = UNREACHABLE
+                    continue
+                try:
+                    snapshot = find_worker(pools, pool, url, retiring=True)
                 except DrainError:  # removed there (discovery, a reload) with nothing left to finish
                     counts[base] = 0
                     continue
@@ -176,7 +185,7 @@ def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, 
                 return DrainResult(drained["id"], shared, counts, idle=True)
             if time.monotonic() >= deadline:
                 say(f"{drained['id']}: still in flight after {wait_s:g} s: "
-                    + ", ".join(f"{g} {n}" for g, n in counts.items() if n))
+                    + ", ".join(f"{g} {'unreachable' if n == UNREACHABLE else n}" for g, n in counts.items() if n))
                 return DrainResult(drained["id"], shared, counts, idle=False)
             time.sleep(min(interval_s, max(deadline - time.monotonic(), 0.0)))
 

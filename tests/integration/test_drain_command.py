@@ -148,6 +148,12 @@ def test_drain_errors_exit_1_with_the_reason(start_sim: StartSim, start_gateway:
     code, err = run_in_process(capsys, "--gateway", f"http://127.0.0.1:{unused_port}", "--pool", "p", "--worker", "0")
     assert code == 1 and "ConnectError" in err, err
     assert in_flight(gw, "p/0") == (False, 0)  # nothing was drained by a failed call
+    # A second replica that does not answer the polls is asked again, and named when --wait runs out.
+    code, err = run_in_process(capsys, "--gateway", gw.url, "--gateway", f"http://127.0.0.1:{unused_port}",
+                               "--pool", "p", "--worker", "0", "--wait", "0.3", "--interval", "0.05")
+    assert code == 1 and f"still in flight after 0.3 s: http://127.0.0.1:{unused_port} unreachable" in err, err
+    assert in_flight(gw, "p/0") == (True, 0)
+    assert run_in_process(capsys, "--gateway", gw.url, "--pool", "p", "--worker", "0", "--undrain")[0] == 0
     # A stream longer than --wait: exit 1 naming what is still in flight (no Redis: this replica only).
     stream = open_stream(gw)
     code, err = run_in_process(capsys, "--gateway", gw.url, "--pool", "p", "--worker", "0", "--wait", "0.2",
