@@ -78,6 +78,24 @@ def test_the_small_pool_down_spills_its_requests_to_the_large_one(start_sim: Sta
     assert served.headers["x-kimi-gateway-pool"] == "large"
 
 
+def test_a_misconfigured_worker_leaves_the_replica_ready_for_the_other_pools(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    small = start_sim("vllm", max_context_tokens=4096)
+    wrong = start_sim("vllm", max_context_tokens=131072, served_model_names=["kimi-k3-preview"])
+    gw = start_gateway([pool("small", "vllm", [small.url], 4096), pool("large", "vllm", [wrong.url], 131072)],
+                       health={**FAST_HEALTH, "verify_models": True}, load={"enabled": False})
+    deadline = time.monotonic() + 10
+    while ready(gw)[1]["pools"]["large"][0]["misconfigured"] is None:  # its /v1/models names another model
+        assert time.monotonic() < deadline, "the worker serving another model was not marked misconfigured"
+        time.sleep(0.05)
+    status, body = wait_unready_pools(gw, ["large"])
+    assert status == 200 and body["pools"]["large"][0]["healthy"] is True  # healthy, yet no traffic
+    assert httpx.post(gw.v1 + "/chat/completions", json=SHORT, timeout=10).status_code == 200
+    refused = httpx.post(gw.v1 + "/chat/completions", json=LONG, timeout=10)
+    assert refused.status_code == 503 and "retry-after" in refused.headers
+    assert wrong.engine.records == []
+
+
 @pytest.mark.parametrize(("required", "ready_with_large_down"), [("all", False), (["large"], False),
                                                                   (["small"], True)])
 def test_readiness_pools_names_what_must_serve(start_sim: StartSim, start_gateway: StartGateway,
