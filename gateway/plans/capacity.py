@@ -11,7 +11,7 @@ and per device, the fullest device of the layout:
 
     stage      = ceil(layers / pipeline) / layers                             (the largest pipeline stage's share)
     experts/dv = experts x stage x ceil(n_experts / EP) / n_experts           (EP: the group the engine forms;
-                 (experts x stage / tensor without EP)                         vLLM: TP x DP per stage)
+                 (experts x stage / (TP x DP) without EP; SGLang: / TP)        vLLM: TP x DP per stage)
     dense/dv   = dense x stage / tensor                                       (each DP rank keeps its own copy)
     usable/dv  = memory_per_device x memory_utilization
     kv_budget  = usable/dv - weights/dv - activation_reserve
@@ -130,7 +130,10 @@ def _weights_per_device(loaded: LoadedPlan, precision: Precision) -> tuple[float
     stage = layers / card.assumptions.layers.value
     ep = expert_parallel_size(plan)
     local_experts = math.ceil(card.experts / ep) if ep > 1 else card.experts
-    expert_share = local_experts / card.experts if ep > 1 else 1 / par.tensor
+    # Without EP the experts are tensor-sharded: vLLM flattens TP across DP for the MoE layers
+    # (FusedMoEParallelConfig.make, flatten_tp_across_dp); SGLang's DP attention sits inside its TP group.
+    moe_tp = par.tensor * par.data if plan.engine.kind != "sglang" else par.tensor
+    expert_share = local_experts / card.experts if ep > 1 else 1 / moe_tp
     per_device = (card.expert_weight_bytes(precision) * expert_share + card.dense_weight_bytes(precision) / par.tensor)
     return per_device * stage, local_experts, layers
 

@@ -119,6 +119,18 @@ def test_plan_c_serves_its_mxfp4_checkpoint_and_bf16_is_a_what_if() -> None:
         ("bf16", False), ("mxfp8", False), ("mxfp4", True)]
 
 
+def test_without_expert_parallelism_vllm_shards_the_experts_over_tp_x_dp(tmp_path: Path) -> None:
+    # vLLM's FusedMoEParallelConfig.make flattens TP across DP for the MoE layers; the dense part is
+    # only TP-sharded (each DP rank keeps its own copy). Plan C: 24 ranks per stage, 22 of 64 layers.
+    copy_config(tmp_path)
+    path = tmp_path / "config" / "plans" / "plan-c.yaml"
+    edit_yaml(path, lambda d: d["parallelism"].update(expert=1))
+    report = plan_capacity(load_plan(path))
+    assert report.expert_parallel_size == 1 and "--enable-expert-parallel" not in render_script(load_plan(path))
+    expected = (EXPERT_B * 0.53125 / 24 + DENSE_B * 2 / 8) * 22 / 64
+    assert report.weights_per_device_bytes == pytest.approx(expected)
+
+
 def test_an_unlisted_accelerator_is_flagged_unchecked() -> None:
     report = plan_capacity(plan("ascend"))
     assert report.vendor_memory_per_device_bytes is None and report.at_vendor_figure is None
