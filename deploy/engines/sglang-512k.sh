@@ -18,7 +18,6 @@ exec python3 -m sglang.launch_server \
   --context-length 524288 \
   --tp-size 16 \
   --ep-size 16 \
-  --quantization mxfp4 \
   --mem-fraction-static 0.88 \
   --trust-remote-code \
   --nnodes 2 \
