@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.prometheus_support import (
+    ALERTS,
     DASHBOARDS,
     DEPLOY,
     PROMETHEUS,
@@ -185,7 +186,8 @@ def test_engine_panels_show_what_prometheus_scrapes_from_the_engines(engine_sims
     """A real Prometheus scrapes the three simulated engines with the PodMonitor's relabelings (a
     LeaderWorkerSet follower, worker-index 1, is dropped before it is scraped); after the same long
     prompt went twice to each engine, every query of the engine panels has data for the pools of
-    its engine (vLLM queries for both vLLM generations), and the prefix-cache hit rate is over 0."""
+    its engine (vLLM queries for both vLLM generations), and the prefix-cache hit rate is over 0.
+    The engine recording rules of alerts.yml cover all three pools, and no alert fires."""
     board = json.loads(WORKERS.read_text())
     panels = {p["title"]: p for p in walk(board["panels"])}
     assert set(panels) >= ENGINE_PANELS, sorted(ENGINE_PANELS - set(panels))
@@ -196,8 +198,8 @@ def test_engine_panels_show_what_prometheus_scrapes_from_the_engines(engine_sims
     pods[engine_sims["sglang-512k"].url.removeprefix("http://")]["leaderworkerset.sigs.k8s.io/worker-index"] = "0"
     pods["127.0.0.1:9"] = {"app.kubernetes.io/name": "sglang-512k", "app.kubernetes.io/instance": "sglang-512k-0",
                            "leaderworkerset.sigs.k8s.io/worker-index": "1"}  # serves nothing: must not be a target
-    config = {"global": {"scrape_interval": "500ms", "scrape_timeout": "400ms"},
-              "scrape_configs": [podmonitor_scrape_config(pods)]}
+    config = {"global": {"scrape_interval": "500ms", "scrape_timeout": "400ms", "evaluation_interval": "1s"},
+              "rule_files": [str(ALERTS)], "scrape_configs": [podmonitor_scrape_config(pods)]}
     prometheus = RunningPrometheus(config, tmp_path, unused_port).start()
     try:
         up = 'count(up{job="kimi-k3-engine"} == 1)'
@@ -229,5 +231,15 @@ def test_engine_panels_show_what_prometheus_scrapes_from_the_engines(engine_sims
                     time.sleep(0.2)
                 if title.endswith(("KV-cache usage by pool", "hit rate by pool")):  # fractions
                     assert all(0 <= v <= 1 for v in values.values()), f"{title}: {values}"
+
+        # The engine recording rules see every pool under either engine's names; no engine alert fires.
+        for record in ("pool:kimi_engine_requests_waiting:sum", "pool:kimi_engine_requests_running:sum",
+                       "pool:kimi_engine_kv_cache_usage:max"):
+            prometheus.wait_for(f"count({record})", lambda v: v == len(ENGINE_POOLS))
+            assert {r["metric"]["pool"] for r in prometheus.query(record)} == set(ENGINE_POOLS), record
+        groups = prometheus.api("rules").json()["data"]["groups"]
+        (engine_group,) = [g for g in groups if g["name"] == "kimi-k3-engines"]
+        assert [r["lastError"] for r in engine_group["rules"] if r["health"] != "ok"] == []
+        assert prometheus.api("alerts").json()["data"]["alerts"] == []
     finally:
         prometheus.stop()
