@@ -376,7 +376,6 @@ def _drain_container(loaded: LoadedPlan, config: dict[str, Any]) -> dict[str, An
         "image": GATEWAY_IMAGE,
         "command": ["sleep", "infinity"],
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
                 {"name": DRAIN_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": DRAIN_KEY_SECRET,
                                                                        "key": DRAIN_KEY_ENV}}}],
         "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "50m", "memory": "128Mi"}},

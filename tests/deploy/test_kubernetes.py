@@ -86,8 +86,13 @@ def test_a_changed_plan_is_reported_as_drift(tmp_path: Path, monkeypatch: pytest
     for overlay in ("plan-b", "production"):  # the launch script's --context-length, the plan file
         assert f"deploy/kubernetes/overlays/{overlay}/files/sglang-512k.sh: differs" in drifted
         assert f"deploy/kubernetes/overlays/{overlay}/files/plan-b.yaml: differs" in drifted
+    # The engines' drain wait follows the pool's longest request, so its LeaderWorkerSet drifts too.
+    assert "deploy/kubernetes/overlays/plan-b/engines.yaml: differs" in drifted
     GENERATE.write()
     assert GENERATE.drift() == []
+    (tmp_path / "deploy" / "kubernetes" / "overlays" / "plan-b" / "kustomizeconfig.yaml").unlink()
+    assert GENERATE.drift() == ["deploy/kubernetes/overlays/plan-b/kustomizeconfig.yaml: missing"]
+    GENERATE.write()
     (tmp_path / "deploy" / "kubernetes" / "overlays" / "plan-a" / "extra.yaml").write_text("{}\n")
     assert GENERATE.drift() == ["deploy/kubernetes/overlays/plan-a/extra.yaml: not generated (stale)"]
 
