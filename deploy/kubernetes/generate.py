@@ -98,6 +98,7 @@ RDMA_RESOURCE = "rdma/rdma_shared_device_a"  # NVIDIA Network Operator's shared 
 # Accelerators whose TP spans trays: the node label naming one NVLink partition (GPU feature discovery).
 NVLINK_DOMAIN = {"GB200": "nvidia.com/gpu.clique"}
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LEADER_DNS_ATTEMPTS = 60  # x 5 s: how long a node waits for its leader's DNS name before it gives up
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # "0" on the leader
 
 
@@ -234,13 +235,13 @@ def launch_script(loaded: LoadedPlan) -> str:
     and for multi-node plans the ranks from LeaderWorkerSet's variables, with no Ray:
 
     - vLLM: every node runs `vllm serve` with `--nnodes $LWS_GROUP_SIZE --node-rank $LWS_WORKER_INDEX
-      --master-addr $LWS_LEADER_ADDRESS` (vllm/engine/arg_utils.py, ParallelConfig); the leader
+      --master-addr <leader IP>` (vllm/engine/arg_utils.py, ParallelConfig); the leader
       serves HTTP, the others add `--headless` (vllm/entrypoints/cli/serve.py: run_headless starts a
       bare MultiprocExecutor on a node whose rank within its data-parallel group is > 0). With
       DP > 1 each DP rank spans nodes / DP nodes (`--data-parallel-size-local 1`); the first node of
       each rank runs its engine headless with `--data-parallel-start-rank` and reaches the leader's
       `--data-parallel-address`.
-    - SGLang: `--nnodes --node-rank --dist-init-addr $LWS_LEADER_ADDRESS:5000` (server_args.py); node
+    - SGLang: `--nnodes --node-rank --dist-init-addr <leader IP>:5000` (server_args.py); node
       0 serves HTTP, the others run the scheduler only.
     """
     plan = loaded.plan
@@ -266,15 +267,22 @@ def launch_script(loaded: LoadedPlan) -> str:
             f"# One LeaderWorkerSet group = one instance of {hw.nodes} nodes; the controller sets the rank variables.",
             ': "${LWS_LEADER_ADDRESS:?}" "${LWS_WORKER_INDEX:?}" "${LWS_GROUP_SIZE:?}"',
             "rank=$LWS_WORKER_INDEX",
+            "# The leader's address as an IP (its DNS record appears once its pod has one): the process",
+            "# group's and the engines' sockets bind and connect on it.",
+            f"for _ in $(seq {LEADER_DNS_ATTEMPTS}); do",
+            '  leader=$(getent hosts "$LWS_LEADER_ADDRESS" | awk \'{print $1; exit}\') && [ -n "$leader" ] && break',
+            "  sleep 5",
+            "done",
+            ': "${leader:?cannot resolve $LWS_LEADER_ADDRESS}"',
         ]
         if engine.kind == "sglang":
             args += ['--nnodes "$LWS_GROUP_SIZE"', '--node-rank "$rank"',
-                     f'--dist-init-addr "$LWS_LEADER_ADDRESS:{SGLANG_DIST_PORT}"']
+                     f'--dist-init-addr "$leader:{SGLANG_DIST_PORT}"']
         else:
-            args += ['--nnodes "$LWS_GROUP_SIZE"', '--node-rank "$rank"', '--master-addr "$LWS_LEADER_ADDRESS"',
+            args += ['--nnodes "$LWS_GROUP_SIZE"', '--node-rank "$rank"', '--master-addr "$leader"',
                      f"--master-port {VLLM_MASTER_PORT}"]
             if par.data > 1:
-                args += ["--data-parallel-size-local 1", '--data-parallel-address "$LWS_LEADER_ADDRESS"',
+                args += ["--data-parallel-size-local 1", '--data-parallel-address "$leader"',
                          f"--data-parallel-rpc-port {VLLM_DP_RPC_PORT}"]
     if engine.kind == "sglang":
         out.append("launcher=" + shlex.quote(_launcher(key_env or "SGLANG_API_KEY")))

@@ -6,6 +6,13 @@ set -euo pipefail
 # One LeaderWorkerSet group = one instance of 2 nodes; the controller sets the rank variables.
 : "${LWS_LEADER_ADDRESS:?}" "${LWS_WORKER_INDEX:?}" "${LWS_GROUP_SIZE:?}"
 rank=$LWS_WORKER_INDEX
+# The leader's address as an IP (its DNS record appears once its pod has one): the process
+# group's and the engines' sockets bind and connect on it.
+for _ in $(seq 60); do
+  leader=$(getent hosts "$LWS_LEADER_ADDRESS" | awk '{print $1; exit}') && [ -n "$leader" ] && break
+  sleep 5
+done
+: "${leader:?cannot resolve $LWS_LEADER_ADDRESS}"
 launcher='import os, runpy, sglang.srt.server_args as s; p = s.prepare_server_args
 def with_key(argv):
     args = p(argv)
@@ -26,4 +33,4 @@ exec python3 -c "$launcher" \
   --trust-remote-code \
   --nnodes "$LWS_GROUP_SIZE" \
   --node-rank "$rank" \
-  --dist-init-addr "$LWS_LEADER_ADDRESS:5000"
+  --dist-init-addr "$leader:5000"

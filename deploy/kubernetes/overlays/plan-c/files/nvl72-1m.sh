@@ -6,6 +6,13 @@ set -euo pipefail
 # One LeaderWorkerSet group = one instance of 18 nodes; the controller sets the rank variables.
 : "${LWS_LEADER_ADDRESS:?}" "${LWS_WORKER_INDEX:?}" "${LWS_GROUP_SIZE:?}"
 rank=$LWS_WORKER_INDEX
+# The leader's address as an IP (its DNS record appears once its pod has one): the process
+# group's and the engines' sockets bind and connect on it.
+for _ in $(seq 60); do
+  leader=$(getent hosts "$LWS_LEADER_ADDRESS" | awk '{print $1; exit}') && [ -n "$leader" ] && break
+  sleep 5
+done
+: "${leader:?cannot resolve $LWS_LEADER_ADDRESS}"
 args=(
   "${MODEL_PATH:-moonshotai/Kimi-K3}"
   --host "${HOST:-0.0.0.0}"
@@ -22,10 +29,10 @@ args=(
   --trust-remote-code
   --nnodes "$LWS_GROUP_SIZE"
   --node-rank "$rank"
-  --master-addr "$LWS_LEADER_ADDRESS"
+  --master-addr "$leader"
   --master-port 29501
   --data-parallel-size-local 1
-  --data-parallel-address "$LWS_LEADER_ADDRESS"
+  --data-parallel-address "$leader"
   --data-parallel-rpc-port 13345
 )
 # Nodes 0, 6, ... start data-parallel ranks 0..2 (6 nodes each).
