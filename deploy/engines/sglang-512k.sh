@@ -19,6 +19,7 @@ exec python3 -m sglang.launch_server \
   --tp-size 16 \
   --ep-size 16 \
   --mem-fraction-static 0.88 \
+  --enable-metrics \
   --trust-remote-code \
   --nnodes 2 \
   --node-rank "$NODE_RANK" \

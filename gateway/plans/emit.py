@@ -92,6 +92,9 @@ def _sglang_args(loaded: LoadedPlan) -> list[str]:
         args.append(f"--ep-size {par.expert}")
     args += _precision_flags(loaded)
     args.append(f"--mem-fraction-static {engine.memory_utilization:g}")
+    # SGLang serves /metrics only with --enable-metrics (srt/entrypoints/http_server.py): the gateway's
+    # load scrape (gateway/backends/load.py) and the engines' PodMonitor read it.
+    args.append("--enable-metrics")
     if engine.trust_remote_code:
         args.append("--trust-remote-code")
     if plan.hardware.nodes > 1:

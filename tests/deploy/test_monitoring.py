@@ -29,8 +29,9 @@ KUBECTL = tool("kubectl")
 needs_check_jsonschema = pytest.mark.skipif(CHECK_JSONSCHEMA is None,
                                             reason="check-jsonschema not installed (PyPI, dev extra)")
 # kind -> its vendored JSON Schema (README.md there says from which release).
-SCHEMA_OF = {"PodMonitor": "podmonitor-v1.json", "ServiceMonitor": "servicemonitor-v1.json",
-             "PrometheusRule": "prometheusrule-v1.json"}
+SCHEMA_OF = {"PodMonitor": "podmonitor.monitoring.coreos.com.v1.json",
+             "ServiceMonitor": "servicemonitor.monitoring.coreos.com.v1.json",
+             "PrometheusRule": "prometheusrule.monitoring.coreos.com.v1.json"}
 ENGINE = {"app.kubernetes.io/component": "engine"}
 PLANS = {loaded.plan.name: loaded for loaded in plans_of(REPO_ROOT / "config" / "k3-production.yaml")}
 
