@@ -31,7 +31,10 @@ SOCKET_BACKSTOP_S = 30.0
 which is what bounds them. redis-py times its reads with the event loop's timers too: a shorter one
 (it was 1 s) fired after a loop stall that long, in the same iteration as the late StoreTimeout, and
 cancelled the read with its reply already in the socket, a Redis error that opened the breaker
-(issue 15's 1.3 s stall did; found again under a loaded CPU by the heavy-bodies test)."""
+(issue 15's 1.3 s stall did; found again under a loaded CPU by the heavy-bodies test). The same
+holds for its `socket_connect_timeout`: a connect opened in a burst (up to a pool's 128 at once)
+whose timer fires after a loop stall is the gateway's own load, not a Redis outage, so the stores
+set it to this backstop too and their StoreTimeout bounds the connect with the call."""
 
 
 class StoreTimeout:

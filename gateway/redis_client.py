@@ -48,6 +48,8 @@ log = logging.getLogger("gateway.redis")
 SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_PORT = 26379
 RECHECK_S = 1.0
+CLOSE_WAIT_S = 0.5
+"""The longest a store's shutdown waits for its Redis sockets to close (seconds)."""
 STALE_S = RECHECK_S
 CHECK_WAIT_S = 0.5
 
@@ -280,8 +282,10 @@ async def close_redis(client: aioredis.Redis, store: str) -> None:
     and then waits for the closes under its `socket_connect_timeout` (0.25-0.5 s for the stores);
     when that wait runs out (an event loop busy at shutdown, a Redis gone) it raises a TimeoutError
     although the sockets are closing anyway, and that would skip the rest of the gateway's shutdown.
-    Logged at warning level instead, naming `store`."""
+    Logged at warning level instead, naming `store`. The wait is bounded by `CLOSE_WAIT_S` here (the
+stores' `socket_connect_timeout` is the long `SOCKET_BACKSTOP_S`)."""
     try:
-        await client.aclose()
-    except (RedisError, OSError) as exc:
+        async with asyncio.timeout(CLOSE_WAIT_S):
+            await client.aclose()
+    except (RedisError, OSError, TimeoutError) as exc:
         log.warning("closing the %s store's Redis client: %s: %s", store, type(exc).__name__, exc)

@@ -12,6 +12,10 @@ line, holds gateway memory or a connection slot for as long as it likes, before 
   first byte → 408 (or a silent close when not one byte came), connection closed;
 - a request httptools cannot parse → uvicorn's 400, with an OpenAI error object instead of text
   (after the answer to a whole request before it, as the 408/431 are).
+- an upgrade offer the server does not take (`Upgrade: h2c`; a websocket offer on a method other
+  than GET) → ignored, the request served over HTTP/1.1 with its body (uvicorn stopped parsing the
+  connection at its head: an empty body, later requests never read); a websocket handshake is
+  still uvicorn's to switch.
 
 The head is counted from the parser's callbacks (request target and header fields, plus a few
 bytes per line for the separators) once it is complete, and by the raw bytes of each read while it
@@ -24,7 +28,7 @@ the connection is aborted. The app sees the client's disconnect (the proxy close
 the engine aborts the request) and finds `SEND_STALLED` set in its scope.
 
 An idle keep-alive connection between requests is uvicorn's own `timeout_keep_alive`
-(`timeouts.keep_alive`). Cost per request: one timer armed and cancelled, one flag test per read.
+(`timeouts.keep_alive`). Cost per request: one timer armed and cancelled, a few flag tests.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -80,6 +85,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._read_consumed = 0  # estimated bytes of this read the parser gave to earlier requests
         self._send_timer: asyncio.TimerHandle | None = None
         self._stalled_at = 0  # write-buffer bytes when the client last showed progress
+        self._upgrade_body: bytes | None = None  # framing headers of an ignored upgrade's body still to come
+        self._reframing = False  # parsing `_ignore_upgrade`'s stand-in head
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -95,7 +102,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return  # lingering after a refusal: drop what still comes
         self._began_in_this_read = False
         self._read_consumed = 0
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        self._feed(data)
         # Still inside a head after the parser took these bytes. A head that began in an earlier
         # read owns all of them; one that began in this read owns what followed the requests before
         # it (their heads and bodies as the parser reported them).
@@ -105,7 +113,53 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse(431, "request_header_fields_too_large",
                              f"The request line and headers are larger than {self.max_header_bytes} bytes.")
 
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's `data_received` (parse; a parse error is `send_400_response`; a websocket
+        handshake switches protocols), but an upgrade offer it does not take is ignored instead of
+        ending the connection's parsing (`_ignore_upgrade`)."""
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._ignore_upgrade(data[upgrade.args[0]:])
+
+    def _should_upgrade(self) -> bool:
+        """A websocket handshake is a GET (RFC 6455 §4.1): on another method the offer is ignored."""
+        return self.scope.get("method") == "GET" and super()._should_upgrade()
+
+    def _ignore_upgrade(self, rest: bytes) -> None:
+        """Serve a request that offered a protocol upgrade the server does not take (`Upgrade: h2c`
+        from Java's HttpClient or `curl --http2`; RFC 9110 §7.8 lets a server ignore it) as plain
+        HTTP/1.1, as nginx and the engines' h11 servers do. llhttp ends an upgrade request at its
+        head and hands back the bytes after it (`rest`) as another protocol's; so a fresh parser
+        takes over the connection, and a request whose head announced a body first reads a
+        stand-in head with just its framing headers (`Content-Length` or `Transfer-Encoding`), whose
+        callbacks are skipped, so the body goes to the request as if no upgrade had been offered."""
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's own
+        framing, self._upgrade_body = self._upgrade_body, None
+        if framing is not None:
+            url, headers = self.url, self.headers  # the request's (`headers` is its scope's list)
+            self.url, self.headers, self._reframing = b"", [], True
+            try:
+                self.parser.feed_data(b"POST / HTTP/1.1\r\n" + framing + b"\r\n")
+            except httptools.HttpParserError:  # the request's own head passed the same checks
+                self.send_400_response("Invalid HTTP request received.")
+                return
+            finally:
+                self._reframing = False
+                self.url, self.headers = url, headers
+        if rest:
+            self._feed(rest)
+
     def on_message_begin(self) -> None:
+        if self._reframing:
+            return
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
@@ -117,7 +171,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._read_consumed += len(body)
         super().on_body(body)
 
+    def on_message_complete(self) -> None:
+        if self._upgrade_body is None:  # else llhttp's end of an upgrade request: its body is still to come
+            super().on_message_complete()
+
     def on_headers_complete(self) -> None:
+        if self._reframing:
+            return
+        if self.parser.should_upgrade() and not self._should_upgrade():  # an offer `_ignore_upgrade` declines
+            framing = b"".join(b"%s: %s\r\n" % (name, value) for name, value in self.headers
+                               if name in (b"content-length", b"transfer-encoding"))
+            if framing and framing != b"content-length: 0\r\n":
+                self._upgrade_body = framing  # llhttp ends the request here: its body comes after
         self._in_head = False
         size = (len(self.url) + _REQUEST_LINE_OVERHEAD
                 + sum(len(name) + len(value) + _LINE_OVERHEAD for name, value in self.headers))

@@ -23,13 +23,15 @@ PROMTOOL = Path("/usr/bin/promtool")
 DEPLOY = REPO_ROOT / "deploy"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
+PODMONITOR = DEPLOY / "kubernetes" / "base" / "monitoring" / "podmonitor.yaml"
 
 # What Grafana puts in place of its variables; a variable missing here fails `substitute`.
 GRAFANA_VARIABLES = {"pool": ".*", "worker": ".*", "__rate_interval": "1m", "__interval": "1m",
                      "__range": "1h"}
 _VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)\}|\$([A-Za-z_]\w*)")  # not "$1" (label_replace)
 _GATEWAY_NAME = re.compile(r"(?<![\w:])kimi_gateway_\w+(?![\w:])")
-_RECORDED_NAME = re.compile(r"(?<![\w:])[A-Za-z_]\w*:[\w:]+")
+_ENGINE_NAME = re.compile(r"(?<![\w:])(?:vllm|sglang|llamacpp):\w+(?![\w:])")
+_RECORDED_NAME = re.compile(r"(?<![\w:])(?!(?:vllm|sglang|llamacpp):\w+(?![\w:]))[A-Za-z_]\w*:[\w:]+")
 _LABEL_VALUES = re.compile(r"^\s*label_values\((.+),\s*\w+\s*\)\s*$", re.S)
 _QUERY_RESULT = re.compile(r"^\s*query_result\((.+)\)\s*$", re.S)
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
@@ -94,9 +96,36 @@ def gateway_names(expr: str) -> set[str]:
     return set(_GATEWAY_NAME.findall(expr))
 
 
+def engine_names(expr: str) -> set[str]:
+    """The engines' own series names (`vllm:*`, `sglang:*`, `llamacpp:*`) an expression selects."""
+    return set(_ENGINE_NAME.findall(expr))
+
+
 def recorded_names(expr: str) -> set[str]:
-    """Recording-rule names (`level:metric:operations`, with colons) an expression uses."""
+    """Recording-rule names (`level:metric:operations`, with colons) an expression uses; not the
+    engines' names (`vllm:num_requests_waiting`...)."""
     return set(_RECORDED_NAME.findall(expr))
+
+
+_RELABEL_KEYS = {"sourceLabels": "source_labels", "targetLabel": "target_label", "regex": "regex",
+                 "action": "action", "replacement": "replacement", "separator": "separator", "modulus": "modulus"}
+
+
+def podmonitor_scrape_config(pods: dict[str, dict[str, str]], interval: str = "500ms") -> dict[str, Any]:
+    """A Prometheus scrape config doing what the Prometheus Operator makes of the PodMonitor's endpoint
+    (deploy/kubernetes/base/monitoring/podmonitor.yaml), for static targets instead of pod discovery.
+
+    `pods` maps a target `host:port` to its pod's labels (`{"app.kubernetes.io/name": "vllm-128k"}`),
+    given to the relabelings as `__meta_kubernetes_pod_label_<name>` with every non-word character
+    as `_`, as Kubernetes discovery does. The endpoint's path and relabelings are the PodMonitor's
+    (camelCase keys as the operator translates them); `interval` replaces its scrape interval."""
+    (endpoint,) = yaml.safe_load(PODMONITOR.read_text())["spec"]["podMetricsEndpoints"]
+    relabel = [{_RELABEL_KEYS[k]: v for k, v in rule.items()} for rule in endpoint["relabelings"]]
+    groups = [{"targets": [address],
+               "labels": {"__meta_kubernetes_pod_label_" + re.sub(r"\W", "_", k): v for k, v in labels.items()}}
+              for address, labels in pods.items()]
+    return {"job_name": "podmonitor", "metrics_path": endpoint["path"], "scrape_interval": interval,
+            "scrape_timeout": interval, "static_configs": groups, "relabel_configs": relabel}
 
 
 def series_names(families: dict[str, str]) -> set[str]:

@@ -15,6 +15,5 @@ exec vllm serve "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --max-model-len 131072 \
   --tensor-parallel-size 16 \
   --enable-expert-parallel \
-  --quantization ascend \
   --gpu-memory-utilization 0.9 \
   --trust-remote-code

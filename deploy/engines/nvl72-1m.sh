@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # nvl72-1m: Plan C, full power (GB200 NVL72 rack, vLLM).
 # One engine instance (one gateway worker) of pool nvl72-1m: vLLM OpenAI server on 18 node(s) x 4 GB200,
-# TP 8 x PP 3 x DP 3, EP 72, bf16, max context 1,048,576 tokens; the pool runs 1 of these.
+# TP 8 x PP 3 x DP 3, EP 72, mxfp4, max context 1,048,576 tokens; the pool runs 1 of these.
 # Generated from config/plans/plan-c.yaml by `kimi-gateway plan config/k3-production.yaml --emit deploy/engines`.
 # Do not edit: change the plan and emit again (tests/unit/test_plans.py fails on drift).
 # Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), NVL72_API_KEY (required); NODE_RANK (0 on the head node); HEAD_ADDRESS (node 0's host, on the other nodes).
@@ -24,7 +24,6 @@ exec vllm serve "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --pipeline-parallel-size 3 \
   --data-parallel-size 3 \
   --enable-expert-parallel \
-  --dtype bfloat16 \
   --gpu-memory-utilization 0.9 \
   --enable-chunked-prefill \
   --trust-remote-code \

@@ -18,8 +18,8 @@ exec python3 -m sglang.launch_server \
   --context-length 524288 \
   --tp-size 16 \
   --ep-size 16 \
-  --quantization mxfp4 \
   --mem-fraction-static 0.88 \
+  --enable-metrics \
   --trust-remote-code \
   --nnodes 2 \
   --node-rank "$NODE_RANK" \

@@ -15,6 +15,5 @@ exec vllm serve "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --max-model-len 131072 \
   --tensor-parallel-size 8 \
   --enable-expert-parallel \
-  --quantization mxfp4 \
   --gpu-memory-utilization 0.95 \
   --trust-remote-code

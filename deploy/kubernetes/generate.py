@@ -8,19 +8,24 @@ from the plan file through gateway.plans (the same loader the gateway and `kimi-
 - ConfigMap `kimi-gateway-config`: the production config with only the overlay's pool entries and
   `redis_url: ${REDIS_URL}` (an external URL from the Secret, no localhost fallback), the plan file
   and its model card, mounted as /etc/kimi-gateway/{gateway.yaml,plans/...,models/...};
-- the engine workloads: a StatefulSet per pool of single-node instances (one pod = one engine =
-  one gateway worker), or, for a plan whose instance spans several nodes, a StatefulSet per
-  instance with one pod per node (pod index = NODE_RANK; pod 0 serves), each with a headless
-  Service (publishNotReadyAddresses: the other nodes must find node 0 before it is ready);
-- ConfigMap `<pool>-launch`: the plan's launch script (gateway.plans.emit.render_script, the text
-  of deploy/engines/<pool>.sh), which the engine container runs;
+- the engine workloads (engine_objects): a StatefulSet per pool of single-node instances (one pod =
+  one engine = one gateway worker) with its headless Service; for a plan whose instance spans
+  nodes, a LeaderWorkerSet per pool (one group of `nodes` pods per instance, restarted and rolled
+  out as a group) with a leader-only Service `<pool>-leaders`; NVL72: a ComputeDomain. Each pool
+  also gets a PodDisruptionBudget that never evicts its last instance, the PriorityClass
+  `kimi-k3-engine`, Guaranteed resources, probes on the serving pod, and a drain sidecar whose
+  preStop hook runs `kimi-gateway drain` before the engine gets SIGTERM;
+- ConfigMap `<pool>-launch`: the engine's launch script for Kubernetes (launch_script: the plan's
+  flags from gateway.plans.emit, the key from the environment, LWS ranks), which the container runs;
 - a patch of the gateway Deployment: one `<WORKER_ENV>_<i>` URL per engine instance (the variables
   the plan's pool reads), the engine key from the Secret `kimi-engine-keys`, and
-  terminationGracePeriodSeconds = preStop + shutdown.drain_delay +
-  shutdown.grace_period + a margin;
+  terminationGracePeriodSeconds = preStop + shutdown.drain_delay + shutdown.grace_period + a
+  margin, where the overlay's config raises grace_period to the longest request its pools allow
+  (gateway_grace_seconds);
 - the HorizontalPodAutoscaler's minReplicas: the config's `replicas`;
-- a NetworkPolicy: engine ports only from the gateway pods, and any port between the pods of one
-  multi-node instance (NCCL, Ray, the process group).
+- NetworkPolicies: engine ports only from the gateway pods, any port between the pods of one
+  multi-node instance (NCCL, the process group), and the gateway's port from the engines' drain
+  sidecars.
 
 Also base/monitoring/prometheusrule.yaml from deploy/prometheus/alerts.yml (the same groups, text kept).
 
@@ -32,8 +37,10 @@ from __future__ import annotations
 
 import argparse
 import posixpath
+import shlex
 import shutil
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +50,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from gateway.config import ShutdownConfig  # noqa: E402
-from gateway.plans.emit import RAY_PORT, render_script  # noqa: E402
+from gateway.config import PoolConfig, ShutdownConfig, TimeoutConfig  # noqa: E402
+from gateway.plans.emit import _command, _sglang_args, _vllm_args  # noqa: E402
 from gateway.plans.models import LoadedPlan, load_plan  # noqa: E402
 
 PRODUCTION = ROOT / "config" / "k3-production.yaml"
@@ -57,13 +64,58 @@ PRODUCTION_OVERLAY = "production"  # every plan of the production config behind 
 CONFIG_DIR = "/etc/kimi-gateway"  # where the gateway's ConfigMap is mounted (base/gateway.yaml)
 PRESTOP_SECONDS = 5  # base/gateway.yaml lifecycle.preStop.sleep
 TERMINATION_MARGIN_SECONDS = 10  # SIGKILL comes this long after the drain should have ended
-SGLANG_DIST_PORT = 5000  # node 0's port for SGLang's process group (--dist-init-addr host:port)
+SGLANG_DIST_PORT = 5000  # the leader's port for SGLang's process group (--dist-init-addr host:port)
+VLLM_MASTER_PORT = 29501  # vLLM's --master-port default (ParallelConfig): torch.distributed across nodes
+VLLM_DP_RPC_PORT = 13345  # vLLM's --data-parallel-rpc-port default: data-parallel engines' handshake
 WEIGHTS_CLAIM = "kimi-k3-weights"  # a ReadOnlyMany PVC with the weights, created by the operator
-ENGINE_IMAGES = {  # pin a release that serves Kimi K3 with `images:` in your own overlay
-    "vllm": "vllm/vllm-openai:latest",
-    "sglang": "lmsysorg/sglang:latest",
-    "ascend": "quay.io/ascend/vllm-ascend:latest",
+ENGINE_KEYS_SECRET = "kimi-engine-keys"
+# Engine releases the gateway's protocol code was checked against (gateway/protocol, gateway/sim).
+# vllm-ascend tags follow vLLM's; override any of them with `images:` in your own overlay.
+ENGINE_IMAGES = {
+    "vllm": "vllm/vllm-openai:v0.33.0",
+    "sglang": "lmsysorg/sglang:v0.5.23",
+    "ascend": "quay.io/ascend/vllm-ascend:v0.33.0",
 }
+GATEWAY_IMAGE = f"kimi-gateway:{tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['version']}"
+GATEWAY_URL = "http://kimi-gateway:8000"  # base/gateway.yaml's Service, from inside the namespace
+PRIORITY_CLASS = "kimi-k3-engine"
+DRAIN_KEY_SECRET = "kimi-gateway-admin"  # the admin key itself (the gateway's Secret holds only its hash)
+DRAIN_KEY_ENV = "KIMI_GATEWAY_ADMIN_KEY"  # what `kimi-gateway drain` reads the admin key from
+DRAIN_MARGIN_SECONDS = 30  # the drain's own round trips beyond the longest request
+ENGINE_EXIT_SECONDS = 60  # after the drain: the engine's SIGTERM handling and process exit
+# Overlay parameters: what one node offers the engine pod (requests = limits: Guaranteed QoS, so a
+# pod staging weights through host RAM is not the first evicted). Use your nodes' allocatable
+# (`kubectl describe node`); /dev/shm (a Memory emptyDir) counts toward the memory limit.
+NODE_RESOURCES = {
+    "B300": {"cpu": "96", "memory": "1536Gi", "shm": "64Gi"},   # HGX B300: 2 sockets, 2-4 TB
+    "B200": {"cpu": "96", "memory": "1536Gi", "shm": "64Gi"},   # DGX B200: 112 cores, 2 TB
+    "GB200": {"cpu": "128", "memory": "768Gi", "shm": "64Gi"},  # NVL72 tray: 2 Grace (144 cores), ~960 GB LPDDR5X
+    "Ascend 950": {"cpu": "160", "memory": "1024Gi", "shm": "64Gi"},  # an assumption: no published server spec
+}
+WEIGHTS_READ_BYTES_PER_SECOND = 1e9  # per node, from the weights volume (parameter: your storage's rate)
+ENGINE_WARMUP_SECONDS = 600  # after loading: kernel compile, CUDA graph capture, KV cache allocation
+RDMA_RESOURCE = "rdma/rdma_shared_device_a"  # NVIDIA Network Operator's shared RDMA device plugin (its example name)
+# Accelerators whose TP spans trays: the node label naming one NVLink partition (GPU feature discovery).
+NVLINK_DOMAIN = {"GB200": "nvidia.com/gpu.clique"}
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LEADER_DNS_ATTEMPTS = 60  # x 5 s: how long a node waits for its leader's DNS name before it gives up
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # "0" on the leader
+
+
+def fabric(accelerator: str) -> dict[str, str]:
+    """NCCL/NVSHMEM settings of a multi-node engine pod (overlay parameters: set your fabric's).
+
+    The socket interface is the pod network's (bootstrap, Gloo); the HCA prefix selects the
+    ConnectX RDMA devices the RDMA device plugin hands the pod. NVSHMEM (SGLang's DeepEP) bootstraps
+    over the same interface. NVL72: NCCL_MNNVL_ENABLE=1 and NCCL_CUMEM_ENABLE=1 let NCCL use NVLink
+    across trays through the IMEX channel.
+    """
+    env = {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5",
+           "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth0", "NCCL_DEBUG": "WARN"}
+    if accelerator in NVLINK_DOMAIN:
+        env |= {"NCCL_MNNVL_ENABLE": "1", "NCCL_CUMEM_ENABLE": "1"}
+    return env
+
 GENERATED = ("# Generated by deploy/kubernetes/generate.py from {source}. "
              "Do not edit: change the source and run it again.\n")
 
@@ -99,121 +151,355 @@ def _dump(*docs: Any) -> str:
 
 
 def instances(loaded: LoadedPlan) -> list[dict[str, Any]]:
-    """The engine instances of a plan: StatefulSet name, pod count, and the gateway worker URL of each.
+    """The engine instances of a plan: workload name, pods per instance, and the gateway worker URL of each.
 
     Single-node plans: one StatefulSet `<pool>` with `replicas` pods; instance i is pod `<pool>-i`.
-    Multi-node plans: StatefulSet `<pool>-i` with `nodes` pods per instance i; pod 0 serves.
-    Returns [{"set": name, "pods": n, "host": dns name, "url": http://host:port, "env": VAR}].
+    Multi-node plans: one LeaderWorkerSet `<pool>` with `replicas` groups of `nodes` pods; instance i
+    is group i, whose leader pod `<pool>-i` serves (its workers are `<pool>-i-1` ...). Both resolve
+    as `<pod>.<pool>`: the StatefulSet's headless Service, or the one the LWS controller creates
+    for its pods' shared subdomain (named after the LWS).
+    Returns [{"set": name, "pods": pods per instance, "host": dns name, "url": http://host:port, "env": VAR}].
     """
     plan = loaded.plan
-    pool, port, nodes = plan.pool.name, plan.engine.port, plan.hardware.nodes
-    out = []
-    for index in range(plan.replicas):
-        if nodes == 1:
-            name, pods, host = pool, plan.replicas, f"{pool}-{index}.{pool}"
-        else:
-            name, pods = f"{pool}-{index}", nodes
-            host = f"{name}-0.{name}"
-        out.append({"set": name, "pods": pods, "host": host, "url": f"http://{host}:{port}",
-                    "env": f"{plan.worker_env()}_{index}"})
-    return out
+    pool, port = plan.pool.name, plan.engine.port
+    return [{"set": pool, "pods": plan.hardware.nodes, "host": f"{pool}-{index}.{pool}",
+             "url": f"http://{pool}-{index}.{pool}:{port}", "env": f"{plan.worker_env()}_{index}"}
+            for index in range(plan.replicas)]
 
 
-def _labels(pool: str, instance: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": pool, "app.kubernetes.io/instance": instance,
+def _labels(pool: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": pool, "app.kubernetes.io/instance": pool,
             "app.kubernetes.io/component": "engine"}
 
 
-def engine_objects(loaded: LoadedPlan) -> list[dict[str, Any]]:
-    """StatefulSet(s) and headless Service(s) running the plan's engine, one engine container per pod."""
+def request_budget_seconds(config: dict[str, Any], loaded: LoadedPlan) -> int:
+    """The longest request the gateway lets run on this plan's pool, in whole seconds (rounded up).
+
+    `timeouts.total` when the config sets that cap; else the streaming first-byte budget of a prompt
+    as long as the pool's context (`first_byte_base` + `first_byte_per_1k_tokens` x max_context /
+    1,000: the prefill) plus the non-streaming output budget of the pool's default output
+    (`generation` + `generation_per_token` x `default_output_tokens`). Plan C (1,048,576 tokens,
+    the production timeouts): 60 + 524.3 + 60 + 102.4 = 747 s.
+    """
+    timeouts = TimeoutConfig(**(config.get("timeouts") or {}))
+    if timeouts.total is not None:
+        return int(-(-timeouts.total // 1))
+    output = PoolConfig.model_fields["default_output_tokens"].default
+    prefill = timeouts.first_byte_base + timeouts.first_byte_per_1k_tokens * loaded.plan.max_context_tokens / 1000
+    total = prefill + timeouts.generation + timeouts.generation_per_token * output
+    return int(-(-total // 1))
+
+
+def startup_seconds(loaded: LoadedPlan) -> int:
+    """How long an engine pod may take to serve after it starts: its share of the weights read at
+    WEIGHTS_READ_BYTES_PER_SECOND, plus ENGINE_WARMUP_SECONDS (kernel compile, CUDA graphs, KV cache).
+
+    Each node reads its tensor/expert shard of one full copy of the weights per data-parallel rank:
+    weights x DP / nodes. Plan B (MXFP4, 1,568 GB, 2 nodes): 784 GB at 1 GB/s + 600 s = 1,385 s.
+    """
+    plan = loaded.plan
+    per_node = loaded.card.weight_bytes(plan.engine.precision) * plan.parallelism.data / plan.hardware.nodes
+    return int(-(-(per_node / WEIGHTS_READ_BYTES_PER_SECOND + ENGINE_WARMUP_SECONDS) // 1))
+
+
+def engine_api_key_env(loaded: LoadedPlan) -> str | None:
+    """The variable the engine itself reads its key from, set from the Secret key `api_key_env`.
+
+    vLLM and vllm-ascend read VLLM_API_KEY when --api-key is absent
+    (vllm/entrypoints/openai/api_server.py: `args.api_key or envs.VLLM_API_KEY`); SGLang reads no
+    variable, so its launcher (sglang_launcher) reads the plan's `api_key_env`."""
+    engine = loaded.plan.engine
+    if not engine.api_key_env:
+        return None
+    return engine.api_key_env if engine.kind == "sglang" else "VLLM_API_KEY"
+
+
+def _launcher(key_env: str) -> str:
+    """`python3 -c` code that starts SGLang's launch_server with its key from `key_env`, never from argv.
+
+    sglang/launch_server.py parses `prepare_server_args(sys.argv[1:])` when run as __main__; the
+    wrapper replaces that function in sglang.srt.server_args by one that also sets `api_key` (the
+    field --api-key fills) and runs the module as __main__, so the key is not in /proc/PID/cmdline."""
+    return ("import os, runpy, sglang.srt.server_args as s; p = s.prepare_server_args\n"
+            "def with_key(argv):\n"
+            "    args = p(argv)\n"
+            f"    args.api_key = os.environ.pop({key_env!r})\n"
+            "    return args\n"
+            "s.prepare_server_args = with_key\n"
+            "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+
+
+def launch_script(loaded: LoadedPlan) -> str:
+    """The engine container's command (bash), for Kubernetes: the plan's engine flags
+    (gateway.plans.emit, as deploy/engines/<pool>.sh has them) without the key on the command line,
+    and for multi-node plans the ranks from LeaderWorkerSet's variables, with no Ray:
+
+    - vLLM: every node runs `vllm serve` with `--nnodes $LWS_GROUP_SIZE --node-rank $LWS_WORKER_INDEX
+      --master-addr <leader IP>` (vllm/engine/arg_utils.py, ParallelConfig); the leader
+      serves HTTP, the others add `--headless` (vllm/entrypoints/cli/serve.py: run_headless starts a
+      bare MultiprocExecutor on a node whose rank within its data-parallel group is > 0). With
+      DP > 1 each DP rank spans nodes / DP nodes (`--data-parallel-size-local 1`); the first node of
+      each rank runs its engine headless with `--data-parallel-start-rank` and reaches the leader's
+      `--data-parallel-address`.
+    - SGLang: `--nnodes --node-rank --dist-init-addr <leader IP>:5000` (server_args.py); node
+      0 serves HTTP, the others run the scheduler only.
+    """
+    plan = loaded.plan
+    engine, hw, par = plan.engine, plan.hardware, plan.parallelism
+    key_env = engine_api_key_env(loaded)
+    drop = ("--api-key", "--distributed-executor-backend", "--data-parallel-backend", "--nnodes", "--node-rank",
+            "--dist-init-addr")
+    if engine.kind == "sglang":
+        args = [a for a in _sglang_args(loaded) if not a.startswith(drop)]
+    else:
+        args = ['"${MODEL_PATH:-' + engine.model_path + '}"']
+        args += [a for a in _vllm_args(loaded) if not a.startswith(drop)]
+    out = [
+        "#!/usr/bin/env bash",
+        f"# {plan.pool.name}: {plan.title}, on Kubernetes (deploy/kubernetes/generate.py; the flags are "
+        f"deploy/engines/{plan.pool.name}.sh's).",
+        f"# The engine key comes from the environment ({key_env}), never the command line (/proc/PID/cmdline).",
+        "set -euo pipefail",
+    ]
+    if key_env:
+        out.append(f': "${{{key_env}:?set {key_env}: the bearer key the gateway sends pool {plan.pool.name}}}"')
+    if hw.nodes > 1:
+        out += [
+            f"# One LeaderWorkerSet group = one instance of {hw.nodes} nodes; the controller sets the rank variables.",
+            ': "${LWS_LEADER_ADDRESS:?}" "${LWS_WORKER_INDEX:?}" "${LWS_GROUP_SIZE:?}"',
+            "rank=$LWS_WORKER_INDEX",
+            "# The leader's address as an IP (its DNS record appears once its pod has one): the process",
+            "# group's and the engines' sockets bind and connect on it.",
+            f"for _ in $(seq {LEADER_DNS_ATTEMPTS}); do",
+            '  leader=$(getent hosts "$LWS_LEADER_ADDRESS" | awk \'{print $1; exit}\') && [ -n "$leader" ] && break',
+            "  sleep 5",
+            "done",
+            ': "${leader:?cannot resolve $LWS_LEADER_ADDRESS}"',
+        ]
+        if engine.kind == "sglang":
+            args += ['--nnodes "$LWS_GROUP_SIZE"', '--node-rank "$rank"',
+                     f'--dist-init-addr "$leader:{SGLANG_DIST_PORT}"']
+        else:
+            args += ['--nnodes "$LWS_GROUP_SIZE"', '--node-rank "$rank"', '--master-addr "$leader"',
+                     f"--master-port {VLLM_MASTER_PORT}"]
+            if par.data > 1:
+                args += ["--data-parallel-size-local 1", '--data-parallel-address "$leader"',
+                         f"--data-parallel-rpc-port {VLLM_DP_RPC_PORT}"]
+    if engine.kind == "sglang":
+        out.append("launcher=" + shlex.quote(_launcher(key_env or "SGLANG_API_KEY")))
+        return "\n".join(out) + "\n" + _command(args, 'exec python3 -c "$launcher"')
+    if hw.nodes == 1:
+        return "\n".join(out) + "\n" + _command(args, "exec vllm serve")
+    out += ["args=(", *[f"  {a}" for a in args], ")"]
+    per_rank = hw.nodes // par.data
+    if par.data > 1:
+        out += [f"# Nodes 0, {per_rank}, ... start data-parallel ranks 0..{par.data - 1} ({per_rank} nodes each).",
+                f'if [ "$rank" != 0 ] && [ $((rank % {per_rank})) = 0 ]; then '
+                f"args+=(--data-parallel-start-rank $((rank / {per_rank}))); fi"]
+    out += ['if [ "$rank" != 0 ]; then', '  exec vllm serve "${args[@]}" --headless', "fi",
+            'exec vllm serve "${args[@]}"']
+    return "\n".join(out) + "\n"
+
+
+def _drain_seconds(config: dict[str, Any], loaded: LoadedPlan) -> int:
+    return request_budget_seconds(config, loaded) + DRAIN_MARGIN_SECONDS
+
+
+def _engine_env(loaded: LoadedPlan, multi: bool) -> list[dict[str, Any]]:
+    plan = loaded.plan
+    env: list[dict[str, Any]] = [
+        {"name": "MODEL_PATH", "value": posixpath.join("/models", plan.engine.model_path)},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},  # the weights come from the volume, never a download
+    ]
+    key_env = engine_api_key_env(loaded)
+    if key_env:
+        env.append({"name": key_env, "valueFrom": {"secretKeyRef": {
+            "name": ENGINE_KEYS_SECRET, "key": plan.engine.api_key_env}}})
+    if multi:
+        env += [{"name": k, "value": v} for k, v in fabric(plan.hardware.accelerator).items()]
+    return env
+
+
+def _engine_container(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool, serves: bool) -> dict[str, Any]:
+    """The engine container of one pod: a leader (or single-node pod) that serves HTTP, or a worker."""
+    plan = loaded.plan
+    engine, hw = plan.engine, plan.hardware
+    node = NODE_RESOURCES[hw.accelerator]
+    limits: dict[str, Any] = {"cpu": node["cpu"], "memory": node["memory"],
+                              device_resource(hw.accelerator): hw.devices_per_node}
+    if multi:
+        limits[RDMA_RESOURCE] = 1
+    ports = [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}]
+    if multi:
+        dist = SGLANG_DIST_PORT if engine.kind == "sglang" else VLLM_MASTER_PORT
+        ports.append({"name": "dist", "containerPort": dist, "protocol": "TCP"})
+    drain = _drain_seconds(config, loaded)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": ENGINE_IMAGES[engine.kind],
+        "command": ["bash", f"/opt/kimi-k3/{plan.pool.name}.sh"],
+        "ports": ports if serves else ports[1:],
+        "env": _engine_env(loaded, multi),
+        "resources": {"requests": dict(limits), "limits": dict(limits)},  # Guaranteed QoS: evicted last
+        "volumeMounts": [
+            {"name": "launch", "mountPath": "/opt/kimi-k3", "readOnly": True},
+            {"name": "weights", "mountPath": "/models", "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+    }
+    if multi:
+        # RDMA memory registration pins pages (ibv_reg_mr): the capability lifts RLIMIT_MEMLOCK.
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    if serves:
+        # Weight loading: the startup probe allows startup_seconds before liveness takes over.
+        period = 10
+        container["startupProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
+                                     "failureThreshold": -(-startup_seconds(loaded) // period)}
+        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"},
+                                       "periodSeconds": 10, "failureThreshold": 3}
+        container["livenessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 30,
+                                      "timeoutSeconds": 10, "failureThreshold": 4}
+        container["volumeMounts"].append({"name": "drain", "mountPath": "/drain"})
+        # SIGTERM only once the drain sidecar has taken this worker out of every gateway replica and
+        # its streams ended (or the drain's wait ran out): the sidecar touches /drain/done.
+        container["lifecycle"] = {"preStop": {"exec": {"command": [
+            "bash", "-c", f"for _ in $(seq {drain}); do [ -e /drain/done ] && exit 0; sleep 1; done"]}}}
+    else:
+        # A worker outlives its leader's drain: leaving the process group early cuts the leader's streams.
+        container["lifecycle"] = {"preStop": {"exec": {"command": [
+            "bash", "-c", f"for _ in $(seq {drain}); do (exec 3<>/dev/tcp/$LWS_LEADER_ADDRESS/{engine.port}) "
+            "2>/dev/null || exit 0; sleep 1; done"]}}}
+    return container
+
+
+def _drain_container(loaded: LoadedPlan, config: dict[str, Any]) -> dict[str, Any]:
+    """The sidecar whose preStop drains the pod's worker through the gateway (the engine image has no CLI)."""
+    plan = loaded.plan
+    pool, port = plan.pool.name, plan.engine.port
+    wait = request_budget_seconds(config, loaded)
+    worker = f"http://${{POD_NAME}}.{pool}:{port}"  # the URL the gateway's config names (instances())
+    drain = (f"kimi-gateway drain --gateway {GATEWAY_URL} --pool {pool} --worker {worker} --wait {wait}; "
+             "touch /drain/done")
+    return {
+        "name": "drain",
+        "image": GATEWAY_IMAGE,
+        "command": ["sleep", "infinity"],
+        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": DRAIN_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": DRAIN_KEY_SECRET,
+                                                                       "key": DRAIN_KEY_ENV}}}],
+        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "50m", "memory": "128Mi"}},
+        "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", drain]}}},
+        "volumeMounts": [{"name": "drain", "mountPath": "/drain"}],
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "runAsUser": 10001, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def _pod_spec(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool, serves: bool) -> dict[str, Any]:
+    plan = loaded.plan
+    pool, hw = plan.pool.name, plan.hardware
+    node = NODE_RESOURCES[hw.accelerator]
+    containers = [_engine_container(loaded, config, multi=multi, serves=serves)]
+    volumes: list[dict[str, Any]] = [
+        {"name": "launch", "configMap": {"name": f"{pool}-launch", "defaultMode": 0o555}},
+        {"name": "weights", "persistentVolumeClaim": {"claimName": WEIGHTS_CLAIM, "readOnly": True}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": node["shm"]}},  # counts toward memory
+    ]
+    if serves:
+        containers.append(_drain_container(loaded, config))
+        volumes.append({"name": "drain", "emptyDir": {"sizeLimit": "1Mi"}})
+    spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "priorityClassName": PRIORITY_CLASS,
+        # Beyond the drain sidecar's wait (the longest request) and the engine's own shutdown.
+        "terminationGracePeriodSeconds": _drain_seconds(config, loaded) + ENGINE_EXIT_SECONDS,
+        # GPU/NPU nodes are commonly tainted with their device resource's name.
+        "tolerations": [{"key": device_resource(hw.accelerator), "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": containers,
+        "volumes": volumes,
+    }
+    if hw.accelerator in NVLINK_DOMAIN:
+        # TP spans trays: the pods share one IMEX channel of the rack's ComputeDomain (NVIDIA DRA driver).
+        spec["resourceClaims"] = [{"name": "imex-channel", "resourceClaimTemplateName": f"{pool}-imex-channel"}]
+        containers[0]["resources"]["claims"] = [{"name": "imex-channel"}]
+    return spec
+
+
+def engine_objects(loaded: LoadedPlan, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workload running the plan's engine, its Services, PodDisruptionBudget and NetworkPolicy.
+
+    Single-node instances: a StatefulSet (one pod = one engine = one gateway worker) and its headless
+    Service. Multi-node instances: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) of `replicas`
+    groups of `nodes` pods; a failed pod restarts its whole group (RecreateGroupOnPodRestart), a
+    rollout replaces one group at a time (maxUnavailable 1, maxSurge 0), and a Service
+    `<pool>-leaders` selects only the leaders (worker-index 0), the pods that serve HTTP, for DNS
+    discovery. NVL72: a ComputeDomain whose IMEX channel every pod of the group claims.
+    """
     plan = loaded.plan
     pool, engine, hw = plan.pool.name, plan.engine, plan.hardware
     multi = hw.nodes > 1
-    ports = [{"name": "http", "containerPort": engine.port, "protocol": "TCP"}]
-    if multi and engine.kind == "sglang":
-        ports.append({"name": "dist", "containerPort": SGLANG_DIST_PORT, "protocol": "TCP"})
-    if multi and engine.kind != "sglang":
-        ports.append({"name": "ray", "containerPort": RAY_PORT, "protocol": "TCP"})
+    labels = _labels(pool)
+    http = [{"name": "http", "port": engine.port, "targetPort": "http", "protocol": "TCP"}]
     objects: list[dict[str, Any]] = []
-    for inst in instances(loaded)[: None if multi else 1]:
-        name = inst["set"]
-        env: list[dict[str, Any]] = [
-            {"name": "MODEL_PATH", "value": posixpath.join("/models", engine.model_path)},
-            {"name": "HF_HUB_OFFLINE", "value": "1"},  # the weights come from the volume, never a download
-        ]
-        if engine.api_key_env:
-            env.append({"name": engine.api_key_env, "valueFrom": {"secretKeyRef": {
-                "name": "kimi-engine-keys", "key": engine.api_key_env}}})
-        if multi:
-            env.append({"name": "NODE_RANK", "valueFrom": {"fieldRef": {
-                "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}})
-            head = f"{name}-0.{name}"
-            if engine.kind == "sglang":
-                env.append({"name": "DIST_INIT_ADDR", "value": f"{head}:{SGLANG_DIST_PORT}"})
-            else:
-                env.append({"name": "HEAD_ADDRESS", "value": head})
-        devices = {device_resource(hw.accelerator): hw.devices_per_node}
-        container: dict[str, Any] = {
-            "name": "engine",
-            "image": ENGINE_IMAGES[engine.kind],
-            "command": ["bash", f"/opt/kimi-k3/{pool}.sh"],
-            "ports": ports,
-            "env": env,
-            "resources": {"requests": dict(devices), "limits": dict(devices)},
-            "volumeMounts": [
-                {"name": "launch", "mountPath": "/opt/kimi-k3", "readOnly": True},
-                {"name": "weights", "mountPath": "/models", "readOnly": True},
-                {"name": "dshm", "mountPath": "/dev/shm"},
-            ],
-        }
-        if not multi:
-            # The gateway probes every worker itself and routes only to healthy ones; this probe is
-            # for `kubectl rollout status`. Multi-node sets have none: only pod 0 serves HTTP.
-            container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"},
-                                           "periodSeconds": 10, "failureThreshold": 3}
-        labels = _labels(pool, name)
+    if not multi:
         objects.append({
             "apiVersion": "apps/v1",
             "kind": "StatefulSet",
-            "metadata": {"name": name, "labels": labels},
+            "metadata": {"name": pool, "labels": labels},
             "spec": {
-                "serviceName": name,
-                "replicas": inst["pods"],
-                "podManagementPolicy": "Parallel",  # all nodes of an instance start together
-                "selector": {"matchLabels": {"app.kubernetes.io/instance": name}},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "automountServiceAccountToken": False,
-                        "enableServiceLinks": False,
-                        # Loading ~1.4 TB of weights takes minutes; an engine ends its requests itself.
-                        "terminationGracePeriodSeconds": 60,
-                        # GPU/NPU nodes are commonly tainted with their device resource's name.
-                        "tolerations": [{"key": device_resource(hw.accelerator), "operator": "Exists",
-                                         "effect": "NoSchedule"}],
-                        "containers": [container],
-                        "volumes": [
-                            {"name": "launch", "configMap": {"name": f"{pool}-launch", "defaultMode": 0o555}},
-                            {"name": "weights", "persistentVolumeClaim": {"claimName": WEIGHTS_CLAIM,
-                                                                          "readOnly": True}},
-                            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}},
-                        ],
-                    },
+                "serviceName": pool,
+                "replicas": plan.replicas,
+                "podManagementPolicy": "Parallel",  # weights load in parallel; order means nothing here
+                # One instance at a time: the others keep serving while one reloads its weights.
+                "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+                "selector": {"matchLabels": {"app.kubernetes.io/instance": pool}},
+                "template": {"metadata": {"labels": labels},
+                             "spec": _pod_spec(loaded, config, multi=False, serves=True)},
+            },
+        })
+        objects.append({"apiVersion": "v1", "kind": "Service", "metadata": {"name": pool, "labels": labels},
+                        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                                 "selector": {"app.kubernetes.io/instance": pool}, "ports": http}})
+    else:
+        annotations = {}
+        if hw.accelerator in NVLINK_DOMAIN:
+            # All pods of a group on one NVLink partition (the GPU feature discovery's clique label).
+            annotations["leaderworkerset.sigs.k8s.io/exclusive-topology"] = NVLINK_DOMAIN[hw.accelerator]
+        objects.append({
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "metadata": {"name": pool, "labels": labels, **({"annotations": annotations} if annotations else {})},
+            "spec": {
+                "replicas": plan.replicas,
+                "startupPolicy": "LeaderCreated",  # all nodes start together; the leader waits for them
+                "rolloutStrategy": {"type": "RollingUpdate",
+                                    "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
+                "leaderWorkerTemplate": {
+                    "size": hw.nodes,
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": {"metadata": {"labels": labels},
+                                       "spec": _pod_spec(loaded, config, multi=True, serves=True)},
+                    "workerTemplate": {"metadata": {"labels": labels},
+                                       "spec": _pod_spec(loaded, config, multi=True, serves=False)},
                 },
             },
         })
-        objects.append({
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": name, "labels": labels},
-            "spec": {
-                "clusterIP": "None",
-                "publishNotReadyAddresses": True,
-                "selector": {"app.kubernetes.io/instance": name},
-                "ports": [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"],
-                           "protocol": "TCP"} for p in ports],
-            },
-        })
+        objects.append({"apiVersion": "v1", "kind": "Service",
+                        "metadata": {"name": f"{pool}-leaders", "labels": labels},
+                        "spec": {"clusterIP": "None",
+                                 "selector": {LWS_NAME_LABEL: pool, LWS_WORKER_INDEX_LABEL: "0"}, "ports": http}})
+        if hw.accelerator in NVLINK_DOMAIN:
+            objects.append({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain",
+                            "metadata": {"name": pool, "labels": labels},
+                            "spec": {"numNodes": 0,  # 0: IMEX daemons with DNS names (the driver's default)
+                                     "channel": {"resourceClaimTemplate": {"name": f"{pool}-imex-channel"}}}})
+    # Voluntary evictions (node drains) take one pod at a time, and none while any instance is down;
+    # a pool of one instance blocks them: drain it through the gateway first (deploy/README.md).
+    objects.append({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+                    "metadata": {"name": pool, "labels": labels},
+                    "spec": {"maxUnavailable": 1 if plan.replicas > 1 else 0,
+                             "selector": {"matchLabels": {"app.kubernetes.io/name": pool}}}})
     ingress: list[dict[str, Any]] = [{
         "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kimi-gateway"}}}],
         "ports": [{"port": engine.port, "protocol": "TCP"}],
@@ -230,11 +516,54 @@ def engine_objects(loaded: LoadedPlan) -> list[dict[str, Any]]:
     return objects
 
 
-def gateway_config(config: dict[str, Any], entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """The production config with only `entries` as its pools and Redis from ${REDIS_URL} (required)."""
+def kustomize_configuration() -> dict[str, Any]:
+    """Transformer configuration teaching kustomize the LeaderWorkerSet's pod templates: the
+    generated ConfigMap and Secret names (with their content hash) and `images:` overrides reach
+    its leader and worker pods, as they reach a StatefulSet's."""
+    templates = ["spec/leaderWorkerTemplate/leaderTemplate/spec", "spec/leaderWorkerTemplate/workerTemplate/spec"]
+    def specs(*paths: str) -> list[dict[str, Any]]:
+        return [{"kind": "LeaderWorkerSet", "path": f"{t}/{p}"} for t in templates for p in paths]
+    return {
+        "nameReference": [
+            {"kind": "ConfigMap", "version": "v1", "fieldSpecs": specs("volumes/configMap/name")},
+            {"kind": "Secret", "version": "v1", "fieldSpecs": specs("containers/env/valueFrom/secretKeyRef/name")},
+        ],
+        "images": specs("containers/image"),
+    }
+
+
+def shared_objects() -> list[dict[str, Any]]:
+    """Objects every overlay with engines has once: the engines' PriorityClass, and the policy that
+    lets the engines' drain sidecars reach the gateway's port (base/network-policy.yaml admits only
+    the ingress and monitoring namespaces)."""
+    return [
+        {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": PRIORITY_CLASS},
+         "value": 1000000, "preemptionPolicy": "PreemptLowerPriority", "globalDefault": False,
+         "description": "Kimi K3 engines: scheduled before, and preempted after, ordinary workloads"},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "kimi-gateway-drains"},
+         "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "kimi-gateway"}},
+                  "policyTypes": ["Ingress"],
+                  "ingress": [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "engine"}}}],
+                               "ports": [{"port": "http", "protocol": "TCP"}]}]}},
+    ]
+
+
+def gateway_grace_seconds(config: dict[str, Any], plans: list[LoadedPlan]) -> int:
+    """`shutdown.grace_period` for a gateway in front of `plans`: the longest request any of their
+    pools allows (request_budget_seconds), or the config's own grace period if that is longer.
+    A gateway that stops sooner cuts the most expensive streams, the long prefills, on every
+    rollout or scale-down."""
+    longest = max((request_budget_seconds(config, loaded) for loaded in plans), default=0)
+    return max(longest, int(-(-gateway_shutdown(config).grace_period // 1)))
+
+
+def gateway_config(config: dict[str, Any], entries: list[dict[str, Any]], plans: list[LoadedPlan]) -> dict[str, Any]:
+    """The production config with only `entries` as its pools, Redis from ${REDIS_URL} (required),
+    and a shutdown grace period covering the longest request of these plans' pools."""
     out = dict(config)
     out["pools"] = list(entries)
     out["redis_url"] = "${REDIS_URL}"
+    out["shutdown"] = {**(config.get("shutdown") or {}), "grace_period": gateway_grace_seconds(config, plans)}
     return out
 
 
@@ -250,7 +579,8 @@ def gateway_patch(plans: list[LoadedPlan], config: dict[str, Any], items: list[d
         "metadata": {"name": "kimi-gateway"},
         "spec": {
             "template": {"spec": {
-                "terminationGracePeriodSeconds": termination_grace_seconds(gateway_shutdown(config)),
+                "terminationGracePeriodSeconds": termination_grace_seconds(gateway_shutdown(
+                    gateway_config(config, [], plans))),
                 "containers": [{"name": "gateway", "env": env, "envFrom": env_from}],
                 "volumes": [{"name": "config", "configMap": {"name": "kimi-gateway-config", "items": items}}],
             }},
@@ -273,13 +603,16 @@ def overlay_files(name: str, pairs: list[tuple[LoadedPlan, dict[str, Any]]], con
             if not any(i["key"] == key for i in items):
                 items.append({"key": key, "path": path})
                 files[f"files/{key}"] = file.read_text(encoding="utf-8")
-        files[f"files/{loaded.plan.pool.name}.sh"] = render_script(loaded)
+        files[f"files/{loaded.plan.pool.name}.sh"] = launch_script(loaded)
     plans = [loaded for loaded, _ in pairs]
     sources = ", ".join(f"config/{posixpath.normpath(entry['plan'])}" for _, entry in pairs)
+    overlay_config = gateway_config(config, [entry for _, entry in pairs], plans)
     files["files/gateway.yaml"] = (GENERATED.format(source=f"config/k3-production.yaml (its pools for {sources})")
-                                   + _dump(gateway_config(config, [entry for _, entry in pairs])))
+                                   + _dump(overlay_config))
     files["engines.yaml"] = GENERATED.format(source=sources) + _dump(
-        *[obj for loaded in plans for obj in engine_objects(loaded)])
+        *shared_objects(), *[obj for loaded in plans for obj in engine_objects(loaded, config)])
+    files["kustomizeconfig.yaml"] = GENERATED.format(source="deploy/kubernetes/generate.py") + _dump(
+        kustomize_configuration())
     files["gateway-patch.yaml"] = (GENERATED.format(source=sources + " and config/k3-production.yaml")
                                    + _dump(gateway_patch(plans, config, items)))
     replicas = int(config.get("replicas", 1))
@@ -287,6 +620,7 @@ def overlay_files(name: str, pairs: list[tuple[LoadedPlan, dict[str, Any]]], con
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": ["../../base", "engines.yaml"],
+        "configurations": ["kustomizeconfig.yaml"],
         "patches": [
             {"path": "gateway-patch.yaml"},
             {"target": {"kind": "HorizontalPodAutoscaler", "name": "kimi-gateway"},
@@ -302,7 +636,11 @@ def overlay_files(name: str, pairs: list[tuple[LoadedPlan, dict[str, Any]]], con
     if key_envs:
         # EMPTY on purpose: the launch scripts refuse to start without their key. Replace it in a
         # private overlay (behavior: replace) or manage kimi-engine-keys with an external secret store.
-        kustomization["secretGenerator"] = [{"name": "kimi-engine-keys", "literals": [f"{k}=" for k in key_envs]}]
+        kustomization["secretGenerator"] = [{"name": ENGINE_KEYS_SECRET, "literals": [f"{k}=" for k in key_envs]}]
+    # The admin key the engines' drain sidecars send the gateway: EMPTY as well (the drain is refused,
+    # the engine then waits its whole drain time before SIGTERM). Replace it as the other two.
+    kustomization.setdefault("secretGenerator", []).append({"name": DRAIN_KEY_SECRET,
+                                                            "literals": [f"{DRAIN_KEY_ENV}="]})
     summary = "".join(
         f"# {p.plan.title}: pool {p.plan.pool.name}, {p.plan.replicas} engine instance(s) of {p.plan.hardware.nodes} "
         f"node(s) x {p.plan.hardware.devices_per_node} {p.plan.hardware.accelerator}, "

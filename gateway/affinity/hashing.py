@@ -114,6 +114,13 @@ def canonical_prelude(tools: object | None) -> bytes:
     return orjson.dumps(tools, option=orjson.OPT_SORT_KEYS) + MESSAGE_SEP
 
 
+def session_hash(session_key: str) -> int:
+    """The affinity store's key (unsigned 64-bit, beside the block hashes) for the worker that served
+    a session last: xxh3_64 of a tag and the scoped session key (`gateway.routing.features.scoped_session`).
+    A block hash is seeded by the model name, so the two never meet but by a 64-bit collision."""
+    return xxhash.xxh3_64_intdigest(b"\x1csession:" + session_key.encode())
+
+
 def longest_match(key: PrefixKey, owners: Sequence[str | None]) -> dict[str, float]:
     """Per worker, the deepest sampled prefix it owns, as a fraction of the prompt (0..1].
 

@@ -71,7 +71,7 @@ class RedisAffinityStore:
         self.metrics = metrics
         self.gate = StoreGate(LOOKUP_CONNECTIONS, config.lookup_timeout)
         self.redis = redis_from_url(  # + the writer's and the pinger's connections
-            url, socket_connect_timeout=max(config.lookup_timeout, 0.25), socket_timeout=SOCKET_BACKSTOP_S,
+            url, socket_connect_timeout=SOCKET_BACKSTOP_S, socket_timeout=SOCKET_BACKSTOP_S,
             retry=STALE_CONNECTION_RETRY, max_connections=LOOKUP_CONNECTIONS + 2, health_check_interval=0,
         )
         self._writes: BatchWriter[tuple[str, Sequence[int], str]] = BatchWriter(

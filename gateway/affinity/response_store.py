@@ -153,7 +153,7 @@ class RedisResponseStore:
         self.config = config
         self.metrics = metrics
         self.gate = StoreGate(LOOKUP_CONNECTIONS, WAIT_S)
-        self.redis = redis_from_url(url, socket_connect_timeout=max(config.lookup_timeout, 0.25),
+        self.redis = redis_from_url(url, socket_connect_timeout=SOCKET_BACKSTOP_S,
                                     socket_timeout=SOCKET_BACKSTOP_S, retry=STALE_CONNECTION_RETRY,
                                     max_connections=LOOKUP_CONNECTIONS + 1, health_check_interval=0)
         self._writes: BatchWriter[tuple[str, ResponseOwner | None]] = BatchWriter(

@@ -153,7 +153,7 @@ class RedisRateLimiter:
         self._clock = clock
         self.gate = StoreGate(POOL_CONNECTIONS, WAIT_S)
         self.redis = redis_from_url(
-            url, socket_connect_timeout=max(config.redis_timeout, 0.25), socket_timeout=SOCKET_BACKSTOP_S,
+            url, socket_connect_timeout=SOCKET_BACKSTOP_S, socket_timeout=SOCKET_BACKSTOP_S,
             retry=DEMOTED_RETRY, max_connections=POOL_CONNECTIONS, health_check_interval=0,
         )
         self._script = self.redis.register_script(LUA)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 
-from gateway.affinity.hashing import longest_match
+from gateway.affinity.hashing import longest_match, session_hash
 from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.keys import Principal
 from gateway.backends.worker import Worker
@@ -27,11 +27,11 @@ from gateway.dispatch.attempt import Attempt, silence_limit
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
-from gateway.dispatch.steps import PoolStep, choose_pool
+from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError
 from gateway.parsing import Body, BodyParser, Payload, with_output_limit
 from gateway.record import RequestOutcome, RequestRecord
-from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.features import SESSION_HEADERS, Api, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, skipped_pools
 from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
@@ -64,7 +64,7 @@ class ProxyService:
         measure their pixel size (`ImageFetcher.measure`: bounded in time, never failing the request).
         """
         state, parser = self.state, self.parser
-        session = headers.get("x-session-id")
+        session = session_hint(*map(headers.get, SESSION_HEADERS))
         if isinstance(body, bytes) and len(body) <= state.config.parse_offload_bytes:
             payload, items = parser.decode(api, body)
             if items <= state.config.parse_offload_items:
@@ -99,6 +99,9 @@ class ProxyService:
                 await guard.count_counting(principal)
             counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
         payload, request = await self.parse(api, body, headers)
+        if request.session_key is not None:  # one API key's hints never meet another's
+            request = replace(request, session_key=scoped_session(request.session_key,
+                                                                  principal.name if principal is not None else None))
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
@@ -252,9 +255,11 @@ class ProxyService:
             record.trace.end_attempt(Outcome.OK)
         if attempt.matched is not None and request.prefix is not None and state.affinity is not None:
             state.metrics.affinity_match_ratio.labels(pool.name).observe(attempt.matched)
+            hashes = request.prefix.hashes
+            if request.session_key is not None:  # and the session's worker, for its next turn
+                hashes = (*hashes, session_hash(request.session_key))
             # After this task next yields, i.e. once the first chunk went out: never before the first token.
-            asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, request.prefix.hashes,
-                                                 attempt.cache_worker.url)
+            asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, hashes, attempt.cache_worker.url)
 
     def _note_stored_response(self, request: RoutingRequest, pool: PoolConfig, worker: Worker,
                               result: BufferedResponse | RelayResponse, principal: str | None) -> None:
@@ -271,15 +276,21 @@ class ProxyService:
             store.record(rid, owner)
 
     async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
-        """Worker URL → share of the prompt it holds, from one store lookup (fails open to {})."""
+        """Worker URL → share of the prompt it holds, and (an `AffinityMatch`) the worker that served
+        the request's session last, from one store lookup (fails open to {})."""
         store, prefix = self.state.affinity, request.prefix
         if store is None or prefix is None:
             return {}
-        owners = await store.lookup(pool, prefix.hashes)
+        hashes = prefix.hashes
+        if request.session_key is not None:
+            hashes = (*hashes, session_hash(request.session_key))
+        owners = await store.lookup(pool, hashes)
         if owners is None:
             return {}
-        matched = longest_match(prefix, owners)
+        matched = longest_match(prefix, owners[:len(prefix.hashes)])
         self.state.metrics.affinity_lookups.labels(pool, "hit" if matched else "miss").inc()
+        if len(owners) > len(prefix.hashes) and owners[-1] is not None:
+            return AffinityMatch(matched, owners[-1])
         return matched
 
     def attempt_cut_by_cap(self, record: RequestRecord) -> None:

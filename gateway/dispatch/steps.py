@@ -57,24 +57,37 @@ def with_room(registry: WorkerRegistry, pool: PoolConfig, workers: list[Worker],
     return gate.with_room(workers)
 
 
+class AffinityMatch(dict[str, float]):
+    """One affinity lookup's answer: worker URL -> share of the prompt it holds (0..1], and
+    `session`, the URL of the worker that served the request's session last (None: unknown)."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, shares: Mapping[str, float], session: str | None) -> None:
+        super().__init__(shares)
+        self.session = session
+
+
 def decide(policy: RoutingPolicy, request: RoutingRequest, workers: list[Worker],
            match: Mapping[str, float], prefill: PrefillEstimator | None = None) -> Decision:
     """The pool policy's choice among `workers` (candidates with room), each seen with its load,
     KV cache usage and the share of the prompt it holds (`match`: worker URL -> 0..1, from the
-    affinity store; the matched tokens are that share of the estimated prompt tokens); for a
-    policy with a `prefill_model`, given `prefill`, also with its queued prefill tokens and
-    prefill rate (tokens/s)."""
+    affinity store; the matched tokens are that share of the estimated prompt tokens), and whether
+    it served the request's session last (an `AffinityMatch`'s `session`); for a policy with a
+    `prefill_model`, given `prefill`, also with its queued prefill tokens and prefill rate (tokens/s)."""
     model = policy.prefill_model
+    session = match.session if isinstance(match, AffinityMatch) else None
     if model is None or prefill is None:
         candidates = [Candidate(w, w.load(), w.kv_usage, match.get(w.url, 0.0),
-                                int(match.get(w.url, 0.0) * request.prompt_tokens)) for w in workers]
+                                int(match.get(w.url, 0.0) * request.prompt_tokens), session=w.url == session)
+                      for w in workers]
         return policy.select(request, candidates)
     now = time.perf_counter()
     candidates = []
     for w in workers:
         share, load, state = match.get(w.url, 0.0), w.load(), prefill.of(w)
         candidates.append(Candidate(w, load, w.kv_usage, share, int(share * request.prompt_tokens),
-                                    prefill.queued(w, state, model, load), model.rate(state, now)))
+                                    prefill.queued(w, state, model, load), model.rate(state, now), w.url == session))
     return policy.select(request, candidates)
 
 

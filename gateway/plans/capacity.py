@@ -1,30 +1,39 @@
 """Capacity planner: does a plan's model fit its hardware, and how many max-context sequences fit beside it?
 
-Per engine instance (one gateway worker), in decimal GB (10^9 bytes), the guide's own arithmetic:
+Per engine instance (one gateway worker), in decimal GB (10^9 bytes). Weights are counted per part,
+as the engines load them (model card `precisions`, each with its engine source):
 
-    memory     = nodes x devices_per_node x memory_per_device_gb          (8 x 192 = 1,536 GB)
-    weights    = parameters x bytes_per_param[precision]                  (2.8T x 0.5 = 1,400 GB)
-    usable     = memory x memory_utilization                              (1,536 x 0.95 = 1,459.2 GB)
-    headroom   = usable - weights                                         (59.2 GB: thin)
+    experts    = expert params x (expert_bytes + scale_bytes / block_size)   (2,745.0B x (0.5 + 1/32) = 1,458.3 GB)
+    dense      = dense params x dense_bytes                                   (55.0B x 2 = 110.0 GB: mxfp4 is MoE-only)
+    weights    = experts + dense                                              (1,568.3 GB, not the guide's 1,400)
 
-then per device, with the model card's labelled assumptions:
+and per device, the fullest device of the layout:
 
-    kv_budget  = usable/device - weights/device - activation_reserve      (weights spread evenly)
-    per token  = kv_bytes_per_token / pipeline   (MLA latent kept whole on every TP rank: assumption)
-    per seq    = max_context x per token + state_bytes_per_sequence / (tensor x pipeline)
-    sequences  = floor(kv_budget / per seq) x data                        (each DP rank holds its own)
+    stage      = ceil(layers / pipeline) / layers                             (the largest pipeline stage's share)
+    experts/dv = experts x stage x ceil(n_experts / EP) / n_experts           (EP: the group the engine forms;
+                 (experts x stage / (TP x DP) without EP; SGLang: / TP)        vLLM: TP x DP per stage)
+    dense/dv   = dense x stage / tensor                                       (each DP rank keeps its own copy)
+    usable/dv  = memory_per_device x memory_utilization
+    kv_budget  = usable/dv - weights/dv - activation_reserve
+    per token  = kv_bytes_per_token x stage   (MLA latent kept whole on every TP rank: assumption)
+    per seq    = max_context x per token + state_bytes_per_sequence x stage / tensor
+    sequences  = floor(kv_budget / per seq) x data                            (each DP rank holds its own)
 
-A plan is refused when its weights exceed the usable memory, or when the KV budget holds not one
-max-context sequence; the refusal carries the numbers.
+A plan is refused when its weights exceed a device's usable memory, or when the KV budget holds not
+one max-context sequence; the refusal carries the numbers. The plan's memory per device is checked
+against the vendor's published figure (accelerators.py): when they differ, the report warns and
+carries the same plan computed at the vendor's figure (`at_vendor_figure`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, get_args
 
-from gateway.plans.models import LoadedPlan, Precision
+from gateway.plans.accelerators import vendor_memory
+from gateway.plans.models import LoadedPlan, Precision, expert_parallel_size, stage_layers
 
 GB = 1e9
 THIN_HEADROOM = 0.10  # headroom after weights below this share of all memory is called thin
@@ -42,7 +51,7 @@ class AssumptionUsed:
 
 @dataclass(frozen=True)
 class PrecisionFit:
-    """Weights at one precision and whether they fit the plan's usable memory."""
+    """Weights at one precision and whether they fit the plan's usable memory (per device)."""
 
     precision: str
     weight_bytes: float
@@ -63,10 +72,27 @@ class CapacityReport:
     memory_per_device_bytes: float
     memory_bytes: float
     memory_source: str
+    vendor_memory_per_device_bytes: float | None
+    vendor_memory_source: str | None
     precision: str
+    checkpoint: str
+    checkpoint_precision: str
     parameters: int
-    bytes_per_param: float
+    expert_parameters: int
+    dense_parameters: int
+    parameter_split_source: str
+    expert_bytes_per_param: float
+    dense_bytes_per_param: float
+    scale_bytes_per_param: float
+    precision_source: str
+    expert_weight_bytes: float
+    dense_weight_bytes: float
     weight_bytes: float
+    weights_per_device_bytes: float
+    resident_weight_bytes: float
+    expert_parallel_size: int
+    experts_per_device: int
+    stage_layers: int
     memory_utilization: float
     usable_bytes: float
     headroom_bytes: float
@@ -86,102 +112,193 @@ class CapacityReport:
     expert: int
     fits: bool
     refusal: str | None
+    warnings: list[str] = field(default_factory=list)
     precisions: list[PrecisionFit] = field(default_factory=list)
     assumptions: list[AssumptionUsed] = field(default_factory=list)
+    at_vendor_figure: CapacityReport | None = None
 
     def as_json(self) -> dict[str, Any]:
-        """A JSON-ready dict of every field."""
+        """A JSON-ready dict of every field (`at_vendor_figure` nested the same way, or None)."""
         return asdict(self)
 
 
-def plan_capacity(loaded: LoadedPlan, precision: Precision | None = None) -> CapacityReport:
-    """Compute the capacity report of a plan, optionally at another `precision` (a what-if)."""
+def _weights_per_device(loaded: LoadedPlan, precision: Precision) -> tuple[float, int, int]:
+    """(bytes on the fullest device, experts on it, layers of the largest stage) at `precision`."""
+    plan, card = loaded.plan, loaded.card
+    par = plan.parallelism
+    layers = stage_layers(plan, card)
+    stage = layers / card.assumptions.layers.value
+    ep = expert_parallel_size(plan)
+    local_experts = math.ceil(card.experts / ep) if ep > 1 else card.experts
+    # Without EP the experts are tensor-sharded: vLLM flattens TP across DP for the MoE layers
+    # (FusedMoEParallelConfig.make, flatten_tp_across_dp); SGLang's DP attention sits inside its TP group.
+    moe_tp = par.tensor * par.data if plan.engine.kind != "sglang" else par.tensor
+    expert_share = local_experts / card.experts if ep > 1 else 1 / moe_tp
+    per_device = (card.expert_weight_bytes(precision) * expert_share + card.dense_weight_bytes(precision) / par.tensor)
+    return per_device * stage, local_experts, layers
+
+
+def _warnings(loaded: LoadedPlan, precision: Precision, local_experts: int, ep: int) -> list[str]:
+    plan, card = loaded.plan, loaded.card
+    out = []
+    checkpoint = loaded.checkpoint()
+    if precision != checkpoint.precision:
+        out.append(f"what-if only: {checkpoint.path} holds {checkpoint.precision} weights; serving {precision} "
+                   f"needs a {precision} checkpoint (--dtype does not dequantize)")
+    vendor = vendor_memory(plan.hardware.accelerator)
+    if vendor is None:
+        out.append(f"no vendor figure for {plan.hardware.accelerator} in gateway/plans/accelerators.py: "
+                   f"{plan.hardware.memory_per_device_gb:g} GB per device is unchecked")
+    elif vendor.memory_per_device_gb != plan.hardware.memory_per_device_gb:
+        out.append(f"the plan's {plan.hardware.memory_per_device_gb:g} GB per {plan.hardware.accelerator} disagrees "
+                   f"with the vendor's {vendor.memory_per_device_gb:g} GB ({vendor.source}); the plan is also "
+                   f"reported at the vendor's figure")
+    if ep > 1 and card.experts % ep:
+        out.append(f"{card.experts} experts over an expert-parallel group of {ep} (vLLM: TP x DP per pipeline "
+                   f"stage) is uneven: the fullest rank holds {local_experts} (vLLM's determine_expert_map), "
+                   "counted here")
+    layers = int(card.assumptions.layers.value)
+    if layers % plan.parallelism.pipeline:
+        out.append(f"{layers} layers (assumed) over {plan.parallelism.pipeline} pipeline stages is uneven: the "
+                   f"largest stage holds {stage_layers(plan, card)} (vLLM's get_pp_indices), counted here")
+    return out
+
+
+def plan_capacity(loaded: LoadedPlan, precision: Precision | None = None,
+                  memory_per_device_gb: float | None = None) -> CapacityReport:
+    """Compute the capacity report of a plan, optionally at another `precision` (a what-if) or another
+    memory per device in decimal GB (the vendor's figure; then no nested vendor report)."""
     plan, card = loaded.plan, loaded.card
     precision = precision or plan.engine.precision
     hw, par = plan.hardware, plan.parallelism
     devices = hw.devices
-    per_device = hw.memory_per_device_gb * GB
+    per_device = (memory_per_device_gb or hw.memory_per_device_gb) * GB
     memory = devices * per_device
     util = plan.engine.memory_utilization
     usable = memory * util
+    part = card.precisions[precision]
     weights = card.weight_bytes(precision)
-    headroom = usable - weights
+    weights_device, local_experts, layers = _weights_per_device(loaded, precision)
+    resident = weights_device * devices
+    headroom = usable - resident
 
     a = card.assumptions
+    stage = layers / a.layers.value
     reserve_per_device = a.activation_reserve_bytes_per_device.value
-    kv_per_device = per_device * util - weights / devices - reserve_per_device
+    kv_per_device = per_device * util - weights_device - reserve_per_device
     tp_split = 1 if a.mla_kv_replicated_across_tp.value else par.tensor
-    per_token = a.kv_bytes_per_token.value / (par.pipeline * tp_split)
-    state = a.state_bytes_per_sequence.value / (par.pipeline * par.tensor)
+    per_token = a.kv_bytes_per_token.value * stage / tp_split
+    state = a.state_bytes_per_sequence.value * stage / par.tensor
     per_sequence = plan.max_context_tokens * per_token + state
     room = max(kv_per_device, 0.0)
     sequences = math.floor(room / per_sequence) * par.data
     tokens = math.floor(room / per_token) * par.data
 
     refusal = None
-    if weights > usable:
-        refusal = (f"{precision} weights need {weights / GB:,.0f} GB ({card.parameters / 1e12:g}T params x "
-                   f"{card.bytes_per_param[precision]:g} bytes) but {devices} x {hw.accelerator} hold "
-                   f"{memory / GB:,.0f} GB, {usable / GB:,.1f} GB usable at {util:g}: "
-                   f"{(weights - usable) / GB:,.1f} GB short")
+    if weights_device > per_device * util:
+        refusal = (f"{precision} weights need {_gb(resident)} ({_gb(weights_device)} per device: "
+                   f"{card.parameter_split.expert / 1e9:,.1f}B expert params x {part.expert_bytes_with_scales:g} bytes "
+                   f"+ {card.parameter_split.dense / 1e9:,.1f}B dense x {part.dense_bytes:g} bytes) but {devices} x "
+                   f"{hw.accelerator} hold {memory / GB:,.0f} GB, {usable / GB:,.1f} GB usable at {util:g}: "
+                   f"{(resident - usable) / GB:,.1f} GB short")
     elif sequences < 1:
-        refusal = (f"weights fit ({weights / GB:,.0f} of {usable / GB:,.1f} GB usable) but the KV budget "
+        refusal = (f"weights fit ({resident / GB:,.1f} of {usable / GB:,.1f} GB usable) but the KV budget "
                    f"({kv_per_device / GB:,.2f} GB per device after the {reserve_per_device / GB:g} GB activation "
                    f"reserve) holds no {plan.max_context_tokens:,}-token sequence "
                    f"({per_sequence / GB:,.2f} GB per device)")
     fits_by_precision = [
-        PrecisionFit(p, card.weight_bytes(p), card.weight_bytes(p) <= usable)
-        for p in get_args(Precision) if p in card.bytes_per_param
+        PrecisionFit(p, card.weight_bytes(p), _weights_per_device(loaded, p)[0] <= per_device * util)
+        for p in get_args(Precision) if p in card.precisions
     ]
     assumptions = [AssumptionUsed(name, getattr(a, name).value, getattr(a, name).unit, getattr(a, name).source)
                    for name in type(a).model_fields]
-    return CapacityReport(
+    ep = expert_parallel_size(plan)
+    vendor = vendor_memory(hw.accelerator)
+    checkpoint = loaded.checkpoint()
+    report = CapacityReport(
         plan=plan.name, title=plan.title, pool=plan.pool.name, engine=plan.engine.kind, replicas=plan.replicas,
         accelerator=hw.accelerator, devices=devices, memory_per_device_bytes=per_device, memory_bytes=memory,
-        memory_source=hw.memory_source, precision=precision, parameters=card.parameters,
-        bytes_per_param=card.bytes_per_param[precision], weight_bytes=weights, memory_utilization=util,
-        usable_bytes=usable, headroom_bytes=headroom, headroom_thin=0 <= headroom < THIN_HEADROOM * memory,
+        memory_source=hw.memory_source if memory_per_device_gb is None else vendor.source if vendor else "given",
+        vendor_memory_per_device_bytes=vendor.memory_per_device_gb * GB if vendor else None,
+        vendor_memory_source=vendor.source if vendor else None,
+        precision=precision, checkpoint=checkpoint.path, checkpoint_precision=checkpoint.precision,
+        parameters=card.parameters, expert_parameters=card.parameter_split.expert,
+        dense_parameters=card.parameter_split.dense, parameter_split_source=card.parameter_split.source,
+        expert_bytes_per_param=part.expert_bytes, dense_bytes_per_param=part.dense_bytes,
+        scale_bytes_per_param=part.scale_bytes / part.block_size, precision_source=part.source,
+        expert_weight_bytes=card.expert_weight_bytes(precision), dense_weight_bytes=card.dense_weight_bytes(precision),
+        weight_bytes=weights, weights_per_device_bytes=weights_device, resident_weight_bytes=resident,
+        expert_parallel_size=ep, experts_per_device=local_experts, stage_layers=layers,
+        memory_utilization=util, usable_bytes=usable, headroom_bytes=headroom,
+        headroom_thin=0 <= headroom < THIN_HEADROOM * memory,
         activation_reserve_bytes=reserve_per_device * devices, kv_budget_bytes=kv_per_device * devices,
         kv_budget_per_device_bytes=kv_per_device, kv_bytes_per_token_per_device=per_token,
         state_bytes_per_sequence_per_device=state, max_context_tokens=plan.max_context_tokens,
         sequence_bytes_per_device=per_sequence, max_context_sequences=sequences, kv_tokens=tokens,
         tensor=par.tensor, pipeline=par.pipeline, data=par.data, expert=par.expert,
         fits=refusal is None, refusal=refusal, precisions=fits_by_precision, assumptions=assumptions,
+        warnings=_warnings(loaded, precision, local_experts, ep) if memory_per_device_gb is None else [],
     )
+    if memory_per_device_gb is None and vendor is not None and vendor.memory_per_device_gb != hw.memory_per_device_gb:
+        report = dataclasses.replace(report, at_vendor_figure=plan_capacity(loaded, precision,
+                                                                            vendor.memory_per_device_gb))
+    return report
 
 
 def _gb(value: float) -> str:
     return f"{value / GB:,.1f} GB".replace(".0 GB", " GB")
 
 
+def _b(params: int) -> str:
+    return f"{params / 1e9:,.1f}B"
+
+
 def render_report(report: CapacityReport, assumptions: bool = True) -> str:
-    """The report as text lines for a terminal; assumed numbers are marked `[assumption]`, and with
-    `assumptions` each one is listed with its source (a multi-plan report lists them once instead)."""
+    """The report as text lines for a terminal; assumed numbers are marked `[assumption]`, derived ones
+    `[derived]`, and with `assumptions` each assumption is listed with its source (a multi-plan report
+    lists them once instead)."""
     r = report
+    scale = f" + scales {r.scale_bytes_per_param:g}" if r.scale_bytes_per_param else ""
     lines = [
         f"{r.plan}: {r.title} -> pool {r.pool} ({r.engine}, {r.replicas} replica(s))",
         f"  memory       {r.devices} x {r.accelerator} x {_gb(r.memory_per_device_bytes)} = {_gb(r.memory_bytes)}"
         f"  ({r.memory_source})",
-        f"  weights      {r.parameters / 1e12:g}T params x {r.bytes_per_param:g} bytes ({r.precision}) = "
-        f"{_gb(r.weight_bytes)}, {_gb(r.weight_bytes / r.devices)} per device",
+        f"  checkpoint   {r.checkpoint} ({r.checkpoint_precision}); serving {r.precision}",
+        f"  parameters   {r.parameters / 1e12:g}T = {_b(r.expert_parameters)} experts + {_b(r.dense_parameters)} "
+        "dense [derived]",
+        f"  weights      experts {_b(r.expert_parameters)} x {r.expert_bytes_per_param:g}{scale} bytes = "
+        f"{_gb(r.expert_weight_bytes)}; dense {_b(r.dense_parameters)} x {r.dense_bytes_per_param:g} bytes = "
+        f"{_gb(r.dense_weight_bytes)}; total {_gb(r.weight_bytes)} ({r.precision})",
+        f"  per device   {_gb(r.weights_per_device_bytes)} of weights on the fullest device ({r.experts_per_device} "
+        f"experts of EP {r.expert_parallel_size}, {r.stage_layers} layers), {_gb(r.resident_weight_bytes)} over all",
         f"  usable       {_gb(r.memory_bytes)} x {r.memory_utilization:g} = {_gb(r.usable_bytes)}; "
         f"headroom after weights {_gb(r.headroom_bytes)}"
         + (f" ({r.headroom_bytes / r.memory_bytes:.1%} of memory: thin)" if r.headroom_thin else ""),
         f"  parallelism  TP {r.tensor} x PP {r.pipeline} x DP {r.data} = {r.devices} devices, EP {r.expert}",
     ]
-    if r.weight_bytes <= r.usable_bytes:
+    if r.weights_per_device_bytes <= r.usable_bytes / r.devices:
         lines += kv_lines(r)
-    if r.fits:
-        lines.append(f"  fits         {r.max_context_sequences:,} sequence(s) of {r.max_context_tokens:,} tokens "
-                     f"per replica ({r.kv_tokens:,} tokens of KV cache)")
-    else:
-        lines.append(f"  REFUSED      {r.refusal}")
+    lines.append(_verdict(r))
     lines.append("  precisions   " + "; ".join(
         f"{p.precision} {_gb(p.weight_bytes)} {'fits' if p.fits else 'does not fit'}" for p in r.precisions))
+    lines.extend(f"  WARNING      {w}" for w in r.warnings)
+    if r.at_vendor_figure is not None:
+        v = r.at_vendor_figure
+        outcome = (f"fits {v.max_context_sequences:,} sequence(s) of {v.max_context_tokens:,} tokens "
+                   f"(headroom {_gb(v.headroom_bytes)})" if v.fits else f"REFUSED: {v.refusal}")
+        lines.append(f"  at vendor's  {v.devices} x {_gb(v.memory_per_device_bytes)} = {_gb(v.memory_bytes)}: "
+                     + outcome)
     if assumptions:
         lines.append("  assumptions (model card):")
         lines.extend(f"    {format_assumption(a)}" for a in r.assumptions)
     return "\n".join(lines)
+
+
+def _verdict(r: CapacityReport) -> str:
+    if r.fits:
+        return (f"  fits         {r.max_context_sequences:,} sequence(s) of {r.max_context_tokens:,} tokens "
+                f"per replica ({r.kv_tokens:,} tokens of KV cache)")
+    return f"  REFUSED      {r.refusal}"
 
 
 def format_assumption(a: AssumptionUsed) -> str:

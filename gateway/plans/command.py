@@ -3,7 +3,9 @@
 FILE is a plan (`config/plans/plan-a.yaml`) or a gateway config whose pools name plans
 (`config/k3-production.yaml`); then every plan-derived pool is reported, in pool order.
 Exit status 0 when every plan fits, 1 when one is refused (its numbers are in the report), 2 for a
-file that cannot be read.
+file that cannot be read or a plan the model cannot serve (context above its maximum, parallel sizes
+that do not divide, a precision its checkpoint does not hold), and for `--emit` with a `--precision`
+the checkpoint does not hold (a what-if report is fine; a launch script for it would lie).
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ def run_plan(file: str, as_json: bool = False, precision: Precision | None = Non
     if refused:
         return 1
     if emit is not None:
+        other = [(loaded, loaded.checkpoint()) for loaded in plans]
+        other = [(loaded, c) for loaded, c in other if precision is not None and precision != c.precision]
+        for loaded, checkpoint in other:
+            print(f"plan error: --precision {precision} with --emit: plan {loaded.plan.name} mounts {checkpoint.path}, "
+                  f"which holds {checkpoint.precision} weights (--dtype does not dequantize); point "
+                  f"engine.model_path at a {precision} checkpoint. Nothing written", file=sys.stderr)
+        if other:
+            return 2
         try:
             written = emit_scripts(plans, emit)
         except OSError as exc:

@@ -7,10 +7,11 @@ model name, port and API key variable. Flag names are the engines' own:
 - vLLM OpenAI server (`vllm serve`; vllm-ascend is a vLLM plugin with the same CLI):
   --tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size, --enable-expert-parallel
   (vLLM derives the EP size from TP x DP), --max-model-len, --gpu-memory-utilization,
-  --quantization / --dtype, --enable-chunked-prefill, --served-model-name, --api-key,
+  --dtype (BF16 checkpoints only; a quantized checkpoint's method is left to the engine to detect),
+  --enable-chunked-prefill, --served-model-name, --api-key,
   --distributed-executor-backend ray and --data-parallel-backend ray across nodes.
 - SGLang (`python3 -m sglang.launch_server`): --tp-size, --ep-size, --dp-size with --enable-dp-attention,
-  --context-length, --quantization / --dtype, --mem-fraction-static, --served-model-name,
+  --context-length, --dtype (as for vLLM), --mem-fraction-static, --served-model-name,
   --api-key, --nnodes, --node-rank, --dist-init-addr.
 
 The checked-in copies live in deploy/engines/ and a test regenerates them (no drift).
@@ -21,7 +22,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from gateway.plans.models import LoadedPlan, Plan
+from gateway.plans.models import LoadedPlan
 
 RAY_PORT = 6379  # Ray's default GCS port on the head node
 
@@ -30,14 +31,21 @@ def _q(value: object) -> str:
     return shlex.quote(str(value))
 
 
-def _precision_flags(plan: Plan) -> list[str]:
-    quantization = plan.engine.quantization_flag()
+def _precision_flags(loaded: LoadedPlan) -> list[str]:
+    """Flags for the checkpoint's precision. A quantized checkpoint gets none: vLLM and SGLang read its
+    config.json quantization_config themselves, and a --quantization that differs from it is refused
+    (vLLM ModelConfig._verify_quantization, SGLang ModelConfig._verify_quantization), while --dtype
+    sets the activation and unquantized-weight dtype and never dequantizes. A plan may force
+    `engine.quantization` (checked against the checkpoint when the plan loads). BF16 checkpoints get
+    --dtype bfloat16."""
+    quantization = loaded.plan.engine.quantization_flag()
     if quantization is not None:
         return [f"--quantization {_q(quantization)}"]
-    return ["--dtype bfloat16"] if plan.engine.precision == "bf16" else []
+    return ["--dtype bfloat16"] if loaded.checkpoint().precision == "bf16" else []
 
 
-def _vllm_args(plan: Plan) -> list[str]:
+def _vllm_args(loaded: LoadedPlan) -> list[str]:
+    plan = loaded.plan
     par, engine = plan.parallelism, plan.engine
     args = [
         '--host "${HOST:-0.0.0.0}"',
@@ -53,7 +61,7 @@ def _vllm_args(plan: Plan) -> list[str]:
         args.append(f"--data-parallel-size {par.data}")
     if par.expert > 1:
         args.append("--enable-expert-parallel")
-    args += _precision_flags(plan)
+    args += _precision_flags(loaded)
     args.append(f"--gpu-memory-utilization {engine.memory_utilization:g}")
     if engine.chunked_prefill:
         args.append("--enable-chunked-prefill")
@@ -66,7 +74,8 @@ def _vllm_args(plan: Plan) -> list[str]:
     return args + [_q(a) for a in engine.extra_args]
 
 
-def _sglang_args(plan: Plan) -> list[str]:
+def _sglang_args(loaded: LoadedPlan) -> list[str]:
+    plan = loaded.plan
     par, engine = plan.parallelism, plan.engine
     args = [
         '--model-path "${MODEL_PATH:-' + engine.model_path + '}"',
@@ -81,8 +90,11 @@ def _sglang_args(plan: Plan) -> list[str]:
         args += [f"--dp-size {par.data}", "--enable-dp-attention"]
     if par.expert > 1:
         args.append(f"--ep-size {par.expert}")
-    args += _precision_flags(plan)
+    args += _precision_flags(loaded)
     args.append(f"--mem-fraction-static {engine.memory_utilization:g}")
+    # SGLang serves /metrics only with --enable-metrics (srt/entrypoints/http_server.py): the gateway's
+    # load scrape (gateway/backends/load.py) and the engines' PodMonitor read it.
+    args.append("--enable-metrics")
     if engine.trust_remote_code:
         args.append("--trust-remote-code")
     if plan.hardware.nodes > 1:
@@ -125,8 +137,8 @@ def render_script(loaded: LoadedPlan) -> str:
         if hw.nodes > 1:
             out.append(f': "${{NODE_RANK:?set NODE_RANK: the rank of this node, 0..{hw.nodes - 1}}}"')
             out.append(': "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"')
-        return "\n".join(out) + "\n" + _command(_sglang_args(plan), "exec python3 -m sglang.launch_server")
-    serve = _command(_vllm_args(plan), 'exec vllm serve "${MODEL_PATH:-' + engine.model_path + '}"')
+        return "\n".join(out) + "\n" + _command(_sglang_args(loaded), "exec python3 -m sglang.launch_server")
+    serve = _command(_vllm_args(loaded), 'exec vllm serve "${MODEL_PATH:-' + engine.model_path + '}"')
     if hw.nodes == 1:
         return "\n".join(out) + "\n" + serve
     out += [

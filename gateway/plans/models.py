@@ -11,12 +11,13 @@ This package stays off the request path: the gateway imports it only while loadi
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Precision = Literal["bf16", "mxfp8", "mxfp4"]
 PlanEngine = Literal["vllm", "sglang", "ascend"]
@@ -46,14 +47,52 @@ class Assumption(_Strict):
 class ModelAssumptions(_Strict):
     """The model card's assumed numbers (each printed as an assumption in every report)."""
 
+    attention_heads: Assumption
+    layers: Assumption
     kv_bytes_per_token: Assumption
     state_bytes_per_sequence: Assumption
     activation_reserve_bytes_per_device: Assumption
     mla_kv_replicated_across_tp: Assumption
 
 
+class ParameterSplit(_Strict):
+    """Routed-expert vs dense parameters (derived from the guide's totals; `source` says how)."""
+
+    expert: int = Field(gt=0, description="parameters of the MoE layers' routed experts")
+    dense: int = Field(gt=0, description="every other parameter: attention, shared experts, embeddings")
+    source: str = Field(min_length=1, description="the derivation; starts with `derived`")
+
+
+class PartPrecision(_Strict):
+    """Bytes per parameter of each part at one precision, as the engines load them.
+
+    Block-scaled formats (MXFP4, MXFP8) add `scale_bytes` per `block_size` expert values.
+    """
+
+    expert_bytes: float = Field(gt=0)
+    dense_bytes: float = Field(gt=0)
+    scale_bytes: float = Field(default=0, ge=0, description="bytes of one block scale")
+    block_size: int = Field(default=1, ge=1, description="values sharing one scale")
+    source: str = Field(min_length=1, description="which engine source says what is quantized")
+
+    @property
+    def expert_bytes_with_scales(self) -> float:
+        """Bytes per expert parameter including its share of the block scale (0.5 + 1/32 for MXFP4)."""
+        return self.expert_bytes + self.scale_bytes / self.block_size
+
+
+class Checkpoint(_Strict):
+    """A published checkpoint of the model: its path and the precision its weights are stored in."""
+
+    path: str = Field(min_length=1)
+    precision: Precision
+    quant_method: str | None = Field(default=None, description="config.json quantization_config.quant_method")
+    source: str = Field(min_length=1)
+
+
 class ModelCard(_Strict):
-    """The served model's sizes (`config/models/kimi-k3.yaml`): parameters, experts, bytes per parameter."""
+    """The served model's sizes (`config/models/kimi-k3.yaml`): parameters split into experts and dense
+    layers, per-part bytes per precision, the maximum context and the published checkpoints."""
 
     name: str
     repo: str
@@ -62,12 +101,42 @@ class ModelCard(_Strict):
     experts: int = Field(gt=0)
     active_experts: int = Field(gt=0)
     active_parameters: int = Field(gt=0)
-    bytes_per_param: dict[Precision, float]
+    max_context_tokens: int = Field(gt=0, description="the model's maximum context, tokens")
+    parameter_split: ParameterSplit
+    precisions: dict[Precision, PartPrecision]
+    checkpoints: list[Checkpoint] = Field(default_factory=list)
     assumptions: ModelAssumptions
 
+    @model_validator(mode="after")
+    def _split_matches_the_totals(self) -> ModelCard:
+        split = self.parameter_split
+        if abs(split.expert + split.dense - self.parameters) > 1:
+            raise ValueError(f"parameter_split: expert {split.expert:,} + dense {split.dense:,} != parameters "
+                             f"{self.parameters:,}")
+        active = split.dense + split.expert * self.active_experts / self.experts
+        if abs(active - self.active_parameters) > 0.001 * self.active_parameters:
+            raise ValueError(f"parameter_split: dense + expert x {self.active_experts}/{self.experts} = "
+                             f"{active:,.0f}, not active_parameters {self.active_parameters:,}")
+        return self
+
+    def expert_weight_bytes(self, precision: Precision) -> float:
+        """Bytes of all routed experts at `precision`, block scales included."""
+        return self.parameter_split.expert * self.precisions[precision].expert_bytes_with_scales
+
+    def dense_weight_bytes(self, precision: Precision) -> float:
+        """Bytes of the dense part at `precision` (BF16 under mxfp4: the engines quantize experts only)."""
+        return self.parameter_split.dense * self.precisions[precision].dense_bytes
+
     def weight_bytes(self, precision: Precision) -> float:
-        """Bytes of weights at `precision` (parameters x bytes per parameter)."""
-        return self.parameters * self.bytes_per_param[precision]
+        """Bytes of all weights at `precision`: experts (with scales) + dense part."""
+        return self.expert_weight_bytes(precision) + self.dense_weight_bytes(precision)
+
+    def checkpoint(self, path: str) -> Checkpoint | None:
+        """The card's checkpoint at `path` (a Hugging Face repo or its `/models/...` copy), or None."""
+        for checkpoint in self.checkpoints:
+            if path == checkpoint.path or path.rstrip("/").endswith("/" + checkpoint.path):
+                return checkpoint
+        return None
 
 
 class Hardware(_Strict):
@@ -108,11 +177,17 @@ class EngineSpec(_Strict):
     served_model_name: str = Field(min_length=1)
     precision: Precision
     quantization: str | None = Field(
-        default=None, description="the engine's --quantization value; None: derived from precision "
-        "(mxfp4 -> mxfp4, bf16 -> none with --dtype bfloat16)",
+        default=None, description="force the engine's --quantization; None (the default): the engine reads "
+        "the checkpoint's quantization_config itself. Must equal the checkpoint's quant_method",
+    )
+    checkpoint_precision: Precision | None = Field(
+        default=None, description="what model_path holds, for a path the model card does not list",
+    )
+    checkpoint_quant_method: str | None = Field(
+        default=None, description="its config.json quantization_config.quant_method, with checkpoint_precision",
     )
     memory_utilization: float = Field(
-        gt=0, le=1, description="vLLM --gpu-memory-utilization / SGLang --mem-fraction-static"
+        description="vLLM --gpu-memory-utilization / SGLang --mem-fraction-static, in (0, 1)"
     )
     memory_utilization_source: str = Field(default="the guide", description="where memory_utilization comes from")
     port: int = Field(ge=1, le=65535)
@@ -121,17 +196,18 @@ class EngineSpec(_Strict):
     trust_remote_code: bool = True
     extra_args: list[str] = Field(default_factory=list, description="further engine flags, passed as given")
 
-    @model_validator(mode="after")
-    def _quantization_known(self) -> EngineSpec:
-        if self.precision == "mxfp8" and self.quantization is None:
-            raise ValueError("precision mxfp8 needs an explicit engine.quantization (the engine's flag value)")
-        return self
+    @field_validator("memory_utilization")
+    @classmethod
+    def _utilization_in_range(cls, value: float) -> float:
+        if not 0 < value < 1:
+            raise ValueError(f"{value:g} is outside (0, 1): the share of each device's memory the engine may "
+                             "take (weights + KV cache); 1 or more leaves nothing for the CUDA context and "
+                             "the activations, 0 or less holds nothing")
+        return value
 
     def quantization_flag(self) -> str | None:
-        """The --quantization value to pass, or None for unquantized (BF16) weights."""
-        if self.quantization is not None:
-            return self.quantization
-        return "mxfp4" if self.precision == "mxfp4" else None
+        """The --quantization value to pass (only when the plan forces one), else None: the engine detects it."""
+        return self.quantization
 
 
 class GatewayPoolSpec(_Strict):
@@ -219,6 +295,91 @@ class LoadedPlan(BaseModel):
     plan: Plan
     card: ModelCard
 
+    def checkpoint(self) -> Checkpoint:
+        """What the plan's engine.model_path holds: the card's entry, or the plan's checkpoint_* fields."""
+        engine = self.plan.engine
+        known = self.card.checkpoint(engine.model_path)
+        if known is not None:
+            return known
+        if engine.checkpoint_precision is None:
+            raise PlanError(f"{self.path}: engine.model_path {engine.model_path!r} is not a checkpoint the model "
+                            "card lists: set engine.checkpoint_precision (and checkpoint_quant_method) to what it "
+                            "holds")
+        return Checkpoint(path=engine.model_path, precision=engine.checkpoint_precision,
+                          quant_method=engine.checkpoint_quant_method, source=f"the plan {self.path.name}")
+
+
+def expert_parallel_size(plan: Plan) -> int:
+    """The expert-parallel group the engine forms: SGLang's --ep-size; vLLM's (and vllm-ascend's)
+    --enable-expert-parallel makes it TP x DP in each pipeline stage (vllm/model_executor/layers/
+    fused_moe/config.py, FusedMoEParallelConfig.make), 1 without it."""
+    par = plan.parallelism
+    if plan.engine.kind == "sglang":
+        return par.expert
+    return par.tensor * par.data if par.expert > 1 else 1
+
+
+def parallel_problems(plan: Plan, card: ModelCard) -> list[str]:
+    """What about the plan's parallel sizes the model cannot take (empty when all divide):
+
+    - tensor must divide the attention heads (vLLM's ModelConfig.verify_with_parallel_config refuses);
+    - pipeline may not exceed the layers (vLLM splits uneven counts, vllm/distributed/utils.py
+      get_pp_indices, so an uneven split is counted, not refused);
+    - SGLang's --ep-size must divide the experts (srt/layers/moe/fused_moe_triton/layer.py asserts
+      num_experts % moe_ep_size == 0) and the tensor size, as must --dp-size with DP attention.
+      vLLM's determine_expert_map hands the remainder to the first ranks, so an uneven vLLM split is
+      counted (the fullest rank), not refused; more EP ranks than experts is refused for both.
+    """
+    par, problems = plan.parallelism, []
+    heads, layers = int(card.assumptions.attention_heads.value), int(card.assumptions.layers.value)
+    if heads % par.tensor:
+        problems.append(f"tensor {par.tensor} does not divide the {heads} attention heads (assumed)")
+    if par.pipeline > layers:
+        problems.append(f"pipeline {par.pipeline} exceeds the {layers} layers (assumed)")
+    ep = expert_parallel_size(plan)
+    if ep > card.experts:
+        problems.append(f"the expert-parallel group of {ep} exceeds the {card.experts} experts")
+    if plan.engine.kind == "sglang":
+        if card.experts % ep:
+            problems.append(f"expert {ep} does not divide the {card.experts} experts (SGLang needs equal shares)")
+        if par.tensor % ep:
+            problems.append(f"expert {ep} does not divide tensor {par.tensor} (SGLang's MoE TP = tp / ep)")
+        if par.data > 1 and par.tensor % par.data:
+            problems.append(f"data {par.data} does not divide tensor {par.tensor} (SGLang's DP attention)")
+    return problems
+
+
+def check_plan_against_card(loaded: LoadedPlan) -> None:
+    """Refuse (PlanError naming the file) a plan the model or its checkpoint cannot serve: a context above
+    the model's maximum, parallel sizes that do not divide (parallel_problems), a precision other than
+    the checkpoint's (--dtype does not dequantize), a forced --quantization the checkpoint does not declare."""
+    plan, card, path = loaded.plan, loaded.card, loaded.path
+    problems = []
+    if plan.max_context_tokens > card.max_context_tokens:
+        problems.append(f"max_context_tokens {plan.max_context_tokens:,} exceeds {card.name}'s maximum of "
+                        f"{card.max_context_tokens:,} tokens")
+    problems += [f"parallelism: {p}" for p in parallel_problems(plan, card)]
+    checkpoint = loaded.checkpoint()
+    engine = plan.engine
+    if engine.precision != checkpoint.precision:
+        problems.append(f"engine.precision {engine.precision}, but {checkpoint.path} holds {checkpoint.precision} "
+                        f"weights ({checkpoint.source}); the engines load a checkpoint as stored (--dtype does not "
+                        f"dequantize): point engine.model_path at a {engine.precision} checkpoint")
+    if engine.precision not in card.precisions:
+        problems.append(f"engine.precision {engine.precision}: the model card has no bytes per parameter for it")
+    if engine.quantization is not None and engine.quantization != checkpoint.quant_method:
+        declared = checkpoint.quant_method or "no quantization"
+        problems.append(f"engine.quantization {engine.quantization!r}, but {checkpoint.path} declares {declared}: "
+                        "vLLM and SGLang refuse a --quantization that differs from the checkpoint's "
+                        "quantization_config; leave engine.quantization unset so the engine detects it")
+    if problems:
+        raise PlanError(f"{path}: " + "; ".join(problems))
+
+
+def stage_layers(plan: Plan, card: ModelCard) -> int:
+    """Layers of the largest pipeline stage (vLLM gives the remainder of an uneven split to some stages)."""
+    return math.ceil(card.assumptions.layers.value / plan.parallelism.pipeline)
+
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
@@ -257,7 +418,9 @@ def load_plan(path: str | Path) -> LoadedPlan:
         plan = Plan.model_validate(_read_yaml(path))
     except ValidationError as exc:
         raise PlanError(f"{path}: {_explain(exc)}") from None
-    return LoadedPlan(path=path, plan=plan, card=load_model_card(path.parent / plan.model))
+    loaded = LoadedPlan(path=path, plan=plan, card=load_model_card(path.parent / plan.model))
+    check_plan_against_card(loaded)
+    return loaded
 
 
 def plan_refs(data: dict[str, Any], base_dir: Path) -> list[Path]:

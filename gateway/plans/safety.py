@@ -181,19 +181,18 @@ GRACE_MARGIN_S = 10
 
 
 def longest_request_seconds(config: GatewayConfig) -> float:
-    """Seconds the longest request the timeouts allow may run: a non-streaming request to the pool
-    with the largest `max_context_tokens` C, its prompt filling the context but for that pool's
-    `default_output_tokens` O (gateway/backends/client.py `answer_budget`):
+    """Seconds the longest request the timeouts allow may run, over every pool p: a prompt as long as
+    p's `max_context_tokens` C and p's `default_output_tokens` O, answered non-streaming
+    (gateway/backends/client.py `answer_budget`):
 
-        first_byte_base + first_byte_per_1k_tokens * (C - O) / 1000 + generation + generation_per_token * O
+        max over pools of  first_byte_base + first_byte_per_1k_tokens * C / 1000 + generation + generation_per_token * O
 
     capped at `timeouts.total` when set. A stream's first content has the same prefill allowance;
     what it generates after that is bounded by `timeouts.total` alone (each gap by `read`), so set
     `total` to bound long generations too. Shipped config, nvl72-1m (C = 1,048,576, O = 8,192):
-    60 + 0.5 * 1040.384 + 60 + 0.1 * 8192 = 1,459.4 s."""
-    largest = max(config.pools, key=lambda pool: pool.max_context_tokens)
-    output = min(largest.default_output_tokens, largest.max_context_tokens)
-    longest = answer_budget(config.timeouts, largest.max_context_tokens - output, output)
+    60 + 0.5 * 1048.576 + 60 + 0.1 * 8192 = 1,463.5 s."""
+    longest = max(answer_budget(config.timeouts, pool.max_context_tokens, pool.default_output_tokens)
+                  for pool in config.pools)
     return longest if config.timeouts.total is None else min(longest, config.timeouts.total)
 
 

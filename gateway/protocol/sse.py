@@ -5,12 +5,13 @@ small carry buffer; JSON is parsed only for `data:` lines that carry a non-null 
 (OpenAI's `stream_options.include_usage` chunk, https://platform.openai.com/docs/api-reference/chat-streaming;
 Anthropic's `message_start` and `message_delta` events, https://docs.claude.com/en/docs/build-with-claude/streaming,
 and wherever else an engine puts it: `SSETap._usage_line`).
-A stream ends with `data: [DONE]` (OpenAI) or `event: message_stop` (Anthropic).
+A stream ends with `data: [DONE]` (OpenAI chat and completions), an event of type `message_stop`
+(Anthropic) or one of the Responses API's `response.completed`, `response.incomplete`, `response.failed`:
+a typed event is known by its parsed type (its `event:` line, its JSON `type`), not by exact bytes.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -88,13 +89,19 @@ class SSETap:
             self.feed(carry + b"\n")
 
     def _typed_events(self, lines: bytes) -> None:
-        """The end and error events of the typed streams (Anthropic's, the Responses API's)."""
-        if not self.done and (
-                (self._messages and (b"\nevent: message_stop" in lines or lines.startswith(b"event: message_stop")))
-                or (self._responses and b'"type":"response.' in lines and any(m in lines for m in _TERMINAL))):
-            self.done = True
-        if not self.failed and b"error" in lines and _ERROR_EVENT.search(lines) is not None:
-            self.failed = True
+        """The end and error events of the typed streams (Anthropic's, the Responses API's), known by
+        their parsed type, however the engine spaced its JSON: an `event:` line's value, or a `data:`
+        line's top-level JSON `type`. An error is Anthropic's `event: error` (what the anthropic SDK
+        raises on) or, on the Responses API, also an event whose JSON `type` is "error" (the openai SDK
+        reads the data's `type`, not the `event:` line). A name is searched for first, so a chunk
+        without one costs a substring search per name."""
+        if not self.done:
+            for name in _RESPONSES_END if self._responses else _MESSAGES_END:
+                if name in lines and _has_type(lines, name, True):
+                    self.done = True
+                    break
+        if not self.failed and b"error" in lines:
+            self.failed = _has_type(lines, b"error", self._responses)
 
     def _usage_lines(self, lines: bytes) -> None:
         """Read each `data:` line of `lines` (whole lines) that holds `"usage"`: found by substring
@@ -157,12 +164,39 @@ class SSETap:
                 return
 
 
-# A Responses API stream ends with one of these events (the JSON as engines write it: compact, `type`
-# first or last; a raw `"` cannot occur inside a JSON string, so generated text never matches).
-_TERMINAL = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
+# The last event of a typed stream: Anthropic's Messages API (https://docs.claude.com/en/docs/build-with-claude/streaming),
+# the Responses API (https://platform.openai.com/docs/api-reference/responses-streaming), which sends no `[DONE]`.
+_MESSAGES_END = (b"message_stop",)
+_RESPONSES_END = (b"response.completed", b"response.incomplete", b"response.failed")
 
-# An `event: error` line (SSE allows no space after the colon), at a line start.
-_ERROR_EVENT = re.compile(rb"(?:^|\n)event: ?error\r?\n")
+
+def _has_type(lines: bytes, name: bytes, json_type: bool) -> bool:
+    """Whether a line of `lines` (whole lines) names an event of type `name`: an `event:` line whose
+    value (after the one optional space SSE allows, without a `\r`) is `name`, or, when `json_type`,
+    a `data:` line whose JSON object's top-level `type` is `name`. Only lines holding `name` are read;
+    a `data:` line is parsed only when it holds `name` as a JSON string, so text that mentions it is
+    never an event of that type (a raw `"` cannot occur inside a JSON string)."""
+    quoted = b'"' + name + b'"'
+    text = name.decode()
+    pos = lines.find(name)
+    while pos >= 0:
+        start = lines.rfind(b"\n", 0, pos) + 1
+        end = lines.find(b"\n", pos)
+        end = len(lines) if end < 0 else end
+        line = lines[start:end].rstrip(b"\r")
+        if line.startswith(b"event:"):
+            value = line[6:]
+            if (value[1:] if value.startswith(b" ") else value) == name:
+                return True
+        elif json_type and line.startswith(b"data:") and quoted in line:
+            try:
+                event = orjson.loads(line[5:])
+            except orjson.JSONDecodeError:
+                event = None
+            if isinstance(event, dict) and event.get("type") == text:
+                return True
+        pos = lines.find(name, end)
+    return False
 
 
 def event_end(data: bytes | bytearray, stop: int | None = None, start: int = 0) -> int:

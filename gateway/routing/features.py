@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import orjson
+import xxhash
 
 from gateway.affinity.hashing import PrefixHasher, PrefixKey, canonical_message, canonical_prelude, image_digest
 from gateway.errors import InvalidRequest
@@ -42,6 +43,9 @@ class RoutingRequest:
     request's quota charge, not its context. `min_output_tokens` is what the client forces the
     engine to generate at least (vLLM's and SGLang's `min_tokens` sampling parameter, 0 when unset):
     with no output limit the reservation is at least that (`reserved_output`).
+    `session_key` is the request's session hint (`session_hint`), and after `ProxyService.handle`
+    scoped to the caller's API key (`scoped_session`): the `session` policy's key and, with
+    affinity on, the key of the worker that served the session last (`session_hash`).
     """
 
     api: Api
@@ -81,6 +85,35 @@ class RoutingRequest:
         out = self.reserved_output(default_output_tokens)
         prompts = self.batch_prompt_tokens if self.batch_prompt_tokens is not None else self.prompt_tokens
         return prompts + out * self.outputs
+
+
+SESSION_HEADERS = ("x-session-id", "session_id", "session-id")
+"""The request headers that carry a session hint, in precedence order: the gateway's own, then the
+one Codex CLI sends on every turn (its conversation id; codex-rs/codex-api/src/requests/headers.rs
+`build_conversation_headers`) and its hyphenated spelling (proxies that drop `_` in names)."""
+
+SESSION_HINT_MAX = 512
+"""Characters; a longer session hint is no session key (the next one in precedence is used)."""
+
+
+def session_hint(*hints: object) -> str | None:
+    """The request's session key before scoping (`scoped_session`): the first of `hints` that is a
+    non-empty string of at most `SESSION_HINT_MAX` characters, else None. Callers pass them in
+    precedence order: the session headers (`X-Session-ID`, then Codex's `session_id` / `session-id`),
+    the body's `prompt_cache_key` (OpenAI's cache-routing key, chat, completions and Responses),
+    then `user` (on /v1/messages, Anthropic's `metadata.user_id`, which Claude Code sets per session).
+    A body field of another type is ignored here (the engine judges it)."""
+    for hint in hints:
+        if isinstance(hint, str) and 0 < len(hint) <= SESSION_HINT_MAX:
+            return hint
+    return None
+
+
+def scoped_session(hint: str, tenant: str | None) -> str:
+    """The session key routing uses: 32 hex digits of xxh3_128 over the caller's key name (`tenant`,
+    None with auth off) and the hint, so two API keys sending the same hint share no affinity and
+    the key's size is fixed whatever the client sent."""
+    return xxhash.xxh3_128_hexdigest(f"{tenant or ''}\x00{hint}".encode("utf-8", "surrogatepass"))
 
 
 def output_limit(wire: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -186,7 +219,8 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     prefix = hasher.hash(b"".join(canonical), model) if hasher is not None else None
     return RoutingRequest(
         api="chat", model=model, prompt_tokens=tokens, output_tokens=output, stream=bool(wire.stream),
-        modalities=frozenset(modalities), estimate_method=method, session_key=session_key or wire.user,
+        modalities=frozenset(modalities), estimate_method=method,
+        session_key=session_hint(session_key, extra.get("prompt_cache_key"), wire.user),
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
         prefix=prefix, outputs=completions_per_prompt(wire.n, extra), min_output_tokens=forced_output(extra),
     )
@@ -265,7 +299,7 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
     return RoutingRequest(
         api="completions", model=model, prompt_tokens=tokens, output_tokens=output_limit(wire),
         stream=bool(wire.stream), modalities=frozenset({"text"}), estimate_method=method,
-        session_key=session_key or wire.user,
+        session_key=session_hint(session_key, (wire.model_extra or {}).get("prompt_cache_key"), wire.user),
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage), prefix=prefix,
         outputs=completions_per_prompt(wire.n, wire.model_extra) * prompts, batch_prompt_tokens=total,
         min_output_tokens=forced_output(wire.model_extra),
@@ -335,9 +369,9 @@ def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstim
     return RoutingRequest(
         api="responses", model=model, prompt_tokens=tokens, output_tokens=wire.max_output_tokens,
         stream=bool(wire.stream), modalities=frozenset(modalities), estimate_method=method,
-        session_key=session_key or wire.user, include_usage=True, prefix=prefix,
-        previous_response_id=wire.previous_response_id, store=wire.store is not False,
-        min_output_tokens=forced_output(wire.model_extra),
+        session_key=session_hint(session_key, (wire.model_extra or {}).get("prompt_cache_key"), wire.user),
+        include_usage=True, prefix=prefix, previous_response_id=wire.previous_response_id,
+        store=wire.store is not False, min_output_tokens=forced_output(wire.model_extra),
     )
 
 

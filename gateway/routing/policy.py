@@ -24,7 +24,9 @@ class Candidate:
     the prompt (0..1) whose prefix this worker holds per the affinity store, `matched_tokens` the
     same in estimated tokens. Only for a policy with a `prefill_model` (else 0): `queued_tokens`,
     the prefill work ahead of the request there (tokens), and `prefill_rate`, the worker's
-    estimated prefill rate (tokens/s); see gateway/routing/prefill.py.
+    estimated prefill rate (tokens/s); see gateway/routing/prefill.py. `session`: this worker served
+    the request's session last (its session key, per the affinity store): where a turn that shares
+    no cached prefix yet goes, load permitting.
     """
 
     worker: Worker
@@ -34,6 +36,7 @@ class Candidate:
     matched_tokens: int = 0
     queued_tokens: float = 0.0
     prefill_rate: float = 0.0
+    session: bool = False
 
 
 @dataclass(frozen=True, slots=True)

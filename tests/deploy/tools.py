@@ -10,6 +10,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from tests.support import REPO_ROOT
 
@@ -30,3 +33,16 @@ def tool(name: str) -> str | None:
 def run(args: list[str], cwd: Path = REPO_ROOT, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """Run a tool to completion; its exit status and output in the result (never raises on failure)."""
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def kustomize(kubectl: str, overlays: dict[str, Path]) -> dict[str, list[dict[str, Any]]]:
+    """Render each overlay with `kubectl kustomize` (all at once): name -> its objects.
+    AssertionError with kubectl's stderr when one fails."""
+    procs = {name: subprocess.Popen([kubectl, "kustomize", str(path)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, path in overlays.items()}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0, stderr
+        out[name] = [doc for doc in yaml.safe_load_all(stdout) if doc]
+    return out

@@ -17,9 +17,9 @@ import yaml
 
 from gateway.cli import main
 from gateway.config import ConfigError, load_config
-from gateway.plans.capacity import GB, plan_capacity
+from gateway.plans.capacity import GB, CapacityReport, plan_capacity
 from gateway.plans.emit import emit_scripts, render_script
-from gateway.plans.models import LoadedPlan, PlanError, load_model_card, load_plan
+from gateway.plans.models import LoadedPlan, PlanError, Precision, load_model_card, load_plan
 from tests.support import REPO_ROOT
 
 CONFIG = REPO_ROOT / "config"
@@ -44,41 +44,97 @@ def edit_yaml(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-# --- the guide's arithmetic -------------------------------------------------------------------
+# --- the corrected arithmetic ------------------------------------------------------------------
+# MXFP4 is applied to the MoE experts only (vLLM mxfp4.py: LinearBase -> UnquantizedLinearMethod;
+# SGLang server_args.py: "mxfp4",  # MOE-only), with one uint8 scale per 32 values; the dense part
+# derived from the guide's totals stays BF16.
 
-def test_plan_a_fits_mxfp4_with_thin_headroom() -> None:
+EXPERT_B = (2800e9 - 104e9) * 896 / 880          # 2,745.0B, derived
+DENSE_B = 2800e9 - EXPERT_B                        # 55.0B
+MXFP4_WEIGHTS = EXPERT_B * (0.5 + 1 / 32) + DENSE_B * 2   # 1,568.25 GB
+
+
+def guide_figure(tmp_path: Path, name: str, gb: float) -> LoadedPlan:
+    """A copy of plan `name` at the guide's memory per device (`gb`)."""
+    copy_config(tmp_path)
+    path = tmp_path / "config" / "plans" / f"{name}.yaml"
+    edit_yaml(path, lambda d: d["hardware"].update(memory_per_device_gb=gb))
+    return load_plan(path)
+
+
+def test_weights_count_the_bf16_dense_part_and_the_block_scales() -> None:
+    card = load_model_card(CONFIG / "models" / "kimi-k3.yaml")
+    assert card.parameter_split.expert == pytest.approx(EXPERT_B, abs=1)
+    assert card.parameter_split.dense == pytest.approx(DENSE_B, abs=1)
+    assert card.parameter_split.source.startswith("derived")
+    mxfp4 = card.precisions["mxfp4"].source
+    assert "MOE-only" in mxfp4 and "UnquantizedLinearMethod" in mxfp4
     report = plan_capacity(plan("plan-a"))
-    assert report.memory_bytes == pytest.approx(1536 * GB)
-    assert report.weight_bytes == pytest.approx(1400 * GB)
-    assert report.memory_bytes >= report.weight_bytes
-    assert report.usable_bytes == pytest.approx(1536 * 0.95 * GB)
-    assert report.headroom_bytes == pytest.approx(59.2 * GB)
-    assert report.headroom_thin
-    assert report.fits and report.refusal is None
-    assert report.max_context_tokens == 131072 and report.max_context_sequences >= 1
+    assert report.expert_weight_bytes == pytest.approx(EXPERT_B * 0.53125)
+    assert report.dense_weight_bytes == pytest.approx(DENSE_B * 2)
+    assert report.weight_bytes == pytest.approx(MXFP4_WEIGHTS)
+    assert report.weight_bytes / GB == pytest.approx(1568.25, abs=0.01)
+    assert report.scale_bytes_per_param == 1 / 32
+    assert plan_capacity(plan("plan-a"), "bf16").weight_bytes == pytest.approx(5600 * GB)
 
 
-def test_plan_b_has_2304_gb_and_fits_mxfp4_but_not_bf16() -> None:
-    report = plan_capacity(plan("plan-b"))
-    assert report.memory_bytes == pytest.approx(2304 * GB)
-    assert report.fits and not report.headroom_thin
-    assert report.max_context_tokens == 524288 and report.max_context_sequences >= 1
-    bf16 = plan_capacity(plan("plan-b"), "bf16")
-    assert bf16.weight_bytes == pytest.approx(5600 * GB)
-    assert not bf16.fits and "5,600 GB" in bf16.refusal and "2,304 GB" in bf16.refusal
+def test_plan_a_at_the_guides_192_gb_is_short_and_fits_at_nvidias_288(tmp_path: Path) -> None:
+    report = plan_capacity(guide_figure(tmp_path, "plan-a", 192))
+    assert not report.fits and report.memory_bytes == pytest.approx(1536 * GB)
+    assert report.weight_bytes > report.memory_bytes  # 1,568 GB of weights on 1,536 GB of HBM
+    assert ("mxfp4 weights need 1,568.3 GB" in report.refusal
+            and "8 x B300 hold 1,536 GB, 1,459.2 GB usable at 0.95: 109.1 GB short" in report.refusal)
+    assert any("192 GB per B300 disagrees with the vendor's 288 GB" in w and "docs.nvidia.com" in w
+               for w in report.warnings)
+    vendor = report.at_vendor_figure
+    assert vendor is not None and vendor.fits and vendor.memory_per_device_bytes == 288 * GB
+    assert vendor.max_context_sequences >= 20 and vendor.at_vendor_figure is None
+    shipped = plan_capacity(plan("plan-a"))  # the plan file carries NVIDIA's figure
+    assert shipped.fits and shipped.at_vendor_figure is None and not shipped.warnings
+    assert shipped.max_context_sequences == vendor.max_context_sequences
 
 
-def test_bf16_needs_the_rack() -> None:
-    """5.6 TB of BF16 weights fit only Plan C's 72 GPUs; every other plan refuses them."""
+def test_plan_b_holds_twice_the_512k_sequences_at_nvidias_180_gb(tmp_path: Path) -> None:
+    report = plan_capacity(guide_figure(tmp_path, "plan-b", 144))
+    assert report.fits and report.memory_bytes == pytest.approx(2304 * GB)
+    vendor = report.at_vendor_figure
+    assert vendor is not None and vendor.fits and vendor.memory_bytes == pytest.approx(2880 * GB)
+    assert vendor.max_context_sequences >= 2 * report.max_context_sequences >= 2
+    assert plan_capacity(plan("plan-b")).max_context_sequences == vendor.max_context_sequences
+
+
+def test_plan_c_serves_its_mxfp4_checkpoint_and_bf16_is_a_what_if() -> None:
     rack = plan_capacity(plan("plan-c"))
-    assert (rack.precision, rack.devices) == ("bf16", 72)
-    assert rack.weight_bytes == pytest.approx(5600 * GB)
-    assert rack.fits and rack.memory_bytes == pytest.approx(72 * 186 * GB)
+    assert (rack.precision, rack.checkpoint_precision, rack.devices) == ("mxfp4", "mxfp4", 72)
+    assert rack.fits and rack.memory_bytes == pytest.approx(72 * 186 * GB) and rack.at_vendor_figure is None
     assert rack.max_context_tokens == 1048576 and rack.max_context_sequences >= 1
+    # vLLM's EP group is TP x DP = 24 per pipeline stage: 896 experts split 38/37, the fullest counted.
+    assert (rack.expert_parallel_size, rack.experts_per_device, rack.stage_layers) == (24, 38, 22)
+    bf16 = plan_capacity(plan("plan-c"), "bf16")
+    assert bf16.fits and bf16.weight_bytes == pytest.approx(5600 * GB)
+    assert any("what-if only: moonshotai/Kimi-K3 holds mxfp4" in w for w in bf16.warnings)
     for name in ("plan-a", "plan-b", "ascend"):
         assert not plan_capacity(plan(name), "bf16").fits, name
     assert [(p.precision, p.fits) for p in plan_capacity(plan("plan-a")).precisions] == [
         ("bf16", False), ("mxfp8", False), ("mxfp4", True)]
+
+
+def test_without_expert_parallelism_vllm_shards_the_experts_over_tp_x_dp(tmp_path: Path) -> None:
+    # vLLM's FusedMoEParallelConfig.make flattens TP across DP for the MoE layers; the dense part is
+    # only TP-sharded (each DP rank keeps its own copy). Plan C: 24 ranks per stage, 22 of 64 layers.
+    copy_config(tmp_path)
+    path = tmp_path / "config" / "plans" / "plan-c.yaml"
+    edit_yaml(path, lambda d: d["parallelism"].update(expert=1))
+    report = plan_capacity(load_plan(path))
+    assert report.expert_parallel_size == 1 and "--enable-expert-parallel" not in render_script(load_plan(path))
+    expected = (EXPERT_B * 0.53125 / 24 + DENSE_B * 2 / 8) * 22 / 64
+    assert report.weights_per_device_bytes == pytest.approx(expected)
+
+
+def test_an_unlisted_accelerator_is_flagged_unchecked() -> None:
+    report = plan_capacity(plan("ascend"))
+    assert report.vendor_memory_per_device_bytes is None and report.at_vendor_figure is None
+    assert any("no vendor figure for Ascend 950" in w for w in report.warnings)
 
 
 def test_trimming_context_from_1m_to_128k_cuts_kv_to_an_eighth(tmp_path: Path) -> None:
@@ -97,27 +153,41 @@ def test_cli_refuses_bf16_on_plan_a_with_the_numbers(capsys: pytest.CaptureFixtu
     assert info.value.code == 1
     out, err = capsys.readouterr()
     assert "REFUSED" in out and "bf16 weights need 5,600 GB" in out
-    assert "8 x B300 hold 1,536 GB, 1,459.2 GB usable at 0.95: 4,140.8 GB short" in out
-    assert "plan plan-a refused" in err
-
-
-def test_a_plan_file_with_bf16_is_refused_and_emits_nothing(tmp_path: Path) -> None:
-    copy_config(tmp_path)
-    path = tmp_path / "config" / "plans" / "plan-a.yaml"
-    edit_yaml(path, lambda d: d["engine"].update(precision="bf16"))
-    with pytest.raises(SystemExit) as info:
-        main(["plan", str(path), "--emit", str(tmp_path / "out")])
-    assert info.value.code == 1
-    assert not (tmp_path / "out").exists()
+    assert "8 x B300 hold 2,304 GB, 2,188.8 GB usable at 0.95: 3,411.2 GB short" in out
+    assert "what-if only" in out and "plan plan-a refused" in err
 
 
 def test_weights_that_fit_but_leave_no_room_for_one_sequence_are_refused(tmp_path: Path) -> None:
     copy_config(tmp_path)
     path = tmp_path / "config" / "plans" / "plan-a.yaml"
-    edit_yaml(path, lambda d: d.update(max_context_tokens=1048576))
+    edit_yaml(path, lambda d: (d.update(max_context_tokens=1048576), d["hardware"].update(memory_per_device_gb=215)))
     report = plan_capacity(load_plan(path))
-    assert report.weight_bytes <= report.usable_bytes
+    assert report.weights_per_device_bytes <= report.usable_bytes / report.devices
     assert not report.fits and "holds no 1,048,576-token sequence" in report.refusal
+
+
+def test_cli_and_json_show_the_new_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    guide_figure(tmp_path, "plan-a", 192)
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(tmp_path / "config" / "plans" / "plan-a.yaml")])
+    assert info.value.code == 1
+    out = capsys.readouterr().out
+    for line in ("  checkpoint   moonshotai/Kimi-K3 (mxfp4); serving mxfp4",
+                 "  parameters   2.8T = 2,745.0B experts + 55.0B dense [derived]",
+                 "  weights      experts 2,745.0B x 0.5 + scales 0.03125 bytes = 1,458.3 GB; dense 55.0B x 2 bytes "
+                 "= 110 GB; total 1,568.3 GB (mxfp4)",
+                 "  WARNING      the plan's 192 GB per B300 disagrees with the vendor's 288 GB",
+                 "  at vendor's  8 x 288 GB = 2,304 GB: fits 30 sequence(s) of 131,072 tokens"):
+        assert line in out, line
+    with pytest.raises(SystemExit):
+        main(["plan", str(tmp_path / "config" / "plans" / "plan-a.yaml"), "--json"])
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["expert_weight_bytes"] == pytest.approx(EXPERT_B * 0.53125)
+    assert report["dense_weight_bytes"] == pytest.approx(DENSE_B * 2)
+    assert (report["checkpoint"], report["checkpoint_precision"]) == ("moonshotai/Kimi-K3", "mxfp4")
+    assert report["vendor_memory_per_device_bytes"] == 288 * GB and report["fits"] is False
+    assert report["at_vendor_figure"]["fits"] is True and report["at_vendor_figure"]["max_context_sequences"] == 30
+    assert any("disagrees" in w for w in report["warnings"])
 
 
 def test_assumptions_are_labelled_with_their_sources(capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,6 +200,7 @@ def test_assumptions_are_labelled_with_their_sources(capsys: pytest.CaptureFixtu
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert out.count("[assumption]") == 2 * 4  # reserve and per-sequence lines of four plans
+    assert out.count("[derived]") == 4
     for name in names:
         assert f"  {name} = " in out
     with pytest.raises(SystemExit):
@@ -138,6 +209,113 @@ def test_assumptions_are_labelled_with_their_sources(capsys: pytest.CaptureFixtu
     assert [r["pool"] for r in reports] == ["vllm-128k", "ascend-128k", "sglang-512k", "nvl72-1m"]
     assert all(r["fits"] for r in reports)
     assert {a["name"] for a in reports[0]["assumptions"]} == set(names)
+
+
+# --- refusals: what the model, its checkpoint or the engines cannot take -------------------------
+
+def refused(tmp_path: Path, name: str, change: Callable[[dict[str, Any]], object]) -> str:
+    """Load a copy of plan `name` after `change`; return the PlanError message it must raise."""
+    copy_config(tmp_path)
+    path = tmp_path / "config" / "plans" / f"{name}.yaml"
+    edit_yaml(path, change)
+    with pytest.raises(PlanError) as info:
+        load_plan(path)
+    return str(info.value)
+
+
+def test_a_context_above_the_models_maximum_is_refused(tmp_path: Path) -> None:
+    message = refused(tmp_path, "plan-c", lambda d: d.update(max_context_tokens=2 * 1048576))
+    assert "max_context_tokens 2,097,152 exceeds Kimi K3's maximum of 1,048,576 tokens" in message
+
+
+@pytest.mark.parametrize("value", [1.0, 0, -0.5, 1.2])
+def test_memory_utilization_outside_zero_one_is_refused(tmp_path: Path, value: float) -> None:
+    message = refused(tmp_path, "plan-a", lambda d: d["engine"].update(memory_utilization=value))
+    assert "engine.memory_utilization" in message and "is outside (0, 1)" in message
+
+
+def test_a_tensor_size_that_does_not_divide_the_heads_is_refused(tmp_path: Path) -> None:
+    def six(d: dict[str, Any]) -> None:
+        d["hardware"].update(devices_per_node=6)
+        d["parallelism"].update(tensor=6, expert=6)
+    assert "parallelism: tensor 6 does not divide the 64 attention heads" in refused(tmp_path, "plan-a", six)
+
+
+def test_an_sglang_expert_size_that_does_not_divide_the_experts_is_refused(tmp_path: Path) -> None:
+    def three_nodes(d: dict[str, Any]) -> None:
+        d["hardware"].update(nodes=3)
+        d["parallelism"].update(tensor=24, expert=24)
+    message = refused(tmp_path, "plan-b", three_nodes)
+    assert "expert 24 does not divide the 896 experts" in message
+    assert "tensor 24 does not divide the 64 attention heads" in message
+
+
+def test_an_sglang_expert_size_that_does_not_divide_the_tensor_size_is_refused(tmp_path: Path) -> None:
+    message = refused(tmp_path, "plan-b", lambda d: d["parallelism"].update(expert=7))
+    assert "expert 7 does not divide the 896 experts" not in message  # 896 = 7 x 128
+    assert "expert 7 does not divide tensor 16" in message
+
+
+def test_more_pipeline_stages_than_layers_are_refused(tmp_path: Path) -> None:
+    message = refused(tmp_path, "plan-c", lambda d: d["parallelism"].update(tensor=1, pipeline=72, data=1))
+    assert "parallelism: pipeline 72 exceeds the 64 layers" in message
+
+
+def test_a_bf16_plan_on_the_mxfp4_checkpoint_is_refused(tmp_path: Path) -> None:
+    message = refused(tmp_path, "plan-c", lambda d: d["engine"].update(precision="bf16"))
+    assert "engine.precision bf16, but moonshotai/Kimi-K3 holds mxfp4 weights" in message
+    assert "--dtype does not dequantize" in message
+
+
+def test_a_bf16_plan_needs_a_bf16_checkpoint_path(tmp_path: Path) -> None:
+    copy_config(tmp_path)
+    path = tmp_path / "config" / "plans" / "plan-c.yaml"
+    edit_yaml(path, lambda d: d["engine"].update(precision="bf16", model_path="/models/kimi-k3-bf16"))
+    with pytest.raises(PlanError, match=r"not a checkpoint the model card lists: set engine.checkpoint_precision"):
+        load_plan(path)
+    edit_yaml(path, lambda d: d["engine"].update(checkpoint_precision="bf16"))
+    loaded = load_plan(path)
+    report = plan_capacity(loaded)
+    assert report.fits and report.checkpoint_precision == "bf16" and report.weight_bytes == pytest.approx(5600 * GB)
+    assert not any("what-if only" in w for w in report.warnings)
+    text = render_script(loaded)
+    assert "--dtype bfloat16" in text and "--quantization" not in text
+
+
+def test_a_forced_quantization_must_be_the_checkpoints(tmp_path: Path) -> None:
+    message = refused(tmp_path, "plan-a", lambda d: d["engine"].update(quantization="fp8"))
+    assert "engine.quantization 'fp8', but moonshotai/Kimi-K3 declares mxfp4" in message
+    path = tmp_path / "config" / "plans" / "plan-a.yaml"
+    edit_yaml(path, lambda d: d["engine"].update(quantization="mxfp4"))  # the plan says otherwise
+    assert _flag(render_script(load_plan(path)), "--quantization") == "mxfp4"
+
+
+def test_a_refused_plan_file_is_a_clean_cli_error_and_emits_nothing(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    copy_config(tmp_path)
+    path = tmp_path / "config" / "plans" / "plan-a.yaml"
+    edit_yaml(path, lambda d: d["engine"].update(precision="bf16"))
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(path), "--emit", str(tmp_path / "out")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "plan error:" in err and "holds mxfp4 weights" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_emitting_a_precision_the_checkpoint_lacks_is_refused(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(CONFIG / "plans" / "plan-c.yaml"), "--precision", "bf16", "--emit", str(tmp_path / "out")])
+    assert info.value.code == 2
+    assert "--precision bf16 with --emit: plan plan-c mounts moonshotai/Kimi-K3, which holds mxfp4" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as info:
+        main(["plan", str(CONFIG / "plans" / "plan-c.yaml"), "--precision", "mxfp4", "--emit", str(tmp_path / "ok")])
+    assert info.value.code == 0
+    text = (tmp_path / "ok" / "nvl72-1m.sh").read_text()
+    assert "--dtype" not in text and "--quantization" not in text
 
 
 def test_parallel_sizes_must_multiply_to_the_devices(tmp_path: Path) -> None:
@@ -258,10 +436,10 @@ def test_script_flags_follow_the_plan(name: str) -> None:
         assert float(_flag(text, "--gpu-memory-utilization")) == p.engine.memory_utilization
         assert ("--enable-chunked-prefill" in text) == p.engine.chunked_prefill
         assert ("--pipeline-parallel-size 3" in text) == (p.parallelism.pipeline == 3)
-    if p.engine.precision == "bf16":
-        assert "--dtype bfloat16" in text and "--quantization" not in text
-    else:
-        assert _flag(text, "--quantization") == p.engine.quantization_flag()
+    # Every shipped plan mounts the MXFP4 checkpoint: the engine reads its quantization_config, so the
+    # script forces neither a method (the engines refuse one that differs) nor --dtype bfloat16.
+    assert loaded.checkpoint().precision == p.engine.precision == "mxfp4"
+    assert "--quantization" not in text and "--dtype" not in text
 
 
 def test_scripts_are_valid_bash_and_refuse_a_missing_key(tmp_path: Path) -> None:
@@ -292,3 +470,28 @@ def test_an_emit_directory_that_cannot_be_written_is_a_clean_error(tmp_path: Pat
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert f"plan error: cannot write the launch scripts to {out}:" in err and "Traceback" not in err
+
+
+def test_the_plan_verdicts_in_deploy_readme_are_the_planners(tmp_path: Path) -> None:
+    """deploy/README.md, "Plan verdicts": each figure it quotes is what the planner computes."""
+    text = (REPO_ROOT / "deploy" / "README.md").read_text()
+    verdicts = text[text.index("### Plan verdicts"):text.index("## 2. On a laptop")]
+
+    def at(name: str, gb: float, precision: Precision | None = None) -> CapacityReport:
+        folder = tmp_path / f"{name}-{gb:g}-{precision}"
+        folder.mkdir()
+        return plan_capacity(guide_figure(folder, name, gb), precision)
+
+    a_guide, a_vendor = at("plan-a", 192), at("plan-a", 288)
+    assert not a_guide.fits and f"{(a_guide.resident_weight_bytes - a_guide.usable_bytes) / GB:,.1f} GB short" in (
+        f"{a_guide.refusal}") and "**109.1 GB short**" in verdicts
+    assert f"{(a_guide.weight_bytes - a_guide.memory_bytes) / GB:,.1f} GB less than the 1,568.3 GB" in verdicts
+    assert f"headroom {a_vendor.headroom_bytes / GB:,.1f} GB, **{a_vendor.max_context_sequences}** sequences" in (
+        verdicts)
+    for name, guide_gb, vendor_gb in (("plan-b", 144, 180), ("plan-c", 186, 186)):
+        guide = at(name, guide_gb)
+        assert guide.fits and f"headroom {guide.headroom_bytes / GB:,.1f} GB, **{guide.max_context_sequences}** " in (
+            verdicts), name
+        vendor = at(name, vendor_gb) if vendor_gb != guide_gb else at(name, vendor_gb, "bf16")
+        assert f"headroom {vendor.headroom_bytes / GB:,.1f} GB, **{vendor.max_context_sequences}** " in verdicts, name
+    assert f"{MXFP4_WEIGHTS / GB:,.1f} GB" == "1,568.3 GB" and "**1,568.3 GB**" in verdicts

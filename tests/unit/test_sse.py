@@ -175,3 +175,26 @@ def test_chat_and_responses_usage_shapes(api: str, stream: bytes) -> None:
     assert tap.done
     assert tap.usage is not None
     assert (tap.usage["prompt_tokens"], tap.usage["completion_tokens"]) == (40, 9)
+
+
+@pytest.mark.parametrize(("api", "chunks", "done", "failed"), [
+    ("responses", [b'event: response.completed\ndata: {"type": "response.completed"}\n\n'], True, False),
+    ("responses", [b'data: {"response": {"status": "completed"}, "type" : "response.completed"}\r\n\r\n'], True, False),
+    ("responses", [b"event:response.incomplete\r\n", b'data: {"type":"response.incomplete"}\r\n\r\n'], True, False),
+    ("responses", [b'data: {"type": "response.output_text.delta", "delta": "response.completed"}\n\n'], False, False),
+    ("responses", [b'data: {"type": "t", "delta": "\\"response.failed\\""}\n\n'], False, False),
+    ("responses", [b'data: {"type": "x", "item": {"type": "response.completed"}}\n\n'], False, False),  # nested
+    ("responses", [b'data: {"type": "error", "code": "server_error", "message": "x"}\n\n'], False, True),
+    ("responses", [b'data: {"type": "response.created", "response": {"error": null}}\n\n'], False, False),
+    ("responses", [b"event: response.completed \ndata: {}\n\n"], False, False),  # the value is "response.completed "
+    ("messages", [b'event:message_stop\r\ndata: {"type": "message_stop"}\r\n\r\n'], True, False),
+    ("messages", [b'data: {"type": "content_block_delta", "delta": {"text": "message_stop"}}\n\n'], False, False),
+    ("messages", [b'event: error\r\ndata: {"type": "error", "error": {"type": "api_error"}}\r\n\r\n'], False, True),
+    ("messages", [b'data: {"type": "error"}\n\n'], False, False),  # the anthropic SDK raises on `event: error` only
+])
+def test_typed_streams_end_and_fail_by_their_parsed_event_type(api: str, chunks: list[bytes], done: bool,
+                                                               failed: bool) -> None:
+    tap = SSETap(api)
+    for chunk in chunks:
+        tap.feed(chunk)
+    assert (tap.done, tap.failed) == (done, failed)

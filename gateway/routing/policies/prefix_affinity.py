@@ -11,6 +11,11 @@ Algorithm:
    it — or its KV-cache usage is above `kv_usage_max` while another candidate is below. Then the
    least-loaded candidate wins (reason `load_guard`) and, once it serves the request, becomes the
    prefix's new owner. Otherwise reason `affinity`.
+3. No match, but the request has a session key (`X-Session-ID`, Codex's `session_id` header,
+   `prompt_cache_key`, `metadata.user_id`, `user`: gateway/routing/features.py `session_hint`) and
+   a candidate served that session last: it gets the request unless the load guard of step 2 holds
+   against it (reason `session`), so a conversation's turn that shares no cached block yet (a new
+   system prompt, a first turn after a compaction) stays where its session's earlier turns went.
 Ties in load rotate among candidates.
 
 Parameters: `min_match_tokens` (tokens, default 1024), `min_match_ratio` (0..1, default 0.0),
@@ -42,12 +47,20 @@ class PrefixAffinityPolicy:
         p = self.params
         best = max(candidates, key=lambda c: c.match)
         if best.matched_tokens < max(p.min_match_tokens, 1) or best.match < p.min_match_ratio:
+            session = next((c for c in candidates if c.session), None)
+            if session is not None and not self._overloaded(session, candidates):
+                return Decision(session.worker, "session")
             return Decision(self._ties.least_loaded(candidates).worker, "no_match")
-        least_load = min(c.load for c in candidates)
-        imbalanced = best.load - least_load > p.balance_abs and best.load > least_load * p.balance_rel
-        kv_full = (best.kv_usage is not None and best.kv_usage > p.kv_usage_max
-                   and any(c.kv_usage is None or c.kv_usage <= p.kv_usage_max for c in candidates))
-        if imbalanced or kv_full:
+        if self._overloaded(best, candidates):
             others = [c for c in candidates if c is not best]
             return Decision(self._ties.least_loaded(others).worker, "load_guard")
         return Decision(best.worker, "affinity")
+
+    def _overloaded(self, chosen: Candidate, candidates: list[Candidate]) -> bool:
+        """The load guard: the pool is imbalanced against `chosen`, or its KV cache is full while
+        another candidate's is not."""
+        p = self.params
+        least_load = min(c.load for c in candidates)
+        imbalanced = chosen.load - least_load > p.balance_abs and chosen.load > least_load * p.balance_rel
+        return imbalanced or (chosen.kv_usage is not None and chosen.kv_usage > p.kv_usage_max
+                              and any(c.kv_usage is None or c.kv_usage <= p.kv_usage_max for c in candidates))

@@ -2,8 +2,10 @@
 
 Algorithm: rendezvous (highest-random-weight) hashing — each candidate scores
 xxh3_64(session key + worker URL) and the highest score wins, so removing a worker only moves
-the sessions that were on it. The key is the request's `X-Session-ID` header, else its `user`
-field; requests without one go to the least-loaded candidate. Parameters: none.
+the sessions that were on it. The key is the request's session hint (`X-Session-ID`, Codex's
+`session_id` / `session-id` header, the body's `prompt_cache_key`, Anthropic's `metadata.user_id`,
+`user`, in that order: gateway/routing/features.py `session_hint`) scoped to its API key; requests
+without one go to the least-loaded candidate. Parameters: none.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ gateway/routing/prefill.py and handed in on each `Candidate` by the dispatch).
    and among those the longest cached prefix wins, then the least-loaded worker (ties rotate).
    Reasons: `affinity` (the winner holds the longest prefix any candidate holds), `cost` (another
    holds a longer one, but waiting there would take longer), `no_match` (no candidate holds any).
+   Without a cache owner, the candidate that served the request's session last (its session key:
+   gateway/routing/features.py `session_hint`) wins if it is among the tied: reason `session`.
 
 Parameters (gateway/config.py `TtftCostParams`): `prior_rate` (tokens/s, default 10,000),
 `min_rate` / `max_rate` (tokens/s, 100 / 1,000,000), `half_life_s` (seconds, 30), `prior_tokens`
@@ -67,6 +69,10 @@ class TtftCostPolicy:
             if predicted[owner] <= lowest + keep:
                 return Decision(candidates[owner].worker, "affinity")
         limit = lowest * (1.0 + p.tie_tolerance)
+        if held < max(p.owner_min_tokens, 1):  # no cache owner: the session's worker, if its wait ties the best
+            for candidate, seconds in zip(candidates, predicted, strict=True):
+                if candidate.session and seconds <= limit:
+                    return Decision(candidate.worker, "session")
         best: list[Candidate] = []
         best_match = -1
         longest = 0

@@ -1,20 +1,15 @@
 #!/usr/bin/env bash
-# ascend-128k: Ascend 950, vllm-ascend (example sizing).
-# One engine instance (one gateway worker) of pool ascend-128k: vllm-ascend (vLLM's OpenAI server) on 1 node(s) x 16 Ascend 950,
-# TP 16 x PP 1 x DP 1, EP 16, mxfp4, max context 131,072 tokens; the pool runs 1 of these.
-# Generated from config/plans/ascend.yaml by `kimi-gateway plan config/k3-production.yaml --emit deploy/engines`.
-# Do not edit: change the plan and emit again (tests/unit/test_plans.py fails on drift).
-# Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), ASCEND_API_KEY (required).
+# ascend-128k: Ascend 950, vllm-ascend (example sizing), on Kubernetes (deploy/kubernetes/generate.py; the flags are deploy/engines/ascend-128k.sh's).
+# The engine key comes from the environment (VLLM_API_KEY), never the command line (/proc/PID/cmdline).
 set -euo pipefail
-: "${ASCEND_API_KEY:?set ASCEND_API_KEY: the bearer key the gateway sends pool ascend-128k}"
-exec vllm serve "${MODEL_PATH:-moonshotai/Kimi-K3}" \
+: "${VLLM_API_KEY:?set VLLM_API_KEY: the bearer key the gateway sends pool ascend-128k}"
+exec vllm serve \
+  "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --host "${HOST:-0.0.0.0}" \
   --port 8000 \
   --served-model-name moonshotai/Kimi-K3 \
-  --api-key "$ASCEND_API_KEY" \
   --max-model-len 131072 \
   --tensor-parallel-size 16 \
   --enable-expert-parallel \
-  --quantization ascend \
   --gpu-memory-utilization 0.9 \
   --trust-remote-code

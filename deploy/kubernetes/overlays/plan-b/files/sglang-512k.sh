@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# sglang-512k: Plan B, production (2 x 8 B200, SGLang).
-# One engine instance (one gateway worker) of pool sglang-512k: SGLang launch_server on 2 node(s) x 8 B200,
-# TP 16 x PP 1 x DP 1, EP 16, mxfp4, max context 524,288 tokens; the pool runs 2 of these.
-# Generated from config/plans/plan-b.yaml by `kimi-gateway plan config/k3-production.yaml --emit deploy/engines`.
-# Do not edit: change the plan and emit again (tests/unit/test_plans.py fails on drift).
-# Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), SGLANG_API_KEY (required); NODE_RANK (0 on the head node); DIST_INIT_ADDR (node 0's host:port).
+# sglang-512k: Plan B, production (2 x 8 B200, SGLang), on Kubernetes (deploy/kubernetes/generate.py; the flags are deploy/engines/sglang-512k.sh's).
+# The engine key comes from the environment (SGLANG_API_KEY), never the command line (/proc/PID/cmdline).
 set -euo pipefail
 : "${SGLANG_API_KEY:?set SGLANG_API_KEY: the bearer key the gateway sends pool sglang-512k}"
-: "${NODE_RANK:?set NODE_RANK: the rank of this node, 0..1}"
-: "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"
-exec python3 -m sglang.launch_server \
+# One LeaderWorkerSet group = one instance of 2 nodes; the controller sets the rank variables.
+: "${LWS_LEADER_ADDRESS:?}" "${LWS_WORKER_INDEX:?}" "${LWS_GROUP_SIZE:?}"
+rank=$LWS_WORKER_INDEX
+# The leader's address as an IP (its DNS record appears once its pod has one): the process
+# group's and the engines' sockets bind and connect on it.
+for _ in $(seq 60); do
+  leader=$(getent hosts "$LWS_LEADER_ADDRESS" | awk '{print $1; exit}') && [ -n "$leader" ] && break
+  sleep 5
+done
+: "${leader:?cannot resolve $LWS_LEADER_ADDRESS}"
+launcher='import os, runpy, sglang.srt.server_args as s; p = s.prepare_server_args
+def with_key(argv):
+    args = p(argv)
+    args.api_key = os.environ.pop('"'"'SGLANG_API_KEY'"'"')
+    return args
+s.prepare_server_args = with_key
+runpy.run_module('"'"'sglang.launch_server'"'"', run_name='"'"'__main__'"'"', alter_sys=True)'
+exec python3 -c "$launcher" \
   --model-path "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --host "${HOST:-0.0.0.0}" \
   --port 30000 \
   --served-model-name moonshotai/Kimi-K3 \
-  --api-key "$SGLANG_API_KEY" \
   --context-length 524288 \
   --tp-size 16 \
   --ep-size 16 \
-  --quantization mxfp4 \
   --mem-fraction-static 0.88 \
+  --enable-metrics \
   --trust-remote-code \
-  --nnodes 2 \
-  --node-rank "$NODE_RANK" \
-  --dist-init-addr "$DIST_INIT_ADDR"
+  --nnodes "$LWS_GROUP_SIZE" \
+  --node-rank "$rank" \
+  --dist-init-addr "$leader:5000"

@@ -1,32 +1,42 @@
 #!/usr/bin/env bash
-# nvl72-1m: Plan C, full power (GB200 NVL72 rack, vLLM).
-# One engine instance (one gateway worker) of pool nvl72-1m: vLLM OpenAI server on 18 node(s) x 4 GB200,
-# TP 8 x PP 3 x DP 3, EP 72, bf16, max context 1,048,576 tokens; the pool runs 1 of these.
-# Generated from config/plans/plan-c.yaml by `kimi-gateway plan config/k3-production.yaml --emit deploy/engines`.
-# Do not edit: change the plan and emit again (tests/unit/test_plans.py fails on drift).
-# Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), NVL72_API_KEY (required); NODE_RANK (0 on the head node); HEAD_ADDRESS (node 0's host, on the other nodes).
+# nvl72-1m: Plan C, full power (GB200 NVL72 rack, vLLM), on Kubernetes (deploy/kubernetes/generate.py; the flags are deploy/engines/nvl72-1m.sh's).
+# The engine key comes from the environment (VLLM_API_KEY), never the command line (/proc/PID/cmdline).
 set -euo pipefail
-: "${NVL72_API_KEY:?set NVL72_API_KEY: the bearer key the gateway sends pool nvl72-1m}"
-: "${NODE_RANK:?set NODE_RANK: the rank of this node, 0..17}"
-# Node 0 starts the Ray head and serves; nodes 1..17 join its cluster (start them within Ray's connect timeout): vLLM places its 72 workers on the cluster's devices.
-if [ "$NODE_RANK" != 0 ]; then
-  : "${HEAD_ADDRESS:?set HEAD_ADDRESS: the head node (rank 0) host}"
-  exec ray start --address "$HEAD_ADDRESS:6379" --block
+: "${VLLM_API_KEY:?set VLLM_API_KEY: the bearer key the gateway sends pool nvl72-1m}"
+# One LeaderWorkerSet group = one instance of 18 nodes; the controller sets the rank variables.
+: "${LWS_LEADER_ADDRESS:?}" "${LWS_WORKER_INDEX:?}" "${LWS_GROUP_SIZE:?}"
+rank=$LWS_WORKER_INDEX
+# The leader's address as an IP (its DNS record appears once its pod has one): the process
+# group's and the engines' sockets bind and connect on it.
+for _ in $(seq 60); do
+  leader=$(getent hosts "$LWS_LEADER_ADDRESS" | awk '{print $1; exit}') && [ -n "$leader" ] && break
+  sleep 5
+done
+: "${leader:?cannot resolve $LWS_LEADER_ADDRESS}"
+args=(
+  "${MODEL_PATH:-moonshotai/Kimi-K3}"
+  --host "${HOST:-0.0.0.0}"
+  --port 8000
+  --served-model-name moonshotai/Kimi-K3
+  --max-model-len 1048576
+  --tensor-parallel-size 8
+  --pipeline-parallel-size 3
+  --data-parallel-size 3
+  --enable-expert-parallel
+  --gpu-memory-utilization 0.9
+  --enable-chunked-prefill
+  --trust-remote-code
+  --nnodes "$LWS_GROUP_SIZE"
+  --node-rank "$rank"
+  --master-addr "$leader"
+  --master-port 29501
+  --data-parallel-size-local 1
+  --data-parallel-address "$leader"
+  --data-parallel-rpc-port 13345
+)
+# Nodes 0, 6, ... start data-parallel ranks 0..2 (6 nodes each).
+if [ "$rank" != 0 ] && [ $((rank % 6)) = 0 ]; then args+=(--data-parallel-start-rank $((rank / 6))); fi
+if [ "$rank" != 0 ]; then
+  exec vllm serve "${args[@]}" --headless
 fi
-ray start --head --port 6379
-exec vllm serve "${MODEL_PATH:-moonshotai/Kimi-K3}" \
-  --host "${HOST:-0.0.0.0}" \
-  --port 8000 \
-  --served-model-name moonshotai/Kimi-K3 \
-  --api-key "$NVL72_API_KEY" \
-  --max-model-len 1048576 \
-  --tensor-parallel-size 8 \
-  --pipeline-parallel-size 3 \
-  --data-parallel-size 3 \
-  --enable-expert-parallel \
-  --dtype bfloat16 \
-  --gpu-memory-utilization 0.9 \
-  --enable-chunked-prefill \
-  --trust-remote-code \
-  --distributed-executor-backend ray \
-  --data-parallel-backend ray
+exec vllm serve "${args[@]}"

@@ -1,0 +1,380 @@
+"""deploy/kubernetes engines (issue 24 §3, §4): multi-node instances are LeaderWorkerSets (group
+restart, one group rolled at a time, a leader-only Service), every engine pod is Guaranteed,
+probed while it loads weights, prioritised, covered by a PodDisruptionBudget that keeps an
+instance, pinned to an engine release, given its key only through the environment, RDMA and NCCL
+on multi-node pods, an IMEX ComputeDomain on NVL72; every custom resource passes its CRD's schema;
+the gateway and the engines drain before they stop.
+
+The launch scripts are run for real (bash) against stand-ins of `vllm` and of SGLang's
+`sglang.launch_server` module that report what they were started with, so the ranks, --headless
+and the key staying off the command line are observed, not read from the text.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gateway.config import TimeoutConfig, load_config
+from tests.deploy.crd_schema import SCHEMAS, json_schema, schema_path
+from tests.deploy.test_kubernetes import (
+    CRD_GROUPS,
+    GENERATE,
+    OVERLAYS,
+    PLANS,
+    VALID_KEYS,
+    by_kind,
+    engine_sets,
+    gateway_environ,
+    gateway_files,
+    pod_templates,
+    rendered,  # noqa: F401 - the fixture
+)
+from tests.deploy.tools import run, tool
+
+CHECK_JSONSCHEMA = tool("check-jsonschema")
+needs_check_jsonschema = pytest.mark.skipif(CHECK_JSONSCHEMA is None,
+                                            reason="check-jsonschema not installed (dev extra)")
+MULTI = [name for name, loaded in PLANS.items() if loaded.plan.hardware.nodes > 1]
+CORE_GROUPS = ("v1", "apps/", "policy/", "networking.k8s.io/", "autoscaling/", "scheduling.k8s.io/")
+
+
+def custom_resources(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [o for o in objects if not o["apiVersion"].startswith(CORE_GROUPS)]
+
+
+def check_custom_resources(objects: list[dict[str, Any]], tmp_path: Path) -> dict[str, str]:
+    """check-jsonschema every object against the vendored schema of its kind: {kind/name: output} of failures."""
+    assert CHECK_JSONSCHEMA is not None
+    failures = {}
+    for index, obj in enumerate(objects):
+        schema = schema_path(obj["apiVersion"], obj["kind"])
+        assert schema.is_file(), f"{obj['kind']} {obj['apiVersion']}: no vendored schema in {SCHEMAS}"
+        doc = tmp_path / f"cr-{index}.json"
+        doc.write_text(json.dumps(obj))
+        result = run([CHECK_JSONSCHEMA, "--schemafile", str(schema), str(doc)])
+        if result.returncode != 0:
+            failures[f"{obj['kind']}/{obj['metadata']['name']}"] = result.stdout + result.stderr
+    return failures
+
+
+@needs_check_jsonschema
+def test_every_custom_resource_passes_its_crd_schema(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
+                                                      tmp_path: Path) -> None:
+    """kubernetes-validate skips custom resources: LeaderWorkerSet, ComputeDomain, ServiceMonitor and
+    PrometheusRule are validated against their CRDs' schemas (tests/deploy/crd-schemas/)."""
+    unique = {json.dumps(o, sort_keys=True): o for objects in rendered.values() for o in custom_resources(objects)}
+    kinds = {o["kind"] for o in unique.values()}
+    assert {"LeaderWorkerSet", "ComputeDomain", "ServiceMonitor", "PrometheusRule"} <= kinds
+    assert all(o["apiVersion"].startswith(CRD_GROUPS) for o in unique.values())  # none escapes both checks
+    assert check_custom_resources(list(unique.values()), tmp_path) == {}
+
+
+@needs_check_jsonschema
+def test_crd_schemas_fail_misspelt_and_mistyped_fields(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
+                                                       tmp_path: Path) -> None:
+    (lws,) = by_kind(rendered["plan-b"], "LeaderWorkerSet").values()
+    (domain,) = by_kind(rendered["plan-c"], "ComputeDomain").values()
+    misspelt, mistyped, deep, bad_domain = (copy.deepcopy(o) for o in (lws, lws, lws, domain))
+    misspelt["metadata"]["name"] = "misspelt"
+    misspelt["spec"]["leaderWorkerTemplate"]["restartPolcy"] = "None"
+    mistyped["metadata"]["name"] = "mistyped"
+    mistyped["spec"]["leaderWorkerTemplate"]["size"] = "two"
+    deep["metadata"]["name"] = "deep"  # inside the pod template: the CRD embeds the core pod schema
+    deep["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["readinesProbe"] = {}
+    bad_domain["spec"]["channel"]["allocationMode"] = "Some"
+    failures = check_custom_resources([misspelt, mistyped, deep, bad_domain], tmp_path)
+    assert set(failures) == {"LeaderWorkerSet/misspelt", "LeaderWorkerSet/mistyped", "LeaderWorkerSet/deep",
+                             "ComputeDomain/nvl72-1m"}, failures
+
+
+def test_crd_conversion_is_strict_where_the_api_server_is() -> None:
+    crd = {"metadata": {"name": "things.example.com"},
+           "spec": {"group": "example.com", "names": {"kind": "Thing"}, "versions": [{
+               "name": "v1", "storage": True, "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                   "spec": {"type": "object", "description": "d", "x-kubernetes-validations": [{"rule": "x"}],
+                            "properties": {"port": {"x-kubernetes-int-or-string": True},
+                                           "mode": {"type": "string", "pattern": "^(?i)(abort|warn)?$"},
+                                           "note": {"type": "string", "nullable": True},
+                                           "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True,
+                                                    "properties": {"a": {"type": "string"}}}}}}}}}]}}
+    schema = json_schema(crd)
+    spec = schema["properties"]["spec"]
+    assert spec["additionalProperties"] is False and "description" not in spec
+    assert "x-kubernetes-validations" not in spec
+    assert spec["properties"]["port"]["type"] == ["integer", "string"]
+    assert spec["properties"]["note"]["type"] == ["string", "null"]
+    assert spec["properties"]["mode"]["pattern"] == "^([aA][bB][oO][rR][tT]|[wW][aA][rR][nN])?$"
+    assert "additionalProperties" not in spec["properties"]["free"]
+    assert schema["properties"]["apiVersion"] == {"const": "example.com/v1"}
+    assert set(schema["required"]) >= {"apiVersion", "kind", "metadata"}
+    with pytest.raises(ValueError, match="v2"):
+        json_schema(crd, "v2")
+
+
+@pytest.mark.parametrize("plan", MULTI)
+def test_multi_node_instances_are_leader_worker_sets(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
+                                                     plan: str, tmp_path: Path) -> None:
+    """One LWS per pool, a group per instance: a pod restart recreates its group, a rollout replaces
+    one group at a time, and the leader-only Service selects worker-index 0 pods. The gateway's
+    workers are the leaders."""
+    loaded = PLANS[plan]
+    objects = rendered[plan]
+    (lws,) = engine_sets(objects, loaded).values()
+    spec = lws["spec"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert spec["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxUnavailable": 1, "maxSurge": 0}
+    pool = loaded.plan.pool.name
+    leaders = by_kind(objects, "Service")[f"{pool}-leaders"]
+    assert leaders["spec"]["selector"] == {"leaderworkerset.sigs.k8s.io/name": pool,
+                                           "leaderworkerset.sigs.k8s.io/worker-index": "0"}
+    assert not leaders["spec"].get("publishNotReadyAddresses")  # DNS discovery sees ready leaders only
+    assert [p["port"] for p in leaders["spec"]["ports"]] == [loaded.plan.engine.port]
+    config = load_config(gateway_files(objects, tmp_path), environ={**gateway_environ(objects), **VALID_KEYS})
+    (gateway_pool,) = [p for p in config.pools if p.name == pool]
+    assert gateway_pool.workers == [f"http://{pool}-{i}.{pool}:{loaded.plan.engine.port}"
+                                    for i in range(loaded.plan.replicas)]
+    # Kustomize's generated names (content hash) reach the LWS's pod templates too.
+    names = {o["metadata"]["name"] for o in objects if o["kind"] in ("ConfigMap", "Secret")}
+    for template in pod_templates(lws):
+        refs = {v["configMap"]["name"] for v in template["spec"]["volumes"] if "configMap" in v}
+        refs |= {e["valueFrom"]["secretKeyRef"]["name"] for c in template["spec"]["containers"]
+                 for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+        assert refs and refs <= names, refs - names
+
+
+def test_nvl72_pods_share_a_compute_domain(rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    objects = rendered["plan-c"]
+    (lws,) = engine_sets(objects, PLANS["plan-c"]).values()
+    (domain,) = by_kind(objects, "ComputeDomain").values()
+    template_name = domain["spec"]["channel"]["resourceClaimTemplate"]["name"]
+    for template in pod_templates(lws):
+        spec = template["spec"]
+        (claim,) = spec["resourceClaims"]
+        assert claim["resourceClaimTemplateName"] == template_name
+        assert spec["containers"][0]["resources"]["claims"] == [{"name": claim["name"]}]
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        assert env["NCCL_MNNVL_ENABLE"] == "1"
+    assert lws["metadata"]["annotations"]["leaderworkerset.sigs.k8s.io/exclusive-topology"] == "nvidia.com/gpu.clique"
+    assert not by_kind(rendered["plan-b"], "ComputeDomain")  # B200 nodes talk over RDMA, not NVLink
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_engine_pods_are_guaranteed_probed_prioritised_and_pinned(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
+                                                                  plan: str) -> None:
+    loaded = PLANS[plan]
+    objects = rendered[plan]
+    (workload,) = engine_sets(objects, loaded).values()
+    multi = loaded.plan.hardware.nodes > 1
+    classes = by_kind(objects, "PriorityClass")
+    for index, template in enumerate(pod_templates(workload)):
+        spec = template["spec"]
+        assert spec["priorityClassName"] in classes
+        for container in spec["containers"]:
+            resources = container["resources"]
+            assert resources["requests"] == resources["limits"] and {"cpu", "memory"} <= set(resources["limits"])
+            assert not container["image"].endswith(":latest") and re.search(r":v?\d+\.\d+\.\d+$", container["image"])
+        engine = spec["containers"][0]
+        (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+        if multi:
+            assert "IPC_LOCK" in engine["securityContext"]["capabilities"]["add"]
+            assert engine["resources"]["limits"][GENERATE.RDMA_RESOURCE] >= 1
+            assert {"NCCL_SOCKET_IFNAME", "NCCL_IB_HCA"} <= {e["name"] for e in engine["env"]}
+        serves = index == 0
+        assert ("startupProbe" in engine) == serves and ("livenessProbe" in engine) == serves
+        if serves:
+            startup = engine["startupProbe"]
+            assert startup["httpGet"]["port"] == "http"
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= GENERATE.startup_seconds(loaded) >= 600
+            assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_startup_budget_follows_the_weights_each_node_reads() -> None:
+    """The planner's MXFP4 weights (experts at 0.5 byte + a 1-byte scale per 32, dense parts BF16:
+    1,568.3 GB; gateway/plans/models.py): Plan B over 2 nodes at 1 GB/s, 784 s; Plan C 3
+    data-parallel copies over 18 trays, 261 s; each plus warm-up."""
+    assert GENERATE.startup_seconds(PLANS["plan-b"]) == 785 + GENERATE.ENGINE_WARMUP_SECONDS
+    assert GENERATE.startup_seconds(PLANS["plan-c"]) == 262 + GENERATE.ENGINE_WARMUP_SECONDS
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_disruption_budgets_never_take_a_pools_last_instance(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
+                                                             overlay: str) -> None:
+    """Each pool's PDB selects all its pods. An evicted pod takes its whole instance down (a group
+    restarts together), and the PDB then allows nothing more until it is back: so `maxUnavailable`
+    pods must leave at least one instance whole."""
+    objects = rendered[overlay]
+    budgets = by_kind(objects, "PodDisruptionBudget")
+    for loaded in OVERLAYS[overlay]:
+        plan = loaded.plan
+        budget = budgets[plan.pool.name]["spec"]
+        (workload,) = engine_sets(objects, loaded).values()
+        for template in pod_templates(workload):
+            assert budget["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+        assert "minAvailable" not in budget
+        assert plan.replicas - budget["maxUnavailable"] >= 1  # one broken instance per evicted pod
+        assert budget["maxUnavailable"] == (1 if plan.replicas > 1 else 0)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_gateway_grace_covers_the_longest_request(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
+                                                  overlay: str, tmp_path: Path) -> None:
+    """The gateway stops only after its longest allowed request could finish: a 1M-token prefill's
+    first-byte budget (~10 minutes with the production timeouts) and an answer after it."""
+    objects = rendered[overlay]
+    config = load_config(gateway_files(objects, tmp_path), environ={**gateway_environ(objects), **VALID_KEYS})
+    timeouts: TimeoutConfig = config.timeouts
+    longest_prefill = max(timeouts.first_byte_base + timeouts.first_byte_per_1k_tokens * p.max_context_tokens / 1000
+                          for p in config.pools)
+    assert config.shutdown.grace_period >= longest_prefill + timeouts.generation
+    pod = by_kind(objects, "Deployment")["kimi-gateway"]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > config.shutdown.drain_delay + config.shutdown.grace_period
+    if overlay in ("plan-c", "production"):
+        assert pod["terminationGracePeriodSeconds"] > 600  # was 50 s
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_engines_drain_through_the_gateway_before_they_stop(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
+                                                            plan: str, tmp_path: Path) -> None:
+    """The serving pod's drain sidecar runs `kimi-gateway drain` for its own worker URL (as the
+    gateway's config names it) with the admin key from a Secret; the engine waits for it; every
+    pod's termination grace outlasts the drain's wait."""
+    loaded = PLANS[plan]
+    objects = rendered[plan]
+    (workload,) = engine_sets(objects, loaded).values()
+    pool = loaded.plan.pool.name
+    config = load_config(gateway_files(objects, tmp_path), environ={**gateway_environ(objects), **VALID_KEYS})
+    (gateway_pool,) = [p for p in config.pools if p.name == pool]
+    deployment = by_kind(objects, "Deployment")["kimi-gateway"]
+    templates = pod_templates(workload)
+    leader = templates[0]["spec"]
+    engine, sidecar = leader["containers"]
+    assert sidecar["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    (command,) = sidecar["lifecycle"]["preStop"]["exec"]["command"][2:]
+    match = re.fullmatch(r"kimi-gateway drain --gateway http://kimi-gateway:8000 --pool (\S+) "
+                         r"--worker (\S+) --wait (\d+); touch /drain/done", command)
+    assert match, command
+    assert match[1] == pool
+    wait = int(match[3])
+    assert wait >= GENERATE.request_budget_seconds(yaml.safe_load(GENERATE.PRODUCTION.read_text()), loaded)
+    assert {match[2].replace("${POD_NAME}", f"{workload['metadata']['name']}-{i}")
+            for i in range(loaded.plan.replicas)} == set(gateway_pool.workers)
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    key = env[GENERATE.DRAIN_KEY_ENV]["valueFrom"]["secretKeyRef"]
+    assert key["name"].startswith(GENERATE.DRAIN_KEY_SECRET)
+    assert "/drain/done" in engine["lifecycle"]["preStop"]["exec"]["command"][2]
+    for template in templates:
+        assert template["spec"]["terminationGracePeriodSeconds"] > wait
+    # The drain sidecars may reach the gateway's port.
+    policy = by_kind(objects, "NetworkPolicy")["kimi-gateway-drains"]
+    assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/component": "engine"}}}]
+    assert templates[0]["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+
+
+# --- the launch scripts, run ---------------------------------------------------------------------
+
+FAKE_VLLM = """#!/bin/sh
+exec python3 -c 'import json, os, sys
+print(json.dumps({"argv": sys.argv[1:], "key": os.environ.get("VLLM_API_KEY")}))' "$@"
+"""
+# sglang/launch_server.py's shape (python/sglang/launch_server.py): __main__ parses
+# prepare_server_args(sys.argv[1:]) from sglang.srt.server_args and starts the server with it.
+FAKE_SGLANG = {
+    "sglang/__init__.py": "",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/server_args.py": (
+        "import argparse\n"
+        "def prepare_server_args(argv):\n"
+        "    parser = argparse.ArgumentParser()\n"
+        "    parser.add_argument('--api-key', default=None)\n"
+        "    parser.add_argument('--node-rank', type=int, default=0)\n"
+        "    parser.add_argument('--nnodes', type=int, default=1)\n"
+        "    parser.add_argument('--dist-init-addr', default=None)\n"
+        "    return parser.parse_known_args(argv)[0]\n"),
+    "sglang/launch_server.py": (
+        "import json, os, sys\n"
+        "from sglang.srt.server_args import prepare_server_args\n"
+        "if __name__ == '__main__':\n"
+        "    args = prepare_server_args(sys.argv[1:])\n"
+        "    cmdline = open('/proc/self/cmdline', 'rb').read().decode().split('\\0')\n"
+        "    print(json.dumps({'api_key': args.api_key, 'node_rank': args.node_rank, 'nnodes': args.nnodes,\n"
+        "                      'dist': args.dist_init_addr, 'cmdline': cmdline,\n"
+        "                      'env_key': os.environ.get('SGLANG_API_KEY')}))\n"),
+}
+
+
+def run_script(loaded: Any, tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    vllm = bin_dir / "vllm"
+    vllm.write_text(FAKE_VLLM)
+    vllm.chmod(vllm.stat().st_mode | stat.S_IEXEC)
+    (bin_dir / "python3").symlink_to(sys.executable) if not (bin_dir / "python3").exists() else None
+    for name, text in FAKE_SGLANG.items():
+        (tmp_path / "py" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "py" / name).write_text(text)
+    script = tmp_path / "launch.sh"
+    script.write_text(GENERATE.launch_script(loaded))
+    result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30, env={
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "py"), **env})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+# The leader's name must resolve (the script waits for its DNS record): localhost stands in for it.
+LWS_ENV = {"LWS_LEADER_ADDRESS": "localhost", "LWS_GROUP_SIZE": "18"}
+
+
+def test_vllm_multi_node_ranks_from_leader_worker_set(tmp_path: Path) -> None:
+    """Plan C: 18 trays, no Ray. Rank 0 serves; others are --headless; nodes 6 and 12 start DP ranks 1, 2."""
+    loaded = PLANS["plan-c"]
+    seen = {rank: run_script(loaded, tmp_path, {**LWS_ENV, "LWS_WORKER_INDEX": str(rank), "VLLM_API_KEY": "k3y"})
+            for rank in (0, 1, 6, 12, 17)}
+    for rank, out in seen.items():
+        argv = out["argv"]
+        assert argv[:2] == ["serve", "moonshotai/Kimi-K3"]  # MODEL_PATH unset: the script's default
+        flags = dict(itertools.pairwise(argv))
+        assert flags["--nnodes"] == "18" and flags["--node-rank"] == str(rank)
+        assert flags["--master-addr"] in ("127.0.0.1", "::1")  # the leader's name, resolved
+        assert ("--headless" in argv) == (rank != 0)
+        assert flags.get("--data-parallel-start-rank") == {6: "1", 12: "2"}.get(rank)
+        assert "ray" not in " ".join(argv) and "--api-key" not in argv and "k3y" not in argv
+        assert out["key"] == "k3y"  # vLLM reads VLLM_API_KEY itself
+    missing = subprocess.run(["bash", "-c", GENERATE.launch_script(loaded)], capture_output=True, text=True,
+                             env={**LWS_ENV, "LWS_WORKER_INDEX": "0", "PATH": os.environ["PATH"]}, timeout=30)
+    assert missing.returncode != 0 and "VLLM_API_KEY" in missing.stderr
+
+
+def test_sglang_key_reaches_the_server_but_not_its_command_line(tmp_path: Path) -> None:
+    loaded = PLANS["plan-b"]
+    env = {"LWS_LEADER_ADDRESS": "localhost", "LWS_GROUP_SIZE": "2",
+           "SGLANG_API_KEY": "s3cret-key"}
+    for rank in (0, 1):
+        out = run_script(loaded, tmp_path, {**env, "LWS_WORKER_INDEX": str(rank)})
+        assert out["api_key"] == "s3cret-key"
+        assert not any("s3cret-key" in arg for arg in out["cmdline"]), out["cmdline"]
+        assert out["env_key"] is None  # taken out of the environment the engine's children inherit
+        assert (out["node_rank"], out["nnodes"]) == (rank, 2)
+        assert out["dist"] in (f"{ip}:{GENERATE.SGLANG_DIST_PORT}" for ip in ("127.0.0.1", "::1"))
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_no_launch_script_puts_a_key_on_the_command_line(plan: str) -> None:
+    script = GENERATE.launch_script(PLANS[plan])
+    assert "--api-key" not in script and "ray " not in script
