@@ -10,13 +10,18 @@ gateway's config or DNS discovery has it (`http://10.1.2.3:8000`) or its index. 
 2. `POST {gateway}/admin/workers/{pool}/{index}/drain`: no new requests go to it; with Redis the
    drain is shared (`"shared": true`), every replica and serving process follows within ~1 s
    (gateway/backends/drains.py); without Redis only the replica that answered drains (a warning);
-3. polls `GET /admin/workers` on every `--gateway` given (each replica's own URL, or with
-   `--every-address` each address a name resolves to, e.g. a headless Service) until each reports
-   the worker draining with 0 requests in flight, or `--wait` seconds pass.
+3. polls until the worker has no request in flight anywhere, or `--wait` seconds pass: with a
+   shared drain, `GET /admin/workers/{pool}/{index}`'s `fleet_in_flight` (every serving process of
+   every replica reports its count on a drained worker through Redis each second; counted once
+   `FLEET_SETTLE_S` passed since the drain), so one Service URL is enough; and in any case
+   `GET /admin/workers` on every `--gateway` given (each replica's own URL, or with
+   `--every-address` each address a name resolves to, e.g. a headless Service), each of which must
+   show the worker draining with 0 in flight.
 
-A Service URL alone reaches one replica per call: each replica counts only its own in-flight
-requests, so a zero from one says nothing of the others; give every replica (`--every-address`).
-Within a replica with `processes: N`, `/admin/workers` shows the process that answered.
+Without Redis each replica counts only its own in-flight requests and drains alone: give every
+replica's URL (`--every-address`); with `processes: N`, `/admin/workers` shows the process that
+answered. A replica that cannot reach Redis neither sees the drain nor reports (shared drains'
+limit: it keeps sending the worker requests).
 
 `--undrain` puts the worker back (`POST .../undrain`, shared the same way) and exits: the drain is
 kept in Redis by worker id, so an engine back at the same URL takes no traffic until undrained (run
@@ -45,6 +50,9 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 DEFAULT_ADMIN_KEY_ENV = "KIMI_GATEWAY_ADMIN_KEY"
+FLEET_SETTLE_S = 2.5
+"""Seconds after a shared drain before the fleet's reports count: two drain syncs (1 s apart,
+gateway/backends/drains.py) of every process, so each has seen the drain and reported since."""
 UNREACHABLE = -1
 """`DrainResult.in_flight` of a gateway that did not answer its last poll (it counts as not idle)."""
 
@@ -158,6 +166,7 @@ def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, 
         index, url = target["index"], target["url"]
         drained = _call(client, "POST", f"{first}/admin/workers/{pool}/{index}/drain")
         shared = bool(drained.get("shared"))
+        drained_at = time.monotonic()
         say(f"drained {drained['id']} ({url}) " + ("on every replica (shared through Redis)" if shared else
                                                    "on the replica that answered only: it has no shared Redis"))
         deadline = time.monotonic() + wait_s
@@ -180,14 +189,33 @@ def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, 
                 # not yet draining there (the ~1 s Redis sync): it may still take new requests
                 draining = snapshot["draining"] or snapshot["retired"]
                 counts[base] = snapshot["in_flight"] if draining else max(snapshot["in_flight"], 1)
+            fleet = _fleet_in_flight(client, first, pool, index, drained_at) if shared else None
+            if fleet is not None:
+                counts[f"{first} (every replica, through Redis)"] = fleet
             if not any(counts.values()):
-                say(f"{drained['id']}: 0 requests in flight on {len(counts)} gateway(s)")
+                say(f"{drained['id']}: 0 requests in flight on {len(gateways)} gateway(s)"
+                    + (" and every replica reporting through Redis" if shared else ""))
                 return DrainResult(drained["id"], shared, counts, idle=True)
             if time.monotonic() >= deadline:
                 say(f"{drained['id']}: still in flight after {wait_s:g} s: "
                     + ", ".join(f"{g} {'unreachable' if n == UNREACHABLE else n}" for g, n in counts.items() if n))
                 return DrainResult(drained["id"], shared, counts, idle=False)
             time.sleep(min(interval_s, max(deadline - time.monotonic(), 0.0)))
+
+
+def _fleet_in_flight(client: httpx.Client, gateway: str, pool: str, index: int, drained_at: float) -> int:
+    """The fleet's in-flight count on the drained worker (`fleet_in_flight` of `GET /admin/workers/
+    {pool}/{index}`: every process's report through Redis), UNREACHABLE when that call fails, and at
+    least 1 until `FLEET_SETTLE_S` passed since the drain (every process has seen it and reported
+    since) or while no process reported."""
+    try:
+        fleet = _call(client, "GET", f"{gateway}/admin/workers/{pool}/{index}").get("fleet_in_flight")
+    except DrainError:
+        return UNREACHABLE
+    if fleet is None:  # this replica answers without Redis now: the per-gateway counts are all there is
+        return 0
+    settled = time.monotonic() - drained_at >= FLEET_SETTLE_S and fleet["reporters"] > 0
+    return int(fleet["in_flight"]) if settled else max(int(fleet["in_flight"]), 1)
 
 
 def undrain_worker(gateway: str, pool: str, worker: str, *, admin_key: str | None = None,

@@ -42,21 +42,22 @@ class Stream(threading.Thread):
     """One streamed chat request read to its end in a thread: `worker` once the headers came,
     `lines` (the SSE data lines) and `ended` (monotonic time of the last byte) once done."""
 
-    def __init__(self, gw: RunningGateway) -> None:
+    def __init__(self, gw: RunningGateway, max_tokens: int = 50) -> None:
         super().__init__(daemon=True)
         self.gw, self.worker, self.lines, self.ended = gw, "", [], 0.0
+        self.body = {**STREAM, "max_tokens": max_tokens}
         self.started = threading.Event()
 
     def run(self) -> None:
-        with httpx.stream("POST", self.gw.v1 + "/chat/completions", json=STREAM, headers=AUTH, timeout=30) as answer:
+        with httpx.stream("POST", self.gw.v1 + "/chat/completions", json=self.body, headers=AUTH, timeout=30) as answer:
             self.worker = answer.headers["x-kimi-gateway-worker"]
             self.started.set()
             self.lines = [line for line in answer.iter_lines() if line.startswith("data: ")]
         self.ended = time.monotonic()
 
 
-def open_stream(gw: RunningGateway) -> Stream:
-    stream = Stream(gw)
+def open_stream(gw: RunningGateway, max_tokens: int = 50) -> Stream:
+    stream = Stream(gw, max_tokens)
     stream.start()
     assert stream.started.wait(10), "the stream got no headers"
     return stream
@@ -100,12 +101,14 @@ def test_drain_by_url_moves_new_requests_on_both_replicas_and_waits_for_the_stre
             assert answer.status_code == 200 and answer.headers["x-kimi-gateway-worker"] == other
     assert command.poll() is None  # still waiting for the streams in flight
     _, err = command.communicate(timeout=30)
-    returned = time.monotonic()
+    target_sim = sims[int(target.split("/")[1])]
+    # every stream on the drained worker was generated to its end before the command returned
+    assert {(r.completion_tokens_sent, r.completed, r.aborted) for r in target_sim.engine.records} == {
+        (50, True, False)}
     assert command.returncode == 0, err
     for stream in on_target:
         stream.join(10)
         assert stream.lines[-1] == "data: [DONE]" and len(stream.lines) > 10  # finished, not cut
-        assert stream.ended <= returned
     assert f"drained {target} ({url}) on every replica (shared through Redis)" in err
     assert f"{target}: 0 requests in flight on 2 gateway(s)" in err
     assert in_flight(first, target) == in_flight(second, target) == (True, 0)
@@ -118,6 +121,35 @@ def test_drain_by_url_moves_new_requests_on_both_replicas_and_waits_for_the_stre
     while in_flight(first, target)[0]:  # the ~1 s Redis sync
         assert time.monotonic() < deadline, "the undrain did not reach the first replica"
         time.sleep(0.05)
+
+
+def test_one_service_url_waits_for_the_streams_of_every_replica(
+        start_sim: StartSim, start_gateway: StartGateway, request: pytest.FixtureRequest) -> None:
+    """Behind a Service each call reaches one replica, which counts only its own streams: the
+    command waits on `fleet_in_flight`, every replica's count reported through Redis."""
+    key_prefix = f"kgw-test-drain-fleet-{uuid.uuid4().hex[:8]}"
+    store = redis.Redis()
+    request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained", f"{key_prefix}:inflight:p/0"),
+                                  store.close()))
+    sim = start_sim("vllm", tpot_s=0.04)
+    settings: dict[str, Any] = {
+        "redis_url": "redis://127.0.0.1:6379/0", "affinity": {"key_prefix": key_prefix},
+        "auth": {"enabled": True, "keys": [{"name": "ops", "sha256": hash_key(KEY), "scopes": ["user", "admin"]}]}}
+    first, second = (start_gateway([pool("p", "vllm", [sim.url], 131072)], **settings) for _ in range(2))
+    short, long = open_stream(first, max_tokens=5), open_stream(second, max_tokens=100)  # ~0.2 s and ~4 s
+    command = drain("--gateway", first.url, "--pool", "p", "--worker", sim.url, "--wait", "20", "--interval", "0.1")
+    _, err = command.communicate(timeout=30)
+    # The engine may stop now: it generated every token of the other replica's stream (the relay of
+    # the last bytes to the client needs it no more).
+    assert [(r.completion_tokens_sent, r.completed, r.aborted) for r in sim.engine.records] == [
+        (5, True, False), (100, True, False)]
+    assert command.returncode == 0, err
+    long.join(10)
+    short.join(10)
+    assert long.lines[-1] == "data: [DONE]"
+    assert "0 requests in flight on 1 gateway(s) and every replica reporting through Redis" in err
+    fleet = httpx.get(f"{first.url}/admin/workers/p/0", headers=AUTH, timeout=5).json()["fleet_in_flight"]
+    assert fleet == {"in_flight": 0, "reporters": 2}
 
 
 def run_in_process(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
