@@ -228,6 +228,7 @@ class ProxyService:
         record, pool, worker = dispatch.record, attempt.pool, attempt.failed_worker(failure)
         record.open_attempt = None
         record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
+        record.engine_refused |= failure.outcome in (Outcome.CLIENT_ERROR, Outcome.TOO_LONG)
         self.state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
         if record.trace is not None:
             record.trace.end_attempt(failure.outcome)
@@ -336,8 +337,10 @@ def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, fa
     reported one (a prompt it counted as 0, or did not report where its output was, is charged
     at the estimate: no prompt is empty); the reservation when the client hung up, or a complete
     answer came without usage (nothing to settle by); the prompt estimate when an engine accepted
-    the request (or may have been working on it) and it failed later; None, "release it all",
-    when no engine worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
+    the request (or may have been working on it) and it failed later; 0 when an engine read it and
+    refused it (a 4xx, "too long"): its tokens go back but its request stays counted, or refused
+    bodies would reach the engines past the key's request limit; None, "release it all", when no
+    engine worked on it (refused connections, 5xx/429 answers, no worker free)."""
     usage = record.usage
     estimate = request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
     if usage is not None:
@@ -348,4 +351,4 @@ def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, fa
         return reserved
     if record.reached_engine:
         return estimate
-    return None
+    return 0 if record.engine_refused else None
