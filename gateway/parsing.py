@@ -40,7 +40,13 @@ from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, portable_blocks, to_chat
-from gateway.protocol.body import ENGINE_ID_FIELDS, KV_TRANSFER_FIELDS, decode_json_object
+from gateway.protocol.body import (
+    ENGINE_ID_FIELDS,
+    KV_TRANSFER_FIELDS,
+    XARGS_FIELD,
+    decode_json_object,
+    without_connector_args,
+)
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routing.features import (
@@ -72,7 +78,8 @@ def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = 
     served name; top-level fields set to null are left out (null means "the default" in OpenAI's
     API, but some engine versions fail on it, e.g. `max_tokens: null` on vLLM's completions);
     the engine request ids (`ENGINE_ID_FIELDS`) are left out, and so are the KV connector's fields
-    (`KV_TRANSFER_FIELDS`) unless `kv_transfer_fields` (the pool's `allow_kv_transfer_fields`);
+    (`KV_TRANSFER_FIELDS`, also inside `vllm_xargs`) unless `kv_transfer_fields` (the pool's
+    `allow_kv_transfer_fields`);
     the usage patch's `stream_options` when `ask_usage`; and with `output_as_max_tokens` (an
     engine that ignores `max_completion_tokens` on this API, `EngineSpec.max_completion_tokens_apis`)
     `max_completion_tokens` is sent as `max_tokens`, which it replaces, as OpenAI ranks them.
@@ -80,6 +87,8 @@ def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = 
     body = {name: value for name, value in payload.items() if value is not None}
     for name in ENGINE_ID_FIELDS if kv_transfer_fields else _STRIPPED:
         body.pop(name, None)
+    if not kv_transfer_fields and XARGS_FIELD in body:
+        body[XARGS_FIELD] = without_connector_args(body[XARGS_FIELD])
     if ask_usage:
         body = ask_for_usage(body)
     if output_as_max_tokens and "max_completion_tokens" in body:
@@ -101,7 +110,7 @@ BodyKey = tuple[str, bool, bool, bool]
 fields kept): what makes one pool's engine body differ from another's (`upstream_body`'s arguments)."""
 
 _STRIPPED = ENGINE_ID_FIELDS + KV_TRANSFER_FIELDS
-_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", *KV_TRANSFER_FIELDS)
+_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", XARGS_FIELD, *KV_TRANSFER_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
