@@ -50,6 +50,7 @@ from gateway.protocol.body import (
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routing.features import (
+    ENGINE_OUTPUT_FIELD,
     AnthropicWire,
     Api,
     RoutingRequest,
@@ -110,7 +111,8 @@ BodyKey = tuple[str, bool, bool, bool]
 fields kept): what makes one pool's engine body differ from another's (`upstream_body`'s arguments)."""
 
 _STRIPPED = ENGINE_ID_FIELDS + KV_TRANSFER_FIELDS
-_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", XARGS_FIELD, *KV_TRANSFER_FIELDS)
+_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", ENGINE_OUTPUT_FIELD, XARGS_FIELD,
+                *KV_TRANSFER_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +190,27 @@ def with_output_limit(payload: Payload, api: str, tokens: int) -> Payload:
     name = OUTPUT_LIMIT_FIELD.get(api)
     if name is None:
         return payload
+    return _with_member(payload, name, tokens)
+
+
+def with_engine_output_limit(payload: Payload, tokens: int) -> Payload:
+    """`payload` with llama.cpp's `n_predict` (`ENGINE_OUTPUT_FIELD`, which that server ranks over
+    `max_tokens`) set to `tokens`, the reserved output, when the client sent a number that is not
+    a limit within it (-1, llama.cpp's "no limit", or any other below 1); else `payload` as it is
+    (a client's own 1..`tokens` is kept; a non-number makes llama.cpp fall back to `max_tokens`)."""
     if isinstance(payload, ForwardBody):
-        return payload.with_member(name, tokens)
-    return {**payload, name: tokens}
+        value = next((v for k, v in payload.head_fields if k == ENGINE_OUTPUT_FIELD), None)
+    else:
+        value = payload.get(ENGINE_OUTPUT_FIELD)
+    if type(value) not in (int, float) or 1 <= value < tokens + 1:
+        return payload
+    return _with_member(payload, ENGINE_OUTPUT_FIELD, tokens)
+
+
+def _with_member(payload: Payload, name: str, value: Any) -> Payload:
+    if isinstance(payload, ForwardBody):
+        return payload.with_member(name, value)
+    return {**payload, name: value}
 
 
 @dataclass(frozen=True, slots=True)
