@@ -163,9 +163,11 @@ def completions_per_prompt(n: int | None, extra: Mapping[str, Any] | None) -> in
     """Sequences the engine may generate per prompt: `n`, or `best_of` when larger (vLLM's V0
     engine generated `best_of` candidates and returned the best `n`, all of them generated tokens;
     SGLang's `CompletionRequest` in `srt/entrypoints/openai/protocol.py` still accepts the field),
-    so the reservation covers whichever engine version serves it."""
-    best_of = (extra or {}).get("best_of")
-    return max(n or 1, best_of if type(best_of) is int and best_of > 0 else 1)
+    or llama.cpp's `n_cmpl` when larger (its server reads it before `n`: `params_from_json_cmpl` in
+    `tools/server/server-task.cpp`), so the reservation covers whichever engine serves it."""
+    extra = extra or {}
+    counts = [value for value in (extra.get("best_of"), extra.get("n_cmpl")) if type(value) is int and value > 0]
+    return max([n or 1, *counts])
 
 
 def image_urls(wire: ChatCompletionRequest) -> list[str]:

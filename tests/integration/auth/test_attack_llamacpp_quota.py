@@ -66,3 +66,14 @@ def test_the_engine_gets_the_reserved_n_predict(start_sim: StartSim, start_gatew
     assert answer.status_code == 200, answer.text
     [record] = sim.engine.records
     assert record.body["n_predict"] == reserved, record.body
+
+
+@pytest.mark.parametrize("api", list(BODIES))
+def test_n_cmpl_is_reserved(start_sim: StartSim, start_gateway: StartGateway, key_prefix: str, api: str) -> None:
+    """llama.cpp's `n_cmpl` (completions per prompt, read before `n`) multiplies the reservation as `n` does."""
+    sim, gw = gateway(start_sim, start_gateway, "memory", key_prefix, tpm=300)
+    path, body = BODIES[api]
+    answer = httpx.post(gw.v1 + path, headers=HEADERS, timeout=10,
+                        json={"model": "kimi-k3", **body, "max_tokens": 100, "n_cmpl": 4})
+    assert answer.status_code == 429, answer.text  # 4 x 100 output tokens do not fit 300 a minute
+    assert sim.engine.records == []
