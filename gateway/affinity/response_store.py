@@ -195,9 +195,7 @@ class RedisResponseStore:
                     async with timer:
                         value = await self.redis.get(self.key(response_id))
                 except (RedisError, OSError, TimeoutError) as exc:
-                    if isinstance(exc, TimeoutError) and self.gate.waiting > 0:
-                        # Other lookups queued for a turn: the loop read this reply late behind
-                        # theirs (the gateway's own flood), which says nothing about Redis.
+                    if self.gate.queued_behind(exc):
                         self._log_at_most_every_10s(f"redis response_lookup not answered in time with "
                                                     f"{self.gate.waiting} more queued: that lookup alone fails")
                         raise self._unavailable() from None

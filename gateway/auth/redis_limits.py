@@ -212,9 +212,7 @@ class RedisRateLimiter:
                     async with timer:
                         reply = await script(keys=[self.key(principal.name)], args=args)
                 except (RedisError, OSError, TimeoutError) as exc:
-                    # Other checks queued for a turn: the loop this reply waits on is the gateway's own
-                    # burst (its reply sat unread behind theirs), not a Redis outage.
-                    queued = isinstance(exc, TimeoutError) and self.gate.waiting > 0
+                    queued = self.gate.queued_behind(exc)
                     if not timer.expired_late and not queued:
                         self._failed(exc)
                         return None

@@ -123,3 +123,28 @@ def test_a_lookup_flood_at_the_default_budget_opens_no_breaker(
     assert "redis response_lookup failed" not in gw.log_text(), f"the flood was taken for a Redis outage: {seen}"
     assert all(recorded), seen
     assert set(flood) <= {404, 503}, seen
+
+
+def test_a_burst_at_the_default_affinity_budget_keeps_affinity_on(
+        start_sim: StartSim, start_gateway_process: StartGatewayProcess, private_redis: OwnRedis) -> None:
+    """The prefix-affinity store's lookups (`affinity.lookup_timeout` 0.05 s) likewise: a burst
+    switched affinity off for everyone for `retry_after`, and its writes were dropped."""
+    prefix = f"kgw-test-burst-affinity-{uuid.uuid4().hex[:8]}"
+    sims = [start_sim("vllm"), start_sim("vllm")]
+    gw = start_gateway_process([pool("p", "vllm", [s.url for s in sims], 131072)], redis_url=private_redis.url,
+                               affinity={"enabled": True, "key_prefix": f"{prefix}:aff", "lookup_timeout": 0.05})
+    admin = redis.Redis.from_url(private_redis.url)
+
+    async def run() -> list[int]:
+        limits = httpx.Limits(max_connections=BURST * len(KEYS), max_keepalive_connections=0)
+        async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+            return await statuses(gw, "no-key", BURST * len(KEYS), client)
+
+    try:
+        answers = asyncio.run(run())
+    finally:
+        for key in admin.scan_iter(f"{prefix}:*"):
+            admin.delete(key)
+        admin.close()
+    assert Counter(answers) == {200: BURST * len(KEYS)}
+    assert "routing without affinity" not in gw.log_text(), "the burst was taken for a Redis outage"
