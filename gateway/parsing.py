@@ -40,10 +40,17 @@ from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, portable_blocks, to_chat
-from gateway.protocol.body import ENGINE_ID_FIELDS, KV_TRANSFER_FIELDS, decode_json_object
+from gateway.protocol.body import (
+    ENGINE_ID_FIELDS,
+    KV_TRANSFER_FIELDS,
+    XARGS_FIELD,
+    decode_json_object,
+    without_connector_args,
+)
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routing.features import (
+    ENGINE_OUTPUT_FIELD,
     AnthropicWire,
     Api,
     RoutingRequest,
@@ -72,7 +79,8 @@ def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = 
     served name; top-level fields set to null are left out (null means "the default" in OpenAI's
     API, but some engine versions fail on it, e.g. `max_tokens: null` on vLLM's completions);
     the engine request ids (`ENGINE_ID_FIELDS`) are left out, and so are the KV connector's fields
-    (`KV_TRANSFER_FIELDS`) unless `kv_transfer_fields` (the pool's `allow_kv_transfer_fields`);
+    (`KV_TRANSFER_FIELDS`, also inside `vllm_xargs`) unless `kv_transfer_fields` (the pool's
+    `allow_kv_transfer_fields`);
     the usage patch's `stream_options` when `ask_usage`; and with `output_as_max_tokens` (an
     engine that ignores `max_completion_tokens` on this API, `EngineSpec.max_completion_tokens_apis`)
     `max_completion_tokens` is sent as `max_tokens`, which it replaces, as OpenAI ranks them.
@@ -80,6 +88,8 @@ def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = 
     body = {name: value for name, value in payload.items() if value is not None}
     for name in ENGINE_ID_FIELDS if kv_transfer_fields else _STRIPPED:
         body.pop(name, None)
+    if not kv_transfer_fields and XARGS_FIELD in body:
+        body[XARGS_FIELD] = without_connector_args(body[XARGS_FIELD])
     if ask_usage:
         body = ask_for_usage(body)
     if output_as_max_tokens and "max_completion_tokens" in body:
@@ -101,7 +111,8 @@ BodyKey = tuple[str, bool, bool, bool]
 fields kept): what makes one pool's engine body differ from another's (`upstream_body`'s arguments)."""
 
 _STRIPPED = ENGINE_ID_FIELDS + KV_TRANSFER_FIELDS
-_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", *KV_TRANSFER_FIELDS)
+_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", ENGINE_OUTPUT_FIELD, XARGS_FIELD,
+                *KV_TRANSFER_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +190,27 @@ def with_output_limit(payload: Payload, api: str, tokens: int) -> Payload:
     name = OUTPUT_LIMIT_FIELD.get(api)
     if name is None:
         return payload
+    return _with_member(payload, name, tokens)
+
+
+def with_engine_output_limit(payload: Payload, tokens: int) -> Payload:
+    """`payload` with llama.cpp's `n_predict` (`ENGINE_OUTPUT_FIELD`, which that server ranks over
+    `max_tokens`) set to `tokens`, the reserved output, when the client sent a number that is not
+    a limit within it (-1, llama.cpp's "no limit", or any other below 1); else `payload` as it is
+    (a client's own 1..`tokens` is kept; a non-number makes llama.cpp fall back to `max_tokens`)."""
     if isinstance(payload, ForwardBody):
-        return payload.with_member(name, tokens)
-    return {**payload, name: tokens}
+        value = next((v for k, v in payload.head_fields if k == ENGINE_OUTPUT_FIELD), None)
+    else:
+        value = payload.get(ENGINE_OUTPUT_FIELD)
+    if type(value) not in (int, float) or 1 <= value < tokens + 1:
+        return payload
+    return _with_member(payload, ENGINE_OUTPUT_FIELD, tokens)
+
+
+def _with_member(payload: Payload, name: str, value: Any) -> Payload:
+    if isinstance(payload, ForwardBody):
+        return payload.with_member(name, value)
+    return {**payload, name: value}
 
 
 @dataclass(frozen=True, slots=True)

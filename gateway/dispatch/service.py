@@ -29,7 +29,7 @@ from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError
-from gateway.parsing import Body, BodyParser, Payload, with_output_limit
+from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import SESSION_HEADERS, Api, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, skipped_pools
@@ -87,7 +87,8 @@ class ProxyService:
         the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
         (429) or RateLimitUnavailable (503) when refused. A key with a token limit whose request
         sets no output limit has the reserved one written into the engine's body
-        (`parsing.with_output_limit`), so the engine cannot generate past what was charged. The
+        (`parsing.with_output_limit`), and a client's llama.cpp `n_predict` is set to it
+        (`parsing.with_engine_output_limit`), so the engine cannot generate past what was charged. The
         charge is settled when the request ends (`quota_used`): at once for an answer or error given
         here, at the record's finish for a stream.
         """
@@ -118,10 +119,13 @@ class ProxyService:
             return await self._dispatch(api, payload, request, pools, record, pinned)
         assert principal is not None
         default_output = pools[0].default_output_tokens
-        if principal.tokens_per_minute is not None and request.output_tokens is None and api != "count_tokens":
-            # What is reserved bounds what the engine may generate: it gets that output limit.
+        if principal.tokens_per_minute is not None and api != "count_tokens":
+            # What is reserved bounds what the engine may generate: it gets that output limit, in
+            # llama.cpp's own `n_predict` too when the client sent one (that server ranks it first).
             out = request.reserved_output(default_output)
-            payload, request = with_output_limit(payload, api, out), replace(request, output_tokens=out)
+            if request.output_tokens is None:
+                payload, request = with_output_limit(payload, api, out), replace(request, output_tokens=out)
+            payload = with_engine_output_limit(payload, out)
         reservation = await guard.check_quota(principal, request.quota_tokens(default_output),
                                               requests=0, counted=counted)
         if reservation is None:
@@ -228,6 +232,7 @@ class ProxyService:
         record, pool, worker = dispatch.record, attempt.pool, attempt.failed_worker(failure)
         record.open_attempt = None
         record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
+        record.engine_refused |= failure.outcome in (Outcome.CLIENT_ERROR, Outcome.TOO_LONG)
         self.state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
         if record.trace is not None:
             record.trace.end_attempt(failure.outcome)
@@ -336,8 +341,10 @@ def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, fa
     reported one (a prompt it counted as 0, or did not report where its output was, is charged
     at the estimate: no prompt is empty); the reservation when the client hung up, or a complete
     answer came without usage (nothing to settle by); the prompt estimate when an engine accepted
-    the request (or may have been working on it) and it failed later; None, "release it all",
-    when no engine worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
+    the request (or may have been working on it) and it failed later; 0 when an engine read it and
+    refused it (a 4xx, "too long"): its tokens go back but its request stays counted, or refused
+    bodies would reach the engines past the key's request limit; None, "release it all", when no
+    engine worked on it (refused connections, 5xx/429 answers, no worker free)."""
     usage = record.usage
     estimate = request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
     if usage is not None:
@@ -348,4 +355,4 @@ def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, fa
         return reserved
     if record.reached_engine:
         return estimate
-    return None
+    return 0 if record.engine_refused else None
