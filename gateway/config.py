@@ -308,6 +308,10 @@ class PoolConfig(_Strict):
     served_model_name: str | None = Field(
         default=None, min_length=1, description="name the engines serve the model under; `model` is rewritten to it"
     )
+    lora_adapters: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, description="LoRA adapter names its engines serve (vLLM `--lora-modules`, SGLang "
+        "`--lora-paths`): a request naming one goes to this pool's workers with the adapter's name as `model`. "
+        "Adapters its workers list in /v1/models (`parent` set) are found without it (`health.verify_models`)")
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
     apis: list[Literal["chat", "completions", "messages", "count_tokens", "responses"]] | None = Field(
         default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
@@ -942,6 +946,14 @@ class GatewayConfig(_Strict):
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
+        model_names = {name.lower() for name in self.model.names()}
+        for p in self.pools:
+            if len(set(p.lora_adapters)) != len(p.lora_adapters):
+                raise ValueError(f"pool {p.name}: lora_adapters must be distinct, got {p.lora_adapters}")
+            clash = [a for a in p.lora_adapters if a.lower() in model_names]
+            if clash:  # as an alias the engine would get the base model's name: the adapter silently unused
+                raise ValueError(f"pool {p.name}: LoRA adapter {clash[0]!r} is also the model's name or an alias; "
+                                 "drop it from model.aliases (a request naming it goes to the adapter)")
         return self
 
     @model_validator(mode="after")

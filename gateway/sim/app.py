@@ -288,7 +288,8 @@ class SimApp:
         self.engine.note_models_read()
         config = self.engine.config
         await send_json(send, 200, r.models_list(config.served_model_names, config.max_context_tokens,
-                                                 self.engine.dialect.owned_by, self.engine.started_at))
+                                                 self.engine.dialect.owned_by, self.engine.started_at,
+                                                 config.lora_adapters))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.engine.faults.black_hole:
