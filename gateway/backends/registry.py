@@ -107,11 +107,20 @@ class WorkerRegistry:
             worker.adapters = adapters
             self._adapter_names = None
 
+    def adapter_loaded(self, worker: Worker, adapter: str) -> None:
+        """`worker` loaded LoRA `adapter` on the gateway's request (`LoraLoader`): it serves it, and
+        its pool's declared ones until its `/v1/models` is read again."""
+        config = self._configs.get(worker.pool)
+        known = worker.adapters if worker.adapters is not None else \
+            frozenset(config.lora_adapters if config is not None else ())
+        self.set_adapters(worker, known | {adapter})
+
     def adapter_names(self) -> frozenset[str]:
         """Every LoRA adapter a pool declares (`lora_adapters`) or a current worker listed last."""
         names = self._adapter_names
         if names is None:
             found = {a for config in self._configs.values() for a in config.lora_adapters}
+            found |= {m.name for config in self._configs.values() for m in config.lora_on_demand}
             for worker in self:
                 if worker.adapters:
                     found |= worker.adapters
@@ -119,9 +128,10 @@ class WorkerRegistry:
         return names
 
     def serves_adapter(self, pool: str, adapter: str) -> bool:
-        """Whether `pool` declares LoRA `adapter` or one of its workers listed it last."""
+        """Whether `pool` declares LoRA `adapter` (or loads it on demand) or one of its workers listed
+        it last."""
         config = self._configs.get(pool)
-        if config is not None and adapter in config.lora_adapters:
+        if config is not None and (adapter in config.lora_adapters or config.adapter_path(adapter) is not None):
             return True
         return any(w.adapters is not None and adapter in w.adapters for w in self.pools.get(pool, ()))
 

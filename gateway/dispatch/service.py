@@ -110,6 +110,8 @@ class ProxyService:
         pools = fitting_pools(request, serving)
         if len(pools) < len(serving):
             record.skipped_pools = skipped_pools(request, serving) or None
+        if request.adapter is not None:  # loaded where none has it and a pool loads it on demand
+            await self.state.lora.ensure(request.adapter, pools)
         pinned: Worker | None = None
         if request.previous_response_id is not None:  # only the worker storing its history can serve it
             pool, pinned = await owner_of(request.previous_response_id, "previous_response_id", self.state.responses,

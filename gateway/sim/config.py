@@ -161,6 +161,12 @@ class SimConfig(BaseModel):
         default_factory=list, description="LoRA adapters loaded at start, each `name=path` as vLLM's "
         "`--lora-modules` (vllm/entrypoints/openai/cli_args.py `LoRAParserAction`) and SGLang's `--lora-paths` "
         "take them: listed in /v1/models with `parent` (`models_list`) and served under their name")
+    runtime_lora_updating: bool = Field(
+        default=False, description="serve vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` "
+        "(vLLM registers them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; vllm-ascend likewise)")
+    lora_loadable_paths: list[str] | None = Field(
+        default=None, description="adapter paths a runtime load finds (None: every path); another fails as "
+        "vLLM fails on a path without an adapter")
     max_context_tokens: int = Field(gt=0)
     ttft_s: float = Field(default=0.0, ge=0.0)
     tpot_s: float = Field(default=0.0, ge=0.0)
@@ -279,12 +285,6 @@ class SimConfig(BaseModel):
     def lora_adapters(self) -> dict[str, str]:
         """LoRA adapter name -> path, from `lora_modules`, in their order."""
         return dict(module.split("=", 1) for module in self.lora_modules)  # type: ignore[misc]
-
-    @property
-    def model_names(self) -> list[str]:
-        """Every name a request's `model` may say: the served names, then the LoRA adapters' (an
-        adapter request is generated as the base model's here: the sim has no weights to adapt)."""
-        return [*self.served_model_names, *self.lora_adapters]
 
     @property
     def model_name(self) -> str:

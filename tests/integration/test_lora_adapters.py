@@ -6,6 +6,7 @@ engines' `/v1/models` shape), a real gateway, the OpenAI and Anthropic SDKs."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 import uuid
@@ -221,3 +222,77 @@ def test_an_adapter_request_parsed_in_a_parse_process_keeps_its_name(start_sim: 
     with pytest.raises(openai.NotFoundError):
         oai(gw).chat.completions.create(model="other-lora", messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=2)
+
+
+ON_DEMAND = {"name": ADAPTER, "path": "/loras/sql", "load_on_demand": True}
+
+
+def test_an_on_demand_adapter_is_loaded_on_one_worker_and_served_there(start_sim: StartSim,
+                                                                       start_gateway: StartGateway) -> None:
+    """Issue 22 §2: an adapter no worker has is loaded through vLLM's runtime endpoint on one
+    worker (the least loaded), which then serves it under its name; the other loads nothing."""
+    sims = [start_sim("vllm", runtime_lora_updating=True) for _ in range(2)]
+    gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin",
+                             lora_adapters=[ON_DEMAND])], health=CHECKED, load={"enabled": False})
+    checked(gw, sims, "kimi-k3")
+    assert ADAPTER in [m.id for m in oai(gw).models.list().data]  # listed before any load
+    workers = set(ask_all_ways(gw, ADAPTER))
+    assert len(workers) == 1
+    loaded = [s for s in sims if ADAPTER in s.engine.loras]
+    assert len(loaded) == 1 and loaded[0].engine.loras[ADAPTER] == "/loras/sql"
+    assert models_sent(loaded[0]) == [ADAPTER] * 5
+    other = sims[1 - sims.index(loaded[0])]
+    assert other.engine.records == [] and other.engine.loras == {}
+    assert set(ask_all_ways(gw, "kimi-k3")) == {"p/0", "p/1"}  # the base model on both, as before
+
+
+def test_an_adapter_the_engine_cannot_load_gets_the_engines_error(start_sim: StartSim,
+                                                                 start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", runtime_lora_updating=True, lora_loadable_paths=["/loras/other"])
+    off = start_sim("vllm")  # runtime updating off: vLLM has no such route
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072, lora_adapters=[ON_DEMAND]),
+                        pool("q", "vllm", [off.url], 131072,
+                             lora_on_demand=[{"name": "chat-lora", "path": "/loras/chat"}])])
+    with pytest.raises(openai.NotFoundError) as caught:
+        oai(gw).chat.completions.create(model=ADAPTER, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert caught.value.code == "lora_load_failed"
+    assert caught.value.message.endswith(f" - Loading lora {ADAPTER} failed: No adapter found for /loras/sql")
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        claude(gw).messages.create(model=ADAPTER, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                   stream=True)
+    assert "No adapter found for /loras/sql" in str(refused.value)
+    with pytest.raises(openai.NotFoundError) as no_route:
+        oai(gw).chat.completions.create(model="chat-lora", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=2)
+    assert no_route.value.code == "lora_load_failed"
+    assert sim.engine.records == [] and off.engine.records == [] and sim.engine.loras == {}
+
+
+def test_requests_arriving_together_load_an_adapter_once(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """A second load of a loaded name is refused by vLLM (400): every request succeeding proves one load."""
+    sim = start_sim("vllm", runtime_lora_updating=True, ttft_s=0.05)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072, lora_adapters=[ON_DEMAND])])
+    with concurrent.futures.ThreadPoolExecutor(4) as threads:
+        answers = list(threads.map(lambda _: httpx.post(gw.v1 + "/chat/completions", timeout=10, json={
+            "model": ADAPTER, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}), range(4)))
+    assert [a.status_code for a in answers] == [200] * 4
+    assert models_sent(sim) == [ADAPTER] * 4 and list(sim.engine.loras) == [ADAPTER]
+
+
+def test_max_loras_bounds_the_adapters_loaded_on_a_worker(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sim = start_sim("vllm", runtime_lora_updating=True)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072, max_loras=1,
+                             lora_on_demand=[{"name": ADAPTER, "path": "/loras/sql"},
+                                             {"name": "chat-lora", "path": "/loras/chat"}])])
+    oai(gw).chat.completions.create(model=ADAPTER, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.InternalServerError) as full:
+        oai(gw).chat.completions.create(model="chat-lora", messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=2)
+    assert full.value.status_code == 503 and "max_loras" in full.value.message
+    assert list(sim.engine.loras) == [ADAPTER] and models_sent(sim) == [ADAPTER]
+
+
+def test_on_demand_loading_needs_a_vllm_pool() -> None:
+    with pytest.raises((ConfigError, ValueError), match="lora_on_demand needs an aggregated vllm or ascend pool"):
+        parse_config({"pools": [pool("p", "sglang", ["http://127.0.0.1:1"], 131072, lora_adapters=[ON_DEMAND])]},
+                     environ={})
