@@ -697,6 +697,31 @@ class ShutdownConfig(_Strict):
     )
 
 
+class ReadinessConfig(_Strict):
+    """What `GET /ready` answers 200 for: which pools must have a usable worker (a healthy, correctly
+    configured, undrained, non-ejected one; of each role in a PD pool) for this replica to be in rotation.
+
+    `pools: any` (the default): at least one pool serves, so one pool's restart (minutes for a large
+    rack) leaves the replica in the load balancer's rotation and the other pools' traffic flows;
+    requests only the down pool could serve spill over (`spillover`) or get 503 with `Retry-After`.
+    `all`: every pool must serve (the strictest: one pool down takes every replica out).
+    A list of pool names: each of those must serve. A draining replica (shutdown began) is never ready.
+    """
+
+    pools: Literal["any", "all"] | list[Annotated[str, Field(min_length=1)]] = Field(
+        default="any", description="any | all | [pool names]: the pools that must serve for /ready to answer 200")
+
+    def is_ready(self, names: list[str], unready: list[str]) -> bool:
+        """Whether pools `names` (the running config's, in order), of which `unready` have no usable
+        worker, make this replica ready (shutdown aside)."""
+        down = set(unready)
+        if self.pools == "any":
+            return any(name not in down for name in names)
+        if self.pools == "all":
+            return not down
+        return not down.intersection(self.pools)
+
+
 DEFAULT_COUNT_TOKENS_PER_MINUTE = 100
 """count_tokens requests per minute of a key that has a request or token limit but sets none for them."""
 
@@ -930,6 +955,7 @@ class GatewayConfig(_Strict):
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
+    readiness: ReadinessConfig = Field(default_factory=ReadinessConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes; also the "
                                 "largest non-streamed answer and the longest SSE event relayed")
@@ -961,6 +987,12 @@ class GatewayConfig(_Strict):
     )
     redis: RedisSentinelConfig | None = Field(
         default=None, description="Redis behind Sentinel, as a block (instead of a redis+sentinel:// redis_url)"
+    )
+    allow_plaintext: list[Literal["redis", "engines"]] = Field(
+        default_factory=list,
+        description="unencrypted links beyond loopback that are deliberate (a private network, a NetworkPolicy, "
+        "a service mesh's mTLS): `redis` for redis://, redis+sentinel:// or redis+cluster://, `engines` for "
+        "http:// workers; the production checks (check-config, serve) warn about the others",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -1006,6 +1038,11 @@ class GatewayConfig(_Strict):
             if clash:  # as an alias the engine would get the base model's name: the adapter silently unused
                 raise ValueError(f"pool {p.name}: LoRA adapter {clash[0]!r} is also the model's name or an alias; "
                                  "drop it from model.aliases (a request naming it goes to the adapter)")
+        required = self.readiness.pools
+        if isinstance(required, list):
+            unknown = [name for name in required if name not in names]
+            if unknown or not required:
+                raise ValueError(f"readiness.pools names no configured pool: {unknown or '[]'} (pools: {names})")
         return self
 
     @model_validator(mode="after")

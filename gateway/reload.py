@@ -7,7 +7,8 @@ running config stays. A valid one applies what can change in a running process, 
 - `pools`: pools added, removed, reordered or changed (context, policy, limits, api_key...); their
   workers matched by URL (WorkerRegistry.configure): a new worker is unhealthy until probed, a
   removed one takes no new requests and its open streams finish on it;
-- `discovery`: nameservers, interval, timeout.
+- `discovery`: nameservers, interval, timeout;
+- `readiness`: which pools must serve for `/ready` to answer 200.
 
 Everything else (listener, auth, Redis, timeouts...) needs a restart: such changes are named in
 the answer (`restart_required`) and the log, and not applied. Open streams are never touched: they
@@ -28,7 +29,7 @@ from gateway.state import AppState
 
 log = logging.getLogger("gateway.reload")
 
-RELOADABLE = ("pools", "discovery")
+RELOADABLE = ("pools", "discovery", "readiness")
 
 
 class ReloadRefused(Exception):
