@@ -170,7 +170,8 @@ def cmd_sim(args: argparse.Namespace) -> None:
             kv_load_failure_policy=args.kv_load_failure_policy, scheduler=args.scheduler,
             chunk_tokens=args.chunk_tokens,
             decode_step_s=None if args.decode_step_ms is None else args.decode_step_ms / 1000.0,
-            decode_s_per_seq=None if args.decode_ms_per_seq is None else args.decode_ms_per_seq / 1000.0)
+            decode_s_per_seq=None if args.decode_ms_per_seq is None else args.decode_ms_per_seq / 1000.0,
+            lora_modules=args.lora_modules or [])
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--ttft", type=float, default=0.05, help="seconds of simulated prefill")
     sim.add_argument("--tpot", type=float, default=0.01, help="seconds per output token")
     sim.add_argument("--served-model-name", action="append")
+    sim.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                     help="LoRA adapters to serve (listed in /v1/models with their parent), as vLLM takes them")
     sim.add_argument("--max-num-seqs", type=int, help="requests running at once; the rest wait")
     sim.add_argument("--kv-capacity", type=int, help="prefix/KV cache size in tokens (enables the cache model)")
     sim.add_argument("--prefill-rate", "--prefill-tokens-per-s", type=float,

@@ -288,6 +288,15 @@ def _check_policy(name: str, params: dict[str, Any], what: str = "policy") -> No
         raise ValueError(f"for {what} {name}: {explain_validation_error(exc)}") from None
 
 
+class LoraModule(_Strict):
+    """A LoRA adapter a pool's workers load on demand: its name (the request's `model`) and the
+    path the engine loads it from (vLLM's `lora_path`: a directory on the engine's host, or a
+    Hugging Face repo id with a resolver)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    path: str = Field(min_length=1)
+
+
 class PoolConfig(_Strict):
     """A pool: interchangeable workers of one engine kind that share a max context.
 
@@ -308,6 +317,17 @@ class PoolConfig(_Strict):
     served_model_name: str | None = Field(
         default=None, min_length=1, description="name the engines serve the model under; `model` is rewritten to it"
     )
+    lora_adapters: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, description="LoRA adapter names its engines serve (vLLM `--lora-modules`, SGLang "
+        "`--lora-paths`): a request naming one goes to this pool's workers with the adapter's name as `model`. "
+        "Adapters its workers list in /v1/models (`parent` set) are found without it (`health.verify_models`)")
+    lora_on_demand: list[LoraModule] = Field(
+        default_factory=list, description="LoRA adapters loaded on a worker when a request names one no worker "
+        "has (vLLM's POST /v1/load_lora_adapter, which needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); also "
+        "written in `lora_adapters` as {name, path, load_on_demand: true}")
+    max_loras: int | None = Field(
+        default=None, ge=1, description="on-demand adapters this gateway loads on one worker at most (keep it "
+        "within the engine's --max-cpu-loras); None: no bound")
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
     apis: list[Literal["chat", "completions", "messages", "count_tokens", "responses"]] | None = Field(
         default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
@@ -338,6 +358,42 @@ class PoolConfig(_Strict):
         "them, since they make a worker with a KV connector pull or push KV cache from a host the client names. "
         "Never on a PD pool (it sets its own)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _on_demand_entries(cls, data: Any) -> Any:
+        """`lora_adapters` entries written `{name, path, load_on_demand}`: on demand ones move to
+        `lora_on_demand`, the others stay as their name."""
+        entries = data.get("lora_adapters") if isinstance(data, dict) else None
+        if not isinstance(entries, list) or not any(isinstance(e, dict) for e in entries):
+            return data
+        names, on_demand = [], list(data.get("lora_on_demand") or [])
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("load_on_demand"):
+                on_demand.append({k: v for k, v in entry.items() if k != "load_on_demand"})
+            elif isinstance(entry, dict):
+                names.append(entry.get("name"))
+            else:
+                names.append(entry)
+        return {**data, "lora_adapters": names, "lora_on_demand": on_demand}
+
+    @model_validator(mode="after")
+    def _check_on_demand(self) -> PoolConfig:
+        if not self.lora_on_demand:
+            return self
+        if self.engine not in ("vllm", "ascend") or self.disaggregation is not None:
+            raise ValueError("lora_on_demand needs an aggregated vllm or ascend pool (vLLM's runtime "
+                             "/v1/load_lora_adapter); declare the adapters the engines load at start in "
+                             "`lora_adapters`")
+        names = [m.name for m in self.lora_on_demand]
+        if len(set(names)) != len(names) or set(names) & set(self.lora_adapters):
+            raise ValueError(f"LoRA adapter names must be distinct across lora_adapters and lora_on_demand, "
+                             f"got {self.lora_adapters} and {names}")
+        return self
+
+    def adapter_path(self, name: str) -> str | None:
+        """The path of on-demand LoRA adapter `name`, None when it is not one."""
+        return next((m.path for m in self.lora_on_demand if m.name == name), None)
 
     @field_validator("workers")
     @classmethod
@@ -974,6 +1030,14 @@ class GatewayConfig(_Strict):
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
+        model_names = {name.lower() for name in self.model.names()}
+        for p in self.pools:
+            if len(set(p.lora_adapters)) != len(p.lora_adapters):
+                raise ValueError(f"pool {p.name}: lora_adapters must be distinct, got {p.lora_adapters}")
+            clash = [a for a in [*p.lora_adapters, *(m.name for m in p.lora_on_demand)] if a.lower() in model_names]
+            if clash:  # as an alias the engine would get the base model's name: the adapter silently unused
+                raise ValueError(f"pool {p.name}: LoRA adapter {clash[0]!r} is also the model's name or an alias; "
+                                 "drop it from model.aliases (a request naming it goes to the adapter)")
         required = self.readiness.pools
         if isinstance(required, list):
             unknown = [name for name in required if name not in names]

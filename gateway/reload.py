@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from gateway.backends.control import pool_headers
 from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
 from gateway.state import AppState
 
@@ -57,6 +58,7 @@ def apply_config(state: AppState, new: GatewayConfig) -> ReloadResult:
         raise ReloadRefused(explain_validation_error(exc)) from None
     changes = state.registry.configure(new.pools)
     state.health.set_pools(new.pools)
+    state.lora.headers = pool_headers(new.pools)
     state.load.set_pools(new.pools)
     state.discovery.set_pools(new.discovery, new.pools)
     state.upstream.redactor.learn(new)  # a new api_key: kept out of engines' error answers too

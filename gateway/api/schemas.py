@@ -124,6 +124,8 @@ class Model(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    parent: str | None = Field(default=None, description="a LoRA adapter's base model (as vLLM and SGLang list "
+                               "adapters); absent for the model and its aliases")
 
 
 class ModelList(BaseModel):

@@ -28,7 +28,7 @@ from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, ModelNotFound
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import SESSION_HEADERS, Api, RoutingRequest, scoped_session, session_hint
@@ -68,11 +68,12 @@ class ProxyService:
         if isinstance(body, bytes) and len(body) <= state.config.parse_offload_bytes:
             payload, items = parser.decode(api, body)
             if items <= state.config.parse_offload_items:
-                wire, model, urls = parser.validate(api, payload)
+                wire, model, urls = parser.validate(api, payload, state.registry.adapter_names())
                 measured = await state.images.measure(urls) if state.images is not None and urls else None
                 return payload, parser.features(wire, model, session, measured)
         parsed = await state.parse_pool.parse(api, body, session,
-                                              state.images.measure if state.images is not None else None)
+                                              state.images.measure if state.images is not None else None,
+                                              state.registry.adapter_names())
         assert parsed.request is not None and parsed.forward is not None
         return parsed.forward, parsed.request
 
@@ -101,14 +102,17 @@ class ProxyService:
             counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
         payload, request = await self.parse(api, body, headers)
         if request.session_key is not None:  # one API key's hints never meet another's
-            request = replace(request, session_key=scoped_session(request.session_key,
-                                                                  principal.name if principal is not None else None))
+            request = replace(request, session_key=scoped_session(
+                request.session_key, principal.name if principal is not None else None, request.adapter))
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
-        pools = fitting_pools(request, self.state.config.pools)
-        if len(pools) < len(self.state.config.pools):
-            record.skipped_pools = skipped_pools(request, self.state.config.pools) or None
+        serving = self.state.config.pools if request.adapter is None else self._adapter_pools(request.adapter)
+        pools = fitting_pools(request, serving)
+        if len(pools) < len(serving):
+            record.skipped_pools = skipped_pools(request, serving) or None
+        if request.adapter is not None:  # loaded where none has it and a pool loads it on demand
+            await self.state.lora.ensure(request.adapter, pools)
         pinned: Worker | None = None
         if request.previous_response_id is not None:  # only the worker storing its history can serve it
             pool, pinned = await owner_of(request.previous_response_id, "previous_response_id", self.state.responses,
@@ -141,6 +145,16 @@ class ProxyService:
             await guard.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
         return result
 
+    def _adapter_pools(self, adapter: str) -> list[PoolConfig]:
+        """The pools serving LoRA `adapter` (declared, or listed by one of their workers), in config
+        order. Raises ModelNotFound when none does any more (its workers unloaded it meanwhile)."""
+        registry = self.state.registry
+        pools = [p for p in self.state.config.pools if registry.serves_adapter(p.name, adapter)]
+        if not pools:
+            raise ModelNotFound(f"The model `{adapter[:200]}` does not exist or you do not have access to it.",
+                                param="model")
+        return pools
+
     async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
                         record: RequestRecord, pinned: Worker | None = None) -> BufferedResponse | RelayResponse:
         """Dispatch a parsed request to its fitting `pools` (smallest first): one `Dispatch` state
@@ -170,7 +184,8 @@ class ProxyService:
                     break
                 step, to, workers = PoolStep.ROUTE, pool, [dispatch.pinned]
             else:
-                step, to, workers = choose_pool(state.registry, pool, dispatch.pools, dispatch.tried)
+                step, to, workers = choose_pool(state.registry, pool, dispatch.pools, dispatch.tried,
+                                                dispatch.request.adapter)
             if step is PoolStep.EXHAUSTED:
                 break
             if step is PoolStep.WAIT:

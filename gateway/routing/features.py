@@ -69,6 +69,9 @@ class RoutingRequest:
     """Responses API: the engine stores the response (the gateway records its worker)."""
     min_output_tokens: int = 0
     engine_output_tokens: int = 0
+    adapter: str | None = None
+    """The LoRA adapter the request names (then also its `model`, which seeds the prefix hashes:
+    an adapter's KV cache is not the base model's), None for the model itself."""
 
     def context_tokens(self, default_output_tokens: int) -> int:
         """Tokens of context one sequence needs on a pool that reserves `default_output_tokens` by default."""
@@ -114,11 +117,13 @@ def session_hint(*hints: object) -> str | None:
     return None
 
 
-def scoped_session(hint: str, tenant: str | None) -> str:
+def scoped_session(hint: str, tenant: str | None, adapter: str | None = None) -> str:
     """The session key routing uses: 32 hex digits of xxh3_128 over the caller's key name (`tenant`,
-    None with auth off) and the hint, so two API keys sending the same hint share no affinity and
+    None with auth off), the hint and the LoRA adapter the request names (if any), so two API keys
+    sending the same hint share no affinity, nor do a base model's and an adapter's requests, and
     the key's size is fixed whatever the client sent."""
-    return xxhash.xxh3_128_hexdigest(f"{tenant or ''}\x00{hint}".encode("utf-8", "surrogatepass"))
+    scope = f"{tenant or ''}\x00{hint}" if adapter is None else f"{tenant or ''}\x00{hint}\x00{adapter}"
+    return xxhash.xxh3_128_hexdigest(scope.encode("utf-8", "surrogatepass"))
 
 
 def output_limit(wire: ChatCompletionRequest | CompletionRequest) -> int | None:
