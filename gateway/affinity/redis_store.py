@@ -172,7 +172,9 @@ class RedisAffinityStore:
                 except NoScriptError:  # a new primary (failover), which never ran the script: load it there
                     await self._send(batch, ttl_ms)
         except (RedisError, OSError, TimeoutError) as exc:
-            if not timer.expired_late:
+            # A write timed out while lookups queue for a turn is read late behind them (the
+            # gateway's own burst, `StoreGate.queued_behind`): dropped, but Redis is not blamed.
+            if not timer.expired_late and not self.gate.queued_behind(exc):
                 self._failed("write", exc)
             return
         self.metrics.redis_seconds.labels("write").observe(time.perf_counter() - started)
@@ -200,7 +202,7 @@ class RedisAffinityStore:
                 async with timer:
                     await self.redis.ping()
             except (RedisError, OSError, TimeoutError) as exc:
-                if not timer.expired_late:
+                if not timer.expired_late and not self.gate.queued_behind(exc):
                     self._failed("ping", exc)
             else:
                 self._set_up(True)

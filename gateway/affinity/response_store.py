@@ -171,7 +171,9 @@ class RedisResponseStore:
         return self.breaker.closed
 
     def _failed(self, op: str, exc: BaseException, timer: StoreTimeout) -> None:
-        if not timer.expired_late:  # a loop still busy at the deadline is not Redis' fault
+        # A loop still busy at the deadline, or a timeout while lookups queue for a turn (the write or
+        # lookup was read late behind them: `StoreGate.queued_behind`), is not Redis' fault.
+        if not timer.expired_late and not self.gate.queued_behind(exc):
             self.breaker.trip()
         self.metrics.redis_errors.labels(op).inc()
         self._log_at_most_every_10s(f"redis {op} failed ({type(exc).__name__}: {exc})")
