@@ -1,0 +1,170 @@
+"""Mid-stream migration (issue 23, first step): a chat or text completion stream whose simulated
+vLLM worker fails after content reached the client goes on on another worker, and the client reads
+the same answer an uninterrupted run gives (the simulator's answer is a function of the token's
+position in the assistant's turn: `gateway/sim/tokens.py`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.sim.config import SimFaults
+from tests.support import RunningGateway, RunningSim, pool
+
+StartSim = Callable[..., RunningSim]
+StartGateway = Callable[..., RunningGateway]
+
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "tell me a long story"}], "max_tokens": 24,
+        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+TEXT = {"model": "kimi-k3", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}}
+PATHS = {"chat": "/chat/completions", "completions": "/completions"}
+FAULTS = {"eof": SimFaults(drop_after_chunks=8), "in_band_error": SimFaults(error_after_chunks=8),
+          "stall": SimFaults(stall_after_chunks=8)}
+TIMEOUTS = {"read": 0.5, "first_byte_base": 0.5, "first_byte_per_1k_tokens": 0}  # the gap budget a stall runs past
+
+
+def events_of(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+def stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> tuple[httpx.Response, list[bytes]]:
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=15) as response:
+        raw = b"".join(response.iter_raw())
+    return response, events_of(raw)
+
+
+def chunks(events: list[bytes]) -> list[dict[str, Any]]:
+    return [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+
+
+def text_of(api: str, events: list[bytes]) -> str:
+    out = []
+    for chunk in chunks(events):
+        for choice in chunk.get("choices") or ():
+            out.append((choice.get("delta") or {}).get("content") or "" if api == "chat" else choice.get("text") or "")
+    return "".join(out)
+
+
+def usage_of(events: list[bytes]) -> dict[str, Any]:
+    usages = [c["usage"] for c in chunks(events) if c.get("usage")]
+    assert len(usages) == 1, usages
+    return usages[0]
+
+
+def setup(start_sim: StartSim, start_gateway: StartGateway, faults: SimFaults, **settings: Any
+          ) -> tuple[RunningSim, RunningSim, RunningGateway]:
+    bad = start_sim("vllm", faults=faults)
+    good = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [bad.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0}, timeouts=TIMEOUTS, **settings)
+    return bad, good, gw
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_stream_whose_worker_fails_mid_generation_reads_as_one_uninterrupted_answer(
+        start_sim: StartSim, start_gateway: StartGateway, api: str, fault: str) -> None:
+    _, good, gw = setup(start_sim, start_gateway, FAULTS[fault])
+    body = CHAT if api == "chat" else TEXT
+    _, reference = stream(good.url + "/v1" + PATHS[api], body)  # the uninterrupted run, on the engine itself
+    response, events = stream(gw.v1 + PATHS[api], body)
+    assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "p/0"
+    assert events[-1] == b"data: [DONE]" and not any(b'"error"' in e for e in events), events
+    assert text_of(api, events) == text_of(api, reference)  # nothing repeated or lost at the seam
+    assert len(text_of(api, events).split(" ")) == 24
+    ids = {(c["id"], c["created"], c["model"]) for c in chunks(events)}
+    assert len(ids) == 1, ids  # one stream: the first stream's id, created, model throughout
+    if api == "chat":
+        assert sum("role" in (c["choices"][0]["delta"] if c.get("choices") else {}) for c in chunks(events)) == 1
+    kept = 7 if api == "chat" else 8  # 8 events relayed; a chat stream's first is its role chunk
+    seams = [e for e in events if e.startswith(b": x-kimi-gateway-migrated")]
+    assert seams == [f": x-kimi-gateway-migrated from=p/0 to=p/1 kept_tokens={kept}".encode()], events
+    assert usage_of(events) == {**usage_of(reference), "total_tokens": usage_of(reference)["total_tokens"]}
+    # The continuation asked the right thing of the other worker.
+    continued = good.engine.records[-1].body
+    if api == "chat":
+        assert continued["continue_final_message"] is True and continued["add_generation_prompt"] is False
+        assert continued["messages"][-1]["role"] == "assistant"
+        assert continued["messages"][:-1] == CHAT["messages"]
+    else:
+        assert continued["prompt"].startswith(TEXT["prompt"]) and len(continued["prompt"]) > len(TEXT["prompt"])
+    assert continued["max_tokens"] == 24 - kept and continued["temperature"] == 0
+    gw.wait_for_metric('kimi_gateway_migrations_total{outcome="migrated",pool="p"}', lambda v: v == 1)
+    # Billed once: the original prompt and every generated token; the re-prefill apart.
+    reference_usage = usage_of(reference)
+    assert gw.wait_for_metric('kimi_gateway_tokens_total{kind="prompt",pool="p"}', lambda v: v > 0) \
+        == reference_usage["prompt_tokens"]
+    assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 24
+    assert gw.metric('kimi_gateway_migration_prefill_tokens_total{pool="p"}') == reference_usage["prompt_tokens"] + kept
+    gw.wait_until_idle()
+
+
+def test_the_client_can_opt_out_and_gets_the_error_event(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    _, good, gw = setup(start_sim, start_gateway, FAULTS["eof"])
+    _, events = stream(gw.v1 + "/chat/completions", CHAT, {"x-kimi-gateway-migrate": "off"})
+    assert b'"error"' in events[-1] and b"[DONE]" not in b"".join(events)
+    assert good.engine.records == []
+    assert gw.metric("kimi_gateway_migrations_total") == 0
+
+
+def test_migration_off_in_the_config_gives_the_error_event(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    _, good, gw = setup(start_sim, start_gateway, FAULTS["eof"], migration={"max_per_request": 0})
+    _, events = stream(gw.v1 + "/chat/completions", CHAT)
+    assert b'"error"' in events[-1] and good.engine.records == []
+
+
+def test_one_migration_per_request_then_the_error_event(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    sims = [start_sim("vllm") for _ in range(3)]
+    gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0})
+    body = {**CHAT, "x_sim_faults": {"drop_after_chunks": 5}}  # every worker fails it
+    _, events = stream(gw.v1 + "/chat/completions", body)
+    assert b'"error"' in events[-1] and b"[DONE]" not in b"".join(events)
+    assert sum(len(s.engine.records) for s in sims) == 2  # the first worker and one continuation
+    text = text_of("chat", events)
+    assert text.split(" ")[:8] == ["Kimi", "café", "naïve", "東京", "routes", "Zürich", "tokens", "🚀"]
+    assert gw.metric('kimi_gateway_migrations_total{outcome="migrated",pool="p"}') == 1
+
+
+@pytest.mark.parametrize(("extra", "why"), [({"logprobs": True}, "logprobs"), ({"n": 2}, "n > 1")])
+def test_a_stream_not_at_a_safe_point_is_not_migrated(start_sim: StartSim, start_gateway: StartGateway,
+                                                       extra: dict[str, Any], why: str) -> None:
+    _, good, gw = setup(start_sim, start_gateway, FAULTS["eof"])
+    _, events = stream(gw.v1 + "/chat/completions", {**CHAT, **extra})
+    assert b'"error"' in events[-1] and good.engine.records == []
+    assert gw.wait_for_metric('kimi_gateway_migrations_total{outcome="refused",pool="p"}', lambda v: v == 1)
+
+
+def test_a_half_sent_tool_call_is_not_migrated(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    call = {"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a'}}
+    tool = b"data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "kimi-k3",
+                                   "choices": [{"index": 0, "delta": {"tool_calls": [call]},
+                                                "finish_reason": None}]}).encode() + b"\n\n"
+    bad = start_sim("vllm", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks([tool])))
+    good = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [bad.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0})
+    _, events = stream(gw.v1 + "/chat/completions", CHAT)
+    assert b'"error"' in events[-1] and good.engine.records == []
+
+
+def test_the_simulator_continues_a_final_assistant_message(start_sim: StartSim) -> None:
+    sim = start_sim("vllm")
+    whole = httpx.post(sim.url + "/v1/chat/completions", json={**CHAT, "stream": False}, timeout=5).json()
+    text = whole["choices"][0]["message"]["content"]
+    head = " ".join(text.split(" ")[:5])
+    body = {**CHAT, "stream": False, "max_tokens": 19, "continue_final_message": True, "add_generation_prompt": False,
+            "messages": [*CHAT["messages"], {"role": "assistant", "content": head}]}
+    rest = httpx.post(sim.url + "/v1/chat/completions", json=body, timeout=5).json()
+    assert head + rest["choices"][0]["message"]["content"] == text
+    assert rest["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"] + 5
+    both = httpx.post(sim.url + "/v1/chat/completions", json={**body, "add_generation_prompt": True}, timeout=5)
+    assert both.status_code == 400 and "Cannot set both" in both.text
+    default = httpx.post(sim.url + "/v1/chat/completions", json={k: v for k, v in body.items()
+                                                                 if k != "add_generation_prompt"}, timeout=5)
+    assert default.status_code == 400 and "not compatible" in default.text
