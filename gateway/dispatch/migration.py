@@ -50,11 +50,15 @@ OPT_OUT_HEADER = "x-kimi-gateway-migrate"
 FOLD_BYTES = 64 * 1024
 """Relayed bytes held unparsed at most (`Progress.keep`)."""
 
-ENGINES = frozenset({"vllm", "ascend"})
-"""Engine kinds a stream is continued on: those whose chat serving reads `continue_final_message`
-and `add_generation_prompt` (vLLM and vllm-ascend) and are tested against the simulator. SGLang
-reads `continue_final_message` too (`srt/entrypoints/openai/protocol.py`) and llama.cpp's server
-prefills a trailing assistant message (`tools/server/utils.hpp`), but neither is migrated to yet."""
+ENGINES = frozenset({"vllm", "ascend", "llamacpp"})
+"""Engine kinds a stream is continued on: vLLM and vllm-ascend, whose chat serving reads
+`continue_final_message` and `add_generation_prompt` (tested against the simulator), and llama.cpp,
+whose server prefills a trailing assistant message by default (`--no-prefill-assistant` turns that
+off: `common/arg.cpp`; `tools/server/server-common.cpp` `oaicompat_chat_params_parse` renders it
+without its end of turn) and ignores the two flags (tested against the real engine:
+tests/e2e/test_real_engine_migration.py). SGLang reads `continue_final_message` too
+(`srt/entrypoints/openai/serving_chat.py` takes a final assistant message off and appends its
+content after the generation prompt) but is not migrated to yet."""
 
 CONTINUATION_TRIES = 2
 """Workers a continuation is tried on at most (each failure before its first content moves on)."""
