@@ -530,6 +530,8 @@ class Migrating(Protocol):
 
     def relay(self, stream: UpstreamStream) -> AsyncIterator[bytes]: ...
 
+    def seam(self) -> bytes: ...
+
     def settled(self, continued: dict[str, Any] | None) -> dict[str, Any] | None: ...
 
 
@@ -590,6 +592,7 @@ class UpstreamStream:
         self._redact = response.redact if response.redact else None
         self.migration: Migrating | None = None  # set by the dispatch: a failure may continue elsewhere
         self._next: UpstreamStream | None = None  # the continuation this stream's answer went on in
+        self.continuation = False  # this stream continues another one's answer (relayed by its migration)
 
     async def body(self) -> AsyncIterator[bytes]:
         """Yield the upstream bytes unchanged (but for the usage patch's own chunk when
@@ -724,6 +727,11 @@ class UpstreamStream:
                                       "incomplete.", api=self._record.api)
             return
         self._next = stream
+        if self.continuation:  # the migration's relay of this stream rewrites the next one's events too
+            yield self.migration.seam()
+            async for part in stream.body():
+                yield part
+            return
         async for part in self.migration.relay(stream):
             yield part
 
@@ -765,7 +773,8 @@ class UpstreamStream:
         finally:
             if self._next is None:
                 self._record.usage = self.tap.usage or self._record.usage
-        if self._next is not None and self.migration is not None:  # the answer's usage is the continuation's
+        if self._next is not None and self.migration is not None and not self.continuation:
+            # the answer's usage: the last continuation's, made the whole answer's once
             await self._next.aclose()
             self._record.usage = self.migration.settled(self._record.usage)
 

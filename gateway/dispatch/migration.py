@@ -214,8 +214,8 @@ class Migration:
     dispatch when it accepted the stream. `resume` finds the next worker and opens the
     continuation; `relay` rewrites its events; `usage` is the honest usage after it."""
 
-    __slots__ = ("_api", "_body", "_parsed", "_pool", "_record", "_request", "_state", "_strip_usage",
-                 "_tried", "_worker", "count", "prefilled", "progress")
+    __slots__ = ("_api", "_body", "_from", "_kept_at", "_parsed", "_pool", "_record", "_request", "_state",
+                 "_strip_usage", "_tried", "_worker", "count", "prefilled", "progress")
 
     def __init__(self, state: AppState, api: str, pool: PoolConfig, worker: Worker, body: bytes,
                  request: RoutingRequest, record: RequestRecord, strip_usage: bool, tried: set[Worker]) -> None:
@@ -229,6 +229,8 @@ class Migration:
         self._strip_usage = strip_usage
         self._tried = tried
         self._parsed: dict[str, Any] | None = None
+        self._from: Worker | None = None
+        self._kept_at: list[int] = []
         self.count = 0
         self.progress = Progress()
         self.prefilled = 0
@@ -260,7 +262,8 @@ class Migration:
         self._tried.add(self._worker)
         assert self._parsed is not None
         body = continuation_body(self._api, self._parsed, self.progress, self._parsed.get("model") or "")
-        note: dict[str, Any] = {"from": self._worker.id, "why": why, "kept_tokens": self.progress.generated}
+        note: dict[str, Any] = {"from": self._worker.id, "why": why, "kept_tokens": self.progress.generated,
+                                "count": self.count}
         record.migration = note
         outcome = "no_worker"
         registry = state.registry
@@ -284,6 +287,8 @@ class Migration:
                 continue
             state.metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
             note.update(to=worker.id, outcome="migrated")
+            self._kept_at.append(self.progress.generated)
+            self._from, self._worker = self._worker, worker
             state.metrics.migrations.labels(pool.name, "migrated").inc()
             stream = result.stream
             assert isinstance(stream, UpstreamStream)
@@ -293,17 +298,18 @@ class Migration:
         state.metrics.migrations.labels(pool.name, outcome).inc()
         return None
 
-    def seam(self, to: str) -> bytes:
-        """The SSE comment that marks the seam (clients ignore comments: WHATWG SSE)."""
-        return (f": x-kimi-gateway-migrated from={self._worker.id} to={to} "
+    def seam(self) -> bytes:
+        """The SSE comment that marks the latest seam (clients ignore comments: WHATWG SSE)."""
+        origin = self._from.id if self._from is not None else ""
+        return (f": x-kimi-gateway-migrated from={origin} to={self._worker.id} "
                 f"kept_tokens={self.progress.generated}\n\n").encode()
 
     async def relay(self, stream: UpstreamStream) -> AsyncIterator[bytes]:
         """The continuation's events as the client gets them: the first stream's `id`, `created`
         and `model`, no second role chunk, honest usage; error events and `[DONE]` as they are."""
         ident = self.progress.ident or {}
-        opened = False
-        yield self.seam(self._record.worker or "")
+        stream.continuation = True
+        yield self.seam()
         async for chunk in stream.body():
             out: list[bytes] = []
             for event in _EVENT_BREAK.split(chunk):
@@ -322,9 +328,8 @@ class Migration:
                     out.append(event + b"\n\n")
                     continue
                 data.update(ident)
-                if not opened and _role_only(data):
+                if _role_only(data):  # each continuation opens the turn again; the client's is open
                     continue
-                opened = True
                 for choice in data.get("choices") or ():
                     delta = choice.get("delta") if isinstance(choice, dict) else None
                     if isinstance(delta, dict):
@@ -345,8 +350,9 @@ class Migration:
         prompt, completion = continued.get("prompt_tokens"), continued.get("completion_tokens")
         if not isinstance(prompt, int) or not isinstance(completion, int):
             return continued
-        self.prefilled = prompt
         original = self.progress.prompt_tokens if self.progress.prompt_tokens is not None else max(prompt - kept, 0)
+        # Every continuation prefilled the original prompt and the tokens kept when it started.
+        self.prefilled = sum(original + at for at in self._kept_at[:-1]) + prompt
         out = {**continued, "prompt_tokens": original, "completion_tokens": kept + completion,
                "total_tokens": original + kept + completion}
         details = out.get("prompt_tokens_details")

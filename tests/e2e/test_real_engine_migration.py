@@ -21,11 +21,12 @@ from tests.support import RunningGateway, pool
 
 pytestmark = pytest.mark.engine
 
+STORY = "Write a short story about a lighthouse keeper."
 BODIES = {
-    "chat": {"model": "kimi-k3", "messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
-             "max_tokens": 80, "temperature": 0, "stream": True},
-    "completions": {"model": "kimi-k3", "prompt": "The history of the lighthouse begins", "max_tokens": 80, "temperature": 0,
-                    "stream": True},
+    "chat": {"model": "kimi-k3", "messages": [{"role": "user", "content": STORY}], "max_tokens": 80,
+             "temperature": 0, "stream": True},
+    "completions": {"model": "kimi-k3", "prompt": "The history of the lighthouse begins", "max_tokens": 80,
+                    "temperature": 0, "stream": True},
 }
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 

@@ -6,6 +6,8 @@ position in the assistant's turn: `gateway/sim/tokens.py`)."""
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -168,3 +170,51 @@ def test_the_simulator_continues_a_final_assistant_message(start_sim: StartSim) 
     default = httpx.post(sim.url + "/v1/chat/completions", json={k: v for k, v in body.items()
                                                                  if k != "add_generation_prompt"}, timeout=5)
     assert default.status_code == 400 and "not compatible" in default.text
+
+
+def test_the_access_log_says_it_and_the_key_is_billed_once_without_usage_asked(
+        start_sim: StartSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture) -> None:
+    # No `include_usage`: the gateway's usage patch asks both engines for it and strips it; the
+    # record's usage (what the key is charged) is still the whole answer's, counted once.
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    _, good, gw = setup(start_sim, start_gateway, FAULTS["eof"])
+    body = {k: v for k, v in CHAT.items() if k != "stream_options"}
+    _, reference = stream(good.url + "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
+    _, events = stream(gw.v1 + "/chat/completions", body)
+    assert not any(c.get("usage") for c in chunks(events))  # none asked, none sent
+    assert text_of("chat", events) == text_of("chat", reference)
+    deadline = time.monotonic() + 5
+    while not (lines := [json.loads(r.getMessage()) for r in caplog.records
+                         if r.name == "gateway.access" and r.threadName == gw.server.thread_name]):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    entry = lines[-1]
+    expected = usage_of(reference)
+    assert entry["usage"]["prompt_tokens"] == expected["prompt_tokens"]
+    assert entry["usage"]["completion_tokens"] == expected["completion_tokens"] == 24
+    assert entry["migration"] == {"from": "p/0", "to": "p/1", "outcome": "migrated", "kept_tokens": 7, "count": 1,
+                                  "prefill_tokens": expected["prompt_tokens"] + 7,
+                                  "why": entry["migration"]["why"]}
+    assert entry["outcome"] == "ok" and entry["attempts"] == 2 and entry["worker"] == "p/1"
+
+
+def test_a_second_failure_continues_again_when_the_config_allows_two(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    # Every attempt drops after 10 events (per-request faults reach every worker): 9 tokens kept from
+    # the first, 9 more from the first continuation, the last 6 from the second, which ends.
+    sims = [start_sim("vllm") for _ in range(4)]
+    gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0}, migration={"max_per_request": 3})
+    _, reference = stream(sims[0].url + "/v1/chat/completions", CHAT)
+    _, events = stream(gw.v1 + "/chat/completions", {**CHAT, "x_sim_faults": {"drop_after_chunks": 10}})
+    assert events[-1] == b"data: [DONE]" and text_of("chat", events) == text_of("chat", reference)
+    seams = [e for e in events if e.startswith(b": x-kimi-gateway-migrated")]
+    assert [s.split(b" kept_tokens=")[1] for s in seams] == [b"9", b"18"], seams  # tokens kept in all
+    assert seams[1].startswith(b": x-kimi-gateway-migrated from=" + seams[0].split(b" to=")[1].split(b" ")[0])
+    last = [r.body for s in sims for r in s.engine.records if r.body.get("max_tokens") == 24 - 18]
+    assert len(last) == 1
+    assert [m["role"] for m in last[0]["messages"]] == ["user", "assistant"]  # one growing assistant turn
+    assert last[0]["messages"][-1]["content"] == " ".join(text_of("chat", reference).split(" ")[:18])
+    assert usage_of(events)["completion_tokens"] == 24
+    assert usage_of(events)["prompt_tokens"] == usage_of(reference)["prompt_tokens"]
+    assert len({c["id"] for c in chunks(events)}) == 1
