@@ -172,6 +172,15 @@ def refusal(api: str, body: dict[str, Any], progress: Progress) -> str | None:
             return "a suffix was given"
     elif not isinstance(body.get("messages"), list):
         return "no messages"
+    stops = body.get("stop")
+    stops = [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []
+    if stops and body.get("include_stop_str_in_output") is True:
+        # vLLM holds back max(len(stop)) - 1 characters of a stream with stop strings
+        # (`vllm/v1/engine/detokenizer.py`, `stop_buffer_length`), so no stop string can straddle
+        # the seam, unless the stop string is to be included in the output, which turns that off.
+        text = "".join(progress.text)
+        if any(isinstance(s, str) and any(text.endswith(s[:i]) for i in range(1, len(s))) for s in stops):
+            return "a stop sequence may straddle the seam"
     return None
 
 

@@ -58,6 +58,16 @@ def usage_of(events: list[bytes]) -> dict[str, Any]:
     return usages[0]
 
 
+def access_lines(caplog: pytest.LogCaptureFixture, gw: RunningGateway) -> list[dict[str, Any]]:
+    """`gw`'s access log lines once there is one (the line is written as the request ends)."""
+    deadline = time.monotonic() + 5
+    while not (lines := [json.loads(r.getMessage()) for r in caplog.records
+                         if r.name == "gateway.access" and r.threadName == gw.server.thread_name]):
+        assert time.monotonic() < deadline, "no access log line"
+        time.sleep(0.02)
+    return lines
+
+
 def setup(start_sim: StartSim, start_gateway: StartGateway, faults: SimFaults, **settings: Any
           ) -> tuple[RunningSim, RunningSim, RunningGateway]:
     bad = start_sim("vllm", faults=faults)
@@ -133,13 +143,28 @@ def test_one_migration_per_request_then_the_error_event(start_sim: StartSim, sta
     assert gw.metric('kimi_gateway_migrations_total{outcome="migrated",pool="p"}') == 1
 
 
-@pytest.mark.parametrize(("extra", "why"), [({"logprobs": True}, "logprobs"), ({"n": 2}, "n > 1")])
+STRADDLING_STOP = {"stop": ["tokens 🚀 façade"], "include_stop_str_in_output": True}  # the text kept ends in "tokens"
+
+
+@pytest.mark.parametrize(("extra", "why"), [({"logprobs": True}, "logprobs were asked for"), ({"n": 2}, "n > 1"),
+                                            (STRADDLING_STOP, "a stop sequence may straddle the seam")])
 def test_a_stream_not_at_a_safe_point_is_not_migrated(start_sim: StartSim, start_gateway: StartGateway,
-                                                       extra: dict[str, Any], why: str) -> None:
+                                                       caplog: pytest.LogCaptureFixture, extra: dict[str, Any],
+                                                       why: str) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.access")
     _, good, gw = setup(start_sim, start_gateway, FAULTS["eof"])
     _, events = stream(gw.v1 + "/chat/completions", {**CHAT, **extra})
     assert b'"error"' in events[-1] and good.engine.records == []
     assert gw.wait_for_metric('kimi_gateway_migrations_total{outcome="refused",pool="p"}', lambda v: v == 1)
+    assert access_lines(caplog, gw)[-1]["migration"] == {"from": "p/0", "outcome": "refused", "why": why}
+
+
+def test_a_stop_sequence_not_straddling_the_seam_keeps_migration(start_sim: StartSim,
+                                                                 start_gateway: StartGateway) -> None:
+    _, good, gw = setup(start_sim, start_gateway, FAULTS["eof"])
+    body = {**CHAT, "stop": ["Ωmega façade"], "include_stop_str_in_output": True}
+    _, events = stream(gw.v1 + "/chat/completions", body)
+    assert events[-1] == b"data: [DONE]" and good.engine.records[-1].body["stop"] == ["Ωmega façade"]
 
 
 def test_a_half_sent_tool_call_is_not_migrated(start_sim: StartSim, start_gateway: StartGateway) -> None:
@@ -183,12 +208,7 @@ def test_the_access_log_says_it_and_the_key_is_billed_once_without_usage_asked(
     _, events = stream(gw.v1 + "/chat/completions", body)
     assert not any(c.get("usage") for c in chunks(events))  # none asked, none sent
     assert text_of("chat", events) == text_of("chat", reference)
-    deadline = time.monotonic() + 5
-    while not (lines := [json.loads(r.getMessage()) for r in caplog.records
-                         if r.name == "gateway.access" and r.threadName == gw.server.thread_name]):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    entry = lines[-1]
+    entry = access_lines(caplog, gw)[-1]
     expected = usage_of(reference)
     assert entry["usage"]["prompt_tokens"] == expected["prompt_tokens"]
     assert entry["usage"]["completion_tokens"] == expected["completion_tokens"] == 24
