@@ -291,10 +291,14 @@ class Migration:
                 result = await attempt.run()
             except AttemptFailed as failure:
                 state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
+                if record.trace is not None:
+                    record.trace.end_attempt(failure.outcome)
                 self._tried.add(worker)
                 outcome = "failed"
                 continue
             state.metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
+            if record.trace is not None:
+                record.trace.end_attempt(Outcome.OK)
             note.update(to=worker.id, outcome="migrated")
             self._kept_at.append(self.progress.generated)
             self._from, self._worker = self._worker, worker
