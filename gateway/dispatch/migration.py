@@ -2,7 +2,8 @@
 fails after content reached the client goes on on another worker, and the client reads one answer.
 
 While a stream is relayed, `Progress.keep` holds the whole events the client got (one list append
-per read; they are parsed in batches of `FOLD_BYTES`, and at a failure). When the engine fails
+per read); every `FOLD_BYTES`, and at a failure, their text pieces are cut out (one pattern over
+the batch, no JSON parse per event) and kept as written, decoded only when a failure needs them. When the engine fails
 after that (a reset or an EOF before `data: [DONE]`, an in-band error event, no byte within the
 inter-token budget `timeouts.read`), `Migration.resume` sends the request again to another worker
 of the pool (never the one that failed) with the text so far as the start of the answer:
@@ -64,6 +65,11 @@ CONTINUATION_TRIES = 2
 """Workers a continuation is tried on at most (each failure before its first content moves on)."""
 
 _EVENT_BREAK = re.compile(rb"\r?\n\r?\n")
+# A chunk's text: chat's `delta.content` / `delta.reasoning_content` (vLLM's, SGLang's) or
+# `delta.reasoning`, completions' `choices[].text`; a JSON string's body as written.
+_PIECE = re.compile(rb'"(content|reasoning_content|reasoning|text)"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
+_TOOL_CALL = re.compile(rb'"tool_calls"\s*:\s*\[\s*\{')
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"')
 
 
 def _data_events(events: bytes) -> list[bytes]:
@@ -83,14 +89,14 @@ class Progress:
     relayed), `finished` (a finish reason was relayed), `ident` (the first chunk's `id`, `created`,
     `model`), `prompt_tokens` (the engine's, when a chunk reported usage)."""
 
-    __slots__ = ("_raw", "_size", "finished", "ident", "prompt_tokens", "reasoning", "text", "tokens", "tool_call",
+    __slots__ = ("_raw", "_reasoning", "_size", "_text", "finished", "ident", "prompt_tokens", "tokens", "tool_call",
                  "usage_tokens")
 
     def __init__(self) -> None:
         self._raw: list[bytes] = []
         self._size = 0
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
+        self._text: list[bytes] = []  # the JSON string bodies as written (escapes and all)
+        self._reasoning: list[bytes] = []
         self.tokens = 0
         self.usage_tokens: int | None = None
         self.prompt_tokens: int | None = None
@@ -106,42 +112,65 @@ class Progress:
             self.fold()
 
     def fold(self) -> None:
-        """Parse the events held since the last fold into the fields."""
+        """Read the events held since the last fold into the fields. The engines write compact JSON
+        (a raw `"` or newline cannot occur inside a JSON string), so the text pieces are found by
+        one pattern over the batch and only they are decoded; an event is parsed whole only for
+        the stream's identity (its first event) and for a usage object."""
         raw, self._raw, self._size = self._raw, [], 0
-        for payload in _data_events(b"".join(raw)):
-            if not payload.startswith(b"{"):
+        data = b"".join(raw)
+        if not data:
+            return
+        if self.ident is None:
+            self._first_event(data)
+        both = b'"reasoning_content"' in data  # an engine that writes both names: one of them is read
+        for match in _PIECE.finditer(data):
+            name, piece = match.groups()
+            if not piece or (both and name == b"reasoning"):
                 continue
+            (self._text if name == b"content" or name == b"text" else self._reasoning).append(piece)
+            self.tokens += 1
+        if not self.tool_call and b'"tool_calls"' in data and _TOOL_CALL.search(data):
+            self.tool_call = True
+        if not self.finished and b'"finish_reason"' in data and _FINISH.search(data):
+            self.finished = True
+        if b'"usage"' in data:
+            for payload in _data_events(data):
+                if b'"usage"' in payload:
+                    self._usage(payload)
+
+    def _first_event(self, data: bytes) -> None:
+        """The stream's `id`, `created` and `model`, from its first chunk (the first fold's only)."""
+        for payload in _data_events(data):
             try:
                 chunk = orjson.loads(payload)
             except orjson.JSONDecodeError:
                 continue
-            if not isinstance(chunk, dict) or "error" in chunk:
-                continue
-            if self.ident is None and "id" in chunk:
+            if isinstance(chunk, dict) and "id" in chunk:
                 self.ident = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
-            usage = chunk.get("usage")
-            if isinstance(usage, dict):
-                if isinstance(usage.get("completion_tokens"), int):
-                    self.usage_tokens = usage["completion_tokens"]
-                if isinstance(usage.get("prompt_tokens"), int):
-                    self.prompt_tokens = usage["prompt_tokens"]
-            for choice in chunk.get("choices") or ():
-                if not isinstance(choice, dict):
-                    continue
-                delta = choice.get("delta")
-                piece = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-                if isinstance(delta, dict):
-                    thought = delta.get("reasoning_content") or delta.get("reasoning")
-                    if isinstance(thought, str) and thought:
-                        self.reasoning.append(thought)
-                        self.tokens += 1
-                    if delta.get("tool_calls"):
-                        self.tool_call = True
-                if isinstance(piece, str) and piece:
-                    self.text.append(piece)
-                    self.tokens += 1
-                if choice.get("finish_reason") is not None:
-                    self.finished = True
+                return
+
+    def _usage(self, payload: bytes) -> None:
+        """The engine's counts from a chunk's usage (continuous usage stats)."""
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        usage = chunk.get("usage") if isinstance(chunk, dict) and "error" not in chunk else None
+        if isinstance(usage, dict):
+            if isinstance(usage.get("completion_tokens"), int):
+                self.usage_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.prompt_tokens = usage["prompt_tokens"]
+
+    @property
+    def text(self) -> str:
+        """The content relayed so far (after `fold()`)."""
+        return _decoded(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        """The reasoning relayed so far (after `fold()`)."""
+        return _decoded(self._reasoning)
 
     @property
     def generated(self) -> int:
@@ -178,7 +207,7 @@ def refusal(api: str, body: dict[str, Any], progress: Progress) -> str | None:
         # vLLM holds back max(len(stop)) - 1 characters of a stream with stop strings
         # (`vllm/v1/engine/detokenizer.py`, `stop_buffer_length`), so no stop string can straddle
         # the seam, unless the stop string is to be included in the output, which turns that off.
-        text = "".join(progress.text)
+        text = progress.text
         if any(isinstance(s, str) and any(text.endswith(s[:i]) for i in range(1, len(s))) for s in stops):
             return "a stop sequence may straddle the seam"
     return None
@@ -199,7 +228,7 @@ def continuation_body(api: str, body: dict[str, Any], progress: Progress, model:
     least = out.get("min_tokens")
     if isinstance(least, int) and not isinstance(least, bool) and least > 0:
         out["min_tokens"] = max(least - generated, 0)
-    text = "".join(progress.text)
+    text = progress.text
     if api == "completions":
         prompt = out["prompt"]
         out["prompt"] = (prompt if isinstance(prompt, str) else prompt[0]) + text
@@ -210,8 +239,9 @@ def continuation_body(api: str, body: dict[str, Any], progress: Progress, model:
             and isinstance(messages[-1].get("content"), str):  # a continuation's own: its turn grows
         turn = {**messages[-1], "content": messages[-1]["content"] + text}
         messages = messages[:-1]
-    if progress.reasoning:
-        turn["reasoning_content"] = str(turn.get("reasoning_content") or "") + "".join(progress.reasoning)
+    reasoning = progress.reasoning
+    if reasoning:
+        turn["reasoning_content"] = str(turn.get("reasoning_content") or "") + reasoning
     out["messages"] = [*messages, turn]
     out["continue_final_message"] = True
     out["add_generation_prompt"] = False
@@ -382,6 +412,23 @@ class Migration:
             if self._record.migration is not None:
                 self._record.migration["prefill_tokens"] = self.prefilled
         return usage
+
+
+def _decoded(pieces: list[bytes]) -> str:
+    """JSON string bodies (as written, escapes included) joined and decoded: escapes never span
+    two bodies, so the joined body is one JSON string's. An undecodable one (no engine writes it)
+    is dropped piece by piece."""
+    try:
+        text = orjson.loads(b'"' + b"".join(pieces) + b'"')
+    except orjson.JSONDecodeError:
+        good = []
+        for piece in pieces:
+            try:
+                good.append(orjson.loads(b'"' + piece + b'"'))
+            except orjson.JSONDecodeError:
+                continue
+        return "".join(good)
+    return text if isinstance(text, str) else ""
 
 
 def _role_only(chunk: dict[str, Any]) -> bool:

@@ -23,9 +23,10 @@ def test_progress_keeps_content_reasoning_and_the_first_ident() -> None:
     progress = Progress()
     progress.keep(_event({"role": "assistant", "content": ""}) + _event({"reasoning_content": "think"}))
     progress.keep(_event({"content": "Hel"}) + b": keep-alive\n\n" + _event({"content": "lo"}))
+    progress.keep(_event({"content": ' "\\ \u00e9\n'}))
     progress.fold()
-    assert "".join(progress.text) == "Hello" and "".join(progress.reasoning) == "think"
-    assert progress.generated == 3 and progress.ident == {"id": "c-1", "created": 7, "model": "m"}
+    assert progress.text == 'Hello "\\ \u00e9\n' and progress.reasoning == "think"
+    assert progress.generated == 4 and progress.ident == {"id": "c-1", "created": 7, "model": "m"}
     assert not progress.tool_call and not progress.finished
 
 
