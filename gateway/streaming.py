@@ -4,7 +4,8 @@ An attempt succeeds once the engine sent 2xx headers AND its first body byte; un
 failure is an `AttemptFailed` the service may retry elsewhere. After that the relay passes the
 body's bytes through as they arrive (`UpstreamResponse.chunks`: identity bytes, a content coding
 the engine applied unasked decoded, backends/encoding.py; no re-encoding); a tap observes a copy. A
-failure after the first byte becomes one SSE error event and the stream ends without `[DONE]`.
+failure after the first byte becomes one SSE error event and the stream ends without `[DONE]`,
+unless the stream migrates to another worker (gateway/dispatch/migration.py).
 Closing the upstream response in `finally` is what makes the engine abort a request whose client
 hung up. The config's secrets are taken out of an engine's error answer (its non-2xx body, its
 in-stream error events) before it is relayed or logged (`UpstreamResponse.redact`, gateway/redact.py).
@@ -602,7 +603,10 @@ class UpstreamStream:
         per write is relayed write for write); a partial event waits for its end, so a failure
         mid-event never leaves the client a corrupt event. A failure, an end without
         `data: [DONE]`, or an event longer than `max_event` bytes (a line that never ends) is
-        reported with one SSE error event and no `[DONE]`. A non-SSE body passes through as it
+        reported with one SSE error event and no `[DONE]`; with a `migration` (set by the dispatch on
+        a chat or completions stream) such a failure, or the engine's in-band error event, is
+        continued on another worker instead when it can be (`_continue`,
+        gateway/dispatch/migration.py): the client reads one answer. A non-SSE body passes through as it
         arrives. Events that carry an error (`ERROR_KEY`) have the config's secrets
         taken out.
         """
@@ -639,7 +643,8 @@ class UpstreamStream:
                                 keep(for_client[:cut])
                                 if migration.ready():  # relay what came before it, then continue elsewhere
                                     if cut:
-                                        yield for_client[:cut]
+                                        head = for_client[:cut]
+                                        yield redact(head) if redact is not None and ERROR_KEY in head else head
                                     raise _InBandError(for_client[cut:])
                                 keep(for_client[cut:])
                             else:
