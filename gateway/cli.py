@@ -1,4 +1,4 @@
-"""`kimi-gateway` command line: serve, check-config, demo, sim, engine, plan, hash-key."""
+"""`kimi-gateway` command line: serve, check-config, drain, demo, sim, engine, plan, hash-key."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     config = _load_or_exit(args.config)
     setup_logging(config.log_level)
+    _serve_safety(args.config, config, args.strict)
     processes = args.processes or config.processes
     host, port = args.host or config.host, args.port or config.port
     # The port is bound before anything starts, so one already in use ends the command at once
@@ -85,15 +86,31 @@ def cmd_check_config(args: argparse.Namespace) -> None:
 
 def _check_production_safety(path: str, config: GatewayConfig, strict: bool) -> None:
     """Warn about what is valid but unsafe to deploy (gateway/plans/safety.py); `strict` exits 1 on any."""
-    import os
-
-    from gateway.plans.safety import production_findings, read_tree
-
-    findings = production_findings(read_tree(path), config, os.environ) + _redis_cluster_findings(config)
+    findings = _safety_findings(path, config)
     for finding in findings:
         print(f"warning: {finding}")
     if findings and strict:
         sys.exit(f"check-config --strict: {len(findings)} warning(s) in {path}")
+
+
+def _serve_safety(path: str, config: GatewayConfig, strict: bool) -> None:
+    """`serve`'s start-up run of check-config's production checks: each finding logged as a warning;
+    with `strict`, one `warning: ...` line each on stderr and exit 1 before anything listens."""
+    findings = _safety_findings(path, config)
+    if findings and strict:
+        for finding in findings:
+            print(f"warning: {finding}", file=sys.stderr)
+        sys.exit(f"serve --strict: {len(findings)} warning(s) in {path}; not starting")
+    log = logging.getLogger("gateway.cli")
+    for finding in findings:
+        log.warning("config warning: %s", finding)
+
+
+def _safety_findings(path: str, config: GatewayConfig) -> list[Finding]:
+    """The production-safety findings of the config at `path` (loaded as `config`) in this environment."""
+    from gateway.plans.safety import production_findings, read_tree
+
+    return production_findings(read_tree(path), config, os.environ) + _redis_cluster_findings(config)
 
 
 def _redis_cluster_findings(config: GatewayConfig) -> list[Finding]:
@@ -120,6 +137,15 @@ def _redis_cluster_findings(config: GatewayConfig) -> list[Finding]:
                                  "give the nodes as redis+cluster://host:port[,host:port...]")]
 
 
+def cmd_drain(args: argparse.Namespace) -> None:
+    """Drain one worker on every gateway replica and wait for its in-flight requests (gateway/drain_command.py)."""
+    from gateway.drain_command import run_drain
+
+    sys.exit(run_drain(args.gateway, args.pool, args.worker, wait_s=args.wait, interval_s=args.interval,
+                       admin_key_env=args.admin_key_env, resolve_every_address=args.every_address,
+                       undrain=args.undrain))
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from gateway.demo import run_demo
 
@@ -144,7 +170,8 @@ def cmd_sim(args: argparse.Namespace) -> None:
             kv_load_failure_policy=args.kv_load_failure_policy, scheduler=args.scheduler,
             chunk_tokens=args.chunk_tokens,
             decode_step_s=None if args.decode_step_ms is None else args.decode_step_ms / 1000.0,
-            decode_s_per_seq=None if args.decode_ms_per_seq is None else args.decode_ms_per_seq / 1000.0)
+            decode_s_per_seq=None if args.decode_ms_per_seq is None else args.decode_ms_per_seq / 1000.0,
+            lora_modules=args.lora_modules or [])
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -182,12 +209,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--processes", type=int, help="serving processes sharing the port (overrides `processes`)")
+    serve.add_argument("--strict", action="store_true",
+                       help="refuse to start on any production-safety warning (those of check-config --strict)")
     serve.set_defaults(func=cmd_serve)
 
     check = sub.add_parser("check-config", help="validate a config file and explain errors")
     check.add_argument("config")
     check.add_argument("--strict", action="store_true", help="fail on production-safety warnings too")
     check.set_defaults(func=cmd_check_config)
+
+    from gateway.drain_command import DEFAULT_ADMIN_KEY_ENV
+
+    drain = sub.add_parser("drain", help="drain a worker on every gateway replica and wait for its requests "
+                                         "(an engine pod's preStop hook)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    drain.add_argument("--gateway", action="append", required=True,
+                       help="a gateway's base URL; repeat it for each replica (each counts its own in-flight "
+                            "requests), or give one name with --every-address")
+    drain.add_argument("--pool", required=True, help="the worker's pool")
+    drain.add_argument("--worker", required=True, help="the worker's URL (as the gateway has it) or its index")
+    drain.add_argument("--wait", type=float, default=300.0, help="seconds to wait for in-flight requests to end")
+    drain.add_argument("--interval", type=float, default=0.5, help="seconds between polls of /admin/workers")
+    drain.add_argument("--admin-key-env", default=DEFAULT_ADMIN_KEY_ENV,
+                       help="environment variable holding a key with the admin scope (none: no key sent)")
+    drain.add_argument("--every-address", action="store_true",
+                       help="poll every address each --gateway host resolves to (a headless Service: every replica)")
+    drain.add_argument("--undrain", action="store_true",
+                       help="put the worker back into service instead (when its engine starts again) and exit")
+    drain.set_defaults(func=cmd_drain)
 
     demo = sub.add_parser("demo", help="simulated pools + the gateway in one process")
     demo.add_argument("--config", default=str(REPO_CONFIG_DIR / "demo.yaml"))
@@ -205,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--ttft", type=float, default=0.05, help="seconds of simulated prefill")
     sim.add_argument("--tpot", type=float, default=0.01, help="seconds per output token")
     sim.add_argument("--served-model-name", action="append")
+    sim.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                     help="LoRA adapters to serve (listed in /v1/models with their parent), as vLLM takes them")
     sim.add_argument("--max-num-seqs", type=int, help="requests running at once; the rest wait")
     sim.add_argument("--kv-capacity", type=int, help="prefix/KV cache size in tokens (enables the cache model)")
     sim.add_argument("--prefill-rate", "--prefill-tokens-per-s", type=float,

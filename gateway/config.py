@@ -288,6 +288,15 @@ def _check_policy(name: str, params: dict[str, Any], what: str = "policy") -> No
         raise ValueError(f"for {what} {name}: {explain_validation_error(exc)}") from None
 
 
+class LoraModule(_Strict):
+    """A LoRA adapter a pool's workers load on demand: its name (the request's `model`) and the
+    path the engine loads it from (vLLM's `lora_path`: a directory on the engine's host, or a
+    Hugging Face repo id with a resolver)."""
+
+    name: str = Field(min_length=1, max_length=256)
+    path: str = Field(min_length=1)
+
+
 class PoolConfig(_Strict):
     """A pool: interchangeable workers of one engine kind that share a max context.
 
@@ -308,6 +317,17 @@ class PoolConfig(_Strict):
     served_model_name: str | None = Field(
         default=None, min_length=1, description="name the engines serve the model under; `model` is rewritten to it"
     )
+    lora_adapters: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, description="LoRA adapter names its engines serve (vLLM `--lora-modules`, SGLang "
+        "`--lora-paths`): a request naming one goes to this pool's workers with the adapter's name as `model`. "
+        "Adapters its workers list in /v1/models (`parent` set) are found without it (`health.verify_models`)")
+    lora_on_demand: list[LoraModule] = Field(
+        default_factory=list, description="LoRA adapters loaded on a worker when a request names one no worker "
+        "has (vLLM's POST /v1/load_lora_adapter, which needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); also "
+        "written in `lora_adapters` as {name, path, load_on_demand: true}")
+    max_loras: int | None = Field(
+        default=None, ge=1, description="on-demand adapters this gateway loads on one worker at most (keep it "
+        "within the engine's --max-cpu-loras); None: no bound")
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
     apis: list[Literal["chat", "completions", "messages", "count_tokens", "responses"]] | None = Field(
         default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
@@ -338,6 +358,42 @@ class PoolConfig(_Strict):
         "them, since they make a worker with a KV connector pull or push KV cache from a host the client names. "
         "Never on a PD pool (it sets its own)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _on_demand_entries(cls, data: Any) -> Any:
+        """`lora_adapters` entries written `{name, path, load_on_demand}`: on demand ones move to
+        `lora_on_demand`, the others stay as their name."""
+        entries = data.get("lora_adapters") if isinstance(data, dict) else None
+        if not isinstance(entries, list) or not any(isinstance(e, dict) for e in entries):
+            return data
+        names, on_demand = [], list(data.get("lora_on_demand") or [])
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("load_on_demand"):
+                on_demand.append({k: v for k, v in entry.items() if k != "load_on_demand"})
+            elif isinstance(entry, dict):
+                names.append(entry.get("name"))
+            else:
+                names.append(entry)
+        return {**data, "lora_adapters": names, "lora_on_demand": on_demand}
+
+    @model_validator(mode="after")
+    def _check_on_demand(self) -> PoolConfig:
+        if not self.lora_on_demand:
+            return self
+        if self.engine not in ("vllm", "ascend") or self.disaggregation is not None:
+            raise ValueError("lora_on_demand needs an aggregated vllm or ascend pool (vLLM's runtime "
+                             "/v1/load_lora_adapter); declare the adapters the engines load at start in "
+                             "`lora_adapters`")
+        names = [m.name for m in self.lora_on_demand]
+        if len(set(names)) != len(names) or set(names) & set(self.lora_adapters):
+            raise ValueError(f"LoRA adapter names must be distinct across lora_adapters and lora_on_demand, "
+                             f"got {self.lora_adapters} and {names}")
+        return self
+
+    def adapter_path(self, name: str) -> str | None:
+        """The path of on-demand LoRA adapter `name`, None when it is not one."""
+        return next((m.path for m in self.lora_on_demand if m.name == name), None)
 
     @field_validator("workers")
     @classmethod
@@ -641,6 +697,31 @@ class ShutdownConfig(_Strict):
     )
 
 
+class ReadinessConfig(_Strict):
+    """What `GET /ready` answers 200 for: which pools must have a usable worker (a healthy, correctly
+    configured, undrained, non-ejected one; of each role in a PD pool) for this replica to be in rotation.
+
+    `pools: any` (the default): at least one pool serves, so one pool's restart (minutes for a large
+    rack) leaves the replica in the load balancer's rotation and the other pools' traffic flows;
+    requests only the down pool could serve spill over (`spillover`) or get 503 with `Retry-After`.
+    `all`: every pool must serve (the strictest: one pool down takes every replica out).
+    A list of pool names: each of those must serve. A draining replica (shutdown began) is never ready.
+    """
+
+    pools: Literal["any", "all"] | list[Annotated[str, Field(min_length=1)]] = Field(
+        default="any", description="any | all | [pool names]: the pools that must serve for /ready to answer 200")
+
+    def is_ready(self, names: list[str], unready: list[str]) -> bool:
+        """Whether pools `names` (the running config's, in order), of which `unready` have no usable
+        worker, make this replica ready (shutdown aside)."""
+        down = set(unready)
+        if self.pools == "any":
+            return any(name not in down for name in names)
+        if self.pools == "all":
+            return not down
+        return not down.intersection(self.pools)
+
+
 DEFAULT_COUNT_TOKENS_PER_MINUTE = 100
 """count_tokens requests per minute of a key that has a request or token limit but sets none for them."""
 
@@ -886,6 +967,7 @@ class GatewayConfig(_Strict):
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
     shutdown: ShutdownConfig = Field(default_factory=ShutdownConfig)
+    readiness: ReadinessConfig = Field(default_factory=ReadinessConfig)
     max_attempts: int = Field(default=3, ge=1, le=10, description="upstream attempts per request")
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0, description="request body limit, bytes; also the "
                                 "largest non-streamed answer and the longest SSE event relayed")
@@ -917,6 +999,12 @@ class GatewayConfig(_Strict):
     )
     redis: RedisSentinelConfig | None = Field(
         default=None, description="Redis behind Sentinel, as a block (instead of a redis+sentinel:// redis_url)"
+    )
+    allow_plaintext: list[Literal["redis", "engines"]] = Field(
+        default_factory=list,
+        description="unencrypted links beyond loopback that are deliberate (a private network, a NetworkPolicy, "
+        "a service mesh's mTLS): `redis` for redis://, redis+sentinel:// or redis+cluster://, `engines` for "
+        "http:// workers; the production checks (check-config, serve) warn about the others",
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -954,6 +1042,19 @@ class GatewayConfig(_Strict):
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
+        model_names = {name.lower() for name in self.model.names()}
+        for p in self.pools:
+            if len(set(p.lora_adapters)) != len(p.lora_adapters):
+                raise ValueError(f"pool {p.name}: lora_adapters must be distinct, got {p.lora_adapters}")
+            clash = [a for a in [*p.lora_adapters, *(m.name for m in p.lora_on_demand)] if a.lower() in model_names]
+            if clash:  # as an alias the engine would get the base model's name: the adapter silently unused
+                raise ValueError(f"pool {p.name}: LoRA adapter {clash[0]!r} is also the model's name or an alias; "
+                                 "drop it from model.aliases (a request naming it goes to the adapter)")
+        required = self.readiness.pools
+        if isinstance(required, list):
+            unknown = [name for name in required if name not in names]
+            if unknown or not required:
+                raise ValueError(f"readiness.pools names no configured pool: {unknown or '[]'} (pools: {names})")
         return self
 
     @model_validator(mode="after")

@@ -25,10 +25,10 @@ import math
 import multiprocessing
 import os
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import orjson
@@ -40,10 +40,17 @@ from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, portable_blocks, to_chat
-from gateway.protocol.body import ENGINE_ID_FIELDS, KV_TRANSFER_FIELDS, decode_json_object
+from gateway.protocol.body import (
+    ENGINE_ID_FIELDS,
+    KV_TRANSFER_FIELDS,
+    XARGS_FIELD,
+    decode_json_object,
+    without_connector_args,
+)
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routing.features import (
+    ENGINE_OUTPUT_FIELD,
     AnthropicWire,
     Api,
     RoutingRequest,
@@ -72,7 +79,8 @@ def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = 
     served name; top-level fields set to null are left out (null means "the default" in OpenAI's
     API, but some engine versions fail on it, e.g. `max_tokens: null` on vLLM's completions);
     the engine request ids (`ENGINE_ID_FIELDS`) are left out, and so are the KV connector's fields
-    (`KV_TRANSFER_FIELDS`) unless `kv_transfer_fields` (the pool's `allow_kv_transfer_fields`);
+    (`KV_TRANSFER_FIELDS`, also inside `vllm_xargs`) unless `kv_transfer_fields` (the pool's
+    `allow_kv_transfer_fields`);
     the usage patch's `stream_options` when `ask_usage`; and with `output_as_max_tokens` (an
     engine that ignores `max_completion_tokens` on this API, `EngineSpec.max_completion_tokens_apis`)
     `max_completion_tokens` is sent as `max_tokens`, which it replaces, as OpenAI ranks them.
@@ -80,6 +88,8 @@ def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = 
     body = {name: value for name, value in payload.items() if value is not None}
     for name in ENGINE_ID_FIELDS if kv_transfer_fields else _STRIPPED:
         body.pop(name, None)
+    if not kv_transfer_fields and XARGS_FIELD in body:
+        body[XARGS_FIELD] = without_connector_args(body[XARGS_FIELD])
     if ask_usage:
         body = ask_for_usage(body)
     if output_as_max_tokens and "max_completion_tokens" in body:
@@ -101,7 +111,8 @@ BodyKey = tuple[str, bool, bool, bool]
 fields kept): what makes one pool's engine body differ from another's (`upstream_body`'s arguments)."""
 
 _STRIPPED = ENGINE_ID_FIELDS + KV_TRANSFER_FIELDS
-_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", *KV_TRANSFER_FIELDS)
+_HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", ENGINE_OUTPUT_FIELD, XARGS_FIELD,
+                *KV_TRANSFER_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +190,27 @@ def with_output_limit(payload: Payload, api: str, tokens: int) -> Payload:
     name = OUTPUT_LIMIT_FIELD.get(api)
     if name is None:
         return payload
+    return _with_member(payload, name, tokens)
+
+
+def with_engine_output_limit(payload: Payload, tokens: int) -> Payload:
+    """`payload` with llama.cpp's `n_predict` (`ENGINE_OUTPUT_FIELD`, which that server ranks over
+    `max_tokens`) set to `tokens`, the reserved output, when the client sent a number that is not
+    a limit within it (-1, llama.cpp's "no limit", or any other below 1); else `payload` as it is
+    (a client's own 1..`tokens` is kept; a non-number makes llama.cpp fall back to `max_tokens`)."""
     if isinstance(payload, ForwardBody):
-        return payload.with_member(name, tokens)
-    return {**payload, name: tokens}
+        value = next((v for k, v in payload.head_fields if k == ENGINE_OUTPUT_FIELD), None)
+    else:
+        value = payload.get(ENGINE_OUTPUT_FIELD)
+    if type(value) not in (int, float) or 1 <= value < tokens + 1:
+        return payload
+    return _with_member(payload, ENGINE_OUTPUT_FIELD, tokens)
+
+
+def _with_member(payload: Payload, name: str, value: Any) -> Payload:
+    if isinstance(payload, ForwardBody):
+        return payload.with_member(name, value)
+    return {**payload, name: value}
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,9 +248,13 @@ class BodyParser:
         payload = decode_json_object(body)
         return payload, self.check_size(api, payload)
 
-    def validate(self, api: Api, payload: dict[str, Any]) -> tuple[Wire, str, list[str]]:
-        """The wire model, the model's canonical name, and (chat, with image fetching on) the image
-        URLs to measure. Raises InvalidRequest, ModelNotFound."""
+    def validate(self, api: Api, payload: dict[str, Any],
+                 adapters: Collection[str] = frozenset()) -> tuple[Wire, str, list[str]]:
+        """The wire model, the model's canonical name (or, for a request naming one of `adapters`,
+        the LoRA adapters the pools declare or their workers list, that adapter's name exactly as
+        the engines list it, which an alias never shadows: it would send the engine the base
+        model's name), and (chat, with image fetching on) the image URLs to measure. Raises
+        InvalidRequest, ModelNotFound."""
         wire: Wire
         try:
             if api == "messages" or api == "count_tokens":
@@ -236,7 +269,7 @@ class BodyParser:
             message, param = describe_validation_error(exc)
             raise InvalidRequest(message, param=param) from None
         name = wire.chat.model if isinstance(wire, AnthropicWire) else wire.model
-        model = self.models.get(name.lower())
+        model = name if name in adapters else self.models.get(name.lower())
         if model is None:
             raise ModelNotFound(f"The model `{name[:200]}` does not exist or you do not have access to it.",
                                 param="model")
@@ -251,6 +284,12 @@ class BodyParser:
 
     def features(self, wire: Wire, model: str, session: str | None,
                  measured: Mapping[str, tuple[int, int]] | None) -> RoutingRequest:
+        if model != self.config.model.name:  # a LoRA adapter (`validate`)
+            return replace(self._features(wire, model, session, measured), adapter=model)
+        return self._features(wire, model, session, measured)
+
+    def _features(self, wire: Wire, model: str, session: str | None,
+                  measured: Mapping[str, tuple[int, int]] | None) -> RoutingRequest:
         if isinstance(wire, ChatCompletionRequest):
             return chat_features(wire, model, self.estimator, self.hasher, session, measured)
         if isinstance(wire, AnthropicWire):
@@ -260,12 +299,12 @@ class BodyParser:
         return completion_features(wire, model, self.estimator, self.hasher, session)
 
     def parse(self, api: Api, body: bytes, session: str | None,
-              measured: Mapping[str, tuple[int, int]] | None) -> Parsed:
+              measured: Mapping[str, tuple[int, int]] | None, adapters: Collection[str] = frozenset()) -> Parsed:
         """All of it, for a parse process: with image fetching on and URLs not yet `measured`, it
         stops after validation and asks for them. Raises what `decode`, `validate` and
         `fitting_pools` raise."""
         payload, _ = self.decode(api, body)
-        wire, model, urls = self.validate(api, payload)
+        wire, model, urls = self.validate(api, payload, adapters)
         if urls and measured is None:
             return Parsed(None, None, urls)
         request = self.features(wire, model, session, measured)
@@ -273,7 +312,8 @@ class BodyParser:
         engine = ENGINES[pool.engine]
         usage = request.stream and not request.include_usage and engine.supports_include_usage
         as_max_tokens = api not in engine.max_completion_tokens_apis
-        return Parsed(request, ForwardBody.of(payload, self.served[pool.name], usage, as_max_tokens,
+        served = self.served[pool.name] if request.adapter is None else request.adapter
+        return Parsed(request, ForwardBody.of(payload, served, usage, as_max_tokens,
                                               pool.allow_kv_transfer_fields), urls)
 
     def check_size(self, api: Api, payload: dict[str, Any]) -> int:
@@ -441,11 +481,11 @@ def _start_process(config: GatewayConfig) -> None:  # pragma: no cover - runs in
     _PROCESS_PARSER.append(BodyParser(config))
 
 
-def _parse_file(api: Api, path: str, session: str | None,
-                measured: Mapping[str, tuple[int, int]] | None) -> Parsed:  # pragma: no cover - ditto
+def _parse_file(api: Api, path: str, session: str | None, measured: Mapping[str, tuple[int, int]] | None,
+                adapters: Collection[str]) -> Parsed:  # pragma: no cover - ditto
     with open(path, "rb") as file:
         body = file.read()
-    return _PROCESS_PARSER[0].parse(api, body, session, measured)
+    return _PROCESS_PARSER[0].parse(api, body, session, measured, adapters)
 
 
 class ParsePool:
@@ -467,15 +507,17 @@ class ParsePool:
                                                  initializer=_start_process, initargs=(self.config,))
         return self._executor
 
-    async def parse(self, api: Api, body: Body, session: str | None, measure: Measure | None) -> Parsed:
-        """`BodyParser.parse` in a parse process; its GatewayErrors are raised here. With image URLs to
-        measure, `measure(urls)` gives their sizes and the body is parsed again with them."""
+    async def parse(self, api: Api, body: Body, session: str | None, measure: Measure | None,
+                    adapters: Collection[str] = frozenset()) -> Parsed:
+        """`BodyParser.parse` in a parse process (`adapters`: the LoRA adapter names known now);
+        its GatewayErrors are raised here. With image URLs to measure, `measure(urls)` gives their
+        sizes and the body is parsed again with them."""
         fd, path = tempfile.mkstemp(prefix="kimi-gateway-body-", dir=SPOOL_DIR)
         try:
             await asyncio.to_thread(_spool, fd, body)
-            parsed = await self._run(_parse_file, api, path, session, None)
+            parsed = await self._run(_parse_file, api, path, session, None, adapters)
             if parsed.request is None and measure is not None:
-                parsed = await self._run(_parse_file, api, path, session, await measure(parsed.urls))
+                parsed = await self._run(_parse_file, api, path, session, await measure(parsed.urls), adapters)
             return parsed
         finally:  # freeing a large file's pages takes a while: not on the event loop either
             try:

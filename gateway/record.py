@@ -94,6 +94,7 @@ class RequestRecord:
     attempt_at: float = 0.0  # when that attempt started
     prefill_pending: Any = None  # a PD attempt's prefill Worker while its leg has sent no headers
     reached_engine: bool = False  # an engine accepted the request or may have worked on it (quota settle)
+    engine_refused: bool = False  # an engine read the request and refused it (4xx, too long): a request spent
     on_finish: Callable[[RequestRecord], None] | None = None  # called once by `finish` (quota settle)
     on_first_byte: Callable[[float], None] | None = None  # called with `first_byte_at` when it is set (prefill)
     engine_request_id: str | None = None  # engines get `x-request-id: {this}-{attempt}` (set by the first attempt)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 from types import TracebackType
 
+from redis.exceptions import TimeoutError as RedisTimeout
+
 WAIT_S = 2.0
 """Seconds a rate-limit check or a stored-response lookup waits for a turn (the affinity lookup,
 which may just miss, waits its own `lookup_timeout`)."""
@@ -60,6 +62,13 @@ class StoreGate:
             self.waiting -= 1
         self.in_use += 1
         return self
+
+    def queued_behind(self, exc: BaseException) -> bool:
+        """Whether `exc`, the failure of a call holding a turn, is a timeout (the call's deadline, or
+        redis-py's connect or socket timeout) while other calls wait for one: the event loop read its
+        reply late behind theirs (the gateway's own burst), which says nothing about Redis' health,
+        so no breaker should trip on it."""
+        return isinstance(exc, (TimeoutError, RedisTimeout)) and self.waiting > 0
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:

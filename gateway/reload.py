@@ -7,7 +7,8 @@ running config stays. A valid one applies what can change in a running process, 
 - `pools`: pools added, removed, reordered or changed (context, policy, limits, api_key...); their
   workers matched by URL (WorkerRegistry.configure): a new worker is unhealthy until probed, a
   removed one takes no new requests and its open streams finish on it;
-- `discovery`: nameservers, interval, timeout.
+- `discovery`: nameservers, interval, timeout;
+- `readiness`: which pools must serve for `/ready` to answer 200.
 
 Everything else (listener, auth, Redis, timeouts...) needs a restart: such changes are named in
 the answer (`restart_required`) and the log, and not applied. Open streams are never touched: they
@@ -22,12 +23,13 @@ from dataclasses import dataclass, field
 
 from pydantic import ValidationError
 
+from gateway.backends.control import pool_headers
 from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
 from gateway.state import AppState
 
 log = logging.getLogger("gateway.reload")
 
-RELOADABLE = ("pools", "discovery")
+RELOADABLE = ("pools", "discovery", "readiness")
 
 
 class ReloadRefused(Exception):
@@ -56,6 +58,7 @@ def apply_config(state: AppState, new: GatewayConfig) -> ReloadResult:
         raise ReloadRefused(explain_validation_error(exc)) from None
     changes = state.registry.configure(new.pools)
     state.health.set_pools(new.pools)
+    state.lora.headers = pool_headers(new.pools)
     state.load.set_pools(new.pools)
     state.discovery.set_pools(new.discovery, new.pools)
     state.upstream.redactor.learn(new)  # a new api_key: kept out of engines' error answers too

@@ -14,10 +14,12 @@ from gateway.affinity.response_store import ResponseStore, build_response_store
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
 from gateway.auth.guard import AuthGuard
 from gateway.backends.client import UpstreamClient, build_control_client
+from gateway.backends.control import pool_headers
 from gateway.backends.discovery import DnsDiscovery
 from gateway.backends.drains import DrainBoard
 from gateway.backends.health import HealthChecker
 from gateway.backends.load import LoadScraper
+from gateway.backends.lora_loader import LoraLoader
 from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
@@ -49,6 +51,7 @@ class AppState:
     estimator: TokenEstimator
     metrics: GatewayMetrics
     health: HealthChecker
+    lora: LoraLoader
     load: LoadScraper
     drains: DrainBoard
     """Operator drains (admin API), shared through Redis when `redis_url` is set."""
@@ -117,6 +120,7 @@ class AppState:
                    router=Router(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics, config.pools, config.model.name),
+                   lora=LoraLoader(registry, http, config.timeouts.response_header, pool_headers(config.pools)),
                    load=LoadScraper(registry, http, config.load, metrics, config.pools),
                    drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),
                    hasher=hasher, affinity=affinity,

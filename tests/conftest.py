@@ -191,7 +191,8 @@ def own_redis(unused_port: int) -> Iterator[OwnRedis]:
 def start_gateway_process(
         tmp_path: Path, unused_port: int,
         _stopping_processes: list[subprocess.Popen[bytes]]) -> Iterator[Callable[..., GatewayProcess]]:
-    """Factory: `start(pools, **top-level config)` → a serving gateway process (ready answers 200).
+    """Factory: `start(pools, **top-level config)` → a serving gateway process (ready answers 200
+    and names no unready pool).
 
     Unless the test gives its own `shutdown`, the drain delay is 0: the 5 s default would hold every
     SIGTERM (the test's and the teardown's) for 5 s, and only shutdown tests are about it. Redis call
@@ -216,7 +217,8 @@ def start_gateway_process(
             assert proc.poll() is None, f"gateway exited with {proc.returncode}:\n{gateway.log_text()}"
             assert time.monotonic() < deadline, f"gateway not ready after 30 s:\n{gateway.log_text()}"
             try:
-                if httpx.get(gateway.url + "/ready").status_code == 200:
+                answer = httpx.get(gateway.url + "/ready")
+                if answer.status_code == 200 and answer.json()["unready_pools"] == []:  # every pool serves
                     return gateway
             except httpx.TransportError:
                 pass

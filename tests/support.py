@@ -130,6 +130,21 @@ def pool(name: str, engine: str, urls: list[str], max_context_tokens: int, **ext
     return {"name": name, "engine": engine, "workers": urls, "max_context_tokens": max_context_tokens, **extra}
 
 
+def wait_for_redis(client: redis.Redis, proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    """Return once `client` gets PONG from the redis-server `proc` just started (then close the client);
+    AssertionError when the process exits or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"redis-server exited with {proc.returncode}"
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    client.close()
+
+
 class OwnRedis:
     """A private redis-server on a free port that a test may kill and restart."""
 
@@ -143,16 +158,7 @@ class OwnRedis:
         assert binary, "redis-server must be installed"
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-        client.close()
+        wait_for_redis(redis.Redis(port=self.port), self.proc)
 
     def kill(self) -> None:
         if self.proc is not None:

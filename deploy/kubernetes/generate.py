@@ -50,7 +50,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from gateway.config import PoolConfig, ShutdownConfig, TimeoutConfig  # noqa: E402
+from gateway.backends.client import answer_budget  # noqa: E402
+from gateway.config import ShutdownConfig, TimeoutConfig  # noqa: E402
 from gateway.plans.emit import _command, _sglang_args, _vllm_args  # noqa: E402
 from gateway.plans.models import LoadedPlan, load_plan  # noqa: E402
 
@@ -173,20 +174,18 @@ def _labels(pool: str) -> dict[str, str]:
 
 
 def request_budget_seconds(config: dict[str, Any], loaded: LoadedPlan) -> int:
-    """The longest request the gateway lets run on this plan's pool, in whole seconds (rounded up).
-
-    `timeouts.total` when the config sets that cap; else the streaming first-byte budget of a prompt
-    as long as the pool's context (`first_byte_base` + `first_byte_per_1k_tokens` x max_context /
-    1,000: the prefill) plus the non-streaming output budget of the pool's default output
-    (`generation` + `generation_per_token` x `default_output_tokens`). Plan C (1,048,576 tokens,
-    the production timeouts): 60 + 524.3 + 60 + 102.4 = 747 s.
+    """The longest request the gateway lets run on this plan's pool, in whole seconds (rounded up):
+    `gateway.backends.client.answer_budget` of a prompt as long as the pool's context and the pool's
+    own `default_output_tokens` (the plan's `pool:`),
+    capped at `timeouts.total` when the config sets that cap; the per-pool form of
+    `gateway.plans.safety.longest_request_seconds`. Plan C (1,048,576 tokens, 8,192 default output,
+    the production timeouts): 60 + 524.3 + 60 + 819.2 = 1,464 s.
     """
     timeouts = TimeoutConfig(**(config.get("timeouts") or {}))
+    output = loaded.plan.pool.default_output_tokens
+    total = answer_budget(timeouts, loaded.plan.max_context_tokens, output)
     if timeouts.total is not None:
-        return int(-(-timeouts.total // 1))
-    output = PoolConfig.model_fields["default_output_tokens"].default
-    prefill = timeouts.first_byte_base + timeouts.first_byte_per_1k_tokens * loaded.plan.max_context_tokens / 1000
-    total = prefill + timeouts.generation + timeouts.generation_per_token * output
+        total = min(total, timeouts.total)
     return int(-(-total // 1))
 
 

@@ -134,7 +134,9 @@ class RedisAffinityStore:
                     async with timer:
                         values = await self.redis.mget(self.keys(pool, hashes))
                 except (RedisError, OSError, TimeoutError) as exc:
-                    if not timer.expired_late:  # a loop still busy at the deadline is not Redis' fault
+                    # A loop still busy at the deadline, or this reply read late behind other
+                    # lookups waiting for a turn, is not Redis' fault.
+                    if not timer.expired_late and not self.gate.queued_behind(exc):
                         self._failed("lookup", exc)
                     self.metrics.affinity_lookups.labels(pool, "error").inc()
                     return None

@@ -13,7 +13,8 @@ were recorded, reads as unowned) with a TTL of `responses.store_ttl` seconds (th
 never forgets, but a conversation idle for longer is assumed over). Writes are queued and written
 by a background task (`flush()` waits for them: a barrier for tests and shutdown); a lookup is
 one GET with a hard timeout, at most `LOOKUP_CONNECTIONS` of them in flight (more wait up to
-`redis_gate.WAIT_S` for a turn, then that lookup alone answers 503, and Redis is not blamed); the
+`redis_gate.WAIT_S` for a turn, then that lookup alone answers 503, and Redis is not blamed, as
+when it times out while others wait for a turn: the loop reads a flood's replies late); the
 writer has a connection of its own, so a flood of lookups never delays or drops a write (issue 25 §5).
 
 A Redis error or timeout (counted in
@@ -194,6 +195,10 @@ class RedisResponseStore:
                     async with timer:
                         value = await self.redis.get(self.key(response_id))
                 except (RedisError, OSError, TimeoutError) as exc:
+                    if self.gate.queued_behind(exc):
+                        self._log_at_most_every_10s(f"redis response_lookup not answered in time with "
+                                                    f"{self.gate.waiting} more queued: that lookup alone fails")
+                        raise self._unavailable() from None
                     self._failed("response_lookup", exc, timer)
                     raise self._unavailable() from None
         except StoreBusy as exc:  # the gateway's own lookups fill the pool: this one fails, Redis is fine

@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
 from gateway.api.responses import JSONResponse
-from gateway.api.schemas import DrainedWorker, ReloadResult, Status, WorkerList, WorkerSnapshot, error_responses
+from gateway.api.schemas import DrainedWorker, ReloadResult, Status, WorkerDetail, WorkerList, error_responses
 from gateway.auth.middleware import scope_check
 from gateway.backends.worker import Worker
 from gateway.errors import Conflict, InvalidRequest, NotFound, PermissionDenied
@@ -89,8 +89,13 @@ async def list_workers(request: Request) -> JSONResponse:
 
 
 async def get_worker(request: Request, pool: str, index: str) -> JSONResponse:
-    """`GET /admin/workers/{pool}/{index}`: the worker's snapshot; 404 `worker_not_found`."""
-    return JSONResponse(_worker(request, pool, index).snapshot())
+    """`GET /admin/workers/{pool}/{index}`: the worker's snapshot and `fleet_in_flight` (`{"in_flight",
+    "reporters"}` over every replica's processes, from Redis; null without it): what
+    `kimi-gateway drain` waits on; 404 `worker_not_found`."""
+    worker = _worker(request, pool, index)
+    fleet = await _state(request).drains.fleet_in_flight(worker)
+    return JSONResponse({**worker.snapshot(), "fleet_in_flight": None if fleet is None else
+                         {"in_flight": fleet.in_flight, "reporters": fleet.reporters}})
 
 
 def _host_port(origin: str) -> str:
@@ -191,7 +196,9 @@ async def status(request: Request) -> JSONResponse:
     pools = pools_view(state)
     return JSONResponse({"time_unix": round(time.time(), 3), "started_unix": state.started_unix,
                          "shutting_down": state.draining,
-                         "ready": all(p["ready"] for p in pools) and not state.draining, "pools": pools,
+                         "ready": state.config.readiness.is_ready([p["name"] for p in pools],
+                                                                  [p["name"] for p in pools if not p["ready"]])
+                         and not state.draining, "pools": pools,
                          "recent": state.status.recent(p.name for p in state.config.pools)})
 
 
@@ -230,7 +237,7 @@ def routers() -> list[APIRouter]:
     change = error_responses(403, 404)
     admin.add_api_route("/admin/workers", list_workers, methods=["GET"], response_model=WorkerList,
                         summary="Every pool and its workers")
-    admin.add_api_route("/admin/workers/{pool}/{index}", get_worker, methods=["GET"], response_model=WorkerSnapshot,
+    admin.add_api_route("/admin/workers/{pool}/{index}", get_worker, methods=["GET"], response_model=WorkerDetail,
                         summary="One worker", responses=worker)
     admin.add_api_route("/admin/workers/{pool}/{index}/drain", drain, methods=["POST"], response_model=DrainedWorker,
                         summary="Stop sending new requests to a worker", responses=change)

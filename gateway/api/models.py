@@ -1,5 +1,7 @@
-"""`GET /v1/models` and `GET /v1/models/{id}`: the served model and its aliases, in OpenAI's shapes
-(https://platform.openai.com/docs/api-reference/models)."""
+"""`GET /v1/models` and `GET /v1/models/{id}`: the served model, its aliases and the LoRA adapters
+its pools serve, in OpenAI's shapes (https://platform.openai.com/docs/api-reference/models), an
+adapter with its base model as `parent`, as vLLM and SGLang list theirs
+(vllm/entrypoints/openai/serving_models.py `show_available_models`; SGLang's `available_models`)."""
 
 from __future__ import annotations
 
@@ -13,26 +15,36 @@ from gateway.state import AppState
 
 
 async def list_models(request: Request) -> JSONResponse:
-    """`{"object": "list", "data": [{"id", "object": "model", "created", "owned_by"}]}`."""
+    """`{"object": "list", "data": [{"id", "object": "model", "created", "owned_by"}, ...]}`: the
+    model and its aliases, then every LoRA adapter (sorted by name) with `"parent"`: the model."""
     state: AppState = request.state.service.state
-    model = state.config.model
-    return JSONResponse({"object": "list", "data": [_model_object(state, name) for name in model.names()]})
+    return JSONResponse({"object": "list", "data": [_model_object(state, name) for name in _listed(state)]})
 
 
 async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
-    """`{"id", "object": "model", "created", "owned_by"}` for a listed id (exactly as listed; ids
-    may hold a slash, `moonshotai/Kimi-K3`), else 404 `model_not_found` as OpenAI answers it
-    (the OpenAI SDKs' `models.retrieve()`)."""
+    """`{"id", "object": "model", "created", "owned_by"}` (an adapter's with `parent`) for a listed
+    id (exactly as listed; ids may hold a slash, `moonshotai/Kimi-K3`), else 404 `model_not_found`
+    as OpenAI answers it (the OpenAI SDKs' `models.retrieve()`)."""
     state: AppState = request.state.service.state
     wanted = model_id
-    if wanted not in state.config.model.names():
+    if wanted not in state.config.model.names() and wanted not in state.registry.adapter_names():
         return error_response(ModelNotFound(
             f"The model `{wanted[:200]}` does not exist or you do not have access to it.", param="model"))
     return JSONResponse(_model_object(state, wanted))
 
 
+def _listed(state: AppState) -> list[str]:
+    names = state.config.model.names()
+    return [*names, *sorted(state.registry.adapter_names() - set(names))]
+
+
 def _model_object(state: AppState, name: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": state.started_unix, "owned_by": state.config.model.owned_by}
+    model = state.config.model
+    listed: dict[str, object] = {"id": name, "object": "model", "created": state.started_unix,
+                                 "owned_by": model.owned_by}
+    if name in state.registry.adapter_names():  # an adapter the engines list under an alias is the adapter
+        listed["parent"] = model.name
+    return listed
 
 
 def router() -> APIRouter:

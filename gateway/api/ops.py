@@ -23,7 +23,12 @@ async def health(request: Request) -> JSONResponse:
 
 
 async def ready(request: Request) -> JSONResponse:
-    """`GET /ready`: 200 when every pool has a healthy worker, else 503 naming the pools that do not.
+    """`GET /ready`: 200 when this replica can route, else 503; the body names the pools that cannot.
+
+    "Can route" is `readiness.pools` (ReadinessConfig): by default at least one pool has a usable
+    worker, so one pool's restart does not take every replica out of the load balancer (its requests
+    spill over or get 503 with `Retry-After`); `all` asks for every pool, a list for the named ones.
+    `unready_pools` always lists every pool with no usable worker, ready or not.
 
     Open to all (load balancers probe it); the per-worker snapshots (`pools`) are left out when
     auth is on, since they are what `GET /admin/workers` guards with the admin scope.
@@ -33,7 +38,8 @@ async def ready(request: Request) -> JSONResponse:
     """
     state = _state(request)
     unready = state.registry.unready_pools()
-    ok = not unready and not state.draining
+    routable = state.config.readiness.is_ready([pool.name for pool in state.config.pools], unready)
+    ok = routable and not state.draining
     body: dict[str, object] = {"ready": ok, "draining": state.draining, "unready_pools": unready}
     if state.auth is None:  # with auth on, worker details are for admin keys (`GET /admin/workers`)
         body["pools"] = {name: [w.snapshot() for w in workers] for name, workers in state.registry.pools.items()}
@@ -51,8 +57,9 @@ def router() -> APIRouter:
     ops = APIRouter(tags=["operations"])
     ops.add_api_route("/health", health, methods=["GET"], response_model=Health, summary="Liveness")
     ops.add_api_route("/ready", ready, methods=["GET"], response_model=Ready, summary="Readiness",
-                      responses={503: {"model": Ready, "description": "A pool has no usable worker, or "
-                                                                       "shutdown began (`draining`)."}})
+                      responses={503: {"model": Ready, "description": "The pools `readiness.pools` asks for "
+                                                                       "have no usable worker (by default: no pool "
+                                                                       "has one), or shutdown began (`draining`)."}})
     ops.add_api_route("/metrics", metrics, methods=["GET"], response_class=PlainTextResponse,
                       summary="Prometheus metrics", responses={200: {
                           "description": "Prometheus text exposition format 0.0.4.",

@@ -91,12 +91,28 @@ class WorkerSnapshot(BaseModel):
     misconfigured: str | None
 
 
+class FleetInFlight(BaseModel):
+    """In-flight requests on a drained worker summed over every gateway process that reported in the
+    last 3 s through Redis (gateway/backends/drains.py)."""
+
+    in_flight: int
+    reporters: int = Field(description="Serving processes (all replicas) whose report is that fresh.")
+
+
+class WorkerDetail(WorkerSnapshot):
+    """`GET /admin/workers/{pool}/{index}`: the snapshot, and for a drained worker with Redis the
+    fleet's in-flight count on it (null without Redis; 0 reporters while no process reported)."""
+
+    fleet_in_flight: FleetInFlight | None
+
+
 class Ready(BaseModel):
-    """`GET /ready`: 200 when every pool has a usable worker and no shutdown began, else 503."""
+    """`GET /ready`: 200 when the pools `readiness.pools` asks for (by default: any one) have a usable
+    worker and no shutdown began, else 503. `unready_pools` lists every pool with no usable worker."""
 
     ready: bool
     draining: bool
-    unready_pools: list[str]
+    unready_pools: list[str] = Field(description="every pool with no usable worker, whether or not /ready is 200")
     pools: dict[str, list[WorkerSnapshot]] | None = Field(
         default=None, description="Per-pool worker snapshots; absent when auth is enabled.")
 
@@ -108,6 +124,8 @@ class Model(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    parent: str | None = Field(default=None, description="a LoRA adapter's base model (as vLLM and SGLang list "
+                               "adapters); absent for the model and its aliases")
 
 
 class ModelList(BaseModel):

@@ -24,8 +24,9 @@ or timeout returns None (the guard then fails open or closed, `auth.fail_mode`),
 skipped for `auth.redis_retry_after` seconds (a circuit breaker) before it is tried again. The
 gateway's own load is no outage (issue 25 §1): at most `POOL_CONNECTIONS` checks are in flight
 (`gateway/redis_gate.py`), more wait for a turn up to `redis_gate.WAIT_S` before their timeout
-starts, and a check that gets no turn, or that expires while the loop is still lagging, refuses
-that one request with RateLimitBusy (503, whatever `fail_mode` says: passing it would let a
+starts, and a check that gets no turn, or that expires while the loop is still lagging or while
+other checks are queued for a turn (a burst: the loop reads its replies late), refuses that one
+request with RateLimitBusy (503, whatever `fail_mode` says: passing it would let a
 burst through its key's limit; no breaker, no Redis error). A command refused with `READONLY`
 (a demoted primary) changed nothing and is resent once on a new connection (`DEMOTED_RETRY`).
 """
@@ -198,7 +199,8 @@ class RedisRateLimiter:
     async def _run(self, script: AsyncScript, principal: Principal, args: list[int | str]) -> Any:
         """`script`'s reply for `principal`'s key; None when Redis could not answer (counted, the
         breaker tripped: module doc). Raises RateLimitBusy when the gateway's own load kept the call
-        from an answer: no turn within `WAIT_S`, or the event loop still held at the deadline."""
+        from an answer: no turn within `WAIT_S`, the event loop still held at the deadline, or a
+        timeout while other checks waited for a turn (a burst, whose replies the loop reads late)."""
         try:
             async with self.gate:
                 if not self.available:  # Redis failed while this call waited for its turn
@@ -210,10 +212,12 @@ class RedisRateLimiter:
                     async with timer:
                         reply = await script(keys=[self.key(principal.name)], args=args)
                 except (RedisError, OSError, TimeoutError) as exc:
-                    if not timer.expired_late:
+                    queued = self.gate.queued_behind(exc)
+                    if not timer.expired_late and not queued:
                         self._failed(exc)
                         return None
-                    self._busy(f"the event loop was still busy at the {self.config.redis_timeout:g} s deadline "
+                    why = f"{self.gate.waiting} more checks queued" if queued else "the event loop was still busy"
+                    self._busy(f"{why} at the {self.config.redis_timeout:g} s deadline "
                                f"after {time.perf_counter() - started:.3f} s")
                     raise self._busy_error() from None
         except StoreBusy as exc:

@@ -7,11 +7,22 @@ drain together, as an operator of one router expects. The set holds only what op
 a worker leaves it when undrained. A Redis that cannot be reached leaves each process with the
 drain state it last saw (logged; the admin answer says `"shared": false`, and such a local-only
 change is undone by the next sync once Redis answers again: Redis is the source of truth).
+
+While a worker is drained, each process also reports its own in-flight count on it at every sync,
+as a field `host:pid:random` -> `"count unix-time"` of the hash `{affinity.key_prefix}:inflight:{worker id}`
+(expiring `REPORT_TTL_S` after the last write), so one `GET /admin/workers/{pool}/{index}` answers
+for the whole fleet (`fleet_in_flight`): what `kimi-gateway drain` waits on behind a Service that
+reaches one replica per call.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -25,6 +36,17 @@ log = logging.getLogger("gateway.drains")
 
 SYNC_EVERY_S = 1.0
 CALL_TIMEOUT_S = 0.5  # per call, as a StoreTimeout: a stall of this process' event loop is not Redis' fault
+REPORT_FRESH_S = 3 * SYNC_EVERY_S  # an in-flight report older than this is from a process that stopped
+REPORT_TTL_S = 30.0  # the report hash outlives its last writer by this much
+
+
+@dataclass(frozen=True)
+class FleetInFlight:
+    """The in-flight requests on one drained worker over every process that reported in the last
+    `REPORT_FRESH_S` seconds: their sum and how many processes reported."""
+
+    in_flight: int
+    reporters: int
 
 
 class DrainBoard:
@@ -33,6 +55,8 @@ class DrainBoard:
     def __init__(self, registry: WorkerRegistry, redis_url: str | None, key_prefix: str) -> None:
         self.registry = registry
         self.key = f"{key_prefix}:drained"
+        self.report_prefix = f"{key_prefix}:inflight:"
+        self.reporter = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # one per board
         self._redis = (redis_from_url(redis_url, socket_timeout=SOCKET_BACKSTOP_S,
                                       socket_connect_timeout=CALL_TIMEOUT_S)
                        if redis_url else None)
@@ -73,6 +97,41 @@ class DrainBoard:
         for worker in self.registry:
             if worker.draining != (worker.id in drained):
                 self.registry.set_draining(worker, worker.id in drained)
+        await self._report_in_flight()
+
+    async def _report_in_flight(self) -> None:
+        """Write this process's in-flight count on each drained worker (module doc); a failure is
+        logged at debug level and retried at the next sync."""
+        assert self._redis is not None
+        now = f"{time.time():.3f}"
+        try:
+            async with StoreTimeout(CALL_TIMEOUT_S):
+                for worker in self.registry:
+                    if worker.draining:
+                        key = self.report_prefix + worker.id
+                        await self._redis.hset(key, self.reporter, f"{worker.in_flight} {now}")
+                        await self._redis.expire(key, int(REPORT_TTL_S))
+        except (RedisError, OSError) as exc:
+            log.debug("in-flight report skipped: %s", exc)
+
+    async def fleet_in_flight(self, worker: Worker) -> FleetInFlight | None:
+        """The fleet's in-flight count on `worker` from the reports in Redis; None without Redis or
+        when it cannot answer. Reports exist only for a drained worker (0 reporters otherwise)."""
+        if self._redis is None:
+            return None
+        try:
+            async with StoreTimeout(CALL_TIMEOUT_S):
+                reports = await self._redis.hgetall(self.report_prefix + worker.id)
+        except (RedisError, OSError) as exc:
+            log.debug("in-flight reports unreadable: %s", exc)
+            return None
+        oldest = time.time() - REPORT_FRESH_S
+        counts = []
+        for value in reports.values():
+            count, _, written = value.decode().partition(" ")
+            if float(written) >= oldest:
+                counts.append(int(count))
+        return FleetInFlight(sum(counts), len(counts))
 
     async def start(self) -> None:
         if self._redis is not None:

@@ -9,7 +9,13 @@ from collections.abc import Iterable
 import httpx
 
 from gateway.backends.control import ControlError, control_get, pool_headers
-from gateway.backends.models_check import CHECKED_ENGINES, MODELS_PATH, UnreadableModels, models_verdict
+from gateway.backends.models_check import (
+    CHECKED_ENGINES,
+    MODELS_PATH,
+    UnreadableModels,
+    listed_adapters,
+    models_verdict,
+)
 from gateway.backends.periodic import FollowsWorkers, PeriodicEach
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
@@ -32,7 +38,8 @@ class HealthChecker(FollowsWorkers[Worker]):
     deadline, cap and key; gateway/backends/models_check.py judges it) when the worker was never
     checked, has just recovered, is misconfigured, or was last checked `models_refresh` s ago. A
     `/v1/models` that answers nothing usable leaves the verdict as it was and is read again at the
-    next probe; one refusing the pool's key (401/403) is a misconfiguration.
+    next probe; one refusing the pool's key (401/403) is a misconfiguration. The LoRA adapters the
+    list names become the worker's `adapters` (requests naming one may go there).
     """
 
     def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: HealthConfig,
@@ -108,6 +115,7 @@ class HealthChecker(FollowsWorkers[Worker]):
                 raise UnreadableModels(f"{MODELS_PATH} answered HTTP {answer.status}")
             else:
                 verdict = models_verdict(answer.body, served, max_context)
+                self.registry.set_adapters(worker, listed_adapters(answer.body, served))
         except (ControlError, UnreadableModels) as exc:
             note = str(exc) if isinstance(exc, UnreadableModels) else f"{MODELS_PATH} failed: {exc}"
             if self._models_notes.get(worker.id) != note:

@@ -6,7 +6,12 @@ engine's context window as `max_model_len` in tokens (vLLM's `ModelCard`; SGLang
 the gateway sends (the pool's `served_model_name`, else the model's name) answers every request
 with an unknown-model error; one whose `max_model_len` differs from the pool's
 `max_context_tokens` refuses long requests the router sent there (smaller) or hides capacity the
-router never uses (larger). llama.cpp is not checked: it accepts any `model` in a request, and its
+router never uses (larger). LoRA adapters loaded in the engine are listed there too, each as an entry whose `id` is the
+adapter's name, `root` its path and `parent` the base model's served name (vLLM:
+`OpenAIServingModels.show_available_models` in vllm/entrypoints/openai/serving_models.py, for
+`--lora-modules` and runtime-loaded ones alike; SGLang: `available_models` in
+python/sglang/srt/entrypoints/http_server.py, from its `lora_registry`); `listed_adapters` reads
+them. llama.cpp is not checked: it accepts any `model` in a request, and its
 `meta.n_ctx` means the whole server's or one slot's window depending on the version.
 """
 
@@ -26,11 +31,11 @@ class UnreadableModels(ValueError):
     """A `/v1/models` body that is not OpenAI's list shape (`{"data": [{"id": ...}, ...]}`)."""
 
 
-def models_verdict(body: bytes, served_name: str, max_context_tokens: int) -> str | None:
-    """None when the list names `served_name` and its `max_model_len` (tokens) is absent or equals
-    `max_context_tokens`; else the reason the worker is misconfigured, in words (the missing name
-    first: without it there is no entry to read a length from). Raises UnreadableModels for a body
-    that is not a model list."""
+MAX_ADAPTERS = 1024
+"""LoRA adapters read from one worker's list at most (the rest are not routed to it)."""
+
+
+def _entries(body: bytes) -> list[dict[str, Any]]:
     try:
         payload: Any = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -39,6 +44,23 @@ def models_verdict(body: bytes, served_name: str, max_context_tokens: int) -> st
     if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("id"), str)
                                                 for e in entries):
         raise UnreadableModels("/v1/models answered no OpenAI model list ({\"data\": [{\"id\": ...}]})")
+    return entries
+
+
+def listed_adapters(body: bytes, served_name: str) -> frozenset[str]:
+    """The LoRA adapter names a `/v1/models` body lists: entries with a string `parent` (the
+    base model they adapt) other than `served_name` itself, at most `MAX_ADAPTERS`. Raises
+    UnreadableModels for a body that is not a model list."""
+    names = [e["id"] for e in _entries(body) if isinstance(e.get("parent"), str) and e["id"] != served_name]
+    return frozenset(names[:MAX_ADAPTERS])
+
+
+def models_verdict(body: bytes, served_name: str, max_context_tokens: int) -> str | None:
+    """None when the list names `served_name` and its `max_model_len` (tokens) is absent or equals
+    `max_context_tokens`; else the reason the worker is misconfigured, in words (the missing name
+    first: without it there is no entry to read a length from). Raises UnreadableModels for a body
+    that is not a model list."""
+    entries = _entries(body)
     ids = [entry["id"] for entry in entries]
     entry = next((e for e in entries if e["id"] == served_name), None)
     if entry is None:

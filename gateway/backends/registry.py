@@ -69,6 +69,7 @@ class WorkerRegistry:
         self._header_waits: dict[Worker, set[Callable[[], None]]] = {}
         self._next_index: dict[str, int] = {}
         self._configs: dict[str, PoolConfig] = {}
+        self._adapter_names: frozenset[str] | None = None  # `adapter_names`, until a worker or pool changes
         self.configure(config.pools, initial=True)
 
     def __iter__(self) -> Iterator[Worker]:
@@ -79,15 +80,60 @@ class WorkerRegistry:
         """The worker `pool/index`, or None when there is no such pool or index."""
         return next((w for w in self.pools.get(pool, ()) if w.index == index), None)
 
-    def candidates(self, pool: str, exclude: Collection[Worker] = (), role: str | None = None) -> list[Worker]:
+    def candidates(self, pool: str, exclude: Collection[Worker] = (), role: str | None = None,
+                   adapter: str | None = None) -> list[Worker]:
         """Workers of `pool` that may take a request now: healthy, not drained, not ejected, not
         told to back off by a 429, and not in `exclude` (already tried by this request). Empty
         for a pool a reload removed. `role` None: the workers whose answer a client gets (all of
-        an aggregated pool's, a PD pool's decode workers); "prefill": a PD pool's prefill workers."""
+        an aggregated pool's, a PD pool's decode workers); "prefill": a PD pool's prefill workers.
+        `adapter`: only those serving that LoRA adapter (`Worker.serves_adapter`)."""
         now = self.clock()
         prefill = role == "prefill"
-        return [w for w in self.pools.get(pool, ()) if (w.role == "prefill") is prefill and w.in_service(now)
-                and w.busy_until <= now and w not in exclude]
+        workers = [w for w in self.pools.get(pool, ()) if (w.role == "prefill") is prefill and w.in_service(now)
+                   and w.busy_until <= now and w not in exclude]
+        if adapter is None:
+            return workers
+        config = self._configs.get(pool)
+        declared = config.lora_adapters if config is not None else ()
+        return [w for w in workers if w.serves_adapter(adapter, declared)]
+
+    # --- LoRA adapters -------------------------------------------------------------------------
+
+    def set_adapters(self, worker: Worker, adapters: frozenset[str]) -> None:
+        """The LoRA adapters `worker`'s `/v1/models` lists now (the prober's check); logged when
+        they change."""
+        if worker.adapters != adapters:
+            log.info("worker %s serves LoRA adapters: %s", worker.id, ", ".join(sorted(adapters)) or "none")
+            worker.adapters = adapters
+            self._adapter_names = None
+
+    def adapter_loaded(self, worker: Worker, adapter: str) -> None:
+        """`worker` loaded LoRA `adapter` on the gateway's request (`LoraLoader`): it serves it, and
+        its pool's declared ones until its `/v1/models` is read again."""
+        config = self._configs.get(worker.pool)
+        known = worker.adapters if worker.adapters is not None else \
+            frozenset(config.lora_adapters if config is not None else ())
+        self.set_adapters(worker, known | {adapter})
+
+    def adapter_names(self) -> frozenset[str]:
+        """Every LoRA adapter a pool declares (`lora_adapters`) or a current worker listed last."""
+        names = self._adapter_names
+        if names is None:
+            found = {a for config in self._configs.values() for a in config.lora_adapters}
+            found |= {m.name for config in self._configs.values() for m in config.lora_on_demand}
+            for worker in self:
+                if worker.adapters:
+                    found |= worker.adapters
+            names = self._adapter_names = frozenset(found)
+        return names
+
+    def serves_adapter(self, pool: str, adapter: str) -> bool:
+        """Whether `pool` declares LoRA `adapter` (or loads it on demand) or one of its workers listed
+        it last."""
+        config = self._configs.get(pool)
+        if config is not None and (adapter in config.lora_adapters or config.adapter_path(adapter) is not None):
+            return True
+        return any(w.adapters is not None and adapter in w.adapters for w in self.pools.get(pool, ()))
 
     # --- membership: discovery and reload ------------------------------------------------------
 
@@ -117,6 +163,7 @@ class WorkerRegistry:
             urls = list(dict.fromkeys([*pool.workers, *self.discovered.get(pool.name, [])]))
             changes += self._set_urls(pool.name, pool, urls, initial, _roles(pool))
         self.pools = {p.name: self.pools.get(p.name, []) for p in pools}  # config (cost) order
+        self._adapter_names = None
         return changes
 
     def set_discovered(self, pool: str, urls: Sequence[str]) -> list[str]:
@@ -130,6 +177,7 @@ class WorkerRegistry:
     def _set_urls(self, name: str, pool: PoolConfig | None, urls: list[str], initial: bool,
                   roles: dict[str, tuple[str, int | None]] | None = None) -> list[str]:
         """`roles`: URL -> (role, bootstrap port) of a PD pool's workers (they are its URLs)."""
+        self._adapter_names = None  # workers come and go: their adapters with them
         engine = ENGINES[pool.engine] if pool is not None else None
         roles = roles or {}
         if roles:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from gateway.backends.engine_kinds import EngineSpec
@@ -19,6 +20,8 @@ class Worker:
     through the admin API) keeps it out of new requests while its in-flight ones finish;
     `misconfigured` (the reason, from the prober's `/v1/models` check) keeps it out of every request
     until a later check finds it serving the pool's model name and max context;
+    `adapters` are the LoRA adapter names its `/v1/models` listed at the last check (None until one
+    was read: then a pool's declared `lora_adapters` are taken on trust).
     `retired` marks a worker discovery or a reload removed (out of its pool, finishing its requests).
     `role` is None for an aggregated pool's worker, "prefill" or "decode" in a prefill/decode pool
     (`bootstrap_port`: a SGLang / vLLM Mooncake prefill worker's bootstrap server port).
@@ -46,6 +49,7 @@ class Worker:
     last_error: str | None = None
     misconfigured: str | None = None
     models_checked_at: float | None = None
+    adapters: frozenset[str] | None = None  # LoRA adapters its /v1/models listed last; None: never read
     engine_running: float | None = None
     engine_waiting: float | None = None
     kv_usage: float | None = None
@@ -61,6 +65,11 @@ class Worker:
             return float(self.in_flight)
         engine = self.engine_running + (self.engine_waiting or 0.0) + self.in_flight - self.in_flight_at_scrape
         return max(engine, float(self.in_flight))
+
+    def serves_adapter(self, adapter: str, declared: Collection[str]) -> bool:
+        """Whether a request for LoRA `adapter` may come here: its `/v1/models` listed it, or none
+        was read yet and its pool declares it (`declared`: the pool's `lora_adapters`)."""
+        return adapter in self.adapters if self.adapters is not None else adapter in declared
 
     def in_service(self, now: float) -> bool:
         """Healthy, correctly configured, not drained and not ejected at `now` (time.monotonic() s)."""

@@ -20,7 +20,7 @@ from gateway.config import PoolConfig
 from gateway.dispatch.attempt import Attempt, SingleLeg
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.pd_attempt import MooncakeAttempt, NixlAttempt, PdAttempt, SglangAttempt
-from gateway.dispatch.steps import decide, engine_body, prefill_ticket
+from gateway.dispatch.steps import decide, engine_body, prefill_ticket, served_name
 from gateway.routing.policy import RoutingPolicy
 
 
@@ -49,7 +49,7 @@ class Aggregated:
         worker = decision.worker
         patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
-                           pool.served_model_name or state.config.model.name, worker, patch_usage)
+                           served_name(pool, request, state.config.model.name), worker, patch_usage)
         matched = match.get(worker.url, 0.0) if policy.uses_affinity else None
         return SingleLeg(state, dispatch.api, pool, worker, decision.reason, matched, body, request,
                          dispatch.record, patch_usage, prefill_ticket(state.prefill, policy, request, worker, match))
@@ -73,7 +73,8 @@ class Disaggregated:
         route reason is `prefill:<reason>,decode:<reason>`."""
         request, pool, state = dispatch.request, dispatch.pool, dispatch.state
         registry = state.registry
-        prefills = registry.gates[pool.name].with_room(registry.candidates(pool.name, dispatch.tried, "prefill"))
+        prefills = registry.gates[pool.name].with_room(registry.candidates(pool.name, dispatch.tried, "prefill",
+                                                                             request.adapter))
         prefill = decide(policy, request, prefills, match, state.prefill)  # no ticket: rates stay at the prior
         decode = decide(state.router.policy(pool.name, "decode"), request, workers, {})
         metrics = state.metrics.pd_route_decisions
@@ -82,7 +83,7 @@ class Disaggregated:
         worker = decode.worker
         patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
-                           pool.served_model_name or state.config.model.name, worker, patch_usage)
+                           served_name(pool, request, state.config.model.name), worker, patch_usage)
         matched = match.get(prefill.worker.url, 0.0) if policy.uses_affinity else None
         return self._attempt(state, dispatch.api, pool, worker, prefill.worker,
                              f"prefill:{prefill.reason},decode:{decode.reason}", prefill.reason, matched, body,
@@ -111,7 +112,7 @@ class Pinned:
         worker = workers[0]
         patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
-                           pool.served_model_name or state.config.model.name, worker, patch_usage)
+                           served_name(pool, request, state.config.model.name), worker, patch_usage)
         return SingleLeg(state, dispatch.api, pool, worker, RESPONSE_AFFINITY, None, body, request,
                          dispatch.record, patch_usage)
 

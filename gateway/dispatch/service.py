@@ -30,8 +30,8 @@ from gateway.dispatch.kinds import PINNED, kind_of
 from gateway.dispatch.migration import ENGINES as MIGRATING_ENGINES
 from gateway.dispatch.migration import OPT_OUT_HEADER, Migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
-from gateway.errors import GatewayError
-from gateway.parsing import Body, BodyParser, Payload, with_output_limit
+from gateway.errors import GatewayError, ModelNotFound
+from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import SESSION_HEADERS, Api, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, skipped_pools
@@ -70,11 +70,12 @@ class ProxyService:
         if isinstance(body, bytes) and len(body) <= state.config.parse_offload_bytes:
             payload, items = parser.decode(api, body)
             if items <= state.config.parse_offload_items:
-                wire, model, urls = parser.validate(api, payload)
+                wire, model, urls = parser.validate(api, payload, state.registry.adapter_names())
                 measured = await state.images.measure(urls) if state.images is not None and urls else None
                 return payload, parser.features(wire, model, session, measured)
         parsed = await state.parse_pool.parse(api, body, session,
-                                              state.images.measure if state.images is not None else None)
+                                              state.images.measure if state.images is not None else None,
+                                              state.registry.adapter_names())
         assert parsed.request is not None and parsed.forward is not None
         return parsed.forward, parsed.request
 
@@ -89,7 +90,8 @@ class ProxyService:
         the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
         (429) or RateLimitUnavailable (503) when refused. A key with a token limit whose request
         sets no output limit has the reserved one written into the engine's body
-        (`parsing.with_output_limit`), so the engine cannot generate past what was charged. The
+        (`parsing.with_output_limit`), and a client's llama.cpp `n_predict` is set to it
+        (`parsing.with_engine_output_limit`), so the engine cannot generate past what was charged. The
         charge is settled when the request ends (`quota_used`): at once for an answer or error given
         here, at the record's finish for a stream.
         """
@@ -102,14 +104,17 @@ class ProxyService:
             counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
         payload, request = await self.parse(api, body, headers)
         if request.session_key is not None:  # one API key's hints never meet another's
-            request = replace(request, session_key=scoped_session(request.session_key,
-                                                                  principal.name if principal is not None else None))
+            request = replace(request, session_key=scoped_session(
+                request.session_key, principal.name if principal is not None else None, request.adapter))
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
-        pools = fitting_pools(request, self.state.config.pools)
-        if len(pools) < len(self.state.config.pools):
-            record.skipped_pools = skipped_pools(request, self.state.config.pools) or None
+        serving = self.state.config.pools if request.adapter is None else self._adapter_pools(request.adapter)
+        pools = fitting_pools(request, serving)
+        if len(pools) < len(serving):
+            record.skipped_pools = skipped_pools(request, serving) or None
+        if request.adapter is not None:  # loaded where none has it and a pool loads it on demand
+            await self.state.lora.ensure(request.adapter, pools)
         pinned: Worker | None = None
         if request.previous_response_id is not None:  # only the worker storing its history can serve it
             pool, pinned = await owner_of(request.previous_response_id, "previous_response_id", self.state.responses,
@@ -121,10 +126,13 @@ class ProxyService:
             return await self._dispatch(api, payload, request, pools, record, pinned, migrate)
         assert principal is not None
         default_output = pools[0].default_output_tokens
-        if principal.tokens_per_minute is not None and request.output_tokens is None and api != "count_tokens":
-            # What is reserved bounds what the engine may generate: it gets that output limit.
+        if principal.tokens_per_minute is not None and api != "count_tokens":
+            # What is reserved bounds what the engine may generate: it gets that output limit, in
+            # llama.cpp's own `n_predict` too when the client sent one (that server ranks it first).
             out = request.reserved_output(default_output)
-            payload, request = with_output_limit(payload, api, out), replace(request, output_tokens=out)
+            if request.output_tokens is None:
+                payload, request = with_output_limit(payload, api, out), replace(request, output_tokens=out)
+            payload = with_engine_output_limit(payload, out)
         reservation = await guard.check_quota(principal, request.quota_tokens(default_output),
                                               requests=0, counted=counted)
         if reservation is None:
@@ -139,6 +147,16 @@ class ProxyService:
         if isinstance(result, BufferedResponse):
             await guard.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
         return result
+
+    def _adapter_pools(self, adapter: str) -> list[PoolConfig]:
+        """The pools serving LoRA `adapter` (declared, or listed by one of their workers), in config
+        order. Raises ModelNotFound when none does any more (its workers unloaded it meanwhile)."""
+        registry = self.state.registry
+        pools = [p for p in self.state.config.pools if registry.serves_adapter(p.name, adapter)]
+        if not pools:
+            raise ModelNotFound(f"The model `{adapter[:200]}` does not exist or you do not have access to it.",
+                                param="model")
+        return pools
 
     async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
                         record: RequestRecord, pinned: Worker | None = None,
@@ -171,7 +189,8 @@ class ProxyService:
                     break
                 step, to, workers = PoolStep.ROUTE, pool, [dispatch.pinned]
             else:
-                step, to, workers = choose_pool(state.registry, pool, dispatch.pools, dispatch.tried)
+                step, to, workers = choose_pool(state.registry, pool, dispatch.pools, dispatch.tried,
+                                                dispatch.request.adapter)
             if step is PoolStep.EXHAUSTED:
                 break
             if step is PoolStep.WAIT:
@@ -248,6 +267,7 @@ class ProxyService:
         record, pool, worker = dispatch.record, attempt.pool, attempt.failed_worker(failure)
         record.open_attempt = None
         record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
+        record.engine_refused |= failure.outcome in (Outcome.CLIENT_ERROR, Outcome.TOO_LONG)
         self.state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
         if record.trace is not None:
             record.trace.end_attempt(failure.outcome)
@@ -356,8 +376,10 @@ def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, fa
     reported one (a prompt it counted as 0, or did not report where its output was, is charged
     at the estimate: no prompt is empty); the reservation when the client hung up, or a complete
     answer came without usage (nothing to settle by); the prompt estimate when an engine accepted
-    the request (or may have been working on it) and it failed later; None, "release it all",
-    when no engine worked on it (refused connections, 5xx/429 answers, an engine's 4xx, no worker free)."""
+    the request (or may have been working on it) and it failed later; 0 when an engine read it and
+    refused it (a 4xx, "too long"): its tokens go back but its request stays counted, or refused
+    bodies would reach the engines past the key's request limit; None, "release it all", when no
+    engine worked on it (refused connections, 5xx/429 answers, no worker free)."""
     usage = record.usage
     estimate = request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
     if usage is not None:
@@ -368,4 +390,4 @@ def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, fa
         return reserved
     if record.reached_engine:
         return estimate
-    return None
+    return 0 if record.engine_refused else None

@@ -28,33 +28,42 @@ class PoolStep(StrEnum):
 
 
 def choose_pool(registry: WorkerRegistry, pool: PoolConfig, pools: list[PoolConfig],
-                tried: Collection[Worker]) -> tuple[PoolStep, PoolConfig, list[Worker]]:
+                tried: Collection[Worker], adapter: str | None = None) -> tuple[PoolStep, PoolConfig, list[Worker]]:
     """One step of choosing where a request goes, from the pool it is in (`pool`, one of `pools`,
     the fitting pools smallest first): the step, the pool it leads to (the next pool on a
     spill-over, else `pool`) and, for ROUTE, the candidates (not yet `tried`) with room. A pool
     spills over only with `spillover` set; "unavailable" goes to the next pool (whose own
-    candidates are looked at in the next step), "saturated" to the first later pool with room."""
-    workers = registry.candidates(pool.name, tried)
-    if workers and pool.disaggregation is not None and not registry.candidates(pool.name, tried, "prefill"):
+    candidates are looked at in the next step), "saturated" to the first later pool with room.
+    With `adapter` (a LoRA adapter's request) only the workers serving it are candidates."""
+    workers = registry.candidates(pool.name, tried, None, adapter)
+    if workers and pool.disaggregation is not None and not registry.candidates(pool.name, tried, "prefill", adapter):
         workers = []  # a PD pool needs a worker of each role
     later = pools[pools.index(pool) + 1:] if pool.spillover else []
     if not workers:
         return (PoolStep.UNAVAILABLE, later[0], workers) if later else (PoolStep.EXHAUSTED, pool, workers)
     gate = registry.gates[pool.name]
-    if gate.limited and not (workers := with_room(registry, pool, workers, tried)):
-        roomy = next((p for p in later if with_room(registry, p, registry.candidates(p.name, tried), tried)), None)
+    if gate.limited and not (workers := with_room(registry, pool, workers, tried, adapter)):
+        roomy = next((p for p in later if with_room(registry, p, registry.candidates(p.name, tried, None, adapter),
+                                                     tried, adapter)), None)
         return (PoolStep.SATURATED, roomy, workers) if roomy is not None else (PoolStep.WAIT, pool, workers)
     return PoolStep.ROUTE, pool, workers
 
 
 def with_room(registry: WorkerRegistry, pool: PoolConfig, workers: list[Worker],
-              tried: Collection[Worker]) -> list[Worker]:
+              tried: Collection[Worker], adapter: str | None = None) -> list[Worker]:
     """Those of `workers` (the candidates whose answer the client gets) with room in `pool`; none
-    when `pool` is a PD pool none of whose prefill workers has room."""
+    when `pool` is a PD pool none of whose prefill workers (serving `adapter`, if given) has room."""
     gate = registry.gates[pool.name]
-    if pool.disaggregation is not None and not gate.with_room(registry.candidates(pool.name, tried, "prefill")):
+    if pool.disaggregation is not None and \
+            not gate.with_room(registry.candidates(pool.name, tried, "prefill", adapter)):
         return []
     return gate.with_room(workers)
+
+
+def served_name(pool: PoolConfig, request: RoutingRequest, model_name: str) -> str:
+    """The `model` the engines of `pool` get for `request`: the LoRA adapter's name it asks for,
+    else the pool's `served_model_name`, else the model's name (`model_name`)."""
+    return request.adapter or pool.served_model_name or model_name
 
 
 class AffinityMatch(dict[str, float]):

@@ -9,12 +9,24 @@ A config can be valid and still unsafe to deploy. Each finding names the config 
   example.com/net/org, .example, .invalid, .test, .localhost);
 - `redis_url`: more than one gateway replica (`replicas`) with no Redis or a Redis on this host
   (loopback or unix socket), so affinity, rate limits and drains stay per replica;
-- `pools.N.api_key`: a pool that sends no engine credential while other pools do.
+- `pools.N.api_key`: a pool that sends no engine credential while other pools do;
+- `redis_url`, `pools.N.workers`: plaintext links beyond loopback (`redis://`, `redis+sentinel://`,
+  `redis+cluster://`; `http://` workers or DNS discovery), unless `allow_plaintext` names them:
+  engine keys, prompts and answers, affinity keys and limits would cross the network unencrypted.
+  `rediss://` (`rediss+cluster://`) takes redis-py's TLS options as query parameters, e.g.
+  `rediss://redis:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt&ssl_cert_reqs=required`.
+
+`kimi-gateway check-config` prints them and `serve` logs them at start-up; `--strict` makes either
+exit 1 on any (gateway/cli.py).
+
+Also here: `longest_request_seconds` and `grace_period_seconds`, what a deployment gives a gateway
+pod to stop (Kubernetes `terminationGracePeriodSeconds`), derived from the config's timeouts.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +36,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from gateway.backends.client import answer_budget
 from gateway.config import _ENV_REF, ENV_PREFIX, GatewayConfig
 from gateway.plans.models import expand_plan_refs
 from gateway.redis_client import is_sentinel_url, parse_sentinel_url
@@ -80,6 +93,49 @@ def _redis_host(url: str | None) -> str | None:
     return parse_sentinel_url(url).sentinels[0][0] if is_sentinel_url(url) else urlsplit(url).hostname
 
 
+_PLAINTEXT_REDIS = ("redis", "redis+sentinel", "redis+cluster")
+
+
+def _redis_hosts(url: str) -> list[str]:
+    """Every host a Redis URL names: the sentinels' or cluster nodes' for those schemes."""
+    if is_cluster_url(url):
+        return [host for host, _ in parse_cluster_url(url).nodes]
+    if is_sentinel_url(url):
+        return [host for host, _ in parse_sentinel_url(url).sentinels]
+    host = urlsplit(url).hostname
+    return [host] if host else []
+
+
+def plaintext_findings(config: GatewayConfig) -> list[Finding]:
+    """Findings for unencrypted links beyond loopback that `config.allow_plaintext` does not accept:
+    a plaintext Redis URL (one finding naming its remote hosts, never its credentials) and, per
+    pool, its `http://` workers (configured, PD roles, or DNS discovery with `scheme: http`)."""
+    findings: list[Finding] = []
+    url = config.redis_url
+    if url is not None and "redis" not in config.allow_plaintext:
+        scheme = url.split("://", 1)[0].lower()
+        remote = [host for host in _redis_hosts(url) if not _is_local(host)]
+        if scheme in _PLAINTEXT_REDIS and remote:
+            tls = "rediss+cluster://" if scheme == "redis+cluster" else "rediss://"
+            findings.append(Finding("redis_url", f"plaintext {scheme}:// to {', '.join(remote)}: affinity keys, "
+                                                 f"limits and any password cross the network unencrypted; use "
+                                                 f"{tls} (TLS options as query parameters, e.g. ?ssl_ca_certs="
+                                                 "/path/ca.crt) or accept it with allow_plaintext: [redis]"))
+    if "engines" in config.allow_plaintext:
+        return findings
+    for index, pool in enumerate(config.pools):
+        urls = [url for url, _, _ in pool.pd_workers()]
+        hosts = sorted({urlsplit(u).hostname or "" for u in urls
+                        if urlsplit(u).scheme.lower() == "http" and not _is_local(urlsplit(u).hostname)})
+        if pool.discover is not None and pool.discover.scheme == "http":
+            hosts.append(f"{pool.discover.name} (DNS discovery)")
+        if hosts:
+            findings.append(Finding(f"pools.{index}.workers", f"pool {pool.name} reaches {', '.join(hosts)} over "
+                                    "plaintext http://: the engine key and every prompt and answer cross the "
+                                    "network unencrypted; use https:// or accept it with allow_plaintext: [engines]"))
+    return findings
+
+
 def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
                         environ: Mapping[str, str]) -> list[Finding]:
     """The safety findings of `config`, loaded from `tree` (read_tree) with `environ`; empty when safe."""
@@ -117,4 +173,42 @@ def production_findings(tree: Mapping[str, Any], config: GatewayConfig,
             if pool.api_key is None:
                 findings.append(Finding(f"pools.{index}.api_key", f"pool {pool.name} sends no engine credential "
                                                                   f"while {', '.join(keyed)} do"))
-    return findings
+    return findings + plaintext_findings(config)
+
+
+GRACE_MARGIN_S = 10
+"""Seconds `grace_period_seconds` adds for the process's own exit (closing clients, flushing logs)."""
+
+
+def longest_request_seconds(config: GatewayConfig) -> float:
+    """Seconds the longest request the timeouts allow may run, over every pool p: a prompt as long as
+    p's `max_context_tokens` C and p's `default_output_tokens` O, answered non-streaming
+    (gateway/backends/client.py `answer_budget`):
+
+        max over pools of  first_byte_base + first_byte_per_1k_tokens * C / 1000 + generation + generation_per_token * O
+
+    capped at `timeouts.total` when set. A stream's first content has the same prefill allowance;
+    what it generates after that is bounded by `timeouts.total` alone (each gap by `read`), so set
+    `total` to bound long generations too. Shipped config, nvl72-1m (C = 1,048,576, O = 8,192):
+    60 + 0.5 * 1048.576 + 60 + 0.1 * 8192 = 1,463.5 s."""
+    longest = max(answer_budget(config.timeouts, pool.max_context_tokens, pool.default_output_tokens)
+                  for pool in config.pools)
+    return longest if config.timeouts.total is None else min(longest, config.timeouts.total)
+
+
+def grace_period_seconds(config: GatewayConfig, pre_stop_s: float = 0.0) -> int:
+    """Kubernetes `terminationGracePeriodSeconds` for a gateway pod running `config`, whole seconds:
+
+        ceil(pre_stop_s + shutdown.drain_delay + max(shutdown.grace_period, longest_request_seconds) + 10)
+
+    `pre_stop_s` is a preStop hook's sleep before SIGTERM (deploy/kubernetes/base/gateway.yaml: 5).
+    After SIGTERM the gateway serves `drain_delay` seconds (`/ready` 503), closes its listener, and
+    lets in-flight requests run `shutdown.grace_period` seconds more; the longest request the
+    timeouts allow (`longest_request_seconds`) may have started just before the listener closed.
+    The pod waits for the longer of the two, plus `GRACE_MARGIN_S` for the exit; Kubernetes stops
+    waiting as soon as the gateway exits, so an idle pod stops at once. Give `shutdown.grace_period`
+    at least `longest_request_seconds(config)` too, or the gateway itself ends such requests (a
+    `shutting_down` error) before the pod's grace runs out."""
+    shutdown = config.shutdown
+    window = max(shutdown.grace_period, longest_request_seconds(config))
+    return math.ceil(pre_stop_s + shutdown.drain_delay + window + GRACE_MARGIN_S)

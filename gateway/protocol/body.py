@@ -84,8 +84,26 @@ on the Responses API it becomes the stored response's id, `ResponsesRequest.requ
 `vllm/entrypoints/openai/protocol.py`, the `response_store` key in `serving_responses.py`, so a
 client could overwrite another tenant's stored response) and SGLang's `rid`."""
 
-KV_TRANSFER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+KV_TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params", "bootstrap_host", "bootstrap_port",
+                      "bootstrap_room")
 """Body fields that steer a worker's KV connector: vLLM's `kv_transfer_params` (the NIXL or Mooncake
-handle a decode worker pulls KV from: `remote_host`, `remote_port`, `remote_bootstrap_addr`) and
-SGLang's bootstrap fields (the prefill worker a decode worker connects to). Stripped from every
-client body unless the pool sets `allow_kv_transfer_fields`; a PD pool writes its own on both legs."""
+handle a decode worker pulls KV from: `remote_host`, `remote_port`, `remote_bootstrap_addr`), its
+`ec_transfer_params` (the encoder-cache connector's handle: a consumer pulls the encodings from the
+`peer_host`/`peer_port` it names) and SGLang's bootstrap fields (the prefill worker a decode worker
+connects to). Stripped from every client body unless the pool sets `allow_kv_transfer_fields`; a PD
+pool writes its own on both legs. vLLM's chat, completions and Responses requests
+(`vllm/entrypoints/openai/*/protocol.py`, `to_sampling_params`) take the client's `vllm_xargs` dict
+as `SamplingParams.extra_args` and only then add their own `kv_transfer_params` /
+`ec_transfer_params`, which the connectors read from there: so those keys inside `vllm_xargs`
+(`XARGS_FIELD`) are stripped with them (`without_connector_args`)."""
+
+XARGS_FIELD = "vllm_xargs"
+"""vLLM's body field of extra sampling arguments (`SamplingParams.extra_args`)."""
+
+
+def without_connector_args(xargs: Any) -> Any:
+    """A client's `vllm_xargs` without the `KV_TRANSFER_FIELDS` keys (the same object when it has
+    none, or is not a dict: the engine judges that)."""
+    if not isinstance(xargs, dict) or not any(name in xargs for name in KV_TRANSFER_FIELDS):
+        return xargs
+    return {name: value for name, value in xargs.items() if name not in KV_TRANSFER_FIELDS}

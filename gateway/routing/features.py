@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -42,7 +43,9 @@ class RoutingRequest:
     batch) and `batch_prompt_tokens` the prompt tokens of all prompts together: they size the
     request's quota charge, not its context. `min_output_tokens` is what the client forces the
     engine to generate at least (vLLM's and SGLang's `min_tokens` sampling parameter, 0 when unset):
-    with no output limit the reservation is at least that (`reserved_output`).
+    with no output limit the reservation is at least that (`reserved_output`). `engine_output_tokens`
+    is llama.cpp's own output limit `n_predict` when the client set a positive one (0 otherwise),
+    which that server ranks over `max_tokens` (`engine_output_limit`): the reservation covers it too.
     `session_key` is the request's session hint (`session_hint`), and after `ProxyService.handle`
     scoped to the caller's API key (`scoped_session`): the `session` policy's key and, with
     affinity on, the key of the worker that served the session last (`session_hash`).
@@ -65,6 +68,10 @@ class RoutingRequest:
     store: bool = False
     """Responses API: the engine stores the response (the gateway records its worker)."""
     min_output_tokens: int = 0
+    engine_output_tokens: int = 0
+    adapter: str | None = None
+    """The LoRA adapter the request names (then also its `model`, which seeds the prefix hashes:
+    an adapter's KV cache is not the base model's), None for the model itself."""
 
     def context_tokens(self, default_output_tokens: int) -> int:
         """Tokens of context one sequence needs on a pool that reserves `default_output_tokens` by default."""
@@ -73,11 +80,12 @@ class RoutingRequest:
 
     def reserved_output(self, default_output_tokens: int) -> int:
         """The output tokens reserved for each completion (tokens): the client's output limit, else
-        the pool's `default_output_tokens` or the client's `min_tokens`, whichever is larger. For a
-        key with a token limit the gateway sends the engine exactly this limit (`ProxyService.handle`)."""
-        if self.output_tokens is not None:
-            return self.output_tokens
-        return max(default_output_tokens, self.min_output_tokens)
+        the pool's `default_output_tokens` or the client's `min_tokens`, whichever is larger; at
+        least llama.cpp's `n_predict` when the client set one (`engine_output_tokens`). For a key
+        with a token limit the gateway sends the engine exactly this limit (`ProxyService.handle`)."""
+        base = self.output_tokens if self.output_tokens is not None else max(default_output_tokens,
+                                                                              self.min_output_tokens)
+        return max(base, self.engine_output_tokens)
 
     def quota_tokens(self, default_output_tokens: int) -> int:
         """Tokens charged to a per-key token limit: every prompt plus the output limit of every
@@ -109,11 +117,13 @@ def session_hint(*hints: object) -> str | None:
     return None
 
 
-def scoped_session(hint: str, tenant: str | None) -> str:
+def scoped_session(hint: str, tenant: str | None, adapter: str | None = None) -> str:
     """The session key routing uses: 32 hex digits of xxh3_128 over the caller's key name (`tenant`,
-    None with auth off) and the hint, so two API keys sending the same hint share no affinity and
+    None with auth off), the hint and the LoRA adapter the request names (if any), so two API keys
+    sending the same hint share no affinity, nor do a base model's and an adapter's requests, and
     the key's size is fixed whatever the client sent."""
-    return xxhash.xxh3_128_hexdigest(f"{tenant or ''}\x00{hint}".encode("utf-8", "surrogatepass"))
+    scope = f"{tenant or ''}\x00{hint}" if adapter is None else f"{tenant or ''}\x00{hint}\x00{adapter}"
+    return xxhash.xxh3_128_hexdigest(scope.encode("utf-8", "surrogatepass"))
 
 
 def output_limit(wire: ChatCompletionRequest | CompletionRequest) -> int | None:
@@ -135,13 +145,34 @@ def forced_output(extra: Mapping[str, Any] | None) -> int:
     return value if type(value) is int and value > 0 else 0
 
 
+ENGINE_OUTPUT_FIELD = "n_predict"
+"""llama.cpp's own output limit: its server copies a body's `n_predict` over the one it derives from
+`max_tokens` (`oaicompat_chat_params_parse` and `oaicompat_completion_params_parse` in
+`tools/server/server-common.cpp`: "if n_predict is present, we overwrite the value specified earlier
+by max_tokens"; `params_from_json_cmpl` in `server-task.cpp` reads `n_predict` before `max_tokens`),
+and -1 means no limit. vLLM and SGLang ignore the field."""
+
+
+def engine_output_limit(extra: Mapping[str, Any] | None) -> int:
+    """The client's positive `n_predict` (tokens; `ENGINE_OUTPUT_FIELD`; a float as llama.cpp's JSON
+    library reads it into an int, truncated), 0 when unset, not a number or not positive (-1 is
+    llama.cpp's "no limit": nothing to reserve, the gateway overwrites it for a token-limited key,
+    `parsing.with_engine_output_limit`)."""
+    value = (extra or {}).get(ENGINE_OUTPUT_FIELD)
+    if type(value) is float and math.isfinite(value):
+        value = int(value)
+    return value if type(value) is int and value > 0 else 0
+
+
 def completions_per_prompt(n: int | None, extra: Mapping[str, Any] | None) -> int:
     """Sequences the engine may generate per prompt: `n`, or `best_of` when larger (vLLM's V0
     engine generated `best_of` candidates and returned the best `n`, all of them generated tokens;
     SGLang's `CompletionRequest` in `srt/entrypoints/openai/protocol.py` still accepts the field),
-    so the reservation covers whichever engine version serves it."""
-    best_of = (extra or {}).get("best_of")
-    return max(n or 1, best_of if type(best_of) is int and best_of > 0 else 1)
+    or llama.cpp's `n_cmpl` when larger (its server reads it before `n`: `params_from_json_cmpl` in
+    `tools/server/server-task.cpp`), so the reservation covers whichever engine serves it."""
+    extra = extra or {}
+    counts = [value for value in (extra.get("best_of"), extra.get("n_cmpl")) if type(value) is int and value > 0]
+    return max([n or 1, *counts])
 
 
 def image_urls(wire: ChatCompletionRequest) -> list[str]:
@@ -223,6 +254,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
         session_key=session_hint(session_key, extra.get("prompt_cache_key"), wire.user),
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage),
         prefix=prefix, outputs=completions_per_prompt(wire.n, extra), min_output_tokens=forced_output(extra),
+        engine_output_tokens=engine_output_limit(extra),
     )
 
 
@@ -302,7 +334,7 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
         session_key=session_hint(session_key, (wire.model_extra or {}).get("prompt_cache_key"), wire.user),
         include_usage=bool(wire.stream_options and wire.stream_options.include_usage), prefix=prefix,
         outputs=completions_per_prompt(wire.n, wire.model_extra) * prompts, batch_prompt_tokens=total,
-        min_output_tokens=forced_output(wire.model_extra),
+        min_output_tokens=forced_output(wire.model_extra), engine_output_tokens=engine_output_limit(wire.model_extra),
     )
 
 

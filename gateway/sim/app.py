@@ -8,7 +8,9 @@ Engine endpoints:
                                                       api_version "current" only, as the engines added it in 2026)
     GET /health        200 with an empty body (or never answers with the `hang_health` or `black_hole` fault;
                        trickles or never ends with `health_body`)
-    GET /v1/models     OpenAI model list with the served names
+    GET /v1/models     OpenAI model list with the served names, then the loaded LoRA adapters (`parent` set)
+    POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
+                       vLLM family with `runtime_lora_updating` only: vLLM's runtime LoRA loading
     GET /metrics       Prometheus text with the engine's own metric names (or a trickling or
                        endless body with `metrics_body`)
     POST /v1/chat/completions/render, POST /v1/completions/render, POST /tokenize
@@ -102,6 +104,9 @@ class SimApp:
         if engine.config.api_version == "current":
             self._routes[("POST", "/v1/messages")] = self._messages
             self._routes[("POST", "/v1/messages/count_tokens")] = self._count_tokens
+        if engine.config.runtime_lora_updating and engine.config.engine in ("vllm", "ascend"):
+            self._routes[("POST", "/v1/load_lora_adapter")] = self._load_lora
+            self._routes[("POST", "/v1/unload_lora_adapter")] = self._unload_lora
         if render.serves_render(engine):
             self._routes[("POST", render.CHAT_RENDER_PATH)] = self._render_chat
             self._routes[("POST", render.COMPLETIONS_RENDER_PATH)] = self._render_completion
@@ -288,7 +293,8 @@ class SimApp:
         self.engine.note_models_read()
         config = self.engine.config
         await send_json(send, 200, r.models_list(config.served_model_names, config.max_context_tokens,
-                                                 self.engine.dialect.owned_by, self.engine.started_at))
+                                                 self.engine.dialect.owned_by, self.engine.started_at,
+                                                 self.engine.loras))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.engine.faults.black_hole:
@@ -327,6 +333,43 @@ class SimApp:
             self.engine.set_faults(faults)
             await send_json(send, 200, faults.model_dump())
 
+    async def _load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's runtime load (vllm/entrypoints/openai/serving_models.py `load_lora_adapter` and its
+        checks): both fields needed, a loaded name refused (400 `InvalidUserInput`), a path without
+        an adapter 404 `NotFoundError` (vllm/exceptions.py `LoRAAdapterNotFoundError`'s words);
+        success answers a plain-text line (the API server's `Response(content=...)`)."""
+        body = await _read_lora_request(self.engine, receive, send)
+        if body is None:
+            return
+        name, path = body.get("lora_name"), body.get("lora_path")
+        dialect, loadable = self.engine.dialect, self.engine.config.lora_loadable_paths
+        if not name or not path or not isinstance(name, str) or not isinstance(path, str):
+            reply = dialect.error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
+        elif name in self.engine.loras:
+            reply = dialect.error(f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput", 400)
+        elif loadable is not None and path not in loadable:
+            reply = dialect.error(f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError", 404)
+        else:
+            self.engine.loras[name] = path
+            await send_bytes(send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode(),
+                             headers=[(b"content-type", b"text/plain; charset=utf-8")])
+            return
+        await send_bytes(send, reply.status, reply.body)
+
+    async def _unload_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's runtime unload (`unload_lora_adapter`): an unknown name 404 `NotFoundError`."""
+        body = await _read_lora_request(self.engine, receive, send)
+        if body is None:
+            return
+        name = body.get("lora_name")
+        if not isinstance(name, str) or name not in self.engine.loras:
+            reply = self.engine.dialect.error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+            await send_bytes(send, reply.status, reply.body)
+            return
+        del self.engine.loras[name]
+        await send_bytes(send, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode(),
+                         headers=[(b"content-type", b"text/plain; charset=utf-8")])
+
     async def _get_script(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, self.engine.script.model_dump())
 
@@ -356,3 +399,17 @@ _Body = TypeVar("_Body", bound=BaseModel)
 def create_sim_app(config: SimConfig) -> SimApp:
     """A fresh simulated engine (own state, own metrics registry) wrapped in its ASGI app."""
     return SimApp(SimEngine(config))
+
+
+async def _read_lora_request(engine: SimEngine, receive: Receive, send: Send) -> dict[str, Any] | None:
+    """A runtime LoRA request's JSON object, or None after answering a 400 for another body."""
+    raw = await read_body(receive)
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        reply = engine.dialect.bad_request("Invalid JSON body.")
+        await send_bytes(send, reply.status, reply.body)
+        return None
+    return body

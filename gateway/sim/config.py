@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -167,6 +167,16 @@ class SimConfig(BaseModel):
 
     engine: Engine
     served_model_names: list[str] = Field(default_factory=lambda: ["kimi-k3"], min_length=1)
+    lora_modules: list[Annotated[str, Field(pattern=r"^[^=\s]+=\S+$")]] = Field(
+        default_factory=list, description="LoRA adapters loaded at start, each `name=path` as vLLM's "
+        "`--lora-modules` (vllm/entrypoints/openai/cli_args.py `LoRAParserAction`) and SGLang's `--lora-paths` "
+        "take them: listed in /v1/models with `parent` (`models_list`) and served under their name")
+    runtime_lora_updating: bool = Field(
+        default=False, description="serve vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` "
+        "(vLLM registers them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; vllm-ascend likewise)")
+    lora_loadable_paths: list[str] | None = Field(
+        default=None, description="adapter paths a runtime load finds (None: every path); another fails as "
+        "vLLM fails on a path without an adapter")
     max_context_tokens: int = Field(gt=0)
     ttft_s: float = Field(default=0.0, ge=0.0)
     tpot_s: float = Field(default=0.0, ge=0.0)
@@ -280,6 +290,11 @@ class SimConfig(BaseModel):
     def step_prefill_tokens_per_s(self) -> float:
         """The stepped scheduler's prefill budget: `prefill_tokens_per_s`, else the default."""
         return self.prefill_tokens_per_s if self.prefill_tokens_per_s is not None else DEFAULT_PREFILL_TOKENS_PER_S
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """LoRA adapter name -> path, from `lora_modules`, in their order."""
+        return dict(module.split("=", 1) for module in self.lora_modules)  # type: ignore[misc]
 
     @property
     def model_name(self) -> str:

@@ -277,7 +277,7 @@ async def _refused_up_front(engine: SimEngine, record: SimRequestRecord, respond
     if fail:
         await _fail(engine, record, responder, faults)
         return True
-    error = engine.dialect.check_model(model, engine.config.served_model_names)
+    error = engine.dialect.check_model(model, engine.model_names())
     if error is not None:
         await responder.reply(error)
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -146,10 +147,15 @@ def text_completion(meta: ResponseMeta, texts: list[str], finish_reason: str, pr
     return payload
 
 
-def models_list(names: list[str], max_model_len: int, owned_by: str, created: int) -> dict[str, Any]:
+def models_list(names: list[str], max_model_len: int, owned_by: str, created: int,
+                adapters: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`GET /v1/models`: OpenAI's list shape with the engines' extra fields: `root` and the context
     window in tokens as `max_model_len`, on every entry (vLLM's `ModelCard`, which adds `parent`;
-    SGLang's `available_models`, which reports `model_config.context_len` there)."""
+    SGLang's `available_models`, which reports `model_config.context_len` there). Then one entry per
+    LoRA adapter (`adapters`: name -> path) as both engines list a loaded one: `id` its name, `root`
+    its path, `parent` the first served name, `max_model_len` null (vLLM:
+    vllm/entrypoints/openai/serving_models.py `show_available_models`; SGLang:
+    python/sglang/srt/entrypoints/http_server.py `available_models`, from its `lora_registry`)."""
     data: list[dict[str, Any]] = []
     for name in names:
         entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": owned_by,
@@ -158,4 +164,7 @@ def models_list(names: list[str], max_model_len: int, owned_by: str, created: in
             entry["parent"] = None
         entry["max_model_len"] = max_model_len
         data.append(entry)
+    for name, path in (adapters or {}).items():
+        data.append({"id": name, "object": "model", "created": created, "owned_by": owned_by, "root": path,
+                     "parent": names[0], "max_model_len": None})
     return {"object": "list", "data": data}

@@ -105,6 +105,7 @@ def run_sim(
     chunk_tokens: int | None = None,
     decode_step_s: float | None = None,
     decode_s_per_seq: float | None = None,
+    lora_modules: list[str] | None = None,
 ) -> None:
     """Serve one simulated engine until interrupted (blocking; `kimi-gateway sim --engine ...`).
 
@@ -123,6 +124,7 @@ def run_sim(
             "scheduler": scheduler,
             "engine": engine,
             "served_model_names": served_model_names or ["kimi-k3"],
+            "lora_modules": lora_modules or [],
             "max_context_tokens": max_context_tokens,
             "ttft_s": ttft_s,
             "tpot_s": tpot_s,

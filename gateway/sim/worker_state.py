@@ -135,6 +135,8 @@ class SimEngine:
         """The prefix cache (None unless `kv_capacity_tokens` is set). Not thread-safe: from another
         thread, read `sim_stats()` instead."""
         self.started_at = int(time.time())
+        self.loras: dict[str, str] = dict(config.lora_adapters)
+        """LoRA adapters loaded now, name -> path: `lora_modules`, then runtime loads and unloads."""
         self._cond = threading.Condition(threading.RLock())
         self._ids = itertools.count(1)
         self._records: list[SimRequestRecord] = []
@@ -519,6 +521,11 @@ class SimEngine:
         """Requests that arrived on a connection dropped idle and were reset unanswered."""
         with self._cond:
             return self._idle_resets
+
+    def model_names(self) -> list[str]:
+        """Every name a request's `model` may say: the served names, then the loaded LoRA adapters'
+        (an adapter's request is generated as the base model's: the sim has no weights to adapt)."""
+        return [*self.config.served_model_names, *self.loras]
 
     def note_models_read(self) -> None:
         """Count one `GET /v1/models`."""

@@ -126,6 +126,12 @@ def test_two_gateway_replicas_behind_one_port() -> None:
     haproxy = (DEPLOY / "compose" / "haproxy.cfg").read_text()
     assert re.search(r"server-template \w+ \d+ gateway:8000", haproxy)
     assert "option httpchk GET /ready" in haproxy
+    # One failed check is no verdict, and a draining replica (shutdown.drain_delay 5 s) leaves
+    # the rotation before its listener closes.
+    check = re.search(r"default-server check inter (\d+)s fall (\d+) rise (\d+)", haproxy)
+    assert check is not None
+    inter, fall, rise = map(int, check.groups())
+    assert fall >= 2 and rise >= 2 and inter * fall < 5
     # The drain (shutdown.drain_delay 5 s + grace_period 30 s) fits in compose's stop timeout.
     assert int(gateway["stop_grace_period"].rstrip("s")) > 5 + 30
 

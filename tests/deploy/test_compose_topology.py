@@ -56,7 +56,7 @@ def wait_ready(url: str, deadline_s: float = 20) -> None:
     deadline = time.monotonic() + deadline_s
     while True:
         answer = httpx.get(url + "/ready")
-        if answer.status_code == 200:
+        if answer.status_code == 200 and answer.json()["unready_pools"] == []:  # every pool, not just one
             return
         assert time.monotonic() < deadline, answer.text
         time.sleep(0.1)

@@ -40,7 +40,7 @@ needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validat
 # them against their CRDs' schemas.
 CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "resource.nvidia.com/")
 VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64,
-              "REDIS_URL": "redis://redis-master.data.svc:6379/0"}
+              "REDIS_URL": "rediss://redis-master.data.svc:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt"}
 
 
 def load_generator() -> ModuleType:
@@ -290,8 +290,9 @@ def test_gateway_probes_and_termination_grace_match_the_drain(rendered: dict[str
     drain = pre_stop + shutdown.drain_delay + shutdown.grace_period
     assert drain < pod["terminationGracePeriodSeconds"] <= drain + 15
     # SIGKILL must not cut a drain that the readiness probe already announced: failing /ready takes
-    # one probe period, far inside drain_delay.
+    # failureThreshold probe periods, inside drain_delay; one failed probe alone is no verdict.
     probe = container["readinessProbe"]
+    assert probe["failureThreshold"] >= 2
     assert probe["periodSeconds"] * probe["failureThreshold"] < shutdown.drain_delay
 
 

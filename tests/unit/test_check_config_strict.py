@@ -24,11 +24,11 @@ def production_env() -> dict[str, str]:
     env = {}
     for path, name, _ in env_references(read_tree(PRODUCTION)):
         if ".workers." in path:
-            env[name] = f"http://10.1.0.{len(env) + 1}:8000"
+            env[name] = f"https://10.1.0.{len(env) + 1}:8000"  # plaintext http:// beyond loopback warns
         elif name.endswith("_SHA256"):
             env[name] = f"{len(env):x}".rjust(64, "c")
         elif name == "REDIS_URL":
-            env[name] = "redis://redis.kimi.svc.cluster.local:6379/0"
+            env[name] = "rediss://redis.kimi.svc.cluster.local:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt"
         else:
             env[name] = f"engine-key-{name.lower()}"
     return env
@@ -82,7 +82,10 @@ def test_shipped_production_config_fails_strict_without_them(
     assert ("warning: pools.0.workers.0: ${VLLM_128K_WORKER_0} is not set: falls back to "
             "'http://vllm-128k-0:8000'") in out
     assert "warning: redis_url: 2 gateway replicas but Redis is on this host" in out
-    assert "check-config --strict: 12 warning(s)" in out
+    assert ("warning: pools.0.workers: pool vllm-128k reaches vllm-128k-0, vllm-128k-1 over plaintext "
+            "http://") in out
+    assert "check-config --strict: 16 warning(s)" in out  # the 12 fallbacks and checks of before + 4 pools over
+    # plaintext http:// (their fallback hosts)
 
 
 def test_auth_off_on_0_0_0_0_fails_strict(
@@ -109,7 +112,7 @@ def test_auth_off_on_loopback_is_fine(deployed: dict[str, str], tmp_path: Path,
     ("redis://localhost:6379/0", True),
     ("redis://[::1]:6379", True),
     ("unix:///run/redis.sock", True),
-    ("redis://redis.kimi.svc.cluster.local:6379/0", False),
+    ("rediss://redis.kimi.svc.cluster.local:6380/0", False),
 ])
 def test_replicas_with_a_local_redis_fail_strict(
         redis_url: str, warned: bool, deployed: dict[str, str], monkeypatch: pytest.MonkeyPatch,
@@ -141,3 +144,41 @@ def test_a_placeholder_worker_host_fails_strict(
     code, out = check(PRODUCTION, capsys)
     assert code == 1
     assert "warning: pools.2.workers.1: http://sglang-1.example.com:30000 is a placeholder host" in out
+
+
+@pytest.mark.parametrize(("redis_url", "finding"), [
+    ("redis://:s3cret@redis.kimi.svc.cluster.local:6379/0", "plaintext redis:// to redis.kimi.svc.cluster.local"),
+    ("redis+sentinel://:s3cret@10.0.0.5,10.0.0.6/mymaster", "plaintext redis+sentinel:// to 10.0.0.5, 10.0.0.6"),
+    ("redis+cluster://:s3cret@10.0.0.7:7000,127.0.0.1:7001", "plaintext redis+cluster:// to 10.0.0.7"),
+    ("rediss://:s3cret@redis.kimi.svc.cluster.local:6380/0?ssl_cert_reqs=required", None),
+    ("rediss+cluster://:s3cret@10.0.0.7:7000", None),
+    ("redis://:s3cret@127.0.0.1:6379/0", None),  # loopback (one replica: the local-Redis check is quiet)
+])
+def test_plaintext_redis_beyond_loopback_fails_strict(
+        redis_url: str, finding: str | None, deployed: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    path = edited_copy(tmp_path, lambda d: d.update(replicas=1))
+    code, out = check(path, capsys)
+    assert "s3cret" not in out
+    if finding is None:
+        assert code == 0, out
+        return
+    assert code == 1 and f"warning: redis_url: {finding}" in out, out
+    assert "allow_plaintext: [redis]" in out
+    accepted = edited_copy(tmp_path / "accepted", lambda d: d.update(replicas=1, allow_plaintext=["redis"]))
+    assert check(accepted, capsys)[0] == 0
+
+
+def test_plaintext_engines_beyond_loopback_fail_strict(
+        deployed: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("SGLANG_512K_WORKER_1", "http://10.1.0.40:30000")
+    monkeypatch.setenv("NVL72_1M_WORKER_0", "http://127.0.0.1:8000")  # loopback: a sidecar, fine
+    code, out = check(PRODUCTION, capsys)
+    assert code == 1
+    assert ("warning: pools.2.workers: pool sglang-512k reaches 10.1.0.40 over plaintext http://: the engine key "
+            "and every prompt and answer cross the network unencrypted; use https:// or accept it with "
+            "allow_plaintext: [engines]") in out
+    assert "check-config --strict: 1 warning(s)" in out
+    assert check(edited_copy(tmp_path, lambda d: d.update(allow_plaintext=["engines"])), capsys)[0] == 0

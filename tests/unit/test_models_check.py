@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.backends.models_check import UnreadableModels, models_verdict
+from gateway.backends.models_check import MAX_ADAPTERS, UnreadableModels, listed_adapters, models_verdict
 from gateway.sim.responses import models_list
 
 
@@ -44,3 +44,21 @@ def test_an_engine_that_reports_no_length_is_judged_by_name_only() -> None:
 def test_a_body_that_is_no_model_list_is_unreadable(raw: bytes) -> None:
     with pytest.raises(UnreadableModels):
         models_verdict(raw, "kimi-k3", 131072)
+
+
+@pytest.mark.parametrize("owned_by", ["vllm", "sglang"])
+def test_listed_adapters_are_the_entries_with_a_parent(owned_by: str) -> None:
+    """Issue 22 §2: a loaded LoRA adapter is listed with `parent` (the base model), the base model
+    without one (vLLM: `parent: null`; SGLang: no `parent`), and its `max_model_len` is null."""
+    listed = orjson.dumps(models_list(["kimi-k3", "K3"], 131072, owned_by, 1,
+                                      {"sql-lora": "/loras/sql", "chat": "/loras/chat"}))
+    assert listed_adapters(listed, "kimi-k3") == {"sql-lora", "chat"}
+    assert models_verdict(listed, "kimi-k3", 131072) is None  # the adapters' null length judges nothing
+    assert listed_adapters(body(["kimi-k3"], 131072, owned_by), "kimi-k3") == frozenset()
+    with pytest.raises(UnreadableModels):
+        listed_adapters(b'{"data": "no"}', "kimi-k3")
+
+
+def test_listed_adapters_are_capped() -> None:
+    many = {f"lora-{i}": f"/loras/{i}" for i in range(MAX_ADAPTERS + 5)}
+    assert len(listed_adapters(orjson.dumps(models_list(["kimi-k3"], 1, "vllm", 1, many)), "kimi-k3")) == MAX_ADAPTERS
