@@ -909,6 +909,17 @@ class RedisSentinelConfig(_Strict):
                               self.username, secret(self.password), secret(self.sentinel_password)).url()
 
 
+class MigrationConfig(_Strict):
+    """Mid-stream migration (README "Migration"): a stream whose worker fails after content reached
+    the client goes on on another worker, from the text generated so far."""
+
+    max_per_request: int = Field(
+        default=1, ge=0, le=10,
+        description="continuations per streamed request at most; 0 disables migration (a mid-stream failure "
+        "then ends the stream with one SSE error event)",
+    )
+
+
 class GatewayConfig(_Strict):
     """The whole gateway configuration. Unknown keys are errors (`extra="forbid"`).
 
@@ -944,6 +955,7 @@ class GatewayConfig(_Strict):
         "file (gateway/plans/), relative to the config file",
     )
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
+    migration: MigrationConfig = Field(default_factory=MigrationConfig)
     estimation: EstimationConfig = Field(default_factory=EstimationConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)

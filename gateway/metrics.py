@@ -113,6 +113,15 @@ class GatewayMetrics:
         self.retries = Counter("kimi_gateway_retries",
                                "Attempts after the first, by what failed before (cause: an upstream outcome).",
                                ["pool", "cause"], registry=r)
+        self.migrations = Counter("kimi_gateway_migrations",
+                                  "Streams whose worker failed mid-generation, by what the gateway did: "
+                                  "migrated (continued on another worker), no_worker, failed (the continuation "
+                                  "failed before its first content), refused (not at a safe point).",
+                                  ["pool", "outcome"], registry=r)
+        self.migration_prefill_tokens = Counter("kimi_gateway_migration_prefill_tokens",
+                                                "Prompt tokens prefilled again by continuations (the original "
+                                                "prompt plus the text so far; not billed to the key).", ["pool"],
+                                                registry=r)
         self.spillovers = Counter("kimi_gateway_spillovers",
                                   "Requests moved to a later pool (cause: unavailable, saturated or too_long).",
                                   ["from_pool", "to_pool", "cause"], registry=r)

@@ -98,6 +98,7 @@ class RequestRecord:
     on_finish: Callable[[RequestRecord], None] | None = None  # called once by `finish` (quota settle)
     on_first_byte: Callable[[float], None] | None = None  # called with `first_byte_at` when it is set (prefill)
     engine_request_id: str | None = None  # engines get `x-request-id: {this}-{attempt}` (set by the first attempt)
+    migration: dict[str, Any] | None = None  # a stream continued on another worker (gateway/dispatch/migration.py)
     _finished: bool = False
 
     def cut_by_shutdown(self, response_started: bool, status: int = 503) -> None:
@@ -168,6 +169,8 @@ class RequestRecord:
                 entry["prefill_worker"] = self.prefill_worker
             if self.engine_request_id is not None:  # what the engines' own logs call this request
                 entry["engine_request_id"] = self.engine_request_id
+            if self.migration is not None:  # from, to, outcome, tokens kept, re-prefilled
+                entry["migration"] = self.migration
             log.info(orjson.dumps(entry).decode())
         if self.trace is not None:
             self.trace.finish(self, status, now)

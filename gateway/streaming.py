@@ -4,7 +4,8 @@ An attempt succeeds once the engine sent 2xx headers AND its first body byte; un
 failure is an `AttemptFailed` the service may retry elsewhere. After that the relay passes the
 body's bytes through as they arrive (`UpstreamResponse.chunks`: identity bytes, a content coding
 the engine applied unasked decoded, backends/encoding.py; no re-encoding); a tap observes a copy. A
-failure after the first byte becomes one SSE error event and the stream ends without `[DONE]`.
+failure after the first byte becomes one SSE error event and the stream ends without `[DONE]`,
+unless the stream migrates to another worker (gateway/dispatch/migration.py).
 Closing the upstream response in `finally` is what makes the engine abort a request whose client
 hung up. The config's secrets are taken out of an engine's error answer (its non-2xx body, its
 in-stream error events) before it is relayed or logged (`UpstreamResponse.redact`, gateway/redact.py).
@@ -19,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -514,6 +515,50 @@ def _grow(long: bytearray, chunk: bytes, limit: int) -> tuple[bytearray | None, 
     return None, data[end:], data[:end]
 
 
+class _InBandError(Exception):
+    """An engine's error event mid-stream, to continue after (args[0]: that event and what followed)."""
+
+
+class Migrating(Protocol):
+    """What a stream asks of its migration (`gateway.dispatch.migration.Migration`)."""
+
+    @property
+    def progress(self) -> Any: ...
+
+    def ready(self) -> bool: ...
+
+    def resume(self, why: str) -> Awaitable[UpstreamStream | None]: ...
+
+    def relay(self, stream: UpstreamStream) -> AsyncIterator[bytes]: ...
+
+    def seam(self) -> bytes: ...
+
+    def settled(self, continued: dict[str, Any] | None) -> dict[str, Any] | None: ...
+
+
+def error_event_at(events: bytes) -> int:
+    """Where in whole SSE events the first one holding an error object (`data: {"error": ...}`)
+    starts; -1 when none does."""
+    pos = 0
+    while pos < len(events):
+        brk = _EVENT_BREAK.search(events, pos)
+        end = brk.start() if brk else len(events)
+        event = events[pos:end]
+        if ERROR_KEY in event:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:") and ERROR_KEY in line:
+                    try:
+                        data = orjson.loads(line[5:].strip())
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(data, dict) and "error" in data:
+                        return pos
+        if brk is None:
+            break
+        pos = brk.end()
+    return -1
+
+
 class UpstreamStream:
     """An accepted streaming response: the bytes held before it was accepted, then the rest,
     relayed as bytes.
@@ -546,6 +591,9 @@ class UpstreamStream:
         self.sse = response.headers.get("content-type", "").startswith("text/event-stream")
         self._strip_usage = strip_usage and self.sse  # the usage patch's second half (backends/patches.py)
         self._redact = response.redact if response.redact else None
+        self.migration: Migrating | None = None  # set by the dispatch: a failure may continue elsewhere
+        self._next: UpstreamStream | None = None  # the continuation this stream's answer went on in
+        self.continuation = False  # this stream continues another one's answer (relayed by its migration)
 
     async def body(self) -> AsyncIterator[bytes]:
         """Yield the upstream bytes unchanged (but for the usage patch's own chunk when
@@ -555,12 +603,17 @@ class UpstreamStream:
         per write is relayed write for write); a partial event waits for its end, so a failure
         mid-event never leaves the client a corrupt event. A failure, an end without
         `data: [DONE]`, or an event longer than `max_event` bytes (a line that never ends) is
-        reported with one SSE error event and no `[DONE]`. A non-SSE body passes through as it
+        reported with one SSE error event and no `[DONE]`; with a `migration` (set by the dispatch on
+        a chat or completions stream) such a failure, or the engine's in-band error event, is
+        continued on another worker instead when it can be (`_continue`,
+        gateway/dispatch/migration.py): the client reads one answer. A non-SSE body passes through as it
         arrives. Events that carry an error (`ERROR_KEY`) have the config's secrets
         taken out.
         """
         tap = self.tap
         redact = self._redact
+        migration = self.migration
+        keep = migration.progress.keep if migration is not None else None
         carry = b""
         long: bytearray | None = None  # an unfinished event over LONG_EVENT bytes (`_grow`)
         try:
@@ -584,6 +637,18 @@ class UpstreamStream:
                                 carry, for_client = b"", data
                         if for_client:
                             for_client = self._patched(for_client)
+                        if keep is not None and for_client:
+                            if ERROR_KEY in for_client and (cut := error_event_at(for_client)) >= 0:
+                                assert migration is not None
+                                keep(for_client[:cut])
+                                if migration.ready():  # relay what came before it, then continue elsewhere
+                                    if cut:
+                                        head = for_client[:cut]
+                                        yield redact(head) if redact is not None and ERROR_KEY in head else head
+                                    raise _InBandError(for_client[cut:])
+                                keep(for_client[cut:])
+                            else:
+                                keep(for_client)
                     if redact is not None and ERROR_KEY in for_client:
                         for_client = redact(for_client)
                     if for_client:
@@ -609,6 +674,10 @@ class UpstreamStream:
                 carry = bytes(long)
             tap.end()
             if self.sse and not tap.done:
+                if migration is not None and migration.ready():
+                    async for part in self._continue("the engine ended the stream early", None):
+                        yield part
+                    return
                 if tap.failed and not carry:  # the engine's own error event was the client's last: no second one
                     self._broken("the engine ended the stream with an error event")
                 else:
@@ -619,6 +688,9 @@ class UpstreamStream:
                 if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
                     yield self._tail(carry)
                 self._ended(None)
+        except _InBandError as exc:
+            async for part in self._continue("the engine sent an error event mid-stream", exc.args[0]):
+                yield part
         except EventTooLarge:
             self._broken(f"an SSE event of over {self._max_event} bytes without its end")
             yield sse_error_event(f"The inference server sent an event longer than the gateway relays "
@@ -631,6 +703,10 @@ class UpstreamStream:
                     yield self._tail(carry)
                 self._ended(None)
                 return  # the answer was complete; only the connection's end was untidy
+            if migration is not None and not self._aborted and migration.ready():
+                async for part in self._continue(f"{_describe(exc)} mid-stream after {tap.events} events", None):
+                    yield part
+                return
             self._broken(f"{_describe(exc)} mid-stream after {tap.events} events")
             if tap.failed and not carry:  # the engine said why before it went: no second error event
                 return
@@ -638,6 +714,31 @@ class UpstreamStream:
             yield sse_error_event(f"{why}; the response is incomplete.", api=self._record.api)
         finally:
             await self.aclose()
+
+    async def _continue(self, why: str, engine_error: bytes | None) -> AsyncIterator[bytes]:
+        """Go on in a continuation on another worker (`Migration.resume`) after this worker failed
+        (`why`, held against it; its slot and response released first); without one, end as
+        without migration: the engine's own error event (`engine_error`) or the gateway's."""
+        assert self.migration is not None
+        self._ended(why)
+        await self._holding.aclose()
+        stream = await self.migration.resume(why)
+        if stream is None:
+            self._broken(why)
+            if engine_error is not None:
+                yield self._redact(engine_error) if self._redact is not None else engine_error
+            else:
+                yield sse_error_event(f"The inference server failed mid-stream ({why}); the response is "
+                                      "incomplete.", api=self._record.api)
+            return
+        self._next = stream
+        if self.continuation:  # the migration's relay of this stream rewrites the next one's events too
+            yield self.migration.seam()
+            async for part in stream.body():
+                yield part
+            return
+        async for part in self.migration.relay(stream):
+            yield part
 
     def _patched(self, events: bytes) -> bytes:
         """Whole events as the client gets them: without the usage patch's own bytes when it is on."""
@@ -675,7 +776,12 @@ class UpstreamStream:
         try:
             await self._holding.aclose()
         finally:
-            self._record.usage = self.tap.usage or self._record.usage
+            if self._next is None:
+                self._record.usage = self.tap.usage or self._record.usage
+        if self._next is not None and self.migration is not None and not self.continuation:
+            # the answer's usage: the last continuation's, made the whole answer's once
+            await self._next.aclose()
+            self._record.usage = self.migration.settled(self._record.usage)
 
 
 def mark_first_byte(record: RequestRecord) -> None:

@@ -129,6 +129,9 @@ class RequestTrace:
             "gen_ai.usage.input_tokens": (record.usage or {}).get("prompt_tokens"),
             "gen_ai.usage.output_tokens": (record.usage or {}).get("completion_tokens"),
         }.items() if value is not None})
+        if record.migration is not None:  # a stream continued on another worker (dispatch/migration.py)
+            root.set_attributes({f"kimi_gateway.migration.{key}": value for key, value in record.migration.items()
+                                 if isinstance(value, (str, int))})
         if status >= 500 or record.outcome in (RequestOutcome.UPSTREAM_ERROR, RequestOutcome.TIMEOUT):
             root.set_status(Status(StatusCode.ERROR, record.error or record.outcome))
         root.end(end_time=end_ns)

@@ -435,6 +435,20 @@ class Soak:
                 out[url] = {"unavailable": type(exc).__name__}
         return out
 
+    async def migrations(self, client: httpx.AsyncClient) -> dict[str, float]:
+        """`kimi_gateway_migrations_total` by outcome (streams continued on another worker after a
+        mid-stream failure, README "Migration"); {} when /metrics cannot be read."""
+        try:
+            text = (await client.get(self.base + "/metrics")).text
+        except httpx.HTTPError:
+            return {}
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("kimi_gateway_migrations_total{") and 'outcome="' in line:
+                outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+                out[outcome] = out.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
     async def in_flight(self, client: httpx.AsyncClient) -> float | None:
         try:
             return prom_sum((await client.get(self.base + "/metrics")).text, "kimi_gateway_in_flight")
@@ -473,6 +487,7 @@ class Soak:
                 if (in_flight == 0 and open_engine == 0) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(1.0)
+            migrations = await self.migrations(client)
         stop.set()
         await asyncio.gather(*side, return_exceptions=True)
         rss_end = rss_kb(self.gateway.pid if self.gateway else None)
@@ -480,7 +495,7 @@ class Soak:
                 "rss_peak_kb": max([v for _, v in self.rss] + [rss_start or 0, rss_end or 0]),
                 "in_flight_at_load_end": in_flight_now, "in_flight_end": in_flight,
                 "engines_at_load_end": engines_now, "engines_end": engines,
-                "engine_open_end": open_engine}
+                "engine_open_end": open_engine, "migrations": migrations}
 
 
 # --- report ----------------------------------------------------------------------------------------------
@@ -539,6 +554,7 @@ def summarize(soak: Soak, measured: dict[str, Any], meta: dict[str, Any]) -> dic
             (e.get("requests") or 0) - (e.get("completed") or 0) - (e.get("aborted") or 0) - (e.get("errors") or 0)
             for e in measured["engines_end"].values()),
         "engines_end": measured["engines_end"],
+        "migrations": measured["migrations"],
         "fault_windows": [asdict(w) for w in soak.windows],
         "errors_outside_fault_windows": outside_errors,
         "load_seconds": round(measured["load_s"], 1),
@@ -546,6 +562,12 @@ def summarize(soak: Soak, measured: dict[str, Any], meta: dict[str, Any]) -> dic
         "lost_examples": [asdict(o) for o in outs if o.kind in ("lost", "violation")][:20],
         "failure_samples": [asdict(o) for o in outs if o.kind in FAILURE_KINDS][:300],
     }
+
+
+def migrated(counts: dict[str, float]) -> str:
+    """The migrations figure of the report: `migrated (no_worker, failed, refused)`."""
+    n = {k: int(v) for k, v in counts.items()}
+    return f"{n.get('migrated', 0)} ({n.get('no_worker', 0)}, {n.get('failed', 0)}, {n.get('refused', 0)})"
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -569,6 +591,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"| engine requests running or waiting at the end (must be 0) | {r['engine_open_end']} |",
         f"| engine requests neither completed, aborted nor errored (/sim/stats; a stream cut by the "
         f"`drop_after_chunks` fault counts here) | {r['engine_unaccounted_end']} |",
+        f"| streams continued on another worker after a mid-stream failure (migrated; no worker, failed, "
+        f"refused) | {migrated(r['migrations'])} |",
         "", "## Failures by cause (as the client saw them)", "",
     ]
     lines += [f"- {n} x {cause}" for cause, n in r["failures_by_cause"].items()] or ["- none"]

@@ -230,6 +230,16 @@ class SingleLeg(Attempt):
             if holding:  # not handed over: release the slot (a waiter may take it), then the connection
                 await holding.aclose()
 
+    @property
+    def body(self) -> bytes:
+        """The engine request's body."""
+        return self._body
+
+    @property
+    def strip_usage(self) -> bool:
+        """Whether the usage patch is on (its chunk is not relayed)."""
+        return self._strip_usage
+
     def upstream_headers(self) -> dict[str, str]:
         """The engine request's headers (`upstream_headers`)."""
         return upstream_headers(self.pool, self.worker, self._record)

@@ -41,6 +41,9 @@ class Dispatch:
     queue_deadline: float | None = None
     last: AttemptFailed | None = None
     too_long_retried: bool = False
+    migrate: bool = True
+    """Whether a stream of it may be continued on another worker after a mid-stream failure (the
+    client's `x-kimi-gateway-migrate: off` says no; `gateway/dispatch/migration.py`)."""
     pinned: Worker | None = None
     """The one worker that may serve it (a Responses follow-up's owner, `routing/response_affinity.py`):
     one attempt there, no policy, spill-over or failover (`kinds.PINNED`)."""

@@ -23,10 +23,12 @@ from gateway.auth.keys import Principal
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.dispatch.answers import BufferedResponse, RelayResponse, response_id_in_json, route_headers
-from gateway.dispatch.attempt import Attempt, silence_limit
+from gateway.dispatch.attempt import Attempt, SingleLeg, silence_limit
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
+from gateway.dispatch.migration import ENGINES as MIGRATING_ENGINES
+from gateway.dispatch.migration import OPT_OUT_HEADER, Migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
@@ -35,7 +37,7 @@ from gateway.routing.features import SESSION_HEADERS, Api, RoutingRequest, scope
 from gateway.routing.pools import fitting_pools, skipped_pools
 from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
-from gateway.streaming import AttemptFailed, Outcome
+from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
 
 
 class ProxyService:
@@ -119,8 +121,9 @@ class ProxyService:
                                           self.state.registry, self.state.config.pools, self.state.metrics,
                                           principal)
             pools = [pool]
+        migrate = headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
         if guard is None:
-            return await self._dispatch(api, payload, request, pools, record, pinned)
+            return await self._dispatch(api, payload, request, pools, record, pinned, migrate)
         assert principal is not None
         default_output = pools[0].default_output_tokens
         if principal.tokens_per_minute is not None and api != "count_tokens":
@@ -133,11 +136,11 @@ class ProxyService:
         reservation = await guard.check_quota(principal, request.quota_tokens(default_output),
                                               requests=0, counted=counted)
         if reservation is None:
-            return await self._dispatch(api, payload, request, pools, record, pinned)
+            return await self._dispatch(api, payload, request, pools, record, pinned, migrate)
         record.on_finish = lambda done: guard.settle_soon(reservation, quota_used(
             done, request, reservation.tokens, done.outcome is not RequestOutcome.OK or done.status >= 400))
         try:
-            result = await self._dispatch(api, payload, request, pools, record, pinned)
+            result = await self._dispatch(api, payload, request, pools, record, pinned, migrate)
         except GatewayError:
             await guard.settle(reservation, quota_used(record, request, reservation.tokens, failed=True))
             raise
@@ -156,15 +159,17 @@ class ProxyService:
         return pools
 
     async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
-                        record: RequestRecord, pinned: Worker | None = None) -> BufferedResponse | RelayResponse:
+                        record: RequestRecord, pinned: Worker | None = None,
+                        migrate: bool = True) -> BufferedResponse | RelayResponse:
         """Dispatch a parsed request to its fitting `pools` (smallest first): one `Dispatch` state
         for its way through them, and a held 5xx verdict settled however it ends. With `pinned`
-        (a Responses follow-up's owner; `pools` is then its pool alone) only that worker is tried."""
+        (a Responses follow-up's owner; `pools` is then its pool alone) only that worker is tried.
+        `migrate`: its stream may be continued on another worker after a mid-stream failure."""
         state = self.state
         pool = pools[0]
         record.pool = pool.name
         state.metrics.estimated_prompt_tokens.labels(pool.name, request.estimate_method).observe(request.prompt_tokens)
-        dispatch = Dispatch(state, api, payload, request, record, pools, pool, pinned=pinned)
+        dispatch = Dispatch(state, api, payload, request, record, pools, pool, pinned=pinned, migrate=migrate)
         try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
             return await self._dispatch_loop(dispatch)
         finally:
@@ -212,12 +217,27 @@ class ProxyService:
                     return answer
                 continue
             self._attempt_accepted(dispatch, attempt)
+            if dispatch.migrate and isinstance(result, RelayResponse):
+                self._may_migrate(dispatch, attempt, result)
             if dispatch.api == "responses":
                 self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result,
                                            dispatch.record.key)
             result.headers.extend(route_headers(record))
             return result
         raise exhausted(state.registry, dispatch.last, record, dispatch.pools, dispatch.failures)
+
+    def _may_migrate(self, dispatch: Dispatch, attempt: Attempt, result: RelayResponse) -> None:
+        """Give an accepted stream its migration (`gateway/dispatch/migration.py`) when a mid-stream
+        failure could continue it elsewhere: a chat or text completion stream of a single-leg
+        attempt (no PD pool, no pinned worker) on an engine that continues a turn, migration on."""
+        stream = result.stream
+        if (dispatch.api not in ("chat", "completions") or not isinstance(stream, UpstreamStream)
+                or not isinstance(attempt, SingleLeg) or dispatch.pinned is not None
+                or attempt.pool.disaggregation is not None or attempt.worker.engine.kind not in MIGRATING_ENGINES
+                or self.state.config.migration.max_per_request == 0):
+            return
+        stream.migration = Migration(self.state, dispatch.api, attempt.pool, attempt.worker, attempt.body,
+                                     dispatch.request, dispatch.record, attempt.strip_usage, dispatch.tried)
 
     async def _wait_for_slot(self, dispatch: Dispatch) -> None:
         """Queue for a slot of the request's pool, up to `queue_timeout` after it first queued."""

@@ -73,6 +73,14 @@ class SimFaults(BaseModel):
       while it is set are not answered either (its decode partners hear nothing from a wedged engine).
     - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
       the chunked body, so the client sees an incomplete response (not a clean end).
+    - `stall_after_chunks`: streaming only; after N SSE events, send nothing more (the connection
+      stays open) until the client leaves: an engine stuck mid-decode, caught by the reader's
+      inter-token budget (`timeouts.read`).
+    - `error_after_chunks`: streaming only; after N SSE events, send the engine's in-band error
+      event and `data: [DONE]`, and end the response: what vLLM's chat and completion stream
+      generators do when generation raises mid-stream (`vllm/entrypoints/openai/serving_chat.py`
+      `chat_completion_stream_generator`, `serving_completion.py`: `except Exception` yields
+      `data: {create_streaming_error_response(...)}` and then `data: [DONE]`).
     - `null_max_tokens_500`: `/v1/completions` with `"max_tokens": null` gets HTTP 500 (an engine
       version that fails on the null instead of using its default, as reported in issue 10; the
       same answer on every worker, so it is the request's fault, not the workers').
@@ -94,6 +102,8 @@ class SimFaults(BaseModel):
     trickle_interval_s: float = Field(default=0.1, gt=0.0)
     black_hole: bool = False
     drop_after_chunks: int | None = Field(default=None, ge=0)
+    stall_after_chunks: int | None = Field(default=None, ge=0)
+    error_after_chunks: int | None = Field(default=None, ge=0)
     null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None
 

@@ -46,12 +46,15 @@ from gateway.sim.tokens import (
     FieldValidationError,
     PromptError,
     chat_prompt_tokens,
+    completion_continued_tokens,
     completion_prompt_tokens,
+    continued_tokens,
     generated_count,
     messages_max_tokens,
     output_text,
     output_token,
     requested_output_tokens,
+    text_tokens,
 )
 from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
 
@@ -85,6 +88,9 @@ class _Plan:
     """The PD hand-over of a worker with a `pd_role` (see `gateway.sim.pd_leg`)."""
     anthropic: bool = False  # a Messages request: Anthropic's answer shapes
     script: tuple[int, ScriptStep] | None = None  # the scripted answer (`gateway.sim.script`), if any
+    start: int = 0
+    """Tokens of the answer the request already holds (a continued assistant turn, a completion
+    prompt ending in the model's own text: `tokens.continued_tokens`): output token 0 is answer token `start`."""
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -95,12 +101,16 @@ class _Responder:
     """Sends one response and notes its milestones in the record (status, header/byte times)."""
 
     def __init__(self, send: Send, engine: SimEngine, record: SimRequestRecord,
-                 drop_after_events: int | None, anthropic: bool = False) -> None:
+                 drop_after_events: int | None, anthropic: bool = False, faults: SimFaults | None = None,
+                 watch: DisconnectWatch | None = None) -> None:
         self.anthropic = anthropic  # errors in Anthropic's shape, the stream ends without `[DONE]`
         self._send = send
         self._engine = engine
         self._record = record
         self._drop_after = drop_after_events
+        self._stall_after = faults.stall_after_chunks if faults is not None else None  # `faults`: a stream's only
+        self._error_after = faults.error_after_chunks if faults is not None else None
+        self._watch = watch
         self._events = 0
         self.started = False
 
@@ -121,6 +131,15 @@ class _Responder:
         """One SSE write; drops the connection instead once `drop_after_chunks` events went out."""
         if self._drop_after is not None and self._events >= self._drop_after:
             self._engine.update(self._record, fault="drop_after_chunks")
+            raise _DropConnection
+        if self._stall_after is not None and self._events >= self._stall_after and self._watch is not None:
+            self._engine.update(self._record, fault="stall_after_chunks")
+            await self._watch.until_disconnected()
+        if self._error_after is not None and self._events >= self._error_after and not self.anthropic:
+            self._engine.update(self._record, fault="error_after_chunks")
+            reply = self._engine.dialect.error("Simulated failure mid-generation.", "InternalServerError", 500)
+            await self.body(b"data: " + reply.body + b"\n\n" + r.SSE_DONE, more=True)
+            await self.body(b"", more=False)
             raise _DropConnection
         self._events += 1
         await self.body(data, more=True)
@@ -189,7 +208,8 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
     faults, fail = engine.effective_faults(override)
     stream = body.get("stream") is True and anthropic != "count_tokens"
     engine.update(record, stream=stream)
-    responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None, bool(anthropic))
+    responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None, bool(anthropic),
+                           faults if stream else None, watch)
 
     if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
         return
@@ -303,15 +323,29 @@ def _as_chat(body: dict[str, Any], needs_max_tokens: bool, sglang: bool) -> dict
 
 def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -> _Plan:
     config = engine.config
+    start = 0
     if kind == "chat":
-        prompt_tokens = [chat_prompt_tokens(body.get("messages"), config)]
+        messages = body.get("messages")
+        held = continued_tokens(body, config.engine) if isinstance(body, dict) else None
+        if held is not None and isinstance(messages, list) and len(messages) > 1:
+            # The prompt is the turns before it plus the tokens of the answer's start.
+            start, prompt_tokens = held, [chat_prompt_tokens(messages[:-1], config) + held]
+        else:
+            start, prompt_tokens = held or 0, [chat_prompt_tokens(messages, config)]
     else:
         prompt_tokens = completion_prompt_tokens(body.get("prompt"), config)
+        start = completion_continued_tokens(body.get("prompt"))
+        if start:  # the prompt's own text, then the tokens of the answer it ends with
+            prompt = body["prompt"]
+            answer = output_text(start).encode("utf-8")
+            prompt_tokens = [text_tokens(len(prompt.encode("utf-8")) - len(answer), config.bytes_per_token) + start]
     requested = requested_output_tokens(body, kind == "chat")
-    output_tokens, finish_reason = generated_count(body, requested, config.default_output_tokens,
+    eos_after = config.eos_after_tokens
+    output_tokens, finish_reason = generated_count(body, requested, max(config.default_output_tokens - start, 0),
                                                    config.max_context_tokens - max(prompt_tokens, default=0),
-                                                   config.eos_after_tokens)
-    return _Plan(kind, stream, prompt_tokens, output_tokens, finish_reason, r.StreamFormat.from_body(body))
+                                                   None if eos_after is None else max(eos_after - start, 0))
+    return _Plan(kind, stream, prompt_tokens, output_tokens, finish_reason, r.StreamFormat.from_body(body),
+                 start=start)
 
 
 async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
@@ -411,7 +445,7 @@ async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecor
         await _next_token(engine, watch, active, i, n_prompts)
     completion_tokens = plan.output_tokens * n_prompts
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
-    text = output_text(plan.output_tokens)
+    text = output_text(plan.output_tokens, plan.start)
     if plan.kind == "chat":
         payload = r.chat_completion(meta, text, plan.finish_reason, plan.total_prompt_tokens, completion_tokens,
                                     active.cached_tokens)
@@ -444,7 +478,7 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
         if plan.output_tokens > 0 or not stepped:
             await _next_token(engine, watch, active, i, 0, pause_first_only=True)
         last = i == steps - 1
-        text = output_token(i) if plan.output_tokens > 0 else ""
+        text = output_token(plan.start + i) if plan.output_tokens > 0 else ""
         for index in range(len(plan.prompt_tokens)):
             if plan.output_tokens > 0:
                 if not stepped:

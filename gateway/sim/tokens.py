@@ -15,6 +15,7 @@ integers (blocks of exactly `kv_block_tokens` ids).
 from __future__ import annotations
 
 import math
+import re
 import sys
 from array import array
 from collections.abc import Iterator
@@ -304,14 +305,93 @@ def generated_count(body: dict[str, Any], requested: int | None, natural: int, r
 
 
 def output_token(index: int) -> str:
-    """The text of output token `index` (0-based): a word, space-separated after the first."""
+    """The text of output token `index` (0-based, counted from the start of the assistant turn, a
+    prefilled part included): a word, space-separated after the first. A function of the position
+    alone, as a temperature-0 model's next token is a function of what precedes it: so a generation
+    continued from the first k tokens of an answer (`continued_tokens`) goes on with exactly the
+    tokens k, k+1, ... an uninterrupted one would have produced."""
     word = OUTPUT_WORDS[index % len(OUTPUT_WORDS)]
     return word if index == 0 else " " + word
 
 
-def output_text(count: int) -> str:
-    """The whole output of `count` tokens."""
-    return "".join(output_token(i) for i in range(count))
+def output_text(count: int, start: int = 0) -> str:
+    """The output of `count` tokens from token `start` on."""
+    return "".join(output_token(i) for i in range(start, start + count))
+
+
+_OUTPUT_PIECE = re.compile(r" ?[^ ]+| +")
+
+
+def output_token_count(text: str) -> int:
+    """Tokens of `text` under the simulated model's word tokenizer (a word with its leading space is
+    one token, as `output_token` writes them): `output_token_count(output_text(k)) == k`."""
+    return len(_OUTPUT_PIECE.findall(text))
+
+
+def _message_text(message: Any) -> str:
+    """The text of a chat message's content (its text parts joined)."""
+    if not isinstance(message, dict):
+        return ""
+    return "".join(text for kind, text in _content_parts(message.get("content")) if kind == "text")
+
+
+def continued_tokens(body: dict[str, Any], engine: str) -> int | None:
+    """How many tokens of the assistant's turn a chat request already holds, for an engine that
+    continues it: None when it starts a new turn. Raises FieldValidationError and PromptError as the
+    engines refuse the flags.
+
+    - vLLM (`vllm/entrypoints/openai/chat_completion/protocol.py`, `ChatCompletionRequest`:
+      `add_generation_prompt: bool = True`, `continue_final_message: bool = False`; its
+      `check_generation_prompt` model validator, mode "before", refuses both set to true in the
+      body: "Cannot set both `continue_final_message` and `add_generation_prompt` to True.").
+      With `continue_final_message` and `add_generation_prompt` left at its default (true), the
+      chat template's renderer refuses the pair (transformers' `apply_chat_template`:
+      "continue_final_message and add_generation_prompt are not compatible. ..."; a 400). With
+      `continue_final_message` the template is rendered without the final message's end of turn,
+      so the model goes on with that message: an assistant message's text is the start of its
+      answer. (Any final message is continued; only an assistant one is the model's own turn.)
+    - SGLang (`python/sglang/srt/entrypoints/openai/protocol.py`: `continue_final_message: bool =
+      False`; `serving_chat.py` takes a final assistant message's content off the messages and
+      appends it after the generation prompt, so the answer continues it). No `add_generation_prompt`
+      field there: the gateway's `false` is an extra field it ignores.
+    """
+    if body.get("continue_final_message") is not True:
+        return None
+    if engine != "sglang":
+        if body.get("add_generation_prompt") is True:
+            raise FieldValidationError([{"type": "value_error", "loc": ("body",), "input": body,
+                                         "msg": "Value error, Cannot set both `continue_final_message` and "
+                                                "`add_generation_prompt` to True."}])
+        if body.get("add_generation_prompt") is not False:
+            raise PromptError("continue_final_message and add_generation_prompt are not compatible. Use "
+                              "continue_final_message when you want the model to continue the final message, "
+                              "and add_generation_prompt when you want to add a header that will prompt it to "
+                              "start a new assistant message instead.")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+        return None
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return None
+    return output_token_count(_message_text(last))
+
+
+def completion_continued_tokens(prompt: Any) -> int:
+    """How many tokens of the simulated model's own answer a completion prompt ends with: k when the
+    prompt's text ends with `output_text(k)` (its longest such tail; 0 when none). A completion
+    prompt has no turns: a real model at temperature 0 given a prompt followed by the start of its
+    own answer goes on with the rest of that answer, which this stands in for."""
+    if not isinstance(prompt, str):
+        return 0
+    first = OUTPUT_WORDS[0]
+    at = prompt.find(first)
+    while at >= 0:
+        tail = prompt[at:]
+        count = output_token_count(tail)
+        if output_text(count) == tail:
+            return count
+        at = prompt.find(first, at + 1)
+    return 0
 
 
 VOCAB_SIZE = 163_840

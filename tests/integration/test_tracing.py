@@ -133,3 +133,23 @@ def test_the_gateways_sampler_decides_and_tracestate_is_not_passed_on(
     assert bool(collector.spans) is traced
     everything = b"".join(s.SerializeToString() for s in collector.spans)
     assert b"secret-value" not in everything
+
+
+def test_a_migrated_stream_is_one_trace_with_its_continuation(
+        start_sim: StartSim, start_gateway: StartGateway, collector: Collector) -> None:
+    broken = start_sim("vllm", faults=SimFaults(drop_after_chunks=4))
+    healthy = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [broken.url, healthy.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0},
+                       tracing={"otlp_endpoint": collector.server.url + "/v1/traces", "export_delay": 0.1})
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body) as response:
+        assert b"[DONE]" in b"".join(response.iter_raw())
+    spans = collector.wait_for(["kimi_gateway.chat", "upstream"])
+    attributes = _attributes(spans["kimi_gateway.chat"][0])
+    assert attributes["kimi_gateway.migration.from"] == "p/0" and attributes["kimi_gateway.migration.to"] == "p/1"
+    assert attributes["kimi_gateway.migration.outcome"] == "migrated"
+    assert attributes["kimi_gateway.migration.kept_tokens"] == 3
+    attempts = sorted(spans["upstream"], key=lambda s: s.start_time_unix_nano)
+    assert [_attributes(s)["kimi_gateway.worker"] for s in attempts] == ["p/0", "p/1"]
+    assert healthy.engine.records[-1].headers["traceparent"].split("-")[2] == attempts[1].span_id.hex()

@@ -99,7 +99,9 @@ def test_streams_that_break_after_the_first_byte_eject_the_worker(start_sim: Sta
     for _ in range(10):
         with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=10) as response:
             outcomes.append((response.headers["x-kimi-gateway-worker"], b"[DONE]" in response.read()))
-    assert outcomes.count(("p/0", False)) == 3        # three broken streams, then ejected
+    # Three broken streams (each finished on p/1 by migration: the client still gets [DONE]), then ejected.
+    assert [worker for worker, _ in outcomes].count("p/0") == 3 and all(ok for _, ok in outcomes)
+    assert gw.metric('kimi_gateway_migrations_total{outcome="migrated",pool="p"}') == 3
     assert all(ok for worker, ok in outcomes if worker == "p/1")
     assert outcomes[-4:] == [("p/1", True)] * 4
     assert httpx.get(gw.url + "/ready").json()["pools"]["p"][0]["ejected"] is True

@@ -1,0 +1,449 @@
+"""Mid-stream migration (issue 23, first step): a streamed chat or text completion whose worker
+fails after content reached the client goes on on another worker, and the client reads one answer.
+
+While a stream is relayed, `Progress.keep` holds the whole events the client got (one list append
+per read); every `FOLD_BYTES`, and at a failure, their text pieces are cut out (one pattern over
+the batch, no JSON parse per event) and kept as written, decoded only when a failure needs them. When the engine fails
+after that (a reset or an EOF before `data: [DONE]`, an in-band error event, no byte within the
+inter-token budget `timeouts.read`), `Migration.resume` sends the request again to another worker
+of the pool (never the one that failed) with the text so far as the start of the answer:
+
+- chat: the messages plus a final `{"role": "assistant", "content": <text so far>}` (and its
+  `reasoning_content`), `continue_final_message: true`, `add_generation_prompt: false` (vLLM's
+  `ChatCompletionRequest`, `vllm/entrypoints/openai/chat_completion/protocol.py`: the template is
+  rendered without the final message's end of turn, so the model goes on with it);
+- completions: the prompt with the text so far appended;
+- the output limits (`max_tokens`, `max_completion_tokens`) and `min_tokens` less the tokens
+  generated (the content chunks relayed: one token each, as vLLM streams them; the first stream's
+  own `completion_tokens` when it reported continuous usage); sampling fields, seed and stop as sent.
+
+The continuation's events are rewritten to carry the first stream's `id`, `created` and `model`;
+its opening role chunk is dropped (the client had one); an SSE comment (`: x-kimi-gateway-migrated
+...`) marks the seam. Its usage is made honest: prompt tokens of the original request, completion
+tokens = all generated; the re-prefilled prompt is counted in `kimi_gateway_migration_prefill_tokens`
+and the access log's `migration`, not billed to the key.
+
+Not at a safe point, the failure ends the stream as before (one SSE error event): a tool call
+under way, `n` > 1, `logprobs`, `echo`, a prompt that is not one string, a finish already sent.
+Messages and Responses streams and PD pools are not migrated in this step.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from gateway.backends.worker import Worker
+from gateway.config import PoolConfig
+from gateway.dispatch.attempt import SingleLeg
+from gateway.dispatch.steps import decide
+from gateway.record import RequestRecord
+from gateway.routing.features import RoutingRequest
+from gateway.state import AppState
+from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
+
+OPT_OUT_HEADER = "x-kimi-gateway-migrate"
+"""A request header: `off` keeps this request's stream from being migrated."""
+
+FOLD_BYTES = 64 * 1024
+"""Relayed bytes held unparsed at most (`Progress.keep`)."""
+
+ENGINES = frozenset({"vllm", "ascend", "llamacpp"})
+"""Engine kinds a stream is continued on: vLLM and vllm-ascend, whose chat serving reads
+`continue_final_message` and `add_generation_prompt` (tested against the simulator), and llama.cpp,
+whose server prefills a trailing assistant message by default (`--no-prefill-assistant` turns that
+off: `common/arg.cpp`; `tools/server/server-common.cpp` `oaicompat_chat_params_parse` renders it
+without its end of turn) and ignores the two flags (tested against the real engine:
+tests/e2e/test_real_engine_migration.py). SGLang reads `continue_final_message` too
+(`srt/entrypoints/openai/serving_chat.py` takes a final assistant message off and appends its
+content after the generation prompt) but is not migrated to yet."""
+
+CONTINUATION_TRIES = 2
+"""Workers a continuation is tried on at most (each failure before its first content moves on)."""
+
+_EVENT_BREAK = re.compile(rb"\r?\n\r?\n")
+# A chunk's text: chat's `delta.content` / `delta.reasoning_content` (vLLM's, SGLang's) or
+# `delta.reasoning`, completions' `choices[].text`; a JSON string's body as written.
+_PIECE = re.compile(rb'"(content|reasoning_content|reasoning|text)"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
+_TOOL_CALL = re.compile(rb'"tool_calls"\s*:\s*\[\s*\{')
+_FINISH = re.compile(rb'"finish_reason"\s*:\s*"')
+
+
+def _data_events(events: bytes) -> list[bytes]:
+    """The `data:` payloads of whole SSE events (one line each, as the engines write them)."""
+    out = []
+    for event in _EVENT_BREAK.split(events):
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                out.append(line[5:].strip())
+    return out
+
+
+class Progress:
+    """What the client got of one stream so far. After `fold()`: `text` and `reasoning` (the
+    content and reasoning relayed), `tokens` (content chunks relayed, or the engine's own
+    `completion_tokens` when it reported continuous usage), `tool_call` (a tool call's delta was
+    relayed), `finished` (a finish reason was relayed), `ident` (the first chunk's `id`, `created`,
+    `model`), `prompt_tokens` (the engine's, when a chunk reported usage)."""
+
+    __slots__ = ("_raw", "_reasoning", "_size", "_text", "finished", "ident", "prompt_tokens", "tokens", "tool_call",
+                 "usage_tokens")
+
+    def __init__(self) -> None:
+        self._raw: list[bytes] = []
+        self._size = 0
+        self._text: list[bytes] = []  # the JSON string bodies as written (escapes and all)
+        self._reasoning: list[bytes] = []
+        self.tokens = 0
+        self.usage_tokens: int | None = None
+        self.prompt_tokens: int | None = None
+        self.tool_call = False
+        self.finished = False
+        self.ident: dict[str, Any] | None = None
+
+    def keep(self, events: bytes) -> None:
+        """Hold whole events the client was sent (parsed later, in batches)."""
+        self._raw.append(events)
+        self._size += len(events)
+        if self._size > FOLD_BYTES:
+            self.fold()
+
+    def fold(self) -> None:
+        """Read the events held since the last fold into the fields. The engines write compact JSON
+        (a raw `"` or newline cannot occur inside a JSON string), so the text pieces are found by
+        one pattern over the batch and only they are decoded; an event is parsed whole only for
+        the stream's identity (its first event) and for a usage object."""
+        raw, self._raw, self._size = self._raw, [], 0
+        data = b"".join(raw)
+        if not data:
+            return
+        if self.ident is None:
+            self._first_event(data)
+        both = b'"reasoning_content"' in data  # an engine that writes both names: one of them is read
+        for match in _PIECE.finditer(data):
+            name, piece = match.groups()
+            if not piece or (both and name == b"reasoning"):
+                continue
+            (self._text if name == b"content" or name == b"text" else self._reasoning).append(piece)
+            self.tokens += 1
+        if not self.tool_call and b'"tool_calls"' in data and _TOOL_CALL.search(data):
+            self.tool_call = True
+        if not self.finished and b'"finish_reason"' in data and _FINISH.search(data):
+            self.finished = True
+        if b'"usage"' in data:
+            for payload in _data_events(data):
+                if b'"usage"' in payload:
+                    self._usage(payload)
+
+    def _first_event(self, data: bytes) -> None:
+        """The stream's `id`, `created` and `model`, from its first chunk (the first fold's only)."""
+        for payload in _data_events(data):
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(chunk, dict) and "id" in chunk:
+                self.ident = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
+                return
+
+    def _usage(self, payload: bytes) -> None:
+        """The engine's counts from a chunk's usage (continuous usage stats)."""
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        usage = chunk.get("usage") if isinstance(chunk, dict) and "error" not in chunk else None
+        if isinstance(usage, dict):
+            if isinstance(usage.get("completion_tokens"), int):
+                self.usage_tokens = usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.prompt_tokens = usage["prompt_tokens"]
+
+    @property
+    def text(self) -> str:
+        """The content relayed so far (after `fold()`)."""
+        return _decoded(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        """The reasoning relayed so far (after `fold()`)."""
+        return _decoded(self._reasoning)
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far (the engine's count when it gave one, else the chunks')."""
+        return self.usage_tokens if self.usage_tokens is not None else self.tokens
+
+
+def refusal(api: str, body: dict[str, Any], progress: Progress) -> str | None:
+    """Why a stream cannot be continued from here (None: it can): its request asks for what a
+    continuation cannot give seamlessly, or its answer is not at a safe point."""
+    if progress.tool_call:
+        return "a tool call was under way"
+    if progress.finished:
+        return "the answer had finished"
+    n = body.get("n")
+    if n is not None and n != 1:
+        return "n > 1"
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        return "logprobs were asked for"
+    if api == "completions":
+        prompt = body.get("prompt")
+        if body.get("echo") is True:
+            return "echo was asked for"
+        if not isinstance(prompt, str) and not (isinstance(prompt, list) and len(prompt) == 1
+                                                and isinstance(prompt[0], str)):
+            return "the prompt is not one string"
+        if body.get("suffix") is not None:
+            return "a suffix was given"
+    elif not isinstance(body.get("messages"), list):
+        return "no messages"
+    stops = body.get("stop")
+    stops = [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []
+    if stops and body.get("include_stop_str_in_output") is True:
+        # vLLM holds back max(len(stop)) - 1 characters of a stream with stop strings
+        # (`vllm/v1/engine/detokenizer.py`, `stop_buffer_length`), so no stop string can straddle
+        # the seam, unless the stop string is to be included in the output, which turns that off.
+        text = progress.text
+        if any(isinstance(s, str) and any(text.endswith(s[:i]) for i in range(1, len(s))) for s in stops):
+            return "a stop sequence may straddle the seam"
+    return None
+
+
+def continuation_body(api: str, body: dict[str, Any], progress: Progress, model: str) -> dict[str, Any] | None:
+    """The engine body that continues `body`'s answer from `progress` (see the module docstring),
+    for a pool serving `model`; None when no output is left to generate."""
+    generated = progress.generated
+    out = dict(body)
+    out["model"] = model
+    for name in ("max_tokens", "max_completion_tokens"):
+        limit = out.get(name)
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            if limit - generated < 1:
+                return None
+            out[name] = limit - generated
+    least = out.get("min_tokens")
+    if isinstance(least, int) and not isinstance(least, bool) and least > 0:
+        out["min_tokens"] = max(least - generated, 0)
+    text = progress.text
+    if api == "completions":
+        prompt = out["prompt"]
+        out["prompt"] = (prompt if isinstance(prompt, str) else prompt[0]) + text
+        return out
+    messages = out["messages"]
+    turn: dict[str, Any] = {"role": "assistant", "content": text}
+    if body.get("continue_final_message") is True and messages and isinstance(messages[-1], dict) \
+            and isinstance(messages[-1].get("content"), str):  # a continuation's own: its turn grows
+        turn = {**messages[-1], "content": messages[-1]["content"] + text}
+        messages = messages[:-1]
+    reasoning = progress.reasoning
+    if reasoning:
+        turn["reasoning_content"] = str(turn.get("reasoning_content") or "") + reasoning
+    out["messages"] = [*messages, turn]
+    out["continue_final_message"] = True
+    out["add_generation_prompt"] = False
+    return out
+
+
+class Migration:
+    """One stream's migration state: owned by its `UpstreamStream` (`migration`), made by the
+    dispatch when it accepted the stream. `resume` finds the next worker and opens the
+    continuation; `relay` rewrites its events; `usage` is the honest usage after it."""
+
+    __slots__ = ("_api", "_body", "_from", "_kept_at", "_parsed", "_pool", "_record", "_request", "_state",
+                 "_strip_usage", "_tried", "_worker", "count", "prefilled", "progress")
+
+    def __init__(self, state: AppState, api: str, pool: PoolConfig, worker: Worker, body: bytes,
+                 request: RoutingRequest, record: RequestRecord, strip_usage: bool, tried: set[Worker]) -> None:
+        self._state = state
+        self._api = api
+        self._pool = pool
+        self._worker = worker
+        self._body = body
+        self._request = request
+        self._record = record
+        self._strip_usage = strip_usage
+        self._tried = tried
+        self._parsed: dict[str, Any] | None = None
+        self._from: Worker | None = None
+        self._kept_at: list[int] = []
+        self.count = 0
+        self.progress = Progress()
+        self.prefilled = 0
+
+    def ready(self) -> bool:
+        """Whether a failure now would be continued (bound, safe point); notes a refusal."""
+        if self.count >= self._state.config.migration.max_per_request:
+            return False
+        self.progress.fold()
+        if self._parsed is None:
+            try:
+                parsed = orjson.loads(self._body)
+            except orjson.JSONDecodeError:
+                return False
+            self._parsed = parsed if isinstance(parsed, dict) else {}
+        why = refusal(self._api, self._parsed, self.progress)
+        if why is not None:
+            self._state.metrics.migrations.labels(self._pool.name, "refused").inc()
+            self._record.migration = {"from": self._worker.id, "outcome": "refused", "why": why}
+            return False
+        return True
+
+    async def resume(self, why: str) -> UpstreamStream | None:
+        """Open the continuation on another worker: its accepted `UpstreamStream`, or None (no
+        worker with room, or its attempt failed before content: the caller ends the stream with its
+        error event). Call after `ready()` said yes."""
+        state, record, pool = self._state, self._record, self._pool
+        self.count += 1
+        self._tried.add(self._worker)
+        assert self._parsed is not None
+        body = continuation_body(self._api, self._parsed, self.progress, self._parsed.get("model") or "")
+        note: dict[str, Any] = {"from": self._worker.id, "why": why, "kept_tokens": self.progress.generated,
+                                "count": self.count}
+        record.migration = note
+        outcome = "no_worker"
+        registry = state.registry
+        for _ in range(CONTINUATION_TRIES if body is not None else 0):
+            workers = [w for w in registry.gates[pool.name].with_room(registry.candidates(pool.name, self._tried))
+                       if w.engine.kind in ENGINES]
+            if not workers:
+                break
+            decision = decide(state.router.policy(pool.name), self._request, workers, {})
+            worker = decision.worker
+            record.attempts += 1
+            record.worker, record.reason = worker.id, "migration"
+            attempt = SingleLeg(state, self._api, pool, worker, "migration", None, orjson.dumps(body),
+                                self._request, record, self._strip_usage)
+            try:
+                result = await attempt.run()
+            except AttemptFailed as failure:
+                state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
+                if record.trace is not None:
+                    record.trace.end_attempt(failure.outcome)
+                self._tried.add(worker)
+                outcome = "failed"
+                continue
+            state.metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
+            if record.trace is not None:
+                record.trace.end_attempt(Outcome.OK)
+            note.update(to=worker.id, outcome="migrated")
+            self._kept_at.append(self.progress.generated)
+            self._from, self._worker = self._worker, worker
+            state.metrics.migrations.labels(pool.name, "migrated").inc()
+            stream = result.stream
+            assert isinstance(stream, UpstreamStream)
+            stream.migration = self if self.count < state.config.migration.max_per_request else None
+            return stream
+        note["outcome"] = outcome
+        state.metrics.migrations.labels(pool.name, outcome).inc()
+        return None
+
+    def seam(self) -> bytes:
+        """The SSE comment that marks the latest seam (clients ignore comments: WHATWG SSE)."""
+        origin = self._from.id if self._from is not None else ""
+        return (f": x-kimi-gateway-migrated from={origin} to={self._worker.id} "
+                f"kept_tokens={self.progress.generated}\n\n").encode()
+
+    async def relay(self, stream: UpstreamStream) -> AsyncIterator[bytes]:
+        """The continuation's events as the client gets them: the first stream's `id`, `created`
+        and `model`, no second role chunk, honest usage; error events and `[DONE]` as they are."""
+        ident = self.progress.ident or {}
+        stream.continuation = True
+        yield self.seam()
+        async for chunk in stream.body():
+            out: list[bytes] = []
+            for event in _EVENT_BREAK.split(chunk):
+                if not event:
+                    continue
+                if not event.startswith(b"data:") or b'"error"' in event:
+                    out.append(event + b"\n\n")
+                    continue
+                payload = event[5:].strip()
+                try:
+                    data = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    out.append(event + b"\n\n")
+                    continue
+                if not isinstance(data, dict):
+                    out.append(event + b"\n\n")
+                    continue
+                data.update(ident)
+                if _role_only(data):  # each continuation opens the turn again; the client's is open
+                    continue
+                for choice in data.get("choices") or ():
+                    delta = choice.get("delta") if isinstance(choice, dict) else None
+                    if isinstance(delta, dict):
+                        delta.pop("role", None)
+                if isinstance(data.get("usage"), dict):
+                    data["usage"] = self.usage(data["usage"])
+                out.append(b"data: " + orjson.dumps(data) + b"\n\n")
+            if out:
+                yield b"".join(out)
+
+    def usage(self, continued: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The whole answer's usage from the continuation's (`continued`): the original prompt's
+        tokens (the first stream's count, else the continuation's prompt less the tokens kept),
+        completion tokens = those kept + the continuation's. Notes the re-prefill for the metric."""
+        if not isinstance(continued, dict):
+            return continued
+        kept = self.progress.generated
+        prompt, completion = continued.get("prompt_tokens"), continued.get("completion_tokens")
+        if not isinstance(prompt, int) or not isinstance(completion, int):
+            return continued
+        original = self.progress.prompt_tokens if self.progress.prompt_tokens is not None else max(prompt - kept, 0)
+        # Every continuation prefilled the original prompt and the tokens kept when it started.
+        self.prefilled = sum(original + at for at in self._kept_at[:-1]) + prompt
+        out = {**continued, "prompt_tokens": original, "completion_tokens": kept + completion,
+               "total_tokens": original + kept + completion}
+        details = out.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            out["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"], original)}
+        return out
+
+    def settled(self, continued: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The record's usage once the continuation ended (its engine's usage made honest), with
+        the re-prefill counted in the metric and the access log."""
+        usage = self.usage(continued)
+        if self.prefilled:
+            self._state.metrics.migration_prefill_tokens.labels(self._pool.name).inc(self.prefilled)
+            if self._record.migration is not None:
+                self._record.migration["prefill_tokens"] = self.prefilled
+        return usage
+
+
+def _decoded(pieces: list[bytes]) -> str:
+    """JSON string bodies (as written, escapes included) joined and decoded: escapes never span
+    two bodies, so the joined body is one JSON string's. An undecodable one (no engine writes it)
+    is dropped piece by piece."""
+    try:
+        text = orjson.loads(b'"' + b"".join(pieces) + b'"')
+    except orjson.JSONDecodeError:
+        good = []
+        for piece in pieces:
+            try:
+                good.append(orjson.loads(b'"' + piece + b'"'))
+            except orjson.JSONDecodeError:
+                continue
+        return "".join(good)
+    return text if isinstance(text, str) else ""
+
+
+def _role_only(chunk: dict[str, Any]) -> bool:
+    """A chat chunk that only opens the assistant's turn (`delta: {"role": "assistant", "content": ""}`)."""
+    if chunk.get("usage") is not None:
+        return False
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+            return False
+        delta = choice.get("delta")
+        if not isinstance(delta, dict) or "role" not in delta:
+            return False
+        if any(v not in (None, "") for k, v in delta.items() if k != "role"):
+            return False
+    return True
