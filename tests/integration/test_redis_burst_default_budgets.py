@@ -33,6 +33,11 @@ OTHERS = 10
 FLOOD = 1500  # concurrent lookups of unknown stored-response ids
 CREATED = 5  # responses another tenant creates during the flood
 
+BURST_HEALTH = {"interval": 0.5, "timeout": 5.0, "unhealthy_after": 3}
+"""Health probes the burst cannot fail: a simulated worker answering hundreds of requests at once on a
+loaded 2-core machine misses the test default's 1 s probe, and a pool of unhealthy workers answers
+503 (seen once in a full run: 1,181 x 503 of 1,200)."""
+
 
 @pytest.fixture
 def private_redis() -> Iterator[OwnRedis]:
@@ -47,7 +52,8 @@ def test_a_burst_at_the_default_redis_budget_opens_no_breaker(
     prefix = f"kgw-test-burst-budget-{uuid.uuid4().hex[:8]}"
     keys = [{"name": name, "sha256": sha(f"{name}-key"), "requests_per_minute": RPM} for name in (*KEYS, "other")]
     sim = start_sim("vllm")
-    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], redis_url=private_redis.url,
+    gw = start_gateway_process(pools=[pool("p", "vllm", [sim.url], 131072)], health=BURST_HEALTH,
+                               redis_url=private_redis.url,
                                auth={"enabled": True, "keys": keys, "key_prefix": f"{prefix}:rl",
                                      "fail_mode": "open", "redis_timeout": 0.05},
                                affinity={"enabled": False})
@@ -84,7 +90,8 @@ def test_a_lookup_flood_at_the_default_budget_opens_no_breaker(
     prefix = f"kgw-test-flood-budget-{uuid.uuid4().hex[:8]}"
     keys = [{"name": name, "sha256": sha(f"{name}-key")} for name in ("flooder", "tenant")]
     sim = start_sim("vllm")
-    gw = start_gateway_process([pool("p", "vllm", [sim.url], 131072)], redis_url=private_redis.url,
+    gw = start_gateway_process(pools=[pool("p", "vllm", [sim.url], 131072)], health=BURST_HEALTH,
+                               redis_url=private_redis.url,
                                auth={"enabled": True, "keys": keys}, affinity={"enabled": False},
                                responses={"key_prefix": f"{prefix}:resp", "lookup_timeout": 0.05})
     admin = redis.Redis.from_url(private_redis.url)
@@ -131,7 +138,8 @@ def test_a_burst_at_the_default_affinity_budget_keeps_affinity_on(
     switched affinity off for everyone for `retry_after`, and its writes were dropped."""
     prefix = f"kgw-test-burst-affinity-{uuid.uuid4().hex[:8]}"
     sims = [start_sim("vllm"), start_sim("vllm")]
-    gw = start_gateway_process([pool("p", "vllm", [s.url for s in sims], 131072)], redis_url=private_redis.url,
+    gw = start_gateway_process(pools=[pool("p", "vllm", [s.url for s in sims], 131072)], health=BURST_HEALTH,
+                               redis_url=private_redis.url,
                                affinity={"enabled": True, "key_prefix": f"{prefix}:aff", "lookup_timeout": 0.05})
     admin = redis.Redis.from_url(private_redis.url)
 
