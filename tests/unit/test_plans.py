@@ -457,7 +457,8 @@ def test_readme_shows_the_planners_current_output(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         main(["plan", str(PRODUCTION)])
     out = capsys.readouterr().out.rstrip()
-    assert f"```\n{out}\n```" in (REPO_ROOT / "README.md").read_text(), "README: paste `kimi-gateway plan` again"
+    assert f"```\n{out}\n```" in (REPO_ROOT / "docs" / "deploying.md").read_text(), \
+        "docs/deploying.md: paste `kimi-gateway plan` again"
 
 
 def test_an_emit_directory_that_cannot_be_written_is_a_clean_error(tmp_path: Path,
