@@ -34,11 +34,11 @@ from gateway.api.schemas import (
     ErrorResponse,
     ResponseObject,
 )
+from gateway.dialects.names import Api
 from gateway.errors import MethodNotAllowed
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.responses import ResponsesRequest
-from gateway.routing.features import Api
 
 ASGIApp = Callable[[Scope, Receive, Send], Any]
 

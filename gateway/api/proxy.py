@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import AUTH_ERROR, principal_of
+from gateway.dialects.names import Api
 from gateway.dispatch import BufferedResponse, ProxyService, RelayResponse
 from gateway.errors import (
     GatewayError,
@@ -31,7 +32,6 @@ from gateway.parsing import Body, body_of
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.request_head import SEND_STALLED
-from gateway.routing.features import Api
 
 log = logging.getLogger("gateway.api")
 

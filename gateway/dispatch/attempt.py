@@ -42,6 +42,7 @@ from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig, TimeoutConfig
+from gateway.dialects.names import Api
 from gateway.dispatch.answers import (
     BufferedResponse,
     RelayResponse,
@@ -50,7 +51,7 @@ from gateway.dispatch.answers import (
 )
 from gateway.errors import UpstreamError
 from gateway.record import RequestOutcome, RequestRecord
-from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.features import RoutingRequest
 from gateway.routing.prefill import PrefillTicket
 from gateway.state import AppState
 from gateway.streaming import (

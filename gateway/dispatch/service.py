@@ -22,6 +22,7 @@ from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.keys import Principal
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
+from gateway.dialects.names import Api
 from gateway.dispatch.answers import BufferedResponse, RelayResponse, response_id_in_json, route_headers
 from gateway.dispatch.attempt import Attempt, SingleLeg, silence_limit
 from gateway.dispatch.context import Dispatch
@@ -33,7 +34,7 @@ from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.record import RequestOutcome, RequestRecord
-from gateway.routing.features import SESSION_HEADERS, Api, RoutingRequest, scoped_session, session_hint
+from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, skipped_pools
 from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState

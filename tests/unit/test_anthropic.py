@@ -14,6 +14,8 @@ from gateway.auth.guard import AuthGuard
 from gateway.auth.keys import KeyRing, hash_key
 from gateway.auth.limits import MemoryRateLimiter
 from gateway.config import AffinityConfig, ApiKeyConfig, AuthConfig, EstimationConfig
+from gateway.dialects.chat import chat_features
+from gateway.dialects.messages import AnthropicWire, messages_features
 from gateway.errors import InvalidApiKey
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.anthropic import (
@@ -26,7 +28,6 @@ from gateway.protocol.anthropic import (
 )
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.sse import SSETap
-from gateway.routing.features import AnthropicWire, chat_features, messages_features
 from gateway.routing.tokens import TokenEstimator
 from gateway.streaming import Held, Outcome, _error_event, classify_event
 
