@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.backends.client import UpstreamResponse
-from gateway.errors import error_bytes_from_upstream
+from gateway.dialects.registry import dialect_for
 from gateway.protocol.anthropic import openai_usage
 from gateway.protocol.responses import chat_usage, response_id_of
 from gateway.record import RequestRecord
@@ -84,15 +84,19 @@ def route_headers(record: RequestRecord) -> Headers:
 
 
 def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
-    """Pass an engine's own 4xx answer to the client, as an OpenAI error object. An engine's
-    "too long" names the request's prompt as `param` (`messages`, or `prompt` on completions),
-    as OpenAI's context_length_exceeded does; the engines name other things or nothing."""
+    """Pass an engine's own 4xx answer to the client, as its API's error object
+    (`Dialect.engine_error_bytes`: OpenAI's, Anthropic's on Messages). An engine's "too long" names
+    the request's prompt as `param` (`Dialect.prompt_param`: `messages`, `prompt` on completions,
+    `input` on Responses), as OpenAI's context_length_exceeded does; the engines name other things
+    or nothing."""
     status = failure.status or 502
     record.status = status
     record.error = failure.detail
     too_long = failure.outcome is Outcome.TOO_LONG
-    param = {"completions": "prompt", "responses": "input"}.get(record.api, "messages") if too_long else None
-    body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
+    dialect = dialect_for(record.api)
+    param = dialect.prompt_param if too_long else None
+    body = dialect.engine_error_bytes(status, failure.body, "context_length_exceeded" if too_long else None, param,
+                                      record.request_id)
     return BufferedResponse(status, body, b"application/json", route_headers(record))
 
 

@@ -43,6 +43,7 @@ from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig, TimeoutConfig
 from gateway.dialects.names import Api
+from gateway.dialects.registry import DIALECTS
 from gateway.dispatch.answers import (
     BufferedResponse,
     RelayResponse,
@@ -67,10 +68,8 @@ from gateway.streaming import (
     read_rest,
 )
 
-# The engine path of each client API. Other client APIs add their row here (one table).
-UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-                                  "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens",
-                                  "responses": "/v1/responses"}
+# The engine path of each client API (its dialect's `path`).
+UPSTREAM_PATHS: dict[str, str] = {api: dialect.path for api, dialect in DIALECTS.items()}
 
 
 class Attempt(ABC):
