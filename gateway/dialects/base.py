@@ -14,6 +14,7 @@ import orjson
 
 from gateway.dialects.names import Api
 from gateway.errors import GatewayError, error_bytes_from_upstream
+from gateway.protocol.anthropic import openai_usage
 
 if TYPE_CHECKING:
     from gateway.affinity.hashing import PrefixHasher
@@ -107,8 +108,9 @@ class Dialect(Generic[W]):
         return usage_patch(request, engine)
 
     def answer_usage(self, usage: dict[str, Any], cache_in_input: bool) -> dict[str, Any]:
-        """An answer's usage object in the chat names the gateway accounts by."""
-        return usage
+        """A non-streamed answer's usage object in the chat names the gateway accounts by: one in
+        Anthropic's names renamed (`protocol.anthropic.openai_usage`), any other as it is."""
+        return openai_usage(usage, cache_in_input)
 
     # --- errors --------------------------------------------------------------------------------------
 

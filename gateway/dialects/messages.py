@@ -27,7 +27,6 @@ from gateway.protocol.anthropic import (
     CountTokensRequest,
     MessagesRequest,
     error_body,
-    openai_usage,
     portable_blocks,
     sse_error,
     to_chat,
@@ -111,10 +110,6 @@ class MessagesDialect(Dialect[AnthropicWire]):
     def check_size(self, checker: SizeChecker, payload: dict[str, Any]) -> int:
         """As chat's (`chat.check_chat_size`; its `system` is not counted: a lower bound)."""
         return check_chat_size(checker, payload)
-
-    def answer_usage(self, usage: dict[str, Any], cache_in_input: bool) -> dict[str, Any]:
-        """Anthropic's names → OpenAI's (`protocol.anthropic.openai_usage`)."""
-        return openai_usage(usage, cache_in_input)
 
     def answer_status(self, status: int) -> int:
         """503 → 529 `overloaded_error` (module docstring)."""

@@ -17,8 +17,7 @@ import orjson
 
 from gateway.backends.client import UpstreamResponse
 from gateway.dialects.registry import dialect_for
-from gateway.protocol.anthropic import openai_usage
-from gateway.protocol.responses import chat_usage, response_id_of
+from gateway.protocol.responses import response_id_of
 from gateway.record import RequestRecord
 from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
 
@@ -120,10 +119,11 @@ def relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
     raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered 200 with content type {declared[:60]!r}")
 
 
-def json_answer_usage(content: bytes, content_type: bytes, cache_in_input: bool = False) -> dict[str, Any] | None:
-    """The usage of a non-streaming JSON answer; ValueError when the JSON is cut or broken.
-    `cache_in_input`: an Anthropic usage counts the cached prompt inside `input_tokens`
-    (`EngineSpec.messages_cache_in_input`)."""
+def json_answer_usage(content: bytes, content_type: bytes, api: str,
+                      cache_in_input: bool = False) -> dict[str, Any] | None:
+    """The usage of a non-streaming JSON answer of `api`, in the chat names (`Dialect.answer_usage`);
+    ValueError when the JSON is cut or broken. `cache_in_input`: an Anthropic usage counts the cached
+    prompt inside `input_tokens` (`EngineSpec.messages_cache_in_input`)."""
     if b"json" not in content_type:
         return None
     try:
@@ -133,9 +133,7 @@ def json_answer_usage(content: bytes, content_type: bytes, cache_in_input: bool 
     usage = data.get("usage") if isinstance(data, dict) else None
     if not isinstance(usage, dict):
         return None
-    if data.get("object") == "response":  # the Responses API: its input_tokens include the cached ones
-        return chat_usage(usage)
-    return openai_usage(usage, cache_in_input)  # Anthropic's names → OpenAI's
+    return dialect_for(api).answer_usage(usage, cache_in_input)
 
 
 def response_id_in_json(body: bytes) -> str | None:

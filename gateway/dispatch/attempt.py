@@ -303,7 +303,7 @@ class SingleLeg(Attempt):
         """A whole non-streaming answer (identity bytes); its usage is read for the record. A cut or
         broken JSON answer is the engine's failure."""
         try:
-            self._record.usage = json_answer_usage(answer, content_type,
+            self._record.usage = json_answer_usage(answer, content_type, self._api,
                                                    ENGINES[self.pool.engine].messages_cache_in_input)
         except ValueError as exc:
             raise self._broken(exc) from exc
