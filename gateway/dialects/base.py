@@ -8,9 +8,10 @@ it needs at construction, so nothing per chunk goes through a dialect).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 import orjson
+from pydantic import BaseModel
 
 from gateway.dialects.names import Api
 from gateway.errors import GatewayError, error_bytes_from_upstream
@@ -52,6 +53,7 @@ class Dialect(Generic[W]):
 
     Attributes (class-level constants):
     - `api`: its name (`names.Api`); `path`: the engine's path for it (the client's too);
+      `wire_model`: the pydantic model its bodies are validated by;
     - `output_limit_field`: the body member naming its output limit (None: it generates nothing);
     - `prompt_param`: the member an error about the prompt names (`param` of context_length_exceeded);
     - `stream_end_events`: the parsed event types that end a typed stream (empty: `data: [DONE]` ends it);
@@ -59,12 +61,12 @@ class Dialect(Generic[W]):
     - `generates`: False for an API that only counts tokens (no token quota, its own request limit);
     - `stores_responses`: the engine may store its answers (their worker is recorded);
     - `migrates`: a broken stream may be continued on another worker (`dispatch/migration.py`);
-    - `serves_pd`: a prefill/decode pool serves it (its two legs are the peer routers');
     - `request_id_header`: the header the gateway's request id is also sent in (None: only `x-request-id`).
     """
 
     api: ClassVar[Api]
     path: ClassVar[str]
+    wire_model: ClassVar[type[BaseModel]]
     output_limit_field: ClassVar[str | None] = None
     prompt_param: ClassVar[str] = "messages"
     stream_end_events: ClassVar[tuple[bytes, ...]] = ()
@@ -72,18 +74,18 @@ class Dialect(Generic[W]):
     generates: ClassVar[bool] = True
     stores_responses: ClassVar[bool] = False
     migrates: ClassVar[bool] = False
-    serves_pd: ClassVar[bool] = False
     request_id_header: ClassVar[bytes | None] = None
 
     # --- parsing and routing -------------------------------------------------------------------------
 
     def validate(self, payload: dict[str, Any]) -> W:
-        """The wire model of a decoded body. Raises pydantic's ValidationError."""
-        raise NotImplementedError
+        """The wire model of a decoded body (`wire_model`). Raises pydantic's ValidationError."""
+        return cast(W, self.wire_model.model_validate(payload))
 
     def model_of(self, wire: W) -> str:
-        """The model name the request asks for, as sent."""
-        raise NotImplementedError
+        """The model name the request asks for, as sent (its `model` member)."""
+        model: str = wire.model  # type: ignore[attr-defined]
+        return model
 
     def image_urls(self, wire: W) -> list[str]:
         """The image URLs to fetch and measure (not `data:` URIs), in order, each once."""

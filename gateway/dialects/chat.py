@@ -33,18 +33,10 @@ class ChatDialect(Dialect[ChatCompletionRequest]):
     """OpenAI's chat completions API."""
 
     api: Api = CHAT
+    wire_model = ChatCompletionRequest
     path = "/v1/chat/completions"
     output_limit_field = "max_completion_tokens"
     migrates = True
-    serves_pd = True
-
-    def validate(self, payload: dict[str, Any]) -> ChatCompletionRequest:
-        """The chat wire model. Raises ValidationError."""
-        return ChatCompletionRequest.model_validate(payload)
-
-    def model_of(self, wire: ChatCompletionRequest) -> str:
-        """The `model` member."""
-        return wire.model
 
     def image_urls(self, wire: ChatCompletionRequest) -> list[str]:
         """`image_urls(wire)`."""

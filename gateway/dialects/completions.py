@@ -32,19 +32,11 @@ class CompletionsDialect(Dialect[CompletionRequest]):
     """OpenAI's legacy completions API."""
 
     api: Api = COMPLETIONS
+    wire_model = CompletionRequest
     path = "/v1/completions"
     output_limit_field = "max_tokens"
     prompt_param = "prompt"
     migrates = True
-    serves_pd = True
-
-    def validate(self, payload: dict[str, Any]) -> CompletionRequest:
-        """The completions wire model. Raises ValidationError."""
-        return CompletionRequest.model_validate(payload)
-
-    def model_of(self, wire: CompletionRequest) -> str:
-        """The `model` member."""
-        return wire.model
 
     def features(self, wire: CompletionRequest, model: str, estimator: TokenEstimator,
                  hasher: PrefixHasher | None, session_key: str | None,

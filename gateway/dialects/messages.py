@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any
 
 from gateway.affinity.hashing import PrefixHasher
 from gateway.auth.guard import MISSING_KEY
@@ -84,13 +84,13 @@ class MessagesDialect(Dialect[AnthropicWire]):
     # The last event of a stream (https://docs.claude.com/en/docs/build-with-claude/streaming).
     stream_end_events = (b"message_stop",)
     request_id_header = b"request-id"
-    _request: ClassVar[type[MessagesRequest] | type[CountTokensRequest]] = MessagesRequest
+    wire_model = MessagesRequest
 
     def validate(self, payload: dict[str, Any]) -> AnthropicWire:
         """The Anthropic wire model, as its chat twin (search results and text documents made text
         first, for every engine: `portable_blocks`). Raises ValidationError."""
         portable_blocks(payload)
-        anthropic = self._request.model_validate(payload)
+        anthropic = self.wire_model.model_validate(payload)
         return AnthropicWire(self.api, ChatCompletionRequest.model_validate(to_chat(anthropic)))
 
     def model_of(self, wire: AnthropicWire) -> str:
@@ -145,4 +145,4 @@ class CountTokensDialect(MessagesDialect):
     output_limit_field = None
     stream_end_events = ()
     generates = False
-    _request = CountTokensRequest
+    wire_model = CountTokensRequest

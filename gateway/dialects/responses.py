@@ -27,6 +27,7 @@ class ResponsesDialect(Dialect[ResponsesRequest]):
     """OpenAI's Responses API."""
 
     api: Api = RESPONSES
+    wire_model = ResponsesRequest
     path = "/v1/responses"
     output_limit_field = "max_output_tokens"
     prompt_param = "input"
@@ -34,14 +35,6 @@ class ResponsesDialect(Dialect[ResponsesRequest]):
     stream_end_events = (b"response.completed", b"response.incomplete", b"response.failed")
     json_error_type = True  # the openai SDK reads the data's `type`, not the `event:` line
     stores_responses = True
-
-    def validate(self, payload: dict[str, Any]) -> ResponsesRequest:
-        """The Responses wire model. Raises ValidationError."""
-        return ResponsesRequest.model_validate(payload)
-
-    def model_of(self, wire: ResponsesRequest) -> str:
-        """The `model` member."""
-        return wire.model
 
     def image_urls(self, wire: ResponsesRequest) -> list[str]:
         """`response_image_urls(wire)`."""
