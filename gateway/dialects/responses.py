@@ -18,7 +18,7 @@ from gateway.dialects.base import Dialect, SizeChecker, server_error
 from gateway.dialects.chat import chat_counts
 from gateway.dialects.names import RESPONSES, Api
 from gateway.errors import InvalidRequest
-from gateway.protocol.responses import ResponsesRequest, chat_usage, item_text_and_images
+from gateway.protocol.responses import TERMINAL_EVENTS, ResponsesRequest, chat_usage, item_text_and_images
 from gateway.routing.features import METHOD_ORDER, RoutingRequest, forced_output, session_hint
 from gateway.routing.tokens import TokenEstimator
 
@@ -32,7 +32,7 @@ class ResponsesDialect(Dialect[ResponsesRequest]):
     output_limit_field = "max_output_tokens"
     prompt_param = "input"
     # The last event of a stream (https://platform.openai.com/docs/api-reference/responses-streaming).
-    stream_end_events = (b"response.completed", b"response.incomplete", b"response.failed")
+    stream_end_events = tuple(sorted(name.encode() for name in TERMINAL_EVENTS))
     json_error_type = True  # the openai SDK reads the data's `type`, not the `event:` line
     stores_responses = True
 
