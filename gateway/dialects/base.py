@@ -104,11 +104,6 @@ class Dialect(Generic[W]):
 
     # --- the engine ----------------------------------------------------------------------------------
 
-    @staticmethod
-    def usage_patch(request: RoutingRequest, engine: EngineSpec) -> bool:
-        """`usage_patch` (module level), the same for every API."""
-        return usage_patch(request, engine)
-
     def answer_usage(self, usage: dict[str, Any], cache_in_input: bool) -> dict[str, Any]:
         """A non-streamed answer's usage object in the chat names the gateway accounts by: one in
         Anthropic's names renamed (`protocol.anthropic.openai_usage`), any other as it is."""
