@@ -20,19 +20,20 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api import admin, models, ops, stored_responses
-from gateway.api.anthropic_errors import anthropic_error
 from gateway.api.proxied import PROXIED_ROUTES, ProxiedApps, ProxiedRoute, add_proxied_paths, proxied_apps
 from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
 from gateway.config import GatewayConfig
+from gateway.dialects.registry import dialect_for_path
 from gateway.dispatch import ProxyService
 from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, NotFound
 from gateway.state import AppState
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """The router's 404 / 405: OpenAI's error shape, Anthropic's under `/v1/messages` (an Anthropic
-    SDK calling an endpoint the gateway does not serve, such as the batch API)."""
+    """The router's 404 / 405 in the error shape of the API the path is under (`dialect_for_path`):
+    OpenAI's, Anthropic's under `/v1/messages` (an Anthropic SDK calling an endpoint the gateway
+    does not serve, such as the batch API)."""
     status = getattr(exc, "status_code", 500)
     error: GatewayError
     if status == 404:
@@ -42,10 +43,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                                  headers=dict(getattr(exc, "headers", None) or {}))
     else:
         error = GatewayError(str(getattr(exc, "detail", "error")))
-    if request.url.path.startswith("/v1/messages"):
-        status, body = anthropic_error(error.status, error.to_bytes(), None)
-        return Response(body, status_code=status, headers=error.headers, media_type="application/json")
-    return error_response(error)
+    dialect = dialect_for_path(request.url.path)
+    body = dialect.error_bytes(error, None)
+    return Response(body, status_code=dialect.answer_status(error.status), headers=error.headers,
+                    media_type="application/json")
 
 
 async def _gateway_error(request: Request, exc: Exception) -> JSONResponse:

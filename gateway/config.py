@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.dialects.names import CHAT, COMPLETIONS, Api
+
 EngineKind = Literal["vllm", "sglang", "ascend", "llamacpp"]
 Modality = Literal["text", "image", "audio", "video", "file"]
 
@@ -166,7 +168,7 @@ PdMode = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
 """A prefill/decode protocol: SGLang's bootstrap rooms, vLLM's NixlConnector or MooncakeConnector
 (the wire shapes: gateway/sim/pd.py's docstring; the dispatch side: gateway/dispatch/pd_attempt.py)."""
 
-PD_APIS = frozenset({"chat", "completions"})
+PD_APIS = frozenset({CHAT, COMPLETIONS})
 """The APIs a prefill/decode pool serves: those whose two legs the peer routers (sglang-router,
 vllm-router) send and tests/integration/test_pd_wire.py checks. Other requests (Anthropic Messages,
 count_tokens, Responses) go to the other fitting pools (`x-kimi-gateway-skipped-pools` names the PD pool)."""
@@ -329,7 +331,7 @@ class PoolConfig(_Strict):
         default=None, ge=1, description="on-demand adapters this gateway loads on one worker at most (keep it "
         "within the engine's --max-cpu-loras); None: no bound")
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
-    apis: list[Literal["chat", "completions", "messages", "count_tokens", "responses"]] | None = Field(
+    apis: list[Api] | None = Field(
         default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
         "versions the gateway knows (gateway/backends/engine_kinds.py); set it for an older engine version")
     default_output_tokens: int = Field(

@@ -192,7 +192,14 @@ class RateLimitBusy(RateLimitUnavailable):
 
 
 def error_bytes_from_upstream(status: int, body: bytes, code: str | None = None, param: str | None = None) -> bytes:
-    """An engine's 4xx answer as exactly an OpenAI error object `{"error": {message, type, param, code}}`.
+    """An engine's 4xx answer as exactly an OpenAI error object `{"error": {message, type, param, code}}`
+    (`upstream_error_object`)."""
+    return orjson.dumps({"error": upstream_error_object(status, body, code, param)})
+
+
+def upstream_error_object(status: int, body: bytes, code: str | None = None,
+                          param: str | None = None) -> dict[str, Any]:
+    """An engine's 4xx answer as the inside of an OpenAI error object: `{message, type, param, code}`.
 
     vLLM and SGLang answer `{"object": "error", "message", "type", "param", "code"}` (flat, older) or
     `{"error": {...}}`; llama.cpp answers `{"error": {"code", "message", "type", ...}}`. The message
@@ -211,9 +218,9 @@ def error_bytes_from_upstream(status: int, body: bytes, code: str | None = None,
         message = body[:2000].decode("utf-8", "replace") or f"The inference server answered HTTP {status}."
     param = param or source.get("param")
     engine_code = source.get("code")
-    return orjson.dumps({"error": {
+    return {
         "message": message,
         "type": "invalid_request_error" if status < 500 else "server_error",
         "param": param if isinstance(param, str) else None,
         "code": code or (engine_code if isinstance(engine_code, str) else None),
-    }})
+    }

@@ -39,9 +39,9 @@ from typing import Any
 import uvicorn
 
 from gateway.config import ShutdownConfig
+from gateway.dialects.base import Dialect
+from gateway.dialects.registry import dialect_for_path
 from gateway.errors import NoCapacity
-from gateway.protocol.anthropic import error_body as anthropic_error_body
-from gateway.protocol.sse import sse_error_event
 from gateway.server import uvicorn_config
 
 log = logging.getLogger("gateway.lifecycle")
@@ -85,14 +85,6 @@ class _ResponseWatch:
         await self._send(message)
 
 
-def _api_of(path: str) -> str:
-    """The API whose error shapes a path's answers take: "messages" (Anthropic's endpoints),
-    "responses", else "chat" (OpenAI's)."""
-    if path.startswith("/v1/messages"):
-        return "messages"
-    return "responses" if path.startswith("/v1/responses") else "chat"
-
-
 class ShutdownGuard:
     """ASGI middleware: at the end of the grace period, hang up on the requests still running.
 
@@ -126,7 +118,7 @@ class ShutdownGuard:
         await self.app(scope, self._guard(receive), response.send)
         if self.hung_up and not response.complete:
             with contextlib.suppress(OSError):  # the client may be gone for real
-                await self._finish(response, scope.get(REQUEST_ID), _api_of(scope.get("path", "")))
+                await self._finish(response, scope.get(REQUEST_ID), dialect_for_path(scope.get("path", "")))
 
     def _guard(self, receive: Receive) -> Receive:
         body_done = False
@@ -158,25 +150,22 @@ class ShutdownGuard:
         return guarded
 
     @staticmethod
-    async def _finish(response: _ResponseWatch, request_id: str | None, api: str) -> None:
-        """End an unfinished response in its API's shape (`api`: "messages" for Anthropic's, whose
-        503 is its 529 `overloaded_error`, as `gateway.api.anthropic_errors` answers)."""
+    async def _finish(response: _ResponseWatch, request_id: str | None, dialect: Dialect[Any]) -> None:
+        """End an unfinished response in its API's shape (`dialect`'s, by its path: on Anthropic's
+        endpoints the 503 is their 529 `overloaded_error`, as every answer there)."""
         if not response.started:
             error = NoCapacity(f"{SHUTDOWN_MESSAGE}; retry the request.", code="shutting_down")
-            status, body = error.status, error.to_bytes()
+            status, body = dialect.answer_status(error.status), dialect.error_bytes(error, request_id)
             headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]  # another replica can take it
             if request_id is not None:
                 headers.append((b"x-request-id", request_id.encode()))
-            if api == "messages":
-                status, body = 529, anthropic_error_body(529, error.message, request_id)
-                if request_id is not None:
-                    headers.append((b"request-id", request_id.encode()))
+                if dialect.request_id_header is not None:
+                    headers.append((dialect.request_id_header, request_id.encode()))
             headers.append((b"content-length", str(len(body)).encode()))
             await response.send({"type": "http.response.start", "status": status, "headers": headers})
             await response.send({"type": "http.response.body", "body": body, "more_body": False})
         elif response.sse:
-            event = sse_error_event(f"{SHUTDOWN_MESSAGE}; the response is incomplete.", code="shutting_down",
-                                    api=api)
+            event = dialect.stream_error(f"{SHUTDOWN_MESSAGE}; the response is incomplete.", code="shutting_down")
             await response.send({"type": "http.response.body", "body": event, "more_body": True})
             await response.send({"type": "http.response.body", "body": b"", "more_body": False})
         # A started non-SSE body is left unfinished: uvicorn closes the connection, so the client

@@ -38,8 +38,11 @@ from gateway.affinity.hashing import PrefixHasher
 from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
+from gateway.dialects.base import usage_patch
+from gateway.dialects.messages import AnthropicWire
+from gateway.dialects.names import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
+from gateway.dialects.registry import DIALECTS, dialect_for
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
-from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest, portable_blocks, to_chat
 from gateway.protocol.body import (
     ENGINE_ID_FIELDS,
     KV_TRANSFER_FIELDS,
@@ -49,23 +52,15 @@ from gateway.protocol.body import (
 )
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
 from gateway.protocol.responses import ResponsesRequest
-from gateway.routing.features import (
-    ENGINE_OUTPUT_FIELD,
-    AnthropicWire,
-    Api,
-    RoutingRequest,
-    chat_features,
-    completion_features,
-    image_urls,
-    messages_features,
-    response_image_urls,
-    responses_features,
-)
+from gateway.routing.features import ENGINE_OUTPUT_FIELD, RoutingRequest
 from gateway.routing.pools import fitting_pools
 from gateway.routing.tokens import TokenEstimator
 
 T = TypeVar("T")
 Wire = ChatCompletionRequest | CompletionRequest | AnthropicWire | ResponsesRequest
+_WIRE_DIALECT = {ChatCompletionRequest: DIALECTS[CHAT], CompletionRequest: DIALECTS[COMPLETIONS],
+                 AnthropicWire: DIALECTS[MESSAGES], ResponsesRequest: DIALECTS[RESPONSES]}
+"""The dialect whose features a validated wire model has (count_tokens' are Messages': `AnthropicWire.api`)."""
 
 CHARS_PER_TOKEN_MAX = 8
 """No text estimate counts more characters a token than this (the estimator's least rate by default
@@ -176,18 +171,18 @@ def encode_for(payload: Payload, served_model: str, ask_usage: bool, output_as_m
     return upstream_body(payload, served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
 
 
-OUTPUT_LIMIT_FIELD: dict[str, str] = {"chat": "max_completion_tokens", "completions": "max_tokens",
-                                      "messages": "max_tokens", "responses": "max_output_tokens"}
-"""The output limit each API's body names (OpenAI's chat and completions, Anthropic's Messages,
-OpenAI's Responses). On chat `max_completion_tokens` is sent as `max_tokens` to an engine that
-ignores it there (`upstream_body`'s `output_as_max_tokens`)."""
+OUTPUT_LIMIT_FIELD: dict[str, str] = {api: d.output_limit_field for api, d in DIALECTS.items()
+                                      if d.output_limit_field is not None}
+"""The output limit each API's body names (its dialect's `output_limit_field`: OpenAI's chat and
+completions, Anthropic's Messages, OpenAI's Responses). On chat `max_completion_tokens` is sent as
+`max_tokens` to an engine that ignores it there (`upstream_body`'s `output_as_max_tokens`)."""
 
 
 def with_output_limit(payload: Payload, api: str, tokens: int) -> Payload:
     """`payload` with the API's output limit (`OUTPUT_LIMIT_FIELD`) set to `tokens`, for a request
     that set none: the engine then generates at most what the gateway reserved for it. A payload
     of an API without such a field (count_tokens) is returned as it is."""
-    name = OUTPUT_LIMIT_FIELD.get(api)
+    name = dialect_for(api).output_limit_field
     if name is None:
         return payload
     return _with_member(payload, name, tokens)
@@ -255,48 +250,27 @@ class BodyParser:
         the engines list it, which an alias never shadows: it would send the engine the base
         model's name), and (chat, with image fetching on) the image URLs to measure. Raises
         InvalidRequest, ModelNotFound."""
-        wire: Wire
+        dialect = dialect_for(api)
         try:
-            if api == "messages" or api == "count_tokens":
-                portable_blocks(payload)  # search results and text documents as text, for every engine
-                anthropic = (MessagesRequest if api == "messages" else CountTokensRequest).model_validate(payload)
-                wire = AnthropicWire(api, ChatCompletionRequest.model_validate(to_chat(anthropic)))
-            elif api == "responses":
-                wire = ResponsesRequest.model_validate(payload)
-            else:
-                wire = (ChatCompletionRequest if api == "chat" else CompletionRequest).model_validate(payload)
+            wire: Wire = dialect.validate(payload)
         except ValidationError as exc:
             message, param = describe_validation_error(exc)
             raise InvalidRequest(message, param=param) from None
-        name = wire.chat.model if isinstance(wire, AnthropicWire) else wire.model
+        name = dialect.model_of(wire)
         model = name if name in adapters else self.models.get(name.lower())
         if model is None:
             raise ModelNotFound(f"The model `{name[:200]}` does not exist or you do not have access to it.",
                                 param="model")
-        chat = wire.chat if isinstance(wire, AnthropicWire) else wire
-        urls: list[str] = []
-        if self.config.image_fetch.enabled:
-            if isinstance(chat, ChatCompletionRequest):
-                urls = image_urls(chat)
-            elif isinstance(chat, ResponsesRequest):
-                urls = response_image_urls(chat)
+        urls = dialect.image_urls(wire) if self.config.image_fetch.enabled else []
         return wire, model, urls
 
     def features(self, wire: Wire, model: str, session: str | None,
                  measured: Mapping[str, tuple[int, int]] | None) -> RoutingRequest:
+        """The routing features of a validated request (its dialect's, known by its wire model)."""
+        request = _WIRE_DIALECT[type(wire)].features(wire, model, self.estimator, self.hasher, session, measured)
         if model != self.config.model.name:  # a LoRA adapter (`validate`)
-            return replace(self._features(wire, model, session, measured), adapter=model)
-        return self._features(wire, model, session, measured)
-
-    def _features(self, wire: Wire, model: str, session: str | None,
-                  measured: Mapping[str, tuple[int, int]] | None) -> RoutingRequest:
-        if isinstance(wire, ChatCompletionRequest):
-            return chat_features(wire, model, self.estimator, self.hasher, session, measured)
-        if isinstance(wire, AnthropicWire):
-            return messages_features(wire, model, self.estimator, self.hasher, session, measured)
-        if isinstance(wire, ResponsesRequest):
-            return responses_features(wire, model, self.estimator, self.hasher, session, measured)
-        return completion_features(wire, model, self.estimator, self.hasher, session)
+            return replace(request, adapter=model)
+        return request
 
     def parse(self, api: Api, body: bytes, session: str | None,
               measured: Mapping[str, tuple[int, int]] | None, adapters: Collection[str] = frozenset()) -> Parsed:
@@ -310,86 +284,27 @@ class BodyParser:
         request = self.features(wire, model, session, measured)
         pool = fitting_pools(request, self.config.pools)[0]
         engine = ENGINES[pool.engine]
-        usage = request.stream and not request.include_usage and engine.supports_include_usage
+        usage = usage_patch(request, engine)
         as_max_tokens = api not in engine.max_completion_tokens_apis
         served = self.served[pool.name] if request.adapter is None else request.adapter
         return Parsed(request, ForwardBody.of(payload, served, usage, as_max_tokens,
                                               pool.allow_kv_transfer_fields), urls)
 
     def check_size(self, api: Api, payload: dict[str, Any]) -> int:
-        """The count limits, then the lower bound of the tokens (module docstring); returns the
-        body's size in items. Linear in the number of messages and parts."""
-        config = self.config
-        if api == "responses":
-            return self._check_responses_size(payload)
-        if api != "completions":  # chat, and Anthropic's messages (its `system` is not counted: a lower bound)
-            messages = payload.get("messages")
-            if not isinstance(messages, list):
-                return 0
-            if len(messages) > config.max_messages:
-                raise InvalidRequest(f"Too many messages: {len(messages)}; the limit is {config.max_messages}.",
-                                     param="messages", code="too_many_messages")
-            chars, images, parts = _chat_counts(messages)
-            if parts > config.max_content_parts:
-                raise InvalidRequest(f"Too many content parts: {parts}; the limit is {config.max_content_parts}.",
-                                     param="messages", code="too_many_content_parts")
-            self._check_floor(payload, "messages", chars, images, 0)
-            return len(messages) + parts
-        prompt = payload.get("prompt")
-        if isinstance(prompt, str):
-            self._check_floor(payload, "prompt", len(prompt), 0, 0)
-            return 1
-        if not isinstance(prompt, list) or not prompt:
-            return 0
-        if type(prompt[0]) is int:  # token ids (a mixed list fails validation, which sees only these)
-            ids = longest = len(prompt)
-        elif isinstance(prompt[0], list):  # a batch of token-id lists: the longest decides the context
-            sizes = [len(p) if type(p) is list else 1 for p in prompt]
-            ids, longest = sum(max(size, 1) for size in sizes), max(sizes)  # an empty list still counts one
-        else:  # texts: one id each for the count; the longest text decides the context
-            ids, longest = len(prompt), 0
-            self._check_floor(payload, "prompt", max(len(p) if type(p) is str else 0 for p in prompt), 0, 0)
-        if ids > config.max_prompt_ids:
-            raise InvalidRequest(f"The prompt has {ids} token ids; the limit is {config.max_prompt_ids}.",
-                                 param="prompt", code="context_length_exceeded")
-        self._check_floor(payload, "prompt", 0, 0, longest)
-        return ids
+        """The count limits, then the lower bound of the tokens (module docstring), as the API's
+        dialect counts them (`Dialect.check_size`); returns the body's size in items. Linear in the
+        number of messages and parts."""
+        return dialect_for(api).check_size(self, payload)
 
-    def _check_responses_size(self, payload: dict[str, Any]) -> int:
-        """`check_size` for a Responses body: its input items count as messages, their content parts
-        as parts; the floor counts the text of `instructions`, string inputs and text parts."""
-        config = self.config
-        value = payload.get("input")
-        instructions = payload.get("instructions")
-        chars = len(instructions) if isinstance(instructions, str) else 0
-        if isinstance(value, str):
-            self._check_floor(payload, "input", chars + len(value), 0, 0)
-            return 1
-        if not isinstance(value, list):
-            return 0
-        if len(value) > config.max_messages:
-            raise InvalidRequest(f"Too many input items: {len(value)}; the limit is {config.max_messages}.",
-                                 param="input", code="too_many_messages")
-        text, images, parts = _chat_counts(value, "input_text", "input_image")
-        if parts > config.max_content_parts:
-            raise InvalidRequest(f"Too many content parts: {parts}; the limit is {config.max_content_parts}.",
-                                 param="input", code="too_many_content_parts")
-        self._check_floor(payload, "input", chars + text, images, 0)
-        return len(value) + parts
-
-    def _check_floor(self, payload: dict[str, Any], param: str, chars: int, images: int, tokens: int) -> None:
-        """ContextLengthExceeded when `chars` characters of text, `images` images and `tokens` more
-        tokens (+ the template's, for chat, + the output limit) cannot fit the largest pool."""
+    def check_floor(self, payload: dict[str, Any], param: str, chars: int, images: int, tokens: int,
+                    output: object, messages: int | None) -> None:
+        """ContextLengthExceeded (naming `param`) when `chars` characters of text, `images` images and
+        `tokens` more tokens, + the output limit `output` (the body's value, as sent), + the chat
+        template's tokens for `messages` messages (None: no template), cannot fit the largest pool."""
         estimation = self.config.estimation
         floor = tokens + chars // self._chars_per_token + images * self._image_floor
-        if param == "input":  # the Responses API's output limit
-            output = payload.get("max_output_tokens")
-        else:  # `max_completion_tokens` first, as `output_tokens` reads it, on both APIs
-            output = payload.get("max_completion_tokens")
-            if output is None:
-                output = payload.get("max_tokens")
-        if param == "messages":
-            floor += estimation.tokens_per_request + estimation.tokens_per_message * len(payload["messages"])
+        if messages is not None:
+            floor += estimation.tokens_per_request + estimation.tokens_per_message * messages
         if type(output) is float and output.is_integer():  # JSON's 5.0 is 5, as validation reads it
             output = int(output)
         if type(output) is int and output > 0:
@@ -399,26 +314,6 @@ class BodyParser:
                 f"This model's maximum context length is {self.largest_context} tokens. However, this request "
                 f"needs at least {floor} tokens (a lower bound, counted before measuring it). Please reduce the "
                 "length of the messages or the output limit.", param=param)
-
-
-def _chat_counts(messages: list[Any], text_type: str = "text", image_type: str = "image_url") -> tuple[int, int, int]:
-    """(text characters, image parts, content parts) of a chat body's messages, from the decoded
-    JSON before validation (anything not shaped as expected counts nothing: validation refuses it)."""
-    chars = images = parts = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, list):
-            parts += len(content)
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == text_type:
-                    text = part.get("text")
-                    chars += len(text) if isinstance(text, str) else 0
-                elif kind == image_type:
-                    images += 1
-    return chars, images, parts
 
 
 # --- parse processes ----------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ import orjson
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from gateway.api.anthropic_errors import OVERLOADED_STATUS, AnthropicEndpoint
 from gateway.api.proxy import ProxyEndpoint, Receive, Scope, Send
 from gateway.api.schemas import (
     ERROR_DESCRIPTIONS,
@@ -34,11 +33,12 @@ from gateway.api.schemas import (
     ErrorResponse,
     ResponseObject,
 )
+from gateway.dialects.messages import OVERLOADED_STATUS
+from gateway.dialects.names import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES, Api
 from gateway.errors import MethodNotAllowed
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
 from gateway.protocol.responses import ResponsesRequest
-from gateway.routing.features import Api
 
 ASGIApp = Callable[[Scope, Receive, Send], Any]
 
@@ -55,8 +55,8 @@ class ProxiedRoute:
 
     `request` / `response` document the JSON body sent / the non-streamed answer (None: no body);
     `streams`: the answer may also be `text/event-stream` (the request's `stream: true`);
-    `endpoint` builds the ASGI app serving it from `api`; `error` documents its error body and
-    `errors` the statuses it comes with.
+    `endpoint` builds the ASGI app serving it from `api` (whose dialect renders its errors); `error`
+    documents its error body and `errors` the statuses it comes with.
     """
 
     path: str
@@ -72,15 +72,15 @@ class ProxiedRoute:
 
 
 PROXIED_ROUTES: tuple[ProxiedRoute, ...] = (
-    ProxiedRoute("/v1/chat/completions", "chat", "Create a chat completion", ChatCompletionRequest, ChatCompletion),
-    ProxiedRoute("/v1/completions", "completions", "Create a completion (legacy)", CompletionRequest, Completion),
-    ProxiedRoute("/v1/responses", "responses", "Create a response (OpenAI Responses API)", ResponsesRequest,
+    ProxiedRoute("/v1/chat/completions", CHAT, "Create a chat completion", ChatCompletionRequest, ChatCompletion),
+    ProxiedRoute("/v1/completions", COMPLETIONS, "Create a completion (legacy)", CompletionRequest, Completion),
+    ProxiedRoute("/v1/responses", RESPONSES, "Create a response (OpenAI Responses API)", ResponsesRequest,
                  ResponseObject),
-    ProxiedRoute("/v1/messages", "messages", "Create a message (Anthropic Messages API)", MessagesRequest,
-                 AnthropicMessage, endpoint=AnthropicEndpoint, error=AnthropicErrorResponse, errors=ANTHROPIC_ERRORS),
-    ProxiedRoute("/v1/messages/count_tokens", "count_tokens", "Count a message's input tokens (Anthropic)",
-                 CountTokensRequest, AnthropicTokenCount, streams=False, endpoint=AnthropicEndpoint,
-                 error=AnthropicErrorResponse, errors=ANTHROPIC_ERRORS),
+    ProxiedRoute("/v1/messages", MESSAGES, "Create a message (Anthropic Messages API)", MessagesRequest,
+                 AnthropicMessage, error=AnthropicErrorResponse, errors=ANTHROPIC_ERRORS),
+    ProxiedRoute("/v1/messages/count_tokens", COUNT_TOKENS, "Count a message's input tokens (Anthropic)",
+                 CountTokensRequest, AnthropicTokenCount, streams=False, error=AnthropicErrorResponse,
+                 errors=ANTHROPIC_ERRORS),
 )
 
 

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import AUTH_ERROR, principal_of
+from gateway.dialects.names import Api
+from gateway.dialects.registry import dialect_for
 from gateway.dispatch import BufferedResponse, ProxyService, RelayResponse
 from gateway.errors import (
     GatewayError,
@@ -28,10 +30,8 @@ from gateway.errors import (
 from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
 from gateway.metrics import NO_POOL, GatewayMetrics
 from gateway.parsing import Body, body_of
-from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.request_head import SEND_STALLED
-from gateway.routing.features import Api
 
 log = logging.getLogger("gateway.api")
 
@@ -207,12 +207,15 @@ class _HangUpWatch:
 
 
 class ProxyEndpoint:
-    """ASGI app for `POST /v1/chat/completions`, `POST /v1/completions` or `POST /v1/responses`."""
+    """ASGI app for one proxied API (`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`,
+    `/v1/messages`, `/v1/messages/count_tokens`): every answer and error in that API's shape, rendered
+    by its dialect (`Dialect.error_bytes`, `answer_status`, `request_id_header`, `stream_error`)."""
 
     records_auth_errors = True  # the auth middleware hands refusals here (`AUTH_ERROR`) to be recorded
 
     def __init__(self, api: Api) -> None:
         self.api = api
+        self.dialect = dialect_for(api)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One request, in steps: check its head (`check_head`), read its body within the overall cap,
@@ -284,8 +287,7 @@ class ProxyEndpoint:
                 await result.stream.aclose()
             record.finish(state.metrics)
 
-    @staticmethod
-    def _error(exc: GatewayError, record: RequestRecord) -> BufferedResponse:
+    def _error(self, exc: GatewayError, record: RequestRecord) -> BufferedResponse:
         record.answered_with_error(exc.status)
         record.error = exc.message
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
@@ -297,17 +299,20 @@ class ProxyEndpoint:
             extra.append((b"x-kimi-gateway-pool", record.pool.encode()))
         if record.worker is not None:  # e.g. the worker a 504 waited for
             extra.append((b"x-kimi-gateway-worker", record.worker.encode()))
-        return BufferedResponse(exc.status, exc.to_bytes(), b"application/json", extra)
+        return BufferedResponse(exc.status, self.dialect.error_bytes(exc, record.request_id), b"application/json",
+                                extra)
 
-    @staticmethod
-    def _start(status: int, content_type: bytes, extra: list[tuple[bytes, bytes]], record: RequestRecord,
+    def _start(self, status: int, content_type: bytes, extra: list[tuple[bytes, bytes]], record: RequestRecord,
                length: int | None) -> Message:
-        headers = [(b"content-type", content_type), (b"x-request-id", record.request_id.encode()), *extra]
+        request_id = record.request_id.encode()
+        headers = [(b"content-type", content_type), (b"x-request-id", request_id), *extra]
         if length is not None:
             headers.append((b"content-length", str(length).encode()))
         else:
             headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        return {"type": "http.response.start", "status": status, "headers": headers}
+        if (named := self.dialect.request_id_header) is not None:
+            headers.append((named, request_id))
+        return {"type": "http.response.start", "status": self.dialect.answer_status(status), "headers": headers}
 
     async def _send_buffered(self, result: BufferedResponse, record: RequestRecord, send: Send) -> None:
         if result.status >= 400:
@@ -353,11 +358,11 @@ class ProxyEndpoint:
             if not started:
                 record.status = RequestTimeout.status
                 error = RequestTimeout(message)
-                await send(self._start(error.status, b"application/json", [], record, len(error.to_bytes())))
-                await send({"type": "http.response.body", "body": error.to_bytes(), "more_body": False})
+                body = self.dialect.error_bytes(error, record.request_id)
+                await send(self._start(error.status, b"application/json", [], record, len(body)))
+                await send({"type": "http.response.body", "body": body, "more_body": False})
                 return
             tail = b""
             if result.stream.sse:
-                tail = sse_error_event(message + " The response is incomplete.", code="request_timeout",
-                                       api=record.api)
+                tail = self.dialect.stream_error(message + " The response is incomplete.", code="request_timeout")
             await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.config import EngineKind
+from gateway.dialects.names import APIS, CHAT, COMPLETIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,11 +46,11 @@ class EngineSpec:
     # Tokens of its max context the engine will not fill: SGLang refuses prompt + max_new_tokens
     # >= context_len (TokenizerManager._validate_one_request), vLLM only > max_model_len.
     context_slack_tokens: int = 0
-    # APIs ("chat", "completions") on which the engine reads `max_completion_tokens`; elsewhere it
+    # APIs (chat, completions) on which the engine reads `max_completion_tokens`; elsewhere it
     # ignores the field and generates its default (16 tokens), so the gateway sends `max_tokens`.
-    max_completion_tokens_apis: frozenset[str] = frozenset({"chat"})
-    # The proxied APIs the engine serves (`gateway.routing.features.Api`); see the module docstring.
-    apis: frozenset[str] = frozenset({"chat", "completions", "messages", "count_tokens", "responses"})
+    max_completion_tokens_apis: frozenset[str] = frozenset({CHAT})
+    # The proxied APIs the engine serves (`gateway.dialects.names.Api`); see the module docstring.
+    apis: frozenset[str] = frozenset(APIS)
     # Whether the engine keeps stored responses (`store`, `previous_response_id`, GET/cancel by id):
     # the gateway records a response's worker only on such engines.
     stores_responses: bool = True
@@ -86,7 +87,7 @@ ENGINES: dict[str, EngineSpec] = {
                            "llamacpp:requests_deferred", (), (
                                "exceed_context_size_error",
                                "exceeds the available context size",
-                           ), max_completion_tokens_apis=frozenset({"chat", "completions"}),
+                           ), max_completion_tokens_apis=frozenset({CHAT, COMPLETIONS}),
                            stores_responses=False),
 }
 

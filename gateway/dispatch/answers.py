@@ -16,9 +16,8 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.backends.client import UpstreamResponse
-from gateway.errors import error_bytes_from_upstream
-from gateway.protocol.anthropic import openai_usage
-from gateway.protocol.responses import chat_usage, response_id_of
+from gateway.dialects.registry import dialect_for
+from gateway.protocol.responses import response_id_of
 from gateway.record import RequestRecord
 from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
 
@@ -84,15 +83,19 @@ def route_headers(record: RequestRecord) -> Headers:
 
 
 def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
-    """Pass an engine's own 4xx answer to the client, as an OpenAI error object. An engine's
-    "too long" names the request's prompt as `param` (`messages`, or `prompt` on completions),
-    as OpenAI's context_length_exceeded does; the engines name other things or nothing."""
+    """Pass an engine's own 4xx answer to the client, as its API's error object
+    (`Dialect.engine_error_bytes`: OpenAI's, Anthropic's on Messages). An engine's "too long" names
+    the request's prompt as `param` (`Dialect.prompt_param`: `messages`, `prompt` on completions,
+    `input` on Responses), as OpenAI's context_length_exceeded does; the engines name other things
+    or nothing."""
     status = failure.status or 502
     record.status = status
     record.error = failure.detail
     too_long = failure.outcome is Outcome.TOO_LONG
-    param = {"completions": "prompt", "responses": "input"}.get(record.api, "messages") if too_long else None
-    body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
+    dialect = dialect_for(record.api)
+    param = dialect.prompt_param if too_long else None
+    body = dialect.engine_error_bytes(status, failure.body, "context_length_exceeded" if too_long else None, param,
+                                      record.request_id)
     return BufferedResponse(status, body, b"application/json", route_headers(record))
 
 
@@ -116,10 +119,11 @@ def relayed_content_type(response: UpstreamResponse, stream: bool) -> bytes:
     raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine answered 200 with content type {declared[:60]!r}")
 
 
-def json_answer_usage(content: bytes, content_type: bytes, cache_in_input: bool = False) -> dict[str, Any] | None:
-    """The usage of a non-streaming JSON answer; ValueError when the JSON is cut or broken.
-    `cache_in_input`: an Anthropic usage counts the cached prompt inside `input_tokens`
-    (`EngineSpec.messages_cache_in_input`)."""
+def json_answer_usage(content: bytes, content_type: bytes, api: str,
+                      cache_in_input: bool = False) -> dict[str, Any] | None:
+    """The usage of a non-streaming JSON answer of `api`, in the chat names (`Dialect.answer_usage`);
+    ValueError when the JSON is cut or broken. `cache_in_input`: an Anthropic usage counts the cached
+    prompt inside `input_tokens` (`EngineSpec.messages_cache_in_input`)."""
     if b"json" not in content_type:
         return None
     try:
@@ -129,9 +133,7 @@ def json_answer_usage(content: bytes, content_type: bytes, cache_in_input: bool 
     usage = data.get("usage") if isinstance(data, dict) else None
     if not isinstance(usage, dict):
         return None
-    if data.get("object") == "response":  # the Responses API: its input_tokens include the cached ones
-        return chat_usage(usage)
-    return openai_usage(usage, cache_in_input)  # Anthropic's names → OpenAI's
+    return dialect_for(api).answer_usage(usage, cache_in_input)
 
 
 def response_id_in_json(body: bytes) -> str | None:

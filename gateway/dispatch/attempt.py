@@ -42,6 +42,8 @@ from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig, TimeoutConfig
+from gateway.dialects.names import Api
+from gateway.dialects.registry import DIALECTS
 from gateway.dispatch.answers import (
     BufferedResponse,
     RelayResponse,
@@ -50,7 +52,7 @@ from gateway.dispatch.answers import (
 )
 from gateway.errors import UpstreamError
 from gateway.record import RequestOutcome, RequestRecord
-from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.features import RoutingRequest
 from gateway.routing.prefill import PrefillTicket
 from gateway.state import AppState
 from gateway.streaming import (
@@ -66,10 +68,8 @@ from gateway.streaming import (
     read_rest,
 )
 
-# The engine path of each client API. Other client APIs add their row here (one table).
-UPSTREAM_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-                                  "messages": "/v1/messages", "count_tokens": "/v1/messages/count_tokens",
-                                  "responses": "/v1/responses"}
+# The engine path of each client API (its dialect's `path`).
+UPSTREAM_PATHS: dict[str, str] = {api: dialect.path for api, dialect in DIALECTS.items()}
 
 
 class Attempt(ABC):
@@ -303,7 +303,7 @@ class SingleLeg(Attempt):
         """A whole non-streaming answer (identity bytes); its usage is read for the record. A cut or
         broken JSON answer is the engine's failure."""
         try:
-            self._record.usage = json_answer_usage(answer, content_type,
+            self._record.usage = json_answer_usage(answer, content_type, self._api,
                                                    ENGINES[self.pool.engine].messages_cache_in_input)
         except ValueError as exc:
             raise self._broken(exc) from exc

@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
+from gateway.dialects.names import Api
 from gateway.dispatch.failures import Failures
 from gateway.dispatch.steps import BodyKey
 from gateway.parsing import Payload
 from gateway.record import RequestRecord
-from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed
 

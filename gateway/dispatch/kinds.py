@@ -17,6 +17,7 @@ from typing import Protocol
 
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
+from gateway.dialects.base import usage_patch
 from gateway.dispatch.attempt import Attempt, SingleLeg
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.pd_attempt import MooncakeAttempt, NixlAttempt, PdAttempt, SglangAttempt
@@ -47,7 +48,7 @@ class Aggregated:
         request, pool, state = dispatch.request, dispatch.pool, dispatch.state
         decision = decide(policy, request, workers, match, state.prefill)
         worker = decision.worker
-        patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
+        patch_usage = usage_patch(request, worker.engine)
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
                            served_name(pool, request, state.config.model.name), worker, patch_usage)
         matched = match.get(worker.url, 0.0) if policy.uses_affinity else None
@@ -81,7 +82,7 @@ class Disaggregated:
         metrics.labels(pool.name, "prefill", prefill.reason).inc()
         metrics.labels(pool.name, "decode", decode.reason).inc()
         worker = decode.worker
-        patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
+        patch_usage = usage_patch(request, worker.engine)
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
                            served_name(pool, request, state.config.model.name), worker, patch_usage)
         matched = match.get(prefill.worker.url, 0.0) if policy.uses_affinity else None
@@ -110,7 +111,7 @@ class Pinned:
         """A SingleLeg on `workers[0]` (the usage patch as `Aggregated` decides it)."""
         request, pool, state = dispatch.request, dispatch.pool, dispatch.state
         worker = workers[0]
-        patch_usage = request.stream and not request.include_usage and worker.engine.supports_include_usage
+        patch_usage = usage_patch(request, worker.engine)
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
                            served_name(pool, request, state.config.model.name), worker, patch_usage)
         return SingleLeg(state, dispatch.api, pool, worker, RESPONSE_AFFINITY, None, body, request,

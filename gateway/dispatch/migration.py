@@ -38,6 +38,7 @@ import orjson
 
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
+from gateway.dialects.names import COMPLETIONS
 from gateway.dispatch.attempt import SingleLeg
 from gateway.dispatch.steps import decide
 from gateway.record import RequestRecord
@@ -190,7 +191,7 @@ def refusal(api: str, body: dict[str, Any], progress: Progress) -> str | None:
         return "n > 1"
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
         return "logprobs were asked for"
-    if api == "completions":
+    if api == COMPLETIONS:
         prompt = body.get("prompt")
         if body.get("echo") is True:
             return "echo was asked for"
@@ -229,7 +230,7 @@ def continuation_body(api: str, body: dict[str, Any], progress: Progress, model:
     if isinstance(least, int) and not isinstance(least, bool) and least > 0:
         out["min_tokens"] = max(least - generated, 0)
     text = progress.text
-    if api == "completions":
+    if api == COMPLETIONS:
         prompt = out["prompt"]
         out["prompt"] = (prompt if isinstance(prompt, str) else prompt[0]) + text
         return out

@@ -44,12 +44,13 @@ import orjson
 from gateway.backends.client import TransportError, UpstreamTimeouts
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig, TimeoutConfig
+from gateway.dialects.names import Api
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, BufferedResponse, RelayResponse
 from gateway.dispatch.attempt import UPSTREAM_PATHS, SingleLeg, budgets, hold_window
 from gateway.errors import UpstreamError
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestOutcome, RequestRecord
-from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import (
     KEEPALIVE_COMMENT,

@@ -22,6 +22,8 @@ from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.keys import Principal
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
+from gateway.dialects.names import Api
+from gateway.dialects.registry import dialect_for
 from gateway.dispatch.answers import BufferedResponse, RelayResponse, response_id_in_json, route_headers
 from gateway.dispatch.attempt import Attempt, SingleLeg, silence_limit
 from gateway.dispatch.context import Dispatch
@@ -33,7 +35,7 @@ from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.record import RequestOutcome, RequestRecord
-from gateway.routing.features import SESSION_HEADERS, Api, RoutingRequest, scoped_session, session_hint
+from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, skipped_pools
 from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
@@ -96,10 +98,11 @@ class ProxyService:
         here, at the record's finish for a stream.
         """
         guard = self.state.auth if principal is not None else None
+        generates = dialect_for(api).generates  # False: count_tokens
         counted = None
         if guard is not None:
             assert principal is not None
-            if api == "count_tokens":  # their own request limit (no tokens), first: a refusal costs no request
+            if not generates:  # their own request limit (no tokens), first: a refusal costs no request
                 await guard.count_counting(principal)
             counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
         payload, request = await self.parse(api, body, headers)
@@ -126,7 +129,7 @@ class ProxyService:
             return await self._dispatch(api, payload, request, pools, record, pinned, migrate)
         assert principal is not None
         default_output = pools[0].default_output_tokens
-        if principal.tokens_per_minute is not None and api != "count_tokens":
+        if principal.tokens_per_minute is not None and generates:
             # What is reserved bounds what the engine may generate: it gets that output limit, in
             # llama.cpp's own `n_predict` too when the client sent one (that server ranks it first).
             out = request.reserved_output(default_output)
@@ -219,7 +222,7 @@ class ProxyService:
             self._attempt_accepted(dispatch, attempt)
             if dispatch.migrate and isinstance(result, RelayResponse):
                 self._may_migrate(dispatch, attempt, result)
-            if dispatch.api == "responses":
+            if dialect_for(dispatch.api).stores_responses:
                 self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result,
                                            dispatch.record.key)
             result.headers.extend(route_headers(record))
@@ -231,7 +234,7 @@ class ProxyService:
         failure could continue it elsewhere: a chat or text completion stream of a single-leg
         attempt (no PD pool, no pinned worker) on an engine that continues a turn, migration on."""
         stream = result.stream
-        if (dispatch.api not in ("chat", "completions") or not isinstance(stream, UpstreamStream)
+        if (not dialect_for(dispatch.api).migrates or not isinstance(stream, UpstreamStream)
                 or not isinstance(attempt, SingleLeg) or dispatch.pinned is not None
                 or attempt.pool.disaggregation is not None or attempt.worker.engine.kind not in MIGRATING_ENGINES
                 or self.state.config.migration.max_per_request == 0):

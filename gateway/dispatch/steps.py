@@ -11,8 +11,9 @@ from enum import StrEnum
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
+from gateway.dialects.names import Api
 from gateway.parsing import BodyKey, Payload, encode_for
-from gateway.routing.features import Api, RoutingRequest
+from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, RoutingPolicy
 from gateway.routing.prefill import PrefillEstimator, PrefillTicket
 

@@ -17,7 +17,9 @@ from typing import Any
 
 import orjson
 
-from gateway.protocol.anthropic import openai_usage, sse_error
+from gateway.dialects.names import CHAT
+from gateway.dialects.registry import dialect_for
+from gateway.protocol.anthropic import openai_usage
 from gateway.protocol.responses import chat_usage, response_id_of
 
 # A line longer than this is not tracked (no engine sends one; it bounds memory).
@@ -37,19 +39,21 @@ class SSETap:
     `failed`: the engine sent an `event: error` (Anthropic's, the Responses API's): it ended the
     stream with its own reason, which the relay passes on instead of adding one.
 
-    `api` (the request's: "chat", "completions", "messages", "responses", ...) picks the scans a
-    chunk gets: a chat stream is searched for `[DONE]` and usage only; the typed streams (Messages,
-    Responses) also for their end event and `event: error`. `cache_in_input`: the engine's Messages
-    usage counts its cached prompt inside `input_tokens` (`EngineSpec.messages_cache_in_input`).
+    `api` (the request's, a `dialects.names.Api`) picks the scans a chunk gets, from its dialect once
+    here: a chat stream is searched for `[DONE]` and usage only; the typed streams (Messages,
+    Responses: `Dialect.stream_end_events`) also for their end event and `event: error`.
+    `cache_in_input`: the engine's Messages usage counts its cached prompt inside `input_tokens`
+    (`EngineSpec.messages_cache_in_input`).
     """
 
-    __slots__ = ("_anthropic", "_cache_in_input", "_carry", "_messages", "_responses", "done", "events", "failed",
+    __slots__ = ("_anthropic", "_cache_in_input", "_carry", "_ends", "_json_error", "done", "events", "failed",
                  "on_response_id", "usage")
 
-    def __init__(self, api: str = "chat", cache_in_input: bool = False) -> None:
-        self._messages = api == "messages"
+    def __init__(self, api: str = CHAT, cache_in_input: bool = False) -> None:
+        dialect = dialect_for(api)
+        self._ends = dialect.stream_end_events  # empty: `data: [DONE]` ends the stream
+        self._json_error = dialect.json_error_type
         self._cache_in_input = cache_in_input
-        self._responses = api == "responses"
         self.events = 0
         self.done = False
         self.failed = False
@@ -75,7 +79,7 @@ class SSETap:
         if not self.done and (b"\ndata: [DONE]" in lines or b"\ndata:[DONE]" in lines
                               or lines.startswith((b"data: [DONE]", b"data:[DONE]"))):
             self.done = True
-        if self._messages or self._responses:
+        if self._ends:
             self._typed_events(lines)
         if self.on_response_id is not None and b'"response.created"' in lines:
             self._response_created(lines)
@@ -91,17 +95,17 @@ class SSETap:
     def _typed_events(self, lines: bytes) -> None:
         """The end and error events of the typed streams (Anthropic's, the Responses API's), known by
         their parsed type, however the engine spaced its JSON: an `event:` line's value, or a `data:`
-        line's top-level JSON `type`. An error is Anthropic's `event: error` (what the anthropic SDK
-        raises on) or, on the Responses API, also an event whose JSON `type` is "error" (the openai SDK
-        reads the data's `type`, not the `event:` line). A name is searched for first, so a chunk
-        without one costs a substring search per name."""
+        line's top-level JSON `type`. An error is an `event: error` (what the anthropic SDK raises on)
+        or, where the dialect says so (`json_error_type`: the Responses API), also an event whose JSON
+        `type` is "error" (the openai SDK reads the data's `type`, not the `event:` line). A name is
+        searched for first, so a chunk without one costs a substring search per name."""
         if not self.done:
-            for name in _RESPONSES_END if self._responses else _MESSAGES_END:
+            for name in self._ends:
                 if name in lines and _has_type(lines, name, True):
                     self.done = True
                     break
         if not self.failed and b"error" in lines:
-            self.failed = _has_type(lines, b"error", self._responses)
+            self.failed = _has_type(lines, b"error", self._json_error)
 
     def _usage_lines(self, lines: bytes) -> None:
         """Read each `data:` line of `lines` (whole lines) that holds `"usage"`: found by substring
@@ -164,12 +168,6 @@ class SSETap:
                 return
 
 
-# The last event of a typed stream: Anthropic's Messages API (https://docs.claude.com/en/docs/build-with-claude/streaming),
-# the Responses API (https://platform.openai.com/docs/api-reference/responses-streaming), which sends no `[DONE]`.
-_MESSAGES_END = (b"message_stop",)
-_RESPONSES_END = (b"response.completed", b"response.incomplete", b"response.failed")
-
-
 def _has_type(lines: bytes, name: bytes, json_type: bool) -> bool:
     """Whether a line of `lines` (whole lines) names an event of type `name`: an `event:` line whose
     value (after the one optional space SSE allows, without a `\r`) is `name`, or, when `json_type`,
@@ -209,25 +207,8 @@ def event_end(data: bytes | bytearray, stop: int | None = None, start: int = 0) 
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-def sse_error_event(message: str, code: str = "upstream_error", api: str = "chat") -> bytes:
-    """The gateway's error event for a stream it cannot finish, in the stream's API:
-
-    - chat and completions: one `data:` event holding an OpenAI error object (what the OpenAI SDKs
-      raise on);
-    - Anthropic's (`api` "messages"): an `event: error` with Anthropic's error object, a 504
-      `timeout_error` for `code` "request_timeout", a 529 `overloaded_error` (retry elsewhere) for
-      "shutting_down", else a 500 `api_error`;
-    - the Responses API ("responses"), whose events are typed: an `event: error` whose data is
-      OpenAI's error event (`type` "error", `code`, `message`, `param`;
-      https://platform.openai.com/docs/api-reference/responses-streaming/error) plus the OpenAI
-      error object under `error`, which the openai SDK raises on. No `sequence_number`: the
-      gateway does not number the engine's events.
-    """
-    if api == "messages":
-        status = {"request_timeout": 504, "shutting_down": 529}.get(code, 500)
-        return sse_error(message, status)
-    error = {"message": message, "type": "server_error", "param": None, "code": code}
-    if api == "responses":
-        typed = {"type": "error", "code": code, "message": message, "param": None, "error": error}
-        return b"event: error\ndata: " + orjson.dumps(typed) + b"\n\n"
-    return b"data: " + orjson.dumps({"error": error}) + b"\n\n"
+def sse_error_event(message: str, code: str = "upstream_error", api: str = CHAT) -> bytes:
+    """The gateway's error event for a stream it cannot finish, in the stream's API
+    (`Dialect.stream_error`: OpenAI's error object in a `data:` event on chat and completions,
+    Anthropic's `event: error` on Messages, OpenAI's typed error event on Responses)."""
+    return dialect_for(api).stream_error(message, code)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from gateway.backends.engine_kinds import ENGINES
 from gateway.config import PD_APIS, PoolConfig
+from gateway.dialects.registry import dialect_for
 from gateway.errors import ApiNotServed, ContextLengthExceeded, InvalidRequest
 from gateway.routing.features import RoutingRequest
 
@@ -63,7 +64,7 @@ def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[
         f"request needs about {request.prompt_tokens + output} tokens ({request.prompt_tokens} "
         f"estimated prompt tokens by {request.estimate_method} + {output} output tokens). "
         "Please reduce the length of the messages or the output limit.",
-        param={"completions": "prompt", "responses": "input"}.get(request.api, "messages"),
+        param=dialect_for(request.api).prompt_param,
     )
 
 

@@ -9,12 +9,13 @@ import json
 import pytest
 
 from gateway.affinity.hashing import PrefixHasher
-from gateway.api.anthropic_errors import anthropic_error
-from gateway.auth.guard import AuthGuard
+from gateway.auth.guard import MISSING_KEY, AuthGuard
 from gateway.auth.keys import KeyRing, hash_key
 from gateway.auth.limits import MemoryRateLimiter
 from gateway.config import AffinityConfig, ApiKeyConfig, AuthConfig, EstimationConfig
-from gateway.errors import InvalidApiKey
+from gateway.dialects.chat import chat_features
+from gateway.dialects.messages import MISSING_ANTHROPIC_KEY, AnthropicWire, MessagesDialect, messages_features
+from gateway.errors import InvalidApiKey, NoCapacity
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.anthropic import (
     CountTokensRequest,
@@ -26,7 +27,6 @@ from gateway.protocol.anthropic import (
 )
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.sse import SSETap
-from gateway.routing.features import AnthropicWire, chat_features, messages_features
 from gateway.routing.tokens import TokenEstimator
 from gateway.streaming import Held, Outcome, _error_event, classify_event
 
@@ -153,13 +153,19 @@ def test_error_types_follow_anthropics_table(status: int, kind: str) -> None:
                                                          "request_id": "r1"}
 
 
-def test_openai_error_becomes_anthropic_and_503_becomes_529() -> None:
-    body = b'{"error":{"message":"No inference server","type":"server_error","param":null,"code":"x"}}'
-    status, converted = anthropic_error(503, body, "r")
-    assert status == 529
-    assert json.loads(converted)["error"] == {"type": "overloaded_error", "message": "No inference server"}
-    assert json.loads(anthropic_error(502, b"<html>bad gateway</html>", None)[1])["error"]["message"] == (
-        "<html>bad gateway</html>")
+def test_gateway_and_engine_errors_are_rendered_anthropic_shaped_and_503_becomes_529() -> None:
+    dialect = MessagesDialect()
+    assert dialect.answer_status(503) == 529 and dialect.answer_status(400) == 400
+    converted = dialect.error_bytes(NoCapacity("No inference server"), "r")
+    assert json.loads(converted) == {"type": "error", "error": {"type": "overloaded_error",
+                                                                "message": "No inference server"}, "request_id": "r"}
+    missing = json.loads(dialect.error_bytes(InvalidApiKey(MISSING_KEY), None))
+    assert missing == {"type": "error", "error": {"type": "authentication_error", "message": MISSING_ANTHROPIC_KEY}}
+    engine = b'{"object":"error","message":"bad field","type":"BadRequestError","param":null,"code":400}'
+    assert json.loads(dialect.engine_error_bytes(400, engine, None, None, "r"))["error"] == {
+        "type": "invalid_request_error", "message": "bad field"}
+    assert json.loads(dialect.engine_error_bytes(502, b"<html>bad gateway</html>", None, None, None))["error"] == {
+        "type": "api_error", "message": "<html>bad gateway</html>"}
 
 
 def sse(kind: str, payload: dict[str, object]) -> bytes:

@@ -9,8 +9,8 @@ import pytest
 
 from gateway.affinity.hashing import PrefixHasher, longest_match, sampled_positions
 from gateway.config import AffinityConfig, EstimationConfig
+from gateway.dialects.chat import chat_features
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.routing.features import chat_features
 from gateway.routing.tokens import TokenEstimator
 
 HASHER = PrefixHasher(AffinityConfig())
