@@ -25,37 +25,16 @@ from gateway.dispatch.pd.mooncake import MOONCAKE
 from gateway.dispatch.pd.nixl import NIXL
 from gateway.dispatch.pd.sglang import SGLANG
 from gateway.record import RequestRecord
-from gateway.redact import Redactor
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Outcome
+from tests.unit.test_dispatch_attempt import Answer
 
 BODY = orjson.dumps({"model": "kimi", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8})
 USAGE = b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4}}'
 HANDLE = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [1], "remote_engine_id": "e",
           "remote_request_id": "r", "remote_host": "p0", "remote_port": 5600, "tp_size": 1}
 EVENTS = [b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n', b"data: [DONE]\n\n"]
-
-
-class Answer:
-    """An engine's answer as the attempt sees it (the `UpstreamResponse` surface), in memory."""
-
-    def __init__(self, status: int, chunks: list[bytes], content_type: str = "application/json") -> None:
-        self.status_code = status
-        self.headers: Mapping[str, str] = {"content-type": content_type}
-        self.redact = Redactor()
-        self._chunks = chunks
-        self.closed = 0
-
-    async def _iterate(self) -> AsyncIterator[bytes]:
-        for chunk in self._chunks:
-            yield chunk
-
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self._iterate()
-
-    async def aclose(self) -> None:
-        self.closed += 1
 
 
 class Waiting(Answer):
@@ -261,13 +240,13 @@ async def test_a_prefill_answer_without_a_usable_handle_never_reaches_the_decode
     assert released(state)
 
 
-@pytest.mark.anyio
-async def test_a_nixl_stream_is_committed_while_a_long_prefill_runs(states: list[AppState]) -> None:
+async def committed_nixl_stream(states: list[AppState], prefill: Answer) -> tuple[list[bytes], Pair, RequestRecord]:
+    """A NIXL stream whose prefill leg (answering `prefill`) outlasts the hold window: the chunks
+    the client gets after its first keep-alive (once the prefill answered), the legs, the record."""
     state = pd_state("vllm-nixl", {"hold_headers": 0.05, "keepalive_interval": 0.02})
     states.append(state)
     prefilled = asyncio.Event()
-    pair = Pair(after(prefilled, Answer(200, [orjson.dumps({"kv_transfer_params": HANDLE})])),
-                now(Answer(200, EVENTS, content_type="text/event-stream")))
+    pair = Pair(after(prefilled, prefill), now(Answer(200, EVENTS, content_type="text/event-stream")))
     pd, record = attempt(state, NIXL, pair, stream=True)
     result = await pd.run()
     assert isinstance(result, RelayResponse) and isinstance(result.stream, DeferredStream)
@@ -275,29 +254,25 @@ async def test_a_nixl_stream_is_committed_while_a_long_prefill_runs(states: list
     body = result.stream.body()
     assert await anext(body) == b": keep-alive\n\n"
     prefilled.set()
-    rest = [chunk async for chunk in body]
-    assert b"".join(rest).endswith(b"".join(EVENTS)) and pair.hosts() == ["p0", "d0"]
+    rest = [chunk async for chunk in body if chunk != b": keep-alive\n\n"]
     assert released(state)
+    return rest, pair, record
+
+
+@pytest.mark.anyio
+async def test_a_nixl_stream_is_committed_while_a_long_prefill_runs(states: list[AppState]) -> None:
+    rest, pair, _ = await committed_nixl_stream(states, Answer(200, [orjson.dumps({"kv_transfer_params": HANDLE})]))
+    assert b"".join(rest) == b"".join(EVENTS) and pair.hosts() == ["p0", "d0"]
 
 
 @pytest.mark.anyio
 async def test_a_deferred_streams_prefill_failure_ends_it_with_one_error_event(states: list[AppState]) -> None:
-    state = pd_state("vllm-nixl", {"hold_headers": 0.05, "keepalive_interval": 0.02})
-    states.append(state)
-    prefilled = asyncio.Event()
-    pair = Pair(after(prefilled, Answer(502, [b"{}"])), now(Answer(200, EVENTS, content_type="text/event-stream")))
-    pd, record = attempt(state, NIXL, pair, stream=True)
-    result = await pd.run()
-    assert isinstance(result, RelayResponse)
-    body = result.stream.body()
-    assert await anext(body) == b": keep-alive\n\n"
-    prefilled.set()
-    tail = [chunk async for chunk in body if chunk != b": keep-alive\n\n"]
+    tail, pair, record = await committed_nixl_stream(states, Answer(502, [b"{}"]))
     assert len(tail) == 1 and tail[0].startswith(b"data: ") and b"[DONE]" not in tail[0]
     assert orjson.loads(tail[0][6:])["error"]["message"].startswith("The inference server failed before the first")
     assert record.outcome == "upstream_error" and pair.hosts() == ["p0"]
-    assert workers(state)[0].consecutive_failures == 1 and workers(state)[1].consecutive_failures == 0
-    assert released(state)
+    prefill, decode = workers(states[0])
+    assert (prefill.consecutive_failures, decode.consecutive_failures) == (1, 0)
 
 
 # -- vLLM Mooncake: both legs at once, the engine id kept by the registry -------------------------------
