@@ -166,7 +166,7 @@ code); gateway/routing/registry.py checks at import that both name the same poli
 
 PdMode = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
 """A prefill/decode protocol: SGLang's bootstrap rooms, vLLM's NixlConnector or MooncakeConnector
-(the wire shapes: gateway/sim/pd.py's docstring; the dispatch side: gateway/dispatch/pd_attempt.py)."""
+(the wire protocol: gateway/protocol/pd.py; the dispatch side: gateway/dispatch/pd/)."""
 
 PD_APIS = frozenset({CHAT, COMPLETIONS})
 """The APIs a prefill/decode pool serves: those whose two legs the peer routers (sglang-router,

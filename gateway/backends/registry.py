@@ -346,6 +346,16 @@ class WorkerRegistry:
             if worker.ejections and worker.ejected_until <= now:
                 self.metrics.worker_ejected.labels(worker.pool, worker.id).set(0)
 
+    def engine_id_learned(self, worker: Worker, engine_id: str) -> None:
+        """`worker` (a vLLM Mooncake prefill worker) reported `engine_id` at its bootstrap server's
+        `GET /query`: kept (`Worker.pd_engine_id`) for the decode legs that name it."""
+        worker.pd_engine_id = engine_id
+
+    def engine_id_stale(self, worker: Worker) -> None:
+        """An attempt through `worker` failed: forget its engine id, read again next time (a
+        restarted engine has a new one)."""
+        worker.pd_engine_id = None
+
     def throttled(self, worker: Worker, retry_after: float | None) -> None:
         """A 429: no new requests to this worker for `retry_after` seconds (1 s when not given)."""
         worker.busy_until = self.clock() + (DEFAULT_RETRY_AFTER_S if retry_after is None else retry_after)

@@ -12,7 +12,7 @@ opens) in one `Holding`, released together on every exit path (`finally: if hold
 holding.aclose()`); on success it moves the whole Holding in one call (`Holding.hand_over`) to the
 `UpstreamStream` that relays the answer, or closes it after reading a buffered answer.
 
-How a prefill/decode (PD) attempt plugs in (issue 13, `pd_attempt.py`): the PD pool kind (`kinds.py`, chosen by
+How a prefill/decode (PD) attempt plugs in (issue 13, `dispatch/pd/`): the PD pool kind (`kinds.py`, chosen by
 `kind_of` from the pool's `disaggregation` config) picks a decode worker among the candidates with
 room the loop gives it (the pool's decode role) and a prefill worker among its prefill role's own
 candidates, each with its role's policy, and returns a two-leg attempt whose `worker` is the
@@ -35,7 +35,7 @@ import asyncio
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from gateway.backends.client import UpstreamResponse, UpstreamTimeouts, first_byte_budget, request_timeout
 from gateway.backends.engine_kinds import ENGINES
@@ -243,6 +243,11 @@ class SingleLeg(Attempt):
     def upstream_headers(self) -> dict[str, str]:
         """The engine request's headers (`upstream_headers`)."""
         return upstream_headers(self.pool, self.worker, self._record)
+
+    def serve(self, holding: Holding, headers: dict[str, str]) -> Awaitable[BufferedResponse | RelayResponse]:
+        """The relay without the slot (a PD attempt's decode leg, `dispatch/pd/`): `_serve` into
+        `holding`, whose slots the caller took."""
+        return self._serve(holding, headers)
 
     async def _serve(self, holding: Holding, headers: dict[str, str]) -> BufferedResponse | RelayResponse:
         """Send the body to `self.worker` with `headers`, wait for headers then first content, and

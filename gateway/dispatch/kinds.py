@@ -4,8 +4,8 @@ attempt among the candidates with room and runs it; it knows nothing of legs.
 `Aggregated` (every pool today): the pool's policy picks one worker, whose attempt is a
 `SingleLeg` (with a cost-aware policy, holding the request's prefill ticket:
 `steps.prefill_ticket`). `Disaggregated` (a prefill/decode pool, issue 13): a prefill and a
-decode worker, each picked by its role's policy, in a two-leg attempt of the pool's protocol
-(`pd_attempt.py`); `kind_of` picks the kind from the pool's `disaggregation` config. A cost-aware
+decode worker, each picked by its role's policy, in a two-leg attempt run by the pool's protocol
+runner (`dispatch/pd/`); `kind_of` picks the kind from the pool's `disaggregation` config. A cost-aware
 prefill policy sees the prefill workers' engine load in tokens there, but no prefill ticket is
 taken: their rates stay at the prior.
 """
@@ -20,7 +20,10 @@ from gateway.config import PoolConfig
 from gateway.dialects.base import usage_patch
 from gateway.dispatch.attempt import Attempt, SingleLeg
 from gateway.dispatch.context import Dispatch
-from gateway.dispatch.pd_attempt import MooncakeAttempt, NixlAttempt, PdAttempt, SglangAttempt
+from gateway.dispatch.pd.attempt import PdAttempt, PdRunner
+from gateway.dispatch.pd.mooncake import MOONCAKE
+from gateway.dispatch.pd.nixl import NIXL
+from gateway.dispatch.pd.sglang import SGLANG
 from gateway.dispatch.steps import decide, engine_body, prefill_ticket, served_name
 from gateway.routing.policy import RoutingPolicy
 
@@ -60,13 +63,13 @@ class Disaggregated:
     """A prefill/decode pool: each attempt takes a prefill worker (picked by `policy`, the pool's
     prefill policy, with `match`: the prefix cache lives on the prefill workers) and a decode
     worker (among `workers`, the decode candidates with room, picked by the decode policy), and
-    runs the protocol's two-leg attempt (`pd_attempt.py`). `dispatch.choose_pool` made sure a
-    prefill worker with room exists."""
+    runs the two-leg attempt (`dispatch/pd/attempt.py`) with the pool's protocol runner.
+    `dispatch.choose_pool` made sure a prefill worker with room exists."""
 
-    __slots__ = ("_attempt",)
+    __slots__ = ("_runner",)
 
-    def __init__(self, attempt: type[PdAttempt]) -> None:
-        self._attempt = attempt
+    def __init__(self, runner: PdRunner) -> None:
+        self._runner = runner
 
     def attempt(self, dispatch: Dispatch, policy: RoutingPolicy, workers: list[Worker],
                 match: Mapping[str, float]) -> Attempt:
@@ -86,14 +89,14 @@ class Disaggregated:
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
                            served_name(pool, request, state.config.model.name), worker, patch_usage)
         matched = match.get(prefill.worker.url, 0.0) if policy.uses_affinity else None
-        return self._attempt(state, dispatch.api, pool, worker, prefill.worker,
-                             f"prefill:{prefill.reason},decode:{decode.reason}", prefill.reason, matched, body,
-                             request, dispatch.record, patch_usage)
+        return PdAttempt(self._runner, state, dispatch.api, pool, worker, prefill.worker,
+                         f"prefill:{prefill.reason},decode:{decode.reason}", prefill.reason, matched, body,
+                         request, dispatch.record, patch_usage)
 
 
 AGGREGATED = Aggregated()
-PD_KINDS: dict[str, PoolKind] = {"sglang": Disaggregated(SglangAttempt), "vllm-nixl": Disaggregated(NixlAttempt),
-                                 "vllm-mooncake": Disaggregated(MooncakeAttempt)}
+PD_KINDS: dict[str, PoolKind] = {"sglang": Disaggregated(SGLANG), "vllm-nixl": Disaggregated(NIXL),
+                                 "vllm-mooncake": Disaggregated(MOONCAKE)}
 
 RESPONSE_AFFINITY = "response_affinity"
 """The route reason of a request pinned to one worker: a Responses follow-up sent to the worker that

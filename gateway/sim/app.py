@@ -52,6 +52,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from gateway.protocol.pd import MOONCAKE_QUERY_PATH
 from gateway.sim import render
 from gateway.sim import responses as r
 from gateway.sim.asgi import (
@@ -67,7 +68,7 @@ from gateway.sim.asgi import (
 )
 from gateway.sim.config import BodyMode, SimConfig, SimFaults
 from gateway.sim.generation import handle_generation
-from gateway.sim.pd import MOONCAKE_PULL_PATH, MOONCAKE_QUERY_PATH, NIXL_READ_PATH, SGLANG_ROOMS_PATH
+from gateway.sim.pd import MOONCAKE_PULL_PATH, NIXL_READ_PATH, SGLANG_ROOMS_PATH
 from gateway.sim.responses_api import ResponsesServer
 from gateway.sim.script import SimScript
 from gateway.sim.worker_state import SimEngine

@@ -1,80 +1,50 @@
-"""Prefill/decode (PD) disaggregation roles of the simulator, after SGLang's and vLLM's protocols.
+"""Prefill/decode (PD) disaggregation roles of the simulator, after SGLang's and vLLM's engines.
 
 A PD pair is two workers: a prefill worker computes the prompt's KV cache, a decode worker
-receives it and generates. What goes over the wire (checked against the routers' own traffic by
-tests/integration/sim/test_sim_pd_peers.py, which runs sglang-router 0.3.2 and vllm-router 0.1.17
-in front of the simulator):
+receives it and generates. What goes over the wire between a router and the workers (field names,
+shapes, endpoints, with their sources) is defined in `gateway/protocol/pd.py`, which this module
+reads; tests/integration/sim/test_sim_pd_peers.py checks it against the routers' own traffic
+(sglang-router 0.3.2 and vllm-router 0.1.17 in front of the simulator). sglang-router 0.3.2
+re-encodes the body from its typed request, so the workers also see its defaults (chat:
+`max_tokens` renamed `max_completion_tokens`, `logprobs: false`, `skip_special_tokens: true` ...);
+vllm-router 0.1.17's NIXL prefill leg carries `min_tokens: 1` and an X-Request-Id of the form
+`___prefill_addr_{P host:port}___decode_addr_{D host:port}_{uuid hex}`, with
+`Authorization: Bearer $OPENAI_API_KEY` (empty when unset).
 
-SGLang (prefill `--disaggregation-mode prefill --disaggregation-bootstrap-port P`, decode
-`--disaggregation-mode decode`; router: sgl-router `src/routers/http/pd_router.rs`):
+How the engines behave, as simulated here:
 
-- The router adds three top-level body fields and sends the SAME body to a prefill and a decode
-  worker at once: `bootstrap_host` (the prefill worker's host, a string), `bootstrap_port` (its
-  bootstrap port from the router's `--prefill URL PORT`, an int, null when none was given) and
-  `bootstrap_room` (a random non-negative 63-bit int). For a batched prompt (a list of prompts in
-  `/v1/completions` or `/generate`) all three are lists, one entry per prompt. The router reads
-  both answers and returns the decode worker's (streamed or not). sglang-router 0.3.2 re-encodes
-  the body from its typed request, so the workers also see its defaults (chat: `max_tokens`
-  renamed `max_completion_tokens`, `logprobs: false`, `skip_special_tokens: true` ...).
-- The decode worker connects to the prefill worker's bootstrap server (`bootstrap_host:
-  bootstrap_port`), registers for the room and waits for the KV. The prefill worker does not
-  compute a request before its decode partner has bootstrapped (its bootstrap queue), then
-  prefills, sends the KV and answers with the first token. Failures end the request with HTTP 500
-  (`prepare_abort(..., status_code=INTERNAL_SERVER_ERROR)` in
-  `python/sglang/srt/disaggregation/decode.py` / `prefill.py`); the decode side's wording is
-  "Decode transfer failed for request rank=0 with exception KVTransferError(bootstrap_room=R):
-  Request R timed out after T s in KVPoll.WaitingForInput" after
-  `SGLANG_DISAGGREGATION_WAITING_TIMEOUT` (300 s; `mooncake/conn.py`, `nixl/conn.py`
-  `KVReceiver.poll`); the prefill side times out in "KVPoll.Bootstrapping" after
-  `SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` (300 s). Metrics (`srt/metrics/collector.py`):
-  counters `sglang:num_bootstrap_failed_reqs_total`, `sglang:num_transfer_failed_reqs_total`,
-  histogram `sglang:kv_transfer_latency_ms`, gauges `sglang:num_decode_transfer_queue_reqs`
-  (decode: waiting for KV) and `sglang:num_prefill_prealloc_queue_reqs` (prefill: waiting for the
-  decode worker's bootstrap).
+SGLang (`python/sglang/srt/disaggregation/decode.py` / `prefill.py`): the decode worker connects
+to the prefill worker's bootstrap server (`bootstrap_host:bootstrap_port`), registers for the room
+and waits for the KV. The prefill worker does not compute a request before its decode partner has
+bootstrapped (its bootstrap queue), then prefills, sends the KV and answers with the first token.
+Failures end the request with HTTP 500 (`prepare_abort(..., status_code=INTERNAL_SERVER_ERROR)`);
+the decode side's wording is "Decode transfer failed for request rank=0 with exception
+KVTransferError(bootstrap_room=R): Request R timed out after T s in KVPoll.WaitingForInput" after
+`SGLANG_DISAGGREGATION_WAITING_TIMEOUT` (300 s; `mooncake/conn.py`, `nixl/conn.py`
+`KVReceiver.poll`); the prefill side times out in "KVPoll.Bootstrapping" after
+`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT` (300 s). Metrics (`srt/metrics/collector.py`): counters
+`sglang:num_bootstrap_failed_reqs_total`, `sglang:num_transfer_failed_reqs_total`, histogram
+`sglang:kv_transfer_latency_ms`, gauges `sglang:num_decode_transfer_queue_reqs` (decode: waiting
+for KV) and `sglang:num_prefill_prealloc_queue_reqs` (prefill: waiting for the decode worker's
+bootstrap).
 
-vLLM with the NixlConnector (`--kv-transfer-config '{"kv_connector":"NixlConnector",...}'`;
-router: vllm-project/router `src/routers/http/vllm_pd_router.rs`; connector:
-`vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`):
+vLLM NixlConnector (`vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`): the
+prefill worker answers with the KV handle (full blocks only, so a prompt shorter than a block gives
+`remote_block_ids: []`) and keeps those blocks until the decode worker read them or
+`VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (480 s) passed (`vllm:nixl_num_kv_expired_reqs`). The decode
+worker reads the blocks from `remote_host:remote_port` (the NIXL side channel); it loads only the
+tokens its own prefix cache lacks. A request without `do_remote_prefill` runs aggregated
+(prefilled locally). A read that fails ends the request per `kv_load_failure_policy`: "fail" (the
+default since late 2025) finishes it with an error, which vLLM's OpenAI server turns into HTTP 500
+"Internal server error" (an SSE error event once streaming); "recompute" prefills locally. Metrics
+(`NixlPromMetrics`): histograms `vllm:nixl_xfer_time_seconds`, `vllm:nixl_bytes_transferred`,
+counter `vllm:nixl_num_failed_transfers`.
 
-- Both legs carry the same `X-Request-Id` header
-  (`___prefill_addr_{P host:port}___decode_addr_{D host:port}_{uuid hex}`) and
-  `Authorization: Bearer $OPENAI_API_KEY` (empty when unset). The prefill leg is the request with
-  `max_tokens: 1` (`max_completion_tokens: 1` when present), `stream: false`, no
-  `stream_options`, `min_tokens` set to 1 (0.1.17 adds it; newer routers lower it to 1 only when
-  above), and `kv_transfer_params: {"do_remote_decode": true, "do_remote_prefill": false,
-  "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}`.
-- The prefill worker answers (JSON) with a top-level `kv_transfer_params`: `{"do_remote_prefill":
-  true, "do_remote_decode": false, "remote_block_ids": [int...], "remote_engine_id": str,
-  "remote_request_id": str, "remote_host": str, "remote_port": int, "tp_size": int}`
-  (`NixlConnectorScheduler.request_finished`; full blocks only, so a prompt shorter than a block
-  gives `[]`) and keeps those blocks until the decode worker read them or
-  `VLLM_NIXL_ABORT_REQUEST_TIMEOUT` (480 s) passed (`vllm:nixl_num_kv_expired_reqs`).
-- The router sends the ORIGINAL request plus that `kv_transfer_params` object (null when the
-  answer had none) to the decode worker and relays its answer. The decode worker reads the blocks
-  from `remote_host:remote_port` (the NIXL side channel); it loads only the tokens its own prefix
-  cache lacks. A request without `do_remote_prefill` runs aggregated (prefilled locally). A read
-  that fails ends the request per `kv_load_failure_policy`: "fail" (the default since late 2025)
-  finishes it with an error, which vLLM's OpenAI server turns into HTTP 500 "Internal server
-  error" (an SSE error event once streaming); "recompute" prefills locally. Metrics
-  (`nixl_connector.py` `NixlPromMetrics`): histograms `vllm:nixl_xfer_time_seconds`,
-  `vllm:nixl_bytes_transferred`, counter `vllm:nixl_num_failed_transfers`.
-vLLM with the MooncakeConnector (`vllm-router --kv-connector mooncake`; connector:
-`vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py`, bootstrap server
-in `mooncake_utils.py`), as vllm-router 0.1.17 sends it (recorded by the peer test):
-
-- At start-up the router GETs `http://{prefill host}:{bootstrap port}/query` (the prefill
-  worker's `MooncakeBootstrapServer`, `VLLM_MOONCAKE_BOOTSTRAP_PORT`, 8998 by default), retrying
-  while it fails; the answer maps each DP rank to `{"engine_id": str, "worker_addr": {tp_rank:
-  {pp_rank: "host:port"}}}` (JSON object keys are strings).
-- Per request it mints `transfer_id` = "xfer-" + a UUID and sends BOTH legs at once, with one
-  `X-Request-Id`: the prefill leg shaped as for NIXL but with `kv_transfer_params:
-  {"do_remote_decode": true, "do_remote_prefill": false, "transfer_id": T}`; the decode leg is the
-  original request plus `{"do_remote_decode": false, "do_remote_prefill": true, "transfer_id": T,
-  "remote_bootstrap_addr": "http://{host}:{bootstrap port}", "remote_engine_id": E}`.
-- The prefill worker holds the finished prefill's blocks under `transfer_id` and answers with no
-  `kv_transfer_params` (`request_finished` returns None); the decode worker finds the prefill
-  worker through the bootstrap server and the prefill pushes the blocks the decode lacks. A
-  failed load follows `kv_load_failure_policy` as with NIXL.
+vLLM MooncakeConnector (`.../v1/mooncake/mooncake_connector.py`, bootstrap server in
+`mooncake_utils.py`): the prefill worker holds the finished prefill's blocks under `transfer_id`
+and answers with no `kv_transfer_params` (`request_finished` returns None); the decode worker
+finds the prefill worker through the bootstrap server and the prefill pushes the blocks the decode
+lacks. A failed load follows `kv_load_failure_policy` as with NIXL.
 
 The simulator's side channels (test-only, under `/sim/pd/`): a SGLang decode sim POSTs
 `/sim/pd/sglang/rooms/{room}` to `bootstrap_host:bootstrap_port` (a prefill sim's HTTP port, or
@@ -99,13 +69,27 @@ from typing import Any
 
 import httpx
 
+from gateway.protocol.pd import (
+    BOOTSTRAP_HOST,
+    BOOTSTRAP_PORT,
+    BOOTSTRAP_ROOM,
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    KV_TRANSFER_PARAMS,
+    REMOTE_BLOCK_IDS,
+    REMOTE_BOOTSTRAP_ADDR,
+    REMOTE_ENGINE_ID,
+    REMOTE_HOST,
+    REMOTE_PORT,
+    REMOTE_REQUEST_ID,
+    TRANSFER_ID,
+)
 from gateway.sim.config import SimConfig
 from gateway.sim.kvcache import CacheLease
 
 SGLANG_ROOMS_PATH = "/sim/pd/sglang/rooms/"
 NIXL_READ_PATH = "/sim/pd/nixl/read"
 MOONCAKE_PULL_PATH = "/sim/pd/mooncake/pull"
-MOONCAKE_QUERY_PATH = "/query"
 
 
 class PdFailure(Exception):
@@ -291,9 +275,9 @@ class PdState:
             handle.expiry = asyncio.get_running_loop().call_later(
                 self.config.kv_hold_timeout_s, self._expire, request_id)
             self.count(held_for_decode=1)
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids,
-                "remote_engine_id": self.engine_id, "remote_request_id": request_id,
-                "remote_host": self.config.side_channel_host, "remote_port": port, "tp_size": 1}
+        return {DO_REMOTE_PREFILL: True, DO_REMOTE_DECODE: False, REMOTE_BLOCK_IDS: block_ids,
+                REMOTE_ENGINE_ID: self.engine_id, REMOTE_REQUEST_ID: request_id,
+                REMOTE_HOST: self.config.side_channel_host, REMOTE_PORT: port, "tp_size": 1}
 
     def _expire(self, request_id: str) -> None:
         handle = self._handles.pop(request_id, None)
@@ -406,9 +390,9 @@ def sglang_bootstrap(body: dict[str, Any], n_prompts: int) -> list[tuple[str, in
     """(host, port, room) per prompt of a SGLang decode request, or the sim's error message when
     the fields are missing or malformed."""
     try:
-        hosts = as_list(body["bootstrap_host"], n_prompts)
-        ports = as_list(body["bootstrap_port"], n_prompts)
-        rooms = as_list(body["bootstrap_room"], n_prompts)
+        hosts = as_list(body[BOOTSTRAP_HOST], n_prompts)
+        ports = as_list(body[BOOTSTRAP_PORT], n_prompts)
+        rooms = as_list(body[BOOTSTRAP_ROOM], n_prompts)
     except KeyError as exc:
         return f"Disaggregated request is missing {exc.args[0]}"
     if not (len(hosts) == len(ports) == len(rooms) == n_prompts):
@@ -454,8 +438,8 @@ async def _sglang_receive_one(host: str, port: int, room: int, timeout_s: float,
 def nixl_remote(body: dict[str, Any]) -> dict[str, Any] | None:
     """The `kv_transfer_params` of a vLLM decode request that asks for a remote prefill, else
     None (the request then runs aggregated)."""
-    params = body.get("kv_transfer_params")
-    if isinstance(params, dict) and params.get("do_remote_prefill") is True:
+    params = body.get(KV_TRANSFER_PARAMS)
+    if isinstance(params, dict) and params.get(DO_REMOTE_PREFILL) is True:
         return params
     return None
 
@@ -463,15 +447,15 @@ def nixl_remote(body: dict[str, Any]) -> dict[str, Any] | None:
 async def nixl_pull(params: dict[str, Any], client: Callable[[], httpx.AsyncClient]) -> int:
     """Decode: read the blocks named by `params` from the prefill worker; returns how many blocks
     came over. Raises PdFailure when the handle is unknown there or the side channel is down."""
-    block_ids = params.get("remote_block_ids") or []
+    block_ids = params.get(REMOTE_BLOCK_IDS) or []
     if not block_ids:
         return 0  # a prompt shorter than one block: nothing to pull (vLLM prefills it locally)
-    url = f"http://{params.get('remote_host')}:{params.get('remote_port')}{NIXL_READ_PATH}"
+    url = f"http://{params.get(REMOTE_HOST)}:{params.get(REMOTE_PORT)}{NIXL_READ_PATH}"
     try:
         response = await client().post(url, json={
-            "remote_engine_id": params.get("remote_engine_id"),
-            "remote_request_id": params.get("remote_request_id"),
-            "remote_block_ids": block_ids}, timeout=30.0)
+            REMOTE_ENGINE_ID: params.get(REMOTE_ENGINE_ID),
+            REMOTE_REQUEST_ID: params.get(REMOTE_REQUEST_ID),
+            REMOTE_BLOCK_IDS: block_ids}, timeout=30.0)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise PdFailure(f"NIXL handshake with {url} failed: {type(exc).__name__}", "transfer") from None
     if response.status_code != 200:
@@ -484,7 +468,7 @@ def mooncake_remote(body: dict[str, Any]) -> dict[str, Any] | None:
     (`do_remote_prefill` with `transfer_id`, `remote_engine_id` and `remote_bootstrap_addr`, as
     `update_state_after_alloc` requires), else None (the request then runs aggregated)."""
     params = nixl_remote(body)
-    if params is None or not all(params.get(k) for k in ("transfer_id", "remote_engine_id", "remote_bootstrap_addr")):
+    if params is None or not all(params.get(k) for k in (TRANSFER_ID, REMOTE_ENGINE_ID, REMOTE_BOOTSTRAP_ADDR)):
         return None
     return params
 
@@ -493,11 +477,11 @@ async def mooncake_pull(params: dict[str, Any], timeout_s: float, client: Callab
     """Decode: take the KV of `params["transfer_id"]` from the prefill worker behind
     `remote_bootstrap_addr`; returns its prompt tokens. Raises PdFailure when that worker does not
     know the transfer, it failed, or it did not come within `timeout_s`."""
-    addr = str(params["remote_bootstrap_addr"]).rstrip("/")
+    addr = str(params[REMOTE_BOOTSTRAP_ADDR]).rstrip("/")
     url = (addr if addr.startswith(("http://", "https://")) else f"http://{addr}") + MOONCAKE_PULL_PATH
     try:
-        response = await client().post(url, json={"transfer_id": params["transfer_id"],
-                                                  "remote_engine_id": params["remote_engine_id"],
+        response = await client().post(url, json={TRANSFER_ID: params[TRANSFER_ID],
+                                                  REMOTE_ENGINE_ID: params[REMOTE_ENGINE_ID],
                                                   "timeout_s": timeout_s}, timeout=timeout_s + 5.0)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise PdFailure(f"Mooncake bootstrap {url} unreachable: {type(exc).__name__}", "transfer") from None

@@ -1,6 +1,6 @@
 """One request's part in a PD hand-over, as a prefill or decode simulator serves it.
 
-`PdLeg.start` reads the protocol fields of a request (see `gateway.sim.pd` for the wire format);
+`PdLeg.start` reads the protocol fields of a request (the wire format: `gateway/protocol/pd.py`);
 the generation code then calls `before_prefill` in place of the prefill wait (a SGLang prefill
 worker waits for its decode partner's bootstrap; a decode worker waits for and receives the KV),
 `after_prefill` once the prompt is computed, `response_fields` for the JSON answer and `finish`
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.protocol.pd import DO_REMOTE_DECODE, KV_TRANSFER_PARAMS, TRANSFER_ID
 from gateway.sim.asgi import DisconnectWatch, Scope
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
@@ -68,15 +69,15 @@ class PdLeg:
             else:
                 leg.targets = targets
         elif config.pd_protocol == "vllm-mooncake":
-            params = body.get("kv_transfer_params")
+            params = body.get(KV_TRANSFER_PARAMS)
             if config.pd_role == "prefill":
-                if isinstance(params, dict) and params.get("do_remote_decode") is True and params.get("transfer_id"):
-                    leg.transfer_id = str(params["transfer_id"])
+                if isinstance(params, dict) and params.get(DO_REMOTE_DECODE) is True and params.get(TRANSFER_ID):
+                    leg.transfer_id = str(params[TRANSFER_ID])
             else:
                 leg.mooncake_params = mooncake_remote(body)
         elif config.pd_role == "prefill":
-            params = body.get("kv_transfer_params")
-            leg.nixl_offer = isinstance(params, dict) and params.get("do_remote_decode") is True
+            params = body.get(KV_TRANSFER_PARAMS)
+            leg.nixl_offer = isinstance(params, dict) and params.get(DO_REMOTE_DECODE) is True
         else:
             leg.nixl_params = nixl_remote(body)
         return leg
@@ -155,9 +156,9 @@ class PdLeg:
         if self.engine.config.pd_protocol == "sglang":
             return {}
         if not self.nixl_offer or self.engine.pd is None:
-            return {"kv_transfer_params": None}
+            return {KV_TRANSFER_PARAMS: None}
         request_id = new_request_id(self.kind, self.record.headers)
-        return {"kv_transfer_params": self.engine.pd.nixl_offer(request_id, self.keys, active.prompt_tokens,
+        return {KV_TRANSFER_PARAMS: self.engine.pd.nixl_offer(request_id, self.keys, active.prompt_tokens,
                                                                   self.port)}
 
     def finish(self) -> None:

@@ -7,7 +7,7 @@ protocol (a prefill leg's `stream: false`, `max_tokens: 1`, the `do_remote_*` fl
 tests/integration/sim/test_sim_pd_peers.py records what sglang-router and vllm-router send to the
 simulator and checks both against `tests/integration/sim/pd_wire_shapes.json`; a gateway test can
 check its own legs against the same file, so the gateway sends the protocol fields where the peers
-do (see `gateway.sim.pd` for the protocols).
+do (the protocols, their field lists `PD_BODY_FIELDS` and `PD_HEADERS`: `gateway/protocol/pd.py`).
 """
 
 from __future__ import annotations
@@ -15,17 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.protocol.pd import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS, PD_BODY_FIELDS, PD_HEADERS
 from gateway.sim.worker_state import SimRequestRecord
 
-PD_BODY_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "kv_transfer_params", "stream",
-                  "stream_options", "max_tokens", "max_completion_tokens", "min_tokens")
-"""Top-level body fields a PD router sets, removes or rewrites."""
-
-PD_HEADERS = ("x-request-id",)
-"""Headers that tie the two legs of a PD request together (vLLM: the same `X-Request-Id`)."""
-
 CONSTANT_PATHS = ("body.stream", "body.max_tokens", "body.max_completion_tokens", "body.min_tokens",
-                  "body.kv_transfer_params.do_remote_decode", "body.kv_transfer_params.do_remote_prefill")
+                  f"body.{KV_TRANSFER_PARAMS}.{DO_REMOTE_DECODE}", f"body.{KV_TRANSFER_PARAMS}.{DO_REMOTE_PREFILL}")
 """Paths whose value is part of the protocol on a prefill leg (see `pd_wire_constants`)."""
 
 
@@ -60,10 +54,10 @@ def _flatten(record: SimRequestRecord | Mapping[str, Any]) -> tuple[dict[str, An
         for name in PD_BODY_FIELDS:
             if name in body:
                 values[f"body.{name}"] = body[name]
-        params = body.get("kv_transfer_params")
+        params = body.get(KV_TRANSFER_PARAMS)
         if isinstance(params, Mapping):
             for key, value in params.items():
-                values[f"body.kv_transfer_params.{key}"] = value
+                values[f"body.{KV_TRANSFER_PARAMS}.{key}"] = value
     lowered = {k.lower(): v for k, v in headers.items()}
     return values, {name: lowered[name] for name in PD_HEADERS if name in lowered}
 

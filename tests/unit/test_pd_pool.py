@@ -14,10 +14,10 @@ from pydantic import ValidationError
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig, explain_validation_error, load_config, parse_config
 from gateway.dispatch.kinds import AGGREGATED, Disaggregated, kind_of
-from gateway.dispatch.pd_attempt import MAX_ROOM, NIXL_PREFILL_PARAMS, sglang_fields, vllm_prefill_body
 from gateway.dispatch.steps import PoolStep, choose_pool
 from gateway.metrics import GatewayMetrics
 from gateway.plans.safety import production_findings
+from gateway.protocol.pd import MAX_ROOM, NIXL_PREFILL_PARAMS, sglang_fields, vllm_prefill_body
 from gateway.routing.pools import serves
 from gateway.routing.router import Router
 from gateway.streaming import Holding
