@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import orjson
 
 from gateway.backends.client import UpstreamResponse
+from gateway.dispatch.ledger import Ledger
 from gateway.errors import error_bytes_from_upstream
 from gateway.protocol.anthropic import openai_usage
 from gateway.protocol.responses import chat_usage, response_id_of
@@ -83,24 +84,25 @@ def route_headers(record: RequestRecord) -> Headers:
     return headers
 
 
-def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
-    """Pass an engine's own 4xx answer to the client, as an OpenAI error object. An engine's
-    "too long" names the request's prompt as `param` (`messages`, or `prompt` on completions),
-    as OpenAI's context_length_exceeded does; the engines name other things or nothing."""
+def engine_error(failure: AttemptFailed, ledger: Ledger, error: str | None = None) -> BufferedResponse:
+    """Pass an engine's own 4xx answer to the client, as an OpenAI error object (`error`: the log's
+    words for it, else the failure's detail). An engine's "too long" names the request's prompt as
+    `param` (`messages`, or `prompt` on completions), as OpenAI's context_length_exceeded does; the
+    engines name other things or nothing."""
     status = failure.status or 502
-    record.status = status
-    record.error = failure.detail
+    ledger.error_answer(status, failure.detail if error is None else error)
+    record = ledger.record
     too_long = failure.outcome is Outcome.TOO_LONG
     param = {"completions": "prompt", "responses": "input"}.get(record.api, "messages") if too_long else None
     body = error_bytes_from_upstream(status, failure.body, "context_length_exceeded" if too_long else None, param)
     return BufferedResponse(status, body, b"application/json", route_headers(record))
 
 
-def request_fault(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+def request_fault(failure: AttemptFailed, ledger: Ledger) -> BufferedResponse:
     """The engine's error for a request two workers failed the same way: passed on as the
     engine gave it, with `x-should-retry: false` (the OpenAI SDKs then do not resend it)."""
-    response = engine_error(failure, record)
-    record.error = f"two workers failed the request the same way ({failure.detail}): the request's fault"
+    response = engine_error(failure, ledger, f"two workers failed the request the same way ({failure.detail}): "
+                                             "the request's fault")
     response.headers.append((b"x-should-retry", b"false"))
     return response
 

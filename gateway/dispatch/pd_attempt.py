@@ -46,9 +46,9 @@ from gateway.backends.worker import Worker
 from gateway.config import PoolConfig, TimeoutConfig
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, BufferedResponse, RelayResponse
 from gateway.dispatch.attempt import UPSTREAM_PATHS, SingleLeg, budgets, hold_window
+from gateway.dispatch.ledger import Ledger
 from gateway.errors import UpstreamError
 from gateway.protocol.sse import sse_error_event
-from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import (
@@ -149,17 +149,17 @@ class PrefillLeg:
     health probe of the prefill worker meanwhile ends it at once (`Outcome.MOVED`). Closable
     (`aclose` cancels it when still running, which closes its upstream response): owned by the
     attempt's Holding. `on_late_failure` (set once the decode stream was committed) is awaited
-    when the leg fails after that. Its headers mark the worker alive (`Worker.answered_at`) and
-    clear the request's `record.prefill_pending`."""
+    when the leg fails after that. Its headers mark the worker alive (`Ledger.prefill_answered`);
+    its verdicts go to the request's ledger."""
 
-    __slots__ = ("_record", "_registry", "_task", "answer", "done_at", "failure", "on_late_failure", "started",
+    __slots__ = ("_ledger", "_registry", "_task", "answer", "done_at", "failure", "on_late_failure", "started",
                  "worker")
 
     def __init__(self, state: AppState, pool: PoolConfig, worker: Worker, url: str, body: bytes,
                  headers: dict[str, str], timeout: UpstreamTimeouts, budget: float,
-                 record: RequestRecord) -> None:
+                 ledger: Ledger) -> None:
         self.worker = worker
-        self._record = record
+        self._ledger = ledger
         self._registry = state.registry
         self.answer: bytes | None = None
         self.failure: AttemptFailed | None = None
@@ -183,9 +183,7 @@ class PrefillLeg:
         try:
             async with asyncio.timeout(budget):
                 response = await open_upstream(state.upstream, url, body, headers, timeout, pool.name)
-                self.worker.answered_at = time.perf_counter()
-                if self._record.prefill_pending is self.worker:
-                    self._record.prefill_pending = None
+                self._ledger.prefill_answered(self.worker)
                 try:
                     first, rest = await first_chunk(response)
                     self.answer = await read_rest(response, first, rest, state.config.max_body_bytes)
@@ -194,7 +192,7 @@ class PrefillLeg:
                 finally:
                     await response.aclose()
             self.done_at = time.perf_counter()
-            self._registry.request_succeeded(self.worker)
+            self._ledger.worker_succeeded(self.worker)
         except asyncio.CancelledError:
             if self.failure is None:  # cancelled by its owner: nothing to report
                 raise
@@ -205,8 +203,8 @@ class PrefillLeg:
         finally:
             self._registry.headers_done(self.worker, self._moved)
         if self.failure is not None and self.on_late_failure is not None:
-            state.metrics.pd_leg_failures.labels(pool.name, "prefill", self.failure.outcome).inc()
-            self._registry.request_failed(self.worker, f"prefill leg: {self.failure.detail}")
+            self._ledger.leg_failed(pool.name, "prefill", self.failure.outcome)
+            self._ledger.worker_failed(self.worker, f"prefill leg: {self.failure.detail}")
             await self.on_late_failure()
 
     async def result(self) -> bytes:
@@ -233,8 +231,8 @@ class PdAttempt(SingleLeg):
 
     def __init__(self, state: AppState, api: Api, pool: PoolConfig, decode: Worker, prefill: Worker, reason: str,
                  prefill_reason: str, matched: float | None, body: bytes, request: RoutingRequest,
-                 record: RequestRecord, strip_usage: bool) -> None:
-        super().__init__(state, api, pool, decode, reason, matched, body, request, record, strip_usage)
+                 ledger: Ledger, strip_usage: bool) -> None:
+        super().__init__(state, api, pool, decode, reason, matched, body, request, ledger, strip_usage)
         self.prefill = prefill
         self.prefill_reason = prefill_reason
         self._failed: Worker | None = None
@@ -253,7 +251,7 @@ class PdAttempt(SingleLeg):
         legs, release everything unless a stream took it."""
         state = self._state
         gate = state.registry.gates[self.pool.name]
-        self._record.prefill_worker = self.prefill.id
+        self._ledger.prefill_chosen(self.prefill)
         holding = Holding()
         try:
             holding.lease(self.worker, state.metrics, gate)
@@ -273,9 +271,9 @@ class PdAttempt(SingleLeg):
         timeouts = self._state.config.timeouts
         timeout, _, _ = budgets(timeouts, self._request, self.pool)
         budget = prefill_budget(timeouts, self._request.prompt_tokens)
-        self._record.prefill_pending = self.prefill  # the worker a hang-up meanwhile is held against
+        self._ledger.prefill_sent(self.prefill)  # the worker a hang-up meanwhile is held against
         leg = PrefillLeg(self._state, self.pool, self.prefill, self.prefill.url + UPSTREAM_PATHS[self._api],
-                         orjson.dumps(body), headers, timeout, budget, self._record)
+                         orjson.dumps(body), headers, timeout, budget, self._ledger)
         self._prefill_leg = leg
         return holding.opened(leg)
 
@@ -291,7 +289,7 @@ class PdAttempt(SingleLeg):
         self._failed = self.prefill
         self.prefill.pd_engine_id = None  # a restarted prefill engine has a new id: read it again
         assert leg.failure is not None
-        self._state.metrics.pd_leg_failures.labels(self.pool.name, "prefill", leg.failure.outcome).inc()
+        self._ledger.leg_failed(self.pool.name, "prefill", leg.failure.outcome)
 
     async def _both(self, holding: Holding, leg: PrefillLeg,
                     headers: dict[str, str]) -> BufferedResponse | RelayResponse:
@@ -308,7 +306,7 @@ class PdAttempt(SingleLeg):
             try:
                 result = await serve
             except AttemptFailed as failure:
-                self._state.metrics.pd_leg_failures.labels(self.pool.name, "decode", failure.outcome).inc()
+                self._ledger.leg_failed(self.pool.name, "decode", failure.outcome)
                 raise
         finally:
             if not serve.done():  # our own task was cancelled (the client hung up): end the decode leg too
@@ -320,8 +318,8 @@ class PdAttempt(SingleLeg):
             elif leg.failure is not None:  # failed in the loop step that committed the stream: no
                 # late-failure call will come, so do now what it would do (else a decode with no
                 # content waits for KV until the engine's own timeout)
-                self._state.metrics.pd_leg_failures.labels(self.pool.name, "prefill", leg.failure.outcome).inc()
-                self._state.registry.request_failed(leg.worker, f"prefill leg: {leg.failure.detail}")
+                self._ledger.leg_failed(self.pool.name, "prefill", leg.failure.outcome)
+                self._ledger.worker_failed(leg.worker, f"prefill leg: {leg.failure.detail}")
                 await self._abort_waiting_decode(result)
         return result
 
@@ -330,19 +328,16 @@ class PdAttempt(SingleLeg):
         sent no content it waits for KV that will not come, so abort it (the relay then ends with
         one SSE error event; the decode worker is not blamed: the prefill worker is). Once it sent
         content, the KV had arrived: let it finish."""
-        if self._record.first_byte_at is None and isinstance(result.stream, UpstreamStream):
+        if self._ledger.record.first_byte_at is None and isinstance(result.stream, UpstreamStream):
             await result.stream.abort("The prefill worker failed before the first token")
 
     def _observe(self, result: BufferedResponse | RelayResponse) -> None:
         """Per-phase metrics: the prefill leg's time, and the KV hand-off (prefill answer to the
         decode leg's first byte) when the prefill answered first."""
-        leg, metrics, pool = self._prefill_leg, self._state.metrics, self.pool.name
+        leg = self._prefill_leg
         if leg is None or leg.done_at is None:
             return
-        metrics.pd_prefill_seconds.labels(pool).observe(leg.done_at - leg.started)
-        first = self._record.first_byte_at
-        if first is not None and first >= leg.done_at:
-            metrics.pd_handoff_seconds.labels(pool).observe(first - leg.done_at)
+        self._ledger.pd_phases(self.pool.name, leg.started, leg.done_at)
 
 
 class SglangAttempt(PdAttempt):
@@ -423,7 +418,8 @@ class NixlAttempt(PdAttempt):
         body = orjson.loads(self._body)
         leg = self._start_prefill(holding, vllm_prefill_body(body, dict(NIXL_PREFILL_PARAMS)), headers)
         if self._request.stream:
-            done, _ = await asyncio.wait((leg.task,), timeout=hold_window(self._state.config.timeouts, self._record))
+            hold = hold_window(self._state.config.timeouts, self._ledger.record)
+            done, _ = await asyncio.wait((leg.task,), timeout=hold)
             if not done:
                 return self._deferred(holding, leg, body, headers)
         return await self._decode(holding, leg, body, headers)
@@ -437,19 +433,17 @@ class NixlAttempt(PdAttempt):
             self._observe(result)
             return result
 
-        self._record.status = 200
+        self._ledger.accepted(200)
         stream = DeferredStream(start, holding.hand_over(), self._state.config.timeouts.keepalive_interval,
                                 self._failed_after_commit)
         return RelayResponse(stream, SSE_CONTENT_TYPE, [])
 
     def _failed_after_commit(self, exc: Exception) -> str:
-        """Account a deferred stream's failure (the record, the failed leg's worker); its message."""
-        record = self._record
-        record.outcome = RequestOutcome.UPSTREAM_ERROR
-        record.error = str(exc)
+        """Account a deferred stream's failure (the ledger, the failed leg's worker); its message."""
+        self._ledger.stream_broken(str(exc))
         worker = self._failed or self.worker
         if not isinstance(exc, AttemptFailed) or exc.outcome in RETRYABLE:  # the worker's fault, not the request's
-            self._state.registry.request_failed(worker, f"after the stream was committed: {exc}")
+            self._ledger.worker_failed(worker, f"after the stream was committed: {exc}")
         if isinstance(exc, AttemptFailed) and exc.status is not None and 400 <= exc.status < 500:
             return f"The inference server refused the request ({exc.detail})."
         return f"The inference server failed before the first token ({exc}); the response is incomplete."
@@ -472,14 +466,14 @@ class NixlAttempt(PdAttempt):
                                 answered=True)
         if params is not None and (refused := foreign_kv_handle(params, self.pool, self.prefill)) is not None:
             self._failed = self.prefill
-            self._state.metrics.pd_leg_failures.labels(self.pool.name, "prefill", Outcome.PROTOCOL_ERROR).inc()
+            self._ledger.leg_failed(self.pool.name, "prefill", Outcome.PROTOCOL_ERROR)
             raise AttemptFailed(Outcome.PROTOCOL_ERROR, refused, answered=True)
         body["kv_transfer_params"] = params
         self._body = orjson.dumps(body)
         try:
             return await self._serve(holding, headers)
         except AttemptFailed as failure:
-            self._state.metrics.pd_leg_failures.labels(self.pool.name, "decode", failure.outcome).inc()
+            self._ledger.leg_failed(self.pool.name, "decode", failure.outcome)
             raise
 
 

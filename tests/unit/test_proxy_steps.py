@@ -9,6 +9,9 @@ import pytest
 
 from gateway.api.proxy import check_head, hung_up
 from gateway.auth.middleware import AUTH_ERROR
+from gateway.backends.registry import WorkerRegistry
+from gateway.config import parse_config
+from gateway.dispatch.ledger import Ledger
 from gateway.errors import (
     GatewayError,
     InvalidApiKey,
@@ -18,7 +21,7 @@ from gateway.errors import (
 )
 from gateway.lifecycle import SHUTDOWN_GUARD, ShutdownGuard
 from gateway.metrics import GatewayMetrics
-from gateway.record import RequestOutcome, RequestRecord
+from gateway.record import RequestOutcome
 from gateway.request_head import SEND_STALLED
 
 JSON = {"content-type": "application/json"}
@@ -57,35 +60,42 @@ def test_method_not_allowed_names_the_allowed_method() -> None:
     assert caught.value.headers == {"allow": "POST"}
 
 
-def record() -> RequestRecord:
-    return RequestRecord(request_id="r", api="chat", pool="small", status=200)
+def ledger(metrics: GatewayMetrics | None = None) -> Ledger:
+    """A chat request's ledger in pool `small` whose answer started (status 200)."""
+    config = parse_config({"pools": [{"name": "small", "engine": "vllm", "max_context_tokens": 8192,
+                                      "workers": ["http://a:1"]}]}, environ={})
+    book = Ledger("chat", "r", None, metrics or GatewayMetrics(), WorkerRegistry(config))
+    book.record.pool, book.record.status = "small", 200
+    return book
 
 
 def test_a_hang_up_is_told_by_its_stage() -> None:
-    metrics = GatewayMetrics()
-    before, during = record(), record()
-    hung_up(scope(), before, metrics, response_started=False)
-    hung_up(scope(), during, metrics, response_started=True)
-    assert (before.outcome, before.disconnect_stage) == (RequestOutcome.CLIENT_DISCONNECT, "before_response")
-    assert (during.outcome, during.disconnect_stage) == (RequestOutcome.CLIENT_DISCONNECT, "mid_stream")
+    before, during = ledger(), ledger()
+    hung_up(scope(), before, response_started=False)
+    hung_up(scope(), during, response_started=True)
+    assert (before.record.outcome, before.record.disconnect_stage) == (RequestOutcome.CLIENT_DISCONNECT,
+                                                                       "before_response")
+    assert (during.record.outcome, during.record.disconnect_stage) == (RequestOutcome.CLIENT_DISCONNECT, "mid_stream")
 
 
 def test_a_stalled_reader_is_counted_per_pool() -> None:
     metrics = GatewayMetrics()
-    stalled = record()
-    hung_up(scope(**{SEND_STALLED: True}), stalled, metrics, response_started=True)
-    assert (stalled.outcome, stalled.disconnect_stage) == (RequestOutcome.CLIENT_DISCONNECT, "send_stalled")
+    stalled = ledger(metrics)
+    hung_up(scope(**{SEND_STALLED: True}), stalled, response_started=True)
+    assert (stalled.record.outcome, stalled.record.disconnect_stage) == (RequestOutcome.CLIENT_DISCONNECT,
+                                                                         "send_stalled")
     assert metrics.registry.get_sample_value("kimi_gateway_client_send_stalls_total", {"pool": "small"}) == 1
 
 
 def test_the_end_of_the_grace_period_is_a_shutdown_not_a_hang_up() -> None:
     guard = ShutdownGuard(app=None)  # type: ignore[arg-type]  # only its flag is read here
-    quiet = record()
-    hung_up(scope(**{SHUTDOWN_GUARD: guard}), quiet, GatewayMetrics(), response_started=False)
-    assert quiet.outcome is RequestOutcome.CLIENT_DISCONNECT  # the guard has not hung up: the client did
+    quiet = ledger()
+    hung_up(scope(**{SHUTDOWN_GUARD: guard}), quiet, response_started=False)
+    assert quiet.record.outcome is RequestOutcome.CLIENT_DISCONNECT  # the guard has not hung up: the client did
     guard.hang_up()
-    cut, streaming = record(), record()
-    hung_up(scope(**{SHUTDOWN_GUARD: guard, SEND_STALLED: True}), cut, GatewayMetrics(), response_started=False)
-    hung_up(scope(**{SHUTDOWN_GUARD: guard}), streaming, GatewayMetrics(), response_started=True)
-    assert (cut.outcome, cut.status, cut.disconnect_stage) == (RequestOutcome.SHUTTING_DOWN, 503, None)
-    assert (streaming.outcome, streaming.status) == (RequestOutcome.SHUTTING_DOWN, 200)
+    cut, streaming = ledger(), ledger()
+    hung_up(scope(**{SHUTDOWN_GUARD: guard, SEND_STALLED: True}), cut, response_started=False)
+    hung_up(scope(**{SHUTDOWN_GUARD: guard}), streaming, response_started=True)
+    assert (cut.record.outcome, cut.record.status, cut.record.disconnect_stage) == (RequestOutcome.SHUTTING_DOWN,
+                                                                                    503, None)
+    assert (streaming.record.outcome, streaming.record.status) == (RequestOutcome.SHUTTING_DOWN, 200)
