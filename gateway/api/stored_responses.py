@@ -142,8 +142,10 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
             return answer
         if method == "DELETE" and (200 <= status < 300 or status == 404) and state.responses is not None:
             state.responses.forget(response_id)
-        ledger.answered(status)
-        if not 200 <= status < 300:  # an engine's error in whatever shape it uses, as an OpenAI error object
+        if 200 <= status < 300:
+            ledger.answered(status)
+        else:  # an engine's error in whatever shape it uses, as an OpenAI error object
+            ledger.answered_with_error(status)
             body = error_bytes_from_upstream(status, state.upstream.redactor(body), None, None)
         # always JSON: never serve an engine's text/html from the gateway's origin
         return Response(body, status_code=status, media_type="application/json", headers=route)

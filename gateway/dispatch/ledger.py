@@ -12,6 +12,7 @@ The facts, by who reports them:
 
 - the endpoint: `timed_out`, `cut_by_cap`, `relay_cut_by_cap`, `client_gone`, `send_stalled`,
   `cut_by_shutdown`, `answered`, `answered_with_error`, `hang_up_verdict`, then `finish` (once);
+  the stored-response routes also `in_pool`, `served_by`, `streamed`;
 - the dispatch: `parsed`, `skipped`, `in_pool`, `spilled`, `affinity_looked_up`, `attempt_started`,
   `attempt_failed`, `attempt_accepted`, `error_answer`, `hold_quota` / `settle_quota`;
 - an attempt and its legs: `upstream_headers`, `watch_first_byte`, `headers_arrived`,
