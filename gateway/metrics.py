@@ -194,6 +194,78 @@ class GatewayMetrics:
                                      "Client image URLs fetched to measure their size (result: ok, refused, error, "
                                      "timeout, too_large, skipped).", ["result"], registry=r)
 
+    # Named writes for code outside the request path (the request path's are the ledger's,
+    # gateway/dispatch/ledger.py): one method per event, so `.labels(` lives here and in the ledger.
+
+    def worker_added(self, pool: str, worker: str, role: str | None, healthy: bool) -> None:
+        """A worker joined `pool`: its state series exist from the start (alerts see a 0, not nothing)."""
+        self.worker_draining.labels(pool, worker).set(0)
+        self.worker_ejected.labels(pool, worker).set(0)
+        self.worker_misconfigured.labels(pool, worker).set(0)
+        if role is not None:
+            self.worker_role.labels(pool, worker, role).set(1)
+        self.worker_healthy.labels(pool, worker).set(1 if healthy else 0)
+
+    def worker_health(self, pool: str, worker: str, healthy: bool) -> None:
+        """`kimi_gateway_worker_healthy` after a probe's verdict."""
+        self.worker_healthy.labels(pool, worker).set(1 if healthy else 0)
+
+    def worker_misconfig(self, pool: str, worker: str, misconfigured: bool) -> None:
+        """`kimi_gateway_worker_misconfigured` after a `/v1/models` check."""
+        self.worker_misconfigured.labels(pool, worker).set(1 if misconfigured else 0)
+
+    def worker_drain(self, pool: str, worker: str, draining: bool) -> None:
+        """`kimi_gateway_worker_draining` after an operator's drain or undrain."""
+        self.worker_draining.labels(pool, worker).set(1 if draining else 0)
+
+    def worker_ejection(self, pool: str, worker: str, ejected: bool) -> None:
+        """An ejection began (`ejected`: counted in `kimi_gateway_worker_ejections`, the gauge at 1)
+        or ended (the gauge at 0)."""
+        if ejected:
+            self.ejections.labels(pool, worker).inc()
+        self.worker_ejected.labels(pool, worker).set(1 if ejected else 0)
+
+    def engine_load_scraped(self, pool: str, worker: str, signal: str, value: float) -> None:
+        """One scraped engine load signal (`running`, `waiting`, `kv_usage`)."""
+        self.engine_load.labels(pool, worker, signal).set(value)
+
+    def worker_in_flight(self, pool: str, worker: str, delta: int) -> None:
+        """This replica's open upstream requests on a worker, up or down by `delta` (a leg's slot)."""
+        self.in_flight.labels(pool, worker).inc(delta)
+
+    def redis_error(self, op: str) -> None:
+        """A Redis call of `op` (`lookup`, `write`, `rate_limit`, ...) failed or timed out."""
+        self.redis_errors.labels(op).inc()
+
+    def redis_call(self, op: str, seconds: float) -> None:
+        """How long a Redis call of `op` took."""
+        self.redis_seconds.labels(op).observe(seconds)
+
+    def affinity_lookup(self, pool: str, result: str) -> None:
+        """One affinity lookup's result: `hit`, `miss`, `error`, `skipped`."""
+        self.affinity_lookups.labels(pool, result).inc()
+
+    def response_lookup(self, result: str) -> None:
+        """One stored-response lookup's result (`hit`, `unknown`, `worker_gone`, `worker_unavailable`,
+        `store_error`)."""
+        self.response_affinity.labels(result).inc()
+
+    def auth_failure(self, reason: str) -> None:
+        """A request refused by auth: `missing`, `invalid`, `forbidden`."""
+        self.auth_failures.labels(reason).inc()
+
+    def rate_limit_refused(self, key: str, limit: str) -> None:
+        """A request refused by key `key`'s `limit` (`requests`, `tokens`)."""
+        self.rate_limited.labels(key, limit).inc()
+
+    def rate_limit_unanswered(self, action: str) -> None:
+        """A rate-limit check Redis could not answer: `allowed` (fail open) or `refused`."""
+        self.rate_limit_unavailable.labels(action).inc()
+
+    def image_fetched(self, result: str, count: int = 1) -> None:
+        """`count` client image URLs ended with `result` (`ok`, `refused`, `error`, `timeout`, ...)."""
+        self.image_fetches.labels(result).inc(count)
+
     def forget_worker(self, worker_id: str) -> None:
         """Remove every series labelled with `worker_id` (a worker discovery or a reload removed,
         once its requests finished), so dashboards stop showing an engine that is gone. Not with

@@ -113,7 +113,7 @@ class AppState:
                 affinity = RedisAffinityStore(config.redis_url, config.affinity, metrics)
             else:
                 affinity = MemoryAffinityStore(config.affinity.ttl_seconds, config.affinity.memory_max_entries)
-        images = ImageFetcher(config.image_fetch, metrics.image_fetches) if config.image_fetch.enabled else None
+        images = ImageFetcher(config.image_fetch, metrics) if config.image_fetch.enabled else None
         upstream = UpstreamClient(config.timeouts, {p.name: p.upstream_keep_alive for p in config.pools},
                                   Redactor.of(config), config.max_decoded_bytes)
         return cls(config=config, upstream=upstream, http=http, registry=registry,

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 
@@ -41,9 +41,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.anthropic import ERROR_STATUS
 from gateway.protocol.responses import ERROR_EVENTS, PREAMBLE_EVENTS
 from gateway.protocol.sse import SSETap, event_end, sse_error_event
-from gateway.record import RequestOutcome, RequestRecord
 from gateway.redact import Redactor
 from gateway.routing.prefill import PrefillTicket
+
+if TYPE_CHECKING:  # the ledger's own imports do not include this module
+    from gateway.dispatch.ledger import Ledger
 
 ERROR_BODY_LIMIT = 64 * 1024  # bytes of an engine's error answer we read
 MAX_RETRY_AFTER_S = 3600.0  # an engine's longer (or infinite) Retry-After is taken as this
@@ -113,7 +115,7 @@ class Lease:
         worker.in_flight += 1
         if counted:
             gate.acquired()
-        metrics.in_flight.labels(worker.pool, worker.id).inc()
+        metrics.worker_in_flight(worker.pool, worker.id, 1)
 
     def release(self) -> None:
         if not self._released:
@@ -121,7 +123,7 @@ class Lease:
             self.worker.in_flight -= 1
             if self._gate is not None:
                 self._gate.released()
-            self._metrics.in_flight.labels(self.worker.pool, self.worker.id).dec()
+            self._metrics.worker_in_flight(self.worker.pool, self.worker.id, -1)
             if self._prefill is not None:
                 self._prefill.close()
 
@@ -569,11 +571,13 @@ class UpstreamStream:
     upstream `response`, among any other legs' responses); `aclose()` (idempotent, also safe when
     the body was never iterated) releases them all. `max_event`: the longest SSE event relayed
     (bytes; an unfinished event is held until its end, and one growing past this ends the stream
-    with an SSE error event). Facts for the record: first byte time, usage, outcome.
+    with an SSE error event). Facts for the request's `ledger` (gateway/dispatch/ledger.py), reported
+    once per stream, never per chunk: the first byte after a wait, a broken end, the usage at the end;
+    `on_end` gets the engine's verdict (None: a whole answer, else why it failed).
     """
 
     def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], holding: Holding,
-                 record: RequestRecord, waiting: bool = False, keepalive_interval: float | None = None,
+                 ledger: Ledger, waiting: bool = False, keepalive_interval: float | None = None,
                  on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False,
                  max_event: int = MAX_EVENT, cache_in_input: bool = False) -> None:
         self.response = response
@@ -585,9 +589,10 @@ class UpstreamStream:
         self._keepalive = keepalive_interval
         self._rest = rest
         self._holding = holding
-        self._record = record
+        self._ledger = ledger
+        self._api = ledger.record.api
         self._closed = False
-        self.tap = SSETap(record.api, cache_in_input)
+        self.tap = SSETap(self._api, cache_in_input)
         self.sse = response.headers.get("content-type", "").startswith("text/event-stream")
         self._strip_usage = strip_usage and self.sse  # the usage patch's second half (backends/patches.py)
         self._redact = response.redact if response.redact else None
@@ -665,7 +670,7 @@ class UpstreamStream:
                         if not pending.done():
                             pending.cancel()
                     for_client = pending.result()
-                    mark_first_byte(self._record)
+                    self._ledger.first_byte()
                 else:
                     for_client = await anext(chunks, b"")
                 if not for_client:
@@ -683,7 +688,7 @@ class UpstreamStream:
                 else:
                     self._broken("the stream ended without its last event (data: [DONE] or event: message_stop)")
                     yield sse_error_event("The inference server ended the stream early; the response is "
-                                          "incomplete.", api=self._record.api)
+                                          "incomplete.", api=self._api)
             else:
                 if carry:  # a complete answer whose last event lacks its blank line: pass it on as it is
                     yield self._tail(carry)
@@ -694,7 +699,7 @@ class UpstreamStream:
         except EventTooLarge:
             self._broken(f"an SSE event of over {self._max_event} bytes without its end")
             yield sse_error_event(f"The inference server sent an event longer than the gateway relays "
-                                  f"({self._max_event} bytes); the response is incomplete.", api=self._record.api)
+                                  f"({self._max_event} bytes); the response is incomplete.", api=self._api)
         except TransportError as exc:
             if long is not None:
                 carry = bytes(long)
@@ -711,7 +716,7 @@ class UpstreamStream:
             if tap.failed and not carry:  # the engine said why before it went: no second error event
                 return
             why = self._aborted or f"The inference server failed mid-stream ({_describe(exc)})"
-            yield sse_error_event(f"{why}; the response is incomplete.", api=self._record.api)
+            yield sse_error_event(f"{why}; the response is incomplete.", api=self._api)
         finally:
             await self.aclose()
 
@@ -729,7 +734,7 @@ class UpstreamStream:
                 yield self._redact(engine_error) if self._redact is not None else engine_error
             else:
                 yield sse_error_event(f"The inference server failed mid-stream ({why}); the response is "
-                                      "incomplete.", api=self._record.api)
+                                      "incomplete.", api=self._api)
             return
         self._next = stream
         if self.continuation:  # the migration's relay of this stream rewrites the next one's events too
@@ -758,8 +763,7 @@ class UpstreamStream:
         await self.response.aclose()
 
     def _broken(self, detail: str) -> None:
-        self._record.outcome = RequestOutcome.UPSTREAM_ERROR
-        self._record.error = f"{self._aborted} ({detail})" if self._aborted else detail
+        self._ledger.stream_broken(f"{self._aborted} ({detail})" if self._aborted else detail)
         self._ended(detail)  # a dead or broken engine counts against its worker
 
     def _ended(self, failure: str | None) -> None:
@@ -777,16 +781,8 @@ class UpstreamStream:
             await self._holding.aclose()
         finally:
             if self._next is None:
-                self._record.usage = self.tap.usage or self._record.usage
+                self._ledger.stream_usage(self.tap.usage)
         if self._next is not None and self.migration is not None and not self.continuation:
             # the answer's usage: the last continuation's, made the whole answer's once
             await self._next.aclose()
-            self._record.usage = self.migration.settled(self._record.usage)
-
-
-def mark_first_byte(record: RequestRecord) -> None:
-    """Note the first upstream body byte (TTFT for streams) and tell `record.on_first_byte`."""
-    if record.first_byte_at is None:
-        record.first_byte_at = at = time.perf_counter()
-        if record.on_first_byte is not None:
-            record.on_first_byte(at)
+            self._ledger.migrated_usage(self.migration.settled(self._ledger.record.usage))

@@ -105,7 +105,7 @@ class RedisAffinityStore:
         now = time.monotonic()
         self.breaker.trip()
         self._set_up(False)
-        self.metrics.redis_errors.labels(op).inc()
+        self.metrics.redis_error(op)
         if now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
             log.warning("redis %s failed (%s: %s); routing without affinity for %.1fs", op, type(exc).__name__,
@@ -120,12 +120,12 @@ class RedisAffinityStore:
         if not hashes:
             return []
         if not self.available:
-            self.metrics.affinity_lookups.labels(pool, "skipped").inc()
+            self.metrics.affinity_lookup(pool, "skipped")
             return None
         try:
             async with self.gate:
                 if not self.available:  # Redis failed while this lookup waited for its turn
-                    self.metrics.affinity_lookups.labels(pool, "skipped").inc()
+                    self.metrics.affinity_lookup(pool, "skipped")
                     return None
                 await primary_known(self.redis)
                 started = time.perf_counter()
@@ -138,12 +138,12 @@ class RedisAffinityStore:
                     # lookups waiting for a turn, is not Redis' fault.
                     if not timer.expired_late and not self.gate.queued_behind(exc):
                         self._failed("lookup", exc)
-                    self.metrics.affinity_lookups.labels(pool, "error").inc()
+                    self.metrics.affinity_lookup(pool, "error")
                     return None
         except StoreBusy:  # the gateway's own lookups fill the pool: a miss, Redis is not blamed
-            self.metrics.affinity_lookups.labels(pool, "skipped").inc()
+            self.metrics.affinity_lookup(pool, "skipped")
             return None
-        self.metrics.redis_seconds.labels("lookup").observe(time.perf_counter() - started)
+        self.metrics.redis_call("lookup", time.perf_counter() - started)
         self._set_up(True)
         return [v.decode() if v is not None else None for v in values]
 
@@ -177,7 +177,7 @@ class RedisAffinityStore:
             if not timer.expired_late and not self.gate.queued_behind(exc):
                 self._failed("write", exc)
             return
-        self.metrics.redis_seconds.labels("write").observe(time.perf_counter() - started)
+        self.metrics.redis_call("write", time.perf_counter() - started)
         self._set_up(True)
 
     async def _send(self, batch: list[tuple[str, Sequence[int], str]], ttl_ms: int) -> None:

@@ -175,7 +175,7 @@ class RedisResponseStore:
         # lookup was read late behind them: `StoreGate.queued_behind`), is not Redis' fault.
         if not timer.expired_late and not self.gate.queued_behind(exc):
             self.breaker.trip()
-        self.metrics.redis_errors.labels(op).inc()
+        self.metrics.redis_error(op)
         self._log_at_most_every_10s(f"redis {op} failed ({type(exc).__name__}: {exc})")
 
     def _log_at_most_every_10s(self, message: str) -> None:

@@ -16,9 +16,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import AUTH_ERROR, principal_of
+from gateway.dialects.base import Dialect
 from gateway.dialects.names import Api
 from gateway.dialects.registry import dialect_for
 from gateway.dispatch import BufferedResponse, ProxyService, RelayResponse
+from gateway.dispatch.ledger import Ledger
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,
@@ -28,9 +30,8 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
-from gateway.metrics import NO_POOL, GatewayMetrics
+from gateway.metrics import NO_POOL
 from gateway.parsing import Body, body_of
-from gateway.record import RequestOutcome, RequestRecord
 from gateway.request_head import SEND_STALLED
 
 log = logging.getLogger("gateway.api")
@@ -152,18 +153,17 @@ def check_head(scope: Scope, headers: dict[str, str], max_body_bytes: int, json_
                                    f"send the JSON body uncompressed.")
 
 
-def hung_up(scope: Scope, record: RequestRecord, metrics: GatewayMetrics, response_started: bool) -> None:
+def hung_up(scope: Scope, ledger: Ledger, response_started: bool) -> None:
     """Account for a request whose connection ended under it: cut at the end of the shutdown grace
     period (the shutdown guard answers the client), aborted because the client stopped reading
     (`send_stalled`, counted per pool), or the client hung up before or during the response."""
     guard = scope.get(SHUTDOWN_GUARD)
     if guard is not None and guard.hung_up:  # the grace period ended: the guard answers the client
-        record.cut_by_shutdown(response_started=response_started)
+        ledger.cut_by_shutdown(response_started=response_started)
     elif scope.get(SEND_STALLED):  # the client stopped reading: its connection was aborted
-        record.client_gone("send_stalled")
-        metrics.client_send_stalls.labels(record.pool).inc()
+        ledger.send_stalled()
     else:
-        record.client_gone("mid_stream" if response_started else "before_response")
+        ledger.client_gone("mid_stream" if response_started else "before_response")
 
 
 class _HangUpWatch:
@@ -206,6 +206,23 @@ class _HangUpWatch:
             pass
 
 
+def watch_hang_up(receive: Receive) -> _HangUpWatch:
+    """Start watching for the client's hang-up once its body was read: it cancels the current task."""
+    return _HangUpWatch(receive)
+
+
+def cancelled(watch: _HangUpWatch | None, scope: Scope, ledger: Ledger, response_started: bool) -> bool:
+    """Account for a cancelled request: True (the cancellation consumed) when the client hung up
+    (`hung_up`); False, to re-raise, when the server cancelled it (uvicorn's `timeout_graceful_shutdown`
+    ran out on a server without serve's ShutdownGuard: the demo, tests' ThreadedServer), recorded as
+    cut by the shutdown with uvicorn's 500 (what it answers when nothing was sent yet)."""
+    if watch is None or not watch.absorb():
+        ledger.cut_by_shutdown(response_started=response_started, status=500)
+        return False
+    hung_up(scope, ledger, response_started=response_started)
+    return True
+
+
 class ProxyEndpoint:
     """ASGI app for one proxied API (`POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`,
     `/v1/messages`, `/v1/messages/count_tokens`): every answer and error in that API's shape, rendered
@@ -220,18 +237,17 @@ class ProxyEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One request, in steps: check its head (`check_head`), read its body within the overall cap,
         route and proxy it (`ProxyService.handle`) while a watcher notices a hang-up, answer (relay a
-        stream or send a buffered answer or error), and account for it (`RequestRecord.finish`)."""
+        stream or send a buffered answer or error), and account for it (its `Ledger`, `finish`)."""
         service: ProxyService = scope["state"]["service"]
         state = service.state
         total = state.config.timeouts.total
         deadline = None if total is None else asyncio.get_running_loop().time() + total
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         principal = principal_of(scope)  # set by the auth middleware when auth is on
-        record = RequestRecord(request_id=request_id_of(headers), api=self.api,
-                               key=principal.name if principal is not None else None)
+        ledger = Ledger(self.api, request_id_of(headers), principal.name if principal is not None else None,
+                        state.metrics, state.registry, state.tracing, headers)
+        record = ledger.record
         scope[REQUEST_ID] = record.request_id  # for a 503 the shutdown guard may have to send
-        if state.tracing is not None:
-            record.trace = state.tracing.begin(record, headers)
         result: BufferedResponse | RelayResponse | None = None
         watch: _HangUpWatch | None = None
         try:
@@ -244,52 +260,47 @@ class ProxyEndpoint:
                                                timeouts.body_deadline, timeouts.body_min_rate,
                                                state.config.parse_offload_bytes)
                 except TimeoutError:
-                    record.outcome = RequestOutcome.TIMEOUT
+                    ledger.timed_out()
                     raise RequestBodyTimeout(f"The request body did not arrive within the gateway's overall time "
                                              f"limit of {total:g} seconds.") from None
-                watch = _HangUpWatch(receive)
+                watch = watch_hang_up(receive)
                 cap = _cap(deadline)
                 try:
                     async with cap:
-                        result = await service.handle(self.api, body, headers, record, principal)
+                        result = await service.handle(self.api, body, headers, ledger, principal)
                 except TimeoutError:
                     if not _expired(cap):
                         raise
-                    record.outcome = RequestOutcome.TIMEOUT  # over the cap; the work's cleanup closed the upstream
-                    service.attempt_cut_by_cap(record)
+                    ledger.cut_by_cap()  # over the cap; the work's cleanup closed the upstream
                     raise RequestTimeout(_over_cap_message(total)) from None
             except ClientGone:
-                record.client_gone("before_response")
+                ledger.client_gone("before_response")
                 return
             except GatewayError as exc:
-                result = self._error(exc, record)
+                result = self._error(exc, ledger)
             except Exception as exc:  # a bug: answer 500 as an OpenAI error, keep serving
                 log.exception("request %s failed", record.request_id)
-                result = self._error(GatewayError(f"Internal gateway error ({type(exc).__name__})."), record)
+                result = self._error(GatewayError(f"Internal gateway error ({type(exc).__name__})."), ledger)
             if isinstance(result, RelayResponse):
-                await self._relay(result, record, send, deadline, total)
+                await relay(self.dialect, result, ledger, send, deadline, total)
             else:
-                await self._send_buffered(result, record, send)
+                await self._send_buffered(result, ledger, send)
         except asyncio.CancelledError:
-            if watch is None or not watch.absorb():
-                # Not the client: the server cancelled the request (uvicorn's `timeout_graceful_shutdown`
-                # ran out on a server without serve's ShutdownGuard: the demo, tests' ThreadedServer).
-                # uvicorn answers 500 if nothing was sent, else closes the connection; the finally below
-                # still closes the upstream (the engine aborts the request).
-                record.cut_by_shutdown(response_started=isinstance(result, RelayResponse), status=500)
+            # Not the client: uvicorn answers 500 if nothing was sent, else closes the connection; the
+            # finally below still closes the upstream (the engine aborts the request).
+            if not cancelled(watch, scope, ledger, response_started=isinstance(result, RelayResponse)):
                 raise
-            hung_up(scope, record, state.metrics, response_started=isinstance(result, RelayResponse))
-            service.attempt_cut_by_hang_up(record)
+            service.attempt_cut_by_hang_up(ledger)
         finally:
             if watch is not None:
                 await watch.stop()
             if isinstance(result, RelayResponse):
                 await result.stream.aclose()
-            record.finish(state.metrics)
+            ledger.finish()
 
-    def _error(self, exc: GatewayError, record: RequestRecord) -> BufferedResponse:
-        record.answered_with_error(exc.status)
-        record.error = exc.message
+    def _error(self, exc: GatewayError, ledger: Ledger) -> BufferedResponse:
+        ledger.answered_with_error(exc.status, exc.message)
+        record = ledger.record
         extra = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
         if isinstance(exc, (RequestBodyTimeout, PayloadTooLarge)):
             # The rest of the body may still be on its way: close the connection after the answer, or
@@ -302,67 +313,74 @@ class ProxyEndpoint:
         return BufferedResponse(exc.status, self.dialect.error_bytes(exc, record.request_id), b"application/json",
                                 extra)
 
-    def _start(self, status: int, content_type: bytes, extra: list[tuple[bytes, bytes]], record: RequestRecord,
-               length: int | None) -> Message:
-        request_id = record.request_id.encode()
-        headers = [(b"content-type", content_type), (b"x-request-id", request_id), *extra]
-        if length is not None:
-            headers.append((b"content-length", str(length).encode()))
-        else:
-            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        if (named := self.dialect.request_id_header) is not None:
-            headers.append((named, request_id))
-        return {"type": "http.response.start", "status": self.dialect.answer_status(status), "headers": headers}
-
-    async def _send_buffered(self, result: BufferedResponse, record: RequestRecord, send: Send) -> None:
-        if result.status >= 400:
-            record.answered_with_error(result.status)
-        else:
-            record.status = result.status
+    async def _send_buffered(self, result: BufferedResponse, ledger: Ledger, send: Send) -> None:
+        ledger.answered(result.status)
         with contextlib.suppress(OSError):
-            await send(self._start(result.status, result.content_type, result.headers, record, len(result.body)))
+            await send(start_message(self.dialect, result.status, result.content_type, result.headers,
+                                     ledger.record.request_id, len(result.body)))
             await send({"type": "http.response.body", "body": result.body, "more_body": False})
 
-    async def _relay(self, result: RelayResponse, record: RequestRecord, send: Send, deadline: float | None,
-                     total: float | None) -> None:
-        """Pump upstream bytes to the client until the end, or until the overall cap (`deadline`,
-        event-loop time) passes. A client hang-up arrives as a cancellation (`_HangUpWatch`)."""
-        body = result.stream.body()
-        started = False
-        cap = _cap(deadline)
-        try:
-            async with cap:
-                await send(self._start(200, result.content_type, result.headers, record, None))
-                started = True
-                async for chunk in body:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except TimeoutError:
-            if not _expired(cap):
-                raise
-            await self._cut_at_cap(result, record, send, started, _over_cap_message(total))
-        except OSError:  # the server says the client is gone
-            record.client_gone("mid_stream")
-        finally:
-            await body.aclose()
 
-    async def _cut_at_cap(self, result: RelayResponse, record: RequestRecord, send: Send, started: bool,
-                          message: str) -> None:
-        """End a relay that ran past the overall cap: the upstream is closed (the engine aborts the
-        request); the client gets one SSE error event and no `[DONE]` (a 504 if nothing was sent yet).
-        The relay only yields whole events, so the error never lands inside one."""
-        await result.stream.aclose()
-        record.outcome = RequestOutcome.TIMEOUT
-        record.error = message
-        with contextlib.suppress(OSError):
-            if not started:
-                record.status = RequestTimeout.status
-                error = RequestTimeout(message)
-                body = self.dialect.error_bytes(error, record.request_id)
-                await send(self._start(error.status, b"application/json", [], record, len(body)))
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-                return
-            tail = b""
-            if result.stream.sse:
-                tail = self.dialect.stream_error(message + " The response is incomplete.", code="request_timeout")
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+def start_message(dialect: Dialect, status: int, content_type: bytes, extra: list[tuple[bytes, bytes]],
+                  request_id: str, length: int | None) -> Message:
+    """The `http.response.start` message of an answer in `dialect`'s API: its status as that API
+    names it (`Dialect.answer_status`), content type, `x-request-id` (and the API's own request-id
+    header), `extra` headers and, for a buffered answer, its `length`; a stream (None) is marked
+    not to be cached or buffered by proxies."""
+    rid = request_id.encode()
+    headers = [(b"content-type", content_type), (b"x-request-id", rid), *extra]
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    else:
+        headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+    if (named := dialect.request_id_header) is not None:
+        headers.append((named, rid))
+    return {"type": "http.response.start", "status": dialect.answer_status(status), "headers": headers}
+
+
+async def relay(dialect: Dialect, result: RelayResponse, ledger: Ledger, send: Send, deadline: float | None,
+                total: float | None) -> None:
+    """Pump an accepted stream's bytes to the client until its end, or until the overall cap
+    (`deadline`, event-loop time; `total` seconds) passes (errors in `dialect`'s shape). A client hang-up arrives as a
+    cancellation (`_HangUpWatch`); the server saying the client is gone (OSError) is recorded.
+    The one relay of the proxied endpoints and of the stored-response replay."""
+    body = result.stream.body()
+    started = False
+    cap = _cap(deadline)
+    try:
+        async with cap:
+            await send(start_message(dialect, 200, result.content_type, result.headers, ledger.record.request_id,
+                                     None))
+            started = True
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except TimeoutError:
+        if not _expired(cap):
+            raise
+        await _cut_at_cap(dialect, result, ledger, send, started, _over_cap_message(total))
+    except OSError:  # the server says the client is gone
+        ledger.client_gone("mid_stream")
+    finally:
+        await body.aclose()
+
+
+async def _cut_at_cap(dialect: Dialect, result: RelayResponse, ledger: Ledger, send: Send, started: bool,
+                      message: str) -> None:
+    """End a relay that ran past the overall cap: the upstream is closed (the engine aborts the
+    request); the client gets one SSE error event and no `[DONE]` (a 504 if nothing was sent yet).
+    The relay only yields whole events, so the error never lands inside one."""
+    await result.stream.aclose()
+    ledger.relay_cut_by_cap(message, started, RequestTimeout.status)
+    with contextlib.suppress(OSError):
+        if not started:
+            error = RequestTimeout(message)
+            body = dialect.error_bytes(error, ledger.record.request_id)
+            await send(start_message(dialect, error.status, b"application/json", [], ledger.record.request_id,
+                                     len(body)))
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        tail = b""
+        if result.stream.sse:
+            tail = dialect.stream_error(message + " The response is incomplete.", code="request_timeout")
+        await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -23,8 +23,9 @@ responses_delete|responses_cancel}`, the request duration; `x-request-id` on the
 `GET …?stream=true` (with `starting_after`): vLLM replays the SSE events of a background response
 (`retrieve_responses` → `responses_background_stream_generator`). The gateway passes both query
 parameters on and, when the engine answers `200 text/event-stream`, relays its bytes unchanged as
-they come (no deadline but `timeouts.total`; the client's hang-up closes the upstream, as does a
-server shutdown, recorded as `shutting_down`, not as a client disconnect: `_Replay`). Any other
+they come, through the proxied endpoints' own relay (`gateway.api.proxy.relay`: no deadline but
+`timeouts.total`, counted from the request's arrival; the client's hang-up closes the upstream, as
+does a server shutdown, recorded as `shutting_down`, not as a client disconnect: `_Replay`). Any other
 answer (the stored response as JSON, an engine's error) is read whole and relayed as JSON. The SSE
 or JSON choice follows the engine's content type, never the query: an SSE body is never read
 into a JSON answer.
@@ -34,24 +35,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import APIRouter
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope
+from starlette.responses import Response
+from starlette.types import Scope
 
-from gateway.api.proxy import hung_up, request_id_of
+from gateway.api.proxy import Receive, Send, cancelled, relay, request_id_of, watch_hang_up
 from gateway.api.responses import error_response
 from gateway.api.schemas import ResponseObject, error_responses
 from gateway.auth.middleware import principal_of
 from gateway.backends.control import describe_transport_error
+from gateway.dialects.names import RESPONSES
+from gateway.dialects.registry import dialect_for
+from gateway.dispatch.answers import SSE_CONTENT_TYPE, RelayResponse
+from gateway.dispatch.ledger import Ledger
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, error_bytes_from_upstream
 from gateway.protocol.responses import RESPONSE_ID_MAX
-from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.response_affinity import ResponseNotFound, owner_of
 from gateway.state import AppState
 
@@ -95,9 +97,11 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
     """Count, find the owner (ownership checked), call it and answer; the record is finished when
     the answer was given (a relayed stream's at its end)."""
     state: AppState = request.state.service.state
+    arrived = asyncio.get_running_loop().time()
     principal = principal_of(request.scope)  # None when auth is off
-    record = RequestRecord(request_id=request_id_of(dict(request.headers)), api=api,
-                           key=principal.name if principal is not None else None)
+    ledger = Ledger(api, request_id_of(dict(request.headers)), principal.name if principal is not None else None,
+                    state.metrics, state.registry)
+    record = ledger.record
     finish = True
     try:
         response_id = request.path_params["response_id"]
@@ -108,7 +112,8 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
                 raise ResponseNotFound(f"Response with id '{response_id[:64]}' not found.")
             pool, worker = await owner_of(response_id, None, state.responses, state.registry, state.config.pools,
                                           state.metrics, principal)
-            record.pool, record.worker = pool.name, worker.id
+            ledger.in_pool(pool.name)
+            ledger.served_by(worker)
             headers = {"accept": "application/json, text/event-stream"}
             if pool.api_key is not None:
                 headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
@@ -116,41 +121,39 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
             url = f"{worker.url}/v1/responses/{response_id}{suffix}"
             upstream = await _open(state.http, method, url, headers, params)
         except GatewayError as exc:
-            record.answered_with_error(exc.status)
-            record.error = exc.message
+            ledger.answered_with_error(exc.status, exc.message)
             answer = error_response(exc)
             answer.headers["x-request-id"] = record.request_id
             if record.worker is not None:
                 answer.headers.update({"x-kimi-gateway-pool": record.pool, "x-kimi-gateway-worker": record.worker})
             return answer
+        if upstream.status_code == 200 and _is_sse(upstream):
+            ledger.streamed(200)
+            finish = False
+            total = state.config.timeouts.total
+            where = [(b"x-kimi-gateway-pool", pool.name.encode()), (b"x-kimi-gateway-worker", worker.id.encode())]
+            return _Replay(upstream, ledger, None if total is None else arrived + total, total, where)
         route = {"x-kimi-gateway-pool": pool.name, "x-kimi-gateway-worker": worker.id,
                  "x-request-id": record.request_id}
-        if upstream.status_code == 200 and _is_sse(upstream):
-            record.stream = True
-            record.status = 200
-            finish = False
-            return _Replay(upstream, record, state, request.scope,
-                           {**route, "cache-control": "no-cache", "x-accel-buffering": "no"})
         try:
             status, body = upstream.status_code, await _drain(upstream, url, state.config.max_body_bytes)
         except GatewayError as exc:
-            record.answered_with_error(exc.status)
-            record.error = exc.message
+            ledger.answered_with_error(exc.status, exc.message)
             answer = error_response(exc)
             answer.headers.update(route)
             return answer
         if method == "DELETE" and (200 <= status < 300 or status == 404) and state.responses is not None:
             state.responses.forget(response_id)
         if 200 <= status < 300:
-            record.status = status
+            ledger.answered(status)
         else:  # an engine's error in whatever shape it uses, as an OpenAI error object
-            record.answered_with_error(status)
+            ledger.answered_with_error(status)
             body = error_bytes_from_upstream(status, state.upstream.redactor(body), None, None)
         # always JSON: never serve an engine's text/html from the gateway's origin
         return Response(body, status_code=status, media_type="application/json", headers=route)
     finally:
         if finish:
-            record.finish(state.metrics)
+            ledger.finish()
 
 
 CONTROL_DEADLINE_S = 30.0
@@ -204,53 +207,65 @@ async def _drain(response: httpx.Response, url: str, max_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-class _Replay(StreamingResponse):
-    """The relayed SSE replay. Starlette (ASGI spec 2.3, as uvicorn's HTTP protocols report) runs
-    the relay in a child task and waits in `listen_for_disconnect` for the client's `http.disconnect`,
-    then cancels the relay. A server shutdown cancels the relay too: serve's ShutdownGuard by
-    answering that same `receive()` with `http.disconnect` (its `hung_up` flag says so), plain uvicorn
-    by cancelling the request's task at its `timeout_graceful_shutdown` (no disconnect arrives).
-    `disconnected` tells the relay which: set once, when the disconnect message came, not per chunk."""
+class ReplayStream:
+    """The engine's SSE replay as a relayed stream (`RelayStream`: `body`, `aclose`, `sse`), relayed
+    by the proxied endpoints' own relay (`gateway.api.proxy.relay`): its bytes unchanged as they
+    come. Facts for the ledger, once per stream: the first byte, a broken end (`upstream_error`)."""
 
-    def __init__(self, upstream: httpx.Response, record: RequestRecord, state: AppState, scope: Scope,
-                 headers: dict[str, str]) -> None:
-        self.disconnected = False
-        super().__init__(_relay(upstream, record, state, scope, self), media_type="text/event-stream",
-                         headers=headers, background=BackgroundTask(record.finish, state.metrics))
+    sse = True
 
-    async def listen_for_disconnect(self, receive: Receive) -> None:
-        """Return when `http.disconnect` arrives (then Starlette cancels the relay), noting it first."""
-        await super().listen_for_disconnect(receive)
-        self.disconnected = True
+    def __init__(self, response: httpx.Response, ledger: Ledger) -> None:
+        self._response = response
+        self._ledger = ledger
 
+    async def body(self) -> AsyncIterator[bytes]:
+        """The engine's bytes; a transport failure ends the stream (recorded, nothing appended)."""
+        chunks = self._response.aiter_bytes()
+        try:
+            first = await anext(chunks, b"")
+            if first:
+                self._ledger.first_byte()
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+        except httpx.HTTPError as exc:
+            self._ledger.stream_broken(f"The worker's replayed stream broke ({type(exc).__name__}).")
+        finally:
+            await self.aclose()
 
-async def _relay(response: httpx.Response, record: RequestRecord, state: AppState, scope: Scope,
-                 replay: _Replay) -> AsyncIterator[bytes]:
-    """The engine's SSE bytes as they come, until its end or `timeouts.total`. A break is recorded
-    (`upstream_error`, `timeout`); a cancel closes the upstream and is recorded as the client's
-    hang-up (`client_disconnect`, or `send_stalled`) when `http.disconnect` came from the client, else
-    as the server's shutdown (`shutting_down`: serve's guard hung up, or uvicorn cancelled the task).
-    The record is finished here or, if this never ran, by the response's background task."""
-    total = state.config.timeouts.total
-    try:
-        async with asyncio.timeout(total):
-            async for chunk in response.aiter_bytes():
-                if record.first_byte_at is None:
-                    record.first_byte_at = time.perf_counter()
-                yield chunk
-    except TimeoutError:
-        record.outcome = RequestOutcome.TIMEOUT
-        record.error = f"The replayed stream exceeded the gateway's overall time limit of {total:g} seconds."
-    except httpx.HTTPError as exc:
-        record.outcome = RequestOutcome.UPSTREAM_ERROR
-        record.error = f"The worker's replayed stream broke ({type(exc).__name__})."
-    except (asyncio.CancelledError, GeneratorExit):  # the headers went out before this ran: response started
-        if replay.disconnected:  # the client's hang-up, or serve's guard hanging up at the end of the grace period
-            hung_up(scope, record, state.metrics, response_started=True)
-        else:  # the server cancelled the request: uvicorn's `timeout_graceful_shutdown` (no guard)
-            record.cut_by_shutdown(response_started=True, status=500)
-        raise
-    finally:
+    async def aclose(self) -> None:
+        """Close the engine's response (idempotent): the engine ends its replay."""
         with contextlib.suppress(Exception):
-            await response.aclose()
-        record.finish(state.metrics)
+            await self._response.aclose()
+
+
+_RESPONSES = dialect_for(RESPONSES)  # a replay is a Responses stream: its errors in that API's shape
+
+
+class _Replay(Response):
+    """The relayed SSE replay, answered as the proxied endpoints answer a stream: the shared relay
+    (`relay`: the overall cap counted from the request's arrival) under a hang-up watch
+    (`watch_hang_up`), so a client's hang-up (`client_disconnect`, or `send_stalled`), the end of the
+    shutdown grace period (serve's guard) and uvicorn cancelling the request at its own
+    graceful-shutdown timeout (`shutting_down`) are told apart as there. The ledger is finished here."""
+
+    def __init__(self, upstream: httpx.Response, ledger: Ledger, deadline: float | None, total: float | None,
+                 headers: list[tuple[bytes, bytes]]) -> None:
+        super().__init__()
+        self._result = RelayResponse(ReplayStream(upstream, ledger), SSE_CONTENT_TYPE, headers)
+        self._ledger = ledger
+        self._deadline = deadline
+        self._total = total
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ledger = self._ledger
+        watch = watch_hang_up(receive)
+        try:
+            await relay(_RESPONSES, self._result, ledger, send, self._deadline, self._total)
+        except asyncio.CancelledError:
+            if not cancelled(watch, scope, ledger, response_started=True):
+                raise
+        finally:
+            await watch.stop()
+            await self._result.stream.aclose()
+            ledger.finish()

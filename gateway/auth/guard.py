@@ -80,11 +80,11 @@ class AuthGuard:
         """The principal of an `Authorization` header value. Raises InvalidApiKey (401)."""
         token = bearer_token(authorization)
         if token is None:
-            self.metrics.auth_failures.labels("missing").inc()
+            self.metrics.auth_failure("missing")
             raise InvalidApiKey(MISSING_KEY, headers={"www-authenticate": "Bearer"})
         principal = self.keys.lookup(token)
         if principal is None:
-            self.metrics.auth_failures.labels("invalid").inc()
+            self.metrics.auth_failure("invalid")
             raise InvalidApiKey(WRONG_KEY, headers={"www-authenticate": 'Bearer error="invalid_token"'})
         return principal
 
@@ -98,7 +98,7 @@ class AuthGuard:
         # the same keys, as if it came as a bearer token.
         api_keys = [b"Bearer " + value for name, value in headers if name == b"x-api-key"]
         if len(values) > 1 or len(api_keys) > 1 or (values and api_keys and values != api_keys):
-            self.metrics.auth_failures.labels("invalid").inc()
+            self.metrics.auth_failure("invalid")
             what = "Authorization" if len(values) > 1 else "x-api-key" if len(api_keys) > 1 else \
                 "Authorization or x-api-key"
             count = len(values) if len(values) > 1 else len(api_keys) if len(api_keys) > 1 else 2
@@ -110,7 +110,7 @@ class AuthGuard:
     def authorize(self, principal: Principal, scope: Scope) -> None:
         """Raises PermissionDenied (403) unless the principal has `scope`."""
         if not principal.has(scope):
-            self.metrics.auth_failures.labels("forbidden").inc()
+            self.metrics.auth_failure("forbidden")
             raise PermissionDenied(f"You have insufficient permissions for this operation. Missing scope: {scope}.")
 
     async def count_request(self, principal: Principal) -> Reservation | None:
@@ -157,7 +157,7 @@ class AuthGuard:
         try:
             verdict = await self.limiter.acquire(principal, tokens, requests)
         except RateLimitBusy:
-            self.metrics.rate_limit_unavailable.labels("refused").inc()
+            self.metrics.rate_limit_unanswered("refused")
             raise
         return self._acquired(principal, verdict, label)
 
@@ -166,9 +166,9 @@ class AuthGuard:
         metrics go under, when another than the principal's)."""
         if verdict is None:
             if self.config.fail_mode == "open":
-                self.metrics.rate_limit_unavailable.labels("allowed").inc()
+                self.metrics.rate_limit_unanswered("allowed")
                 return None
-            self.metrics.rate_limit_unavailable.labels("refused").inc()
+            self.metrics.rate_limit_unanswered("refused")
             retry = max(1, math.ceil(self.config.redis_retry_after))
             raise RateLimitUnavailable("Rate limits cannot be checked right now; please try again shortly.",
                                        headers={"retry-after": str(retry)})
@@ -176,7 +176,7 @@ class AuthGuard:
             return verdict.window
         assert verdict.limit is not None
         key = self.metric_labels.get(label or principal.name, "unknown")
-        self.metrics.rate_limited.labels(key, verdict.limit).inc()
+        self.metrics.rate_limit_refused(key, verdict.limit)
         raise rate_limited(principal, verdict)
 
     async def settle(self, reservation: Reservation, used_tokens: int | None) -> None:

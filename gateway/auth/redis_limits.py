@@ -174,7 +174,7 @@ class RedisRateLimiter:
     def _failed(self, exc: BaseException) -> None:
         now = time.monotonic()
         self._skip_until = now + self.config.redis_retry_after
-        self.metrics.redis_errors.labels("rate_limit").inc()
+        self.metrics.redis_error("rate_limit")
         if now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
             log.warning("redis rate limit check failed (%s: %s); failing %s for %.1fs", type(exc).__name__, exc,
@@ -223,7 +223,7 @@ class RedisRateLimiter:
         except StoreBusy as exc:
             self._busy(str(exc))
             raise self._busy_error() from None
-        self.metrics.redis_seconds.labels("rate_limit").observe(time.perf_counter() - started)
+        self.metrics.redis_call("rate_limit", time.perf_counter() - started)
         return reply
 
     def _busy(self, why: str) -> None:

@@ -94,7 +94,7 @@ class LoadScraper(FollowsWorkers[Worker]):
         worker.in_flight_at_scrape = worker.in_flight
         for signal, value in (("running", running), ("waiting", waiting), ("kv_usage", kv)):
             if value is not None:
-                self.metrics.engine_load.labels(worker.pool, worker.id, signal).set(value)
+                self.metrics.engine_load_scraped(worker.pool, worker.id, signal, value)
         return True
 
     def _failed(self, worker: Worker, reason: str) -> bool:

@@ -206,12 +206,7 @@ class WorkerRegistry:
                 if not initial:
                     worker.last_error = "not probed yet"
                 if self.metrics is not None:  # the series exist from the start (alerts see a 0, not nothing)
-                    self.metrics.worker_draining.labels(name, worker.id).set(0)
-                    self.metrics.worker_ejected.labels(name, worker.id).set(0)
-                    self.metrics.worker_misconfigured.labels(name, worker.id).set(0)
-                    if role is not None:
-                        self.metrics.worker_role.labels(name, worker.id, role).set(1)
-                    self.metrics.worker_healthy.labels(name, worker.id).set(1 if initial else 0)
+                    self.metrics.worker_added(name, worker.id, role, initial)
                 for watcher in self.watchers:
                     watcher.worker_added(worker)
                 changes.append(f"worker {worker.id} ({url}{f', {role}' if role else ''}) added")
@@ -283,7 +278,7 @@ class WorkerRegistry:
         if healthy:
             worker.last_error = None
         if self.metrics is not None:
-            self.metrics.worker_healthy.labels(worker.pool, worker.id).set(1 if healthy else 0)
+            self.metrics.worker_health(worker.pool, worker.id, healthy)
 
     def set_misconfigured(self, worker: Worker, reason: str | None) -> None:
         """The verdict of a `/v1/models` check: `reason` (in words) keeps the worker out of every
@@ -295,7 +290,7 @@ class WorkerRegistry:
                 log.warning("worker %s is misconfigured, no traffic: %s", worker.id, reason)
         worker.misconfigured = reason
         if self.metrics is not None:
-            self.metrics.worker_misconfigured.labels(worker.pool, worker.id).set(0 if reason is None else 1)
+            self.metrics.worker_misconfig(worker.pool, worker.id, reason is not None)
 
     # --- operator drain ------------------------------------------------------------------------
 
@@ -306,7 +301,7 @@ class WorkerRegistry:
             log.info("worker %s %s by an operator", worker.id, "drained" if draining else "undrained")
         worker.draining = draining
         if self.metrics is not None:
-            self.metrics.worker_draining.labels(worker.pool, worker.id).set(1 if draining else 0)
+            self.metrics.worker_drain(worker.pool, worker.id, draining)
 
     # --- passive health: outlier ejection -------------------------------------------------------
 
@@ -325,8 +320,7 @@ class WorkerRegistry:
         log.warning("worker %s ejected for %.1fs after %d consecutive failures (%s)", worker.label, seconds,
                     self.health.passive_failures, reason)
         if self.metrics is not None:
-            self.metrics.ejections.labels(worker.pool, worker.id).inc()
-            self.metrics.worker_ejected.labels(worker.pool, worker.id).set(1)
+            self.metrics.worker_ejection(worker.pool, worker.id, True)
 
     def request_succeeded(self, worker: Worker) -> None:
         """A request succeeded: the failure streak and the ejection back-off start over."""
@@ -334,7 +328,7 @@ class WorkerRegistry:
         if worker.ejections:
             worker.ejections = 0
             if self.metrics is not None:
-                self.metrics.worker_ejected.labels(worker.pool, worker.id).set(0)
+                self.metrics.worker_ejection(worker.pool, worker.id, False)
 
     def expire_ejections(self) -> None:
         """Set `kimi_gateway_worker_ejected` to 0 for workers whose ejection time is over (called by
@@ -344,7 +338,7 @@ class WorkerRegistry:
         now = self.clock()
         for worker in self:
             if worker.ejections and worker.ejected_until <= now:
-                self.metrics.worker_ejected.labels(worker.pool, worker.id).set(0)
+                self.metrics.worker_ejection(worker.pool, worker.id, False)
 
     def engine_id_learned(self, worker: Worker, engine_id: str) -> None:
         """`worker` (a vLLM Mooncake prefill worker) reported `engine_id` at its bootstrap server's

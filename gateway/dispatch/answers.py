@@ -17,6 +17,7 @@ import orjson
 
 from gateway.backends.client import UpstreamResponse
 from gateway.dialects.registry import dialect_for
+from gateway.dispatch.ledger import Ledger
 from gateway.protocol.responses import response_id_of
 from gateway.record import RequestRecord
 from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
@@ -82,15 +83,15 @@ def route_headers(record: RequestRecord) -> Headers:
     return headers
 
 
-def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+def engine_error(failure: AttemptFailed, ledger: Ledger, error: str | None = None) -> BufferedResponse:
     """Pass an engine's own 4xx answer to the client, as its API's error object
-    (`Dialect.engine_error_bytes`: OpenAI's, Anthropic's on Messages). An engine's "too long" names
-    the request's prompt as `param` (`Dialect.prompt_param`: `messages`, `prompt` on completions,
-    `input` on Responses), as OpenAI's context_length_exceeded does; the engines name other things
-    or nothing."""
+    (`Dialect.engine_error_bytes`: OpenAI's, Anthropic's on Messages; `error`: the log's words for
+    it, else the failure's detail). An engine's "too long" names the request's prompt as `param`
+    (`Dialect.prompt_param`: `messages`, `prompt` on completions, `input` on Responses), as OpenAI's
+    context_length_exceeded does; the engines name other things or nothing."""
     status = failure.status or 502
-    record.status = status
-    record.error = failure.detail
+    ledger.error_answer(status, failure.detail if error is None else error)
+    record = ledger.record
     too_long = failure.outcome is Outcome.TOO_LONG
     dialect = dialect_for(record.api)
     param = dialect.prompt_param if too_long else None
@@ -99,11 +100,11 @@ def engine_error(failure: AttemptFailed, record: RequestRecord) -> BufferedRespo
     return BufferedResponse(status, body, b"application/json", route_headers(record))
 
 
-def request_fault(failure: AttemptFailed, record: RequestRecord) -> BufferedResponse:
+def request_fault(failure: AttemptFailed, ledger: Ledger) -> BufferedResponse:
     """The engine's error for a request two workers failed the same way: passed on as the
     engine gave it, with `x-should-retry: false` (the OpenAI SDKs then do not resend it)."""
-    response = engine_error(failure, record)
-    record.error = f"two workers failed the request the same way ({failure.detail}): the request's fault"
+    response = engine_error(failure, ledger, f"two workers failed the request the same way ({failure.detail}): "
+                                             "the request's fault")
     response.headers.append((b"x-should-retry", b"false"))
     return response
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
 
@@ -50,8 +49,9 @@ from gateway.dispatch.answers import (
     json_answer_usage,
     relayed_content_type,
 )
+from gateway.dispatch.ledger import Ledger
 from gateway.errors import UpstreamError
-from gateway.record import RequestOutcome, RequestRecord
+from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.routing.prefill import PrefillTicket
 from gateway.state import AppState
@@ -63,7 +63,6 @@ from gateway.streaming import (
     UpstreamStream,
     first_chunk,
     first_content,
-    mark_first_byte,
     open_upstream,
     read_rest,
 )
@@ -131,22 +130,11 @@ def hold_window(timeouts: TimeoutConfig, record: RequestRecord) -> float | None:
     return None if hold is None else max(0.0, hold - (time.perf_counter() - record.started))
 
 
-def upstream_headers(pool: PoolConfig, worker: Worker, record: RequestRecord) -> dict[str, str]:
-    """The headers of the engine request: JSON, the engine request id, the trace context (opening
-    the attempt's span when tracing is on) and the pool's bearer credential.
-
-    The engine request id (`x-request-id`, which vLLM makes its request id: `chatcmpl-{id}`) is the
-    gateway's, never the client's: `{record.engine_request_id}-{attempt number}`, the first a fresh
-    uuid4 hex per request (logged as `engine_request_id`), the same on both legs of a PD attempt.
-    So two clients sending the same id never collide on an engine that refuses a duplicate running
-    id, nor does a retry on a worker still ending the attempt before it. The client's id stays the
-    client's (`record.request_id`: the answer's `x-request-id`, the access log)."""
-    base = record.engine_request_id
-    if base is None:
-        base = record.engine_request_id = uuid.uuid4().hex
-    headers = {"content-type": "application/json", "x-request-id": f"{base}-{record.attempts}"}
-    if record.trace is not None:
-        headers.update(record.trace.start_attempt(pool.name, worker.id))
+def upstream_headers(pool: PoolConfig, worker: Worker, ledger: Ledger) -> dict[str, str]:
+    """The headers of the engine request: JSON, the engine request id and the trace context (from
+    the ledger, `Ledger.upstream_headers`: the gateway's id, never the client's) and the pool's
+    bearer credential."""
+    headers = {"content-type": "application/json", **ledger.upstream_headers(pool.name, worker)}
     if pool.api_key is not None:
         headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
     return headers
@@ -201,20 +189,21 @@ class SingleLeg(Attempt):
     within their budgets, then hand the stream over (`UpstreamStream`) or read the answer whole.
     `strip_usage`: the usage patch is on (its chunk is not relayed; backends/patches.py).
     `prefill`: the request's prefill ticket (a cost-aware policy's, `routing/prefill.py`): told the
-    first byte through the record (`RequestRecord.on_first_byte`), closed with the slot.
+    first byte through the ledger (`Ledger.watch_first_byte`), closed with the slot. What happens
+    is reported to the request's `ledger` (it writes the record and issues the verdicts).
     """
 
-    __slots__ = ("_api", "_body", "_prefill", "_record", "_request", "_state", "_strip_usage")
+    __slots__ = ("_api", "_body", "_ledger", "_prefill", "_request", "_state", "_strip_usage")
 
     def __init__(self, state: AppState, api: Api, pool: PoolConfig, worker: Worker, reason: str,
-                 matched: float | None, body: bytes, request: RoutingRequest, record: RequestRecord,
+                 matched: float | None, body: bytes, request: RoutingRequest, ledger: Ledger,
                  strip_usage: bool, prefill: PrefillTicket | None = None) -> None:
         super().__init__(pool, worker, reason, matched)
         self._state = state
         self._api = api
         self._body = body
         self._request = request
-        self._record = record
+        self._ledger = ledger
         self._strip_usage = strip_usage
         self._prefill = prefill
 
@@ -222,7 +211,7 @@ class SingleLeg(Attempt):
         """Take the slot, send, wait for headers then first content, and accept (see the class)."""
         holding = Holding()
         prefill = self._prefill
-        self._record.on_first_byte = None if prefill is None else prefill.first_byte
+        self._ledger.watch_first_byte(None if prefill is None else prefill.first_byte)
         try:
             holding.lease(self.worker, self._state.metrics, self._state.registry.gates[self.pool.name], prefill=prefill)
             return await self._serve(holding, self.upstream_headers())
@@ -242,7 +231,7 @@ class SingleLeg(Attempt):
 
     def upstream_headers(self) -> dict[str, str]:
         """The engine request's headers (`upstream_headers`)."""
-        return upstream_headers(self.pool, self.worker, self._record)
+        return upstream_headers(self.pool, self.worker, self._ledger)
 
     def serve(self, holding: Holding, headers: dict[str, str]) -> Awaitable[BufferedResponse | RelayResponse]:
         """The relay without the slot (a PD attempt's decode leg, `dispatch/pd/`): `_serve` into
@@ -253,10 +242,11 @@ class SingleLeg(Attempt):
         """Send the body to `self.worker` with `headers`, wait for headers then first content, and
         accept: a stream takes everything `holding` holds; a buffered answer is read whole (the
         caller closes `holding`)."""
-        state, request, record, worker, pool = self._state, self._request, self._record, self.worker, self.pool
+        state, request, ledger, worker, pool = self._state, self._request, self._ledger, self.worker, self.pool
         timeouts = state.config.timeouts
         timeout, budget, header_wait = budgets(timeouts, request, pool)
         probe = ProbeWatch(state.registry, worker)
+        answered = False
         started = asyncio.get_running_loop().time()
         try:
             async with asyncio.timeout(header_wait) as deadline:
@@ -264,21 +254,21 @@ class SingleLeg(Attempt):
                     response = holding.opened(await open_upstream(
                         state.upstream, worker.url + UPSTREAM_PATHS[self._api], self._body, headers, timeout,
                         pool.name))
-                record.attempt_answered = True
-                worker.answered_at = time.perf_counter()
+                answered = True
+                ledger.headers_arrived(worker)
                 deadline.reschedule(started + budget)
                 content = True
                 if request.stream:  # `content` False: still prefilling; commit and send keep-alives
                     sse = response.headers.get("content-type", "").startswith("text/event-stream")
-                    first, rest, content = await first_content(response, hold_window(timeouts, record), sse)
+                    first, rest, content = await first_content(response, hold_window(timeouts, ledger.record), sse)
                 else:
                     first, rest = await first_chunk(response)
         except TimeoutError:
-            raise timed_out(probe.moved, record.attempt_answered, header_wait, budget) from None
+            raise timed_out(probe.moved, answered, header_wait, budget) from None
         content_type = self._accepted(response)
         if request.stream:
             return self._relay(holding, response, first, rest, content, content_type)
-        mark_first_byte(record)
+        ledger.first_byte()
         try:
             answer = await read_rest(response, first, rest, state.config.max_body_bytes)
         except Exception as exc:
@@ -289,16 +279,16 @@ class SingleLeg(Attempt):
         """The engine's 200 checked: the client's content type. Raises AttemptFailed
         (protocol_error) for a type we must not relay."""
         content_type = relayed_content_type(response, self._request.stream)
-        self._record.status = response.status_code
+        self._ledger.accepted(response.status_code)
         return content_type
 
     def _relay(self, holding: Holding, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes],
                content: bool, content_type: bytes) -> RelayResponse:
         """Hand the stream over: from here the `UpstreamStream` owns the slot and the response."""
-        record = self._record
+        ledger = self._ledger
         if content:
-            mark_first_byte(record)
-        stream = UpstreamStream(response, first, rest, holding.hand_over(), record, not content,
+            ledger.first_byte()
+        stream = UpstreamStream(response, first, rest, holding.hand_over(), ledger, not content,
                                 self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage,
                                 self._state.config.max_body_bytes,
                                 ENGINES[self.pool.engine].messages_cache_in_input)
@@ -308,17 +298,18 @@ class SingleLeg(Attempt):
         """A whole non-streaming answer (identity bytes); its usage is read for the record. A cut or
         broken JSON answer is the engine's failure."""
         try:
-            self._record.usage = json_answer_usage(answer, content_type, self._api,
-                                                   ENGINES[self.pool.engine].messages_cache_in_input)
+            usage = json_answer_usage(answer, content_type, self._api,
+                                      ENGINES[self.pool.engine].messages_cache_in_input)
         except ValueError as exc:
             raise self._broken(exc) from exc
+        self._ledger.usage(usage)
         self._ended(None)
         return BufferedResponse(200, answer, content_type)
 
     def _broken(self, exc: Exception) -> UpstreamError:
         """The error for a non-streaming answer that broke after the engine accepted the request
         (held against the worker), or grew too large (the request's doing: held against nobody)."""
-        self._record.outcome = RequestOutcome.UPSTREAM_ERROR
+        self._ledger.answer_broken()
         if isinstance(exc, AnswerTooLarge):
             limit = self._state.config.max_body_bytes
             return UpstreamError(f"The answer is larger than this gateway relays without streaming ({limit} "
@@ -329,6 +320,6 @@ class SingleLeg(Attempt):
     def _ended(self, failure: str | None) -> None:
         """Passive health counts whole answers: a stream that breaks after its first byte too."""
         if failure is None:
-            self._state.registry.request_succeeded(self.worker)
+            self._ledger.worker_succeeded(self.worker)
         else:
-            self._state.registry.request_failed(self.worker, failure)
+            self._ledger.worker_failed(self.worker, failure)

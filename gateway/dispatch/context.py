@@ -8,9 +8,9 @@ from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.dialects.names import Api
 from gateway.dispatch.failures import Failures
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.steps import BodyKey
 from gateway.parsing import Payload
-from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed
@@ -21,7 +21,7 @@ class Dispatch:
     """The state of one request's way through the pools (one object per request, no task).
 
     `pools` are the fitting pools smallest first and `pool` the one it is in now; `tried` the
-    workers that failed it; `matches` pool -> worker URL -> the share of the prompt that worker
+    workers that failed it; `ledger` its accountant; `matches` pool -> worker URL -> the share of the prompt that worker
     holds (one affinity lookup per pool); `bodies` the engine bodies encoded so far
     (`steps.engine_body`); `queue_deadline` (event-loop seconds) is set when it first waits for a
     slot; `last` is the latest failed attempt and `too_long_retried` whether an engine's "too long"
@@ -32,7 +32,7 @@ class Dispatch:
     api: Api
     payload: Payload
     request: RoutingRequest
-    record: RequestRecord
+    ledger: Ledger
     pools: list[PoolConfig]
     pool: PoolConfig
     failures: Failures = field(default_factory=Failures)
@@ -52,4 +52,4 @@ class Dispatch:
     def move_to(self, pool: PoolConfig) -> None:
         """The request goes on in `pool` (a spill-over or a larger pool after "too long")."""
         self.pool = pool
-        self.record.pool = pool.name
+        self.ledger.in_pool(pool.name)

@@ -16,6 +16,7 @@ from gateway.backends.registry import DEFAULT_RETRY_AFTER_S, WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.dispatch.answers import NO_CLIENT_RETRY, BufferedResponse, engine_error, request_fault
+from gateway.dispatch.ledger import Ledger
 from gateway.errors import GatewayError, NoCapacity, UpstreamError, UpstreamTimeout
 from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
@@ -35,12 +36,12 @@ class Failures:
     suspect: tuple[Worker, AttemptFailed] | None = None
     busy: AttemptFailed | None = None
 
-    def charge(self, registry: WorkerRegistry) -> None:
+    def charge(self, ledger: Ledger) -> None:
         """Hold the suspect 5xx against its worker after all (passive health)."""
         if self.suspect is not None:
             worker, failure = self.suspect
             self.suspect = None
-            registry.request_failed(worker, failure.detail)
+            ledger.worker_failed(worker, failure.detail)
 
     def note_busy(self, failure: AttemptFailed) -> None:
         """Remember a 429 if its Retry-After is the shortest so far (the exhausted answer's wait)."""
@@ -50,15 +51,15 @@ class Failures:
             self.busy = failure
 
 
-def after_failure(registry: WorkerRegistry, failure: AttemptFailed, worker: Worker, pool: PoolConfig,
-                  pools: list[PoolConfig], request: RoutingRequest, record: RequestRecord,
+def after_failure(ledger: Ledger, failure: AttemptFailed, worker: Worker, pool: PoolConfig,
+                  pools: list[PoolConfig], request: RoutingRequest,
                   too_long_retried: bool, failures: Failures) -> PoolConfig | BufferedResponse:
     """What a failed attempt leads to: the pool to try next (the same one, or the next larger
     one once after an engine's "too long"), or the engine's own error for the client, also
     when a second worker failed exactly as the one before (the request's fault, held
     against neither). Passive health: a 429 backs its worker off, a refused connection or a 5xx
     that is the worker's own counts against it (`failures` holds a 5xx until the next attempt
-    tells whether the request caused it).
+    tells whether the request caused it); the verdicts go through the request's `ledger`.
 
     Raises UpstreamError / UpstreamTimeout for failures no other worker should repeat.
     """
@@ -66,7 +67,7 @@ def after_failure(registry: WorkerRegistry, failure: AttemptFailed, worker: Work
     if outcome is Outcome.TOO_LONG:
         larger = larger_pools(pool, pools)
         if too_long_retried or not larger:
-            return engine_error(failure, record)
+            return engine_error(failure, ledger)
         return larger[0]
     if outcome is Outcome.AUTH_ERROR:
         raise UpstreamError(f"The inference server of pool {pool.name} refused the gateway's "
@@ -76,23 +77,23 @@ def after_failure(registry: WorkerRegistry, failure: AttemptFailed, worker: Work
         raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).",
                               headers=dict(NO_CLIENT_RETRY))
     if outcome not in RETRYABLE:
-        return engine_error(failure, record)
+        return engine_error(failure, ledger)
     if outcome is Outcome.STATUS_429:  # busy, not broken
-        registry.throttled(worker, failure.retry_after)
+        ledger.worker_throttled(worker, failure.retry_after)
         failures.note_busy(failure)
     elif outcome is Outcome.CONNECT_ERROR:
-        registry.connect_failed(worker, failure.detail)
+        ledger.worker_unreachable(worker, failure.detail)
     elif outcome is Outcome.MOVED:  # a moved attempt's worker is already marked unhealthy
         pass
     elif _may_be_the_requests_fault(failure):
         suspect = failures.suspect
         if suspect is not None and suspect[0] is not worker and _same_failure(suspect[1], failure):
             failures.suspect = None  # two workers, one answer: the request's doing
-            return request_fault(failure, record)
-        failures.charge(registry)  # the earlier one differed: that worker's own failure
+            return request_fault(failure, ledger)
+        failures.charge(ledger)  # the earlier one differed: that worker's own failure
         failures.suspect = (worker, failure)
     else:
-        registry.request_failed(worker, failure.detail)
+        ledger.worker_failed(worker, failure.detail)
     return pool
 
 

@@ -56,7 +56,7 @@ class Aggregated:
                            served_name(pool, request, state.config.model.name), worker, patch_usage)
         matched = match.get(worker.url, 0.0) if policy.uses_affinity else None
         return SingleLeg(state, dispatch.api, pool, worker, decision.reason, matched, body, request,
-                         dispatch.record, patch_usage, prefill_ticket(state.prefill, policy, request, worker, match))
+                         dispatch.ledger, patch_usage, prefill_ticket(state.prefill, policy, request, worker, match))
 
 
 class Disaggregated:
@@ -81,9 +81,7 @@ class Disaggregated:
                                                                              request.adapter))
         prefill = decide(policy, request, prefills, match, state.prefill)  # no ticket: rates stay at the prior
         decode = decide(state.router.policy(pool.name, "decode"), request, workers, {})
-        metrics = state.metrics.pd_route_decisions
-        metrics.labels(pool.name, "prefill", prefill.reason).inc()
-        metrics.labels(pool.name, "decode", decode.reason).inc()
+        dispatch.ledger.pd_routed(pool.name, prefill.reason, decode.reason)
         worker = decode.worker
         patch_usage = usage_patch(request, worker.engine)
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
@@ -91,7 +89,7 @@ class Disaggregated:
         matched = match.get(prefill.worker.url, 0.0) if policy.uses_affinity else None
         return PdAttempt(self._runner, state, dispatch.api, pool, worker, prefill.worker,
                          f"prefill:{prefill.reason},decode:{decode.reason}", prefill.reason, matched, body,
-                         request, dispatch.record, patch_usage)
+                         request, dispatch.ledger, patch_usage)
 
 
 AGGREGATED = Aggregated()
@@ -118,7 +116,7 @@ class Pinned:
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
                            served_name(pool, request, state.config.model.name), worker, patch_usage)
         return SingleLeg(state, dispatch.api, pool, worker, RESPONSE_AFFINITY, None, body, request,
-                         dispatch.record, patch_usage)
+                         dispatch.ledger, patch_usage)
 
 
 PINNED = Pinned()

@@ -40,8 +40,8 @@ from gateway.backends.worker import Worker
 from gateway.config import PoolConfig
 from gateway.dialects.names import COMPLETIONS
 from gateway.dispatch.attempt import SingleLeg
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.steps import decide
-from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
@@ -254,18 +254,18 @@ class Migration:
     dispatch when it accepted the stream. `resume` finds the next worker and opens the
     continuation; `relay` rewrites its events; `usage` is the honest usage after it."""
 
-    __slots__ = ("_api", "_body", "_from", "_kept_at", "_parsed", "_pool", "_record", "_request", "_state",
+    __slots__ = ("_api", "_body", "_from", "_kept_at", "_ledger", "_parsed", "_pool", "_request", "_state",
                  "_strip_usage", "_tried", "_worker", "count", "prefilled", "progress")
 
     def __init__(self, state: AppState, api: str, pool: PoolConfig, worker: Worker, body: bytes,
-                 request: RoutingRequest, record: RequestRecord, strip_usage: bool, tried: set[Worker]) -> None:
+                 request: RoutingRequest, ledger: Ledger, strip_usage: bool, tried: set[Worker]) -> None:
         self._state = state
         self._api = api
         self._pool = pool
         self._worker = worker
         self._body = body
         self._request = request
-        self._record = record
+        self._ledger = ledger
         self._strip_usage = strip_usage
         self._tried = tried
         self._parsed: dict[str, Any] | None = None
@@ -288,8 +288,7 @@ class Migration:
             self._parsed = parsed if isinstance(parsed, dict) else {}
         why = refusal(self._api, self._parsed, self.progress)
         if why is not None:
-            self._state.metrics.migrations.labels(self._pool.name, "refused").inc()
-            self._record.migration = {"from": self._worker.id, "outcome": "refused", "why": why}
+            self._ledger.migration_refused(self._pool.name, self._worker, why)
             return False
         return True
 
@@ -297,14 +296,12 @@ class Migration:
         """Open the continuation on another worker: its accepted `UpstreamStream`, or None (no
         worker with room, or its attempt failed before content: the caller ends the stream with its
         error event). Call after `ready()` said yes."""
-        state, record, pool = self._state, self._record, self._pool
+        state, ledger, pool = self._state, self._ledger, self._pool
         self.count += 1
         self._tried.add(self._worker)
         assert self._parsed is not None
         body = continuation_body(self._api, self._parsed, self.progress, self._parsed.get("model") or "")
-        note: dict[str, Any] = {"from": self._worker.id, "why": why, "kept_tokens": self.progress.generated,
-                                "count": self.count}
-        record.migration = note
+        ledger.migration_started(self._worker, why, self.progress.generated, self.count)
         outcome = "no_worker"
         registry = state.registry
         for _ in range(CONTINUATION_TRIES if body is not None else 0):
@@ -314,32 +311,25 @@ class Migration:
                 break
             decision = decide(state.router.policy(pool.name), self._request, workers, {})
             worker = decision.worker
-            record.attempts += 1
-            record.worker, record.reason = worker.id, "migration"
+            ledger.continuation_started(worker)
             attempt = SingleLeg(state, self._api, pool, worker, "migration", None, orjson.dumps(body),
-                                self._request, record, self._strip_usage)
+                                self._request, ledger, self._strip_usage)
             try:
                 result = await attempt.run()
             except AttemptFailed as failure:
-                state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
-                if record.trace is not None:
-                    record.trace.end_attempt(failure.outcome)
+                ledger.continuation_ended(pool.name, worker, failure.outcome)
                 self._tried.add(worker)
                 outcome = "failed"
                 continue
-            state.metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
-            if record.trace is not None:
-                record.trace.end_attempt(Outcome.OK)
-            note.update(to=worker.id, outcome="migrated")
+            ledger.continuation_ended(pool.name, worker, Outcome.OK)
             self._kept_at.append(self.progress.generated)
             self._from, self._worker = self._worker, worker
-            state.metrics.migrations.labels(pool.name, "migrated").inc()
+            ledger.migration_ended(pool.name, "migrated", worker)
             stream = result.stream
             assert isinstance(stream, UpstreamStream)
             stream.migration = self if self.count < state.config.migration.max_per_request else None
             return stream
-        note["outcome"] = outcome
-        state.metrics.migrations.labels(pool.name, outcome).inc()
+        ledger.migration_ended(pool.name, outcome)
         return None
 
     def seam(self) -> bytes:
@@ -409,9 +399,7 @@ class Migration:
         the re-prefill counted in the metric and the access log."""
         usage = self.usage(continued)
         if self.prefilled:
-            self._state.metrics.migration_prefill_tokens.labels(self._pool.name).inc(self.prefilled)
-            if self._record.migration is not None:
-                self._record.migration["prefill_tokens"] = self.prefilled
+            self._ledger.migration_prefilled(self._pool.name, self.prefilled)
         return usage
 
 

@@ -29,17 +29,17 @@ from gateway.dispatch.attempt import Attempt, SingleLeg, silence_limit
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.migration import ENGINES as MIGRATING_ENGINES
 from gateway.dispatch.migration import OPT_OUT_HEADER, Migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
-from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, skipped_pools
 from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
-from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
+from gateway.streaming import AttemptFailed, UpstreamStream
 
 
 class ProxyService:
@@ -81,7 +81,7 @@ class ProxyService:
         assert parsed.request is not None and parsed.forward is not None
         return parsed.forward, parsed.request
 
-    async def handle(self, api: Api, body: Body, headers: Mapping[str, str], record: RequestRecord,
+    async def handle(self, api: Api, body: Body, headers: Mapping[str, str], ledger: Ledger,
                      principal: Principal | None = None) -> BufferedResponse | RelayResponse:
         """The whole request path up to an accepted upstream (or a final error).
 
@@ -95,7 +95,7 @@ class ProxyService:
         (`parsing.with_output_limit`), and a client's llama.cpp `n_predict` is set to it
         (`parsing.with_engine_output_limit`), so the engine cannot generate past what was charged. The
         charge is settled when the request ends (`quota_used`): at once for an answer or error given
-        here, at the record's finish for a stream.
+        here, at the ledger's finish for a stream.
         """
         guard = self.state.auth if principal is not None else None
         generates = dialect_for(api).generates  # False: count_tokens
@@ -109,13 +109,11 @@ class ProxyService:
         if request.session_key is not None:  # one API key's hints never meet another's
             request = replace(request, session_key=scoped_session(
                 request.session_key, principal.name if principal is not None else None, request.adapter))
-        record.stream = request.stream
-        record.estimated_prompt_tokens = request.prompt_tokens
-        record.estimate_method = request.estimate_method
+        ledger.parsed(request)
         serving = self.state.config.pools if request.adapter is None else self._adapter_pools(request.adapter)
         pools = fitting_pools(request, serving)
         if len(pools) < len(serving):
-            record.skipped_pools = skipped_pools(request, serving) or None
+            ledger.skipped(skipped_pools(request, serving) or None)
         if request.adapter is not None:  # loaded where none has it and a pool loads it on demand
             await self.state.lora.ensure(request.adapter, pools)
         pinned: Worker | None = None
@@ -126,7 +124,7 @@ class ProxyService:
             pools = [pool]
         migrate = headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
         if guard is None:
-            return await self._dispatch(api, payload, request, pools, record, pinned, migrate)
+            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
         assert principal is not None
         default_output = pools[0].default_output_tokens
         if principal.tokens_per_minute is not None and generates:
@@ -139,16 +137,15 @@ class ProxyService:
         reservation = await guard.check_quota(principal, request.quota_tokens(default_output),
                                               requests=0, counted=counted)
         if reservation is None:
-            return await self._dispatch(api, payload, request, pools, record, pinned, migrate)
-        record.on_finish = lambda done: guard.settle_soon(reservation, quota_used(
-            done, request, reservation.tokens, done.outcome is not RequestOutcome.OK or done.status >= 400))
+            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
+        ledger.hold_quota(guard, reservation, request)
         try:
-            result = await self._dispatch(api, payload, request, pools, record, pinned, migrate)
+            result = await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
         except GatewayError:
-            await guard.settle(reservation, quota_used(record, request, reservation.tokens, failed=True))
+            await ledger.settle_quota(failed=True)
             raise
         if isinstance(result, BufferedResponse):
-            await guard.settle(reservation, quota_used(record, request, reservation.tokens, result.status >= 400))
+            await ledger.settle_quota(result.status >= 400)
         return result
 
     def _adapter_pools(self, adapter: str) -> list[PoolConfig]:
@@ -162,7 +159,7 @@ class ProxyService:
         return pools
 
     async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
-                        record: RequestRecord, pinned: Worker | None = None,
+                        ledger: Ledger, pinned: Worker | None = None,
                         migrate: bool = True) -> BufferedResponse | RelayResponse:
         """Dispatch a parsed request to its fitting `pools` (smallest first): one `Dispatch` state
         for its way through them, and a held 5xx verdict settled however it ends. With `pinned`
@@ -170,13 +167,12 @@ class ProxyService:
         `migrate`: its stream may be continued on another worker after a mid-stream failure."""
         state = self.state
         pool = pools[0]
-        record.pool = pool.name
-        state.metrics.estimated_prompt_tokens.labels(pool.name, request.estimate_method).observe(request.prompt_tokens)
-        dispatch = Dispatch(state, api, payload, request, record, pools, pool, pinned=pinned, migrate=migrate)
+        ledger.in_pool(pool.name, request)
+        dispatch = Dispatch(state, api, payload, request, ledger, pools, pool, pinned=pinned, migrate=migrate)
         try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
             return await self._dispatch_loop(dispatch)
         finally:
-            dispatch.failures.charge(state.registry)
+            dispatch.failures.charge(ledger)
 
     async def _dispatch_loop(self, dispatch: Dispatch) -> BufferedResponse | RelayResponse:
         """Until an attempt is accepted or `max_attempts` ran out: choose the pool and its candidates
@@ -184,7 +180,8 @@ class ProxyService:
         prefix owners once per pool, make the pool kind's attempt and run it, and judge a failed
         one (`_attempt_failed`): same pool, a larger one, or a final answer. A pinned request
         (`Dispatch.pinned`) makes one attempt on its worker (`kinds.PINNED`), whatever the policy."""
-        state, record = self.state, dispatch.record
+        state, ledger = self.state, dispatch.ledger
+        record = ledger.record
         while record.attempts < state.config.max_attempts:
             pool = dispatch.pool
             if dispatch.pinned is not None:
@@ -200,12 +197,12 @@ class ProxyService:
                 await self._wait_for_slot(dispatch)
                 continue
             if step is not PoolStep.ROUTE:  # spill over: unavailable or saturated
-                state.metrics.spillovers.labels(pool.name, to.name, step.value).inc()
+                ledger.spilled(pool.name, to.name, step.value)
                 dispatch.move_to(to)
                 continue
             policy = state.router.policy(pool.name)
             if dispatch.pinned is None and policy.uses_affinity and pool.name not in dispatch.matches:
-                dispatch.matches[pool.name] = await self._affinity_matches(pool.name, dispatch.request)
+                dispatch.matches[pool.name] = await self._affinity_matches(pool.name, dispatch.request, ledger)
                 # Others may have taken the free slots or broken workers meanwhile: look again. From
                 # here to the attempt's slot nothing awaits, so the room seen is the room taken.
                 continue
@@ -224,7 +221,7 @@ class ProxyService:
                 self._may_migrate(dispatch, attempt, result)
             if dialect_for(dispatch.api).stores_responses:
                 self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result,
-                                           dispatch.record.key)
+                                           record.key)
             result.headers.extend(route_headers(record))
             return result
         raise exhausted(state.registry, dispatch.last, record, dispatch.pools, dispatch.failures)
@@ -240,7 +237,7 @@ class ProxyService:
                 or self.state.config.migration.max_per_request == 0):
             return
         stream.migration = Migration(self.state, dispatch.api, attempt.pool, attempt.worker, attempt.body,
-                                     dispatch.request, dispatch.record, attempt.strip_usage, dispatch.tried)
+                                     dispatch.request, dispatch.ledger, attempt.strip_usage, dispatch.tried)
 
     async def _wait_for_slot(self, dispatch: Dispatch) -> None:
         """Queue for a slot of the request's pool, up to `queue_timeout` after it first queued."""
@@ -252,14 +249,8 @@ class ProxyService:
     def _attempt_started(self, dispatch: Dispatch, attempt: Attempt) -> None:
         """Account for an attempt about to run: the record's attempt count, worker and route
         reason, the decision's metric, and a retry's (labelled with what the last one failed by)."""
-        record, metrics = dispatch.record, self.state.metrics
-        record.attempts += 1
-        record.worker, record.reason, record.prefill_worker = attempt.worker.id, attempt.reason, None
-        metrics.route_decisions.labels(attempt.pool.name, attempt.reason).inc()
-        if dispatch.last is not None:
-            metrics.retries.labels(attempt.pool.name, dispatch.last.outcome).inc()
-        record.open_attempt, record.attempt_answered = attempt.worker, False
-        record.attempt_at, record.prefill_pending = time.perf_counter(), None
+        dispatch.ledger.attempt_started(attempt.pool.name, attempt.worker, attempt.reason,
+                                        None if dispatch.last is None else dispatch.last.outcome)
 
     def _attempt_failed(self, dispatch: Dispatch, attempt: Attempt,
                         failure: AttemptFailed) -> BufferedResponse | None:
@@ -267,21 +258,16 @@ class ProxyService:
         and judge it (`after_failure`): None to try again (in the same pool or, after an engine's
         "too long", once in the next larger one), else the final answer. Raises what
         `after_failure` raises for failures no other worker should repeat."""
-        record, pool, worker = dispatch.record, attempt.pool, attempt.failed_worker(failure)
-        record.open_attempt = None
-        record.reached_engine |= failure.outcome in (Outcome.TIMEOUT, Outcome.PROTOCOL_ERROR)
-        record.engine_refused |= failure.outcome in (Outcome.CLIENT_ERROR, Outcome.TOO_LONG)
-        self.state.metrics.upstream_attempts.labels(pool.name, worker.id, failure.outcome).inc()
-        if record.trace is not None:
-            record.trace.end_attempt(failure.outcome)
+        ledger, pool, worker = dispatch.ledger, attempt.pool, attempt.failed_worker(failure)
+        ledger.attempt_failed(pool.name, worker, failure.outcome)
         dispatch.tried.add(worker)
         dispatch.last = failure
-        step_to = after_failure(self.state.registry, failure, worker, pool, dispatch.pools, dispatch.request, record,
+        step_to = after_failure(ledger, failure, worker, pool, dispatch.pools, dispatch.request,
                                 dispatch.too_long_retried, dispatch.failures)
         if isinstance(step_to, BufferedResponse):
             return step_to
         if step_to is not pool:
-            self.state.metrics.spillovers.labels(pool.name, step_to.name, "too_long").inc()
+            ledger.spilled(pool.name, step_to.name, "too_long")
             dispatch.too_long_retried = True
             dispatch.move_to(step_to)
         return None
@@ -289,15 +275,12 @@ class ProxyService:
     def _attempt_accepted(self, dispatch: Dispatch, attempt: Attempt) -> None:
         """Account for the accepted attempt, and remember (after the first chunk went out) that its
         worker now holds the prompt's prefix."""
-        state, record, request = self.state, dispatch.record, dispatch.request
+        state, request = self.state, dispatch.request
         pool, worker = attempt.pool, attempt.worker
-        record.open_attempt = None
-        record.reached_engine = True
-        state.metrics.upstream_attempts.labels(pool.name, worker.id, Outcome.OK).inc()
-        if record.trace is not None:
-            record.trace.end_attempt(Outcome.OK)
-        if attempt.matched is not None and request.prefix is not None and state.affinity is not None:
-            state.metrics.affinity_match_ratio.labels(pool.name).observe(attempt.matched)
+        remembered = attempt.matched is not None and request.prefix is not None and state.affinity is not None
+        dispatch.ledger.attempt_accepted(pool.name, worker, attempt.matched if remembered else None)
+        if remembered:
+            assert request.prefix is not None and state.affinity is not None
             hashes = request.prefix.hashes
             if request.session_key is not None:  # and the session's worker, for its next turn
                 hashes = (*hashes, session_hash(request.session_key))
@@ -318,7 +301,7 @@ class ProxyService:
         elif result.status == 200 and (rid := response_id_in_json(result.body)) is not None:
             store.record(rid, owner)
 
-    async def _affinity_matches(self, pool: str, request: RoutingRequest) -> dict[str, float]:
+    async def _affinity_matches(self, pool: str, request: RoutingRequest, ledger: Ledger) -> dict[str, float]:
         """Worker URL → share of the prompt it holds, and (an `AffinityMatch`) the worker that served
         the request's session last, from one store lookup (fails open to {})."""
         store, prefix = self.state.affinity, request.prefix
@@ -331,28 +314,12 @@ class ProxyService:
         if owners is None:
             return {}
         matched = longest_match(prefix, owners[:len(prefix.hashes)])
-        self.state.metrics.affinity_lookups.labels(pool, "hit" if matched else "miss").inc()
+        ledger.affinity_looked_up(pool, bool(matched))
         if len(owners) > len(prefix.hashes) and owners[-1] is not None:
             return AffinityMatch(matched, owners[-1])
         return matched
 
-    def attempt_cut_by_cap(self, record: RequestRecord) -> None:
-        """Account for the attempt the overall cap (`timeouts.total`) cut: counted as a `timeout`;
-        held against its worker only for a stream whose engine had not even sent headers (a
-        streaming engine answers them at once, so it hangs; a non-streaming answer's headers come
-        with its last byte, so a long generation and a hang look the same)."""
-        worker = record.open_attempt
-        if worker is None:
-            return
-        record.open_attempt = None
-        record.reached_engine = True  # the engine may have been working on it all along
-        self.state.metrics.upstream_attempts.labels(worker.pool, worker.id, Outcome.TIMEOUT).inc()
-        if record.trace is not None:
-            record.trace.end_attempt(Outcome.TIMEOUT)
-        if record.stream and not record.attempt_answered:
-            self.state.registry.request_failed(worker, "no response headers within the overall cap")
-
-    def attempt_cut_by_hang_up(self, record: RequestRecord) -> None:
+    def attempt_cut_by_hang_up(self, ledger: Ledger) -> None:
         """Passive health for a client that hung up before its response while an attempt still
         waited: the worker that had sent it nothing (a PD attempt's prefill worker while its leg is
         unanswered, else the attempt's worker before its response headers) counts a failed request
@@ -361,36 +328,6 @@ class ProxyService:
         its health probe green) is so ejected within the patience of its clients, when a
         non-streamed answer budget would keep it in for minutes; a quick hang-up, or a busy engine
         answering others, is held against nobody."""
-        worker = record.open_attempt
-        if worker is None or record.disconnect_stage != "before_response":
-            return
-        silent = record.prefill_pending or (None if record.attempt_answered else worker)
-        if silent is None or silent.answered_at >= record.attempt_at:
-            return
-        waited = time.perf_counter() - record.attempt_at
-        if waited >= silence_limit(self.state.config.timeouts, record.estimated_prompt_tokens or 0):
-            self.state.registry.request_failed(silent, f"its client hung up after {waited:.1f}s without a byte "
-                                                       "from it (it answered no request meanwhile)")
+        ledger.hang_up_verdict(silence_limit(self.state.config.timeouts, ledger.record.estimated_prompt_tokens or 0))
 
 
-def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, failed: bool) -> int | None:
-    """The tokens a request that ended (`failed`: with an error, or a stream cut short) counts
-    against its key's token limit: the engine's usage (prompt + completion tokens) when it
-    reported one (a prompt it counted as 0, or did not report where its output was, is charged
-    at the estimate: no prompt is empty); the reservation when the client hung up, or a complete
-    answer came without usage (nothing to settle by); the prompt estimate when an engine accepted
-    the request (or may have been working on it) and it failed later; 0 when an engine read it and
-    refused it (a 4xx, "too long"): its tokens go back but its request stays counted, or refused
-    bodies would reach the engines past the key's request limit; None, "release it all", when no
-    engine worked on it (refused connections, 5xx/429 answers, no worker free)."""
-    usage = record.usage
-    estimate = request.batch_prompt_tokens if request.batch_prompt_tokens is not None else request.prompt_tokens
-    if usage is not None:
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        if isinstance(prompt, int) and isinstance(completion, int):
-            return (prompt if prompt > 0 else estimate) + completion
-    if record.disconnect_stage is not None or (record.reached_engine and not failed):
-        return reserved
-    if record.reached_engine:
-        return estimate
-    return 0 if record.engine_refused else None

@@ -31,9 +31,9 @@ from ipaddress import ip_address
 from typing import Any
 
 import httpx
-from prometheus_client import Counter
 
 from gateway.config import ImageFetchConfig
+from gateway.metrics import GatewayMetrics
 from gateway.routing.address_policy import AddressPolicy, IPAddress, literal_address
 from gateway.routing.tokens import image_size
 
@@ -112,15 +112,15 @@ class ImageFetcher:
     process-wide bound on fetches in flight, and a bounded cache of measured sizes by URL.
     """
 
-    def __init__(self, config: ImageFetchConfig, fetches: Counter, resolve: Resolver | None = None,
+    def __init__(self, config: ImageFetchConfig, metrics: GatewayMetrics, resolve: Resolver | None = None,
                  verify: ssl.SSLContext | bool = True) -> None:
-        """`fetches` is the `kimi_gateway_image_fetches` counter (label `result`); `resolve` turns a
+        """`metrics` counts the fetches (`kimi_gateway_image_fetches`, by result); `resolve` turns a
         host name into addresses (default: a `SystemResolver` of this fetcher's own); `verify` is
         httpx's TLS verification (the system CAs; an SSLContext trusting a private CA for an
         internal image host)."""
         self.config = config
         self.policy = AddressPolicy(config.allow_networks)
-        self._fetches = fetches
+        self._metrics = metrics
         self._system = SystemResolver() if resolve is None else None
         self._resolve: Resolver = resolve or self._system  # type: ignore[assignment]
         self._slots = asyncio.Semaphore(config.max_in_flight)
@@ -158,7 +158,7 @@ class ImageFetcher:
             else:
                 todo.append(url)
         if len(todo) > config.max_images:
-            self._fetches.labels("skipped").inc(len(todo) - config.max_images)
+            self._metrics.image_fetched("skipped", len(todo) - config.max_images)
             todo = todo[:config.max_images]
         if not todo:
             return sizes
@@ -180,7 +180,7 @@ class ImageFetcher:
                     group.create_task(one(url))
         except TimeoutError:
             late = [url for url in todo if url not in done]
-            self._fetches.labels("timeout").inc(len(late))
+            self._metrics.image_fetched("timeout", len(late))
             log.info("image fetch: %d of %d images not measured within the %.1fs request budget",
                      len(late), len(todo), config.request_budget)
         return sizes
@@ -253,7 +253,7 @@ class ImageFetcher:
         raise _Stop("error", "not an image of a known format")
 
     def _note(self, url: str, probe: Probe) -> None:
-        self._fetches.labels(probe.result).inc()
+        self._metrics.image_fetched(probe.result)
         if probe.result != "ok":
             log.info("image fetch %s from %s: %s", probe.result, _host_of(url), probe.detail)
 

@@ -82,30 +82,30 @@ async def owner_of(response_id: str, param: str | None, store: ResponseStore | N
     try:
         owner: ResponseOwner | None = await store.lookup(response_id) if store is not None else None
     except ResponseStoreUnavailable as exc:
-        metrics.response_affinity.labels("store_error").inc()
+        metrics.response_lookup("store_error")
         exc.param = param
         raise
     if owner is None or not may_use(principal, owner):
-        metrics.response_affinity.labels("unknown").inc()
+        metrics.response_lookup("unknown")
         what = "Previous response" if param else "Response"
         raise ResponseNotFound(f"{what} with id '{response_id[:256]}' not found.", param=param)
     pool = next((p for p in pools if p.name == owner.pool), None)
     worker = next((w for w in registry.pools.get(owner.pool, ()) if w.url == owner.worker_url), None)
     if pool is None or worker is None or worker.retired:
-        metrics.response_affinity.labels("worker_gone").inc()
+        metrics.response_lookup("worker_gone")
         raise ResponseWorkerGone(
             f"Response '{response_id[:256]}' was stored by a worker of pool {owner.pool} that is no longer part of "
             "this gateway; its stored conversation is lost. Send the conversation again as `input` without "
             "`previous_response_id`.", param=param)
     now = registry.clock()
     if not worker.healthy or worker.misconfigured is not None or worker.ejected_until > now or worker.busy_until > now:
-        metrics.response_affinity.labels("worker_unavailable").inc()
+        metrics.response_lookup("worker_unavailable")
         wait = max(worker.ejected_until, worker.busy_until) - now
         seconds = max(1, math.ceil(wait if wait > 0 else registry.health.interval))
         raise ResponseWorkerUnavailable(
             f"The worker that stores response '{response_id[:256]}' ({worker.id}) is {worker.state(now)} now; "
             f"try again in {seconds} s.", param=param, headers={"retry-after": str(seconds)})
-    metrics.response_affinity.labels("hit").inc()
+    metrics.response_lookup("hit")
     return pool, worker
 
 

@@ -309,7 +309,7 @@ class StandInDNS:
 
 def fetcher(dns: StandInDNS, verify: ssl.SSLContext | bool = True, **config: Any) -> ImageFetcher:
     settings = {**LOOPBACK_ALLOWED, **config}
-    return ImageFetcher(ImageFetchConfig(**settings), GatewayMetrics().image_fetches, dns, verify)
+    return ImageFetcher(ImageFetchConfig(**settings), GatewayMetrics(), dns, verify)
 
 
 @pytest.mark.anyio

@@ -72,7 +72,7 @@ async def test_stuck_lookups_hold_only_the_fetchers_own_threads() -> None:
 async def test_many_images_on_a_silent_name_server_cost_the_budget_and_no_more() -> None:
     silent = SilentNameServer()
     metrics = GatewayMetrics()
-    fetcher = ImageFetcher(ImageFetchConfig(enabled=True, timeout=0.5, request_budget=1.0), metrics.image_fetches,
+    fetcher = ImageFetcher(ImageFetchConfig(enabled=True, timeout=0.5, request_budget=1.0), metrics,
                            SystemResolver(threads=2, lookup=silent))
     try:
         started = time.monotonic()

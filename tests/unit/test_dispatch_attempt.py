@@ -19,6 +19,7 @@ from gateway.dispatch.attempt import ProbeWatch, SingleLeg, budgets, hold_window
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import Failures, exhausted
 from gateway.dispatch.kinds import AGGREGATED, kind_of
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.service import ProxyService
 from gateway.errors import NoCapacity, UpstreamError
 from gateway.metrics import GatewayMetrics
@@ -89,13 +90,20 @@ def state() -> Iterator[AppState]:
     app_state.parse_pool.close()
 
 
+def ledger_of(state: AppState, pool: str = "p", stream: bool = False) -> Ledger:
+    """A chat request's ledger on `state`'s metrics and registry, in `pool`."""
+    ledger = Ledger("chat", "r", None, state.metrics, state.registry)
+    ledger.record.pool, ledger.record.stream = pool, stream
+    return ledger
+
+
 def single_leg(state: AppState, engine: Engine, stream: bool = False) -> tuple[SingleLeg, RequestRecord]:
     state.upstream = engine  # type: ignore[assignment]
     pool = state.config.pools[0]
     worker = state.registry.pools["p"][0]
-    record = RequestRecord(request_id="r", api="chat", pool="p", stream=stream)
-    return SingleLeg(state, "chat", pool, worker, "least_load", None, b"{}", request(stream=stream), record,
-                     False), record
+    ledger = ledger_of(state, stream=stream)
+    return SingleLeg(state, "chat", pool, worker, "least_load", None, b"{}", request(stream=stream), ledger,
+                     False), ledger.record
 
 
 def in_flight(state: AppState) -> tuple[int, int]:
@@ -204,9 +212,8 @@ def test_the_aggregated_kind_makes_one_single_leg_attempt_from_the_policys_choic
     assert kind_of(pool) is AGGREGATED
     a, b = state.registry.pools["p"]
     a.in_flight += 3  # the default (prefix affinity) policy: no match long enough, so the least loaded, b
-    record = RequestRecord(request_id="r", api="chat", pool="p")
     dispatch = Dispatch(state, "chat", {"model": "kimi-k3", "messages": [], "max_completion_tokens": 5},
-                        request(), record, list(state.config.pools), pool)
+                        request(), ledger_of(state), list(state.config.pools), pool)
     attempt = AGGREGATED.attempt(dispatch, state.router.policy("p"), [a, b], {"http://b:1": 0.5})
     assert isinstance(attempt, SingleLeg)
     # `matched`: the share b held, for the affinity metric (None with a policy that ignores affinity)
@@ -245,7 +252,7 @@ async def test_an_engine_without_headers_in_time_times_out_and_releases_its_slot
     attempt, record = single_leg(state, Engine(None), stream=True)
     with pytest.raises(AttemptFailed) as caught:
         await attempt.run()
-    assert (caught.value.outcome, caught.value.answered, record.attempt_answered) == (Outcome.TIMEOUT, False, False)
+    assert (caught.value.outcome, caught.value.answered, record.status) == (Outcome.TIMEOUT, False, 0)
     assert "no response headers" in caught.value.detail and in_flight(state) == (0, 0)
 
 
@@ -296,19 +303,20 @@ def test_a_failed_attempts_accounting_and_a_too_long_move_to_the_larger_pool_onc
     try:
         service = ProxyService(app_state)
         pools = list(app_state.config.pools)
-        record = RequestRecord(request_id="r", api="chat", pool="small")
-        dispatch = Dispatch(app_state, "chat", {}, request(), record, pools, pools[0])
+        ledger = ledger_of(app_state, "small")
+        record = ledger.record
+        dispatch = Dispatch(app_state, "chat", {}, request(), ledger, pools, pools[0])
         a = app_state.registry.pools["small"][0]
-        attempt = SingleLeg(app_state, "chat", pools[0], a, "least_load", None, b"{}", request(), record, False)
+        attempt = SingleLeg(app_state, "chat", pools[0], a, "least_load", None, b"{}", request(), ledger, False)
         service._attempt_started(dispatch, attempt)
-        assert (record.attempts, record.worker, record.open_attempt, record.attempt_answered) == (1, a.id, a, False)
+        assert (record.attempts, record.worker, ledger.open_attempt) == (1, a.id, a)
         too_long = AttemptFailed(Outcome.TOO_LONG, "too long", 400, b'{"error": {"message": "too long"}}',
                                  answered=True)
         assert service._attempt_failed(dispatch, attempt, too_long) is None  # try again, in the larger pool
         assert (dispatch.pool.name, record.pool, dispatch.too_long_retried) == ("large", "large", True)
-        assert record.open_attempt is None and dispatch.tried == {a} and dispatch.last is too_long
+        assert ledger.open_attempt is None and dispatch.tried == {a} and dispatch.last is too_long
         c = app_state.registry.pools["large"][0]
-        second = SingleLeg(app_state, "chat", pools[1], c, "least_load", None, b"{}", request(), record, False)
+        second = SingleLeg(app_state, "chat", pools[1], c, "least_load", None, b"{}", request(), ledger, False)
         service._attempt_started(dispatch, second)
         answer = service._attempt_failed(dispatch, second, too_long)  # a second "too long": the engine's answer
         assert isinstance(answer, BufferedResponse) and answer.status == 400 and record.attempts == 2

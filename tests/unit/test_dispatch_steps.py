@@ -16,6 +16,7 @@ from gateway.config import GatewayConfig, PoolConfig, parse_config
 from gateway.dispatch.answers import BufferedResponse, route_headers
 from gateway.dispatch.attempt import timed_out, upstream_headers
 from gateway.dispatch.failures import Failures, after_failure
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.steps import PoolStep, choose_pool, decide, engine_body
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.metrics import GatewayMetrics
@@ -168,18 +169,21 @@ def test_engine_body_strips_engine_control_fields_unless_the_pool_allows_the_kv_
 
 # -- what a failed attempt leads to ------------------------------------------------------------------
 
-def record() -> RequestRecord:
-    return RequestRecord(request_id="r", api="chat", pool="small")
+def ledger(registry: WorkerRegistry) -> Ledger:
+    """A chat request's ledger in pool `small`, its verdicts going to `registry`."""
+    book = Ledger("chat", "r", None, GatewayMetrics(), registry)
+    book.record.pool = "small"
+    return book
 
 
 def test_too_long_goes_to_the_larger_pool_once_then_answers_the_engines_error() -> None:
     registry, pools, _ = setup()
     a = registry.pools["small"][0]
     failure = AttemptFailed(Outcome.TOO_LONG, "too long", 400, b'{"error": {"message": "too long"}}')
-    nxt = after_failure(registry, failure, a, pools[0], pools, request(), record(), False, Failures())
+    nxt = after_failure(ledger(registry), failure, a, pools[0], pools, request(), False, Failures())
     assert isinstance(nxt, PoolConfig) and nxt.name == "large"
     c = registry.pools["large"][0]
-    answer = after_failure(registry, failure, c, pools[1], pools, request(), record(), True, Failures())
+    answer = after_failure(ledger(registry), failure, c, pools[1], pools, request(), True, Failures())
     assert isinstance(answer, BufferedResponse) and answer.status == 400
     assert b"context_length_exceeded" in answer.body and b'"messages"' in answer.body
 
@@ -188,7 +192,7 @@ def test_an_engines_4xx_is_answered_and_held_against_nobody() -> None:
     registry, pools, _ = setup()
     a = registry.pools["small"][0]
     failure = AttemptFailed(Outcome.CLIENT_ERROR, "bad", 422, b'{"error": {"message": "bad temperature"}}')
-    answer = after_failure(registry, failure, a, pools[0], pools, request(), record(), False, Failures())
+    answer = after_failure(ledger(registry), failure, a, pools[0], pools, request(), False, Failures())
     assert isinstance(answer, BufferedResponse) and answer.status == 422
     assert a in registry.candidates("small")
 
@@ -197,14 +201,14 @@ def test_refused_credentials_and_a_generation_timeout_are_final() -> None:
     registry, pools, _ = setup()
     a = registry.pools["small"][0]
     with pytest.raises(UpstreamError, match="credentials"):
-        after_failure(registry, AttemptFailed(Outcome.AUTH_ERROR, "401", 401), a, pools[0], pools, request(),
-                      record(), False, Failures())
+        after_failure(ledger(registry), AttemptFailed(Outcome.AUTH_ERROR, "401", 401), a, pools[0], pools, request(),
+                      False, Failures())
     answered = AttemptFailed(Outcome.TIMEOUT, "no first content", answered=True)
     with pytest.raises(UpstreamTimeout) as caught:
-        after_failure(registry, answered, a, pools[0], pools, request(), record(), False, Failures())
+        after_failure(ledger(registry), answered, a, pools[0], pools, request(), False, Failures())
     assert caught.value.headers == {"x-should-retry": "false"}
     # a stream's timeout, or one before headers, is tried elsewhere in the same pool
-    same = after_failure(registry, answered, a, pools[0], pools, request(stream=True), record(), False, Failures())
+    same = after_failure(ledger(registry), answered, a, pools[0], pools, request(stream=True), False, Failures())
     assert same is pools[0]
 
 
@@ -213,8 +217,8 @@ def test_a_429_backs_its_worker_off_and_is_remembered_as_the_shortest_busy() -> 
     a, b = registry.pools["small"]
     failures = Failures()
     for worker, wait in ((a, 30.0), (b, 2.0)):
-        step = after_failure(registry, AttemptFailed(Outcome.STATUS_429, "429", 429, retry_after=wait), worker,
-                             pools[0], pools, request(), record(), False, failures)
+        step = after_failure(ledger(registry), AttemptFailed(Outcome.STATUS_429, "429", 429, retry_after=wait), worker,
+                             pools[0], pools, request(), False, failures)
         assert step is pools[0]
     assert registry.candidates("small") == []
     assert failures.busy is not None and failures.busy.retry_after == 2.0
@@ -226,11 +230,11 @@ def test_a_5xx_two_workers_give_alike_is_the_requests_fault_and_charged_to_neith
     failures = Failures()
     first = AttemptFailed(Outcome.STATUS_5XX, "500", 500, b'{"error": "bad input id 1234abcd9876"}')
     second = AttemptFailed(Outcome.STATUS_5XX, "500", 500, b'{"error": "bad input id 99zz88yy7766"}')
-    assert after_failure(registry, first, a, pools[0], pools, request(), record(), False, failures) is pools[0]
-    answer = after_failure(registry, second, b, pools[0], pools, request(), record(), False, failures)
+    assert after_failure(ledger(registry), first, a, pools[0], pools, request(), False, failures) is pools[0]
+    answer = after_failure(ledger(registry), second, b, pools[0], pools, request(), False, failures)
     assert isinstance(answer, BufferedResponse) and answer.status == 500
     assert (b"x-should-retry", b"false") in answer.headers
-    failures.charge(registry)
+    failures.charge(ledger(registry))
     assert registry.candidates("small") == [a, b]  # passive_failures 1: a charge would have ejected
 
 
@@ -238,13 +242,13 @@ def test_a_5xx_then_a_different_one_charges_the_first_worker() -> None:
     registry, pools, _ = setup()
     a, b = registry.pools["small"]
     failures = Failures()
-    after_failure(registry, AttemptFailed(Outcome.STATUS_5XX, "500", 500, b"out of memory"), a, pools[0], pools,
-                  request(), record(), False, failures)
+    after_failure(ledger(registry), AttemptFailed(Outcome.STATUS_5XX, "500", 500, b"out of memory"), a, pools[0], pools,
+                  request(), False, failures)
     assert registry.candidates("small") == [a, b]  # held until the next attempt tells
-    after_failure(registry, AttemptFailed(Outcome.STATUS_5XX, "500", 500, b"disk full"), b, pools[0], pools,
-                  request(), record(), False, failures)
+    after_failure(ledger(registry), AttemptFailed(Outcome.STATUS_5XX, "500", 500, b"disk full"), b, pools[0], pools,
+                  request(), False, failures)
     assert registry.candidates("small") == [b]
-    failures.charge(registry)
+    failures.charge(ledger(registry))
     assert registry.candidates("small") == []
 
 
@@ -261,14 +265,15 @@ def test_route_headers_name_pool_attempts_worker_and_reason() -> None:
 def test_upstream_headers_carry_the_request_id_and_the_pools_credential_only() -> None:
     registry, pools, _ = setup(large={"api_key": "sk-engine"})
     a, c = registry.pools["small"][0], registry.pools["large"][0]
-    first = record()
+    book = ledger(registry)
+    first = book.record
     first.attempts = 1
-    headers = upstream_headers(pools[0], a, first)
+    headers = upstream_headers(pools[0], a, book)
     assert headers == {"content-type": "application/json", "x-request-id": f"{first.engine_request_id}-1"}
     assert re.fullmatch("[0-9a-f]{32}-1", headers["x-request-id"])  # the gateway's id, never the client's "r"
     first.attempts = 2
-    assert upstream_headers(pools[0], a, first)["x-request-id"] == f"{first.engine_request_id}-2"  # per attempt
-    again = upstream_headers(pools[1], c, record())
+    assert upstream_headers(pools[0], a, book)["x-request-id"] == f"{first.engine_request_id}-2"  # per attempt
+    again = upstream_headers(pools[1], c, ledger(registry))
     assert again["authorization"] == "Bearer sk-engine" and again["x-request-id"][:32] != first.engine_request_id
 
 

@@ -8,7 +8,7 @@ from gateway.auth.guard import AuthGuard, Reservation
 from gateway.auth.keys import KeyRing, Principal
 from gateway.auth.limits import MemoryRateLimiter
 from gateway.config import AuthConfig
-from gateway.dispatch.service import quota_used
+from gateway.dispatch.ledger import quota_used
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord

@@ -1,35 +1,11 @@
-"""A request's outcome is a bounded enum; the status it is counted under follows from it."""
+"""A request's outcome is a bounded enum; the status it is counted under follows from it (how the
+outcome is set: tests/unit/test_ledger.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.record import RequestOutcome, RequestRecord, counted_status
-
-
-def test_an_error_answer_names_the_outcome_error_only_when_no_cause_was_named() -> None:
-    record = RequestRecord(request_id="r", api="chat")
-    assert record.outcome is RequestOutcome.OK
-    record.answered_with_error(429)
-    assert (record.outcome, record.status) == (RequestOutcome.ERROR, 429)
-    timed_out = RequestRecord(request_id="r", api="chat", outcome=RequestOutcome.TIMEOUT)
-    timed_out.answered_with_error(504)
-    assert (timed_out.outcome, timed_out.status) == (RequestOutcome.TIMEOUT, 504)
-
-
-def test_a_hang_up_is_recorded_once_with_its_first_stage() -> None:
-    record = RequestRecord(request_id="r", api="chat")
-    record.client_gone("before_response")
-    record.client_gone("mid_stream")
-    assert (record.outcome, record.disconnect_stage) == (RequestOutcome.CLIENT_DISCONNECT, "before_response")
-
-
-def test_shutdown_cut_answers_503_only_before_the_response_started() -> None:
-    before, during = RequestRecord(request_id="r", api="chat"), RequestRecord(request_id="r", api="chat", status=200)
-    before.cut_by_shutdown(response_started=False)
-    during.cut_by_shutdown(response_started=True)
-    assert (before.outcome, before.status) == (RequestOutcome.SHUTTING_DOWN, 503)
-    assert (during.outcome, during.status) == (RequestOutcome.SHUTTING_DOWN, 200)
+from gateway.record import RequestOutcome, counted_status
 
 
 @pytest.mark.parametrize(("status", "outcome", "counted"), [

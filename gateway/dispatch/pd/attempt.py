@@ -32,10 +32,10 @@ from gateway.config import PoolConfig
 from gateway.dialects.names import Api
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, BufferedResponse, RelayResponse
 from gateway.dispatch.attempt import UPSTREAM_PATHS, Attempt, SingleLeg, budgets, hold_window, upstream_headers
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.pd.account import PdAccount
 from gateway.dispatch.pd.deferred import DeferredStream, after_commit_message
 from gateway.dispatch.pd.prefill import PrefillLeg, prefill_budget
-from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Holding, Outcome, UpstreamStream
@@ -56,20 +56,32 @@ class PdAttempt(Attempt):
     """A two-leg attempt (see the module docstring): `runner` orders the legs, `body` is the decode
     worker's engine body, parsed once here (`self.body`, a dict the runner's builders never change)."""
 
-    __slots__ = ("_account", "_api", "_failed", "_prefill_leg", "_record", "_request", "_runner", "_state",
-                 "_strip_usage", "body", "prefill", "prefill_reason")
+    __slots__ = (
+        "_account",
+        "_api",
+        "_failed",
+        "_ledger",
+        "_prefill_leg",
+        "_request",
+        "_runner",
+        "_state",
+        "_strip_usage",
+        "body",
+        "prefill",
+        "prefill_reason",
+    )
 
     def __init__(self, runner: PdRunner, state: AppState, api: Api, pool: PoolConfig, decode: Worker,
                  prefill: Worker, reason: str, prefill_reason: str, matched: float | None, body: bytes,
-                 request: RoutingRequest, record: RequestRecord, strip_usage: bool) -> None:
+                 request: RoutingRequest, ledger: Ledger, strip_usage: bool) -> None:
         super().__init__(pool, decode, reason, matched)
         self._runner = runner
         self._state = state
         self._api = api
         self._request = request
-        self._record = record
+        self._ledger = ledger
         self._strip_usage = strip_usage
-        self._account = PdAccount(state, pool.name, record)
+        self._account = PdAccount(ledger, pool.name)
         self.body: dict[str, Any] = orjson.loads(body)
         self.prefill = prefill
         self.prefill_reason = prefill_reason
@@ -97,7 +109,7 @@ class PdAttempt(Attempt):
 
     def hold_window(self) -> float | None:
         """How long (s) a stream may still be held back before it is committed (`attempt.hold_window`)."""
-        return hold_window(self._state.config.timeouts, self._record)
+        return hold_window(self._state.config.timeouts, self._ledger.record)
 
     async def run(self) -> Answer:
         """Take both slots (the prefill's outside the pool's request count), run the protocol's
@@ -109,7 +121,7 @@ class PdAttempt(Attempt):
         try:
             holding.lease(self.worker, state.metrics, gate)
             holding.lease(self.prefill, state.metrics, gate, counted=False)
-            result = await self._runner.legs(self, holding, upstream_headers(self.pool, self.worker, self._record))
+            result = await self._runner.legs(self, holding, upstream_headers(self.pool, self.worker, self._ledger))
             self._observe()
             return result
         finally:
@@ -156,7 +168,7 @@ class PdAttempt(Attempt):
     def _serve(self, holding: Holding, headers: dict[str, str], body: bytes) -> Awaitable[Answer]:
         """The decode leg: the single-leg relay of `body` on the decode worker, into `holding`."""
         leg = SingleLeg(self._state, self._api, self.pool, self.worker, self.reason, self.matched, body,
-                        self._request, self._record, self._strip_usage)
+                        self._request, self._ledger, self._strip_usage)
         return leg.serve(holding, headers)
 
     async def decode(self, holding: Holding, headers: dict[str, str], body: bytes) -> Answer:
@@ -203,7 +215,7 @@ class PdAttempt(Attempt):
         sent no content it waits for KV that will not come, so abort it (the relay then ends with
         one SSE error event; the decode worker is not blamed: the prefill worker is). Once it sent
         content, the KV had arrived: let it finish."""
-        if self._record.first_byte_at is None and isinstance(result.stream, UpstreamStream):
+        if self._ledger.record.first_byte_at is None and isinstance(result.stream, UpstreamStream):
             await result.stream.abort("The prefill worker failed before the first token")
 
     def commit_deferred(self, holding: Holding, start: Callable[[Holding], Awaitable[Answer]]) -> RelayResponse:

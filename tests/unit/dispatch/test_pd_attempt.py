@@ -28,7 +28,7 @@ from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Outcome
-from tests.unit.test_dispatch_attempt import Answer
+from tests.unit.test_dispatch_attempt import Answer, ledger_of
 
 BODY = orjson.dumps({"model": "kimi", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8})
 USAGE = b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4}}'
@@ -119,11 +119,12 @@ def workers(state: AppState) -> tuple[Worker, Worker]:
 def attempt(state: AppState, runner: PdRunner, pair: Pair, stream: bool = False) -> tuple[PdAttempt, RequestRecord]:
     state.upstream = pair  # type: ignore[assignment]
     prefill, decode = workers(state)
-    record = RequestRecord(request_id="r", api="chat", pool="pd", stream=stream)
+    ledger = ledger_of(state, "pd", stream)
+    record = ledger.record
     request = RoutingRequest(api="chat", model="kimi-k3", prompt_tokens=100, output_tokens=None, stream=stream,
                              modalities=frozenset({"text"}), estimate_method="bytes")
     return PdAttempt(runner, state, "chat", state.config.pools[0], decode, prefill, "prefill:r,decode:r",
-                     "r", None, BODY, request, record, False), record
+                     "r", None, BODY, request, ledger, False), record
 
 
 def leg_failures(state: AppState, phase: str, outcome: str) -> float | None:
