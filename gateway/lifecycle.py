@@ -38,8 +38,8 @@ from typing import Any
 
 import uvicorn
 
-from gateway.config import ShutdownConfig
 from gateway.errors import NoCapacity
+from gateway.process_params import ShutdownConfig
 from gateway.protocol.anthropic import error_body as anthropic_error_body
 from gateway.protocol.sse import sse_error_event
 from gateway.server import uvicorn_config

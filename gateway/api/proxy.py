@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from gateway.auth.middleware import AUTH_ERROR, principal_of
-from gateway.dispatch import BufferedResponse, ProxyService, RelayResponse
+from gateway.dispatch.answers import BufferedResponse, RelayResponse
+from gateway.dispatch.service import ProxyService
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,

@@ -45,11 +45,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope
 
 from gateway.api.proxy import hung_up, request_id_of
-from gateway.api.responses import error_response
 from gateway.api.schemas import ResponseObject, error_responses
 from gateway.auth.middleware import principal_of
 from gateway.backends.control import describe_transport_error
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, error_bytes_from_upstream
+from gateway.http_answers import error_response
 from gateway.protocol.responses import RESPONSE_ID_MAX
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.response_affinity import ResponseNotFound, owner_of

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.config import EngineKind
+from gateway.backends.params import EngineKind
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,15 +39,16 @@ from collections.abc import AsyncIterator
 
 from gateway.backends.client import UpstreamResponse, UpstreamTimeouts, first_byte_budget, request_timeout
 from gateway.backends.engine_kinds import ENGINES
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig, TimeoutConfig
 from gateway.dispatch.answers import (
     BufferedResponse,
     RelayResponse,
     json_answer_usage,
     relayed_content_type,
 )
+from gateway.dispatch.params import TimeoutConfig
 from gateway.errors import UpstreamError
 from gateway.record import RequestOutcome, RequestRecord
 from gateway.routing.features import Api, RoutingRequest

@@ -42,10 +42,11 @@ import httpx
 import orjson
 
 from gateway.backends.client import TransportError, UpstreamTimeouts
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig, TimeoutConfig
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, BufferedResponse, RelayResponse
 from gateway.dispatch.attempt import UPSTREAM_PATHS, SingleLeg, budgets, hold_window
+from gateway.dispatch.params import TimeoutConfig
 from gateway.errors import UpstreamError
 from gateway.protocol.sse import sse_error_event
 from gateway.record import RequestOutcome, RequestRecord

@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 from prometheus_client import Counter
 
-from gateway.config import ImageFetchConfig
 from gateway.routing.address_policy import AddressPolicy, IPAddress, literal_address
+from gateway.routing.params import ImageFetchConfig
 from gateway.routing.tokens import image_size
 
 log = logging.getLogger("gateway.image_fetch")

@@ -7,13 +7,15 @@ import orjson
 import pytest
 
 from gateway.affinity.hashing import PrefixHasher
-from gateway.config import AffinityConfig, EstimationConfig, GatewayConfig
+from gateway.affinity.params import AffinityConfig
+from gateway.config import GatewayConfig
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.parsing import BodyParser
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest, chat_usage, response_id_of
 from gateway.protocol.sse import SSETap
 from gateway.routing.features import chat_features, responses_features
+from gateway.routing.params import EstimationConfig
 from gateway.routing.tokens import TokenEstimator
 from gateway.streaming import Held, classify_event
 
