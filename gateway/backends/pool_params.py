@@ -1,6 +1,7 @@
-"""A pool's config section (pydantic only): `PoolConfig`, its prefill/decode split and the PD
-protocol tables. A pool's `policy_params` are checked with the policy's own model
-(`gateway.routing.registry.POLICY_PARAMS`)."""
+"""A pool's config section (pydantic models): `PoolConfig`, its prefill/decode split and the PD
+protocol tables. A pool's `policy_params` are checked with the policy's own model, which lives with
+the policy: `gateway.routing.registry.POLICY_PARAMS` is this module's one import of code beyond the
+schema (the allowed arrow of tests/unit/test_package_imports.py)."""
 
 from __future__ import annotations
 

@@ -97,11 +97,11 @@ def imports_of(name: str, path: Path, modules: set[str]) -> Iterator[Import]:
                 yield Import(name, sub, None) if sub in modules else Import(name, node.module, alias.name)
 
 
-def all_imports() -> list[Import]:
-    """The gateway imports of gateway/ and of OTHER_IMPORTERS."""
+def all_imports(others: tuple[str, ...] = OTHER_IMPORTERS) -> list[Import]:
+    """The gateway imports of gateway/ and of the folders `others`."""
     modules = gateway_modules()
     found = [i for name, path in modules.items() for i in imports_of(name, path, set(modules))]
-    for folder in OTHER_IMPORTERS:
+    for folder in others:
         for path in sorted((REPO_ROOT / folder).rglob("*.py")):
             found.extend(imports_of(module_name(path), path, set(modules)))
     return found
@@ -162,6 +162,12 @@ def params_packages_with_imports(modules: dict[str, Path]) -> list[str]:
     return sorted(set(found))
 
 
+def beyond_exports(imports: list[Import], module: str, exported: set[str]) -> list[str]:
+    """Names taken from `module` that it does not export (`__all__`): they belong to their owner."""
+    return sorted({f"{i.importer}: {i.name}" for i in imports if i.target == module and i.name is not None
+                   and i.name not in exported})
+
+
 SYNTHETIC_LAYERS: list[tuple[str, set[str]]] = [("low", {"errors"}), ("schema", {"schema"}),
                                                  ("mid", {"auth", "api"}), ("top", {"plans"})]
 
@@ -182,6 +188,9 @@ def test_the_checks_find_what_they_look_for() -> None:
     assert private_across(imports) == ["deploy.generate imports gateway.plans.emit: _command",
                                        "gateway.plans.safety imports gateway.config_env: _ENV_REF"]
     assert unplaced({"errors", "schema", "newpkg"}, SYNTHETIC_LAYERS) == ["newpkg"]
+    taken = [Import("gateway.app", "gateway.config", "GatewayConfig"),
+             Import("tests.x", "gateway.config", "PoolConfig")]
+    assert beyond_exports(taken, "gateway.config", {"GatewayConfig"}) == ["tests.x: PoolConfig"]
     assert unit("gateway.routing.params") == unit("gateway.backends.pool_params") == "schema"
     assert unit("gateway.routing.policies.ttft_cost") == "routing"
 
@@ -214,3 +223,11 @@ def test_no_private_name_crosses_a_package() -> None:
 
 def test_a_params_module_loads_without_its_package() -> None:
     assert params_packages_with_imports(gateway_modules()) == []
+
+
+def test_config_names_come_from_their_owners() -> None:
+    """gateway/config.py exports the loading API only; a section's model is imported from its params module."""
+    import gateway.config
+
+    imports = all_imports((*OTHER_IMPORTERS, "tests"))
+    assert beyond_exports(imports, "gateway.config", set(gateway.config.__all__)) == []
