@@ -21,12 +21,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.api import admin, models, ops, stored_responses
 from gateway.api.proxied import PROXIED_ROUTES, ProxiedApps, ProxiedRoute, add_proxied_paths, proxied_apps
-from gateway.api.responses import JSONResponse, error_response
 from gateway.auth.middleware import http_middleware
 from gateway.config import GatewayConfig
 from gateway.dialects.registry import dialect_for_path
-from gateway.dispatch import ProxyService
+from gateway.dispatch.service import ProxyService
 from gateway.errors import GatewayError, InvalidRequest, MethodNotAllowed, NotFound
+from gateway.http_answers import JSONResponse, error_response
 from gateway.state import AppState
 
 

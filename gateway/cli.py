@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
+from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.config_base import explain_validation_error
 from gateway.logs import setup_logging
 
 if TYPE_CHECKING:

@@ -38,10 +38,10 @@ from typing import Any
 
 import uvicorn
 
-from gateway.config import ShutdownConfig
 from gateway.dialects.base import Dialect
 from gateway.dialects.registry import dialect_for_path
 from gateway.errors import NoCapacity
+from gateway.process_params import ShutdownConfig
 from gateway.server import uvicorn_config
 
 log = logging.getLogger("gateway.lifecycle")

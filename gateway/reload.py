@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pydantic import ValidationError
 
 from gateway.backends.control import pool_headers
-from gateway.config import ConfigError, GatewayConfig, explain_validation_error, load_config
+from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.config_base import explain_validation_error
 from gateway.state import AppState
 
 log = logging.getLogger("gateway.reload")

@@ -21,7 +21,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.config import ConfigError, TracingConfig
+from gateway.config_base import ConfigError
+from gateway.process_params import TracingConfig
 from gateway.record import RequestOutcome, RequestRecord
 
 try:  # the `tracing` extra

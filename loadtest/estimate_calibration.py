@@ -32,8 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from gateway.config import EstimationConfig
-from gateway.routing.tokens import _CLASS_OF_BYTE, TokenEstimator
+from gateway.routing.params import EstimationConfig
+from gateway.routing.tokens import CLASS_OF_BYTE, TokenEstimator
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "estimate"
@@ -77,7 +77,7 @@ def byte_classes(data: bytes) -> list[str]:
     out: list[str] = []
     i = 0
     while i < len(data):
-        lead = chr(_CLASS_OF_BYTE[data[i]])
+        lead = chr(CLASS_OF_BYTE[data[i]])
         width = 1 if data[i] < 0x80 else 2 if data[i] < 0xE0 else 3 if data[i] < 0xF0 else 4
         head = data[i:i + 2]
         cls = names.get(lead, "other") if lead != "k" else "cjk_punctuation" if head == b"\xe3\x80" else "kana"

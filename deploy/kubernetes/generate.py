@@ -51,9 +51,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from gateway.backends.client import answer_budget  # noqa: E402
-from gateway.config import ShutdownConfig, TimeoutConfig  # noqa: E402
-from gateway.plans.emit import _command, _sglang_args, _vllm_args  # noqa: E402
+from gateway.dispatch.params import TimeoutConfig  # noqa: E402
+from gateway.plans.emit import sglang_args, shell_command, vllm_args  # noqa: E402
 from gateway.plans.models import LoadedPlan, load_plan  # noqa: E402
+from gateway.process_params import ShutdownConfig  # noqa: E402
 
 PRODUCTION = ROOT / "config" / "k3-production.yaml"
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -249,10 +250,10 @@ def launch_script(loaded: LoadedPlan) -> str:
     drop = ("--api-key", "--distributed-executor-backend", "--data-parallel-backend", "--nnodes", "--node-rank",
             "--dist-init-addr")
     if engine.kind == "sglang":
-        args = [a for a in _sglang_args(loaded) if not a.startswith(drop)]
+        args = [a for a in sglang_args(loaded) if not a.startswith(drop)]
     else:
         args = ['"${MODEL_PATH:-' + engine.model_path + '}"']
-        args += [a for a in _vllm_args(loaded) if not a.startswith(drop)]
+        args += [a for a in vllm_args(loaded) if not a.startswith(drop)]
     out = [
         "#!/usr/bin/env bash",
         f"# {plan.pool.name}: {plan.title}, on Kubernetes (deploy/kubernetes/generate.py; the flags are "
@@ -286,9 +287,9 @@ def launch_script(loaded: LoadedPlan) -> str:
                          f"--data-parallel-rpc-port {VLLM_DP_RPC_PORT}"]
     if engine.kind == "sglang":
         out.append("launcher=" + shlex.quote(_launcher(key_env or "SGLANG_API_KEY")))
-        return "\n".join(out) + "\n" + _command(args, 'exec python3 -c "$launcher"')
+        return "\n".join(out) + "\n" + shell_command(args, 'exec python3 -c "$launcher"')
     if hw.nodes == 1:
-        return "\n".join(out) + "\n" + _command(args, "exec vllm serve")
+        return "\n".join(out) + "\n" + shell_command(args, "exec vllm serve")
     out += ["args=(", *[f"  {a}" for a in args], ")"]
     per_rank = hw.nodes // par.data
     if par.data > 1:

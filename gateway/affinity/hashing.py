@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import orjson
 import xxhash
 
-from gateway.config import AffinityConfig
+from gateway.affinity.params import AffinityConfig
 
 ROLE_SEP = b"\x1e"
 MESSAGE_SEP = b"\x1f"

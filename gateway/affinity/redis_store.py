@@ -38,7 +38,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from gateway.affinity.batch_writer import BatchWriter
 from gateway.affinity.breaker import CircuitBreaker
-from gateway.config import AffinityConfig
+from gateway.affinity.params import AffinityConfig
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import close_redis, primary_known, redis_from_url

@@ -41,8 +41,8 @@ from redis.exceptions import RedisError
 
 from gateway.affinity.batch_writer import BatchWriter
 from gateway.affinity.breaker import CircuitBreaker
+from gateway.affinity.params import ResponsesConfig
 from gateway.affinity.redis_store import STALE_CONNECTION_RETRY
-from gateway.config import ResponsesConfig
 from gateway.errors import GatewayError
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics

@@ -38,11 +38,11 @@ from fastapi import APIRouter, Depends
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from gateway.api.responses import JSONResponse
 from gateway.api.schemas import DrainedWorker, ReloadResult, Status, WorkerDetail, WorkerList, error_responses
 from gateway.auth.middleware import scope_check
 from gateway.backends.worker import Worker
 from gateway.errors import Conflict, InvalidRequest, NotFound, PermissionDenied
+from gateway.http_answers import JSONResponse
 from gateway.state import AppState
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.requests import Request
 
-from gateway.api.responses import JSONResponse, error_response
 from gateway.api.schemas import Model, ModelList, error_responses
 from gateway.errors import ModelNotFound
+from gateway.http_answers import JSONResponse, error_response
 from gateway.state import AppState
 
 

@@ -8,8 +8,8 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from gateway.api.responses import JSONResponse
 from gateway.api.schemas import Health, Ready
+from gateway.http_answers import JSONResponse
 from gateway.state import AppState
 
 

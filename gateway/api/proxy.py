@@ -19,8 +19,9 @@ from gateway.auth.middleware import AUTH_ERROR, principal_of
 from gateway.dialects.base import Dialect
 from gateway.dialects.names import Api
 from gateway.dialects.registry import dialect_for
-from gateway.dispatch import BufferedResponse, ProxyService, RelayResponse
+from gateway.dispatch.answers import BufferedResponse, RelayResponse
 from gateway.dispatch.ledger import Ledger
+from gateway.dispatch.service import ProxyService
 from gateway.errors import (
     GatewayError,
     MethodNotAllowed,

@@ -44,7 +44,6 @@ from starlette.responses import Response
 from starlette.types import Scope
 
 from gateway.api.proxy import Receive, Send, cancelled, relay, request_id_of, watch_hang_up
-from gateway.api.responses import error_response
 from gateway.api.schemas import ResponseObject, error_responses
 from gateway.auth.middleware import principal_of
 from gateway.backends.control import describe_transport_error
@@ -53,6 +52,7 @@ from gateway.dialects.registry import dialect_for
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, RelayResponse
 from gateway.dispatch.ledger import Ledger
 from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, error_bytes_from_upstream
+from gateway.http_answers import error_response
 from gateway.protocol.responses import RESPONSE_ID_MAX
 from gateway.routing.response_affinity import ResponseNotFound, owner_of
 from gateway.state import AppState

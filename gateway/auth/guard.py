@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token, key_id
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
+from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
-from gateway.config import AuthConfig, GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.errors import InvalidApiKey, PermissionDenied, RateLimitBusy, RateLimited, RateLimitUnavailable
 from gateway.metrics import GatewayMetrics
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.config import ApiKeyConfig
+from gateway.auth.params import ApiKeyConfig
 
 Scope = Literal["user", "admin"]
 """`user` may call `/v1/*`; `admin` may call admin routes (see `middleware.require_scope`)."""

@@ -28,10 +28,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.api.responses import error_response
 from gateway.auth.keys import Principal, Scope
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError
+from gateway.http_answers import error_response
 
 if TYPE_CHECKING:
     from gateway.auth.guard import AuthGuard

@@ -45,7 +45,7 @@ from redis.exceptions import RedisError
 
 from gateway.auth.keys import Principal
 from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
-from gateway.config import AuthConfig
+from gateway.auth.params import AuthConfig
 from gateway.errors import RateLimitBusy
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.metrics import GatewayMetrics

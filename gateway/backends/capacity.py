@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.errors import NoCapacity
 
 

@@ -24,7 +24,7 @@ import httpx
 
 from gateway.backends.encoding import codings_of, decoded
 from gateway.backends.h1 import H1ConnectError, H1Error, H1Pool, H1Response
-from gateway.config import TimeoutConfig
+from gateway.dispatch.params import TimeoutConfig
 from gateway.redact import Redactor
 
 DEFAULT_MAX_DECODED_BYTES = 256 * 1024 * 1024  # GatewayConfig.max_decoded_bytes' default

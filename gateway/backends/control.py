@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from gateway.config import PoolConfig
+from gateway.backends.pool_params import PoolConfig
 
 # A chunk is at most one socket read (httpcore reads 64 KiB), so a call holds at most
 # max_bytes + 64 KiB of body before it gives up.

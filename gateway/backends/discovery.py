@@ -29,9 +29,10 @@ import dns.exception
 import dns.rdatatype
 import dns.resolver
 
+from gateway.backends.params import DiscoverConfig, DiscoveryConfig
 from gateway.backends.periodic import PeriodicEach
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
-from gateway.config import DiscoverConfig, DiscoveryConfig, PoolConfig
 
 log = logging.getLogger("gateway.discovery")
 

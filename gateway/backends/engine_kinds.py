@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.config import EngineKind
+from gateway.backends.params import EngineKind
 from gateway.dialects.names import APIS, CHAT, COMPLETIONS
 
 

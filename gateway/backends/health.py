@@ -16,10 +16,11 @@ from gateway.backends.models_check import (
     listed_adapters,
     models_verdict,
 )
+from gateway.backends.params import HealthConfig
 from gateway.backends.periodic import FollowsWorkers, PeriodicEach
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import HealthConfig, PoolConfig
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.health")

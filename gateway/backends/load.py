@@ -19,10 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backends.control import ControlError, control_get, pool_headers
 from gateway.backends.engine_kinds import EngineSpec
+from gateway.backends.params import LoadConfig
 from gateway.backends.periodic import FollowsWorkers, PeriodicEach
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import LoadConfig, PoolConfig
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.load")

@@ -24,9 +24,9 @@ import httpx
 import orjson
 
 from gateway.backends.control import describe_transport_error
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.errors import GatewayError, NoCapacity, UpstreamError
 
 log = logging.getLogger("gateway.lora")

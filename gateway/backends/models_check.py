@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from gateway.config import EngineKind
+from gateway.backends.params import EngineKind
 
 MODELS_PATH = "/v1/models"
 CHECKED_ENGINES: frozenset[EngineKind] = frozenset({"vllm", "sglang", "ascend"})

@@ -31,8 +31,9 @@ from typing import Protocol
 
 from gateway.backends.capacity import PoolGate
 from gateway.backends.engine_kinds import ENGINES
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import GatewayConfig, PoolConfig
+from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.health")

@@ -4,11 +4,6 @@ Modules, each with one job: `service.py` (ProxyService: the request sequence and
 loop, orchestration only), `context.py` (one request's dispatch state), `steps.py` (choose the
 pool, the policy's decision, the engine body), `kinds.py` (pool kinds: what makes a pool's
 attempts), `attempt.py` (one attempt and what it owns), `failures.py` (judging failed attempts,
-the exhausted answer), `answers.py` (the answers handed back: buffered, relayed, errors, headers).
+the exhausted answer), `answers.py` (the answers handed back: buffered, relayed, errors, headers),
+`params.py` (its config sections). This file imports nothing, so that `params.py` loads alone.
 """
-
-from gateway.dispatch.answers import BufferedResponse, RelayResponse
-from gateway.dispatch.attempt import UPSTREAM_PATHS
-from gateway.dispatch.service import ProxyService
-
-__all__ = ["UPSTREAM_PATHS", "BufferedResponse", "ProxyService", "RelayResponse"]

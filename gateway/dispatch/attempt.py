@@ -38,9 +38,9 @@ from collections.abc import AsyncIterator, Awaitable
 
 from gateway.backends.client import UpstreamResponse, UpstreamTimeouts, first_byte_budget, request_timeout
 from gateway.backends.engine_kinds import ENGINES
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig, TimeoutConfig
 from gateway.dialects.names import Api
 from gateway.dialects.registry import DIALECTS
 from gateway.dispatch.answers import (
@@ -50,6 +50,7 @@ from gateway.dispatch.answers import (
     relayed_content_type,
 )
 from gateway.dispatch.ledger import Ledger
+from gateway.dispatch.params import TimeoutConfig
 from gateway.errors import UpstreamError
 from gateway.record import RequestRecord
 from gateway.routing.features import RoutingRequest

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.dialects.names import Api
 from gateway.dispatch.failures import Failures
 from gateway.dispatch.ledger import Ledger

@@ -12,9 +12,9 @@ import math
 import re
 from dataclasses import dataclass
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import DEFAULT_RETRY_AFTER_S, WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.dispatch.answers import NO_CLIENT_RETRY, BufferedResponse, engine_error, request_fault
 from gateway.dispatch.ledger import Ledger
 from gateway.errors import GatewayError, NoCapacity, UpstreamError, UpstreamTimeout

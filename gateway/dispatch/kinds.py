@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.dialects.base import usage_patch
 from gateway.dispatch.attempt import Attempt, SingleLeg
 from gateway.dispatch.context import Dispatch

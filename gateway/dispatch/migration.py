@@ -36,8 +36,8 @@ from typing import Any
 
 import orjson
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.dialects.names import COMPLETIONS
 from gateway.dispatch.attempt import SingleLeg
 from gateway.dispatch.ledger import Ledger

@@ -20,8 +20,8 @@ from dataclasses import replace
 from gateway.affinity.hashing import longest_match, session_hash
 from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.keys import Principal
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.dialects.names import Api
 from gateway.dialects.registry import dialect_for
 from gateway.dispatch.answers import BufferedResponse, RelayResponse, response_id_in_json, route_headers

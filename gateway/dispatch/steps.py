@@ -8,9 +8,9 @@ import time
 from collections.abc import Collection, Mapping
 from enum import StrEnum
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.dialects.names import Api
 from gateway.parsing import BodyKey, Payload, encode_for
 from gateway.routing.features import RoutingRequest

@@ -44,7 +44,8 @@ def _precision_flags(loaded: LoadedPlan) -> list[str]:
     return ["--dtype bfloat16"] if loaded.checkpoint().precision == "bf16" else []
 
 
-def _vllm_args(loaded: LoadedPlan) -> list[str]:
+def vllm_args(loaded: LoadedPlan) -> list[str]:
+    """The `vllm serve` arguments (after the model path) that launch `loaded`'s engine."""
     plan = loaded.plan
     par, engine = plan.parallelism, plan.engine
     args = [
@@ -74,7 +75,8 @@ def _vllm_args(loaded: LoadedPlan) -> list[str]:
     return args + [_q(a) for a in engine.extra_args]
 
 
-def _sglang_args(loaded: LoadedPlan) -> list[str]:
+def sglang_args(loaded: LoadedPlan) -> list[str]:
+    """The `sglang.launch_server` arguments that launch `loaded`'s engine."""
     plan = loaded.plan
     par, engine = plan.parallelism, plan.engine
     args = [
@@ -102,7 +104,8 @@ def _sglang_args(loaded: LoadedPlan) -> list[str]:
     return args + [_q(a) for a in engine.extra_args]
 
 
-def _command(lines: list[str], head: str) -> str:
+def shell_command(lines: list[str], head: str) -> str:
+    """`head` followed by `lines`, one per line with a backslash continuation (a shell command)."""
     return head + " \\\n" + " \\\n".join(f"  {line}" for line in lines) + "\n"
 
 
@@ -137,8 +140,8 @@ def render_script(loaded: LoadedPlan) -> str:
         if hw.nodes > 1:
             out.append(f': "${{NODE_RANK:?set NODE_RANK: the rank of this node, 0..{hw.nodes - 1}}}"')
             out.append(': "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"')
-        return "\n".join(out) + "\n" + _command(_sglang_args(loaded), "exec python3 -m sglang.launch_server")
-    serve = _command(_vllm_args(loaded), 'exec vllm serve "${MODEL_PATH:-' + engine.model_path + '}"')
+        return "\n".join(out) + "\n" + shell_command(sglang_args(loaded), "exec python3 -m sglang.launch_server")
+    serve = shell_command(vllm_args(loaded), 'exec vllm serve "${MODEL_PATH:-' + engine.model_path + '}"')
     if hw.nodes == 1:
         return "\n".join(out) + "\n" + serve
     out += [

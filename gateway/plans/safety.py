@@ -37,7 +37,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from gateway.backends.client import answer_budget
-from gateway.config import _ENV_REF, ENV_PREFIX, GatewayConfig
+from gateway.config import GatewayConfig
+from gateway.config_env import ENV_PREFIX, ENV_REF
 from gateway.plans.models import expand_plan_refs
 from gateway.redis_client import is_sentinel_url, parse_sentinel_url
 from gateway.redis_cluster import is_cluster_url, parse_cluster_url
@@ -59,7 +60,7 @@ class Finding:
 def env_references(tree: Any, path: str = "") -> list[tuple[str, str, str | None]]:
     """Every `${NAME}` / `${NAME:-default}` in a parsed YAML tree as (config path, NAME, default or None)."""
     if isinstance(tree, str):
-        return [(path or "(top level)", m.group(1), m.group(2)) for m in _ENV_REF.finditer(tree)]
+        return [(path or "(top level)", m.group(1), m.group(2)) for m in ENV_REF.finditer(tree)]
     if isinstance(tree, list):
         return [ref for i, v in enumerate(tree) for ref in env_references(v, f"{path}.{i}" if path else str(i))]
     if isinstance(tree, dict):

@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
-from gateway.config import ImageFetchConfig
 from gateway.metrics import GatewayMetrics
 from gateway.routing.address_policy import AddressPolicy, IPAddress, literal_address
+from gateway.routing.params import ImageFetchConfig
 from gateway.routing.tokens import image_size
 
 log = logging.getLogger("gateway.image_fetch")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from gateway.backends.worker import Worker
-from gateway.config import NoPolicyParams
+from gateway.config_base import Section
 from gateway.routing.features import RoutingRequest
 from gateway.routing.prefill import PrefillModel
 
@@ -47,8 +47,8 @@ class Decision:
     reason: str
 
 
-NoParams = NoPolicyParams
-"""For policies without parameters: any key is an error (the model lives in gateway/config.py)."""
+class NoParams(Section):
+    """`policy_params` of a policy without parameters: any key is an error."""
 
 
 class RoutingPolicy(Protocol):

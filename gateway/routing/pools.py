@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.backends.engine_kinds import ENGINES
-from gateway.config import PD_APIS, PoolConfig
+from gateway.backends.pool_params import PD_APIS, PoolConfig
 from gateway.dialects.registry import dialect_for
 from gateway.errors import ApiNotServed, ContextLengthExceeded, InvalidRequest
 from gateway.routing.features import RoutingRequest

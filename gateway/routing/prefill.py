@@ -42,9 +42,29 @@ there, so its samples read faster the more is queued, and traffic herds onto suc
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 from gateway.backends.worker import Worker
-from gateway.config import TtftCostParams
+
+
+class PrefillParams(Protocol):
+    """The parameters a `PrefillModel` reads (`TtftCostParams` of gateway/routing/policies/ttft_cost.py):
+    rates in tokens/s, `half_life_s` and `base_ttft_s` in seconds, the token weights in tokens."""
+
+    @property
+    def prior_rate(self) -> float: ...
+    @property
+    def min_rate(self) -> float: ...
+    @property
+    def max_rate(self) -> float: ...
+    @property
+    def half_life_s(self) -> float: ...
+    @property
+    def prior_tokens(self) -> float: ...
+    @property
+    def request_tokens(self) -> float: ...
+    @property
+    def base_ttft_s(self) -> float: ...
 
 MEAN_REQUEST_WEIGHT = 1.0 / 16.0
 """Weight of the newest request in `WorkerPrefill.mean_request` (a mean over about 16 requests)."""
@@ -66,14 +86,14 @@ class WorkerPrefill:
 
 
 class PrefillModel:
-    """How a pool's rates are estimated (`TtftCostParams`, validated): the prior, its weight, the
-    bounds, the decay and the fixed latency. Built once per policy instance; shared by the policy's
-    candidates and its requests' observations."""
+    """How a pool's rates are estimated (`PrefillParams`: the policy's validated `TtftCostParams`):
+    the prior, its weight, the bounds, the decay and the fixed latency. Built once per policy
+    instance; shared by the policy's candidates and its requests' observations."""
 
     __slots__ = ("base_s", "max_rate", "min_rate", "per_second", "pool", "prior_rate", "prior_seconds",
                  "prior_tokens", "request_tokens")
 
-    def __init__(self, params: TtftCostParams) -> None:
+    def __init__(self, params: PrefillParams) -> None:
         self.prior_rate = params.prior_rate
         self.min_rate = params.min_rate
         self.max_rate = params.max_rate

@@ -1,9 +1,6 @@
-"""Policy names → classes. Adding a policy: one module in `policies/`, one line here and one in config.POLICY_PARAMS.
-
-Each policy class has `name`, `uses_affinity`, `prefill_model` (None but for a cost-aware policy),
-a pydantic `Params` model (its parameters, validated at start-up from the pool's `policy_params`;
-defined in gateway/config.py's `POLICY_PARAMS`, so a config is checked without importing routing
-code) and `select(request, candidates)`.
+"""Policy names → classes, and so → their `policy_params` models (`POLICY_PARAMS`, which the pool
+config checks `policy_params` with). Adding a policy: one module in `policies/` and one entry in
+`POLICIES` below (gateway/routing/policies/__init__.py says what the module holds).
 """
 
 from __future__ import annotations
@@ -11,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gateway.config import POLICY_PARAMS
+from pydantic import BaseModel
+
 from gateway.routing.policies.least_load import LeastLoadPolicy
 from gateway.routing.policies.power_of_two import PowerOfTwoPolicy
 from gateway.routing.policies.prefix_affinity import PrefixAffinityPolicy
@@ -25,10 +23,10 @@ POLICIES: dict[str, Any] = {
     for cls in (PrefixAffinityPolicy, LeastLoadPolicy, PowerOfTwoPolicy, RoundRobinPolicy, SessionPolicy,
                 TtftCostPolicy)
 }
+"""Every routing policy's name (`policy:` in a pool) → its class."""
 
-
-if {name: cls.Params for name, cls in POLICIES.items()} != POLICY_PARAMS:  # pragma: no cover - a coding error
-    raise ImportError("gateway.config.POLICY_PARAMS and gateway.routing.registry.POLICIES disagree")
+POLICY_PARAMS: dict[str, type[BaseModel]] = {name: cls.Params for name, cls in POLICIES.items()}
+"""Every routing policy's name → the pydantic model of its `policy_params`."""
 
 
 def build_policy(name: str, params: Mapping[str, Any] | None = None) -> RoutingPolicy:

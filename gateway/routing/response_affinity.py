@@ -39,9 +39,9 @@ import math
 
 from gateway.affinity.response_store import ResponseOwner, ResponseStore, ResponseStoreUnavailable
 from gateway.auth.keys import Principal
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 

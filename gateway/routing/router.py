@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.config import GatewayConfig, PoolConfig
+from gateway.backends.pool_params import PoolConfig
+from gateway.config import GatewayConfig
 from gateway.routing.policy import RoutingPolicy
 from gateway.routing.registry import build_policy
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import imagesize
 
-from gateway.config import EstimationConfig
 from gateway.errors import InvalidRequest
+from gateway.routing.params import EstimationConfig
 
 # Enough base64 to reach the size header of PNG/GIF/WebP and of most JPEGs (SOF after EXIF).
 _HEADER_B64_CHARS = 64 * 1024
@@ -34,8 +34,7 @@ _HEADER_B64_CHARS = 64 * 1024
 # of moderate size and its first frame header.
 _AUDIO_HEADER_B64_CHARS = 16 * 1024
 
-# Byte classes of UTF-8 text, one letter each (see `script_counts`).
-_CLASS_OF_BYTE = bytes(
+CLASS_OF_BYTE = bytes(
     (ord("l") if chr(b).isalpha() else ord("d") if chr(b).isdigit() else ord("s") if chr(b).isspace() else ord("p"))
     if b < 0x80 else
     ord("c") if b < 0xC0 else          # continuation byte
@@ -46,6 +45,7 @@ _CLASS_OF_BYTE = bytes(
     ord("o")                            # any other lead byte
     for b in range(256)
 )
+"""Byte → its class letter in UTF-8 text (a `bytes.translate` table; see `script_counts`)."""
 _ASCII_LETTERS = bytes(b for b in range(128) if chr(b).isalpha())  # the class "l" bytes
 
 
@@ -80,11 +80,11 @@ def script_counts(data: bytes) -> ScriptCounts:
     """
     if data.isascii():
         rest = data.translate(None, _ASCII_LETTERS)
-        classes = rest.translate(_CLASS_OF_BYTE)
+        classes = rest.translate(CLASS_OF_BYTE)
         digit = classes.count(b"d") if b"d" in classes else 0
         space = classes.count(b"s")
         return ScriptCounts(len(data) - len(rest), digit, space, len(rest) - digit - space)
-    classes = data.translate(_CLASS_OF_BYTE)
+    classes = data.translate(CLASS_OF_BYTE)
     digit = classes.count(b"d") if b"d" in classes else 0  # `in` is a memchr: cheap when absent
     space, punct = classes.count(b"s"), classes.count(b"p")
     latin = classes.count(b"l")

@@ -21,10 +21,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from gateway.config import PoolConfig, ShutdownConfig, load_config
+from gateway.backends.pool_params import PoolConfig
+from gateway.config import load_config
 from gateway.plans.command import plans_of
 from gateway.plans.models import LoadedPlan
 from gateway.plans.safety import production_findings, read_tree
+from gateway.process_params import ShutdownConfig
 from tests.deploy.tools import DEPLOY, kustomize, run, tool
 from tests.support import REPO_ROOT
 

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import TimeoutConfig, load_config
+from gateway.config import load_config
+from gateway.dispatch.params import TimeoutConfig
 from tests.deploy.crd_schema import SCHEMAS, json_schema, schema_path
 from tests.deploy.test_kubernetes import (
     CRD_GROUPS,

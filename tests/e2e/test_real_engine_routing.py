@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import EstimationConfig
 from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
+from gateway.routing.params import EstimationConfig
 from gateway.routing.tokens import TokenEstimator
 from tests.e2e.smollm2 import SMOLLM2_ESTIMATION
 from tests.support import RunningGateway, pool

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.backends.discovery import DiscoveryFailed, build_resolver, resolve_workers
-from gateway.config import DiscoverConfig, DiscoveryConfig
+from gateway.backends.params import DiscoverConfig, DiscoveryConfig
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig

@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.config import ImageFetchConfig
 from gateway.metrics import GatewayMetrics
 from gateway.routing.address_policy import IPAddress
 from gateway.routing.image_fetch import ImageFetcher
+from gateway.routing.params import ImageFetchConfig
 from gateway.server import ThreadedServer
 from tests.support import RunningGateway, RunningSim, pool
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ImageFetchConfig
 from gateway.metrics import GatewayMetrics
 from gateway.routing.image_fetch import ImageFetcher, SystemResolver
+from gateway.routing.params import ImageFetchConfig
 
 
 class SilentNameServer:

@@ -14,10 +14,11 @@ from typing import TypeVar
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.affinity.params import AffinityConfig
 from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.auth.keys import Principal
+from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
-from gateway.config import AffinityConfig, AuthConfig
 from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
 

@@ -25,8 +25,8 @@ import pytest
 import redis
 
 from gateway.auth.keys import Principal
+from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
-from gateway.config import AuthConfig
 from gateway.errors import RateLimitBusy
 from gateway.metrics import GatewayMetrics
 from gateway.redis_gate import StoreGate

@@ -29,9 +29,9 @@ import redis.cluster
 import yaml
 
 from gateway.auth.keys import Principal
+from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.cli import main
-from gateway.config import AuthConfig
 from gateway.metrics import GatewayMetrics
 from gateway.redis_client import redis_from_url
 from gateway.redis_cluster import GatewayCluster

@@ -182,7 +182,7 @@ def poll(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
 
 async def _configure(state: object, pools: list[dict[str, object]]) -> None:
     """What a config reload does to the workers (`WorkerRegistry.configure`), with these pools."""
-    from gateway.config import PoolConfig
+    from gateway.backends.pool_params import PoolConfig
 
     state.registry.configure([PoolConfig.model_validate(p) for p in pools])  # type: ignore[attr-defined]
 

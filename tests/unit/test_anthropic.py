@@ -9,10 +9,11 @@ import json
 import pytest
 
 from gateway.affinity.hashing import PrefixHasher
+from gateway.affinity.params import AffinityConfig
 from gateway.auth.guard import MISSING_KEY, AuthGuard
 from gateway.auth.keys import KeyRing, hash_key
 from gateway.auth.limits import MemoryRateLimiter
-from gateway.config import AffinityConfig, ApiKeyConfig, AuthConfig, EstimationConfig
+from gateway.auth.params import ApiKeyConfig, AuthConfig
 from gateway.dialects.chat import chat_features
 from gateway.dialects.messages import MISSING_ANTHROPIC_KEY, AnthropicWire, MessagesDialect, messages_features
 from gateway.errors import InvalidApiKey, NoCapacity
@@ -27,6 +28,7 @@ from gateway.protocol.anthropic import (
 )
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.sse import SSETap
+from gateway.routing.params import EstimationConfig
 from gateway.routing.tokens import TokenEstimator
 from gateway.streaming import Held, Outcome, _error_event, classify_event
 
@@ -217,7 +219,7 @@ def test_x_api_key_is_the_same_key_as_bearer() -> None:
 
 def test_pools_by_api_from_the_engine_table_or_the_pools_own_list() -> None:
     from gateway.backends.engine_kinds import ENGINES
-    from gateway.config import PoolConfig
+    from gateway.backends.pool_params import PoolConfig
     from gateway.errors import ApiNotServed
     from gateway.routing.pools import fitting_pools, serves, skipped_pools
 

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.cli import main
-from gateway.config import ConfigError, explain_validation_error, load_config, parse_config
+from gateway.config import ConfigError, load_config, parse_config
+from gateway.config_base import explain_validation_error
 from tests.support import REPO_ROOT
 
 POOL = {"name": "p", "engine": "vllm", "workers": ["http://127.0.0.1:9"], "max_context_tokens": 1000}

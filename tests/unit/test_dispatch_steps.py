@@ -10,9 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import GatewayConfig, PoolConfig, parse_config
+from gateway.config import GatewayConfig, parse_config
 from gateway.dispatch.answers import BufferedResponse, route_headers
 from gateway.dispatch.attempt import timed_out, upstream_headers
 from gateway.dispatch.failures import Failures, after_failure

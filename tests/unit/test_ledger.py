@@ -15,9 +15,10 @@ import pytest
 from gateway.auth.guard import AuthGuard
 from gateway.auth.keys import KeyRing, Principal
 from gateway.auth.limits import MemoryRateLimiter
+from gateway.auth.params import AuthConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.config import AuthConfig, parse_config
+from gateway.config import parse_config
 from gateway.dispatch.ledger import Ledger
 from gateway.metrics import GatewayMetrics
 from gateway.record import RequestOutcome

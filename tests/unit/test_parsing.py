@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.config import EstimationConfig, TextRates, parse_config
+from gateway.config import parse_config
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.parsing import (
     OUTPUT_LIMIT_FIELD,
@@ -22,6 +22,7 @@ from gateway.parsing import (
     upstream_body,
     with_output_limit,
 )
+from gateway.routing.params import EstimationConfig, TextRates
 from gateway.routing.pools import fitting_pools
 
 PAYLOADS: list[dict[str, Any]] = [

@@ -12,7 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.backends.registry import WorkerRegistry
-from gateway.config import GatewayConfig, explain_validation_error, load_config, parse_config
+from gateway.config import GatewayConfig, load_config, parse_config
+from gateway.config_base import explain_validation_error
 from gateway.dispatch.kinds import AGGREGATED, Disaggregated, kind_of
 from gateway.dispatch.steps import PoolStep, choose_pool
 from gateway.metrics import GatewayMetrics

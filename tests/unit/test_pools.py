@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import PoolConfig
+from gateway.backends.pool_params import PoolConfig
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.routing.features import RoutingRequest
 from gateway.routing.pools import fitting_pools, larger_pools

@@ -7,7 +7,7 @@ import pytest
 from gateway.auth.guard import AuthGuard, Reservation
 from gateway.auth.keys import KeyRing, Principal
 from gateway.auth.limits import MemoryRateLimiter
-from gateway.config import AuthConfig
+from gateway.auth.params import AuthConfig
 from gateway.dispatch.ledger import quota_used
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import explain_validation_error, parse_config
+from gateway.config import parse_config
+from gateway.config_base import explain_validation_error
 from gateway.redis_client import redis_from_url
 from gateway.redis_cluster import ClusterTarget, GatewayCluster, parse_cluster_url
 

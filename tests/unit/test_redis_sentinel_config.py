@@ -8,7 +8,8 @@ from urllib.parse import quote
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import explain_validation_error, parse_config
+from gateway.config import parse_config
+from gateway.config_base import explain_validation_error
 from gateway.redis_client import SentinelTarget, parse_sentinel_url
 
 POOLS = [{"name": "p", "engine": "vllm", "workers": ["http://127.0.0.1:9"], "max_context_tokens": 8192}]

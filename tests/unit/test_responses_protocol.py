@@ -7,7 +7,8 @@ import orjson
 import pytest
 
 from gateway.affinity.hashing import PrefixHasher
-from gateway.config import AffinityConfig, EstimationConfig, GatewayConfig
+from gateway.affinity.params import AffinityConfig
+from gateway.config import GatewayConfig
 from gateway.dialects.chat import chat_features
 from gateway.dialects.responses import responses_features
 from gateway.errors import ContextLengthExceeded, InvalidRequest
@@ -15,6 +16,7 @@ from gateway.parsing import BodyParser
 from gateway.protocol.openai import ChatCompletionRequest
 from gateway.protocol.responses import ResponsesRequest, chat_usage, response_id_of
 from gateway.protocol.sse import SSETap
+from gateway.routing.params import EstimationConfig
 from gateway.routing.tokens import TokenEstimator
 from gateway.streaming import Held, classify_event
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.config import TimeoutConfig
+from gateway.dispatch.params import TimeoutConfig
 from gateway.streaming import LONG_EVENT, EventTooLarge, Held, _grow, classify_event
 
 

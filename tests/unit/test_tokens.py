@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import EstimationConfig, TextRates
 from gateway.errors import InvalidRequest
+from gateway.routing.params import EstimationConfig, TextRates
 from gateway.routing.tokens import ScriptCounts, TokenEstimator, image_size, read_data_uri_size, script_counts
 from loadtest.estimate_calibration import qwen_tokenizer, samples
 from tests.media import wav_bytes

@@ -13,11 +13,12 @@ from pydantic import ValidationError
 
 from gateway.backends.capacity import PoolGate
 from gateway.backends.engine_kinds import ENGINES
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig, TtftCostParams
 from gateway.dispatch.steps import decide, prefill_ticket
 from gateway.metrics import GatewayMetrics
 from gateway.routing.features import RoutingRequest
+from gateway.routing.policies.ttft_cost import TtftCostParams
 from gateway.routing.policy import Candidate
 from gateway.routing.prefill import PrefillEstimator, PrefillModel, WorkerPrefill
 from gateway.routing.registry import build_policy

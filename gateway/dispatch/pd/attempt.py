@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.dialects.names import Api
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, BufferedResponse, RelayResponse
 from gateway.dispatch.attempt import UPSTREAM_PATHS, Attempt, SingleLeg, budgets, hold_window, upstream_headers

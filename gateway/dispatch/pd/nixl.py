@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig
 from gateway.dispatch.pd.attempt import Answer, PdAttempt
 from gateway.dispatch.pd.prefill import PrefillLeg
 from gateway.dispatch.pd.requests import nixl_decode_request, nixl_handle, nixl_prefill_request

@@ -8,8 +8,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from gateway.backends.client import TransportError, UpstreamTimeouts
+from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.config import PoolConfig, TimeoutConfig
+from gateway.dispatch.params import TimeoutConfig
 from gateway.dispatch.pd.account import PdAccount
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Outcome, first_chunk, open_upstream, read_rest

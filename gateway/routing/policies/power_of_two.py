@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import random
 
-from gateway.config import PowerOfTwoParams
+from pydantic import Field
+
+from gateway.config_base import Section
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision
 from gateway.routing.prefill import PrefillModel
+
+
+class PowerOfTwoParams(Section):
+    """`policy_params` of `power_of_two` (gateway/routing/policies/power_of_two.py)."""
+
+    seed: int | None = Field(default=None, description="random seed for a reproducible sequence; null: random")
 
 
 class PowerOfTwoPolicy:

@@ -25,10 +25,26 @@ default 0.95).
 
 from __future__ import annotations
 
-from gateway.config import PrefixAffinityParams
+from pydantic import Field
+
+from gateway.config_base import Section
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, TieBreaker
 from gateway.routing.prefill import PrefillModel
+
+
+class PrefixAffinityParams(Section):
+    """`policy_params` of `prefix_affinity` (gateway/routing/policies/prefix_affinity.py)."""
+
+    min_match_tokens: int = Field(default=1024, ge=0, description="tokens; a shorter cached prefix does not count")
+    min_match_ratio: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="share of the prompt a cached prefix must cover to count")
+    balance_abs: float = Field(
+        default=8.0, ge=0.0, description="requests the affinity worker may carry beyond the least-loaded one")
+    balance_rel: float = Field(
+        default=1.5, ge=1.0, description="...and times the least-loaded one's load (both must be exceeded)")
+    kv_usage_max: float = Field(
+        default=0.95, gt=0.0, le=1.0, description="KV-cache usage above which the affinity worker is skipped")
 
 
 class PrefixAffinityPolicy:

@@ -24,7 +24,7 @@ gateway/routing/prefill.py and handed in on each `Candidate` by the dispatch).
    Without a cache owner, the candidate that served the request's session last (its session key:
    gateway/routing/features.py `session_hint`) wins if it is among the tied: reason `session`.
 
-Parameters (gateway/config.py `TtftCostParams`): `prior_rate` (tokens/s, default 10,000),
+Parameters (`TtftCostParams` below): `prior_rate` (tokens/s, default 10,000),
 `min_rate` / `max_rate` (tokens/s, 100 / 1,000,000), `half_life_s` (seconds, 30), `prior_tokens`
 (tokens, 4,096), `request_tokens` (tokens, 1,024), `tie_tolerance` (fraction, 0.1),
 `prefix_value` (multiples of the owner's prefix prefill time, 20), `stay_s` (seconds, 0),
@@ -34,10 +34,54 @@ Parameters (gateway/config.py `TtftCostParams`): `prior_rate` (tokens/s, default
 
 from __future__ import annotations
 
-from gateway.config import TtftCostParams
+from pydantic import Field, model_validator
+
+from gateway.config_base import Section
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, TieBreaker
 from gateway.routing.prefill import PrefillModel
+
+
+class TtftCostParams(Section):
+    """`policy_params` of `ttft_cost` (gateway/routing/policies/ttft_cost.py; the rate estimate:
+    gateway/routing/prefill.py). Tokens are the gateway's estimated prompt tokens."""
+
+    prior_rate: float = Field(
+        default=10_000.0, gt=0, description="tokens/s; a worker's prefill rate before (and long after) any "
+        "observation: an order of magnitude for one 8-GPU node of a large MoE model, replaced by measurement")
+    min_rate: float = Field(default=100.0, gt=0, description="tokens/s; the estimate never goes below")
+    max_rate: float = Field(default=1_000_000.0, gt=0, description="tokens/s; ...nor above")
+    half_life_s: float = Field(
+        default=30.0, gt=0, description="seconds after which an observation counts half: the estimate follows "
+        "a worker that slows down or recovers, and one that gets no traffic returns to its pool's rate (a pool "
+        "with none to `prior_rate`)")
+    prior_tokens: float = Field(
+        default=4096.0, gt=0, description="tokens; the prior weighs as much as this much prefill observed at "
+        "`prior_rate`")
+    request_tokens: float = Field(
+        default=1024.0, ge=0, description="tokens of prefill work one engine-reported request that this replica "
+        "did not send stands for, until this replica's own requests to the worker give a mean")
+    tie_tolerance: float = Field(
+        default=0.1, ge=0, description="predicted TTFTs within this fraction of the lowest are equal; among them "
+        "the longest cached prefix wins")
+    prefix_value: float = Field(
+        default=20.0, ge=0, description="the cache owner (longest match) keeps the request while its predicted "
+        "TTFT exceeds the lowest by less than this many times the owner's prefill time of the matched prefix "
+        "(plus `stay_s`): moving recomputes the prefix elsewhere and leaves the owner's copy unused")
+    stay_s: float = Field(default=0.0, ge=0, description="seconds of predicted TTFT the cache owner may exceed "
+                          "the lowest by and keep the request (with `prefix_value`)")
+    owner_min_tokens: int = Field(
+        default=1024, ge=0, description="tokens; a shorter longest match makes no cache owner for `stay_s` and "
+        "`prefix_value` (a system prompt shared by all must not pin traffic)")
+    base_ttft_s: float = Field(
+        default=0.0, ge=0, description="seconds of every TTFT that no prefill explains (network, scheduling, "
+        "the first decode step), taken off each observation before the rate is fitted")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TtftCostParams:
+        if not self.min_rate <= self.prior_rate <= self.max_rate:
+            raise ValueError("want min_rate <= prior_rate <= max_rate")
+        return self
 
 
 class TtftCostPolicy:

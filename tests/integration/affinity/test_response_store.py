@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.affinity.params import ResponsesConfig
 from gateway.affinity.response_store import (
     MemoryResponseStore,
     RedisResponseStore,
@@ -19,7 +20,6 @@ from gateway.affinity.response_store import (
     ResponseStoreUnavailable,
 )
 from gateway.auth.keys import Principal
-from gateway.config import ResponsesConfig
 from gateway.metrics import GatewayMetrics
 from gateway.routing.response_affinity import may_use
 from tests.support import OwnRedis

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.affinity.params import AffinityConfig
 from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
-from gateway.config import AffinityConfig
 from gateway.metrics import GatewayMetrics
 from tests.support import OwnRedis
 

@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import pytest
 
-from gateway.config import DEFAULT_COUNT_TOKENS_PER_MINUTE
+from gateway.auth.params import DEFAULT_COUNT_TOKENS_PER_MINUTE
 from tests.integration.auth.conftest import ALICE_KEY, REDIS_URL, auth_section, start_a_window_now
 from tests.support import RunningGateway, RunningSim, pool
 

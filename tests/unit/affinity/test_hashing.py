@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from gateway.affinity.hashing import PrefixHasher, longest_match, sampled_positions
-from gateway.config import AffinityConfig, EstimationConfig
+from gateway.affinity.params import AffinityConfig
 from gateway.dialects.chat import chat_features
 from gateway.protocol.openai import ChatCompletionRequest
+from gateway.routing.params import EstimationConfig
 from gateway.routing.tokens import TokenEstimator
 
 HASHER = PrefixHasher(AffinityConfig())

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.auth.keys import hash_key
-from gateway.config import explain_validation_error, parse_config
+from gateway.config import parse_config
+from gateway.config_base import explain_validation_error
 
 POOL = {"name": "p", "engine": "vllm", "workers": ["http://127.0.0.1:9"], "max_context_tokens": 1000}
 ALICE = {"name": "alice", "sha256": hash_key("sk-alice-" + "x" * 32), "requests_per_minute": 60,

@@ -19,7 +19,7 @@ from gateway.auth.guard import AuthGuard
 from gateway.auth.keys import KeyRing, Principal, hash_key
 from gateway.auth.limits import MemoryRateLimiter, Verdict
 from gateway.auth.middleware import require_scope
-from gateway.config import ApiKeyConfig, AuthConfig
+from gateway.auth.params import ApiKeyConfig, AuthConfig
 from gateway.errors import InvalidApiKey, PermissionDenied, RateLimited, RateLimitUnavailable
 from gateway.metrics import GatewayMetrics
 

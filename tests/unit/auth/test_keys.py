@@ -7,8 +7,8 @@ import io
 import pytest
 
 from gateway.auth.keys import KeyRing, Principal, bearer_token, hash_key
+from gateway.auth.params import DEFAULT_COUNT_TOKENS_PER_MINUTE, ApiKeyConfig
 from gateway.cli import main
-from gateway.config import DEFAULT_COUNT_TOKENS_PER_MINUTE, ApiKeyConfig
 
 KEY = "sk-test-0123456789abcdefghijklmnopqrstuv"
 

@@ -1,4 +1,5 @@
-"""Small JSON responses (orjson) shared by the non-proxied endpoints."""
+"""Small JSON answers (orjson) for the non-proxied endpoints and the middlewares: a low-level HTTP
+helper, importable from any package (it needs only gateway.errors)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,54 @@
+"""The client API's config sections (pydantic only): the served model's names and CORS."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.config_base import Section
+
+
+class ModelConfig(Section):
+    """The one model the gateway serves and the names clients may call it by."""
+
+    name: str = Field(default="kimi-k3", min_length=1)
+    aliases: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: ["Kimi-K3", "moonshotai/Kimi-K3"])
+    owned_by: str = "moonshotai"
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> ModelConfig:
+        if len(set(self.names())) != len(self.names()):
+            raise ValueError(f"model name and aliases must differ, got {self.names()}")
+        return self
+
+    def names(self) -> list[str]:
+        """The canonical name first, then the aliases."""
+        return [self.name, *self.aliases]
+
+
+class CorsConfig(Section):
+    """CORS for browser clients (Starlette's CORSMiddleware): preflights answered, headers added."""
+
+    enabled: bool = False
+    allow_origins: list[str] = Field(
+        default_factory=list, description='"*" or exact origins such as "https://chat.example.com"'
+    )
+    max_age: int = Field(default=600, ge=0, description="seconds a browser may cache a preflight answer")
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _check_origins(cls, origins: list[str]) -> list[str]:
+        cleaned = [o.rstrip("/") for o in origins]
+        for origin in cleaned:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f'an origin is "*" or scheme://host[:port] with no path, got {origin!r}')
+        return cleaned
+
+    @model_validator(mode="after")
+    def _origins_when_enabled(self) -> CorsConfig:
+        if self.enabled and not self.allow_origins:
+            raise ValueError("cors.enabled needs allow_origins")
+        return self

@@ -1,0 +1,84 @@
+"""The auth package's config section (pydantic only): client API keys, scopes and per-key limits."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.config_base import Section
+
+DEFAULT_COUNT_TOKENS_PER_MINUTE = 100
+"""count_tokens requests per minute of a key that has a request or token limit but sets none for them."""
+
+
+class ApiKeyConfig(Section):
+    """One client API key: its name (logs, metric labels, Redis keys), the key's SHA-256, scopes, limits.
+
+    The key itself is never in the config: `sha256` is the hex SHA-256 of its UTF-8 bytes
+    (`kimi-gateway hash-key KEY`) and may come from the environment (`sha256: ${ALICE_KEY_SHA256}`).
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    sha256: str
+    scopes: list[Literal["user", "admin"]] = Field(
+        default_factory=lambda: ["user"], min_length=1, description="user: /v1/*; admin: admin routes"
+    )
+    requests_per_minute: int | None = Field(default=None, ge=1, description="None: no request limit")
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="estimated prompt + requested output tokens; None: no token limit"
+    )
+    count_tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="POST /v1/messages/count_tokens requests (they cost no tokens); None: "
+        f"{DEFAULT_COUNT_TOKENS_PER_MINUTE} for a key with another limit, no limit for a key without any",
+    )
+
+    @property
+    def count_tokens_limit(self) -> int | None:
+        """The key's count_tokens requests per minute, the default filled in (`count_tokens_per_minute`)."""
+        if self.count_tokens_per_minute is not None:
+            return self.count_tokens_per_minute
+        limited = self.requests_per_minute is not None or self.tokens_per_minute is not None
+        return DEFAULT_COUNT_TOKENS_PER_MINUTE if limited else None
+
+    @field_validator("sha256", mode="before")
+    @classmethod
+    def _hex_digest(cls, value: Any) -> str:
+        digest = value.strip().lower() if isinstance(value, str) else ""
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError("must be the key's SHA-256 as 64 hex digits (`kimi-gateway hash-key KEY`), not the key")
+        return digest
+
+    @field_validator("scopes")
+    @classmethod
+    def _unique_scopes(cls, scopes: list[str]) -> list[str]:
+        return sorted(set(scopes))
+
+
+class AuthConfig(Section):
+    """Client API keys, scopes and per-key rate limits (gateway/auth/, README "Authentication")."""
+
+    enabled: bool = Field(default=False, description="require `Authorization: Bearer KEY` on /v1/*")
+    keys: list[ApiKeyConfig] = Field(default_factory=list)
+    fail_mode: Literal["open", "closed"] = Field(
+        default="open", description="when Redis cannot answer a rate-limit check: open serves, closed answers 503"
+    )
+    redis_timeout: float = Field(default=0.05, gt=0, description="seconds; a slower rate-limit check is a failure")
+    redis_retry_after: float = Field(default=1.0, gt=0, description="seconds to skip Redis after a failure")
+    key_prefix: str = Field(default="kgw:rl", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
+    metric_key_names: bool = Field(
+        default=False, description="label per-key metrics on the open /metrics with the key's name; off: with its "
+        "id, the first 12 hex digits of its sha256, which does not reveal who holds it",
+    )
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> AuthConfig:
+        if self.enabled and not self.keys:
+            raise ValueError("auth.enabled needs at least one key in auth.keys")
+        names = [k.name for k in self.keys]
+        if len(set(names)) != len(names):
+            raise ValueError(f"key names must be unique, got {names}")
+        if len({k.sha256 for k in self.keys}) != len(self.keys):
+            raise ValueError("two keys have the same sha256")
+        return self
