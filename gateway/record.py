@@ -146,7 +146,7 @@ class RequestRecord:
                 metrics.ttft_seconds.labels(self.pool).observe(ttft)
         if self.usage:
             completion = self.usage.get("completion_tokens")
-            if self.stream and ttft is not None and isinstance(completion, int) and completion > 1:
+            if self.stream and self.first_byte_at is not None and isinstance(completion, int) and completion > 1:
                 metrics.tpot_seconds.labels(self.pool).observe((now - self.first_byte_at) / (completion - 1))
             for kind in ("prompt_tokens", "completion_tokens"):
                 value = self.usage.get(kind)

@@ -17,7 +17,10 @@ from gateway.protocol.openai import (
     AudioURLPart,
     ChatCompletionRequest,
     CompletionRequest,
+    ImagePart,
     InputAudioPart,
+    RefusalPart,
+    TextPart,
     VideoPart,
 )
 from gateway.protocol.responses import ResponsesRequest, item_text_and_images
@@ -181,7 +184,7 @@ def image_urls(wire: ChatCompletionRequest) -> list[str]:
     for message in wire.messages:
         if isinstance(message.content, list):
             for part in message.content:
-                if part.type == "image_url" and not part.image_url.url.startswith("data:"):
+                if isinstance(part, ImagePart) and not part.image_url.url.startswith("data:"):
                     urls[part.image_url.url] = None
     return list(urls)
 
@@ -222,11 +225,14 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
             for j, part in enumerate(content):
                 if (modality := PART_MODALITY.get(part.type)) is not None:
                     modalities.add(modality)
-                if part.type == "text" or part.type == "refusal":
-                    encoded = (part.text if part.type == "text" else part.refusal).encode("utf-8", "surrogatepass")
+                # By class, not `part.type`: OtherPart's `type` is any string, so a tag does not narrow the union
+                # for the type checker (the discriminator gives every known tag its own class).
+                if isinstance(part, TextPart | RefusalPart):
+                    text = part.text if isinstance(part, TextPart) else part.refusal
+                    encoded = text.encode("utf-8", "surrogatepass")
                     parts.append(encoded)
                     texts.append(encoded)
-                elif part.type == "image_url":
+                elif isinstance(part, ImagePart):
                     url = part.image_url.url
                     if (seen := images.get(url)) is None:
                         estimate = estimator.image_tokens(url, f"messages[{i}].content[{j}].image_url.url", measured)
@@ -317,15 +323,15 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
     elif not prompt:
         raise InvalidRequest("'prompt' must not be empty", param="prompt")
     elif isinstance(prompt[0], str):
-        encoded = [p.encode("utf-8", "surrogatepass") for p in prompt]  # type: ignore[union-attr]
+        encoded = [p.encode("utf-8", "surrogatepass") for p in prompt]
         each = [estimator.utf8_tokens(e) for e in encoded]
         first, tokens, total, prompts = encoded[0], max(each), sum(each), len(each)
     elif isinstance(prompt[0], int):
-        first, tokens, method = _ids_bytes(prompt), len(prompt), "token_ids"  # type: ignore[arg-type]
+        first, tokens, method = _ids_bytes(prompt), len(prompt), "token_ids"
         total = tokens
     else:
-        first, method = _ids_bytes(prompt[0]), "token_ids"  # type: ignore[arg-type]
-        lengths = [len(p) for p in prompt]  # type: ignore[arg-type]
+        first, method = _ids_bytes(prompt[0]), "token_ids"
+        lengths = [len(p) for p in prompt]
         tokens, total, prompts = max(lengths), sum(lengths), len(lengths)
     prefix = hasher.hash(first, model) if hasher is not None else None
     return RoutingRequest(

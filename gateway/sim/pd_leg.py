@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import DisconnectWatch, Scope
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
@@ -25,7 +26,7 @@ from gateway.sim.pd import (
     sglang_bootstrap,
     sglang_receive,
 )
-from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
+from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
 
 @dataclass(eq=False)
