@@ -13,7 +13,7 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(message)s", stream=sys.stderr)
     # No format here or in uvicorn's reads a record's caller, thread or process: skip finding them
     # for every line (the logging HOWTO's "Optimization": findCaller alone walks the stack).
-    logging._srcfile = None  # type: ignore[attr-defined]
+    logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False

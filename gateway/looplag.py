@@ -66,7 +66,8 @@ class StoreTimeout:
         if self._handle is not None:
             self._handle.cancel()
         assert self._inner is not None
-        return await self._inner.__aexit__(exc_type, exc, tb)
+        await self._inner.__aexit__(exc_type, exc, tb)  # asyncio.Timeout's: None, never suppresses
+        return None
 
     def _due(self, due: float) -> None:
         assert self._loop is not None and self._inner is not None

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import orjson
 from pydantic import ValidationError
@@ -197,7 +197,7 @@ def with_engine_output_limit(payload: Payload, tokens: int) -> Payload:
         value = next((v for k, v in payload.head_fields if k == ENGINE_OUTPUT_FIELD), None)
     else:
         value = payload.get(ENGINE_OUTPUT_FIELD)
-    if type(value) not in (int, float) or 1 <= value < tokens + 1:
+    if type(value) not in (int, float) or 1 <= cast(float, value) < tokens + 1:
         return payload
     return _with_member(payload, ENGINE_OUTPUT_FIELD, tokens)
 

@@ -31,6 +31,7 @@ from tests.support import (
     OwnRedis,
     RunningGateway,
     RunningSim,
+    ensure_shared_redis,
     free_port,
     with_test_redis_budgets,
 )
@@ -50,6 +51,17 @@ os.environ["SSL_CERT_DIR"] = ssl.get_default_verify_paths().openssl_capath
 # Set here, in the controller, before xdist starts its workers: they and their children inherit it.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+
+# The Redis the tests share: the one at $KIMI_TEST_REDIS_URL (else 127.0.0.1:6379), or, when nothing
+# answers there, a redis-server this session starts on a free port (stopped when it ends). Done here,
+# as this root conftest is imported, so every test module and nested conftest that reads
+# `shared_redis_url()` (at import or later) and every xdist worker (inheriting the variable) gets it.
+_SHARED_REDIS = ensure_shared_redis()
+
+
+def pytest_report_header() -> str:
+    """Which Redis the tests use (see `ensure_shared_redis`)."""
+    return _SHARED_REDIS
 
 
 # The sims and gateways of most tests are threads of the pytest worker process, so a full (oldest

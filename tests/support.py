@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -59,6 +63,56 @@ def free_ports(n: int) -> list[int]:
     finally:
         for sock in socks:
             sock.close()
+
+
+# The Redis the tests share (own key prefixes, cleaned up): $KIMI_TEST_REDIS_URL, else the usual local
+# one. When nothing answers there, tests/conftest.py starts a redis-server on a free port for the
+# session and points the variable at it (`ensure_shared_redis`), before any test module reads it.
+SHARED_REDIS_ENV = "KIMI_TEST_REDIS_URL"
+DEFAULT_SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def shared_redis_url() -> str:
+    """The URL of the Redis the tests share (see `SHARED_REDIS_ENV`)."""
+    return os.environ.get(SHARED_REDIS_ENV) or DEFAULT_SHARED_REDIS_URL
+
+
+def redis_answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether a Redis at `url` answers PING within `timeout` seconds."""
+    client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux's
+    PR_SET_PDEATHSIG), so a session killed outright leaves no redis-server behind."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the atexit stop alone
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def ensure_shared_redis() -> str:
+    """Make `shared_redis_url()` answer: when no Redis answers there and `redis-server` is on PATH,
+    start one on a free loopback port (no persistence), point `SHARED_REDIS_ENV` at it (xdist workers
+    and the tests' subprocesses inherit it) and stop it when this process exits. Returns a line for
+    pytest's report header saying which Redis the tests use."""
+    url = shared_redis_url()
+    if redis_answers(url):
+        return f"redis: {url}"
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return f"redis: nothing answers at {url} and redis-server is not on PATH: the tests that use Redis fail"
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    atexit.register(stop_process, proc)
+    wait_for_redis(redis.Redis(port=port), proc)
+    os.environ[SHARED_REDIS_ENV] = own = f"redis://127.0.0.1:{port}/0"
+    return f"redis: nothing answered at {url}: started redis-server at {own} for this session"
 
 
 @dataclass

@@ -145,7 +145,8 @@ class RedisAffinityStore:
             return None
         self.metrics.redis_call("lookup", time.perf_counter() - started)
         self._set_up(True)
-        return [v.decode() if v is not None else None for v in values]
+        # The client answers bytes (no decode_responses); redis-py's types also allow str.
+        return [v.decode() if isinstance(v, bytes) else v for v in values]
 
     def record(self, pool: str, hashes: Sequence[int], worker: str) -> None:
         self._writes.put((pool, hashes, worker))

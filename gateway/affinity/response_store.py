@@ -206,7 +206,9 @@ class RedisResponseStore:
         except StoreBusy as exc:  # the gateway's own lookups fill the pool: this one fails, Redis is fine
             self._log_at_most_every_10s(f"redis response_lookup not sent: {exc}")
             raise self._unavailable() from None
-        return ResponseOwner.decode(value.decode()) if value is not None else None
+        if value is None:
+            return None
+        return ResponseOwner.decode(value.decode() if isinstance(value, bytes) else value)
 
     def _unavailable(self) -> ResponseStoreUnavailable:
         retry = max(1, math.ceil(self.config.retry_after))

@@ -64,7 +64,7 @@ class _Body:
         return self
 
     async def __anext__(self) -> bytes:
-        data = await self._raw.read()
+        data: bytes = await self._raw.read()
         if not data:
             raise StopAsyncIteration
         return data

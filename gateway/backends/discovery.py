@@ -101,9 +101,8 @@ async def resolve_workers(resolver: dns.asyncresolver.Resolver, spec: DiscoverCo
                     glue.setdefault(rrset.name.to_text(), []).extend(rr.address for rr in rrset)
             for rr in answer:
                 target = rr.target.to_text()
-                addresses = glue.get(target)
-                if addresses is None:
-                    addresses = await _addresses(resolver, target)
+                glued = glue.get(target)
+                addresses = glued if glued is not None else await _addresses(resolver, target)
                 urls |= {_url(spec.scheme, a, rr.port) for a in addresses}
     if not urls:
         raise DiscoveryFailed(f"{spec.name} ({spec.record.upper()}) has no records")

@@ -90,7 +90,7 @@ class DrainBoard:
         try:
             async with StoreTimeout(CALL_TIMEOUT_S):
                 members = await self._redis.smembers(self.key)
-            drained = {member.decode() for member in members}
+            drained = {member.decode() if isinstance(member, bytes) else member for member in members}
         except (RedisError, OSError) as exc:
             log.debug("drain sync skipped: %s", exc)
             return
@@ -128,7 +128,7 @@ class DrainBoard:
         oldest = time.time() - REPORT_FRESH_S
         counts = []
         for value in reports.values():
-            count, _, written = value.decode().partition(" ")
+            count, _, written = (value.decode() if isinstance(value, bytes) else value).partition(" ")
             if float(written) >= oldest:
                 counts.append(int(count))
         return FleetInFlight(sum(counts), len(counts))

@@ -119,7 +119,7 @@ def engine_message(body: bytes) -> str | None:
         text = body.decode("utf-8", "replace").strip()
         return text[:500] or None
     if isinstance(payload, dict):
-        inner = payload.get("error") if isinstance(payload.get("error"), dict) else payload
+        inner = payload["error"] if isinstance(payload.get("error"), dict) else payload
         if isinstance(inner.get("message"), str):
             return str(inner["message"])[:500]
     return None

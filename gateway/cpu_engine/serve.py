@@ -95,8 +95,8 @@ def serve(
         finally:
             del server  # stops the HTTP server and the decode loop, then frees the model
     finally:
-        for signum, handler in restore:
-            signal.signal(signum, handler)
+        for number, handler in restore:
+            signal.signal(number, handler)
 
 
 def run_engine(

@@ -66,7 +66,7 @@ class LlamaCppWorker:
         self._process: subprocess.Popen[bytes] | None = None
         self._url: str | None = None
         self._log_dir: Path | None = None
-        self._finalizer: weakref.finalize[..., None] | None = None
+        self._finalizer: weakref.finalize[..., LlamaCppWorker] | None = None
 
     # ---- state -------------------------------------------------------------------------------
 

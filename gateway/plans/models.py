@@ -215,7 +215,7 @@ class GatewayPoolSpec(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     default_output_tokens: int = Field(default=1024, ge=0)
-    modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
+    modalities: list[Modality] = Field(default_factory=lambda: list[Modality](["text", "image"]))
     spillover: bool = True
     worker_env: str | None = Field(
         default=None, pattern=_ENV_NAME,

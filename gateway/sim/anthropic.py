@@ -88,7 +88,8 @@ def check_shapes(body: dict[str, Any], sglang: bool) -> None:
                 blocks(block.get("content"), (*loc, j, "content"), role)
 
     blocks(body.get("system"), ("body", "system"), "system")
-    for i, turn in enumerate(body.get("messages") if isinstance(body.get("messages"), list) else []):
+    messages = body.get("messages")
+    for i, turn in enumerate(messages if isinstance(messages, list) else []):
         if not isinstance(turn, dict):
             continue
         role = turn.get("role")
@@ -114,7 +115,7 @@ def chat_messages(body: dict[str, Any], sglang: bool = False) -> list[dict[str, 
         if system:
             out.append({"role": "system", "content": system})
     elif isinstance(system, list):
-        texts = [b.get("text") for b in system if isinstance(b, dict) and b.get("type") == "text"]
+        texts: list[Any] = [b.get("text") for b in system if isinstance(b, dict) and b.get("type") == "text"]
         if not all(isinstance(t, str) for t in texts):
             raise PromptError("system: text blocks need a string 'text'")
         if texts:
@@ -210,12 +211,12 @@ def message(mid: str, model: str, text: str, finish_reason: str, usage: dict[str
 
 def event(payload: dict[str, Any]) -> bytes:
     """One SSE event with its `event:` line."""
-    return b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+    return b"event: " + str(payload["type"]).encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
 def message_start(mid: str, model: str, usage: dict[str, int]) -> bytes:
     """`message_start`: the message shell with the engine's start usage."""
-    shell = {"id": mid, "type": "message", "role": "assistant", "content": [], "model": model,
+    shell: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "content": [], "model": model,
              "stop_reason": None, "stop_sequence": None, "usage": usage}
     return event({"type": "message_start", "message": shell})
 

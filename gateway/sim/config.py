@@ -294,7 +294,7 @@ class SimConfig(BaseModel):
     @property
     def lora_adapters(self) -> dict[str, str]:
         """LoRA adapter name -> path, from `lora_modules`, in their order."""
-        return dict(module.split("=", 1) for module in self.lora_modules)  # type: ignore[misc]
+        return dict(module.split("=", 1) for module in self.lora_modules)
 
     @property
     def model_name(self) -> str:

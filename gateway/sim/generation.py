@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from gateway.sim import anthropic as a
 from gateway.sim import responses as r
 from gateway.sim import script as sc
+from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -56,7 +57,7 @@ from gateway.sim.tokens import (
     requested_output_tokens,
     text_tokens,
 )
-from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
+from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
 RAW_CHUNK_PAUSE_S = 0.02
 """Pause between `raw_stream_chunks` writes, so each leaves as its own TCP segment."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.protocol.pd import DO_REMOTE_DECODE, KV_TRANSFER_PARAMS, TRANSFER_ID
+from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import DisconnectWatch, Scope
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.kvcache import PromptKey
@@ -26,7 +27,7 @@ from gateway.sim.pd import (
     sglang_bootstrap,
     sglang_receive,
 )
-from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
+from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
 
 @dataclass(eq=False)

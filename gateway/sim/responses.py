@@ -125,8 +125,8 @@ def _with_usage(payload: dict[str, Any], fmt: StreamFormat, prompt_tokens: int,
 def chat_completion(meta: ResponseMeta, text: str, finish_reason: str, prompt_tokens: int,
                     completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """A non-streaming `chat.completion` object."""
-    message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None,
-               "function_call": None, "tool_calls": [], "reasoning_content": None}
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
+                               "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
               "stop_reason": None}
     payload = meta._envelope("chat.completion", [choice])

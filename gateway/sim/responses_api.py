@@ -51,6 +51,7 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.sim import script as sc
+from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import (
     SSE_HEADERS,
     ClientDisconnected,
@@ -75,7 +76,7 @@ from gateway.sim.tokens import (
     output_token,
     responses_output_limit,
 )
-from gateway.sim.worker_state import ActiveRequest, SimEngine, SimRequestRecord
+from gateway.sim.worker_state import SimEngine, SimRequestRecord
 
 
 @dataclass
@@ -311,7 +312,7 @@ class ResponsesServer:
                 await events.send("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
                                   delta=pieces[-1], logprobs=[])
             text = "".join(pieces)
-            part = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+            part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
             item = {"id": item_id, "content": [part], "role": "assistant", "status": "completed", "type": "message"}
             usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": active.cached_tokens},
                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},

@@ -124,7 +124,7 @@ def output_tokens(step: ScriptStep) -> int:
 
 
 def _event(payload: dict[str, Any]) -> bytes:
-    return b"event: " + payload["type"].encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+    return b"event: " + str(payload["type"]).encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
 
 def messages_events(api_step: tuple[int, ScriptStep]) -> list[bytes]:
@@ -173,7 +173,7 @@ def responses_items(api_step: tuple[int, ScriptStep], item_id: str) -> list[tupl
     index, step = api_step
     items: list[tuple[dict[str, Any], list[str]]] = []
     if step.text:
-        part = {"annotations": [], "text": step.text, "type": "output_text", "logprobs": None}
+        part: dict[str, Any] = {"annotations": [], "text": step.text, "type": "output_text", "logprobs": None}
         items.append(({"id": item_id, "content": [part], "role": "assistant", "status": "completed",
                        "type": "message"}, _words(step.text)))
     for j, call in enumerate(step.tool_calls):

@@ -19,11 +19,11 @@ import redis
 import yaml
 
 from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
-from tests.support import free_port
+from tests.support import free_port, shared_redis_url
 
 pytestmark = pytest.mark.engine
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = shared_redis_url()
 
 
 

@@ -10,11 +10,11 @@ from collections.abc import Callable
 import httpx
 import redis
 
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = shared_redis_url()
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
 
 

@@ -33,7 +33,7 @@ from tests.prometheus_support import (
     series_names,
     substitute,
 )
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, pool, shared_redis_url
 
 # Metrics being added to gateway/metrics.py that dashboards or alerts already use, `{family: type}`;
 # once /metrics exposes one, its type is checked against this. Remove an entry when it has landed, so
@@ -57,7 +57,7 @@ def exposition(start_sim: Callable[..., RunningSim], start_gateway: Callable[...
     """The /metrics text of a running gateway in front of one simulated worker, with Redis (so the
     Redis series exist; no request is sent, so no affinity key is written)."""
     sim = start_sim("vllm")
-    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], redis_url="redis://127.0.0.1:6379/0",
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], redis_url=shared_redis_url(),
                        affinity={"key_prefix": "kimi-test-dashboards"})
     return httpx.get(gw.url + "/metrics").text
 

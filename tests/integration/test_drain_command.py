@@ -20,7 +20,7 @@ import redis
 
 from gateway.auth.keys import hash_key
 from gateway.cli import main
-from tests.support import REPO_ROOT, RunningGateway, RunningSim, pool
+from tests.support import REPO_ROOT, RunningGateway, RunningSim, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -71,13 +71,13 @@ def in_flight(gw: RunningGateway, worker: str) -> tuple[bool, int]:
 def test_drain_by_url_moves_new_requests_on_both_replicas_and_waits_for_the_streams(
         start_sim: StartSim, start_gateway: StartGateway, request: pytest.FixtureRequest) -> None:
     key_prefix = f"kgw-test-drain-cmd-{uuid.uuid4().hex[:8]}"
-    store = redis.Redis()
+    store = redis.Redis.from_url(shared_redis_url())
     request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained"), store.close()))
     # 50 tokens: ~5 s a stream, long enough on a loaded machine for the drain command (a Python
     # process that imports the gateway) to start and both replicas to see the drain before the streams end
     sims = [start_sim("vllm", tpot_s=0.1), start_sim("vllm", tpot_s=0.1)]
     settings: dict[str, Any] = {
-        "redis_url": "redis://127.0.0.1:6379/0", "affinity": {"key_prefix": key_prefix},
+        "redis_url": shared_redis_url(), "affinity": {"key_prefix": key_prefix},
         "auth": {"enabled": True, "keys": [{"name": "ops", "sha256": hash_key(KEY), "scopes": ["user", "admin"]}]}}
     first, second = (start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin")],
                                    **settings) for _ in range(2))
@@ -130,12 +130,12 @@ def test_one_service_url_waits_for_the_streams_of_every_replica(
     """Behind a Service each call reaches one replica, which counts only its own streams: the
     command waits on `fleet_in_flight`, every replica's count reported through Redis."""
     key_prefix = f"kgw-test-drain-fleet-{uuid.uuid4().hex[:8]}"
-    store = redis.Redis()
+    store = redis.Redis.from_url(shared_redis_url())
     request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained", f"{key_prefix}:inflight:p/0"),
                                   store.close()))
     sim = start_sim("vllm", tpot_s=0.04)
     settings: dict[str, Any] = {
-        "redis_url": "redis://127.0.0.1:6379/0", "affinity": {"key_prefix": key_prefix},
+        "redis_url": shared_redis_url(), "affinity": {"key_prefix": key_prefix},
         "auth": {"enabled": True, "keys": [{"name": "ops", "sha256": hash_key(KEY), "scopes": ["user", "admin"]}]}}
     first, second = (start_gateway([pool("p", "vllm", [sim.url], 131072)], **settings) for _ in range(2))
     short, long = open_stream(first, max_tokens=5), open_stream(second, max_tokens=100)  # ~0.2 s and ~4 s

@@ -48,7 +48,10 @@ class ScriptedEngine:
         self.server = self.loop.run_until_complete(asyncio.start_server(self._on_connect, "127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         ready.set()
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:  # stop() ended it: close it here, on its thread (else an unclosed-loop ResourceWarning)
+            self.loop.close()
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         index = self.connections

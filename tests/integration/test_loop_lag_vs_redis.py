@@ -1,6 +1,6 @@
 """The gateway's own event-loop stalls are not a Redis outage (issue 15 §1): a rate-limit check or an
 affinity lookup whose reply waited in the socket while the loop was held gets its answer, and the
-circuit breaker stays closed. Real Redis at 127.0.0.1:6379 (own key prefixes, cleaned up)."""
+circuit breaker stays closed. Real Redis, the tests' shared one (own key prefixes, cleaned up)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.looplag import StoreTimeout
 from gateway.metrics import GatewayMetrics
+from tests.support import shared_redis_url
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = shared_redis_url()
 HOLD_S = 0.12  # how long the loop is held, seconds: longer than the stores' timeouts
 HOPS = range(6)
 T = TypeVar("T")

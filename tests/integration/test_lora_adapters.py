@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -192,7 +192,7 @@ def test_prefix_affinity_is_kept_apart_per_adapter(start_sim: StartSim, start_ga
     prefix = f"test-lora-{uuid.uuid4().hex[:10]}"
     gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="prefix_affinity",
                              policy_params={"min_match_tokens": 64})],
-                       redis_url="redis://127.0.0.1:6379/0", affinity={"key_prefix": prefix},
+                       redis_url=shared_redis_url(), affinity={"key_prefix": prefix},
                        health=CHECKED, load={"enabled": False})
     checked(gw, sims)
     messages = [{"role": "user", "content": "Tell me about the schema of table orders. " * 60}]

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from gateway.routing.tokens import TokenEstimator
-from tests.support import OwnRedis, RunningGateway, RunningSim, pool
+from tests.support import OwnRedis, RunningGateway, RunningSim, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -190,7 +190,7 @@ async def _configure(state: object, pools: list[dict[str, object]]) -> None:
 def test_chained_conversation_across_two_replicas_sharing_redis(two_workers: list[RunningSim],
                                                                 start_gateway: StartGateway) -> None:
     prefix = f"test-resp-{uuid.uuid4().hex[:10]}"
-    settings = {"redis_url": "redis://127.0.0.1:6379/0", "responses": {"key_prefix": prefix, "store_ttl": 60},
+    settings = {"redis_url": shared_redis_url(), "responses": {"key_prefix": prefix, "store_ttl": 60},
                 "affinity": {"key_prefix": prefix + "-aff"}, "load": {"enabled": False}}
     replicas = [start_gateway([sims_pool(two_workers)], **settings) for _ in range(2)]
     try:
@@ -208,11 +208,11 @@ def test_chained_conversation_across_two_replicas_sharing_redis(two_workers: lis
             previous = raw.parse().id
         for replica in replicas:
             replica.server.call(replica.server.app.state.gateway.responses.flush())
-        r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+        r = redis.Redis.from_url(shared_redis_url())
         ttl = r.pttl(f"{prefix}:{previous}")
         stored = r.get(f"{prefix}:{previous}")
     finally:
-        r = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+        r = redis.Redis.from_url(shared_redis_url())
         keys = list(r.scan_iter(f"{prefix}*"))
         if keys:
             r.delete(*keys)

@@ -13,11 +13,11 @@ import redis
 
 from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.keys import hash_key
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = shared_redis_url()
 ALICE = "sk-alice-" + uuid.uuid4().hex + uuid.uuid4().hex
 BOB = "sk-bob-" + uuid.uuid4().hex + uuid.uuid4().hex
 OPS = "sk-ops-" + uuid.uuid4().hex + uuid.uuid4().hex

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support import REPO_ROOT, pool
+from tests.support import REPO_ROOT, pool, shared_redis_url
 
 
 @pytest.mark.parametrize(("processes", "settings"), [
-    (1, {"redis_url": "redis://127.0.0.1:6379/0"}),  # with Redis the old start-up hung in its shutdown
+    (1, {"redis_url": shared_redis_url()}),  # with Redis the old start-up hung in its shutdown
     (1, {}),
     (2, {}),  # the supervisor binds for its serving processes
 ])

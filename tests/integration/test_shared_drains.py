@@ -10,7 +10,7 @@ import httpx
 import pytest
 import redis
 
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -21,7 +21,7 @@ CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "ma
 def key_prefix() -> Iterator[str]:
     prefix = f"kgw-test-drains-{uuid.uuid4().hex[:8]}"
     yield prefix
-    client = redis.Redis()
+    client = redis.Redis.from_url(shared_redis_url())
     client.delete(f"{prefix}:drained")
     client.close()
 
@@ -40,7 +40,7 @@ def _eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
 def test_drain_on_one_gateway_holds_on_another(start_sim: StartSim, start_gateway: StartGateway,
                                                key_prefix: str) -> None:
     sims = [start_sim("vllm"), start_sim("vllm")]
-    config = {"redis_url": "redis://127.0.0.1:6379/0", "affinity": {"key_prefix": key_prefix}}
+    config = {"redis_url": shared_redis_url(), "affinity": {"key_prefix": key_prefix}}
     first, second = (start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin")],
                                    **config) for _ in range(2))
     assert _workers_used(second) == {"p/0", "p/1"}

@@ -14,7 +14,7 @@ import openai
 import pytest
 import redis
 
-from tests.support import OwnRedis, RunningGateway, RunningSim, pool
+from tests.support import OwnRedis, RunningGateway, RunningSim, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -68,7 +68,7 @@ def test_each_conversation_sticks_to_one_worker(four_workers: list[RunningSim], 
 def test_two_gateway_replicas_agree_through_redis(four_workers: list[RunningSim], start_gateway: StartGateway,
                                                   shared_data: Path) -> None:
     prefix = f"test-{uuid.uuid4().hex[:10]}"
-    settings = {"redis_url": "redis://127.0.0.1:6379/0", "affinity": {"key_prefix": prefix},
+    settings = {"redis_url": shared_redis_url(), "affinity": {"key_prefix": prefix},
                 "load": {"enabled": False}}
     replicas = [start_gateway([affinity_pool(four_workers)], **settings) for _ in range(2)]
     try:
@@ -81,7 +81,7 @@ def test_two_gateway_replicas_agree_through_redis(four_workers: list[RunningSim]
         for replica in replicas:
             replica.flush_affinity()
     finally:  # clean up first, assert after: a failure here must not leave keys behind
-        client = redis.Redis.from_url("redis://127.0.0.1:6379/0")
+        client = redis.Redis.from_url(shared_redis_url())
         keys = list(client.scan_iter(f"{prefix}:*"))
         if keys:
             client.delete(*keys)

@@ -1,4 +1,4 @@
-"""The same contract for both stored-response owner stores: in-process and a real Redis (127.0.0.1:6379)."""
+"""The same contract for both stored-response owner stores: in-process and the tests' shared Redis."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from gateway.affinity.response_store import (
 from gateway.auth.keys import Principal
 from gateway.metrics import GatewayMetrics
 from gateway.routing.response_affinity import may_use
-from tests.support import OwnRedis
+from tests.support import OwnRedis, shared_redis_url
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = shared_redis_url()
 TTL_S = 1.0
 OWNER = ResponseOwner("pool-a", "http://10.0.0.1:8000")
 

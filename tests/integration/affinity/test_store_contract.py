@@ -1,4 +1,4 @@
-"""The same contract for both affinity stores: in-process and a real Redis (127.0.0.1:6379)."""
+"""The same contract for both affinity stores: in-process and the tests' shared Redis."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from gateway.affinity.params import AffinityConfig
 from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
 from gateway.metrics import GatewayMetrics
-from tests.support import OwnRedis
+from tests.support import OwnRedis, shared_redis_url
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = shared_redis_url()
 
 
 TTL_S = 0.5

@@ -14,9 +14,9 @@ import redis
 from gateway.auth.keys import hash_key
 from gateway.auth.limits import MemoryRateLimiter
 from gateway.auth.redis_limits import RedisRateLimiter
-from tests.support import RunningGateway
+from tests.support import RunningGateway, shared_redis_url
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+REDIS_URL = shared_redis_url()
 ALICE_KEY = "sk-alice-" + uuid.uuid4().hex + uuid.uuid4().hex
 OPS_KEY = "sk-ops-" + uuid.uuid4().hex + uuid.uuid4().hex
 ENGINE_KEY = "engine-secret-" + uuid.uuid4().hex

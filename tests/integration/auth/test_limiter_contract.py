@@ -1,4 +1,4 @@
-"""The same limiter contract for the in-process and the Redis limiter (a real Redis at 127.0.0.1:6379,
+"""The same limiter contract for the in-process and the Redis limiter (the tests' shared Redis,
 own key prefix), on a 1-second window so that time-based behaviour runs in real time."""
 
 from __future__ import annotations
