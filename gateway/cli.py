@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.config_base import explain_validation_error
-from gateway.logs import setup_logging
+from gateway.observability.logs import setup_logging
 
 if TYPE_CHECKING:
     from gateway.plans.safety import Finding

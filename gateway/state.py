@@ -23,15 +23,15 @@ from gateway.backends.lora_loader import LoraLoader
 from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.status import StatusWindow
+from gateway.observability.tracing import Tracing
 from gateway.parsing import ParsePool
 from gateway.redact import Redactor
 from gateway.routing.image_fetch import ImageFetcher
 from gateway.routing.pool_policies import PoolPolicies
 from gateway.routing.prefill import PrefillEstimator
 from gateway.routing.tokens import TokenEstimator
-from gateway.status import StatusWindow
-from gateway.tracing import Tracing
 
 SWEEP_EVERY_S = 1.0
 """Seconds between looks for retired workers whose requests all finished."""

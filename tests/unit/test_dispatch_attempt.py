@@ -22,8 +22,8 @@ from gateway.dispatch.kinds import AGGREGATED, kind_of
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.service import ProxyService
 from gateway.errors import NoCapacity, UpstreamError
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestOutcome, RequestRecord
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.record import RequestOutcome, RequestRecord
 from gateway.redact import Redactor
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState

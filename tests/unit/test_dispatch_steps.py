@@ -20,8 +20,8 @@ from gateway.dispatch.failures import Failures, after_failure
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.steps import PoolStep, choose_pool, decide, engine_body
 from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestRecord
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.routing.pool_policies import PoolPolicies
 from gateway.streaming import AttemptFailed, Lease, Outcome

@@ -14,7 +14,7 @@ from gateway.backends.periodic import PeriodicEach
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig, parse_config
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.pool_policies import PoolPolicies
 
 

@@ -16,7 +16,7 @@ from gateway.config import GatewayConfig, load_config, parse_config
 from gateway.config_base import explain_validation_error
 from gateway.dispatch.kinds import AGGREGATED, Disaggregated, kind_of
 from gateway.dispatch.steps import PoolStep, choose_pool
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.plans.safety import production_findings
 from gateway.protocol.pd import MAX_ROOM, NIXL_PREFILL_PARAMS, sglang_fields, vllm_prefill_body
 from gateway.routing.pool_policies import PoolPolicies
