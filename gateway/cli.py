@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.config_base import explain_validation_error
-from gateway.logs import setup_logging
+from gateway.observability.logs import setup_logging
 
 if TYPE_CHECKING:
     from gateway.plans.safety import Finding
@@ -67,9 +67,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_check_config(args: argparse.Namespace) -> None:
     config = _load_or_exit(args.config)
     try:
-        from gateway.routing.router import Router
+        from gateway.routing.pool_policies import PoolPolicies
 
-        Router(config)
+        PoolPolicies(config)
     except ValueError as exc:
         sys.exit(f"config error in {args.config}: {exc}")
     print(f"{args.config}: OK — model {config.model.name} (aliases: {', '.join(config.model.aliases) or 'none'})")

@@ -1,5 +1,5 @@
 """Config sections of the top-level modules (pydantic only): graceful shutdown and readiness
-(gateway/lifecycle.py, gateway/app.py), tracing (gateway/tracing.py) and Redis behind Sentinel
+(gateway/lifecycle.py, gateway/app.py), tracing (gateway/observability/tracing.py) and Redis behind Sentinel
 (gateway/redis_client.py). They move with their modules when those become packages."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class ReadinessConfig(Section):
 
 
 class TracingConfig(Section):
-    """Optional OpenTelemetry traces (gateway/tracing.py); off while `otlp_endpoint` is unset.
+    """Optional OpenTelemetry traces (gateway/observability/tracing.py); off while `otlp_endpoint` is unset.
 
     Needs the `tracing` extra (`pip install 'kimi-gateway[tracing]'`)."""
 

@@ -54,7 +54,7 @@ def apply_config(state: AppState, new: GatewayConfig) -> ReloadResult:
     request path sees the old set or the new one, never half of each). Raises ReloadRefused when a
     pool's policy cannot be built (nothing changed then)."""
     try:
-        state.router.update(new.pools)
+        state.policies.update(new.pools)
     except (ValueError, ValidationError) as exc:
         raise ReloadRefused(explain_validation_error(exc)) from None
     changes = state.registry.configure(new.pools)

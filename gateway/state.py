@@ -23,15 +23,15 @@ from gateway.backends.lora_loader import LoraLoader
 from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.status import StatusWindow
+from gateway.observability.tracing import Tracing
 from gateway.parsing import ParsePool
 from gateway.redact import Redactor
 from gateway.routing.image_fetch import ImageFetcher
+from gateway.routing.pool_policies import PoolPolicies
 from gateway.routing.prefill import PrefillEstimator
-from gateway.routing.router import Router
 from gateway.routing.tokens import TokenEstimator
-from gateway.status import StatusWindow
-from gateway.tracing import Tracing
 
 SWEEP_EVERY_S = 1.0
 """Seconds between looks for retired workers whose requests all finished."""
@@ -47,7 +47,7 @@ class AppState:
     http: httpx.AsyncClient
     """Health probes and engine `/metrics` scrapes."""
     registry: WorkerRegistry
-    router: Router
+    policies: PoolPolicies
     estimator: TokenEstimator
     metrics: GatewayMetrics
     health: HealthChecker
@@ -117,7 +117,7 @@ class AppState:
         upstream = UpstreamClient(config.timeouts, {p.name: p.upstream_keep_alive for p in config.pools},
                                   Redactor.of(config), config.max_decoded_bytes)
         return cls(config=config, upstream=upstream, http=http, registry=registry,
-                   router=Router(config),
+                   policies=PoolPolicies(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics, config.pools, config.model.name),
                    lora=LoraLoader(registry, http, config.timeouts.response_header, pool_headers(config.pools)),

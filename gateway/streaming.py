@@ -37,7 +37,7 @@ from gateway.backends.encoding import DecodeError, UnsupportedEncoding
 from gateway.backends.engine_kinds import is_context_too_long
 from gateway.backends.patches import drop_usage_events
 from gateway.backends.worker import Worker
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.protocol.anthropic import ERROR_STATUS
 from gateway.protocol.responses import ERROR_EVENTS, PREAMBLE_EVENTS
 from gateway.protocol.sse import SSETap, event_end, sse_error_event

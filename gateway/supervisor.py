@@ -76,7 +76,7 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, super
     from gateway.app import begin_draining, create_app
     from gateway.config import load_config
     from gateway.lifecycle import GracefulServer, tune_gc
-    from gateway.logs import setup_logging
+    from gateway.observability.logs import setup_logging
     from gateway.request_head import http_options
 
     config = load_config(config_path, os.environ)

@@ -40,7 +40,7 @@ from gateway.affinity.batch_writer import BatchWriter
 from gateway.affinity.breaker import CircuitBreaker
 from gateway.affinity.params import AffinityConfig
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.redis_client import close_redis, primary_known, redis_from_url
 from gateway.redis_cluster import is_cluster_url
 from gateway.redis_gate import StoreBusy, StoreGate

@@ -45,7 +45,7 @@ from gateway.affinity.params import ResponsesConfig
 from gateway.affinity.redis_store import STALE_CONNECTION_RETRY
 from gateway.errors import GatewayError
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.redis_client import close_redis, primary_known, redis_from_url
 from gateway.redis_gate import WAIT_S, StoreBusy, StoreGate
 

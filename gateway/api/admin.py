@@ -190,7 +190,7 @@ async def status(request: Request) -> JSONResponse:
     """`GET /admin/status`: what the status page shows, in one JSON object.
 
     `{"time_unix", "started_unix", "shutting_down", "ready", "pools": pools_view,
-    "recent": StatusWindow.recent}` (see `gateway.status` for the recent figures).
+    "recent": StatusWindow.recent}` (see `gateway.observability.status` for the recent figures).
     """
     state = _state(request)
     pools = pools_view(state)

@@ -31,7 +31,7 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
-from gateway.metrics import NO_POOL
+from gateway.observability.metrics import NO_POOL
 from gateway.parsing import Body, body_of
 from gateway.request_head import SEND_STALLED
 

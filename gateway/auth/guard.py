@@ -30,7 +30,7 @@ from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidApiKey, PermissionDenied, RateLimitBusy, RateLimited, RateLimitUnavailable
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")

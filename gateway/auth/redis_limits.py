@@ -48,7 +48,7 @@ from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
 from gateway.auth.params import AuthConfig
 from gateway.errors import RateLimitBusy
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.redis_client import DEMOTED_RETRY, close_redis, primary_known, redis_from_url
 from gateway.redis_gate import WAIT_S, StoreBusy, StoreGate
 

@@ -21,7 +21,7 @@ from gateway.backends.periodic import FollowsWorkers, PeriodicEach
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.health")
 

@@ -34,7 +34,7 @@ from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway.health")
 

@@ -18,8 +18,8 @@ import orjson
 from gateway.backends.client import UpstreamResponse
 from gateway.dialects.registry import dialect_for
 from gateway.dispatch.ledger import Ledger
+from gateway.observability.record import RequestRecord
 from gateway.protocol.responses import response_id_of
-from gateway.record import RequestRecord
 from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
 
 # A 504 after the whole answer budget: a client retry would repeat the same long generation. The

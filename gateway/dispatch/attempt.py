@@ -52,7 +52,7 @@ from gateway.dispatch.answers import (
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.params import TimeoutConfig
 from gateway.errors import UpstreamError
-from gateway.record import RequestRecord
+from gateway.observability.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.routing.prefill import PrefillTicket
 from gateway.state import AppState

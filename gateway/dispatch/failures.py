@@ -18,7 +18,7 @@ from gateway.backends.worker import Worker
 from gateway.dispatch.answers import NO_CLIENT_RETRY, BufferedResponse, engine_error, request_fault
 from gateway.dispatch.ledger import Ledger
 from gateway.errors import GatewayError, NoCapacity, UpstreamError, UpstreamTimeout
-from gateway.record import RequestRecord
+from gateway.observability.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.routing.pools import larger_pools
 from gateway.streaming import RETRYABLE, AttemptFailed, Outcome

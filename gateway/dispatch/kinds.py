@@ -80,7 +80,7 @@ class Disaggregated:
         prefills = registry.gates[pool.name].with_room(registry.candidates(pool.name, dispatch.tried, "prefill",
                                                                              request.adapter))
         prefill = decide(policy, request, prefills, match, state.prefill)  # no ticket: rates stay at the prior
-        decode = decide(state.router.policy(pool.name, "decode"), request, workers, {})
+        decode = decide(state.policies.policy(pool.name, "decode"), request, workers, {})
         dispatch.ledger.pd_routed(pool.name, prefill.reason, decode.reason)
         worker = decode.worker
         patch_usage = usage_patch(request, worker.engine)

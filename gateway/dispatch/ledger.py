@@ -36,8 +36,8 @@ import orjson
 
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
-from gateway.metrics import GatewayMetrics, status_class
-from gateway.record import RequestOutcome, RequestRecord, RequestSpans, counted_status
+from gateway.observability.metrics import GatewayMetrics, status_class
+from gateway.observability.record import RequestOutcome, RequestRecord, RequestSpans, counted_status
 from gateway.routing.features import RoutingRequest
 
 log = logging.getLogger("gateway.access")
@@ -49,7 +49,7 @@ _REFUSED = frozenset({"client_error", "too_long"})  # an engine read the request
 
 
 class Tracer(Protocol):
-    """What the ledger asks of gateway/tracing.py's `Tracing`: a request's spans."""
+    """What the ledger asks of gateway/observability/tracing.py's `Tracing`: a request's spans."""
 
     def begin(self, record: RequestRecord, headers: Mapping[str, str]) -> RequestSpans: ...
 

@@ -309,7 +309,7 @@ class Migration:
                        if w.engine.kind in ENGINES]
             if not workers:
                 break
-            decision = decide(state.router.policy(pool.name), self._request, workers, {})
+            decision = decide(state.policies.policy(pool.name), self._request, workers, {})
             worker = decision.worker
             ledger.continuation_started(worker)
             attempt = SingleLeg(state, self._api, pool, worker, "migration", None, orjson.dumps(body),

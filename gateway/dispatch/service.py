@@ -200,7 +200,7 @@ class ProxyService:
                 ledger.spilled(pool.name, to.name, step.value)
                 dispatch.move_to(to)
                 continue
-            policy = state.router.policy(pool.name)
+            policy = state.policies.policy(pool.name)
             if dispatch.pinned is None and policy.uses_affinity and pool.name not in dispatch.matches:
                 dispatch.matches[pool.name] = await self._affinity_matches(pool.name, dispatch.request, ledger)
                 # Others may have taken the free slots or broken workers meanwhile: look again. From

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.address_policy import AddressPolicy, IPAddress, literal_address
 from gateway.routing.params import ImageFetchConfig
 from gateway.routing.tokens import image_size

@@ -43,7 +43,7 @@ from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.errors import GatewayError
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 
 
 class ResponseNotFound(GatewayError):

@@ -35,7 +35,7 @@ from tests.prometheus_support import (
 )
 from tests.support import RunningGateway, RunningSim, pool, shared_redis_url
 
-# Metrics being added to gateway/metrics.py that dashboards or alerts already use, `{family: type}`;
+# Metrics being added to gateway/observability/metrics.py that dashboards or alerts already use, `{family: type}`;
 # once /metrics exposes one, its type is checked against this. Remove an entry when it has landed, so
 # that a later rename breaks test_every_metric_name_is_exposed. Empty: issue 6's additions (TPOT,
 # retries, ejected/draining/redis_up gauges, image fetches) landed in commit 4536649.

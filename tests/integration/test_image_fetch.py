@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.address_policy import IPAddress
 from gateway.routing.image_fetch import ImageFetcher
 from gateway.routing.params import ImageFetchConfig

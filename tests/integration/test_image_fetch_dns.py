@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.image_fetch import ImageFetcher, SystemResolver
 from gateway.routing.params import ImageFetchConfig
 

@@ -20,7 +20,7 @@ from gateway.auth.keys import Principal
 from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.looplag import StoreTimeout
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from tests.support import shared_redis_url
 
 REDIS_URL = shared_redis_url()

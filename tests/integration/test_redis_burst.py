@@ -28,7 +28,7 @@ from gateway.auth.keys import Principal
 from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.errors import RateLimitBusy
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.redis_gate import StoreGate
 from tests.support import GatewayProcess, OwnRedis, RunningSim, free_port, pool
 

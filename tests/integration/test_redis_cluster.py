@@ -32,7 +32,7 @@ from gateway.auth.keys import Principal
 from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.cli import main
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.redis_client import redis_from_url
 from gateway.redis_cluster import GatewayCluster
 from tests.support import RunningGateway, RunningSim, free_ports, pool

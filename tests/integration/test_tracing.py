@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (gateway/tracing.py), exported over OTLP/HTTP to a real loopback receiver."""
+"""OpenTelemetry traces (gateway/observability/tracing.py), exported over OTLP/HTTP to a real loopback receiver."""
 
 from __future__ import annotations
 

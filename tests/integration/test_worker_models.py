@@ -17,7 +17,7 @@ import yaml
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import parse_config
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig

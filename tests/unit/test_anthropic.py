@@ -17,7 +17,7 @@ from gateway.auth.params import ApiKeyConfig, AuthConfig
 from gateway.dialects.chat import chat_features
 from gateway.dialects.messages import MISSING_ANTHROPIC_KEY, AnthropicWire, MessagesDialect, messages_features
 from gateway.errors import InvalidApiKey, NoCapacity
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.protocol.anthropic import (
     CountTokensRequest,
     MessagesRequest,

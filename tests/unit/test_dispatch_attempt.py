@@ -22,8 +22,8 @@ from gateway.dispatch.kinds import AGGREGATED, kind_of
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.service import ProxyService
 from gateway.errors import NoCapacity, UpstreamError
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestOutcome, RequestRecord
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.record import RequestOutcome, RequestRecord
 from gateway.redact import Redactor
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
@@ -214,7 +214,7 @@ def test_the_aggregated_kind_makes_one_single_leg_attempt_from_the_policys_choic
     a.in_flight += 3  # the default (prefix affinity) policy: no match long enough, so the least loaded, b
     dispatch = Dispatch(state, "chat", {"model": "kimi-k3", "messages": [], "max_completion_tokens": 5},
                         request(), ledger_of(state), list(state.config.pools), pool)
-    attempt = AGGREGATED.attempt(dispatch, state.router.policy("p"), [a, b], {"http://b:1": 0.5})
+    attempt = AGGREGATED.attempt(dispatch, state.policies.policy("p"), [a, b], {"http://b:1": 0.5})
     assert isinstance(attempt, SingleLeg)
     # `matched`: the share b held, for the affinity metric (None with a policy that ignores affinity)
     assert (attempt.worker, attempt.pool, attempt.reason, attempt.matched) == (b, pool, "no_match", 0.5)

@@ -20,10 +20,10 @@ from gateway.dispatch.failures import Failures, after_failure
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.steps import PoolStep, choose_pool, decide, engine_body
 from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestRecord
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.record import RequestRecord
 from gateway.routing.features import RoutingRequest
-from gateway.routing.router import Router
+from gateway.routing.pool_policies import PoolPolicies
 from gateway.streaming import AttemptFailed, Lease, Outcome
 
 
@@ -126,15 +126,15 @@ def test_a_full_pool_without_spillover_waits_even_when_a_later_one_has_room() ->
 def test_decide_takes_the_policy_of_the_pool_and_sees_load_and_prefix_matches() -> None:
     pools_of = {"small": {"policy": "least_load"}, "large": {"policy_params": {"min_match_tokens": 10}}}
     registry, _, _ = setup(**pools_of)
-    router = Router(config(**pools_of))
+    policies = PoolPolicies(config(**pools_of))
     a, b = registry.pools["small"]
     occupy(registry, a)
-    decision = decide(router.policy("small"), request(), [a, b], {})
+    decision = decide(policies.policy("small"), request(), [a, b], {})
     assert (decision.worker.url, decision.reason) == ("http://b:1", "least_load")
     c = registry.pools["large"][0]
-    matched = decide(router.policy("large"), request(prompt=1000), [c], {"http://c:1": 0.5})
+    matched = decide(policies.policy("large"), request(prompt=1000), [c], {"http://c:1": 0.5})
     assert (matched.worker.url, matched.reason) == ("http://c:1", "affinity")
-    unmatched = decide(router.policy("large"), request(prompt=10), [c], {"http://c:1": 0.5})  # 5 tokens < 10
+    unmatched = decide(policies.policy("large"), request(prompt=10), [c], {"http://c:1": 0.5})  # 5 tokens < 10
     assert unmatched.reason == "no_match"
 
 

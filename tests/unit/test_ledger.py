@@ -20,8 +20,8 @@ from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import parse_config
 from gateway.dispatch.ledger import Ledger
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestOutcome
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.record import RequestOutcome
 from gateway.routing.features import RoutingRequest
 
 REQUEST = RoutingRequest(api="chat", model="kimi-k3", prompt_tokens=40, output_tokens=100, stream=True,

@@ -1,5 +1,5 @@
 """Only the ledger (gateway/dispatch/ledger.py) accounts for a request: no other gateway module
-assigns a `RequestRecord` field, calls a metric's `.labels(` (gateway/metrics.py names those writes
+assigns a `RequestRecord` field, calls a metric's `.labels(` (gateway/observability/metrics.py names those writes
 for code outside the request path) or issues a passive-health verdict on a worker. Read from the
 source (AST), like tests/unit/test_import_graph.py; the simulator (gateway/sim/) has its own metrics."""
 
@@ -9,7 +9,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
-from gateway.record import RequestRecord
+from gateway.observability.record import RequestRecord
 from tests.support import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "gateway"
@@ -18,7 +18,7 @@ FIELDS = frozenset(f.name for f in dataclasses.fields(RequestRecord))
 VERDICTS = frozenset({"request_failed", "request_succeeded", "throttled", "connect_failed"})
 """The registry's passive-health verdicts (gateway/backends/registry.py), issued after an attempt."""
 
-LABELS_ALLOWED = frozenset({LEDGER, "gateway/metrics.py"})
+LABELS_ALLOWED = frozenset({LEDGER, "gateway/observability/metrics.py"})
 VERDICTS_ALLOWED = frozenset({LEDGER, "gateway/backends/registry.py"})  # the ledger, and where they are defined
 RECORD_ALLOWED = frozenset({LEDGER})
 
@@ -73,7 +73,7 @@ def test_only_the_ledger_writes_the_record_touches_request_metrics_and_issues_ve
     found = [v for p in gateway_modules()
              for v in violations(p.read_text(encoding="utf-8"), p.relative_to(REPO_ROOT).as_posix())]
     assert found == [], "report a fact to the request's Ledger (gateway/dispatch/ledger.py) instead, or name " \
-                        "the metric's write in gateway/metrics.py:\n" + "\n".join(found)
+                        "the metric's write in gateway/observability/metrics.py:\n" + "\n".join(found)
 
 
 def test_the_guard_finds_each_kind_of_violation() -> None:
@@ -96,7 +96,7 @@ def test_the_guard_finds_each_kind_of_violation() -> None:
     found = violations(source, "gateway/dispatch/somewhere.py")
     assert [int(v.split(":")[1]) for v in found] == [2, 3, 4, 5, 5, 6, 7, 8, 9]
     assert violations(source.replace("    setattr(record, 'status', 500)\n", ""), LEDGER) == []
-    assert [v.split(": ", 1)[1] for v in violations(source, "gateway/metrics.py")][-3:] == [
+    assert [v.split(": ", 1)[1] for v in violations(source, "gateway/observability/metrics.py")][-3:] == [
         "issues the health verdict request_failed()", "issues the health verdict throttled()",
         "sets a record field with setattr"]
 

@@ -1,5 +1,5 @@
 """The worker set changing at run time (WorkerRegistry.configure / set_discovered / sweep), the
-router keeping unchanged pools' policies, metric series of a gone worker, discovery config rules."""
+pool policies keeping unchanged pools' policies, metric series of a gone worker, discovery config rules."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from gateway.backends.periodic import PeriodicEach
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig, parse_config
-from gateway.metrics import GatewayMetrics
-from gateway.routing.router import Router
+from gateway.observability.metrics import GatewayMetrics
+from gateway.routing.pool_policies import PoolPolicies
 
 
 def config(*pools: dict[str, Any]) -> GatewayConfig:
@@ -109,15 +109,15 @@ def test_engine_kind_change_replaces_the_workers() -> None:
     assert reg.retiring == [old]
 
 
-def test_router_update_keeps_unchanged_policies() -> None:
+def test_pool_policies_update_keeps_unchanged_policies() -> None:
     first = config(pool("p", ["http://a:1"], policy="round_robin"), pool("q", ["http://b:1"], policy="least_load"))
-    router = Router(first)
-    p, q = router.policy("p"), router.policy("q")
-    router.update(config(pool("p", ["http://c:1"], policy="round_robin"), pool("q", ["http://b:1"]),
+    policies = PoolPolicies(first)
+    p, q = policies.policy("p"), policies.policy("q")
+    policies.update(config(pool("p", ["http://c:1"], policy="round_robin"), pool("q", ["http://b:1"]),
                          pool("r", ["http://d:1"])).pools)
-    assert router.policy("p") is p  # same policy and params: its state (round-robin position) stays
-    assert router.policy("q") is not q and router.policy("q").name == "prefix_affinity"
-    assert router.policy("r").name == "prefix_affinity"
+    assert policies.policy("p") is p  # same policy and params: its state (round-robin position) stays
+    assert policies.policy("q") is not q and policies.policy("q").name == "prefix_affinity"
+    assert policies.policy("r").name == "prefix_affinity"
 
 
 def test_periodic_each_adds_and_removes_items_while_running() -> None:

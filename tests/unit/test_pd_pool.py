@@ -1,5 +1,5 @@
 """Prefill/decode pools without a socket: their config and its errors, the roles the registry
-gives their workers, per-role candidates and limits, the router's policy per role, and the
+gives their workers, per-role candidates and limits, the policy per role, and the
 protocol helpers of the two-leg attempt (rooms, the vLLM prefill leg's body)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from gateway.config import GatewayConfig, load_config, parse_config
 from gateway.config_base import explain_validation_error
 from gateway.dispatch.kinds import AGGREGATED, Disaggregated, kind_of
 from gateway.dispatch.steps import PoolStep, choose_pool
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.plans.safety import production_findings
 from gateway.protocol.pd import MAX_ROOM, NIXL_PREFILL_PARAMS, sglang_fields, vllm_prefill_body
+from gateway.routing.pool_policies import PoolPolicies
 from gateway.routing.pools import serves
-from gateway.routing.router import Router
 from gateway.streaming import Holding
 
 PD = {"mode": "sglang", "prefill": [{"url": "http://p0:30000", "bootstrap_port": 8998}, "http://p1:30000"],
@@ -107,10 +107,10 @@ def test_pd_pool_without_a_prefill_candidate_is_unavailable() -> None:
     assert registry.unready_pools() == ["pd"]
 
 
-def test_router_has_a_policy_per_role() -> None:
-    router = Router(config({"prefill_policy": "round_robin", "decode_policy": "power_of_two"}))
-    assert (router.policy("pd").name, router.policy("pd", "decode").name) == ("round_robin", "power_of_two")
-    assert router.policy("big").name == "prefix_affinity"
+def test_pool_policies_has_a_policy_per_role() -> None:
+    policies = PoolPolicies(config({"prefill_policy": "round_robin", "decode_policy": "power_of_two"}))
+    assert (policies.policy("pd").name, policies.policy("pd", "decode").name) == ("round_robin", "power_of_two")
+    assert policies.policy("big").name == "prefix_affinity"
 
 
 def test_sglang_rooms_and_the_vllm_prefill_leg() -> None:
@@ -137,17 +137,17 @@ def test_the_pd_example_config_loads() -> None:
 def test_a_reload_turns_an_aggregated_pool_into_a_pd_pool() -> None:
     before = parse_config({"pools": [{"name": "pd", "engine": "sglang", "max_context_tokens": 524288,
                                       "workers": ["http://p0:30000", "http://d0:30000"]}]}, environ={})
-    registry, router = WorkerRegistry(before), Router(before)
+    registry, policies = WorkerRegistry(before), PoolPolicies(before)
     old = list(registry.pools["pd"])
     after = config()
     changes = registry.configure(after.pools)
-    router.update(after.pools)
+    policies.update(after.pools)
     assert "pool pd changed" in changes
     assert [(w.url, w.role) for w in registry.pools["pd"]] == [
         ("http://p0:30000", "prefill"), ("http://p1:30000", "prefill"), ("http://d0:30000", "decode"),
         ("http://d1:30000", "decode")]
     assert all(w.retired for w in old)  # same URLs in a new role are new workers; the old ones finish
-    assert router.policy("pd", "decode").name == "least_load"
+    assert policies.policy("pd", "decode").name == "least_load"
 
 
 def test_pd_pools_serve_chat_and_completions_only() -> None:

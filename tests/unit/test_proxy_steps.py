@@ -37,8 +37,8 @@ from gateway.errors import (
     UnsupportedMediaType,
 )
 from gateway.lifecycle import SHUTDOWN_GUARD, ShutdownGuard
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestOutcome
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.record import RequestOutcome
 from gateway.request_head import SEND_STALLED
 
 JSON = {"content-type": "application/json"}

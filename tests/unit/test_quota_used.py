@@ -10,8 +10,8 @@ from gateway.auth.limits import MemoryRateLimiter
 from gateway.auth.params import AuthConfig
 from gateway.dispatch.ledger import quota_used
 from gateway.errors import RateLimited
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestRecord
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 
 REQUEST = RoutingRequest(api="completions", model="kimi-k3", prompt_tokens=40, output_tokens=500, stream=True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.record import RequestOutcome, counted_status
+from gateway.observability.record import RequestOutcome, counted_status
 
 
 @pytest.mark.parametrize(("status", "outcome", "counted"), [

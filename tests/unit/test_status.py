@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import parse_config
-from gateway.metrics import GatewayMetrics
-from gateway.status import StatusWindow
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.status import StatusWindow
 
 
 class Clock:

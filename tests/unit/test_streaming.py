@@ -16,8 +16,8 @@ from gateway.backends.h1 import H1Error
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import parse_config
 from gateway.dispatch.ledger import Ledger
-from gateway.metrics import GatewayMetrics
-from gateway.record import RequestOutcome
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.record import RequestOutcome
 from gateway.redact import Redactor
 from gateway.streaming import (
     KEEPALIVE_COMMENT,

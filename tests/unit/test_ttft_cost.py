@@ -16,7 +16,7 @@ from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
 from gateway.dispatch.steps import decide, prefill_ticket
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policies.ttft_cost import TtftCostParams
 from gateway.routing.policy import Candidate

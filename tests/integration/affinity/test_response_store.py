@@ -20,7 +20,7 @@ from gateway.affinity.response_store import (
     ResponseStoreUnavailable,
 )
 from gateway.auth.keys import Principal
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.response_affinity import may_use
 from tests.support import OwnRedis, shared_redis_url
 

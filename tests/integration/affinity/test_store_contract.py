@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from gateway.affinity.params import AffinityConfig
 from gateway.affinity.redis_store import RedisAffinityStore
 from gateway.affinity.store import AffinityStore, MemoryAffinityStore
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from tests.support import OwnRedis, shared_redis_url
 
 REDIS_URL = shared_redis_url()

@@ -45,7 +45,7 @@ def test_the_worker_with_the_slower_prefill_gets_less_traffic(start_sim: StartSi
     assert served["p/0"] + served["p/1"] == 24
 
     state: AppState = gw.server.app.state.gateway
-    model = state.router.policy("p").prefill_model
+    model = state.policies.policy("p").prefill_model
     assert model is not None
     slow_worker, fast_worker = state.registry.pools["p"]
     now = time.perf_counter()

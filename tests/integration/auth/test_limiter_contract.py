@@ -16,7 +16,7 @@ from gateway.auth.keys import Principal
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter
 from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from tests.integration.auth.conftest import REDIS_URL, async_wait_clear_of_window_edge
 
 WINDOW_S = 1.0

@@ -21,7 +21,7 @@ from gateway.auth.limits import MemoryRateLimiter, Verdict
 from gateway.auth.middleware import require_scope
 from gateway.auth.params import ApiKeyConfig, AuthConfig
 from gateway.errors import InvalidApiKey, PermissionDenied, RateLimited, RateLimitUnavailable
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 
 USER_KEY = "sk-user-" + "u" * 32
 ADMIN_KEY = "sk-admin-" + "a" * 32

@@ -24,7 +24,7 @@ from gateway.dispatch.pd.deferred import DeferredStream
 from gateway.dispatch.pd.mooncake import MOONCAKE
 from gateway.dispatch.pd.nixl import NIXL
 from gateway.dispatch.pd.sglang import SGLANG
-from gateway.record import RequestRecord
+from gateway.observability.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Outcome

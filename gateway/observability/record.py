@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from gateway.metrics import NO_POOL
+from gateway.observability.metrics import NO_POOL
 
 
 class RequestOutcome(StrEnum):
@@ -39,7 +39,7 @@ def counted_status(status: int, outcome: RequestOutcome) -> int:
 
 
 class RequestSpans(Protocol):
-    """What the request path calls on a request's trace: gateway/tracing.py's `RequestTrace`
+    """What the request path calls on a request's trace: gateway/observability/tracing.py's `RequestTrace`
     (named here as an interface, so this module does not import tracing, which imports it)."""
 
     def start_attempt(self, pool: str, worker: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 
 Key = tuple[str, str, str]
 """(series, pool, label): e.g. ("decisions", "vllm-128k", "affinity") or ("ttft_sum", "p", "")."""

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.config_base import ConfigError
+from gateway.observability.record import RequestOutcome, RequestRecord
 from gateway.process_params import TracingConfig
-from gateway.record import RequestOutcome, RequestRecord
 
 try:  # the `tracing` extra
     from opentelemetry import trace

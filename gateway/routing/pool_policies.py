@@ -1,4 +1,4 @@
-"""The router: one policy instance per pool (two for a prefill/decode pool: one per role), built and
+"""Pool policies: one policy instance per pool (two for a prefill/decode pool: one per role), built and
 validated at start-up and on a reload."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _specs(pool: PoolConfig) -> dict[str | None, PolicySpec]:
     return {None: (pd.prefill_policy, pd.prefill_policy_params), "decode": (pd.decode_policy, pd.decode_policy_params)}
 
 
-class Router:
+class PoolPolicies:
     """Holds each pool's policies. Raises ValueError at construction for an unknown policy name."""
 
     def __init__(self, config: GatewayConfig) -> None:
