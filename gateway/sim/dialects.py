@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.sim.config import ApiVersion, Engine
+from gateway.sim.config import ApiVersion, SimEngineKind
 
 
 @dataclass(frozen=True)
