@@ -57,7 +57,7 @@ from gateway.sim.tokens import (
     requested_output_tokens,
     text_tokens,
 )
-from gateway.sim.worker_state import SimWorkerState, SimRequestRecord
+from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
 RAW_CHUNK_PAUSE_S = 0.02
 """Pause between `raw_stream_chunks` writes, so each leaves as its own TCP segment."""

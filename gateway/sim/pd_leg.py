@@ -27,7 +27,7 @@ from gateway.sim.pd import (
     sglang_bootstrap,
     sglang_receive,
 )
-from gateway.sim.worker_state import SimWorkerState, SimRequestRecord
+from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
 
 @dataclass(eq=False)

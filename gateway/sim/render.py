@@ -109,7 +109,8 @@ async def _reply(send: Send, reply: ErrorReply) -> None:
     await send_bytes(send, reply.status, reply.body)
 
 
-def _token_ids(engine: SimWorkerState, kind: str, body: dict[str, Any], check_context: bool) -> list[list[int]] | ErrorReply:
+def _token_ids(engine: SimWorkerState, kind: str, body: dict[str, Any],
+               check_context: bool) -> list[list[int]] | ErrorReply:
     """Token ids of each prompt, or the engine's 400 (malformed prompt, prompt over the window)."""
     config = engine.config
     try:

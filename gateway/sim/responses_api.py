@@ -76,7 +76,7 @@ from gateway.sim.tokens import (
     output_token,
     responses_output_limit,
 )
-from gateway.sim.worker_state import SimWorkerState, SimRequestRecord
+from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
 
 @dataclass
@@ -248,7 +248,8 @@ class ResponsesServer:
             engine.running_ids.release(response_id)
 
     async def _generate(self, body: dict[str, Any], record: SimRequestRecord, watch: DisconnectWatch,
-                        responder: _Responder, faults: SimFaults, engine: SimWorkerState, messages: list[dict[str, Any]],
+                        responder: _Responder, faults: SimFaults, engine: SimWorkerState,
+                        messages: list[dict[str, Any]],
                         prompt_tokens: int, limit: int | None, prior: StoredResponse | None, stream: bool,
                         response_id: str) -> None:
         """Admission, prefill, the answer (JSON or events) and the store, for a request checked above."""

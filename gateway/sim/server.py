@@ -20,7 +20,7 @@ import uvicorn
 
 from gateway.server import QuietServer, ThreadedServer, serve_many, uvicorn_config
 from gateway.sim.app import create_sim_app
-from gateway.sim.config import ApiKeyScope, ApiVersion, SimEngineKind, SimConfig, SimFaults
+from gateway.sim.config import ApiKeyScope, ApiVersion, SimConfig, SimEngineKind, SimFaults
 from gateway.sim.keepalive import sim_http_options
 
 DEFAULT_MAX_CONTEXT_TOKENS = 131_072

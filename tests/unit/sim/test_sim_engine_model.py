@@ -80,8 +80,8 @@ def test_latency_formulas() -> None:
 
 
 def test_requests_waiting_for_their_kv_do_not_slow_a_decode_workers_batch() -> None:
-    engine = SimWorkerState(SimConfig(engine="sglang", max_context_tokens=10_000, tpot_s=0.01, decode_batch_slowdown=0.5,
-                                 pd_role="decode", pd_protocol="sglang"))
+    engine = SimWorkerState(SimConfig(engine="sglang", max_context_tokens=10_000, tpot_s=0.01,
+                                      decode_batch_slowdown=0.5, pd_role="decode", pd_protocol="sglang"))
     for _ in range(3):
         engine.start_running(10)
     assert engine.decode_seconds() == pytest.approx(0.01 * (1 + 0.5 * 2))

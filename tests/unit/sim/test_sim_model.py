@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
-from gateway.sim import SimConfig, SimWorkerState, SimFaults
+from gateway.sim import SimConfig, SimFaults, SimWorkerState
 from gateway.sim.tokens import (
     OUTPUT_WORDS,
     FieldValidationError,
