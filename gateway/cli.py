@@ -176,7 +176,7 @@ def cmd_sim(args: argparse.Namespace) -> None:
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
-    from gateway.cpu_engine.llamacpp import run_engine
+    from gateway.llamacpp_worker.llamacpp import run_engine
 
     run_engine(port=args.port, n_ctx=args.ctx, host=args.host, threads=args.threads)
 

@@ -7,7 +7,7 @@
 Tokenizers: Qwen's 151,643-token byte-level BPE (`qwen.tiktoken`, shipped inside the `dashscope`
 wheel, Apache-2.0; read with `tiktoken` and Qwen's own pre-tokenizer pattern), a large multilingual
 vocabulary like Kimi's own tiktoken BPE; and, with `--engine smollm2`, the 49,152-token SmolLM2
-vocabulary of the llama.cpp test engine (`gateway/cpu_engine`) through its `/tokenize` endpoint.
+vocabulary of the llama.cpp test engine (`gateway/llamacpp_worker`) through its `/tokenize` endpoint.
 Nothing is downloaded: `pip install tiktoken` and `pip install --no-deps dashscope` (only its data
 file is read).
 
@@ -210,7 +210,7 @@ def main() -> None:
     texts = samples(args.extra)
     measure("Qwen BPE (151,643 tokens)", qwen_tokenizer(), texts, EstimationConfig())
     if args.engine:
-        from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
+        from gateway.llamacpp_worker import LlamaCppSettings, LlamaCppWorker
 
         with LlamaCppWorker(LlamaCppSettings(n_ctx=16384, threads=1)) as worker:
             from tests.e2e.smollm2 import SMOLLM2_ESTIMATION

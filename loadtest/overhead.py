@@ -4,7 +4,7 @@
     python -m loadtest.overhead --peers                 # + vllm-router, sglang-router, LiteLLM: <= ~10 min
     python -m loadtest.overhead --peers --rounds 3 --json out.json
 
-One fast fake engine (`loadtest.fake_engine`: no artificial delay, 32 SSE chunks an answer) serves
+One fast fake engine (`loadtest.stub_upstream`: no artificial delay, 32 SSE chunks an answer) serves
 every target: "direct" (the engine itself), the gateway (`kimi-gateway serve` with one pool of one
 vLLM-kind worker, its defaults: prefix affinity with the in-process store, health probes, load
 scrapes, access log at info), the gateway with its affinity store in Redis, and with `--peers`
@@ -289,7 +289,7 @@ async def measure_scale(group: ProcessGroup, pin: tg.Pinning, args: argparse.Nam
                         log_level: str) -> dict[str, Any]:
     """N slow streams at once: direct (proves the engine and client keep up), then one gateway process."""
     chunk_delay = args.scale_seconds / args.scale_chunks
-    slow = tg.start_engine(group, "slow-engine", pin, args.scale_chunks, chunk_delay)
+    slow = tg.start_stub(group, "slow-engine", pin, args.scale_chunks, chunk_delay)
     gateway = tg.start_gateway(group, "gateway-scale", slow, pin, log_level)
     counter = itertools.count(10**11)
     out: dict[str, Any] = {"streams": args.scale_streams, "chunks": args.scale_chunks,
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "started": stamp, "command": shlex.join(["python", "-m", "loadtest.overhead", *argv]),
         "machine": machine(), "versions": versions(), "pinning": pin.describe(), "fd_limit": fd_limit,
-        "engine": f"loadtest.fake_engine, {args.chunks} chunks an answer, no delay, {args.engine_procs} process(es)",
+        "engine": f"loadtest.stub_upstream, {args.chunks} chunks an answer, no delay, {args.engine_procs} process(es)",
         "scenarios": [s.name for s in scenarios], "timing": asdict(timing), "notes": notes, "logs": str(log_dir),
     }
     print(f"overhead: {len(scenarios)} scenarios x {args.rounds} rounds; {pin.describe()}; logs in {log_dir}",
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     memory: dict[str, dict[str, float | None]] = {}
     try:
         with ProcessGroup(log_dir) as group:
-            engine = tg.start_engine(group, "engine", pin, args.chunks, procs=args.engine_procs)
+            engine = tg.start_stub(group, "engine", pin, args.chunks, procs=args.engine_procs)
             engine.name = DIRECT
             plan = start_targets(group, engine, pin, args)
             notes.extend(plan.notes)

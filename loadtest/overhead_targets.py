@@ -131,11 +131,11 @@ def gateway_process_flag() -> str | None:
     return next((flag for flag in ("--processes", "--workers") if flag in done.stdout), None)
 
 
-def start_engine(group: ProcessGroup, name: str, pin: Pinning, chunks: int, chunk_delay: float = 0.0,
+def start_stub(group: ProcessGroup, name: str, pin: Pinning, chunks: int, chunk_delay: float = 0.0,
                  procs: int = 1) -> Target:
-    """The fake engine (`loadtest.fake_engine`) on a free port, once `/health` answers."""
+    """The fake engine (`loadtest.stub_upstream`) on a free port, once `/health` answers."""
     port = free_port()
-    argv = python_argv("loadtest.fake_engine", "--port", str(port), "--chunks", str(chunks),
+    argv = python_argv("loadtest.stub_upstream", "--port", str(port), "--chunks", str(chunks),
                        "--chunk-delay", str(chunk_delay), "--procs", str(procs))
     proc = group.spawn(name, pin.argv(pin.engine, argv), env=child_env())
     target = Target(name, "direct", port, proc, version=f"fake engine, {chunks} chunks"

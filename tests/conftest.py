@@ -146,7 +146,7 @@ def anyio_backend() -> str:
 @pytest.fixture
 def start_sim(_stopping_servers: list[ThreadedServer]) -> Iterator[Callable[..., RunningSim]]:
     """Factory: `start_sim(engine="vllm", max_context_tokens=131072, **SimConfig fields)` → RunningSim
-    (`url`, `engine`: the SimEngine with its request records; `app`, `server`). Every sim started
+    (`url`, `engine`: the SimWorkerState with its request records; `app`, `server`). Every sim started
     through it is told to exit at the end of the test."""
     servers: list[ThreadedServer] = []
 

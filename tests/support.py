@@ -23,7 +23,7 @@ import redis
 from gateway.config import GatewayConfig
 from gateway.server import ThreadedServer
 from gateway.sim.app import SimApp
-from gateway.sim.worker_state import SimEngine
+from gateway.sim.worker_state import SimWorkerState
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path(os.environ.get("KIMI_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
@@ -120,7 +120,7 @@ class RunningSim:
     """A simulated engine on a loopback port."""
 
     server: ThreadedServer
-    engine: SimEngine
+    engine: SimWorkerState
 
     @property
     def url(self) -> str:

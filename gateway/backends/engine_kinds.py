@@ -14,7 +14,7 @@ Which APIs each kind serves (`EngineSpec.apis`): every kind serves OpenAI chat a
 Anthropic's Messages API (`/v1/messages`, streamed with `event:` lines) is served by vLLM's
 `vllm/entrypoints/anthropic` layer (since v0.11.1; `/v1/messages/count_tokens` since PR #35588,
 2026-03), by SGLang (PR #18630, 2026-02: both endpoints) and by llama.cpp's server (xllamacpp
-2026.10, measured with gateway/cpu_engine: both endpoints). Ascend pools run vllm-ascend, a plugin
+2026.10, measured with gateway/llamacpp_worker: both endpoints). Ascend pools run vllm-ascend, a plugin
 under vLLM's own API server, so they serve what vLLM serves. A pool on an engine version older
 than those, or on another server (MindIE has no Messages API), lists what it serves in its config
 (`PoolConfig.apis`). OpenAI's Responses API (`/v1/responses`): vLLM serves it with GET and cancel by

@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Precision = Literal["bf16", "mxfp8", "mxfp4"]
-PlanEngine = Literal["vllm", "sglang", "ascend"]
+PlanEngineKind = Literal["vllm", "sglang", "ascend"]
 Modality = Literal["text", "image", "audio", "video", "file"]
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -169,10 +169,10 @@ class Parallelism(_Strict):
     expert: int = Field(default=1, ge=1, description="devices the experts are spread over (1: no EP)")
 
 
-class EngineSpec(_Strict):
+class LaunchSpec(_Strict):
     """The engine server: kind, model, precision and how it is exposed."""
 
-    kind: PlanEngine
+    kind: PlanEngineKind
     model_path: str = Field(min_length=1, description="Hugging Face repo or local path of the weights")
     served_model_name: str = Field(min_length=1)
     precision: Precision
@@ -236,7 +236,7 @@ class Plan(_Strict):
     model: str = Field(default="../models/kimi-k3.yaml", description="model card path, relative to the plan file")
     hardware: Hardware
     parallelism: Parallelism
-    engine: EngineSpec
+    engine: LaunchSpec
     max_context_tokens: int = Field(gt=0, description="tokens, prompt + output; the engine's max model length")
     replicas: int = Field(ge=1, description="engine instances (gateway workers) in the pool")
     pool: GatewayPoolSpec

@@ -17,20 +17,20 @@ chunks, decode steps that slow with the batch, and preemption when the KV cache 
 """
 
 from gateway.sim.app import SimApp, create_sim_app
-from gateway.sim.config import ApiVersion, Engine, SimConfig, SimFaults
+from gateway.sim.config import ApiVersion, SimConfig, SimEngineKind, SimFaults
 from gateway.sim.dialects import EngineDialect, dialect_for
 from gateway.sim.server import run_sim, sim_server, sim_uvicorn_server
-from gateway.sim.worker_state import SimEngine, SimRequestRecord
+from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
 __all__ = [
     "ApiVersion",
-    "Engine",
     "EngineDialect",
     "SimApp",
     "SimConfig",
-    "SimEngine",
+    "SimEngineKind",
     "SimFaults",
     "SimRequestRecord",
+    "SimWorkerState",
     "create_sim_app",
     "dialect_for",
     "run_sim",

@@ -23,7 +23,7 @@ Test endpoints:
     GET /sim/script, POST /sim/script           scripted answers (JSON `SimScript`, gateway.sim.script;
                                                 POST replaces, `{}` clears)
     GET /sim/stats, DELETE /sim/stats           running totals of this worker (JSON object, see
-                                                `SimEngine.sim_stats`) / restart them (DELETE
+                                                `SimWorkerState.sim_stats`) / restart them (DELETE
                                                 answers the totals just before the reset)
     DELETE /sim/cache                           empty the prefix cache (blocks of running
                                                 requests stay): `{"dropped_tokens": N}`
@@ -71,7 +71,7 @@ from gateway.sim.generation import handle_generation
 from gateway.sim.pd import MOONCAKE_PULL_PATH, NIXL_READ_PATH, SGLANG_ROOMS_PATH
 from gateway.sim.responses_api import ResponsesServer
 from gateway.sim.script import SimScript
-from gateway.sim.worker_state import SimEngine
+from gateway.sim.worker_state import SimWorkerState
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
@@ -79,7 +79,7 @@ Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 class SimApp:
     """ASGI app of one simulated engine; `engine` exposes its state to in-process tests."""
 
-    def __init__(self, engine: SimEngine) -> None:
+    def __init__(self, engine: SimWorkerState) -> None:
         self.engine = engine
         self.responses = ResponsesServer(engine)
         self._routes: dict[tuple[str, str], Handler] = {
@@ -399,10 +399,10 @@ _Body = TypeVar("_Body", bound=BaseModel)
 
 def create_sim_app(config: SimConfig) -> SimApp:
     """A fresh simulated engine (own state, own metrics registry) wrapped in its ASGI app."""
-    return SimApp(SimEngine(config))
+    return SimApp(SimWorkerState(config))
 
 
-async def _read_lora_request(engine: SimEngine, receive: Receive, send: Send) -> dict[str, Any] | None:
+async def _read_lora_request(engine: SimWorkerState, receive: Receive, send: Send) -> dict[str, Any] | None:
     """A runtime LoRA request's JSON object, or None after answering a 400 for another body."""
     raw = await read_body(receive)
     try:

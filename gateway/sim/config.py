@@ -21,8 +21,8 @@ from gateway.sim.stepper import (
     DEFAULT_PREFILL_TOKENS_PER_S,
 )
 
-Engine = Literal["vllm", "sglang", "ascend"]
-"""Engine kinds. "ascend" is vllm-ascend: vLLM's API, wording and metric names."""
+SimEngineKind = Literal["vllm", "sglang", "ascend"]
+"""Simulated engine kinds. "ascend" is vllm-ascend: vLLM's API, wording and metric names."""
 
 ApiVersion = Literal["current", "legacy"]
 """Which generation of the engine's API to mimic (see `SimConfig.api_version`)."""
@@ -165,7 +165,7 @@ class SimConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    engine: Engine
+    engine: SimEngineKind
     served_model_names: list[str] = Field(default_factory=lambda: ["kimi-k3"], min_length=1)
     lora_modules: list[Annotated[str, Field(pattern=r"^[^=\s]+=\S+$")]] = Field(
         default_factory=list, description="LoRA adapters loaded at start, each `name=path` as vLLM's "

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.sim.config import ApiVersion, Engine
+from gateway.sim.config import ApiVersion, SimEngineKind
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ ContextCheck = Callable[[int, int | None, int], str | None]
 class EngineDialect:
     """How one engine (at one API version) words and shapes its answers."""
 
-    engine: Engine
+    engine: SimEngineKind
     api_version: ApiVersion
     owned_by: str
     nested_errors: bool
@@ -241,7 +241,7 @@ def _sglang_labels(model: str) -> dict[str, str]:
     return {"model_name": model}
 
 
-def _vllm_family(engine: Engine, api_version: ApiVersion) -> EngineDialect:
+def _vllm_family(engine: SimEngineKind, api_version: ApiVersion) -> EngineDialect:
     legacy = api_version == "legacy"
     return EngineDialect(
         engine=engine,
@@ -272,7 +272,7 @@ def _sglang(api_version: ApiVersion) -> EngineDialect:
     )
 
 
-DIALECTS: dict[tuple[Engine, ApiVersion], EngineDialect] = {
+DIALECTS: dict[tuple[SimEngineKind, ApiVersion], EngineDialect] = {
     ("vllm", "current"): _vllm_family("vllm", "current"),
     ("vllm", "legacy"): _vllm_family("vllm", "legacy"),
     ("ascend", "current"): _vllm_family("ascend", "current"),
@@ -282,6 +282,6 @@ DIALECTS: dict[tuple[Engine, ApiVersion], EngineDialect] = {
 }
 
 
-def dialect_for(engine: Engine, api_version: ApiVersion = "current") -> EngineDialect:
+def dialect_for(engine: SimEngineKind, api_version: ApiVersion = "current") -> EngineDialect:
     """The dialect of `engine` at `api_version`."""
     return DIALECTS[(engine, api_version)]

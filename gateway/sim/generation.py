@@ -57,7 +57,7 @@ from gateway.sim.tokens import (
     requested_output_tokens,
     text_tokens,
 )
-from gateway.sim.worker_state import SimEngine, SimRequestRecord
+from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
 RAW_CHUNK_PAUSE_S = 0.02
 """Pause between `raw_stream_chunks` writes, so each leaves as its own TCP segment."""
@@ -101,7 +101,7 @@ class _Plan:
 class _Responder:
     """Sends one response and notes its milestones in the record (status, header/byte times)."""
 
-    def __init__(self, send: Send, engine: SimEngine, record: SimRequestRecord,
+    def __init__(self, send: Send, engine: SimWorkerState, record: SimRequestRecord,
                  drop_after_events: int | None, anthropic: bool = False, faults: SimFaults | None = None,
                  watch: DisconnectWatch | None = None) -> None:
         self.anthropic = anthropic  # errors in Anthropic's shape, the stream ends without `[DONE]`
@@ -172,7 +172,7 @@ def _anthropic_error(reply: ErrorReply) -> ErrorReply:
     return replace(reply, body=a.error_body(str(inner.get("type") or "BadRequestError"), inner["message"]))
 
 
-async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, receive: Receive,
+async def handle_generation(engine: SimWorkerState, kind: r.Kind, scope: Scope, receive: Receive,
                             send: Send, anthropic: str | None = None) -> None:
     """Serve one chat or text completion request (ASGI level); with `anthropic` ("messages" or
     "count_tokens") an Anthropic Messages API request, served as its chat request (`kind` "chat")."""
@@ -194,7 +194,7 @@ async def handle_generation(engine: SimEngine, kind: r.Kind, scope: Scope, recei
             engine.update(record, finished_at=time.monotonic())
 
 
-async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestRecord,
+async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimRequestRecord,
                  watch: DisconnectWatch, send: Send, scope: Scope, anthropic: str | None = None) -> None:
     dialect = engine.dialect
     if not isinstance(body, dict):
@@ -267,7 +267,7 @@ async def _serve(engine: SimEngine, kind: r.Kind, body: Any, record: SimRequestR
             engine.running_ids.release(running_id)
 
 
-async def _refused_up_front(engine: SimEngine, record: SimRequestRecord, responder: _Responder,
+async def _refused_up_front(engine: SimWorkerState, record: SimRequestRecord, responder: _Responder,
                             watch: DisconnectWatch, faults: SimFaults, fail: bool, model: Any) -> bool:
     """The steps every generation API takes before reading its request: a hang or black-hole fault
     waits for the client to leave, a `fail_status` fault answers its error, and an unknown model
@@ -285,7 +285,7 @@ async def _refused_up_front(engine: SimEngine, record: SimRequestRecord, respond
     return False
 
 
-async def _fail(engine: SimEngine, record: SimRequestRecord, responder: _Responder, faults: SimFaults) -> None:
+async def _fail(engine: SimWorkerState, record: SimRequestRecord, responder: _Responder, faults: SimFaults) -> None:
     status = faults.fail_status or 500
     engine.update(record, fault="fail_status")
     if faults.fail_body is not None:
@@ -322,7 +322,7 @@ def _as_chat(body: dict[str, Any], needs_max_tokens: bool, sglang: bool) -> dict
     return chat
 
 
-def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -> _Plan:
+def _plan(engine: SimWorkerState, kind: r.Kind, body: dict[str, Any], stream: bool) -> _Plan:
     config = engine.config
     start = 0
     if kind == "chat":
@@ -349,7 +349,7 @@ def _plan(engine: SimEngine, kind: r.Kind, body: dict[str, Any], stream: bool) -
                  start=start)
 
 
-async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+async def _run_admitted(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, faults: SimFaults) -> None:
     """Queue for admission, then generate; keeps the running/waiting gauges right on every exit."""
     active: ActiveRequest
@@ -382,7 +382,7 @@ async def _run_admitted(engine: SimEngine, plan: _Plan, record: SimRequestRecord
             plan.leg.finish()
 
 
-async def _reply_pd_failure(engine: SimEngine, record: SimRequestRecord, responder: _Responder,
+async def _reply_pd_failure(engine: SimWorkerState, record: SimRequestRecord, responder: _Responder,
                             exc: PdFailure) -> None:
     """HTTP 500 with the engine's message, or an SSE error event once the stream has begun."""
     engine.update(record, pd_failure=exc.kind)
@@ -394,7 +394,7 @@ async def _reply_pd_failure(engine: SimEngine, record: SimRequestRecord, respond
     await responder.end_stream()
 
 
-async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest,
+async def _prefill(engine: SimWorkerState, watch: DisconnectWatch, active: ActiveRequest,
                    leg: PdLeg | None = None, record: SimRequestRecord | None = None) -> None:
     """Sleep for the modelled time to first token, then cache the prompt's blocks. A PD leg
     first waits for its hand-over; KV received from a prefill worker is not computed again. A
@@ -421,7 +421,7 @@ async def _prefill(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequ
         leg.after_prefill(active)
 
 
-async def _next_token(engine: SimEngine, watch: DisconnectWatch, active: ActiveRequest, i: int,
+async def _next_token(engine: SimWorkerState, watch: DisconnectWatch, active: ActiveRequest, i: int,
                       tokens: int, pause_first_only: bool = False) -> None:
     """Wait until output token `i` (0-based) of `active` exists. Per-request timing: sleep the decode
     time before every token but the first (`pause_first_only`: even a zero one, which still yields
@@ -437,7 +437,7 @@ async def _next_token(engine: SimEngine, watch: DisconnectWatch, active: ActiveR
         engine.note_generated(active, tokens)
 
 
-async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                          watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
     await _prefill(engine, watch, active, plan.leg, record)
@@ -459,7 +459,7 @@ async def _generate_json(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
 
-async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
     meta = r.ResponseMeta.new(plan.kind, config.model_name)
@@ -495,7 +495,7 @@ async def _generate_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord
     await responder.end_stream()
 
 
-async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+async def _anthropic_json(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                           watch: DisconnectWatch, active: ActiveRequest) -> None:
     """A Messages answer as one `message` object, after the whole generation."""
     config = engine.config
@@ -512,7 +512,7 @@ async def _anthropic_json(engine: SimEngine, plan: _Plan, record: SimRequestReco
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
 
-async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+async def _anthropic_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                          watch: DisconnectWatch, active: ActiveRequest) -> None:
     """A streamed Messages answer: the engine's Anthropic events in their order
     (`gateway.sim.anthropic`), one `text_delta` per token."""
@@ -543,7 +543,7 @@ async def _anthropic_sse(engine: SimEngine, plan: _Plan, record: SimRequestRecor
     await responder.end_stream()
 
 
-async def _scripted_messages_sse(engine: SimEngine, plan: _Plan, step: tuple[int, ScriptStep],
+async def _scripted_messages_sse(engine: SimWorkerState, plan: _Plan, step: tuple[int, ScriptStep],
                                  record: SimRequestRecord, responder: _Responder, watch: DisconnectWatch,
                                  active: ActiveRequest) -> None:
     """The rest of a scripted Messages stream (after `message_start`): the step's content events,
@@ -565,7 +565,7 @@ async def _scripted_messages_sse(engine: SimEngine, plan: _Plan, step: tuple[int
     await responder.end_stream()
 
 
-async def _generate_raw(engine: SimEngine, plan: _Plan, record: SimRequestRecord, responder: _Responder,
+async def _generate_raw(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, active: ActiveRequest, faults: SimFaults) -> None:
     """Send exactly the configured bytes, one write per chunk, ~20 ms apart."""
     engine.update(record, fault="raw_stream_chunks")

@@ -16,14 +16,14 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.sim.config import SimConfig
-from gateway.sim.worker_state import SimEngine
+from gateway.sim.worker_state import SimWorkerState
 
 
 class UnannouncedIdleCloseProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol whose idle keep-alive timeout forgets the connection silently;
     `engine` (set by `sim_http_options`) counts the requests reset that way."""
 
-    engine: SimEngine | None = None
+    engine: SimWorkerState | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -41,7 +41,7 @@ class UnannouncedIdleCloseProtocol(HttpToolsProtocol):
         super().data_received(data)
 
 
-def sim_http_options(config: SimConfig, engine: SimEngine | None = None) -> dict[str, Any]:
+def sim_http_options(config: SimConfig, engine: SimWorkerState | None = None) -> dict[str, Any]:
     """uvicorn settings for a sim of `config`: its idle keep-alive (`keep_alive_s`) and, with
     `idle_close_unannounced`, the protocol that drops idle connections without a FIN (counting
     the requests it resets in `engine.idle_resets`)."""

@@ -154,7 +154,7 @@ class PdState:
 
     Rooms and handles live in the sim's event loop (its HTTP handlers); counters are read from
     other threads under a lock. `hold` / `release` pin and unpin prefix-cache blocks through the
-    callbacks of the owning `SimEngine`.
+    callbacks of the owning `SimWorkerState`.
     """
 
     def __init__(self, config: SimConfig, hold: Callable[[Any], list[CacheLease]],

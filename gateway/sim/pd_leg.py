@@ -27,14 +27,14 @@ from gateway.sim.pd import (
     sglang_bootstrap,
     sglang_receive,
 )
-from gateway.sim.worker_state import SimEngine, SimRequestRecord
+from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
 
 @dataclass(eq=False)
 class PdLeg:
     """The PD side of one request on one worker (only built for workers with a `pd_role`)."""
 
-    engine: SimEngine
+    engine: SimWorkerState
     record: SimRequestRecord
     kind: str
     port: int
@@ -55,7 +55,7 @@ class PdLeg:
     _ready: bool = False
 
     @classmethod
-    def start(cls, engine: SimEngine, record: SimRequestRecord, kind: str, body: dict[str, Any],
+    def start(cls, engine: SimWorkerState, record: SimRequestRecord, kind: str, body: dict[str, Any],
               n_prompts: int, scope: Scope) -> PdLeg | ErrorReply:
         """The leg of a validated request, or the 400 answer to malformed protocol fields."""
         config = engine.config

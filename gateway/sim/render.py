@@ -39,19 +39,19 @@ from gateway.sim.tokens import (
     prompt_token_ids,
     requested_output_tokens,
 )
-from gateway.sim.worker_state import SimEngine
+from gateway.sim.worker_state import SimWorkerState
 
 CHAT_RENDER_PATH = "/v1/chat/completions/render"
 COMPLETIONS_RENDER_PATH = "/v1/completions/render"
 TOKENIZE_PATH = "/tokenize"
 
 
-def serves_render(engine: SimEngine) -> bool:
+def serves_render(engine: SimWorkerState) -> bool:
     """Whether the engine has the render routes (vLLM family, api_version "current")."""
     return engine.config.engine in ("vllm", "ascend") and engine.config.api_version == "current"
 
 
-def serves_tokenize(engine: SimEngine) -> bool:
+def serves_tokenize(engine: SimWorkerState) -> bool:
     """Whether the engine has vLLM's `/tokenize` (every vLLM-family version)."""
     return engine.config.engine in ("vllm", "ascend")
 
@@ -85,7 +85,7 @@ def _generate_request(body: dict[str, Any], kind: str, ids: list[int], model: st
     }
 
 
-async def _json_body(engine: SimEngine, receive: Receive, send: Send) -> dict[str, Any] | None:
+async def _json_body(engine: SimWorkerState, receive: Receive, send: Send) -> dict[str, Any] | None:
     """The request's JSON object with a served (or absent) model; answers the error itself and
     returns None otherwise (also when the client left)."""
     raw = await read_body(receive)
@@ -109,7 +109,8 @@ async def _reply(send: Send, reply: ErrorReply) -> None:
     await send_bytes(send, reply.status, reply.body)
 
 
-def _token_ids(engine: SimEngine, kind: str, body: dict[str, Any], check_context: bool) -> list[list[int]] | ErrorReply:
+def _token_ids(engine: SimWorkerState, kind: str, body: dict[str, Any],
+               check_context: bool) -> list[list[int]] | ErrorReply:
     """Token ids of each prompt, or the engine's 400 (malformed prompt, prompt over the window)."""
     config = engine.config
     try:
@@ -145,21 +146,21 @@ def _out_of_vocabulary(prompt: Any) -> int | None:
     return None
 
 
-async def render_chat(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
+async def render_chat(engine: SimWorkerState, scope: Scope, receive: Receive, send: Send) -> None:
     """POST /v1/chat/completions/render: one GenerateRequest for the chat request."""
     requests = await _rendered(engine, "chat", receive, send)
     if requests is not None:
         await send_json(send, 200, requests[0])
 
 
-async def render_completion(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
+async def render_completion(engine: SimWorkerState, scope: Scope, receive: Receive, send: Send) -> None:
     """POST /v1/completions/render: a list of GenerateRequest, one per prompt."""
     requests = await _rendered(engine, "text", receive, send)
     if requests is not None:
         await send_json(send, 200, requests)
 
 
-async def _rendered(engine: SimEngine, kind: str, receive: Receive, send: Send) -> list[dict[str, Any]] | None:
+async def _rendered(engine: SimWorkerState, kind: str, receive: Receive, send: Send) -> list[dict[str, Any]] | None:
     """The GenerateRequests of a render call's body, one per prompt (`kind` "chat" or "text"); None
     when the body was refused (the error answer is sent)."""
     body = await _json_body(engine, receive, send)
@@ -174,7 +175,7 @@ async def _rendered(engine: SimEngine, kind: str, receive: Receive, send: Send) 
     return [_generate_request(body, kind, one, model, config.max_context_tokens) for one in ids]
 
 
-async def tokenize(engine: SimEngine, scope: Scope, receive: Receive, send: Send) -> None:
+async def tokenize(engine: SimWorkerState, scope: Scope, receive: Receive, send: Send) -> None:
     """POST /tokenize: `{"messages": ...}` (chat) or `{"prompt": str}`; one prompt's ids."""
     body = await _json_body(engine, receive, send)
     if body is None:

@@ -76,7 +76,7 @@ from gateway.sim.tokens import (
     output_token,
     responses_output_limit,
 )
-from gateway.sim.worker_state import SimEngine, SimRequestRecord
+from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
 
 @dataclass
@@ -104,7 +104,7 @@ class ResponsesServer:
     """The Responses API of one simulated engine; `stored` is its in-memory response store,
     `replays` the stream replays served, in order."""
 
-    engine: SimEngine
+    engine: SimWorkerState
     stored: dict[str, StoredResponse] = field(default_factory=dict)
     replays: list[Replay] = field(default_factory=list)
 
@@ -248,7 +248,8 @@ class ResponsesServer:
             engine.running_ids.release(response_id)
 
     async def _generate(self, body: dict[str, Any], record: SimRequestRecord, watch: DisconnectWatch,
-                        responder: _Responder, faults: SimFaults, engine: SimEngine, messages: list[dict[str, Any]],
+                        responder: _Responder, faults: SimFaults, engine: SimWorkerState,
+                        messages: list[dict[str, Any]],
                         prompt_tokens: int, limit: int | None, prior: StoredResponse | None, stream: bool,
                         response_id: str) -> None:
         """Admission, prefill, the answer (JSON or events) and the store, for a request checked above."""
@@ -394,7 +395,7 @@ class ResponsesServer:
             await responder.reply(ErrorReply(200, orjson.dumps(final)))
 
 
-async def _decode_token(engine: SimEngine, active: ActiveRequest, watch: DisconnectWatch, i: int) -> None:
+async def _decode_token(engine: SimWorkerState, active: ActiveRequest, watch: DisconnectWatch, i: int) -> None:
     """Wait until output token `i` (0-based) exists: the scheduler's step i + 1 (stepped), else the
     decode time (none before the first token), counting it generated."""
     if isinstance(active, StepRequest):
@@ -406,7 +407,7 @@ async def _decode_token(engine: SimEngine, active: ActiveRequest, watch: Disconn
     engine.note_generated(active)
 
 
-async def _send_raw(engine: SimEngine, record: SimRequestRecord, responder: _Responder, watch: DisconnectWatch,
+async def _send_raw(engine: SimWorkerState, record: SimRequestRecord, responder: _Responder, watch: DisconnectWatch,
                     faults: SimFaults) -> None:
     """`raw_stream_chunks`: exactly the configured bytes, one write per chunk, ~20 ms apart (as chat's)."""
     engine.update(record, fault="raw_stream_chunks")

@@ -20,7 +20,7 @@ import uvicorn
 
 from gateway.server import QuietServer, ThreadedServer, serve_many, uvicorn_config
 from gateway.sim.app import create_sim_app
-from gateway.sim.config import ApiKeyScope, ApiVersion, Engine, SimConfig, SimFaults
+from gateway.sim.config import ApiKeyScope, ApiVersion, SimConfig, SimEngineKind, SimFaults
 from gateway.sim.keepalive import sim_http_options
 
 DEFAULT_MAX_CONTEXT_TOKENS = 131_072
@@ -48,7 +48,7 @@ def sim_server(config: SimConfig | None = None, host: str = "127.0.0.1", port: i
 
     Keyword arguments that name `SimConfig` fields override `config`; the rest go to uvicorn.
     Use `with sim_server(cfg) as srv:` (or `.start()`); then `srv.url` is the base URL and
-    `srv.app.engine` the `SimEngine` with the request records.
+    `srv.app.engine` the `SimWorkerState` with the request records.
     """
     fields, uvicorn_kwargs = _split(kwargs)
     sim = build_sim_config(config, **fields)
@@ -70,7 +70,7 @@ def sim_uvicorn_server(config: SimConfig | None = None, host: str = "127.0.0.1",
 
 
 def run_sim(
-    engine: Engine | str,
+    engine: SimEngineKind | str,
     port: int,
     host: str = "127.0.0.1",
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS,

@@ -2,7 +2,7 @@
 
 The ASGI app runs in uvicorn's event loop (often in a background thread) while tests read the
 records from another thread, so every mutation happens under one re-entrant lock and wakes
-`wait_for` callers. Nothing here is global: each `SimEngine` owns its state and its own
+`wait_for` callers. Nothing here is global: each `SimWorkerState` owns its state and its own
 Prometheus `CollectorRegistry`.
 """
 
@@ -112,7 +112,7 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-class SimEngine:
+class SimWorkerState:
     """Config, state and records of one simulated engine.
 
     `records` is a snapshot list (the record objects themselves keep updating); `wait_for` blocks a

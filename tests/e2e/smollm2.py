@@ -1,4 +1,4 @@
-"""The gateway's `estimation` settings for pools of the SmolLM2 CPU test engine (`gateway/cpu_engine`).
+"""The gateway's `estimation` settings for pools of the SmolLM2 CPU test engine (`gateway/llamacpp_worker`).
 
 Tokens per character measured through the engine's own `/tokenize` with
 `python -m loadtest.estimate_calibration --engine smollm2` (README "Prompt-token estimate"), the fit

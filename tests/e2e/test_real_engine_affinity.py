@@ -18,7 +18,7 @@ import pytest
 import redis
 import yaml
 
-from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
+from gateway.llamacpp_worker import LlamaCppSettings, LlamaCppWorker
 from tests.support import free_port, shared_redis_url
 
 pytestmark = pytest.mark.engine

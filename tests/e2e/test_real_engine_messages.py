@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.cpu_engine import LlamaCppWorker
+from gateway.llamacpp_worker import LlamaCppWorker
 from tests.e2e.smollm2 import SMOLLM2_ESTIMATION
 from tests.support import RunningGateway, pool
 

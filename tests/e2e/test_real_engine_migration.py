@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
+from gateway.llamacpp_worker import LlamaCppSettings, LlamaCppWorker
 from tests.e2e.smollm2 import SMOLLM2_ESTIMATION
 from tests.support import RunningGateway, pool
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import openai
 import pytest
 
-from gateway.cpu_engine import LlamaCppWorker
+from gateway.llamacpp_worker import LlamaCppWorker
 from tests.support import RunningGateway, pool
 
 pytestmark = pytest.mark.engine

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.cpu_engine import LlamaCppSettings, LlamaCppWorker
+from gateway.llamacpp_worker import LlamaCppSettings, LlamaCppWorker
 from gateway.routing.params import EstimationConfig
 from gateway.routing.tokens import TokenEstimator
 from tests.e2e.smollm2 import SMOLLM2_ESTIMATION

@@ -18,7 +18,7 @@ from gateway.backends.params import DiscoverConfig, DiscoveryConfig
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
-from gateway.sim.worker_state import SimEngine
+from gateway.sim.worker_state import SimWorkerState
 from tests.dns_support import LoopbackDns
 from tests.support import RunningGateway
 from tests.traffic import Traffic
@@ -110,7 +110,7 @@ class Sims:
         self.record = record
         self.port = 0
         self.servers: list[ThreadedServer] = []
-        self.engines: dict[str, SimEngine] = {}
+        self.engines: dict[str, SimWorkerState] = {}
         self.hosts: dict[str, str] = {}  # url -> DNS host entry (address or SRV target)
 
     def start(self, n: int) -> str:

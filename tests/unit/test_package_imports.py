@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("domain", {"affinity", "auth", "backends", "routing", "parsing", "dialects"}),
     ("request", {"state", "streaming", "dispatch", "reload"}),
     ("http", {"server", "request_head", "lifecycle", "api", "app"}),
-    ("process and tools", {"supervisor", "demo", "cli", "sim", "cpu_engine", "plans", "drain_command",
+    ("process and tools", {"supervisor", "demo", "cli", "sim", "llamacpp_worker", "plans", "drain_command",
                            "service"}),
 ]
 """Lowest first. A unit may import units of its own layer and of the layers before it."""

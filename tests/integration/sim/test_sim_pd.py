@@ -38,7 +38,7 @@ def _metric(url: str, name: str) -> float:
 
 
 def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Poll `predicate` (PD counters change without waking `SimEngine.wait_for`) until it holds."""
+    """Poll `predicate` (PD counters change without waking `SimWorkerState.wait_for`) until it holds."""
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"

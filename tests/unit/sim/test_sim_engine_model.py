@@ -15,7 +15,7 @@ import orjson
 import pytest
 from prometheus_client import generate_latest
 
-from gateway.sim import SimConfig, SimEngine, create_sim_app
+from gateway.sim import SimConfig, SimWorkerState, create_sim_app
 from gateway.sim.app import SimApp
 from gateway.sim.kvcache import PromptKey
 
@@ -66,7 +66,7 @@ def _key(tokens: int) -> PromptKey:
 
 
 def test_latency_formulas() -> None:
-    engine = SimEngine(SimConfig(engine="vllm", max_context_tokens=10_000, ttft_s=0.1, tpot_s=0.01,
+    engine = SimWorkerState(SimConfig(engine="vllm", max_context_tokens=10_000, ttft_s=0.1, tpot_s=0.01,
                                  prefill_tokens_per_s=1000.0, decode_batch_slowdown=0.5))
     first = engine.start_running(500)
     assert engine.prefill_seconds(first) == pytest.approx(0.1 + 0.5)
@@ -74,14 +74,14 @@ def test_latency_formulas() -> None:
     engine.start_running(10)
     engine.start_running(10)
     assert engine.decode_seconds() == pytest.approx(0.01 * (1 + 0.5 * 2))
-    plain = SimEngine(SimConfig(engine="vllm", max_context_tokens=10_000, ttft_s=0.1, tpot_s=0.01))
+    plain = SimWorkerState(SimConfig(engine="vllm", max_context_tokens=10_000, ttft_s=0.1, tpot_s=0.01))
     assert plain.prefill_seconds(plain.start_running(500)) == 0.1
     assert plain.prompt_keys("chat", _chat("x" * 100), [29]) == []
 
 
 def test_requests_waiting_for_their_kv_do_not_slow_a_decode_workers_batch() -> None:
-    engine = SimEngine(SimConfig(engine="sglang", max_context_tokens=10_000, tpot_s=0.01, decode_batch_slowdown=0.5,
-                                 pd_role="decode", pd_protocol="sglang"))
+    engine = SimWorkerState(SimConfig(engine="sglang", max_context_tokens=10_000, tpot_s=0.01,
+                                      decode_batch_slowdown=0.5, pd_role="decode", pd_protocol="sglang"))
     for _ in range(3):
         engine.start_running(10)
     assert engine.decode_seconds() == pytest.approx(0.01 * (1 + 0.5 * 2))
@@ -92,7 +92,7 @@ def test_requests_waiting_for_their_kv_do_not_slow_a_decode_workers_batch() -> N
 
 @pytest.mark.anyio
 async def test_queue_is_fifo_and_bounded_by_kv_room() -> None:
-    engine = SimEngine(SimConfig(engine="vllm", max_context_tokens=10_000, kv_capacity_tokens=1000))
+    engine = SimWorkerState(SimConfig(engine="vllm", max_context_tokens=10_000, kv_capacity_tokens=1000))
     big = await engine.admit(800, [_key(800)])
     assert engine.try_admit(300, [_key(300)]) is None  # 800 + 300 > 1000
     second = asyncio.create_task(engine.admit(300, [_key(300)]))
@@ -104,13 +104,13 @@ async def test_queue_is_fifo_and_bounded_by_kv_room() -> None:
     assert [a.prompt_tokens for a in admitted] == [300, 100]
     stats = engine.sim_stats()
     assert (stats["running"], stats["waiting"], stats["max_running"], stats["max_waiting"]) == (2, 0, 2, 2)
-    lone = SimEngine(SimConfig(engine="vllm", max_context_tokens=10_000, kv_capacity_tokens=100))
+    lone = SimWorkerState(SimConfig(engine="vllm", max_context_tokens=10_000, kv_capacity_tokens=100))
     assert lone.try_admit(5000, [_key(5000)]) is not None  # alone, even a too-large request runs
 
 
 @pytest.mark.anyio
 async def test_cancelled_waiter_leaves_the_queue_and_unblocks_the_next() -> None:
-    engine = SimEngine(SimConfig(engine="sglang", max_context_tokens=10_000, max_num_seqs=1,
+    engine = SimWorkerState(SimConfig(engine="sglang", max_context_tokens=10_000, max_num_seqs=1,
                                  kv_capacity_tokens=1000))
     running = engine.start_running(900, [_key(900)])
     head = asyncio.create_task(engine.admit(900, [_key(900)]))
@@ -171,7 +171,7 @@ async def test_sglang_and_legacy_metric_names() -> None:
     rate = 992 / (2 * 1004)
     assert f'sglang:cache_hit_rate{{model_name="kimi-k3"}} {rate}' in text
     assert "sglang:token_usage" in text and "prefix_cache_queries" not in text
-    legacy = SimEngine(SimConfig(engine="ascend", api_version="legacy", max_context_tokens=100))
+    legacy = SimWorkerState(SimConfig(engine="ascend", api_version="legacy", max_context_tokens=100))
     text = generate_latest(legacy.registry).decode()
     assert "vllm:gpu_prefix_cache_queries_total" in text and "vllm:gpu_prefix_cache_hits_total" in text
     assert "vllm:gpu_cache_usage_perc" in text

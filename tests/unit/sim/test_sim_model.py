@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 from pydantic import ValidationError
 
-from gateway.sim import SimConfig, SimEngine, SimFaults
+from gateway.sim import SimConfig, SimFaults, SimWorkerState
 from gateway.sim.tokens import (
     OUTPUT_WORDS,
     FieldValidationError,
@@ -143,7 +143,7 @@ def test_faults_merge_and_chunks() -> None:
 
 
 def test_global_fail_count_counts_down_and_request_override_does_not() -> None:
-    engine = SimEngine(SimConfig(engine="vllm", max_context_tokens=10, faults=SimFaults(fail_status=503,
+    engine = SimWorkerState(SimConfig(engine="vllm", max_context_tokens=10, faults=SimFaults(fail_status=503,
                                                                                        fail_count=1)))
     assert engine.effective_faults(SimFaults.model_validate({"fail_status": 500}))[1] is True
     assert engine.faults.fail_count == 1
@@ -163,7 +163,7 @@ def test_kv_usage_model_is_capped() -> None:
 
 
 def test_engine_accounting_and_metrics_registry() -> None:
-    engine = SimEngine(SimConfig(engine="sglang", max_context_tokens=100))
+    engine = SimWorkerState(SimConfig(engine="sglang", max_context_tokens=100))
     active = engine.start_running(20)
     engine.note_generated(active, 5)
     stats = engine.stats()
@@ -174,12 +174,12 @@ def test_engine_accounting_and_metrics_registry() -> None:
     assert 'sglang:prompt_tokens_total{model_name="kimi-k3"} 20.0' in text
     engine.stop_running(active, "stop")
     assert engine.stats().running == 0 and engine.stats().finished_by_reason == {"stop": 1}
-    other = SimEngine(SimConfig(engine="sglang", max_context_tokens=100))
+    other = SimWorkerState(SimConfig(engine="sglang", max_context_tokens=100))
     assert 'sglang:prompt_tokens_total{model_name="kimi-k3"} 0.0' in generate_latest(other.registry).decode()
 
 
 def test_wait_for_wakes_on_updates_from_another_thread() -> None:
-    engine = SimEngine(CONFIG)
+    engine = SimWorkerState(CONFIG)
     record = engine.new_record("/v1/chat/completions", {}, {})
 
     def later() -> None:

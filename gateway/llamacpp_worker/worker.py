@@ -2,7 +2,7 @@
 
 A child process (not a thread) so that several servers with different settings can run side by
 side, one can be killed to simulate a dead worker, and a crash in native code cannot take the
-caller down. The child is `python -m gateway.cpu_engine ... --exit-on-stdin-eof`: it announces its
+caller down. The child is `python -m gateway.llamacpp_worker ... --exit-on-stdin-eof`: it announces its
 URL on stdout and also exits when its stdin pipe closes, so it cannot outlive this process.
 """
 
@@ -24,8 +24,8 @@ from typing import IO, Self
 
 import httpx
 
-from gateway.cpu_engine.serve import LISTENING_PREFIX
-from gateway.cpu_engine.settings import LlamaCppSettings
+from gateway.llamacpp_worker.serve import LISTENING_PREFIX
+from gateway.llamacpp_worker.settings import LlamaCppSettings
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(re.escape(LISTENING_PREFIX) + r"(http://\S+)")
@@ -118,7 +118,7 @@ class LlamaCppWorker:
         self._log_dir = Path(tempfile.mkdtemp(prefix="llamacpp-worker-"))
         env = {**os.environ, **self._extra_env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PROJECT_ROOT), env.get("PYTHONPATH")) if p)
-        cmd = [self._python, "-m", "gateway.cpu_engine", *self.settings.to_args(), "--exit-on-stdin-eof"]
+        cmd = [self._python, "-m", "gateway.llamacpp_worker", *self.settings.to_args(), "--exit-on-stdin-eof"]
         log_dir = self._log_dir
         with (log_dir / "stdout.log").open("wb") as out, (log_dir / "stderr.log").open("wb") as err:
             self._process = subprocess.Popen(

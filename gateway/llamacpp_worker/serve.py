@@ -16,8 +16,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from gateway.cpu_engine.settings import DEFAULT_MODEL_ALIASES, DEFAULT_THREADS, LlamaCppSettings
-from gateway.cpu_engine.weights import EngineUnavailableError, find_smollm2_gguf
+from gateway.llamacpp_worker.settings import DEFAULT_MODEL_ALIASES, DEFAULT_THREADS, LlamaCppSettings
+from gateway.llamacpp_worker.weights import EngineUnavailableError, find_smollm2_gguf
 
 LISTENING_PREFIX = "engine listening on "
 """Start of the line printed on stdout once the server answers; the URL follows."""
@@ -142,9 +142,9 @@ def _wait_stdin_eof(stop: threading.Event) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Arguments of `python -m gateway.cpu_engine` (the inverse of `LlamaCppSettings.to_args`)."""
+    """Arguments of `python -m gateway.llamacpp_worker` (the inverse of `LlamaCppSettings.to_args`)."""
     parser = argparse.ArgumentParser(
-        prog="python -m gateway.cpu_engine",
+        prog="python -m gateway.llamacpp_worker",
         description="Serve SmolLM2-135M-Instruct on CPU with llama.cpp's OpenAI-compatible server.",
     )
     parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
@@ -174,7 +174,7 @@ def settings_from_args(args: argparse.Namespace) -> LlamaCppSettings:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `python -m gateway.cpu_engine`; returns the exit status."""
+    """Entry point of `python -m gateway.llamacpp_worker`; returns the exit status."""
     args = parse_args(argv)
     try:
         settings = settings_from_args(args)

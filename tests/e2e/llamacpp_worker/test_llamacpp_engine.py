@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.cpu_engine import (
+from gateway.llamacpp_worker import (
     CONTEXT_EXCEEDED_MESSAGE,
     CONTEXT_EXCEEDED_STATUS,
     CONTEXT_EXCEEDED_TYPE,

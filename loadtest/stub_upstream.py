@@ -1,6 +1,6 @@
 """A fast fake OpenAI-compatible engine for overhead benchmarks: raw asyncio (uvloop) HTTP/1.1.
 
-    python -m loadtest.fake_engine --port 9000 [--chunks 32] [--chunk-delay 0] [--procs 1]
+    python -m loadtest.stub_upstream --port 9000 [--chunks 32] [--chunk-delay 0] [--procs 1]
 
 It answers without thinking, so that what a router in front of it adds is what a benchmark sees:
 
@@ -119,7 +119,7 @@ def _error(message: str, code: str) -> bytes:
                                    "code": code}})
 
 
-class Engine:
+class StubUpstream:
     """The state of one engine process: settings, templates per model name, counters."""
 
     def __init__(self, settings: EngineSettings) -> None:
@@ -156,7 +156,7 @@ class Engine:
 class HttpConnection(asyncio.Protocol):
     """One client connection: httptools parses requests, answers are written to the transport."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: StubUpstream) -> None:
         self.engine = engine
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
@@ -302,7 +302,7 @@ def listen_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
 async def serve(sock: socket.socket, settings: EngineSettings) -> None:
     """Serve on `sock` until SIGTERM/SIGINT (the benchmark's `ProcessGroup` also sends SIGTERM when it dies)."""
     loop = asyncio.get_running_loop()
-    engine = Engine(settings)
+    engine = StubUpstream(settings)
     server = await loop.create_server(lambda: HttpConnection(engine), sock=sock, backlog=4096)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -325,7 +325,7 @@ def _run(sock: socket.socket, settings: EngineSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.fake_engine", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m loadtest.stub_upstream", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunks", type=int, default=32, help="SSE events of one token per streamed answer")
