@@ -573,14 +573,19 @@ class UpstreamStream:
     (bytes; an unfinished event is held until its end, and one growing past this ends the stream
     with an SSE error event). Facts for the request's `ledger` (gateway/dispatch/ledger.py), reported
     once per stream, never per chunk: the first byte after a wait, a broken end, the usage at the end;
-    `on_end` gets the engine's verdict (None: a whole answer, else why it failed).
+    `on_end` gets the engine's verdict (None: a whole answer, else why it failed). `gap`: the
+    longest engine silence (seconds) once content flows (`timeouts.read`; None: the request's own
+    read timeout, which also allows a prefill).
     """
 
     def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], holding: Holding,
                  ledger: Ledger, waiting: bool = False, keepalive_interval: float | None = None,
                  on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False,
-                 max_event: int = MAX_EVENT, cache_in_input: bool = False) -> None:
+                 max_event: int = MAX_EVENT, cache_in_input: bool = False, gap: float | None = None) -> None:
         self.response = response
+        self._gap = gap
+        if gap is not None and not waiting:
+            response.content_started(gap)
         self._max_event = max_event
         self._on_end = on_end
         self._aborted: str | None = None
@@ -671,6 +676,8 @@ class UpstreamStream:
                             pending.cancel()
                     for_client = pending.result()
                     self._ledger.first_byte()
+                    if self._gap is not None:
+                        self.response.content_started(self._gap)
                 else:
                     for_client = await anext(chunks, b"")
                 if not for_client:

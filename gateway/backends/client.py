@@ -105,6 +105,12 @@ class UpstreamResponse:
         codings = self.codings()
         return decoded(_Body(self._raw), codings, self._limit) if codings else _Body(self._raw)
 
+    def content_started(self, gap: float) -> None:
+        """A stream's first content arrived: from here each read may wait at most `gap` seconds
+        (`timeouts.read`, the longest gap between tokens) instead of the first-byte budget the
+        request was sent with (`request_timeout`)."""
+        self._raw.set_read_timeout(gap)
+
     async def aclose(self) -> None:
         """Release a fully read response's connection for reuse; close any other (the engine sees
         the disconnect and aborts the request). Idempotent."""
@@ -166,7 +172,8 @@ def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int, stream: bool,
     """Timeouts of one upstream request.
 
     Streaming: each read may wait the first-byte budget (prefill) or the gap limit, whichever is
-    longer. Non-streaming: the first byte comes with the whole answer, so a read may take the
+    longer, until the first content; from there the gap limit (`UpstreamResponse.content_started`).
+    Non-streaming: the first byte comes with the whole answer, so a read may take the
     whole `answer_budget`.
     """
     if stream:

@@ -239,6 +239,14 @@ class H1Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
 
+    def set_read_timeout(self, seconds: float) -> None:
+        """From now on fail the exchange after `seconds` of engine silence (counted from its last
+        byte), e.g. the gap limit between tokens once a stream's first content arrived."""
+        self._read_timeout = seconds
+        if self._timer is not None:
+            self._cancel_timer()
+            self._timer = self._loop.call_at(self._last + seconds, self._on_timer)
+
     async def send(self, head: bytes, body: bytes, read_timeout: float) -> None:
         """Write one request and wait for its response head. Raises H1Error (the connection is closed)."""
         self._reset()
@@ -322,6 +330,10 @@ class H1Response:
     def read(self) -> Any:
         """An awaitable of the next body bytes (b"" at the end); raises H1Error."""
         return self._conn.read()
+
+    def set_read_timeout(self, seconds: float) -> None:
+        """The longest engine silence (seconds) from here on (`H1Connection.set_read_timeout`)."""
+        self._conn.set_read_timeout(seconds)
 
     def aclose(self) -> None:
         """Return a fully read connection to the pool, close any other. Idempotent."""

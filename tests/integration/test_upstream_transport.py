@@ -313,3 +313,29 @@ def test_an_error_event_before_content(start_sim: StartSim, start_gateway: Start
     gw2 = start_gateway([pool("p", "vllm", [refusing.url], 131072)])
     response = stream_raw(gw2)
     assert response.status_code == 400 and response.json()["error"]["message"] == "top_k must be positive"
+
+
+STALLS = {"read": 0.5, "first_byte_base": 30, "first_byte_per_1k_tokens": 0}  # a gap limit far below the prefill budget
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["content-before-commit", "committed-while-prefilling"])
+def test_a_stream_stalled_after_its_first_content_ends_at_the_gap_limit_not_the_prefill_budget(
+        start_sim: StartSim, start_gateway: StartGateway, held: bool) -> None:
+    # After the first content the longest silence is `timeouts.read`, whatever the first-byte budget
+    # (60 s by default, more per 1K prompt tokens) the request was sent with. Held: the first content
+    # comes after `hold_headers`, so the stream was committed (keep-alives) before it.
+    stalled = start_sim("vllm", faults=SimFaults(stall_after_chunks=3), ttft_s=0.6 if held else 0.0)
+    gw = start_gateway([pool("p", "vllm", [stalled.url], 131072)], health={"interval": 30, "timeout": 1.0},
+                       timeouts={**STALLS, "hold_headers": 0.2, "keepalive_interval": 0.1})
+    started = time.monotonic()
+    with httpx.stream("POST", gw.v1 + "/chat/completions", timeout=20,
+                      json={**CHAT, "max_tokens": 50, "stream": True}) as response:
+        raw = b"".join(response.iter_raw())
+    took = time.monotonic() - started
+    assert response.status_code == 200
+    assert b'"content"' in raw  # content reached the client before the stall
+    events = [e for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    assert b'"error"' in events[-1] and b"[DONE]" not in raw, events[-1]
+    assert json.loads(events[-1][6:])["error"]["code"] == "upstream_error", events[-1]
+    assert took < 10, f"the stall was cut after {took:.1f}s, not at the 0.5 s gap limit"  # 30 s before the fix
+    gw.wait_until_idle()

@@ -53,6 +53,10 @@ class Answer:
         self._chunks = chunks
         self.closed = 0
         self._log = log
+        self.gap: float | None = None  # the read timeout set once content flowed
+
+    def content_started(self, gap: float) -> None:
+        self.gap = gap
 
     async def _iterate(self) -> AsyncIterator[bytes]:
         for chunk in self._chunks:
@@ -284,6 +288,7 @@ async def test_an_accepted_stream_owns_the_slot_and_the_response_until_it_is_clo
     result = await attempt.run()
     assert isinstance(result, RelayResponse) and record.first_byte_at is not None
     assert in_flight(state) == (1, 1) and answer.closed == 0  # handed over, not released
+    assert answer.gap == state.config.timeouts.read  # from the first content, the gap limit between tokens
     relayed = b"".join([chunk async for chunk in result.stream.body()])
     assert relayed == b"".join(events)
     assert in_flight(state) == (0, 0) and answer.closed == 1
