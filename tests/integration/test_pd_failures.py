@@ -1,4 +1,4 @@
-"""Hostile inputs and backends in front of a prefill/decode (PD) pool (issue 13): garbage prefill
+"""Failures in front of a prefill/decode (PD) pool and odd inputs to it (issue 13): garbage prefill
 answers, dead legs, batches and n>1, token accounting; every answer an OpenAI-shaped error or a
 clean stream, no leg left running, the in-flight gauges back to 0."""
 

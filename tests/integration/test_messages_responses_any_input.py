@@ -1,6 +1,6 @@
 """Hostile and careless clients of the Anthropic Messages and OpenAI Responses endpoints.
 
-One gateway and two simulated vLLM engines for the module (as `test_robustness_properties.py`
+One gateway and two simulated vLLM engines for the module (as `test_chat_completions_any_input.py`
 does for chat). Every answer on `/v1/messages*` must be a 200 from the engine or an error in
 Anthropic's shape (`{"type": "error", "error": {"type", "message"}, "request_id"}`, the type the
 status stands for); on `/v1/responses` a 200 or exactly an OpenAI error object; never a 5xx for a
@@ -27,7 +27,7 @@ from gateway.protocol.anthropic import error_type
 from gateway.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig, SimFaults
-from tests.integration.test_robustness_properties import (
+from tests.integration.test_chat_completions_any_input import (
     PROPERTY_SETTINGS,
     assert_openai_error_body,
     dump_style,
