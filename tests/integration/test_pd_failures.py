@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from gateway.config import parse_config
-from gateway.reload import apply_config
+from gateway.serving.reload import apply_config
 from gateway.sim.config import SimFaults
 from tests.integration.auth.conftest import ALICE_KEY, auth_section, start_a_window_now
 from tests.integration.pd_support import ENGINE, WEDGE_PROBES, StartSim, pd_group
