@@ -45,7 +45,7 @@ EXPOSE 8000
 # No curl in a slim image: the venv's Python makes the call; KIMI_GATEWAY_PORT follows the port.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ.get('KIMI_GATEWAY_PORT', '8000'), timeout=2)"]
-# SIGTERM starts the graceful drain (gateway/lifecycle.py): /ready turns 503, in-flight streams finish.
+# SIGTERM starts the graceful drain (gateway/serving/lifecycle.py): /ready turns 503, in-flight streams finish.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["kimi-gateway"]
 CMD ["serve", "-c", "/etc/kimi-gateway/k3-production.yaml"]

@@ -65,7 +65,7 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
                config_path: str | None = None, proxied: tuple[ProxiedRoute, ...] = PROXIED_ROUTES) -> GatewayApp:
     """The gateway ASGI app. `state` may be given by tests; otherwise it is built at start-up
     (`metrics_dir`, `config_path`: see `AppState.build`). With a config file, SIGHUP reloads it
-    (gateway/reload.py) when the app runs in the main thread. `proxied`: the inference endpoints
+    (gateway/serving/reload.py) when the app runs in the main thread. `proxied`: the inference endpoints
     served on the fast path (gateway/api/proxied.py)."""
 
     @asynccontextmanager
@@ -177,7 +177,7 @@ def _reload_on_sighup(state: AppState) -> bool:
     no config file, no SIGHUP on the platform)."""
     if state.config_path is None or not hasattr(signal, "SIGHUP"):
         return False
-    from gateway.reload import reload_logged
+    from gateway.serving.reload import reload_logged
 
     loop = asyncio.get_running_loop()
     running: set[asyncio.Task[None]] = set()  # keeps each reload task referenced until it ends

@@ -31,11 +31,12 @@ def _load_or_exit(path: str) -> GatewayConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    """Serve until SIGTERM/SIGINT, then shut down gracefully (`shutdown:` in the config; gateway/lifecycle.py)."""
+    """Serve until SIGTERM/SIGINT, then shut down gracefully (`shutdown:` in the config;
+    gateway/serving/lifecycle.py)."""
     from gateway.app import begin_draining, create_app
-    from gateway.lifecycle import GracefulServer, tune_gc
-    from gateway.request_head import http_options
-    from gateway.supervisor import Supervisor, bind_socket
+    from gateway.process.supervisor import Supervisor, bind_socket
+    from gateway.serving.lifecycle import GracefulServer, tune_gc
+    from gateway.serving.request_head import http_options
 
     config = _load_or_exit(args.config)
     setup_logging(config.log_level)
@@ -148,7 +149,7 @@ def cmd_drain(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from gateway.demo import run_demo
+    from gateway.process.demo import run_demo
 
     config = _load_or_exit(args.config)
     setup_logging("info" if args.verbose else "warning")

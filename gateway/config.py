@@ -28,8 +28,9 @@ from gateway.config_base import ConfigError, Section
 from gateway.config_env import deep_update, env_overrides, interpolate_env
 from gateway.dispatch.params import MigrationConfig, TimeoutConfig
 from gateway.plans.models import PlanError, expand_plan_refs
-from gateway.process_params import ReadinessConfig, RedisSentinelConfig, ShutdownConfig, TracingConfig
+from gateway.process_params import ReadinessConfig, RedisSentinelConfig, TracingConfig
 from gateway.routing.params import EstimationConfig, ImageFetchConfig
+from gateway.serving.params import ShutdownConfig
 
 __all__ = ["ConfigError", "GatewayConfig", "load_config", "parse_config"]
 
@@ -50,7 +51,7 @@ class GatewayConfig(Section):
     )
     processes: int = Field(
         default=1, ge=1, le=64,
-        description="serving processes sharing the port (gateway/supervisor.py); each keeps its own health "
+        description="serving processes sharing the port (gateway/process/supervisor.py); each keeps its own health "
         "view and in-flight counts, so use Redis for affinity and limits when > 1",
     )
     replicas: int = Field(

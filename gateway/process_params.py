@@ -1,6 +1,6 @@
-"""Config sections of the top-level modules (pydantic only): graceful shutdown and readiness
-(gateway/lifecycle.py, gateway/app.py), tracing (gateway/observability/tracing.py) and Redis behind Sentinel
-(gateway/redis_client.py). They move with their modules when those become packages."""
+"""Config sections of the top-level modules (pydantic only): readiness (gateway/app.py), tracing
+(gateway/observability/tracing.py) and Redis behind Sentinel (gateway/redis_client.py). They move
+with their modules when those become packages (graceful shutdown's is gateway/serving/params.py)."""
 
 from __future__ import annotations
 
@@ -9,23 +9,6 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr
 
 from gateway.config_base import Section
-
-
-class ShutdownConfig(Section):
-    """Graceful shutdown on SIGTERM/SIGINT: drain readiness first, then let in-flight requests finish.
-
-    Order: `/ready` answers 503 (`"draining": true`) for `drain_delay` seconds while the listener
-    stays open and new requests are still served (the load balancer has not noticed yet); then the
-    listener closes and in-flight requests may run for `grace_period` seconds more; whatever is
-    still running then is cancelled, which closes its upstream request so the engine aborts it.
-    """
-
-    drain_delay: float = Field(
-        default=5.0, ge=0, description="seconds /ready answers 503 before the listener closes (LB notice time)"
-    )
-    grace_period: float = Field(
-        default=30.0, ge=0, description="seconds in-flight requests may still run after the listener closed"
-    )
 
 
 class ReadinessConfig(Section):

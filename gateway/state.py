@@ -74,7 +74,7 @@ class AppState:
     draining: bool = False
     """True once shutdown began (`begin_draining`): `/ready` answers 503 from then on."""
     config_path: str | None = None
-    """The config file, read again on a reload (SIGHUP, `POST /admin/reload`; gateway/reload.py)."""
+    """The config file, read again on a reload (SIGHUP, `POST /admin/reload`; gateway/serving/reload.py)."""
     status: StatusWindow = field(init=False)
     """Recent deltas of `metrics` for the status page (`GET /admin/status`)."""
     discovery: DnsDiscovery = field(init=False)
@@ -100,7 +100,7 @@ class AppState:
         """Build the state (no I/O yet: an unreachable Redis does not block start-up).
 
         `metrics_dir`: prometheus_client's multiprocess directory when several processes serve
-        (gateway/supervisor.py), else None. `config_path`: the file `config` came from (reloads).
+        (gateway/process/supervisor.py), else None. `config_path`: the file `config` came from (reloads).
         """
         http = build_control_client(config.timeouts, min(p.upstream_keep_alive for p in config.pools))
         metrics = GatewayMetrics(metrics_dir)

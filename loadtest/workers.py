@@ -1,7 +1,7 @@
 """One process hosting N simulated engines (`python -m loadtest.workers --spec FILE --ports-file FILE`).
 
 The spec is a JSON file `{"count": N, "sim": {<SimConfig fields>}}`. Each engine gets its own
-uvicorn server on a free loopback port, all in one event loop (`gateway.server.serve_many`); once
+uvicorn server on a free loopback port, all in one event loop (`gateway.serving.server.serve_many`); once
 every server listens, the ports are written to `--ports-file` as `{"ports": [...], "dropped": [...]}`
 (written to a temporary name, then renamed, so readers never see half a file). `dropped` lists spec
 fields this version of `SimConfig` does not know, which were left out.
@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gateway.server import QuietServer, bound_port, serve_many, uvicorn_config
+from gateway.serving.server import QuietServer, bound_port, serve_many, uvicorn_config
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 

@@ -19,8 +19,8 @@ import yaml
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from gateway.request_head import http_options
-from gateway.server import ThreadedServer
+from gateway.serving.request_head import http_options
+from gateway.serving.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.keepalive import sim_http_options

@@ -21,7 +21,7 @@ import httpx
 import redis
 
 from gateway.config import GatewayConfig
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from gateway.sim.app import SimApp
 from gateway.sim.worker_state import SimWorkerState
 

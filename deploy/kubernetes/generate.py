@@ -54,7 +54,7 @@ from gateway.backends.client import answer_budget  # noqa: E402
 from gateway.dispatch.params import TimeoutConfig  # noqa: E402
 from gateway.plans.emit import sglang_args, shell_command, vllm_args  # noqa: E402
 from gateway.plans.models import LoadedPlan, load_plan  # noqa: E402
-from gateway.process_params import ShutdownConfig  # noqa: E402
+from gateway.serving.params import ShutdownConfig  # noqa: E402
 
 PRODUCTION = ROOT / "config" / "k3-production.yaml"
 KUBE = ROOT / "deploy" / "kubernetes"

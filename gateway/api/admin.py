@@ -10,7 +10,7 @@ errors are raised as GatewayError and answered by the app's handler):
   Worker ids are `pool/index` as in headers and metric labels, addressed as a resource the way
   SGLang's gateway (`/workers/{id}`) and Dynamo's drain/resume API do.
 - `POST /admin/reload`: read the config file again and apply its pools and discovery
-  (gateway/reload.py, as SIGHUP does); answers what changed, or 400 `invalid_config` with the
+  (gateway/serving/reload.py, as SIGHUP does); answers what changed, or 400 `invalid_config` with the
   reason while the running config stays (409 `no_config_file` for a gateway built without a file).
 - `GET /admin/status`: pools and workers plus recent traffic (`StatusWindow`), for the page.
 - `GET /dashboard`: the status page (`static/dashboard.html`). The HTML holds no data and is
@@ -168,11 +168,11 @@ async def undrain(request: Request, pool: str, index: str) -> JSONResponse:
 
 
 async def reload(request: Request) -> JSONResponse:
-    """`POST /admin/reload`: re-read the config file and apply it (gateway/reload.py). Answers
+    """`POST /admin/reload`: re-read the config file and apply it (gateway/serving/reload.py). Answers
     `{"reloaded": true, "changes": [line], "restart_required": [section]}`; 400 `invalid_config`
     with the reason when the file is unreadable or invalid (the running config stays); 409
     `no_config_file` when the gateway was built from a config object, not a file."""
-    from gateway.reload import ReloadRefused, reload_config  # late: reload imports the state
+    from gateway.serving.reload import ReloadRefused, reload_config  # late: reload imports the state
 
     _refuse_cross_origin(request)
     if _state(request).config_path is None:

@@ -30,10 +30,10 @@ from gateway.errors import (
     RequestTimeout,
     UnsupportedMediaType,
 )
-from gateway.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
 from gateway.observability.metrics import NO_POOL
 from gateway.parsing import Body, body_of
-from gateway.request_head import SEND_STALLED
+from gateway.serving.lifecycle import REQUEST_ID, SHUTDOWN_GUARD
+from gateway.serving.request_head import SEND_STALLED
 
 log = logging.getLogger("gateway.api")
 

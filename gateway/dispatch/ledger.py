@@ -100,7 +100,7 @@ class Ledger:
 
     def client_gone(self, stage: str) -> None:
         """The client hung up at `stage` (`before_response` or `mid_stream`), or stopped reading and was
-        cut off (`send_stalled`, gateway/request_head.py). The first stage counts."""
+        cut off (`send_stalled`, gateway/serving/request_head.py). The first stage counts."""
         record = self.record
         if record.disconnect_stage is None:
             record.disconnect_stage = stage
@@ -113,7 +113,7 @@ class Ledger:
 
     def cut_by_shutdown(self, response_started: bool, status: int = 503) -> None:
         """The server ended the request at the end of its shutdown grace period. `status`: what the
-        client got if nothing was sent yet: gateway/lifecycle.py's 503 (a started stream gets one SSE
+        client got if nothing was sent yet: gateway/serving/lifecycle.py's 503 (a started stream gets one SSE
         error event), or uvicorn's 500 when its own graceful-shutdown timeout cancelled the request."""
         record = self.record
         record.outcome = RequestOutcome.SHUTTING_DOWN

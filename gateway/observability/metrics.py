@@ -68,7 +68,7 @@ def status_class(status: int) -> str:
 class GatewayMetrics:
     """Every collector the gateway exports; `render()` gives the exposition text and content type.
 
-    With several serving processes (`processes: N`, gateway/supervisor.py) every process writes its
+    With several serving processes (`processes: N`, gateway/process/supervisor.py) every process writes its
     samples to files in `multiprocess_dir` (prometheus_client's multiprocess mode, switched on by
     the `PROMETHEUS_MULTIPROC_DIR` variable the supervisor sets before the processes start) and
     `render()` sums them, so any process answers `/metrics` for all. Each gauge says how its

@@ -8,7 +8,7 @@ process::
     servers = [sim_uvicorn_server(engine="vllm", max_context_tokens=131072, port=9000 + i,
                                   kv_capacity_tokens=400_000, prefill_tokens_per_s=20_000,
                                   keep_records=False) for i in range(8)]
-    asyncio.run(gateway.server.serve_many(servers))
+    asyncio.run(gateway.serving.server.serve_many(servers))
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.server import QuietServer, ThreadedServer, serve_many, uvicorn_config
+from gateway.serving.server import QuietServer, ThreadedServer, serve_many, uvicorn_config
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import ApiKeyScope, ApiVersion, SimConfig, SimEngineKind, SimFaults
 from gateway.sim.keepalive import sim_http_options
@@ -58,7 +58,7 @@ def sim_server(config: SimConfig | None = None, host: str = "127.0.0.1", port: i
 
 def sim_uvicorn_server(config: SimConfig | None = None, host: str = "127.0.0.1", port: int = 0,
                        **kwargs: Any) -> QuietServer:
-    """A uvicorn server for one sim, for `gateway.server.serve_many` (the demo, benchmarks).
+    """A uvicorn server for one sim, for `gateway.serving.server.serve_many` (the demo, benchmarks).
 
     Keyword arguments that name `SimConfig` fields override `config`; the rest go to uvicorn. The
     server leaves signal handling to its owner (`serve_many` stops every server on SIGINT/SIGTERM).

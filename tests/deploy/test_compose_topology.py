@@ -19,8 +19,8 @@ from openai import OpenAI
 from gateway.app import create_app
 from gateway.cli import build_parser
 from gateway.config import load_config
-from gateway.request_head import http_options
-from gateway.server import ThreadedServer
+from gateway.serving.request_head import http_options
+from gateway.serving.server import ThreadedServer
 from tests.conftest import stop_all
 from tests.deploy.test_compose import PRODUCTION, compose, compose_value
 from tests.support import OwnRedis, RunningSim

@@ -26,7 +26,7 @@ from gateway.config import load_config
 from gateway.plans.command import plans_of
 from gateway.plans.models import LoadedPlan
 from gateway.plans.safety import production_findings, read_tree
-from gateway.process_params import ShutdownConfig
+from gateway.serving.params import ShutdownConfig
 from tests.deploy.tools import DEPLOY, kustomize, run, tool
 from tests.support import REPO_ROOT
 

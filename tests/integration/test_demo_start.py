@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from gateway.config import parse_config
-from gateway.demo import demo_servers, listen_or_exit
-from gateway.server import QuietServer, serve_many
+from gateway.process.demo import demo_servers, listen_or_exit
+from gateway.serving.server import QuietServer, serve_many
 from tests.support import free_port, pool
 
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.backends.discovery import DiscoveryFailed, build_resolver, resolve_workers
 from gateway.backends.params import DiscoverConfig, DiscoveryConfig
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.sim.worker_state import SimWorkerState

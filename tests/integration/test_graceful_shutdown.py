@@ -1,4 +1,4 @@
-"""Graceful shutdown of a real `kimi-gateway serve` process on SIGTERM (gateway/lifecycle.py), and
+"""Graceful shutdown of a real `kimi-gateway serve` process on SIGTERM (gateway/serving/lifecycle.py), and
 the accounting of requests a plain uvicorn server (no drain, no guard) cancels when it stops.
 
 The gateway runs as a subprocess (signals, exit status and the listener are the real ones); the
@@ -22,8 +22,8 @@ from pydantic import ValidationError
 from gateway.app import create_app
 from gateway.auth.keys import hash_key
 from gateway.config import parse_config
-from gateway.request_head import http_options
-from gateway.server import ThreadedServer
+from gateway.serving.request_head import http_options
+from gateway.serving.server import ThreadedServer
 from tests.support import GatewayProcess, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.integration.test_hostile_inputs import raw_exchange, request_bytes
+from tests.integration.test_client_http_framing import raw_exchange, request_bytes
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]

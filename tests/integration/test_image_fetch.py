@@ -29,7 +29,7 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.routing.address_policy import IPAddress
 from gateway.routing.image_fetch import ImageFetcher
 from gateway.routing.params import ImageFetchConfig
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]

@@ -1,4 +1,4 @@
-"""Several serving processes on one port (`processes: 2`, gateway/supervisor.py): metrics stay exact."""
+"""Several serving processes on one port (`processes: 2`, gateway/process/supervisor.py): metrics stay exact."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from tests.support import RunningGateway, RunningSim, pool
 
 StartSim = Callable[..., RunningSim]

@@ -17,7 +17,7 @@ import pytest
 
 from gateway.backends.control import ControlError, control_get
 from gateway.config import parse_config
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from gateway.state import AppState

@@ -17,7 +17,7 @@ from gateway.api.schemas import Model
 from gateway.app import create_app
 from gateway.auth.keys import hash_key
 from gateway.config import parse_config
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 
 KEY = "sk-table-user"
 

@@ -1,4 +1,4 @@
-"""Reloading the config without downtime (gateway/reload.py): SIGHUP and `POST /admin/reload` on a
+"""Reloading the config without downtime (gateway/serving/reload.py): SIGHUP and `POST /admin/reload` on a
 real `kimi-gateway serve` process while streams flow through it; simulated engines in this process
 (their records show what each engine saw and when)."""
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.config import parse_config
-from gateway.reload import apply_config
+from gateway.serving.reload import apply_config
 from gateway.sim.config import SimFaults
 from tests.support import RunningGateway, RunningSim, pool
 

@@ -18,7 +18,7 @@ from gateway.backends.health import HealthChecker
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import parse_config
 from gateway.observability.metrics import GatewayMetrics
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from tests.support import REPO_ROOT, RunningGateway, RunningSim, pool

@@ -1,7 +1,8 @@
 """One attempt without a socket (`gateway/dispatch/attempt.py`, `kinds.py`): what it owns and
 releases on every exit path (`Holding`), the probe watch that moves a waiting attempt, its time
 budgets, the aggregated pool kind's attempt, and `SingleLeg.run` against an in-memory engine
-answer (the real engine paths are covered by tests/integration/test_request_faults.py and others)."""
+answer (the real engine paths are covered by tests/integration/test_failure_attribution.py,
+test_engine_answer_relay.py and others)."""
 
 from __future__ import annotations
 

@@ -28,10 +28,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("schema", {"schema"}),
     ("observability", {"observability", "redact"}),
     ("domain", {"affinity", "auth", "backends", "routing", "parsing", "dialects"}),
-    ("request", {"state", "streaming", "dispatch", "reload"}),
-    ("http", {"server", "request_head", "lifecycle", "api", "app"}),
-    ("process and tools", {"supervisor", "demo", "cli", "sim", "llamacpp_worker", "plans", "drain_command",
-                           "service"}),
+    ("request", {"state", "streaming", "dispatch"}),
+    ("serving", {"serving"}),  # uvicorn serving, request heads, shutdown, reload: under the app that uses them
+    ("http", {"api", "app"}),
+    ("process and tools", {"process", "cli", "sim", "llamacpp_worker", "plans", "drain_command"}),
 ]
 """Lowest first. A unit may import units of its own layer and of the layers before it."""
 

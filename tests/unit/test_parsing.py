@@ -141,7 +141,7 @@ def test_the_lower_bound_refuses_before_validation() -> None:
 @pytest.mark.anyio
 async def test_a_reload_reaches_the_parse_processes() -> None:
     """The parse processes bound requests by the pools they were started with: a reload that adds a
-    larger pool (ParsePool.reconfigure, called by gateway/reload.py) must let its requests through."""
+    larger pool (ParsePool.reconfigure, called by gateway/serving/reload.py) must let its requests through."""
     grown = CONFIG.model_copy(update={"pools": [*CONFIG.pools, CONFIG.pools[1].model_copy(
         update={"name": "huge", "max_context_tokens": 400_000})]})
     body = orjson.dumps({"model": "kimi-k3", "prompt": "t" * 1_000_000})  # >= 125,000 tokens at any rate

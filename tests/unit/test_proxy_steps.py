@@ -36,10 +36,10 @@ from gateway.errors import (
     RequestBodyTimeout,
     UnsupportedMediaType,
 )
-from gateway.lifecycle import SHUTDOWN_GUARD, ShutdownGuard
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.record import RequestOutcome
-from gateway.request_head import SEND_STALLED
+from gateway.serving.lifecycle import SHUTDOWN_GUARD, ShutdownGuard
+from gateway.serving.request_head import SEND_STALLED
 
 JSON = {"content-type": "application/json"}
 

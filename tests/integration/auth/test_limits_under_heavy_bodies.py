@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.auth.keys import hash_key
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from tests.integration.auth.conftest import REDIS_URL, start_a_window_now
 from tests.support import RunningGateway, RunningSim, pool
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from gateway.sim import SimConfig, sim_server
 from gateway.sim.pd_wire import pd_wire_constants, pd_wire_shape
 from gateway.sim.tokens import output_text

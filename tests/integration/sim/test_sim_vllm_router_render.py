@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from gateway.sim import SimConfig, sim_server
 from tests.support import free_port, stop_process, wait_router_healthy
 

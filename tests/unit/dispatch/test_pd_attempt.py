@@ -2,7 +2,7 @@
 against in-memory engine answers, which worker a failure is held against (`failed_worker`) and
 counted as (`kimi_gateway_pd_leg_failures_total{phase}`), both slots released, a NIXL stream
 committed while its prefill runs, and the Mooncake engine id the registry keeps. The real engine
-paths are tests/integration/test_pd_dispatch.py, test_pd_hostile.py and test_pd_kv_handles.py."""
+paths are tests/integration/test_pd_dispatch.py, test_pd_failures.py and test_pd_kv_handles.py."""
 
 from __future__ import annotations
 

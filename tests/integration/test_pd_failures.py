@@ -1,4 +1,4 @@
-"""Hostile inputs and backends in front of a prefill/decode (PD) pool (issue 13): garbage prefill
+"""Failures in front of a prefill/decode (PD) pool and odd inputs to it (issue 13): garbage prefill
 answers, dead legs, batches and n>1, token accounting; every answer an OpenAI-shaped error or a
 clean stream, no leg left running, the in-flight gauges back to 0."""
 
@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from gateway.config import parse_config
-from gateway.reload import apply_config
+from gateway.serving.reload import apply_config
 from gateway.sim.config import SimFaults
 from tests.integration.auth.conftest import ALICE_KEY, auth_section, start_a_window_now
 from tests.integration.pd_support import ENGINE, WEDGE_PROBES, StartSim, pd_group

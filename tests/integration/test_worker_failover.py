@@ -1,5 +1,6 @@
-"""Fault injection from issue 4's done-when list: a worker that hangs before its headers, and a
-worker process killed with SIGKILL in the middle of a stream."""
+"""A request moves to another worker when its worker fails (issue 4's done-when list): one that hangs
+before its headers (streaming, and non-streaming after its budget), and a worker process killed with
+SIGKILL in the middle of a stream."""
 
 from __future__ import annotations
 

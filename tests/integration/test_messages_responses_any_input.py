@@ -1,6 +1,6 @@
 """Hostile and careless clients of the Anthropic Messages and OpenAI Responses endpoints.
 
-One gateway and two simulated vLLM engines for the module (as `test_robustness_properties.py`
+One gateway and two simulated vLLM engines for the module (as `test_chat_completions_any_input.py`
 does for chat). Every answer on `/v1/messages*` must be a 200 from the engine or an error in
 Anthropic's shape (`{"type": "error", "error": {"type", "message"}, "request_id"}`, the type the
 status stands for); on `/v1/responses` a 200 or exactly an OpenAI error object; never a 5xx for a
@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.protocol.anthropic import error_type
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig, SimFaults
-from tests.integration.test_robustness_properties import (
+from tests.integration.test_chat_completions_any_input import (
     PROPERTY_SETTINGS,
     assert_openai_error_body,
     dump_style,
@@ -365,7 +365,7 @@ def test_a_non_streaming_messages_request_to_a_raw_stream_sim_gets_a_message(sta
 @pytest.mark.anyio
 async def test_messages_and_responses_cut_at_shutdown_end_in_their_own_shapes(
         start_sim: StartSim, start_gateway_process: Callable[..., GatewayProcess]) -> None:
-    """Past the grace period the gateway ends what is still running (gateway/lifecycle.py): a
+    """Past the grace period the gateway ends what is still running (gateway/serving/lifecycle.py): a
     Messages stream with Anthropic's `event: error` (overloaded: retry elsewhere), a Messages
     request still waiting with Anthropic's 529, a Responses stream with a typed `error` event."""
     sim = start_sim("vllm", tpot_s=0.1)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from gateway.app import create_app
 from gateway.config import parse_config
-from gateway.server import ThreadedServer
+from gateway.serving.server import ThreadedServer
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
 from tests.support import pool

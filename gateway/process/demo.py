@@ -9,11 +9,11 @@ from urllib.parse import urlsplit
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.request_head import http_options
-from gateway.server import QuietServer, serve_many, uvicorn_config
+from gateway.process.supervisor import bind_socket
+from gateway.serving.request_head import http_options
+from gateway.serving.server import QuietServer, serve_many, uvicorn_config
 from gateway.sim.app import create_sim_app
 from gateway.sim.config import SimConfig
-from gateway.supervisor import bind_socket
 
 DEMO_TTFT_S = 0.15
 DEMO_TPOT_S = 0.02

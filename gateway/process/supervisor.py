@@ -7,7 +7,7 @@ process's event loop writes a heartbeat (`time.monotonic()`, a double in shared 
 `hang_timeout / 4` seconds (at most 1 s); a process whose heartbeat is older than `hang_timeout`
 (`hung_process_timeout` in the config; `START_TIMEOUT_S` before its first beat) is killed
 (SIGKILL: it may be stopped or stuck in C code) and replaced like a dead one. On SIGTERM/SIGINT it
-passes the signal on to every process, so each drains and shuts down as gateway/lifecycle.py describes.
+passes the signal on to every process, so each drains and shuts down as gateway/serving/lifecycle.py describes.
 
 What the processes share: the port, Redis (affinity, rate limits: use Redis when N > 1, the
 in-process stores are per process) and the Prometheus metrics, kept in prometheus_client's
@@ -35,7 +35,7 @@ from types import FrameType
 
 from prometheus_client.multiprocess import mark_process_dead
 
-log = logging.getLogger("gateway.supervisor")
+log = logging.getLogger("gateway.process.supervisor")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's switch for multiprocess mode
 POLL_S = 0.5
@@ -75,9 +75,9 @@ def serve_process(config_path: str, sock: socket.socket, metrics_dir: str, super
     _die_with_parent(supervisor_pid)
     from gateway.app import begin_draining, create_app
     from gateway.config import load_config
-    from gateway.lifecycle import GracefulServer, tune_gc
     from gateway.observability.logs import setup_logging
-    from gateway.request_head import http_options
+    from gateway.serving.lifecycle import GracefulServer, tune_gc
+    from gateway.serving.request_head import http_options
 
     config = load_config(config_path, os.environ)
     setup_logging(config.log_level)
@@ -139,7 +139,7 @@ class Supervisor:
         self._signals += 1
 
     def _on_hangup(self, sig: int, frame: FrameType | None) -> None:
-        """SIGHUP: every serving process reloads the config (gateway/reload.py)."""
+        """SIGHUP: every serving process reloads the config (gateway/serving/reload.py)."""
         for child in self._children:
             if child is not None and child.pid is not None and child.is_alive():
                 os.kill(child.pid, signal.SIGHUP)

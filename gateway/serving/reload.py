@@ -28,7 +28,7 @@ from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.config_base import explain_validation_error
 from gateway.state import AppState
 
-log = logging.getLogger("gateway.reload")
+log = logging.getLogger("gateway.serving.reload")
 
 RELOADABLE = ("pools", "discovery", "readiness")
 

@@ -1,5 +1,8 @@
-"""Hand-written hostile inputs: many images, huge strings, chunked oversize bodies, raw-socket
-header injection attempts and HTTP/1.1 pipelining."""
+"""What a client may send over HTTP/1.1 and how it is framed: bodies of 500 images or 10 MB of text
+(routed or refused by size), chunked bodies over the limit, compressed bodies, 64-bit integers,
+stalled uploads, header injection over raw sockets (refused, never reflected), pipelining, request
+heads bounded in size and time, and unparsable HTTP (a JSON 400, the gateway serving on). The
+engine's side of the wire: test_engine_http_framing.py."""
 
 from __future__ import annotations
 

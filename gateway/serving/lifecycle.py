@@ -41,10 +41,10 @@ import uvicorn
 from gateway.dialects.base import Dialect
 from gateway.dialects.registry import dialect_for_path
 from gateway.errors import NoCapacity
-from gateway.process_params import ShutdownConfig
-from gateway.server import uvicorn_config
+from gateway.serving.params import ShutdownConfig
+from gateway.serving.server import uvicorn_config
 
-log = logging.getLogger("gateway.lifecycle")
+log = logging.getLogger("gateway.serving.lifecycle")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -200,7 +200,7 @@ class GracefulServer(uvicorn.Server):
                  heartbeat_every: float = 1.0, **uvicorn_kwargs: Any) -> None:
         """`heartbeat` (optional) is called every `heartbeat_every` seconds from a task on the event
         loop for as long as the server runs: a supervisor that stops hearing it knows the loop is
-        blocked or the process stopped (gateway/supervisor.py)."""
+        blocked or the process stopped (gateway/process/supervisor.py)."""
         self.guard = ShutdownGuard(app)
         self._heartbeat = heartbeat
         self._heartbeat_every = heartbeat_every
