@@ -1,5 +1,6 @@
-"""Mid-stream migration (issue 23, first step): a streamed chat or text completion whose worker
-fails after content reached the client goes on on another worker, and the client reads one answer.
+"""Mid-stream migration (issue 23): a streamed chat or text completion whose worker (vLLM,
+vllm-ascend, SGLang, llama.cpp: `ENGINES`) fails after content reached the client goes on on another
+worker, and the client reads one answer.
 
 While a stream is relayed, `Progress.keep` holds the whole events the client got (one list append
 per read); every `FOLD_BYTES`, and at a failure, their text pieces are cut out (one pattern over
@@ -52,15 +53,21 @@ OPT_OUT_HEADER = "x-kimi-gateway-migrate"
 FOLD_BYTES = 64 * 1024
 """Relayed bytes held unparsed at most (`Progress.keep`)."""
 
-ENGINES = frozenset({"vllm", "ascend", "llamacpp"})
+ENGINES = frozenset({"vllm", "ascend", "llamacpp", "sglang"})
 """Engine kinds a stream is continued on: vLLM and vllm-ascend, whose chat serving reads
-`continue_final_message` and `add_generation_prompt` (tested against the simulator), and llama.cpp,
+`continue_final_message` and `add_generation_prompt` (tested against the simulator); llama.cpp,
 whose server prefills a trailing assistant message by default (`--no-prefill-assistant` turns that
 off: `common/arg.cpp`; `tools/server/server-common.cpp` `oaicompat_chat_params_parse` renders it
 without its end of turn) and ignores the two flags (tested against the real engine:
-tests/e2e/test_real_engine_migration.py). SGLang reads `continue_final_message` too
-(`srt/entrypoints/openai/serving_chat.py` takes a final assistant message off and appends its
-content after the generation prompt) but is not migrated to yet."""
+tests/e2e/test_real_engine_migration.py); SGLang, whose chat serving reads `continue_final_message`
+(`python/sglang/srt/entrypoints/openai/serving_chat.py`, `_handle_last_assistant_message`: a final
+assistant message whose content is a string is taken off the messages and its content appended to
+the prompt rendered with the generation prompt, so the answer goes on with it) and has no
+`add_generation_prompt` field (its pydantic `ChatCompletionRequest` ignores the extra member). SGLang
+renders only that message's `content`, not its `reasoning_content`: a stream that relayed reasoning
+is not continued there (`refusal`)."""
+
+SGLANG = "sglang"
 
 CONTINUATION_TRIES = 2
 """Workers a continuation is tried on at most (each failure before its first content moves on)."""
@@ -179,9 +186,10 @@ class Progress:
         return self.usage_tokens if self.usage_tokens is not None else self.tokens
 
 
-def refusal(api: str, body: dict[str, Any], progress: Progress) -> str | None:
+def refusal(api: str, body: dict[str, Any], progress: Progress, engine: str = "vllm") -> str | None:
     """Why a stream cannot be continued from here (None: it can): its request asks for what a
-    continuation cannot give seamlessly, or its answer is not at a safe point."""
+    continuation cannot give seamlessly on the pool's `engine` kind, or its answer is not at a safe
+    point."""
     if progress.tool_call:
         return "a tool call was under way"
     if progress.finished:
@@ -202,12 +210,15 @@ def refusal(api: str, body: dict[str, Any], progress: Progress) -> str | None:
             return "a suffix was given"
     elif not isinstance(body.get("messages"), list):
         return "no messages"
+    elif engine == SGLANG and progress.reasoning:
+        return "SGLang does not continue reasoning"  # its prefill is the final message's content alone
     stops = body.get("stop")
     stops = [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []
-    if stops and body.get("include_stop_str_in_output") is True:
+    if stops and (body.get("include_stop_str_in_output") is True or engine == SGLANG):
         # vLLM holds back max(len(stop)) - 1 characters of a stream with stop strings
         # (`vllm/v1/engine/detokenizer.py`, `stop_buffer_length`), so no stop string can straddle
         # the seam, unless the stop string is to be included in the output, which turns that off.
+        # SGLang's is not relied on: the text kept may end with the start of a stop string.
         text = progress.text
         if any(isinstance(s, str) and any(text.endswith(s[:i]) for i in range(1, len(s))) for s in stops):
             return "a stop sequence may straddle the seam"
@@ -286,7 +297,7 @@ class Migration:
             except orjson.JSONDecodeError:
                 return False
             self._parsed = parsed if isinstance(parsed, dict) else {}
-        why = refusal(self._api, self._parsed, self.progress)
+        why = refusal(self._api, self._parsed, self.progress, self._worker.engine.kind)
         if why is not None:
             self._ledger.migration_refused(self._pool.name, self._worker, why)
             return False

@@ -80,7 +80,9 @@ class SimFaults(BaseModel):
       event and `data: [DONE]`, and end the response: what vLLM's chat and completion stream
       generators do when generation raises mid-stream (`vllm/entrypoints/openai/serving_chat.py`
       `chat_completion_stream_generator`, `serving_completion.py`: `except Exception` yields
-      `data: {create_streaming_error_response(...)}` and then `data: [DONE]`).
+      `data: {create_streaming_error_response(...)}` and then `data: [DONE]`; SGLang's
+      `serving_chat.py` `_generate_chat_stream` likewise, its event `{"error": {"object": "error", ...}}`:
+      `SimDialect.stream_error`).
     - `null_max_tokens_500`: `/v1/completions` with `"max_tokens": null` gets HTTP 500 (an engine
       version that fails on the null instead of using its default, as reported in issue 10; the
       same answer on every worker, so it is the request's fault, not the workers').

@@ -138,8 +138,8 @@ class _Responder:
             await self._watch.until_disconnected()
         if self._error_after is not None and self._events >= self._error_after and not self.anthropic:
             self._engine.update(self._record, fault="error_after_chunks")
-            reply = self._engine.dialect.error("Simulated failure mid-generation.", "InternalServerError", 500)
-            await self.body(b"data: " + reply.body + b"\n\n" + r.SSE_DONE, more=True)
+            event = self._engine.dialect.stream_error("Simulated failure mid-generation.", "InternalServerError", 500)
+            await self.body(event + r.SSE_DONE, more=True)
             await self.body(b"", more=False)
             raise _DropConnection
         self._events += 1
@@ -390,7 +390,7 @@ async def _reply_pd_failure(engine: SimWorkerState, record: SimRequestRecord, re
     if not responder.started:
         await responder.reply(reply)
         return
-    await responder.event(b"data: " + reply.body + b"\n\n")
+    await responder.event(engine.dialect.stream_error(exc.message, "InternalServerError", 500))
     await responder.end_stream()
 
 

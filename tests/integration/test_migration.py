@@ -1,5 +1,5 @@
-"""Mid-stream migration (issue 23, first step): a chat or text completion stream whose simulated
-vLLM worker fails after content reached the client goes on on another worker, and the client reads
+"""Mid-stream migration (issue 23): a chat or text completion stream whose simulated vLLM or SGLang
+worker fails after content reached the client goes on on another worker, and the client reads
 the same answer an uninterrupted run gives (the simulator's answer is a function of the token's
 position in the assistant's turn: `gateway/sim/tokens.py`)."""
 
@@ -68,20 +68,21 @@ def access_lines(caplog: pytest.LogCaptureFixture, gw: RunningGateway) -> list[d
     return lines
 
 
-def setup(start_sim: StartSim, start_gateway: StartGateway, faults: SimFaults, **settings: Any
-          ) -> tuple[RunningSim, RunningSim, RunningGateway]:
-    bad = start_sim("vllm", faults=faults)
-    good = start_sim("vllm")
-    gw = start_gateway([pool("p", "vllm", [bad.url, good.url], 131072, policy="round_robin")],
+def setup(start_sim: StartSim, start_gateway: StartGateway, faults: SimFaults, engine: str = "vllm",
+          **settings: Any) -> tuple[RunningSim, RunningSim, RunningGateway]:
+    bad = start_sim(engine, faults=faults)
+    good = start_sim(engine)
+    gw = start_gateway([pool("p", engine, [bad.url, good.url], 131072, policy="round_robin")],
                        health={"interval": 30, "timeout": 1.0}, timeouts=TIMEOUTS, **settings)
     return bad, good, gw
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
 @pytest.mark.parametrize("api", ["chat", "completions"])
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_stream_whose_worker_fails_mid_generation_reads_as_one_uninterrupted_answer(
-        start_sim: StartSim, start_gateway: StartGateway, api: str, fault: str) -> None:
-    _, good, gw = setup(start_sim, start_gateway, FAULTS[fault])
+        start_sim: StartSim, start_gateway: StartGateway, api: str, fault: str, engine: str) -> None:
+    _, good, gw = setup(start_sim, start_gateway, FAULTS[fault], engine)
     body = CHAT if api == "chat" else TEXT
     _, reference = stream(good.url + "/v1" + PATHS[api], body)  # the uninterrupted run, on the engine itself
     response, events = stream(gw.v1 + PATHS[api], body)
@@ -195,6 +196,44 @@ def test_the_simulator_continues_a_final_assistant_message(start_sim: StartSim) 
     default = httpx.post(sim.url + "/v1/chat/completions", json={k: v for k, v in body.items()
                                                                  if k != "add_generation_prompt"}, timeout=5)
     assert default.status_code == 400 and "not compatible" in default.text
+
+
+def test_the_sglang_simulator_continues_a_final_assistant_message_as_sglang_does(start_sim: StartSim) -> None:
+    # SGLang's serving_chat.py `_handle_last_assistant_message`: with `continue_final_message` a
+    # final assistant message with string content is the answer's start (no flag check, its
+    # `add_generation_prompt` member does not exist); list content is left as a turn of its own.
+    sim = start_sim("sglang")
+    whole = httpx.post(sim.url + "/v1/chat/completions", json={**CHAT, "stream": False}, timeout=5).json()
+    text = whole["choices"][0]["message"]["content"]
+    head = " ".join(text.split(" ")[:5])
+    body = {**CHAT, "stream": False, "max_tokens": 19, "continue_final_message": True,
+            "messages": [*CHAT["messages"], {"role": "assistant", "content": head}]}
+    for flags in ({}, {"add_generation_prompt": False}, {"add_generation_prompt": True}):
+        rest = httpx.post(sim.url + "/v1/chat/completions", json={**body, **flags}, timeout=5).json()
+        assert head + rest["choices"][0]["message"]["content"] == text, flags
+    parts = {**body, "messages": [*CHAT["messages"], {"role": "assistant", "content": [{"type": "text",
+                                                                                       "text": head}]}]}
+    fresh = httpx.post(sim.url + "/v1/chat/completions", json=parts, timeout=5).json()
+    assert fresh["choices"][0]["message"]["content"].startswith(text.split(" ")[0] + " ")  # a new turn
+
+
+def test_a_stream_that_relayed_reasoning_is_not_migrated_on_sglang(start_sim: StartSim, start_gateway: StartGateway,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.access")
+
+    def chunk(delta: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                                       "model": "kimi-k3", "choices": [{"index": 0, "delta": delta,
+                                                                        "finish_reason": None}]}).encode() + b"\n\n"
+    raw = [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Let me think"}),
+           chunk({"content": "Kimi"})]
+    bad = start_sim("sglang", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks(raw)))
+    good = start_sim("sglang")
+    gw = start_gateway([pool("p", "sglang", [bad.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0})
+    _, events = stream(gw.v1 + "/chat/completions", CHAT)
+    assert b'"error"' in events[-1] and good.engine.records == []
+    assert access_lines(caplog, gw)[-1]["migration"]["why"] == "SGLang does not continue reasoning"
 
 
 def test_the_access_log_says_it_and_the_key_is_billed_once_without_usage_asked(

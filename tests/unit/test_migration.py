@@ -96,3 +96,21 @@ def test_the_safe_point_rules() -> None:
     done.keep(_event({"content": "x"}, finish="stop"))
     done.fold()
     assert refusal("chat", chat, done) == "the answer had finished"
+
+
+def test_sglang_s_rules_reasoning_and_its_stop_strings() -> None:
+    # SGLang renders a continued assistant message's content alone (serving_chat.py
+    # `_handle_last_assistant_message`), and no hold-back of a partial stop match is relied on.
+    thinking = Progress()
+    thinking.keep(_event({"reasoning_content": "hmm"}) + _event({"content": "Kimi"}))
+    thinking.fold()
+    assert refusal("chat", {"messages": []}, thinking, "sglang") == "SGLang does not continue reasoning"
+    assert refusal("chat", {"messages": []}, thinking, "vllm") is None
+    plain = Progress()
+    plain.keep(_event({"content": "Kimi tok"}))
+    plain.fold()
+    assert refusal("chat", {"messages": [], "stop": "tokens"}, plain, "sglang") == \
+        "a stop sequence may straddle the seam"
+    assert refusal("chat", {"messages": [], "stop": "tokens"}, plain, "vllm") is None
+    assert refusal("chat", {"messages": [], "stop": "Zürich"}, plain, "sglang") is None
+    assert refusal("completions", {"prompt": "a"}, plain, "sglang") is None
