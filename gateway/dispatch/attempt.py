@@ -292,7 +292,7 @@ class SingleLeg(Attempt):
         stream = UpstreamStream(response, first, rest, holding.hand_over(), ledger, not content,
                                 self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage,
                                 self._state.config.max_body_bytes,
-                                ENGINES[self.pool.engine].messages_cache_in_input)
+                                ENGINES[self.pool.engine].messages_cache_in_input, self._api)
         return RelayResponse(stream, content_type)
 
     def _buffered(self, answer: bytes, content_type: bytes) -> BufferedResponse:
