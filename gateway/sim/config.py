@@ -83,6 +83,9 @@ class SimFaults(BaseModel):
       `data: {create_streaming_error_response(...)}` and then `data: [DONE]`; SGLang's
       `serving_chat.py` `_generate_chat_stream` likewise, its event `{"error": {"object": "error", ...}}`:
       `SimDialect.stream_error`).
+    - `cut_answer`: non-streaming only; a 200 answer's headers (with its whole `content-length`)
+      and the first half of its body are sent, then the connection is dropped: an engine that dies
+      while its answer is on the wire (the client reads an EOF before the body's end).
     - `null_max_tokens_500`: `/v1/completions` with `"max_tokens": null` gets HTTP 500 (an engine
       version that fails on the null instead of using its default, as reported in issue 10; the
       same answer on every worker, so it is the request's fault, not the workers').
@@ -106,6 +109,7 @@ class SimFaults(BaseModel):
     drop_after_chunks: int | None = Field(default=None, ge=0)
     stall_after_chunks: int | None = Field(default=None, ge=0)
     error_after_chunks: int | None = Field(default=None, ge=0)
+    cut_answer: bool = False
     null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None
 

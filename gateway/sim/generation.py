@@ -103,8 +103,9 @@ class _Responder:
 
     def __init__(self, send: Send, engine: SimWorkerState, record: SimRequestRecord,
                  drop_after_events: int | None, anthropic: bool = False, faults: SimFaults | None = None,
-                 watch: DisconnectWatch | None = None) -> None:
+                 watch: DisconnectWatch | None = None, cut_answer: bool = False) -> None:
         self.anthropic = anthropic  # errors in Anthropic's shape, the stream ends without `[DONE]`
+        self._cut_answer = cut_answer  # a 200 answer is cut after half its body (`SimFaults.cut_answer`)
         self._send = send
         self._engine = engine
         self._record = record
@@ -155,6 +156,10 @@ class _Responder:
             reply = _anthropic_error(reply)
         headers = [*JSON_HEADERS, (b"content-length", str(len(reply.body)).encode()), *(extra_headers or [])]
         await self.start(reply.status, headers)
+        if self._cut_answer and reply.status == 200:
+            self._engine.update(self._record, fault="cut_answer")
+            await self.body(reply.body[:len(reply.body) // 2], more=True)
+            raise _DropConnection
         await self.body(reply.body, more=False)
 
 
@@ -210,7 +215,7 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
     stream = body.get("stream") is True and anthropic != "count_tokens"
     engine.update(record, stream=stream)
     responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None, bool(anthropic),
-                           faults if stream else None, watch)
+                           faults if stream else None, watch, faults.cut_answer and not stream)
 
     if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
         return

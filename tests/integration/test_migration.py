@@ -277,3 +277,27 @@ def test_a_second_failure_continues_again_when_the_config_allows_two(
     assert usage_of(events)["completion_tokens"] == 24
     assert usage_of(events)["prompt_tokens"] == usage_of(reference)["prompt_tokens"]
     assert len({c["id"] for c in chunks(events)}) == 1
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_non_streamed_answer_cut_while_read_is_answered_whole_by_another_worker(
+        start_sim: StartSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture, api: str,
+        engine: str) -> None:
+    # Nothing of a non-streamed answer reaches the client before its end, so a cut one is a plain
+    # failover (the attempt failed), not a migration: the client gets one whole answer.
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    _, good, gw = setup(start_sim, start_gateway, SimFaults(cut_answer=True), engine)
+    body = {**(CHAT if api == "chat" else TEXT), "stream": False}
+    body.pop("stream_options")
+    reference = httpx.post(good.url + "/v1" + PATHS[api], json=body, timeout=5).json()
+    response = httpx.post(gw.v1 + PATHS[api], json=body, timeout=15)
+    assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "p/1"
+    answer = response.json()
+    pick = (lambda a: a["choices"][0]["message"]["content"]) if api == "chat" else \
+        (lambda a: a["choices"][0]["text"])
+    assert pick(answer) == pick(reference) and answer["usage"] == reference["usage"]
+    entry = access_lines(caplog, gw)[-1]
+    assert entry["outcome"] == "ok" and entry["attempts"] == 2 and "migration" not in entry
+    assert gw.metric("kimi_gateway_migrations_total") == 0
+    assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 24
