@@ -73,6 +73,9 @@ class SimFaults(BaseModel):
       while it is set are not answered either (its decode partners hear nothing from a wedged engine).
     - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
       the chunked body, so the client sees an incomplete response (not a clean end).
+    - `reset_after_chunks`: streaming only; after N SSE events, reset the connection (TCP RST:
+      `SO_LINGER` 0, then the transport aborted): an engine host that went away, as the client
+      sees a killed peer's kernel answer.
     - `stall_after_chunks`: streaming only; after N SSE events, send nothing more (the connection
       stays open) until the client leaves: an engine stuck mid-decode, caught by the reader's
       inter-token budget (`timeouts.read`).
@@ -108,6 +111,7 @@ class SimFaults(BaseModel):
     black_hole: bool = False
     drop_after_chunks: int | None = Field(default=None, ge=0)
     stall_after_chunks: int | None = Field(default=None, ge=0)
+    reset_after_chunks: int | None = Field(default=None, ge=0)
     error_after_chunks: int | None = Field(default=None, ge=0)
     cut_answer: bool = False
     null_max_tokens_500: bool = False

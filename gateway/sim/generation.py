@@ -13,6 +13,9 @@ which marks the record aborted.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import struct
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -112,6 +115,7 @@ class _Responder:
         self._drop_after = drop_after_events
         self._stall_after = faults.stall_after_chunks if faults is not None else None  # `faults`: a stream's only
         self._error_after = faults.error_after_chunks if faults is not None else None
+        self._reset_after = faults.reset_after_chunks if faults is not None else None
         self._watch = watch
         self._events = 0
         self.started = False
@@ -133,6 +137,11 @@ class _Responder:
         """One SSE write; drops the connection instead once `drop_after_chunks` events went out."""
         if self._drop_after is not None and self._events >= self._drop_after:
             self._engine.update(self._record, fault="drop_after_chunks")
+            raise _DropConnection
+        if self._reset_after is not None and self._events >= self._reset_after:
+            self._engine.update(self._record, fault="reset_after_chunks")
+            await asyncio.sleep(RESET_PAUSE_S)  # the events sent are read before the reset discards them
+            _reset(self._send)
             raise _DropConnection
         if self._stall_after is not None and self._events >= self._stall_after and self._watch is not None:
             self._engine.update(self._record, fault="stall_after_chunks")
@@ -161,6 +170,23 @@ class _Responder:
             await self.body(reply.body[:len(reply.body) // 2], more=True)
             raise _DropConnection
         await self.body(reply.body, more=False)
+
+
+RESET_PAUSE_S = 0.05
+"""How long a reset waits after the last event it lets out (a peer's kernel resets the connection
+after the data it acknowledged; a reset discards what the client had not read yet)."""
+
+
+def _reset(send: Send) -> None:
+    """Reset the connection `send` writes to (uvicorn's: `send` is its request cycle's bound method,
+    which holds the transport): `SO_LINGER` 0, then the transport aborted, so the kernel sends a RST."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _anthropic_error(reply: ErrorReply) -> ErrorReply:

@@ -25,8 +25,8 @@ CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "tell me a 
 TEXT = {"model": "kimi-k3", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}}
 PATHS = {"chat": "/chat/completions", "completions": "/completions"}
-FAULTS = {"eof": SimFaults(drop_after_chunks=8), "in_band_error": SimFaults(error_after_chunks=8),
-          "stall": SimFaults(stall_after_chunks=8)}
+FAULTS = {"reset": SimFaults(reset_after_chunks=8), "eof": SimFaults(drop_after_chunks=8),
+          "in_band_error": SimFaults(error_after_chunks=8), "stall": SimFaults(stall_after_chunks=8)}
 TIMEOUTS = {"read": 0.5, "first_byte_base": 0.5, "first_byte_per_1k_tokens": 0}  # the gap budget a stall runs past
 
 
@@ -301,3 +301,39 @@ def test_a_non_streamed_answer_cut_while_read_is_answered_whole_by_another_worke
     assert entry["outcome"] == "ok" and entry["attempts"] == 2 and "migration" not in entry
     assert gw.metric("kimi_gateway_migrations_total") == 0
     assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 24
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("how", ["drained", "ejected"])
+def test_a_worker_drained_or_ejected_mid_stream_keeps_it_until_its_engine_dies_then_it_migrates(
+        start_sim: StartSim, start_gateway: StartGateway, engine: str, how: str) -> None:
+    # Draining or ejecting a worker stops new requests, not the streams it serves: the stream goes
+    # on there; when its engine then goes away (a reset), it migrates to the healthy worker.
+    bad = start_sim(engine, tpot_s=0.02, faults=SimFaults(reset_after_chunks=12))
+    good = start_sim(engine)
+    gw = start_gateway([pool("p", engine, [bad.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0, "passive_failures": 1})
+    _, reference = stream(good.url + "/v1/chat/completions", CHAT)
+    state = gw.server.app.state.gateway
+    assert state is not None
+    worker = next(w for w in state.registry if w.id == "p/0")
+
+    async def eject() -> None:  # what outlier ejection does once a worker's failures reach the threshold
+        state.registry.request_failed(worker, "failed elsewhere")
+
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=CHAT, timeout=15) as response:
+        assert response.headers["x-kimi-gateway-worker"] == "p/0"
+        raw = response.iter_raw()
+        first = next(raw)
+        if how == "drained":
+            assert httpx.post(gw.url + "/admin/workers/p/0/drain", timeout=5).json()["draining"] is True
+        else:
+            gw.server.call(eject())
+            assert worker.ejected_until > 0
+        body = first + b"".join(raw)
+    events = events_of(body)
+    assert events[-1] == b"data: [DONE]" and text_of("chat", events) == text_of("chat", reference)
+    seams = [e for e in events if e.startswith(b": x-kimi-gateway-migrated")]
+    assert seams == [b": x-kimi-gateway-migrated from=p/0 to=p/1 kept_tokens=11"], seams  # p/0 served until it died
+    assert bad.engine.records[0].fault == "reset_after_chunks" and len(bad.engine.records) == 1
+    assert good.engine.records[-1].body["continue_final_message"] is True
