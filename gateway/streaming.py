@@ -581,7 +581,8 @@ class UpstreamStream:
     def __init__(self, response: UpstreamResponse, first: bytes, rest: AsyncIterator[bytes], holding: Holding,
                  ledger: Ledger, waiting: bool = False, keepalive_interval: float | None = None,
                  on_end: Callable[[str | None], None] | None = None, strip_usage: bool = False,
-                 max_event: int = MAX_EVENT, cache_in_input: bool = False, gap: float | None = None) -> None:
+                 max_event: int = MAX_EVENT, cache_in_input: bool = False, api: str | None = None,
+                 gap: float | None = None) -> None:
         self.response = response
         self._gap = gap
         if gap is not None and not waiting:
@@ -595,7 +596,7 @@ class UpstreamStream:
         self._rest = rest
         self._holding = holding
         self._ledger = ledger
-        self._api = ledger.record.api
+        self._api = api or ledger.record.api  # the engine's API (a migration may continue on another)
         self._closed = False
         self.tap = SSETap(self._api, cache_in_input)
         self.sse = response.headers.get("content-type", "").startswith("text/event-stream")

@@ -85,6 +85,7 @@ class MessagesDialect(Dialect[AnthropicWire]):
     stream_end_events = (b"message_stop",)
     request_id_header = b"request-id"
     wire_model = MessagesRequest
+    migrates = True  # continued on the engine's chat API (dispatch/migration.py)
 
     def validate(self, payload: dict[str, Any]) -> AnthropicWire:
         """The Anthropic wire model, as its chat twin (search results and text documents made text
@@ -145,4 +146,5 @@ class CountTokensDialect(MessagesDialect):
     output_limit_field = None
     stream_end_events = ()
     generates = False
+    migrates = False
     wire_model = CountTokensRequest

@@ -37,6 +37,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
 
 from gateway.backends.client import UpstreamResponse, UpstreamTimeouts, first_byte_budget, request_timeout
+from gateway.backends.encoding import DecodeError
 from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
@@ -272,8 +273,10 @@ class SingleLeg(Attempt):
         ledger.first_byte()
         try:
             answer = await read_rest(response, first, rest, state.config.max_body_bytes)
-        except Exception as exc:
+        except (AnswerTooLarge, DecodeError) as exc:
             raise self._broken(exc) from exc
+        except Exception as exc:
+            raise self._cut(exc) from exc
         return self._buffered(answer, content_type)
 
     def _accepted(self, response: UpstreamResponse) -> bytes:
@@ -292,7 +295,7 @@ class SingleLeg(Attempt):
         stream = UpstreamStream(response, first, rest, holding.hand_over(), ledger, not content,
                                 self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage,
                                 self._state.config.max_body_bytes,
-                                ENGINES[self.pool.engine].messages_cache_in_input,
+                                ENGINES[self.pool.engine].messages_cache_in_input, self._api,
                                 self._state.config.timeouts.read)
         return RelayResponse(stream, content_type)
 
@@ -303,14 +306,22 @@ class SingleLeg(Attempt):
             usage = json_answer_usage(answer, content_type, self._api,
                                       ENGINES[self.pool.engine].messages_cache_in_input)
         except ValueError as exc:
-            raise self._broken(exc) from exc
+            raise self._cut(exc) from exc
         self._ledger.usage(usage)
         self._ended(None)
         return BufferedResponse(200, answer, content_type)
 
+    def _cut(self, exc: Exception) -> AttemptFailed:
+        """The failure of a non-streaming answer that broke while it was read (a reset or an EOF
+        before its end, a cut JSON body): nothing reached the client, so it is an attempt that
+        failed like any other (the dispatch tries another worker, `after_failure` holds it against
+        this one), not a migration: there is no partial answer to continue."""
+        return AttemptFailed(Outcome.PROTOCOL_ERROR, f"the answer broke while it was read ({exc})", answered=True)
+
     def _broken(self, exc: Exception) -> UpstreamError:
-        """The error for a non-streaming answer that broke after the engine accepted the request
-        (held against the worker), or grew too large (the request's doing: held against nobody)."""
+        """The error for a non-streaming answer the engine encoded unasked into more than the gateway
+        relays (held against the worker), or that grew too large (the request's doing: held against
+        nobody); one cut while it was read is `_cut`'s."""
         self._ledger.answer_broken()
         if isinstance(exc, AnswerTooLarge):
             limit = self._state.config.max_body_bytes

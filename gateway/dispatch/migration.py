@@ -1,5 +1,6 @@
-"""Mid-stream migration (issue 23, first step): a streamed chat or text completion whose worker
-fails after content reached the client goes on on another worker, and the client reads one answer.
+"""Mid-stream migration (issue 23): a streamed chat or text completion whose worker (vLLM,
+vllm-ascend, SGLang, llama.cpp: `ENGINES`) fails after content reached the client goes on on another
+worker, and the client reads one answer.
 
 While a stream is relayed, `Progress.keep` holds the whole events the client got (one list append
 per read); every `FOLD_BYTES`, and at a failure, their text pieces are cut out (one pattern over
@@ -23,9 +24,14 @@ its opening role chunk is dropped (the client had one); an SSE comment (`: x-kim
 tokens = all generated; the re-prefilled prompt is counted in `kimi_gateway_migration_prefill_tokens`
 and the access log's `migration`, not billed to the key.
 
+An Anthropic Messages stream goes on on the engine's chat API (`Migration._continuation`: the
+engines' Messages layers do not prefill a trailing assistant turn), its chat chunks written as the
+rest of the client's Anthropic stream (`Migration._as_messages`).
+
 Not at a safe point, the failure ends the stream as before (one SSE error event): a tool call
-under way, `n` > 1, `logprobs`, `echo`, a prompt that is not one string, a finish already sent.
-Messages and Responses streams and PD pools are not migrated in this step.
+under way, `n` > 1, `logprobs`, `echo`, a prompt that is not one string, a finish already sent
+(Messages: a thinking block, no open text block, the client's own prefill). Responses streams and
+PD pools are not migrated.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ import orjson
 
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
-from gateway.dialects.names import COMPLETIONS
+from gateway.dialects.names import CHAT, COMPLETIONS, MESSAGES, Api
 from gateway.dispatch.attempt import SingleLeg
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.steps import decide
+from gateway.protocol.anthropic import STOP_REASONS, continuation_chat, message_end_events, sse_error, text_delta_event
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
@@ -52,15 +59,21 @@ OPT_OUT_HEADER = "x-kimi-gateway-migrate"
 FOLD_BYTES = 64 * 1024
 """Relayed bytes held unparsed at most (`Progress.keep`)."""
 
-ENGINES = frozenset({"vllm", "ascend", "llamacpp"})
+ENGINES = frozenset({"vllm", "ascend", "llamacpp", "sglang"})
 """Engine kinds a stream is continued on: vLLM and vllm-ascend, whose chat serving reads
-`continue_final_message` and `add_generation_prompt` (tested against the simulator), and llama.cpp,
+`continue_final_message` and `add_generation_prompt` (tested against the simulator); llama.cpp,
 whose server prefills a trailing assistant message by default (`--no-prefill-assistant` turns that
 off: `common/arg.cpp`; `tools/server/server-common.cpp` `oaicompat_chat_params_parse` renders it
 without its end of turn) and ignores the two flags (tested against the real engine:
-tests/e2e/test_real_engine_migration.py). SGLang reads `continue_final_message` too
-(`srt/entrypoints/openai/serving_chat.py` takes a final assistant message off and appends its
-content after the generation prompt) but is not migrated to yet."""
+tests/e2e/test_real_engine_migration.py); SGLang, whose chat serving reads `continue_final_message`
+(`python/sglang/srt/entrypoints/openai/serving_chat.py`, `_handle_last_assistant_message`: a final
+assistant message whose content is a string is taken off the messages and its content appended to
+the prompt rendered with the generation prompt, so the answer goes on with it) and has no
+`add_generation_prompt` field (its pydantic `ChatCompletionRequest` ignores the extra member). SGLang
+renders only that message's `content`, not its `reasoning_content`: a stream that relayed reasoning
+is not continued there (`refusal`)."""
+
+SGLANG = "sglang"
 
 CONTINUATION_TRIES = 2
 """Workers a continuation is tried on at most (each failure before its first content moves on)."""
@@ -71,6 +84,11 @@ _EVENT_BREAK = re.compile(rb"\r?\n\r?\n")
 _PIECE = re.compile(rb'"(content|reasoning_content|reasoning|text)"\s*:\s*"([^"\\]*(?:\\.[^"\\]*)*)"')
 _TOOL_CALL = re.compile(rb'"tool_calls"\s*:\s*\[\s*\{')
 _FINISH = re.compile(rb'"finish_reason"\s*:\s*"')
+# Anthropic's events (a Messages stream): a tool_use block, a stop reason, a thinking block's text.
+_TOOL_USE = re.compile(rb'"type"\s*:\s*"tool_use"')
+_STOP_REASON = re.compile(rb'"stop_reason"\s*:\s*"')
+_THINKING = b'"thinking_delta"'
+_BLOCK_EVENT = b'"content_block_st'  # content_block_start / content_block_stop
 
 
 def _data_events(events: bytes) -> list[bytes]:
@@ -90,8 +108,8 @@ class Progress:
     relayed), `finished` (a finish reason was relayed), `ident` (the first chunk's `id`, `created`,
     `model`), `prompt_tokens` (the engine's, when a chunk reported usage)."""
 
-    __slots__ = ("_raw", "_reasoning", "_size", "_text", "finished", "ident", "prompt_tokens", "tokens", "tool_call",
-                 "usage_tokens")
+    __slots__ = ("_raw", "_reasoning", "_size", "_text", "block", "finished", "ident", "prompt_tokens", "thinking",
+                 "tokens", "tool_call", "usage_tokens")
 
     def __init__(self) -> None:
         self._raw: list[bytes] = []
@@ -104,6 +122,8 @@ class Progress:
         self.tool_call = False
         self.finished = False
         self.ident: dict[str, Any] | None = None
+        self.thinking = False  # a Messages stream relayed a thinking block
+        self.block: tuple[int, str] | None = None  # a Messages stream's open content block: (index, type)
 
     def keep(self, events: bytes) -> None:
         """Hold whole events the client was sent (parsed later, in batches)."""
@@ -134,6 +154,14 @@ class Progress:
             self.tool_call = True
         if not self.finished and b'"finish_reason"' in data and _FINISH.search(data):
             self.finished = True
+        if _BLOCK_EVENT in data:  # Anthropic's Messages stream (each block's start and stop, rare)
+            self._blocks(data)
+        if not self.tool_call and b'"tool_use"' in data and _TOOL_USE.search(data):
+            self.tool_call = True
+        if not self.finished and b'"stop_reason"' in data and _STOP_REASON.search(data):
+            self.finished = True
+        if not self.thinking and _THINKING in data:
+            self.thinking = True
         if b'"usage"' in data:
             for payload in _data_events(data):
                 if b'"usage"' in payload:
@@ -150,13 +178,38 @@ class Progress:
                 self.ident = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
                 return
 
+    def _blocks(self, data: bytes) -> None:
+        """A Messages stream's open content block, from its `content_block_start` / `_stop` events."""
+        for payload in _data_events(data):
+            if _BLOCK_EVENT not in payload:
+                continue
+            try:
+                event = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                continue
+            if not isinstance(event, dict) or not isinstance(event.get("index"), int):
+                continue
+            if event.get("type") == "content_block_start":
+                block = event.get("content_block")
+                self.block = (event["index"], str(block.get("type")) if isinstance(block, dict) else "")
+            elif event.get("type") == "content_block_stop":
+                self.block = None
+
     def _usage(self, payload: bytes) -> None:
-        """The engine's counts from a chunk's usage (continuous usage stats)."""
+        """The engine's counts from a chunk's usage (continuous usage stats; a Messages stream's
+        `message_start`, whose `input_tokens` is the prompt where the engine counted it there)."""
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
             return
         usage = chunk.get("usage") if isinstance(chunk, dict) and "error" not in chunk else None
+        if isinstance(chunk, dict) and chunk.get("type") == "message_start" and isinstance(chunk.get("message"), dict):
+            start = chunk["message"].get("usage")
+            if isinstance(start, dict) and isinstance(start.get("input_tokens"), int) and start["input_tokens"] > 0:
+                self.prompt_tokens = start["input_tokens"]
+            return
+        if isinstance(usage, dict) and "input_tokens" in usage:
+            return  # a Messages stream's end: its counts are the tap's
         if isinstance(usage, dict):
             if isinstance(usage.get("completion_tokens"), int):
                 self.usage_tokens = usage["completion_tokens"]
@@ -179,13 +232,16 @@ class Progress:
         return self.usage_tokens if self.usage_tokens is not None else self.tokens
 
 
-def refusal(api: str, body: dict[str, Any], progress: Progress) -> str | None:
+def refusal(api: str, body: dict[str, Any], progress: Progress, engine: str = "vllm") -> str | None:
     """Why a stream cannot be continued from here (None: it can): its request asks for what a
-    continuation cannot give seamlessly, or its answer is not at a safe point."""
+    continuation cannot give seamlessly on the pool's `engine` kind, or its answer is not at a safe
+    point."""
     if progress.tool_call:
         return "a tool call was under way"
     if progress.finished:
         return "the answer had finished"
+    if api == MESSAGES:
+        return _messages_refusal(body, progress, engine)
     n = body.get("n")
     if n is not None and n != 1:
         return "n > 1"
@@ -202,12 +258,38 @@ def refusal(api: str, body: dict[str, Any], progress: Progress) -> str | None:
             return "a suffix was given"
     elif not isinstance(body.get("messages"), list):
         return "no messages"
-    stops = body.get("stop")
+    elif engine == SGLANG and progress.reasoning:
+        return "SGLang does not continue reasoning"  # its prefill is the final message's content alone
+    return _straddles(body.get("stop"), body.get("include_stop_str_in_output") is True or engine == SGLANG,
+                      progress)
+
+
+def _messages_refusal(body: dict[str, Any], progress: Progress, engine: str) -> str | None:
+    """`refusal` for a Messages stream: continued on the engine's chat API, so its text block must be
+    open (its `content_block_start` relayed, no `_stop`), with no thinking block before it, and the
+    client's own last turn must not be an assistant prefill (the engines' Messages layers start a
+    new turn after it, llama.cpp's continues it: the continuation could not say which)."""
+    if progress.thinking:
+        return "a thinking block was relayed"
+    if progress.block is None or progress.block[1] != "text":
+        return "no text block was open"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "no messages"
+    if isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+        return "the request prefilled the answer"
+    return _straddles(body.get("stop_sequences"), engine == SGLANG, progress)
+
+
+def _straddles(stops: Any, unheld: bool, progress: Progress) -> str | None:
+    """The refusal when a stop string may straddle the seam: the engine does not hold back a
+    partial match (`unheld`) and the text kept ends with the start of one of `stops`."""
     stops = [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []
-    if stops and body.get("include_stop_str_in_output") is True:
+    if stops and unheld:
         # vLLM holds back max(len(stop)) - 1 characters of a stream with stop strings
         # (`vllm/v1/engine/detokenizer.py`, `stop_buffer_length`), so no stop string can straddle
         # the seam, unless the stop string is to be included in the output, which turns that off.
+        # SGLang's is not relied on: the text kept may end with the start of a stop string.
         text = progress.text
         if any(isinstance(s, str) and any(text.endswith(s[:i]) for i in range(1, len(s))) for s in stops):
             return "a stop sequence may straddle the seam"
@@ -286,7 +368,7 @@ class Migration:
             except orjson.JSONDecodeError:
                 return False
             self._parsed = parsed if isinstance(parsed, dict) else {}
-        why = refusal(self._api, self._parsed, self.progress)
+        why = refusal(self._api, self._parsed, self.progress, self._worker.engine.kind)
         if why is not None:
             self._ledger.migration_refused(self._pool.name, self._worker, why)
             return False
@@ -300,7 +382,7 @@ class Migration:
         self.count += 1
         self._tried.add(self._worker)
         assert self._parsed is not None
-        body = continuation_body(self._api, self._parsed, self.progress, self._parsed.get("model") or "")
+        api, body = self._continuation()
         ledger.migration_started(self._worker, why, self.progress.generated, self.count)
         outcome = "no_worker"
         registry = state.registry
@@ -312,8 +394,8 @@ class Migration:
             decision = decide(state.policies.policy(pool.name), self._request, workers, {})
             worker = decision.worker
             ledger.continuation_started(worker)
-            attempt = SingleLeg(state, self._api, pool, worker, "migration", None, orjson.dumps(body),
-                                self._request, ledger, self._strip_usage)
+            attempt = SingleLeg(state, api, pool, worker, "migration", None, orjson.dumps(body),
+                                self._request, ledger, self._strip_usage and api == self._api)
             try:
                 result = await attempt.run()
             except AttemptFailed as failure:
@@ -332,6 +414,19 @@ class Migration:
         ledger.migration_ended(pool.name, outcome)
         return None
 
+    def _continuation(self) -> tuple[Api, dict[str, Any] | None]:
+        """The API and the engine body the answer goes on with (None: no output left). A Messages
+        answer goes on on the engine's chat API: the engines' Messages layers start a new turn after a
+        trailing assistant message (vLLM's `vllm/entrypoints/anthropic/serving.py` builds its chat
+        request without `continue_final_message`; SGLang's serving_chat turns it into a user turn),
+        so its chat twin (`continuation_chat`) is continued, with usage asked for."""
+        assert self._parsed is not None
+        model = self._parsed.get("model") or ""
+        if self._api != MESSAGES:
+            return self._api, continuation_body(self._api, self._parsed, self.progress, model)
+        chat = {**continuation_chat(self._parsed), "stream": True, "stream_options": {"include_usage": True}}
+        return CHAT, continuation_body(CHAT, chat, self.progress, model)
+
     def seam(self) -> bytes:
         """The SSE comment that marks the latest seam (clients ignore comments: WHATWG SSE)."""
         origin = self._from.id if self._from is not None else ""
@@ -341,9 +436,13 @@ class Migration:
     async def relay(self, stream: UpstreamStream) -> AsyncIterator[bytes]:
         """The continuation's events as the client gets them: the first stream's `id`, `created`
         and `model`, no second role chunk, honest usage; error events and `[DONE]` as they are."""
-        ident = self.progress.ident or {}
         stream.continuation = True
         yield self.seam()
+        if self._api == MESSAGES:
+            async for part in self._as_messages(stream):
+                yield part
+            return
+        ident = self.progress.ident or {}
         async for chunk in stream.body():
             out: list[bytes] = []
             for event in _EVENT_BREAK.split(chunk):
@@ -371,6 +470,50 @@ class Migration:
                 if isinstance(data.get("usage"), dict):
                     data["usage"] = self.usage(data["usage"])
                 out.append(b"data: " + orjson.dumps(data) + b"\n\n")
+            if out:
+                yield b"".join(out)
+
+    async def _as_messages(self, stream: UpstreamStream) -> AsyncIterator[bytes]:
+        """A chat continuation's events as the rest of the client's Messages stream: its content as
+        `text_delta`s of the open text block, then that block's stop, one `message_delta` (the stop
+        reason, the whole answer's usage) and `message_stop`; an error event as Anthropic's."""
+        assert self.progress.block is not None
+        index = self.progress.block[0]
+        stop_reason: str | None = None
+        usage: dict[str, Any] | None = None
+        async for chunk in stream.body():
+            out: list[bytes] = []
+            for event in _EVENT_BREAK.split(chunk):
+                if not event.startswith(b"data:"):
+                    if event.startswith(b":"):
+                        out.append(event + b"\n\n")  # a seam or keep-alive comment
+                    continue
+                payload = event[5:].strip()
+                if payload == b"[DONE]":
+                    out.append(message_end_events(index, stop_reason, self.usage(usage)))
+                    continue
+                try:
+                    data = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    continue
+                if not isinstance(data, dict):
+                    continue
+                if "error" in data:
+                    error = data["error"]
+                    message = error.get("message") if isinstance(error, dict) else error
+                    out.append(sse_error(str(message or "The inference server failed mid-stream.")))
+                    continue
+                if isinstance(data.get("usage"), dict):
+                    usage = data["usage"]
+                for choice in data.get("choices") or ():
+                    if not isinstance(choice, dict):
+                        continue
+                    delta = choice.get("delta")
+                    text = delta.get("content") if isinstance(delta, dict) else None
+                    if isinstance(text, str) and text:
+                        out.append(text_delta_event(index, text))
+                    if choice.get("finish_reason") is not None:
+                        stop_reason = STOP_REASONS.get(choice["finish_reason"], "end_turn")
             if out:
                 yield b"".join(out)
 

@@ -420,6 +420,48 @@ def error_body(status: int, message: str, request_id: str | None = None) -> byte
     return orjson.dumps(body)
 
 
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+"""A chat finish reason as Anthropic's stop reason, mapped as vLLM's and SGLang's Messages layers map
+it (`vllm/entrypoints/anthropic/serving.py` `stop_reason_map`, SGLang's `STOP_REASON_MAP`)."""
+
+
+def continuation_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat request a Messages body (`POST /v1/messages`, as sent) stands for, with the sampling
+    the engines' Messages layers pass on (vLLM's `_build_base_request`, SGLang's
+    `_convert_to_chat_completion_request`: `temperature`, `top_p`, `top_k`, `stop_sequences` as
+    `stop`): what a Messages answer is continued by on the engine's chat API. Raises pydantic's
+    ValidationError for a body that is not a Messages request."""
+    chat = to_chat(MessagesRequest.model_validate(body))
+    for name in ("temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("stop_sequences") is not None:
+        chat["stop"] = body["stop_sequences"]
+    return chat
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def text_delta_event(index: int, text: str) -> bytes:
+    """A `content_block_delta` event adding `text` to the text block at `index`."""
+    return _event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                          "delta": {"type": "text_delta", "text": text}})
+
+
+def message_end_events(index: int, stop_reason: str | None, usage: dict[str, Any] | None) -> bytes:
+    """The end of a message whose text block `index` is open: `content_block_stop`, `message_delta`
+    (its stop reason and, from `usage` in OpenAI's names, `input_tokens` and `output_tokens`),
+    `message_stop`."""
+    delta: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": None}}
+    if isinstance(usage, dict):
+        delta["usage"] = {"input_tokens": usage.get("prompt_tokens", 0),
+                          "output_tokens": usage.get("completion_tokens", 0)}
+    return (_event("content_block_stop", {"type": "content_block_stop", "index": index})
+            + _event("message_delta", delta) + _event("message_stop", {"type": "message_stop"}))
+
+
 def sse_error(message: str, status: int = 500) -> bytes:
     """One Anthropic SSE error event (`event: error`), what the Anthropic SDKs raise on mid-stream."""
     return b"event: error\ndata: " + error_body(status, message) + b"\n\n"

@@ -73,6 +73,9 @@ class SimFaults(BaseModel):
       while it is set are not answered either (its decode partners hear nothing from a wedged engine).
     - `drop_after_chunks`: streaming only; after N SSE events, drop the connection without ending
       the chunked body, so the client sees an incomplete response (not a clean end).
+    - `reset_after_chunks`: streaming only; after N SSE events, reset the connection (TCP RST:
+      `SO_LINGER` 0, then the transport aborted): an engine host that went away, as the client
+      sees a killed peer's kernel answer.
     - `stall_after_chunks`: streaming only; after N SSE events, send nothing more (the connection
       stays open) until the client leaves: an engine stuck mid-decode, caught by the reader's
       inter-token budget (`timeouts.read`).
@@ -80,7 +83,12 @@ class SimFaults(BaseModel):
       event and `data: [DONE]`, and end the response: what vLLM's chat and completion stream
       generators do when generation raises mid-stream (`vllm/entrypoints/openai/serving_chat.py`
       `chat_completion_stream_generator`, `serving_completion.py`: `except Exception` yields
-      `data: {create_streaming_error_response(...)}` and then `data: [DONE]`).
+      `data: {create_streaming_error_response(...)}` and then `data: [DONE]`; SGLang's
+      `serving_chat.py` `_generate_chat_stream` likewise, its event `{"error": {"object": "error", ...}}`:
+      `SimDialect.stream_error`).
+    - `cut_answer`: non-streaming only; a 200 answer's headers (with its whole `content-length`)
+      and the first half of its body are sent, then the connection is dropped: an engine that dies
+      while its answer is on the wire (the client reads an EOF before the body's end).
     - `null_max_tokens_500`: `/v1/completions` with `"max_tokens": null` gets HTTP 500 (an engine
       version that fails on the null instead of using its default, as reported in issue 10; the
       same answer on every worker, so it is the request's fault, not the workers').
@@ -103,7 +111,9 @@ class SimFaults(BaseModel):
     black_hole: bool = False
     drop_after_chunks: int | None = Field(default=None, ge=0)
     stall_after_chunks: int | None = Field(default=None, ge=0)
+    reset_after_chunks: int | None = Field(default=None, ge=0)
     error_after_chunks: int | None = Field(default=None, ge=0)
+    cut_answer: bool = False
     null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None
 

@@ -101,6 +101,16 @@ class EngineDialect:
         payload = {"error": inner} if self.nested_errors else {"object": "error", **inner}
         return ErrorReply(status=status, body=orjson.dumps(payload))
 
+    def stream_error(self, message: str, err_type: str, status: int) -> bytes:
+        """The SSE event an engine writes when a stream fails after it began: vLLM's
+        `create_streaming_error_response` (`vllm/entrypoints/openai/engine/serving.py`: its
+        `ErrorResponse`, `{"error": {...}}`), SGLang's (`srt/entrypoints/openai/serving_base.py`:
+        `json.dumps({"error": ErrorResponse})`, its flat error object nested under `error`)."""
+        inner = {"message": message, "type": err_type, "param": None, "code": status}
+        if self.nested_errors:
+            return b"data: " + orjson.dumps({"error": inner}) + b"\n\n"
+        return b"data: " + json.dumps({"error": {"object": "error", **inner}}).encode() + b"\n\n"
+
     def bad_request(self, message: str, param: str | None = None) -> ErrorReply:
         """A 400 `BadRequestError` in this engine's shape."""
         return self.error(message, "BadRequestError", 400, param)

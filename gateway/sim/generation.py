@@ -13,6 +13,9 @@ which marks the record aborted.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import struct
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -103,14 +106,16 @@ class _Responder:
 
     def __init__(self, send: Send, engine: SimWorkerState, record: SimRequestRecord,
                  drop_after_events: int | None, anthropic: bool = False, faults: SimFaults | None = None,
-                 watch: DisconnectWatch | None = None) -> None:
+                 watch: DisconnectWatch | None = None, cut_answer: bool = False) -> None:
         self.anthropic = anthropic  # errors in Anthropic's shape, the stream ends without `[DONE]`
+        self._cut_answer = cut_answer  # a 200 answer is cut after half its body (`SimFaults.cut_answer`)
         self._send = send
         self._engine = engine
         self._record = record
         self._drop_after = drop_after_events
         self._stall_after = faults.stall_after_chunks if faults is not None else None  # `faults`: a stream's only
         self._error_after = faults.error_after_chunks if faults is not None else None
+        self._reset_after = faults.reset_after_chunks if faults is not None else None
         self._watch = watch
         self._events = 0
         self.started = False
@@ -133,13 +138,18 @@ class _Responder:
         if self._drop_after is not None and self._events >= self._drop_after:
             self._engine.update(self._record, fault="drop_after_chunks")
             raise _DropConnection
+        if self._reset_after is not None and self._events >= self._reset_after:
+            self._engine.update(self._record, fault="reset_after_chunks")
+            await asyncio.sleep(RESET_PAUSE_S)  # the events sent are read before the reset discards them
+            _reset(self._send)
+            raise _DropConnection
         if self._stall_after is not None and self._events >= self._stall_after and self._watch is not None:
             self._engine.update(self._record, fault="stall_after_chunks")
             await self._watch.until_disconnected()
         if self._error_after is not None and self._events >= self._error_after and not self.anthropic:
             self._engine.update(self._record, fault="error_after_chunks")
-            reply = self._engine.dialect.error("Simulated failure mid-generation.", "InternalServerError", 500)
-            await self.body(b"data: " + reply.body + b"\n\n" + r.SSE_DONE, more=True)
+            event = self._engine.dialect.stream_error("Simulated failure mid-generation.", "InternalServerError", 500)
+            await self.body(event + r.SSE_DONE, more=True)
             await self.body(b"", more=False)
             raise _DropConnection
         self._events += 1
@@ -155,7 +165,28 @@ class _Responder:
             reply = _anthropic_error(reply)
         headers = [*JSON_HEADERS, (b"content-length", str(len(reply.body)).encode()), *(extra_headers or [])]
         await self.start(reply.status, headers)
+        if self._cut_answer and reply.status == 200:
+            self._engine.update(self._record, fault="cut_answer")
+            await self.body(reply.body[:len(reply.body) // 2], more=True)
+            raise _DropConnection
         await self.body(reply.body, more=False)
+
+
+RESET_PAUSE_S = 0.05
+"""How long a reset waits after the last event it lets out (a peer's kernel resets the connection
+after the data it acknowledged; a reset discards what the client had not read yet)."""
+
+
+def _reset(send: Send) -> None:
+    """Reset the connection `send` writes to (uvicorn's: `send` is its request cycle's bound method,
+    which holds the transport): `SO_LINGER` 0, then the transport aborted, so the kernel sends a RST."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _anthropic_error(reply: ErrorReply) -> ErrorReply:
@@ -210,7 +241,7 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
     stream = body.get("stream") is True and anthropic != "count_tokens"
     engine.update(record, stream=stream)
     responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None, bool(anthropic),
-                           faults if stream else None, watch)
+                           faults if stream else None, watch, faults.cut_answer and not stream)
 
     if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
         return
@@ -390,7 +421,7 @@ async def _reply_pd_failure(engine: SimWorkerState, record: SimRequestRecord, re
     if not responder.started:
         await responder.reply(reply)
         return
-    await responder.event(b"data: " + reply.body + b"\n\n")
+    await responder.event(engine.dialect.stream_error(exc.message, "InternalServerError", 500))
     await responder.end_stream()
 
 

@@ -351,9 +351,11 @@ def continued_tokens(body: dict[str, Any], engine: str) -> int | None:
       so the model goes on with that message: an assistant message's text is the start of its
       answer. (Any final message is continued; only an assistant one is the model's own turn.)
     - SGLang (`python/sglang/srt/entrypoints/openai/protocol.py`: `continue_final_message: bool =
-      False`; `serving_chat.py` takes a final assistant message's content off the messages and
-      appends it after the generation prompt, so the answer continues it). No `add_generation_prompt`
-      field there: the gateway's `false` is an extra field it ignores.
+      False`; `serving_chat.py`, `_handle_last_assistant_message`: a final assistant message whose
+      `content` is a string is taken off the messages and that string appended after the prompt
+      rendered with `add_generation_prompt=True`, so the answer continues it; its `reasoning_content`
+      is not rendered; a list content is left alone, so the template starts a new turn after it).
+      No `add_generation_prompt` field there: the gateway's `false` is an extra field it ignores.
     """
     if body.get("continue_final_message") is not True:
         return None
@@ -372,6 +374,8 @@ def continued_tokens(body: dict[str, Any], engine: str) -> int | None:
         return None
     last = messages[-1]
     if last.get("role") != "assistant":
+        return None
+    if engine == "sglang" and not isinstance(last.get("content"), str):
         return None
     return output_token_count(_message_text(last))
 

@@ -89,3 +89,40 @@ def test_a_sigkilled_worker_s_stream_reads_as_the_uninterrupted_answer(
     chunks = _pieces(events, api)
     assert _text(chunks, api) == uninterrupted
     assert len({c["id"] for c in chunks}) == 1
+
+
+def test_a_sigkilled_worker_s_messages_stream_reads_as_the_uninterrupted_answer(
+        doomed: LlamaCppWorker, worker_2k: LlamaCppWorker, start_gateway: Callable[..., RunningGateway]) -> None:
+    # A Messages answer goes on on the engine's chat API (its chat twin + the text so far); the
+    # client still reads one Anthropic stream with the uninterrupted run's text.
+    body = {"model": "kimi-k3", "max_tokens": 80, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": STORY}]}
+
+    def text(events: list[bytes]) -> str:
+        out = []
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: {") and b'"text_delta"' in line:
+                    out.append(json.loads(line[6:])["delta"]["text"])
+        return "".join(out)
+
+    with httpx.stream("POST", worker_2k.url + "/v1/messages", json=body, timeout=120) as direct:
+        uninterrupted = text(_events(direct))
+    gw = start_gateway([pool("cpu", "llamacpp", [doomed.url, worker_2k.url], 2048, policy="round_robin")],
+                       timeouts={"first_byte_base": 120.0}, estimation=SMOLLM2_ESTIMATION,
+                       health={"interval": 30, "timeout": 10.0})
+
+    def kill(count: int) -> None:
+        if count == 12:
+            os.kill(doomed.process.pid, signal.SIGKILL)
+            doomed.process.wait()
+
+    with httpx.stream("POST", gw.url + "/v1/messages", json=body, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "cpu/0"
+        events = _events(response, kill)
+    assert doomed.process.poll() is not None
+    kinds = [e.split(b"\n")[0] for e in events if e.startswith(b"event: ")]
+    assert kinds.count(b"event: message_start") == 1 and kinds[-1] == b"event: message_stop", kinds[-3:]
+    assert b"event: error" not in kinds and kinds.count(b"event: message_delta") == 1
+    assert any(e.startswith(b": x-kimi-gateway-migrated from=cpu/0 to=cpu/1") for e in events)
+    assert text(events) == uninterrupted

@@ -1,5 +1,5 @@
-"""Mid-stream migration (issue 23, first step): a chat or text completion stream whose simulated
-vLLM worker fails after content reached the client goes on on another worker, and the client reads
+"""Mid-stream migration (issue 23): a chat or text completion stream whose simulated vLLM or SGLang
+worker fails after content reached the client goes on on another worker, and the client reads
 the same answer an uninterrupted run gives (the simulator's answer is a function of the token's
 position in the assistant's turn: `gateway/sim/tokens.py`)."""
 
@@ -25,8 +25,8 @@ CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "tell me a 
 TEXT = {"model": "kimi-k3", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}}
 PATHS = {"chat": "/chat/completions", "completions": "/completions"}
-FAULTS = {"eof": SimFaults(drop_after_chunks=8), "in_band_error": SimFaults(error_after_chunks=8),
-          "stall": SimFaults(stall_after_chunks=8)}
+FAULTS = {"reset": SimFaults(reset_after_chunks=8), "eof": SimFaults(drop_after_chunks=8),
+          "in_band_error": SimFaults(error_after_chunks=8), "stall": SimFaults(stall_after_chunks=8)}
 TIMEOUTS = {"read": 0.5, "first_byte_base": 0.5, "first_byte_per_1k_tokens": 0}  # the gap budget a stall runs past
 
 
@@ -68,20 +68,21 @@ def access_lines(caplog: pytest.LogCaptureFixture, gw: RunningGateway) -> list[d
     return lines
 
 
-def setup(start_sim: StartSim, start_gateway: StartGateway, faults: SimFaults, **settings: Any
-          ) -> tuple[RunningSim, RunningSim, RunningGateway]:
-    bad = start_sim("vllm", faults=faults)
-    good = start_sim("vllm")
-    gw = start_gateway([pool("p", "vllm", [bad.url, good.url], 131072, policy="round_robin")],
+def setup(start_sim: StartSim, start_gateway: StartGateway, faults: SimFaults, engine: str = "vllm",
+          **settings: Any) -> tuple[RunningSim, RunningSim, RunningGateway]:
+    bad = start_sim(engine, faults=faults)
+    good = start_sim(engine)
+    gw = start_gateway([pool("p", engine, [bad.url, good.url], 131072, policy="round_robin")],
                        health={"interval": 30, "timeout": 1.0}, timeouts=TIMEOUTS, **settings)
     return bad, good, gw
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
 @pytest.mark.parametrize("api", ["chat", "completions"])
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_stream_whose_worker_fails_mid_generation_reads_as_one_uninterrupted_answer(
-        start_sim: StartSim, start_gateway: StartGateway, api: str, fault: str) -> None:
-    _, good, gw = setup(start_sim, start_gateway, FAULTS[fault])
+        start_sim: StartSim, start_gateway: StartGateway, api: str, fault: str, engine: str) -> None:
+    _, good, gw = setup(start_sim, start_gateway, FAULTS[fault], engine)
     body = CHAT if api == "chat" else TEXT
     _, reference = stream(good.url + "/v1" + PATHS[api], body)  # the uninterrupted run, on the engine itself
     response, events = stream(gw.v1 + PATHS[api], body)
@@ -197,6 +198,44 @@ def test_the_simulator_continues_a_final_assistant_message(start_sim: StartSim) 
     assert default.status_code == 400 and "not compatible" in default.text
 
 
+def test_the_sglang_simulator_continues_a_final_assistant_message_as_sglang_does(start_sim: StartSim) -> None:
+    # SGLang's serving_chat.py `_handle_last_assistant_message`: with `continue_final_message` a
+    # final assistant message with string content is the answer's start (no flag check, its
+    # `add_generation_prompt` member does not exist); list content is left as a turn of its own.
+    sim = start_sim("sglang")
+    whole = httpx.post(sim.url + "/v1/chat/completions", json={**CHAT, "stream": False}, timeout=5).json()
+    text = whole["choices"][0]["message"]["content"]
+    head = " ".join(text.split(" ")[:5])
+    body = {**CHAT, "stream": False, "max_tokens": 19, "continue_final_message": True,
+            "messages": [*CHAT["messages"], {"role": "assistant", "content": head}]}
+    for flags in ({}, {"add_generation_prompt": False}, {"add_generation_prompt": True}):
+        rest = httpx.post(sim.url + "/v1/chat/completions", json={**body, **flags}, timeout=5).json()
+        assert head + rest["choices"][0]["message"]["content"] == text, flags
+    parts = {**body, "messages": [*CHAT["messages"], {"role": "assistant", "content": [{"type": "text",
+                                                                                       "text": head}]}]}
+    fresh = httpx.post(sim.url + "/v1/chat/completions", json=parts, timeout=5).json()
+    assert fresh["choices"][0]["message"]["content"].startswith(text.split(" ")[0] + " ")  # a new turn
+
+
+def test_a_stream_that_relayed_reasoning_is_not_migrated_on_sglang(start_sim: StartSim, start_gateway: StartGateway,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.access")
+
+    def chunk(delta: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1,
+                                       "model": "kimi-k3", "choices": [{"index": 0, "delta": delta,
+                                                                        "finish_reason": None}]}).encode() + b"\n\n"
+    raw = [chunk({"role": "assistant", "content": ""}), chunk({"reasoning_content": "Let me think"}),
+           chunk({"content": "Kimi"})]
+    bad = start_sim("sglang", faults=SimFaults(raw_stream_chunks=SimFaults.encode_chunks(raw)))
+    good = start_sim("sglang")
+    gw = start_gateway([pool("p", "sglang", [bad.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0})
+    _, events = stream(gw.v1 + "/chat/completions", CHAT)
+    assert b'"error"' in events[-1] and good.engine.records == []
+    assert access_lines(caplog, gw)[-1]["migration"]["why"] == "SGLang does not continue reasoning"
+
+
 def test_the_access_log_says_it_and_the_key_is_billed_once_without_usage_asked(
         start_sim: StartSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture) -> None:
     # No `include_usage`: the gateway's usage patch asks both engines for it and strips it; the
@@ -238,3 +277,63 @@ def test_a_second_failure_continues_again_when_the_config_allows_two(
     assert usage_of(events)["completion_tokens"] == 24
     assert usage_of(events)["prompt_tokens"] == usage_of(reference)["prompt_tokens"]
     assert len({c["id"] for c in chunks(events)}) == 1
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_non_streamed_answer_cut_while_read_is_answered_whole_by_another_worker(
+        start_sim: StartSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture, api: str,
+        engine: str) -> None:
+    # Nothing of a non-streamed answer reaches the client before its end, so a cut one is a plain
+    # failover (the attempt failed), not a migration: the client gets one whole answer.
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    _, good, gw = setup(start_sim, start_gateway, SimFaults(cut_answer=True), engine)
+    body = {**(CHAT if api == "chat" else TEXT), "stream": False}
+    body.pop("stream_options")
+    reference = httpx.post(good.url + "/v1" + PATHS[api], json=body, timeout=5).json()
+    response = httpx.post(gw.v1 + PATHS[api], json=body, timeout=15)
+    assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "p/1"
+    answer = response.json()
+    pick = (lambda a: a["choices"][0]["message"]["content"]) if api == "chat" else \
+        (lambda a: a["choices"][0]["text"])
+    assert pick(answer) == pick(reference) and answer["usage"] == reference["usage"]
+    entry = access_lines(caplog, gw)[-1]
+    assert entry["outcome"] == "ok" and entry["attempts"] == 2 and "migration" not in entry
+    assert gw.metric("kimi_gateway_migrations_total") == 0
+    assert gw.metric('kimi_gateway_tokens_total{kind="completion",pool="p"}') == 24
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("how", ["drained", "ejected"])
+def test_a_worker_drained_or_ejected_mid_stream_keeps_it_until_its_engine_dies_then_it_migrates(
+        start_sim: StartSim, start_gateway: StartGateway, engine: str, how: str) -> None:
+    # Draining or ejecting a worker stops new requests, not the streams it serves: the stream goes
+    # on there; when its engine then goes away (a reset), it migrates to the healthy worker.
+    bad = start_sim(engine, tpot_s=0.02, faults=SimFaults(reset_after_chunks=12))
+    good = start_sim(engine)
+    gw = start_gateway([pool("p", engine, [bad.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0, "passive_failures": 1})
+    _, reference = stream(good.url + "/v1/chat/completions", CHAT)
+    state = gw.server.app.state.gateway
+    assert state is not None
+    worker = next(w for w in state.registry if w.id == "p/0")
+
+    async def eject() -> None:  # what outlier ejection does once a worker's failures reach the threshold
+        state.registry.request_failed(worker, "failed elsewhere")
+
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=CHAT, timeout=15) as response:
+        assert response.headers["x-kimi-gateway-worker"] == "p/0"
+        raw = response.iter_raw()
+        first = next(raw)
+        if how == "drained":
+            assert httpx.post(gw.url + "/admin/workers/p/0/drain", timeout=5).json()["draining"] is True
+        else:
+            gw.server.call(eject())
+            assert worker.ejected_until > 0
+        body = first + b"".join(raw)
+    events = events_of(body)
+    assert events[-1] == b"data: [DONE]" and text_of("chat", events) == text_of("chat", reference)
+    seams = [e for e in events if e.startswith(b": x-kimi-gateway-migrated")]
+    assert seams == [b": x-kimi-gateway-migrated from=p/0 to=p/1 kept_tokens=11"], seams  # p/0 served until it died
+    assert bad.engine.records[0].fault == "reset_after_chunks" and len(bad.engine.records) == 1
+    assert good.engine.records[-1].body["continue_final_message"] is True

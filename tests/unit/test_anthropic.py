@@ -253,3 +253,20 @@ def test_a_screenshot_in_a_tool_result_is_counted() -> None:
     with pytest.raises(ValueError):
         MessagesRequest.model_validate({"model": "kimi-k3", "max_tokens": 1, "messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": 5}]}]}]})
+
+
+def test_a_messages_answer_is_continued_by_its_chat_twin_and_ended_in_anthropic_s_events() -> None:
+    from gateway.protocol.anthropic import continuation_chat, message_end_events, text_delta_event
+
+    body = {"model": "m", "max_tokens": 9, "system": "be brief", "temperature": 0.5, "top_k": 3,
+            "stop_sequences": ["END"], "messages": [{"role": "user", "content": "hi"}]}
+    chat = continuation_chat(body)
+    assert chat["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert (chat["max_tokens"], chat["temperature"], chat["top_k"], chat["stop"]) == (9, 0.5, 3, ["END"])
+    assert "top_p" not in chat
+    assert text_delta_event(2, "a\n") == (b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+                                          b'"index":2,"delta":{"type":"text_delta","text":"a\\n"}}\n\n')
+    end = message_end_events(0, "max_tokens", {"prompt_tokens": 5, "completion_tokens": 7}).split(b"\n\n")
+    assert [e.split(b"\n")[0] for e in end if e] == [b"event: content_block_stop", b"event: message_delta",
+                                                     b"event: message_stop"]
+    assert b'"usage":{"input_tokens":5,"output_tokens":7}' in end[1] and b'"stop_reason":"max_tokens"' in end[1]

@@ -96,3 +96,63 @@ def test_the_safe_point_rules() -> None:
     done.keep(_event({"content": "x"}, finish="stop"))
     done.fold()
     assert refusal("chat", chat, done) == "the answer had finished"
+
+
+def test_sglang_s_rules_reasoning_and_its_stop_strings() -> None:
+    # SGLang renders a continued assistant message's content alone (serving_chat.py
+    # `_handle_last_assistant_message`), and no hold-back of a partial stop match is relied on.
+    thinking = Progress()
+    thinking.keep(_event({"reasoning_content": "hmm"}) + _event({"content": "Kimi"}))
+    thinking.fold()
+    assert refusal("chat", {"messages": []}, thinking, "sglang") == "SGLang does not continue reasoning"
+    assert refusal("chat", {"messages": []}, thinking, "vllm") is None
+    plain = Progress()
+    plain.keep(_event({"content": "Kimi tok"}))
+    plain.fold()
+    assert refusal("chat", {"messages": [], "stop": "tokens"}, plain, "sglang") == \
+        "a stop sequence may straddle the seam"
+    assert refusal("chat", {"messages": [], "stop": "tokens"}, plain, "vllm") is None
+    assert refusal("chat", {"messages": [], "stop": "Zürich"}, plain, "sglang") is None
+    assert refusal("completions", {"prompt": "a"}, plain, "sglang") is None
+
+
+def _anthropic(kind: str, data: dict[str, object]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
+
+
+def test_progress_reads_a_messages_stream_and_its_safe_points() -> None:
+    start = _anthropic("message_start", {"message": {"id": "msg_1", "content": [], "stop_reason": None,
+                                                     "usage": {"input_tokens": 9, "output_tokens": 0}}})
+    text = _anthropic("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    progress = Progress()
+    progress.keep(start + text + _anthropic("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
+                                                                                          "text": "Once"}}))
+    progress.keep(_anthropic("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": " upon"}}))
+    progress.fold()
+    assert (progress.text, progress.generated, progress.prompt_tokens, progress.block) == ("Once upon", 2, 9,
+                                                                                            (0, "text"))
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    assert refusal("messages", body, progress) is None
+    assert refusal("messages", {**body, "messages": [*body["messages"], {"role": "assistant", "content": "x"}]},
+                   progress) == "the request prefilled the answer"
+    assert refusal("messages", {**body, "stop_sequences": ["upon a"]}, progress) is None  # vLLM holds it back
+    assert refusal("messages", {**body, "stop_sequences": ["upon a"]}, progress, "sglang") == \
+        "a stop sequence may straddle the seam"
+    closed = Progress()
+    closed.keep(start + text + _anthropic("content_block_stop", {"index": 0}))
+    closed.fold()
+    assert refusal("messages", body, closed) == "no text block was open"
+    thinking = Progress()
+    thinking.keep(start + _anthropic("content_block_start", {"index": 0, "content_block": {"type": "thinking"}})
+                  + _anthropic("content_block_delta", {"index": 0, "delta": {"type": "thinking_delta",
+                                                                             "thinking": "hm"}}))
+    thinking.fold()
+    assert refusal("messages", body, thinking) == "a thinking block was relayed"
+    tool = Progress()
+    tool.keep(start + _anthropic("content_block_start", {"index": 0, "content_block": {"type": "tool_use"}}))
+    tool.fold()
+    assert refusal("messages", body, tool) == "a tool call was under way"
+    done = Progress()
+    done.keep(start + text + _anthropic("message_delta", {"delta": {"stop_reason": "end_turn"}}))
+    done.fold()
+    assert refusal("messages", body, done) == "the answer had finished"
