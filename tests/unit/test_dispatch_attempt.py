@@ -22,9 +22,9 @@ from gateway.dispatch.failures import Failures, exhausted
 from gateway.dispatch.kinds import AGGREGATED, kind_of
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.service import ProxyService
-from gateway.errors import NoCapacity, UpstreamError
+from gateway.errors import NoCapacity
 from gateway.observability.metrics import GatewayMetrics
-from gateway.observability.record import RequestOutcome, RequestRecord
+from gateway.observability.record import RequestRecord
 from gateway.redact import Redactor
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
@@ -272,13 +272,13 @@ async def test_a_buffered_answer_is_read_whole_then_everything_is_released(state
 
 
 @pytest.mark.anyio
-async def test_a_cut_buffered_answer_is_an_upstream_error_held_against_the_worker(state: AppState) -> None:
+async def test_a_cut_buffered_answer_is_a_failed_attempt_held_against_the_worker(state: AppState) -> None:
+    # Nothing reached the client, so the dispatch may retry it on another worker (issue 23).
     answer = Answer(200, [b'{"usage": {"prompt'])
-    attempt, record = single_leg(state, Engine(answer))
-    with pytest.raises(UpstreamError, match="failed while sending"):
+    attempt, _ = single_leg(state, Engine(answer))
+    with pytest.raises(AttemptFailed, match="broke while it was read"):
         await attempt.run()
-    assert record.outcome is RequestOutcome.UPSTREAM_ERROR and in_flight(state) == (0, 0)
-    assert state.registry.pools["p"][0].consecutive_failures == 1
+    assert in_flight(state) == (0, 0)  # the dispatch charges the worker (test_worker_failover.py)
 
 
 @pytest.mark.anyio
