@@ -45,10 +45,10 @@ from typing import Any
 
 import orjson
 
+from gateway.protocol.anthropic import STOP_REASONS  # the engines' finish-to-stop-reason map, shared
 from gateway.sim.config import MessagesUsage
 from gateway.sim.tokens import FieldValidationError, PromptError
 
-STOP_REASONS = {"length": "max_tokens", "stop": "end_turn"}
 _ROLES = ("user", "assistant", "system")
 
 

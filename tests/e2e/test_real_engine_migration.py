@@ -64,13 +64,10 @@ def _events(response: httpx.Response, on_event: Callable[[int], None] = lambda n
     return events
 
 
-@pytest.mark.parametrize("api", ["chat", "completions"])
-def test_a_sigkilled_worker_s_stream_reads_as_the_uninterrupted_answer(
-        api: str, doomed: LlamaCppWorker, worker_2k: LlamaCppWorker,
-        start_gateway: Callable[..., RunningGateway]) -> None:
-    body = BODIES[api]
-    with httpx.stream("POST", worker_2k.url + PATHS[api], json=body, timeout=120) as direct:
-        uninterrupted = _text(_pieces(_events(direct), api), api)
+def _gateway_before(doomed: LlamaCppWorker, worker_2k: LlamaCppWorker,
+                    start_gateway: Callable[..., RunningGateway]) -> tuple[RunningGateway, Callable[[int], None]]:
+    """A gateway whose pool is `doomed` then `worker_2k` (round robin: the first stream goes to
+    `doomed`), and the `on_event` callback that SIGKILLs `doomed` at the stream's 12th event."""
     gw = start_gateway([pool("cpu", "llamacpp", [doomed.url, worker_2k.url], 2048, policy="round_robin")],
                        timeouts={"first_byte_base": 120.0}, estimation=SMOLLM2_ESTIMATION,
                        health={"interval": 30, "timeout": 10.0})
@@ -79,6 +76,18 @@ def test_a_sigkilled_worker_s_stream_reads_as_the_uninterrupted_answer(
         if count == 12:
             os.kill(doomed.process.pid, signal.SIGKILL)
             doomed.process.wait()
+
+    return gw, kill
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_sigkilled_worker_s_stream_reads_as_the_uninterrupted_answer(
+        api: str, doomed: LlamaCppWorker, worker_2k: LlamaCppWorker,
+        start_gateway: Callable[..., RunningGateway]) -> None:
+    body = BODIES[api]
+    with httpx.stream("POST", worker_2k.url + PATHS[api], json=body, timeout=120) as direct:
+        uninterrupted = _text(_pieces(_events(direct), api), api)
+    gw, kill = _gateway_before(doomed, worker_2k, start_gateway)
 
     with httpx.stream("POST", gw.url + PATHS[api], json=body, timeout=120) as response:
         assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "cpu/0"
@@ -108,14 +117,7 @@ def test_a_sigkilled_worker_s_messages_stream_reads_as_the_uninterrupted_answer(
 
     with httpx.stream("POST", worker_2k.url + "/v1/messages", json=body, timeout=120) as direct:
         uninterrupted = text(_events(direct))
-    gw = start_gateway([pool("cpu", "llamacpp", [doomed.url, worker_2k.url], 2048, policy="round_robin")],
-                       timeouts={"first_byte_base": 120.0}, estimation=SMOLLM2_ESTIMATION,
-                       health={"interval": 30, "timeout": 10.0})
-
-    def kill(count: int) -> None:
-        if count == 12:
-            os.kill(doomed.process.pid, signal.SIGKILL)
-            doomed.process.wait()
+    gw, kill = _gateway_before(doomed, worker_2k, start_gateway)
 
     with httpx.stream("POST", gw.url + "/v1/messages", json=body, timeout=120) as response:
         assert response.status_code == 200 and response.headers["x-kimi-gateway-worker"] == "cpu/0"
