@@ -85,7 +85,8 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
     middleware = http_middleware(config)  # CORS, then /v1/* auth (gateway/auth/middleware.py)
     app = GatewayApp(
         proxied_apps(proxied, lambda endpoint: _wrapped(endpoint, middleware)), proxied,
-        auth=config.auth.enabled, model_names=config.model.names(), title="kimi-gateway", version=_version(),
+        auth=config.auth.enabled, model_names=[n for m in config.served_models() for n in m.names()],
+        title="kimi-gateway", version=_version(),
         summary="OpenAI-compatible gateway and multi-pool router for Kimi K3",
         lifespan=lifespan, middleware=middleware,
         exception_handlers={HTTPException: _http_error, GatewayError: _gateway_error,

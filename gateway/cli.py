@@ -73,7 +73,14 @@ def cmd_check_config(args: argparse.Namespace) -> None:
         PoolPolicies(config)
     except ValueError as exc:
         sys.exit(f"config error in {args.config}: {exc}")
-    print(f"{args.config}: OK — model {config.model.name} (aliases: {', '.join(config.model.aliases) or 'none'})")
+    models = config.served_models()
+    if len(models) == 1:
+        print(f"{args.config}: OK — model {models[0].name} (aliases: {', '.join(models[0].aliases) or 'none'})")
+    else:
+        print(f"{args.config}: OK — {len(models)} models")
+        for model in models:
+            print(f"  model {model.name} (aliases: {', '.join(model.aliases) or 'none'}): "
+                  f"pools {', '.join(model.pools or [p.name for p in config.pools])}")
     for pool in config.pools:
         found = f" + from DNS {pool.discover.name} ({pool.discover.record.upper()})" if pool.discover else ""
         workers, policy = f"{len(pool.workers)} worker(s){found}", pool.policy

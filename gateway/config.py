@@ -64,7 +64,12 @@ class GatewayConfig(Section):
         description="seconds a serving process's event loop may miss its heartbeat before the supervisor kills "
         "and replaces it (processes > 1; uvicorn's supervisor pings its workers the same way)",
     )
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="the one model of a one-model config (served by every pool); "
+        "give `models:` instead to serve several")
+    models: list[ModelConfig] | None = Field(
+        default=None, min_length=1, description="the models served, each with its aliases (none unless given) and "
+        "its own pool chain (`pools`, required when there are several); instead of `model:`")
     pools: list[PoolConfig] = Field(
         min_length=1, description="in cost order; an entry `{plan: plans/plan-a.yaml}` takes the pool from a plan "
         "file (gateway/plans/), relative to the config file",
@@ -123,6 +128,15 @@ class GatewayConfig(Section):
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _no_default_aliases(cls, models: Any) -> Any:
+        """A `models:` entry has no aliases unless it gives some (the default K3 aliases are the
+        one-model form's: on every entry they would clash)."""
+        if isinstance(models, list):
+            return [{"aliases": [], **m} if isinstance(m, Mapping) else m for m in models]
+        return models
+
     @field_validator("admin_origins")
     @classmethod
     def _check_admin_origins(cls, origins: list[str]) -> list[str]:
@@ -157,7 +171,8 @@ class GatewayConfig(Section):
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
-        model_names = {name.lower() for name in self.model.names()}
+        self._check_models(names)
+        model_names = {name.lower() for model in self.served_models() for name in model.names()}
         for p in self.pools:
             if len(set(p.lora_adapters)) != len(p.lora_adapters):
                 raise ValueError(f"pool {p.name}: lora_adapters must be distinct, got {p.lora_adapters}")
@@ -179,6 +194,65 @@ class GatewayConfig(Section):
                 raise ValueError("give Redis either as redis_url or as the redis: block, not both")
             object.__setattr__(self, "redis_url", self.redis.url())  # every store reads redis_url
         return self
+
+    def _check_models(self, pool_names: list[str]) -> None:
+        """`models:` instead of `model:`, names (and aliases) distinct across models ignoring case (as
+        requests are matched); every pool a model names exists and every pool serves a model; a pool
+        serving several models has no `served_model_name` of its own (which model's would it be?)."""
+        if self.models is None:
+            return
+        if "model" in self.model_fields_set:
+            raise ValueError("give either `model:` (one model) or `models:` (several), not both")
+        seen: dict[str, str] = {}
+        for model in self.models:
+            for name in model.names():
+                other = seen.setdefault(name.lower(), model.name)
+                if other != model.name:
+                    raise ValueError(f"model name or alias {name!r} is used twice (by {other!r} and {model.name!r})")
+            if model.pools is None and len(self.models) > 1:
+                raise ValueError(f"model {model.name!r}: with several models each names its `pools`")
+            unknown = [p for p in model.pools or () if p not in pool_names]
+            if unknown:
+                raise ValueError(f"model {model.name!r}: pools {unknown} are not configured (pools: {pool_names})")
+            if model.pools is not None and len(set(model.pools)) != len(model.pools):
+                raise ValueError(f"model {model.name!r}: pools must be distinct, got {model.pools}")
+        for pool in self.pools:
+            serving = [m.name for m in self.models if m.pools is None or pool.name in m.pools]
+            if not serving:
+                raise ValueError(f"pool {pool.name} serves no model: name it in a model's `pools`")
+            if pool.served_model_name is not None and len(serving) > 1:
+                raise ValueError(f"pool {pool.name} serves {serving}: set `served_model_name` on those models, "
+                                 "not on the pool")
+
+    def served_models(self) -> list[ModelConfig]:
+        """Every model served, in config order: `models`, else the one `model`."""
+        return self.models if self.models is not None else [self.model]
+
+    def model_named(self, name: str) -> ModelConfig:
+        """The served model whose canonical name is `name` (not an alias); KeyError if none is."""
+        for model in self.served_models():
+            if model.name == name:
+                return model
+        raise KeyError(name)
+
+    def model_pools(self, name: str) -> list[PoolConfig]:
+        """The pools serving the model called `name` (canonical), in its cost order: its `pools`, or
+        (None) every pool in config order. KeyError for no such model."""
+        model = self.model_named(name)
+        if model.pools is None:
+            return list(self.pools)
+        return [next(p for p in self.pools if p.name == pool) for pool in model.pools]
+
+    def served_name(self, pool: PoolConfig, name: str) -> str:
+        """The `model` the engines of `pool` get for the model called `name` (canonical): the pool's
+        `served_model_name` (allowed only on a pool serving one model), else the model's
+        `served_model_name`, else `name`. KeyError for no such model."""
+        return pool.served_model_name or self.model_named(name).served_model_name or name
+
+    def pool_served_names(self) -> dict[str, tuple[str, ...]]:
+        """Pool name -> the names its engines must list in /v1/models, one per model the pool serves."""
+        return {pool.name: tuple(self.served_name(pool, m.name) for m in self.served_models()
+                                 if m.pools is None or pool.name in m.pools) for pool in self.pools}
 
     def pool(self, name: str) -> PoolConfig:
         """The pool called `name`; KeyError if there is none."""

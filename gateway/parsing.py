@@ -226,8 +226,10 @@ class BodyParser:
         self.config = config
         self.estimator = estimator or TokenEstimator(config.estimation)
         self.hasher = hasher if hasher is not None or not config.affinity.enabled else PrefixHasher(config.affinity)
-        self.models = {name.lower(): config.model.name for name in config.model.names()}
-        self.served = {p.name: p.served_model_name or config.model.name for p in config.pools}
+        served = config.served_models()
+        self.models = {name.lower(): model.name for model in served for name in model.names()}
+        self.chains = {model.name: config.model_pools(model.name) for model in served}
+        """Canonical model name -> the pools serving it, in its cost order."""
         self.largest_context = max(p.max_context_tokens for p in config.pools)
         estimation = config.estimation
         rates = estimation.text_rates
@@ -268,7 +270,7 @@ class BodyParser:
                  measured: Mapping[str, tuple[int, int]] | None) -> RoutingRequest:
         """The routing features of a validated request (its dialect's, known by its wire model)."""
         request = _WIRE_DIALECT[type(wire)].features(wire, model, self.estimator, self.hasher, session, measured)
-        if model != self.config.model.name:  # a LoRA adapter (`validate`)
+        if model not in self.chains:  # a LoRA adapter (`validate`)
             return replace(request, adapter=model)
         return request
 
@@ -282,11 +284,11 @@ class BodyParser:
         if urls and measured is None:
             return Parsed(None, None, urls)
         request = self.features(wire, model, session, measured)
-        pool = fitting_pools(request, self.config.pools)[0]
+        pool = fitting_pools(request, self.config.pools if request.adapter else self.chains[request.model])[0]
         engine = ENGINES[pool.engine]
         usage = usage_patch(request, engine)
         as_max_tokens = api not in engine.max_completion_tokens_apis
-        served = self.served[pool.name] if request.adapter is None else request.adapter
+        served = self.config.served_name(pool, model) if request.adapter is None else request.adapter
         return Parsed(request, ForwardBody.of(payload, served, usage, as_max_tokens,
                                               pool.allow_kv_transfer_fields), urls)
 

@@ -1,6 +1,6 @@
-"""`GET /v1/models` and `GET /v1/models/{id}`: the served model, its aliases and the LoRA adapters
-its pools serve, in OpenAI's shapes (https://platform.openai.com/docs/api-reference/models), an
-adapter with its base model as `parent`, as vLLM and SGLang list theirs
+"""`GET /v1/models` and `GET /v1/models/{id}`: every served model, its aliases and the LoRA
+adapters its pools serve, in OpenAI's shapes (https://platform.openai.com/docs/api-reference/models),
+an adapter with its base model as `parent`, as vLLM and SGLang list theirs
 (vllm/entrypoints/openai/serving_models.py `show_available_models`; SGLang's `available_models`)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.requests import Request
 
+from gateway.api.params import ModelConfig
 from gateway.api.schemas import Model, ModelList, error_responses
 from gateway.errors import ModelNotFound
 from gateway.http_answers import JSONResponse, error_response
@@ -15,10 +16,13 @@ from gateway.state import AppState
 
 
 async def list_models(request: Request) -> JSONResponse:
-    """`{"object": "list", "data": [{"id", "object": "model", "created", "owned_by"}, ...]}`: the
-    model and its aliases, then every LoRA adapter (sorted by name) with `"parent"`: the model."""
+    """`{"object": "list", "data": [{"id", "object": "model", "created", "owned_by"}, ...]}`: each
+    model (config order) and its aliases, then every LoRA adapter (sorted by name) with `"parent"`:
+    the model whose pools serve it."""
     state: AppState = request.state.service.state
-    return JSONResponse({"object": "list", "data": [_model_object(state, name) for name in _listed(state)]})
+    listed = _listed(state)
+    return JSONResponse({"object": "list", "data": [_model_object(state, name, model)
+                                                     for name, model in listed.items()]})
 
 
 async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
@@ -26,23 +30,37 @@ async def retrieve_model(request: Request, model_id: str) -> JSONResponse:
     id (exactly as listed; ids may hold a slash, `moonshotai/Kimi-K3`), else 404 `model_not_found`
     as OpenAI answers it (the OpenAI SDKs' `models.retrieve()`)."""
     state: AppState = request.state.service.state
-    wanted = model_id
-    if wanted not in state.config.model.names() and wanted not in state.registry.adapter_names():
+    model = _listed(state).get(model_id)
+    if model is None:
         return error_response(ModelNotFound(
-            f"The model `{wanted[:200]}` does not exist or you do not have access to it.", param="model"))
-    return JSONResponse(_model_object(state, wanted))
+            f"The model `{model_id[:200]}` does not exist or you do not have access to it.", param="model"))
+    return JSONResponse(_model_object(state, model_id, model))
 
 
-def _listed(state: AppState) -> list[str]:
-    names = state.config.model.names()
-    return [*names, *sorted(state.registry.adapter_names() - set(names))]
+def _listed(state: AppState) -> dict[str, tuple[ModelConfig, bool]]:
+    """Listed id -> (its model: the model itself for a name or alias, the parent for an adapter;
+    whether the id is an adapter), in listing order. An adapter's parent is the first model (config
+    order) one of whose pools serves it."""
+    config, registry = state.config, state.registry
+    listed: dict[str, tuple[ModelConfig, bool]] = {}
+    for model in config.served_models():
+        listed.update((name, (model, False)) for name in model.names())
+    adapters = registry.adapter_names()
+    if adapters:
+        chains = [(model, [p.name for p in config.model_pools(model.name)]) for model in config.served_models()]
+        for adapter in sorted(adapters):
+            parent = next((model for model, pools in chains
+                           if any(registry.serves_adapter(pool, adapter) for pool in pools)), None)
+            if parent is not None:  # an adapter the engines list under an alias is the adapter
+                listed[adapter] = (parent, True)
+    return listed
 
 
-def _model_object(state: AppState, name: str) -> dict[str, object]:
-    model = state.config.model
+def _model_object(state: AppState, name: str, entry: tuple[ModelConfig, bool]) -> dict[str, object]:
+    model, adapter = entry
     listed: dict[str, object] = {"id": name, "object": "model", "created": state.started_unix,
                                  "owned_by": model.owned_by}
-    if name in state.registry.adapter_names():  # an adapter the engines list under an alias is the adapter
+    if adapter:
         listed["parent"] = model.name
     return listed
 

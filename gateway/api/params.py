@@ -1,4 +1,4 @@
-"""The client API's config sections (pydantic only): the served model's names and CORS."""
+"""The client API's config sections (pydantic only): the served models' names and CORS."""
 
 from __future__ import annotations
 
@@ -11,12 +11,21 @@ from gateway.config_base import Section
 
 
 class ModelConfig(Section):
-    """The one model the gateway serves and the names clients may call it by."""
+    """A model the gateway serves (the top-level `model:`, or one entry of `models:`), the names
+    clients may call it by and the pools that serve it."""
 
     name: str = Field(default="kimi-k3", min_length=1)
     aliases: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=lambda: ["Kimi-K3", "moonshotai/Kimi-K3"])
     owned_by: str = "moonshotai"
+    pools: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, description="names of the pools that serve it, in cost order (its own chain: context-length "
+        "routing, spillover and PD run over these only); a pool may serve several models. None: every pool "
+        "(the one-model form, or a `models:` list of one)")
+    served_model_name: str | None = Field(
+        default=None, min_length=1, description="the name its engines serve it under (vLLM/SGLang "
+        "`--served-model-name`); a pool's own `served_model_name` wins where the pool serves this model only. "
+        "None: `name`")
 
     @model_validator(mode="after")
     def _distinct_names(self) -> ModelConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import httpx
 
@@ -44,25 +44,26 @@ class HealthChecker(FollowsWorkers[Worker]):
     """
 
     def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: HealthConfig,
-                 metrics: GatewayMetrics, pools: Iterable[PoolConfig], model_name: str = "kimi-k3") -> None:
+                 metrics: GatewayMetrics, pools: Iterable[PoolConfig],
+                 served_names: Mapping[str, tuple[str, ...]]) -> None:
         pools = list(pools)
         self.registry = registry
         self.client = client
         self.config = config
         self.metrics = metrics
         self.headers = pool_headers(pools)
-        self.model_name = model_name
-        self.expected = {p.name: (p.served_model_name or model_name, p.max_context_tokens) for p in pools}
+        self.expected = _expected(pools, served_names)
         self._models_notes: dict[str, str] = {}
         self.loop = PeriodicEach("health probe", config.interval, list(registry), self.probe, label=lambda w: w.id)
 
-    def set_pools(self, pools: Iterable[PoolConfig]) -> None:
-        """The pools' credentials and expected served name and max context after a reload; the
+    def set_pools(self, pools: Iterable[PoolConfig], served_names: Mapping[str, tuple[str, ...]]) -> None:
+        """The pools' credentials and expected served names (pool -> the names of its models, as
+        `GatewayConfig.pool_served_names` gives them) and max context after a reload; the
         workers of a pool whose expectation changed are checked again at their next probe (a
         fixed pool's misconfigured workers come back, a matching one that no longer matches goes)."""
         pools = list(pools)
         self.headers = pool_headers(pools)
-        expected = {p.name: (p.served_model_name or self.model_name, p.max_context_tokens) for p in pools}
+        expected = _expected(pools, served_names)
         changed = {name for name, value in expected.items() if self.expected.get(name) != value}
         self.expected = expected
         for worker in self.registry:
@@ -127,3 +128,9 @@ class HealthChecker(FollowsWorkers[Worker]):
         self._models_notes.pop(worker.id, None)
         worker.models_checked_at = time.monotonic()
         self.registry.set_misconfigured(worker, verdict)
+
+
+def _expected(pools: list[PoolConfig],
+              served_names: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[tuple[str, ...], int]]:
+    """Pool name -> (the names its workers must list, its max context in tokens)."""
+    return {p.name: (served_names[p.name], p.max_context_tokens) for p in pools}

@@ -17,6 +17,7 @@ them. llama.cpp is not checked: it accepts any `model` in a request, and its
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import orjson
@@ -47,28 +48,30 @@ def _entries(body: bytes) -> list[dict[str, Any]]:
     return entries
 
 
-def listed_adapters(body: bytes, served_name: str) -> frozenset[str]:
+def listed_adapters(body: bytes, served_names: Collection[str]) -> frozenset[str]:
     """The LoRA adapter names a `/v1/models` body lists: entries with a string `parent` (the
-    base model they adapt) other than `served_name` itself, at most `MAX_ADAPTERS`. Raises
-    UnreadableModels for a body that is not a model list."""
-    names = [e["id"] for e in _entries(body) if isinstance(e.get("parent"), str) and e["id"] != served_name]
+    base model they adapt) that are not one of `served_names` (the pool's models) themselves, at
+    most `MAX_ADAPTERS`. Raises UnreadableModels for a body that is not a model list."""
+    names = [e["id"] for e in _entries(body) if isinstance(e.get("parent"), str) and e["id"] not in served_names]
     return frozenset(names[:MAX_ADAPTERS])
 
 
-def models_verdict(body: bytes, served_name: str, max_context_tokens: int) -> str | None:
-    """None when the list names `served_name` and its `max_model_len` (tokens) is absent or equals
-    `max_context_tokens`; else the reason the worker is misconfigured, in words (the missing name
-    first: without it there is no entry to read a length from). Raises UnreadableModels for a body
-    that is not a model list."""
+def models_verdict(body: bytes, served_names: Sequence[str], max_context_tokens: int) -> str | None:
+    """None when the list names every one of `served_names` (the pool's models, as the gateway
+    sends them) and each one's `max_model_len` (tokens) is absent or equals `max_context_tokens`;
+    else the reason the worker is misconfigured, in words (a missing name first: without it there
+    is no entry to read a length from). Raises UnreadableModels for a body that is not a model list."""
     entries = _entries(body)
     ids = [entry["id"] for entry in entries]
-    entry = next((e for e in entries if e["id"] == served_name), None)
-    if entry is None:
-        listed = ", ".join(repr(i) for i in ids[:8]) or "nothing"
-        return (f"serves {listed}, not {served_name!r} (the name the gateway sends): every request would be "
-                "refused as an unknown model")
-    reported = entry.get("max_model_len")
-    if isinstance(reported, int) and not isinstance(reported, bool) and reported != max_context_tokens:
-        return (f"reports max_model_len {reported} tokens but the pool's max_context_tokens is "
-                f"{max_context_tokens}")
+    for served_name in served_names:
+        entry = next((e for e in entries if e["id"] == served_name), None)
+        if entry is None:
+            listed = ", ".join(repr(i) for i in ids[:8]) or "nothing"
+            return (f"serves {listed}, not {served_name!r} (the name the gateway sends): every request for it "
+                    "would be refused as an unknown model")
+        reported = entry.get("max_model_len")
+        if isinstance(reported, int) and not isinstance(reported, bool) and reported != max_context_tokens:
+            which = f" for {served_name!r}" if len(served_names) > 1 else ""
+            return (f"reports max_model_len {reported} tokens{which} but the pool's "
+                    f"max_context_tokens is {max_context_tokens}")
     return None

@@ -110,7 +110,7 @@ class ProxyService:
             request = replace(request, session_key=scoped_session(
                 request.session_key, principal.name if principal is not None else None, request.adapter))
         ledger.parsed(request)
-        serving = self.state.config.pools if request.adapter is None else self._adapter_pools(request.adapter)
+        serving = self._adapter_pools(request.adapter) if request.adapter else self.parser.chains[request.model]
         pools = fitting_pools(request, serving)
         if len(pools) < len(serving):
             ledger.skipped(skipped_pools(request, serving) or None)

@@ -11,6 +11,7 @@ from enum import StrEnum
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
+from gateway.config import GatewayConfig
 from gateway.dialects.names import Api
 from gateway.parsing import BodyKey, Payload, encode_for
 from gateway.routing.features import RoutingRequest
@@ -61,10 +62,10 @@ def with_room(registry: WorkerRegistry, pool: PoolConfig, workers: list[Worker],
     return gate.with_room(workers)
 
 
-def served_name(pool: PoolConfig, request: RoutingRequest, model_name: str) -> str:
+def served_name(pool: PoolConfig, request: RoutingRequest, config: GatewayConfig) -> str:
     """The `model` the engines of `pool` get for `request`: the LoRA adapter's name it asks for,
-    else the pool's `served_model_name`, else the model's name (`model_name`)."""
-    return request.adapter or pool.served_model_name or model_name
+    else its model's served name on that pool (`GatewayConfig.served_name`)."""
+    return request.adapter or config.served_name(pool, request.model)
 
 
 class AffinityMatch(dict[str, float]):

@@ -24,6 +24,7 @@ def demo_servers(config: GatewayConfig, host: str, port: int) -> list[QuietServe
     (last: `serve_many(..., last_depends_on_others=True)` starts it once the workers listen and stops
     it before them)."""
     servers = []
+    served = config.pool_served_names()
     for pool in config.pools:
         if pool.engine == "llamacpp":
             raise SystemExit(f"demo: pool {pool.name} is a llama.cpp pool; start it with `kimi-gateway engine`")
@@ -32,7 +33,7 @@ def demo_servers(config: GatewayConfig, host: str, port: int) -> list[QuietServe
             if parts.hostname not in ("127.0.0.1", "localhost") or parts.port is None:
                 raise SystemExit(f"demo: worker {url} must be a loopback URL with a port")
             sim = SimConfig(engine=pool.engine, max_context_tokens=pool.max_context_tokens,
-                            served_model_names=[pool.served_model_name or config.model.name],
+                            served_model_names=list(served[pool.name]),
                             ttft_s=DEMO_TTFT_S, tpot_s=DEMO_TPOT_S, default_output_tokens=40)
             servers.append(QuietServer(uvicorn_config(create_sim_app(sim), "127.0.0.1", parts.port)))
     servers.append(QuietServer(uvicorn_config(create_app(config), host, port, **http_options(config))))
@@ -48,8 +49,9 @@ def run_demo(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000) -
     print(f"kimi-gateway demo: {sum(len(p.workers) for p in config.pools)} simulated workers in "
           f"{len(config.pools)} pools ({', '.join(p.name for p in config.pools)}); gateway on {url}")
     print("Try:")
+    model = config.served_models()[0].name
     print(f"  curl -sN {url}/v1/chat/completions -H 'content-type: application/json' "
-          "-d '{\"model\": \"kimi-k3\", \"stream\": true, \"messages\": [{\"role\": \"user\", "
+          f"-d '{{\"model\": \"{model}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", "
           "\"content\": \"Hello!\"}]}'")
     print(f"  curl -s {url}/v1/models; curl -s {url}/ready; curl -s {url}/metrics | grep kimi_gateway_requests")
     print("Ctrl-C stops it.", flush=True)

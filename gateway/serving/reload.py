@@ -58,7 +58,7 @@ def apply_config(state: AppState, new: GatewayConfig) -> ReloadResult:
     except (ValueError, ValidationError) as exc:
         raise ReloadRefused(explain_validation_error(exc)) from None
     changes = state.registry.configure(new.pools)
-    state.health.set_pools(new.pools)
+    state.health.set_pools(new.pools, new.pool_served_names())
     state.lora.headers = pool_headers(new.pools)
     state.load.set_pools(new.pools)
     state.discovery.set_pools(new.discovery, new.pools)

@@ -236,9 +236,10 @@ async def test_a_retiring_worker_of_a_removed_pool_is_not_judged(start_sim: Star
     registry.configure(config.pools, initial=True)
     (worker,) = registry.pools["p"]
     async with httpx.AsyncClient() as client:
-        health = HealthChecker(registry, client, config.health, GatewayMetrics(), config.pools)
+        health = HealthChecker(registry, client, config.health, GatewayMetrics(), config.pools,
+                               config.pool_served_names())
         await health.check_models(worker)
         assert worker.misconfigured is not None
-        health.set_pools([])
+        health.set_pools([], {})
         await health.check_models(worker)  # no KeyError
         assert worker.misconfigured is not None  # the last verdict stays; the worker takes no new requests anyway

@@ -19,31 +19,31 @@ def body(names: list[str], max_model_len: int | None, owned_by: str = "vllm") ->
 
 @pytest.mark.parametrize("owned_by", ["vllm", "sglang"])
 def test_the_served_name_with_the_pool_context_passes(owned_by: str) -> None:
-    assert models_verdict(body(["moonshotai/Kimi-K3", "kimi-k3"], 524288, owned_by), "kimi-k3", 524288) is None
+    assert models_verdict(body(["moonshotai/Kimi-K3", "kimi-k3"], 524288, owned_by), ("kimi-k3",), 524288) is None
 
 
 def test_a_missing_name_is_named_with_what_is_served() -> None:
-    verdict = models_verdict(body(["kimi-k3"], 131072), "moonshotai/Kimi-K3", 131072)
+    verdict = models_verdict(body(["kimi-k3"], 131072), ("moonshotai/Kimi-K3",), 131072)
     assert verdict is not None
     assert verdict.startswith("serves 'kimi-k3', not 'moonshotai/Kimi-K3'")
 
 
 @pytest.mark.parametrize("reported", [131071, 262144])
 def test_another_max_model_len_either_way_is_reported(reported: int) -> None:
-    assert models_verdict(body(["kimi-k3"], reported), "kimi-k3", 131072) == (
+    assert models_verdict(body(["kimi-k3"], reported), ("kimi-k3",), 131072) == (
         f"reports max_model_len {reported} tokens but the pool's max_context_tokens is 131072")
 
 
 def test_an_engine_that_reports_no_length_is_judged_by_name_only() -> None:
-    assert models_verdict(body(["kimi-k3"], None), "kimi-k3", 131072) is None
+    assert models_verdict(body(["kimi-k3"], None), ("kimi-k3",), 131072) is None
     weird = orjson.dumps({"data": [{"id": "kimi-k3", "max_model_len": True}]})
-    assert models_verdict(weird, "kimi-k3", 131072) is None  # not a number of tokens
+    assert models_verdict(weird, ("kimi-k3",), 131072) is None  # not a number of tokens
 
 
 @pytest.mark.parametrize("raw", [b"<html>", b"[]", b'{"data": {}}', b'{"data": [{"name": "x"}]}', b"{}"])
 def test_a_body_that_is_no_model_list_is_unreadable(raw: bytes) -> None:
     with pytest.raises(UnreadableModels):
-        models_verdict(raw, "kimi-k3", 131072)
+        models_verdict(raw, ("kimi-k3",), 131072)
 
 
 @pytest.mark.parametrize("owned_by", ["vllm", "sglang"])
@@ -52,13 +52,14 @@ def test_listed_adapters_are_the_entries_with_a_parent(owned_by: str) -> None:
     without one (vLLM: `parent: null`; SGLang: no `parent`), and its `max_model_len` is null."""
     listed = orjson.dumps(models_list(["kimi-k3", "K3"], 131072, owned_by, 1,
                                       {"sql-lora": "/loras/sql", "chat": "/loras/chat"}))
-    assert listed_adapters(listed, "kimi-k3") == {"sql-lora", "chat"}
-    assert models_verdict(listed, "kimi-k3", 131072) is None  # the adapters' null length judges nothing
-    assert listed_adapters(body(["kimi-k3"], 131072, owned_by), "kimi-k3") == frozenset()
+    assert listed_adapters(listed, ("kimi-k3",)) == {"sql-lora", "chat"}
+    assert models_verdict(listed, ("kimi-k3",), 131072) is None  # the adapters' null length judges nothing
+    assert listed_adapters(body(["kimi-k3"], 131072, owned_by), ("kimi-k3",)) == frozenset()
     with pytest.raises(UnreadableModels):
-        listed_adapters(b'{"data": "no"}', "kimi-k3")
+        listed_adapters(b'{"data": "no"}', ("kimi-k3",))
 
 
 def test_listed_adapters_are_capped() -> None:
     many = {f"lora-{i}": f"/loras/{i}" for i in range(MAX_ADAPTERS + 5)}
-    assert len(listed_adapters(orjson.dumps(models_list(["kimi-k3"], 1, "vllm", 1, many)), "kimi-k3")) == MAX_ADAPTERS
+    listed = orjson.dumps(models_list(["kimi-k3"], 1, "vllm", 1, many))
+    assert len(listed_adapters(listed, ("kimi-k3",))) == MAX_ADAPTERS
