@@ -76,7 +76,10 @@ class LoadScraper(FollowsWorkers[Worker]):
         self.headers = pool_headers(pools)
 
     async def scrape(self, worker: Worker) -> bool:
-        """One scrape; True when the worker's load was updated."""
+        """One scrape; True when the worker's load was updated. The engine counts its requests when
+        it answers, near when the scrape is sent: this replica's in-flight count is taken then too,
+        so a request that finishes while a slow answer is read is not counted as still queued."""
+        in_flight_at_send = worker.in_flight
         try:
             answer = await control_get(self.client, worker.url + "/metrics", self.headers.get(worker.pool, {}),
                                        self.config.timeout, self.config.max_body_bytes)
@@ -92,7 +95,7 @@ class LoadScraper(FollowsWorkers[Worker]):
         if self.failures.pop(worker.id, None) is not None:
             log.info("load scrape of %s works again", worker.id)
         worker.engine_running, worker.engine_waiting, worker.kv_usage = running, waiting, kv
-        worker.in_flight_at_scrape = worker.in_flight
+        worker.in_flight_at_scrape = in_flight_at_send
         for signal, value in (("running", running), ("waiting", waiting), ("kv_usage", kv)):
             if value is not None:
                 self.metrics.engine_load_scraped(worker.pool, worker.id, signal, value)
