@@ -5,6 +5,8 @@ OpenAI's (https://platform.openai.com/docs/guides/error-codes):
 
 - 401 `invalid_api_key` for a missing, malformed or unknown key (type `invalid_request_error`, as OpenAI);
 - 403 `insufficient_permissions` for a key without the scope a route needs;
+- 404 `model_not_found` for a model the key may not use (`check_model`), exactly what OpenAI answers
+  for a model the key has no access to, so a key learns nothing of the models beyond its own;
 - 429 `rate_limit_exceeded`, `type` `requests` or `tokens` as OpenAI sends it, with `Retry-After`
   (seconds) and OpenAI's wording ("Rate limit reached ... on tokens per min (TPM): Limit L, Used U,
   Requested R. Please try again in Ns."); a request larger than its key's whole token limit gets
@@ -14,23 +16,37 @@ OpenAI's (https://platform.openai.com/docs/guides/error-codes):
   (`RateLimitBusy`: every connection taken for the wait deadline, `gateway/redis_gate.py`).
 
 A quota check returns a `Reservation`; the request path settles it when the request ends
-(`settle`: to the tokens used, or all of it back when no engine worked on the request).
+(`settle`: to the tokens used, or all of it back when no engine worked on the request). A key's
+limits on the request's model (`model_limits`) are checked with its own, in the same `check_quota`
+(one more limiter call, under the limiter name `keys.model_key`), and settled with them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gateway.auth.access import model_names, model_not_found_message
 from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token, key_id
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
 from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
 from gateway.config import GatewayConfig
-from gateway.errors import InvalidApiKey, PermissionDenied, RateLimitBusy, RateLimited, RateLimitUnavailable
+from gateway.errors import (
+    GatewayError,
+    InvalidApiKey,
+    ModelNotFound,
+    PermissionDenied,
+    RateLimitBusy,
+    RateLimited,
+    RateLimitUnavailable,
+)
 from gateway.observability.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway.auth")
 
 MISSING_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
@@ -43,7 +59,8 @@ class Reservation:
     """What the quota checks counted for one request: `requests` requests (1, or 0 when
     `AuthGuard.count_request` counted it on arrival: that Reservation is `counted`) and `tokens`
     tokens in the limiter's fixed window number `window`; `settled` once `AuthGuard.settle` took
-    its part back."""
+    its part back. `model`: what the key's limits on the request's model counted (a Reservation of
+    its per-model Principal), settled as this one is."""
 
     principal: Principal
     tokens: int
@@ -51,6 +68,7 @@ class Reservation:
     settled: bool = False
     requests: int = 1
     counted: Reservation | None = None
+    model: Reservation | None = None
 
 
 class AuthGuard:
@@ -75,7 +93,13 @@ class AuthGuard:
             return None
         limiter: RateLimiter = (RedisRateLimiter(config.redis_url, auth, metrics) if config.redis_url
                                 else MemoryRateLimiter())
-        return cls(auth, KeyRing(auth.keys), limiter, metrics)
+        names = model_names(config)
+        for key in auth.keys:
+            for entry in key.model_limits:
+                if key.models is not None and entry not in key.models and entry.lower() not in names:
+                    log.warning("auth.keys %s: model_limits names %r, which is not in its models: moot",
+                                key.name, entry)
+        return cls(auth, KeyRing(auth.keys, names), limiter, metrics)
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal of an `Authorization` header value. Raises InvalidApiKey (401)."""
@@ -114,6 +138,16 @@ class AuthGuard:
             self.metrics.auth_failure("forbidden")
             raise PermissionDenied(f"You have insufficient permissions for this operation. Missing scope: {scope}.")
 
+    def check_model(self, principal: Principal, model: str) -> None:
+        """Raises ModelNotFound (404 `model_not_found`, OpenAI's answer for a model the key has no
+        access to) unless the key may use `model`, the request's resolved name (its model's
+        canonical name or its LoRA adapter's: `RoutingRequest.model`); counted in
+        `kimi_gateway_auth_failures_total{reason="model"}`. Call it once the body is parsed, before
+        any upstream work or token reservation."""
+        if not principal.may_use(model):
+            self.metrics.auth_failure("model")
+            raise ModelNotFound(model_not_found_message(model), param="model")
+
     async def count_request(self, principal: Principal) -> Reservation | None:
         """Count one request against the key's request limit only (no tokens), as soon as the request
         arrives: before its body is parsed, measured or its image URLs fetched, so a request that
@@ -138,33 +172,69 @@ class AuthGuard:
         await self._acquire(counter, 0, 1, principal.name)
 
     async def check_quota(self, principal: Principal, tokens: int, requests: int = 1,
-                          counted: Reservation | None = None) -> Reservation | None:
+                          counted: Reservation | None = None, model: str | None = None,
+                          counting: bool = False) -> Reservation | None:
         """Count `requests` requests (1; 0 when `count_request` already counted it, whose Reservation
         is `counted`) of `tokens` tokens (estimated prompt + requested output) against the key's
-        limits: the Reservation to settle when the request ends (it settles `counted` too), None
-        when nothing was counted (a key without limits, or the limiter down and `fail_mode: open`).
-        Raises RateLimited (429), or RateLimitUnavailable (503) when the limiter cannot answer and
-        `fail_mode` is `closed`."""
-        if not principal.limited or (requests == 0 and principal.tokens_per_minute is None):
-            return counted
-        window = await self._acquire(principal, tokens, requests)
-        if window is None:
-            return counted
-        return Reservation(principal, tokens, window, requests=requests, counted=counted)
+        limits, then (`model`: the request's resolved model name) one request of those tokens against
+        the key's limits on that model (`model_limits`; `counting`: a count_tokens request, also
+        against that model's count_tokens limit): the Reservation to settle when the request ends
+        (it settles `counted` and the model's too), None when nothing was counted (a key without
+        limits, or the limiter down and `fail_mode: open`). A refusal by the model's limits gives
+        the key's tokens just reserved back. Raises RateLimited (429), or RateLimitUnavailable (503)
+        when the limiter cannot answer and `fail_mode` is `closed`."""
+        reservation = counted
+        if principal.limited and (requests or principal.tokens_per_minute is not None):
+            window = await self._acquire(principal, tokens, requests)
+            if window is not None:
+                reservation = Reservation(principal, tokens, window, requests=requests, counted=counted)
+        limits = principal.model_limits.get(model) if model is not None else None
+        if limits is None:
+            return reservation
+        try:
+            per_model = await self._check_model_quota(principal, limits, model or "", tokens, counting)
+        except GatewayError:
+            if reservation is not None and reservation is not counted and reservation.tokens:
+                await self.limiter.refund(principal, reservation.window, 0, reservation.tokens)
+            raise
+        if per_model is None:
+            return reservation
+        if reservation is None:
+            return per_model
+        reservation.model = per_model
+        return reservation
 
-    async def _acquire(self, principal: Principal, tokens: int, requests: int, label: str | None = None) -> int | None:
+    async def _check_model_quota(self, principal: Principal, limits: Principal, model: str, tokens: int,
+                                 counting: bool) -> Reservation | None:
+        """One request of `tokens` tokens (none without a token limit on the model) against key
+        `principal`'s `limits` on `model`, after that model's count_tokens limit for a count_tokens
+        request (`counting`, never given back, as the key's own: `count_counting`). The Reservation
+        (None: not counted). Raises as `check_quota`."""
+        if counting and limits.count_tokens_per_minute is not None:
+            counter = Principal(f"{limits.name}/count_tokens", limits.scopes, limits.count_tokens_per_minute)
+            await self._acquire(counter, 0, 1, principal.name, model)
+        if not limits.limited:
+            return None
+        charged = tokens if limits.tokens_per_minute is not None else 0
+        window = await self._acquire(limits, charged, 1, principal.name, model)
+        return None if window is None else Reservation(limits, charged, window)
+
+    async def _acquire(self, principal: Principal, tokens: int, requests: int, label: str | None = None,
+                       model: str | None = None) -> int | None:
         """The limiter's window number the charge was counted in; None when it was not counted
-        (`label`: as `_acquired`'s). Raises RateLimitBusy when the gateway could not finish the check."""
+        (`label`, `model`: as `_acquired`'s). Raises RateLimitBusy when the gateway could not finish the check."""
         try:
             verdict = await self.limiter.acquire(principal, tokens, requests)
         except RateLimitBusy:
             self.metrics.rate_limit_unanswered("refused")
             raise
-        return self._acquired(principal, verdict, label)
+        return self._acquired(principal, verdict, label, model)
 
-    def _acquired(self, principal: Principal, verdict: Verdict | None, label: str | None = None) -> int | None:
+    def _acquired(self, principal: Principal, verdict: Verdict | None, label: str | None = None,
+                  model: str | None = None) -> int | None:
         """`_acquire`'s answer for the limiter's `verdict` on `principal` (`label`: the key name its
-        metrics go under, when another than the principal's)."""
+        metrics go under, when another than the principal's; `model`: the model whose limits
+        `principal` holds, None for the key's own)."""
         if verdict is None:
             if self.config.fail_mode == "open":
                 self.metrics.rate_limit_unanswered("allowed")
@@ -178,7 +248,9 @@ class AuthGuard:
         assert verdict.limit is not None
         key = self.metric_labels.get(label or principal.name, "unknown")
         self.metrics.rate_limit_refused(key, verdict.limit)
-        raise rate_limited(principal, verdict)
+        if model is not None:
+            self.metrics.model_rate_limit_refused(key, model, verdict.limit)
+        raise rate_limited(principal, verdict, label if model is not None else None, model)
 
     async def settle(self, reservation: Reservation, used_tokens: int | None) -> None:
         """Settle a reservation once its request ended: charge `used_tokens` instead of the tokens
@@ -195,6 +267,8 @@ class AuthGuard:
             await self.limiter.refund(reservation.principal, reservation.window, requests, tokens)
         if reservation.counted is not None and used_tokens is None:
             await self.settle(reservation.counted, None)
+        if reservation.model is not None:
+            await self.settle(reservation.model, used_tokens)
 
     def settle_soon(self, reservation: Reservation, used_tokens: int | None) -> None:
         """`settle` from synchronous code on the event loop (a request's end): runs as a task that
@@ -214,10 +288,15 @@ class AuthGuard:
         await self.limiter.stop()
 
 
-def rate_limited(principal: Principal, verdict: Verdict) -> RateLimited:
-    """The 429 for a refused verdict, worded as OpenAI words it."""
+def rate_limited(principal: Principal, verdict: Verdict, key: str | None = None,
+                 model: str | None = None) -> RateLimited:
+    """The 429 for a refused verdict, worded as OpenAI words it (key `key`, else the principal's
+    name; with `model`, a refusal by the key's limits on that model: "for MODEL for API key K",
+    as OpenAI names the model whose limit was reached)."""
     kind = verdict.limit or "requests"
-    what = f"for API key {principal.name} on {PER_MIN[kind]}"
+    name = key or principal.name
+    what = f"for API key {name} on {PER_MIN[kind]}" if model is None else \
+        f"for {model[:200]} for API key {name} on {PER_MIN[kind]}"
     if math.isinf(verdict.retry_after):
         return RateLimited(
             f"Request too large {what}: Limit {verdict.limit_value}, Requested {verdict.requested}. "

@@ -17,10 +17,11 @@ never passwords a person chose. GitHub and Stripe store their API tokens the sam
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.auth.access import allowed_models, canonical
 from gateway.auth.params import ApiKeyConfig
 
 Scope = Literal["user", "admin"]
@@ -46,7 +47,10 @@ class Principal:
 
     `requests_per_minute` and `tokens_per_minute` are None when that limit is off;
     `count_tokens_per_minute` limits `POST /v1/messages/count_tokens` requests on their own
-    (`ApiKeyConfig.count_tokens_limit`; None: off).
+    (`ApiKeyConfig.count_tokens_limit`; None: off). `models`: the model (canonical) and LoRA
+    adapter names the key may use (None: all; `gateway/auth/access.py`); `model_limits`: per such
+    name, the key's limits on that model as a Principal of their own (its `name` is
+    `{key}/model/{model}`, the limiter's key), applied on top of the key's own.
     """
 
     name: str
@@ -54,9 +58,24 @@ class Principal:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     count_tokens_per_minute: int | None = None
+    models: frozenset[str] | None = None
+    model_limits: Mapping[str, Principal] = field(default_factory=dict, hash=False, compare=False)
 
     def has(self, scope: Scope) -> bool:
         return scope in self.scopes
+
+    def may_use(self, model: str) -> bool:
+        """Whether the key may use `model`, a request's resolved name (`RoutingRequest.model`:
+        a canonical model name or a LoRA adapter's)."""
+        return self.models is None or model in self.models
+
+    def limits_tokens(self, model: str | None) -> bool:
+        """True when a token limit applies to a request of this key for `model` (the key's own or
+        that model's): the engine is then sent the output limit the gateway reserved."""
+        if self.tokens_per_minute is not None:
+            return True
+        limits = self.model_limits.get(model) if model is not None else None
+        return limits is not None and limits.tokens_per_minute is not None
 
     @property
     def limited(self) -> bool:
@@ -76,15 +95,36 @@ def bearer_token(authorization: str | None) -> str | None:
     return token or None
 
 
-class KeyRing:
-    """The configured keys, looked up by the SHA-256 of the presented key (see the module docstring)."""
+def model_key(key: str, model: str) -> str:
+    """The limiter's name for key `key`'s limits on `model` (its Redis key is `{key_prefix}:` + this):
+    key names hold no `/`, so it never meets another key's name nor `{key}/count_tokens`."""
+    return f"{key}/model/{model}"
 
-    def __init__(self, keys: Iterable[ApiKeyConfig]) -> None:
-        self._by_hash: dict[str, Principal] = {
-            key.sha256: Principal(key.name, frozenset(key.scopes), key.requests_per_minute, key.tokens_per_minute,
-                                  key.count_tokens_limit)
-            for key in keys
-        }
+
+def principal_of(key: ApiKeyConfig, names: Mapping[str, str] | None = None) -> Principal:
+    """The Principal of configured key `key`, its `models` and `model_limits` entries resolved with
+    `names` (`access.model_names`: an alias stands for its model; None: taken as written)."""
+    names = names or {}
+    scopes = frozenset(key.scopes)
+    per_model: dict[str, Principal] = {}
+    for entry, limits in key.model_limits.items():
+        model = canonical(entry, names)
+        if model in per_model:
+            raise ValueError(f"auth.keys {key.name}: model_limits names {model!r} twice (as {entry!r})")
+        if limits.limited:
+            per_model[model] = Principal(model_key(key.name, model), scopes, limits.requests_per_minute,
+                                         limits.tokens_per_minute, limits.count_tokens_per_minute)
+    return Principal(key.name, scopes, key.requests_per_minute, key.tokens_per_minute, key.count_tokens_limit,
+                     allowed_models(key.models, names), per_model)
+
+
+class KeyRing:
+    """The configured keys, looked up by the SHA-256 of the presented key (see the module docstring).
+    `names`: the gateway's model names and aliases (`access.model_names`), which the keys' `models`
+    and `model_limits` entries are resolved with."""
+
+    def __init__(self, keys: Iterable[ApiKeyConfig], names: Mapping[str, str] | None = None) -> None:
+        self._by_hash: dict[str, Principal] = {key.sha256: principal_of(key, names) for key in keys}
 
     def __len__(self) -> int:
         return len(self._by_hash)

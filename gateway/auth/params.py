@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -11,6 +11,26 @@ from gateway.config_base import Section
 
 DEFAULT_COUNT_TOKENS_PER_MINUTE = 100
 """count_tokens requests per minute of a key that has a request or token limit but sets none for them."""
+
+
+class ModelLimits(Section):
+    """One key's limits on one model or LoRA adapter (`ApiKeyConfig.model_limits`), on top of the
+    key's own: a request for that model must fit both. None: no such limit on that model."""
+
+    requests_per_minute: int | None = Field(default=None, ge=1, description="None: no per-model request limit")
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="estimated prompt + requested output tokens; None: no per-model token limit"
+    )
+    count_tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="POST /v1/messages/count_tokens requests for this model; None: only the "
+        "key's own count_tokens limit",
+    )
+
+    @property
+    def limited(self) -> bool:
+        """True when at least one of the limits is set."""
+        return any(v is not None for v in (self.requests_per_minute, self.tokens_per_minute,
+                                           self.count_tokens_per_minute))
 
 
 class ApiKeyConfig(Section):
@@ -33,6 +53,15 @@ class ApiKeyConfig(Section):
         default=None, ge=1, description="POST /v1/messages/count_tokens requests (they cost no tokens); None: "
         f"{DEFAULT_COUNT_TOKENS_PER_MINUTE} for a key with another limit, no limit for a key without any",
     )
+    models: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        default=None, description="the models (canonical names or aliases, an alias standing for its model) and LoRA "
+        "adapters the key may use; None: all. Another one gets 404 model_not_found, as OpenAI answers a model the "
+        "key has no access to",
+    )
+    model_limits: dict[str, ModelLimits] = Field(
+        default_factory=dict, description="per model or LoRA adapter (as in `models`): limits on top of the key's "
+        "own; both apply",
+    )
 
     @property
     def count_tokens_limit(self) -> int | None:
@@ -49,6 +78,13 @@ class ApiKeyConfig(Section):
         if not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise ValueError("must be the key's SHA-256 as 64 hex digits (`kimi-gateway hash-key KEY`), not the key")
         return digest
+
+    @field_validator("models")
+    @classmethod
+    def _distinct_models(cls, models: list[str] | None) -> list[str] | None:
+        if models is not None and len(set(models)) != len(models):
+            raise ValueError(f"models must be distinct, got {models}")
+        return models
 
     @field_validator("scopes")
     @classmethod

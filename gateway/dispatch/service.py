@@ -110,6 +110,9 @@ class ProxyService:
             request = replace(request, session_key=scoped_session(
                 request.session_key, principal.name if principal is not None else None, request.adapter))
         ledger.parsed(request)
+        if guard is not None:  # a model the key may not use: 404 before any upstream work or token reservation
+            assert principal is not None
+            guard.check_model(principal, request.model)
         serving = self._adapter_pools(request.adapter) if request.adapter else self.parser.chains[request.model]
         pools = fitting_pools(request, serving)
         if len(pools) < len(serving):
@@ -127,15 +130,15 @@ class ProxyService:
             return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
         assert principal is not None
         default_output = pools[0].default_output_tokens
-        if principal.tokens_per_minute is not None and generates:
+        if principal.limits_tokens(request.model) and generates:
             # What is reserved bounds what the engine may generate: it gets that output limit, in
             # llama.cpp's own `n_predict` too when the client sent one (that server ranks it first).
             out = request.reserved_output(default_output)
             if request.output_tokens is None:
                 payload, request = with_output_limit(payload, api, out), replace(request, output_tokens=out)
             payload = with_engine_output_limit(payload, out)
-        reservation = await guard.check_quota(principal, request.quota_tokens(default_output),
-                                              requests=0, counted=counted)
+        reservation = await guard.check_quota(principal, request.quota_tokens(default_output), requests=0,
+                                              counted=counted, model=request.model, counting=not generates)
         if reservation is None:
             return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
         ledger.hold_quota(guard, reservation, request)

@@ -182,11 +182,15 @@ class GatewayMetrics:
 
         # Auth (gateway/auth/): `key` is a key's configured name, never the key.
         self.auth_failures = Counter("kimi_gateway_auth_failures",
-                                     "Requests refused by auth (reason: missing, invalid, forbidden).", ["reason"],
-                                     registry=r)
+                                     "Requests refused by auth (reason: missing, invalid, forbidden, model: a "
+                                     "model the key may not use).", ["reason"], registry=r)
         self.rate_limited = Counter("kimi_gateway_rate_limited",
-                                    "Requests refused by a per-key limit (limit: requests, tokens).",
-                                    ["key", "limit"], registry=r)
+                                    "Requests refused by a per-key limit (limit: requests, tokens), its limits on "
+                                    "one model included.", ["key", "limit"], registry=r)
+        self.model_rate_limited = Counter("kimi_gateway_model_rate_limited",
+                                          "Requests refused by a key's limits on one model or LoRA adapter "
+                                          "(auth.keys[].model_limits; limit: requests, tokens).",
+                                          ["key", "model", "limit"], registry=r)
         self.rate_limit_unavailable = Counter("kimi_gateway_rate_limit_unavailable",
                                               "Rate-limit checks Redis could not answer (action: allowed = "
                                               "fail open, refused = fail closed).", ["action"], registry=r)
@@ -251,12 +255,16 @@ class GatewayMetrics:
         self.response_affinity.labels(result).inc()
 
     def auth_failure(self, reason: str) -> None:
-        """A request refused by auth: `missing`, `invalid`, `forbidden`."""
+        """A request refused by auth: `missing`, `invalid`, `forbidden`, `model`."""
         self.auth_failures.labels(reason).inc()
 
     def rate_limit_refused(self, key: str, limit: str) -> None:
         """A request refused by key `key`'s `limit` (`requests`, `tokens`)."""
         self.rate_limited.labels(key, limit).inc()
+
+    def model_rate_limit_refused(self, key: str, model: str, limit: str) -> None:
+        """A request refused by key `key`'s `limit` on `model` (a name of its `model_limits`: configured, bounded)."""
+        self.model_rate_limited.labels(key, model, limit).inc()
 
     def rate_limit_unanswered(self, action: str) -> None:
         """A rate-limit check Redis could not answer: `allowed` (fail open) or `refused`."""
