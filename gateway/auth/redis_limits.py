@@ -5,7 +5,10 @@ with five fields: `w` (the current one-minute window's number, Redis time ÷ 60 
 (requests and tokens counted in it), `pr` and `pt` (the same in the window before). It expires two
 windows after its last write, so an idle key costs nothing and the store holds at most one hash per
 configured key (~150 bytes each), and one more, `{key_prefix}:{key name}/count_tokens`, for a key's
-count_tokens requests (`AuthGuard.count_counting`).
+count_tokens requests (`AuthGuard.count_counting`); a key's limits on one model or LoRA adapter
+(`auth.keys[].model_limits`) have theirs, `{key_prefix}:{key name}/model/{model}` (and
+`.../count_tokens`), the model's canonical name as configured (`keys.model_key`): bounded by the
+configured keys and the models their `model_limits` name, never a name a client sent.
 
 Cost: one EVALSHA per limit a request is charged — HMGET + HSET + PEXPIRE of that one key inside a
 Lua script, so the check and the count are atomic across replicas, in one round trip; a key with
