@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -148,9 +149,8 @@ class RunningGateway:
         return self.server.url + "/v1"
 
     def metric(self, prefix: str) -> float:
-        """Sum of this gateway's /metrics samples whose line starts with `prefix` (0 when none)."""
-        lines = httpx.get(self.url + "/metrics").text.splitlines()
-        return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
+        """Sum of this gateway's /metrics samples `prefix` selects (0 when none): see `metric_sum`."""
+        return metric_sum(httpx.get(self.url + "/metrics").text, prefix)
 
     def flush_affinity(self) -> None:
         """Return once the gateway's affinity records so far are in its store (Redis writes are
@@ -177,6 +177,43 @@ class RunningGateway:
         while self.metric("kimi_gateway_in_flight{") != 0:
             assert time.monotonic() < deadline, "an upstream lease was not released"
             time.sleep(0.05)
+
+
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _labels(text: str) -> dict[str, str] | None:
+    """`a="x",b="y"` (a sample's or a selector's labels, maybe ending in `,`) as a dict; None when
+    it is not whole pairs (a selector cut inside a value)."""
+    labels, at = {}, 0
+    for found in _LABEL.finditer(text):
+        if text[at:found.start()].strip(", ") != "":
+            return None
+        labels[found.group(1)] = found.group(2)
+        at = found.end()
+    return labels if text[at:].strip(", ") == "" else None
+
+
+def metric_sum(exposition: str, prefix: str) -> float:
+    """Sum of the exposition's samples that `prefix` selects, as a PromQL selector would: with
+    `name{a="x",...}` (closed or not) every sample of `name` whose labels include those (so a
+    label added to a metric, `model`, leaves the tests' selectors working); otherwise every sample
+    line starting with `prefix`."""
+    name, brace, rest = prefix.partition("{")
+    wanted = _labels(rest.removesuffix("}")) if brace else None
+    total = 0.0
+    for line in exposition.splitlines():
+        if wanted is None or line.startswith("#"):
+            if line.startswith(prefix):
+                total += float(line.split()[-1])
+            continue
+        sample, _, labels = line.partition("{")
+        if sample != name:
+            continue
+        have = _labels(labels.rpartition("}")[0])
+        if have is not None and all(have.get(k) == v for k, v in wanted.items()):
+            total += float(line.split()[-1])
+    return total
 
 
 def pool(name: str, engine: str, urls: list[str], max_context_tokens: int, **extra: Any) -> dict[str, Any]:

@@ -194,8 +194,12 @@ class Ledger:
     # --- the dispatch -------------------------------------------------------------------------
 
     def parsed(self, request: RoutingRequest) -> None:
-        """The body was parsed: whether it streams and its estimated prompt tokens."""
+        """The body was parsed: whether it streams, its estimated prompt tokens and its model (the
+        metrics' `model` label: a configured model's canonical name, or a LoRA adapter a pool
+        declares or a worker lists; a name no longer known stays `none`, so labels stay bounded)."""
         record = self.record
+        if request.adapter is None or request.adapter in self._registry.adapter_names():
+            record.model = request.model
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
@@ -436,26 +440,27 @@ class Ledger:
             status = 499  # nginx's "client closed request", for the status-class label only
         else:
             status = record.status
-        metrics.requests.labels(record.api, record.pool, status_class(counted_status(status, record.outcome))).inc()
-        metrics.request_seconds.labels(record.pool).observe(now - record.started)
+        pool, model = record.pool, record.model
+        metrics.requests.labels(record.api, pool, status_class(counted_status(status, record.outcome)), model).inc()
+        metrics.request_seconds.labels(pool, model).observe(now - record.started)
         ttft = None
         if record.first_byte_at is not None:
             ttft = record.first_byte_at - record.started
             if record.stream:
-                metrics.ttft_seconds.labels(record.pool).observe(ttft)
+                metrics.ttft_seconds.labels(pool, model).observe(ttft)
         usage = record.usage
         if usage:
             completion = usage.get("completion_tokens")
             if record.stream and record.first_byte_at is not None and isinstance(completion, int) and completion > 1:
-                metrics.tpot_seconds.labels(record.pool).observe((now - record.first_byte_at) / (completion - 1))
+                metrics.tpot_seconds.labels(pool, model).observe((now - record.first_byte_at) / (completion - 1))
             for kind in ("prompt_tokens", "completion_tokens"):
                 value = usage.get(kind)
                 if isinstance(value, int) and value > 0:
-                    metrics.tokens.labels(record.pool, kind.removesuffix("_tokens")).inc(value)
+                    metrics.tokens.labels(pool, kind.removesuffix("_tokens"), model).inc(value)
             details = usage.get("prompt_tokens_details")
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             if isinstance(cached, int) and cached > 0:
-                metrics.tokens.labels(record.pool, "cached").inc(cached)
+                metrics.tokens.labels(pool, "cached", model).inc(cached)
         if log.isEnabledFor(logging.INFO):
             log.info(orjson.dumps(access_entry(record, status, ttft, now)).decode())
         if self.trace is not None:
@@ -467,8 +472,8 @@ def access_entry(record: RequestRecord, status: int, ttft: float | None, now: fl
     seconds or None; `now`: the end, perf_counter seconds)."""
     entry = {
         "event": "request", "request_id": record.request_id, "api": record.api, "key": record.key,
-        "pool": record.pool, "worker": record.worker, "reason": record.reason, "attempts": record.attempts,
-        "status": status, "outcome": record.outcome, "stream": record.stream,
+        "model": record.model, "pool": record.pool, "worker": record.worker, "reason": record.reason,
+        "attempts": record.attempts, "status": status, "outcome": record.outcome, "stream": record.stream,
         "estimated_prompt_tokens": record.estimated_prompt_tokens, "estimate": record.estimate_method,
         "ttft_s": None if ttft is None else round(ttft, 6), "duration_s": round(now - record.started, 6),
         "usage": record.usage, "error": record.error,

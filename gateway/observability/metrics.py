@@ -1,7 +1,10 @@
 """Prometheus collectors of one gateway, on their own CollectorRegistry (bounded labels only).
 
-Labels are pool, worker (`pool/index`), reason, outcome, status class (`2xx`...), api and method:
-values the gateway's config or code defines, never strings a client sent.
+Labels are pool, worker (`pool/index`), reason, outcome, status class (`2xx`...), api, method and
+model: values the gateway's config or code defines, never strings a client sent. `model` (on the
+request, TTFT, TPOT and token metrics) is the request's resolved model, a configured model's
+canonical name or a LoRA adapter a pool declares or its engines list (`Ledger.parsed`), `none`
+before the body named one the gateway serves: a client's unknown name adds no series.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 
 TOKEN_BUCKETS = (128, 512, 2048, 8192, 32768, 131072, 262144, 524288, 1048576, 2097152)
 
 NO_POOL = "none"
+NO_MODEL = "none"
+"""The `model` label of a request refused before its body named a model the gateway serves."""
 
 
 class _MemoLabels:
@@ -80,16 +85,17 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kimi_gateway_requests", "Finished client requests.",
-                                ["api", "pool", "status_class"], registry=r)
+                                ["api", "pool", "status_class", "model"], registry=r)
         self.request_seconds = Histogram("kimi_gateway_request_duration_seconds",
-                                         "End-to-end request time, arrival to last byte.", ["pool"],
+                                         "End-to-end request time, arrival to last byte.", ["pool", "model"],
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.ttft_seconds = Histogram("kimi_gateway_ttft_seconds",
                                       "Time from arrival to the first upstream body byte (streaming).",
-                                      ["pool"], buckets=LATENCY_BUCKETS, registry=r)
+                                      ["pool", "model"], buckets=LATENCY_BUCKETS, registry=r)
         self.tpot_seconds = Histogram("kimi_gateway_tpot_seconds",
                                       "Time per output token after the first (streaming): (end - first byte) / "
-                                      "(completion tokens - 1).", ["pool"], buckets=TPOT_BUCKETS, registry=r)
+                                      "(completion tokens - 1).", ["pool", "model"], buckets=TPOT_BUCKETS,
+                                      registry=r)
         self.route_decisions = Counter("kimi_gateway_route_decisions", "Worker choices by policy reason.",
                                        ["pool", "reason"], registry=r)
         # Prefill/decode pools (issue 13); decode TTFT and TPOT are the pool's ttft/tpot above.
@@ -129,7 +135,7 @@ class GatewayMetrics:
                                                  "Estimated prompt tokens per routed request.",
                                                  ["pool", "method"], buckets=TOKEN_BUCKETS, registry=r)
         self.tokens = Counter("kimi_gateway_tokens", "Tokens reported by the engines' usage.",
-                              ["pool", "kind"], registry=r)
+                              ["pool", "kind", "model"], registry=r)
         self.in_flight = Gauge("kimi_gateway_in_flight", "Open upstream requests of this replica.",
                                ["pool", "worker"], multiprocess_mode="livesum", registry=r)
         self.worker_healthy = Gauge("kimi_gateway_worker_healthy", "1 when the worker passes its probes.",

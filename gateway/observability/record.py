@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from gateway.observability.metrics import NO_POOL
+from gateway.observability.metrics import NO_MODEL, NO_POOL
 
 
 class RequestOutcome(StrEnum):
@@ -69,6 +69,7 @@ class RequestRecord:
     api: str
     started: float = field(default_factory=time.perf_counter)
     pool: str = NO_POOL
+    model: str = NO_MODEL  # the resolved model (configured, or a known LoRA adapter): the metrics' `model` label
     worker: str | None = None
     prefill_worker: str | None = None  # a PD pool's prefill worker (`worker` is then the decode worker)
     reason: str | None = None

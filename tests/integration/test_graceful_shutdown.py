@@ -229,7 +229,7 @@ async def test_without_the_guard_requests_uvicorn_cancels_at_shutdown_count_as_c
                     pass
         assert (await asyncio.wait_for(waiting, timeout=5)).status_code == 500  # uvicorn's own answer
 
-    labels = {"api": "chat", "pool": "p"}
+    labels = {"api": "chat", "pool": "p", "model": "kimi-k3"}
     assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "5xx"}) == 2
     assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "4xx"}) is None
     access = access_lines(caplog, server)
@@ -277,7 +277,7 @@ async def test_without_the_guard_a_replay_uvicorn_cancels_at_shutdown_counts_as_
             async for _ in chunks:
                 pass
 
-    labels = {"api": "responses_get", "pool": "p"}
+    labels = {"api": "responses_get", "pool": "p", "model": "none"}  # a stored response's route names no model
     assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "5xx"}) == 1
     assert metrics.registry.get_sample_value("kimi_gateway_requests_total", {**labels, "status_class": "4xx"}) is None
     access = [a for a in access_lines(caplog, server) if a["api"] == "responses_get"]

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.support import GatewayProcess, RunningSim, pool
+from tests.support import GatewayProcess, RunningSim, metric_sum, pool
 
 StartSim = Callable[..., RunningSim]
 StartGatewayProcess = Callable[..., GatewayProcess]
@@ -32,8 +32,8 @@ def _both_serving(gw: GatewayProcess, timeout: float = 20.0) -> set[int]:
     return pids
 
 
-def _sample(text: str, line_start: str) -> float:
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
+def _sample(text: str, selector: str) -> float:
+    return metric_sum(text, selector)
 
 
 def test_two_processes_count_every_request_exactly_once(start_sim: StartSim,

@@ -373,8 +373,8 @@ def test_metrics_count_requests_and_ttft(three_pools: tuple[RunningGateway, dict
         list(c.chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        stream=True))
     text = httpx.get(gw.url + "/metrics").text
-    assert 'kimi_gateway_requests_total{api="chat",pool="vllm-128k",status_class="2xx"} 2.0' in text
-    assert 'kimi_gateway_ttft_seconds_count{pool="vllm-128k"} 2.0' in text
+    assert 'kimi_gateway_requests_total{api="chat",model="kimi-k3",pool="vllm-128k",status_class="2xx"} 2.0' in text
+    assert 'kimi_gateway_ttft_seconds_count{model="kimi-k3",pool="vllm-128k"} 2.0' in text
     assert 'kimi_gateway_route_decisions_total{pool="vllm-128k",reason="no_match"} 2.0' in text
 
 

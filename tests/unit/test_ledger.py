@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -272,15 +273,16 @@ def test_finish_writes_the_metrics_and_the_access_line_once(caplog: pytest.LogCa
     book.finish()
     book.finish()
     counted = {"api": "chat", "pool": "p", "status_class": "5xx"}  # a 200 stream that broke counts as a 502
-    assert sample(metrics, "kimi_gateway_requests_total", **counted) == 1
-    assert sample(metrics, "kimi_gateway_ttft_seconds_count", pool="p") == 1
-    assert sample(metrics, "kimi_gateway_tpot_seconds_count", pool="p") == 1
-    assert sample(metrics, "kimi_gateway_tokens_total", pool="p", kind="cached") == 8
-    assert sample(metrics, "kimi_gateway_tokens_total", pool="p", kind="completion") == 5
+    assert sample(metrics, "kimi_gateway_requests_total", **counted, model="kimi-k3") == 1
+    assert sample(metrics, "kimi_gateway_ttft_seconds_count", pool="p", model="kimi-k3") == 1
+    assert sample(metrics, "kimi_gateway_tpot_seconds_count", pool="p", model="kimi-k3") == 1
+    assert sample(metrics, "kimi_gateway_tokens_total", pool="p", kind="cached", model="kimi-k3") == 8
+    assert sample(metrics, "kimi_gateway_tokens_total", pool="p", kind="completion", model="kimi-k3") == 5
     [line] = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.access"]
-    assert {k: line[k] for k in ("event", "request_id", "api", "key", "pool", "worker", "reason", "attempts",
+    assert {k: line[k] for k in ("event", "request_id", "api", "key", "model", "pool", "worker", "reason", "attempts",
                                  "status", "outcome", "stream", "estimated_prompt_tokens", "estimate", "error")} == {
-        "event": "request", "request_id": "r1", "api": "chat", "key": "alice", "pool": "p", "worker": a.id,
+        "event": "request", "request_id": "r1", "api": "chat", "key": "alice", "model": "kimi-k3", "pool": "p",
+        "worker": a.id,
         "reason": "least_load", "attempts": 1, "status": 200, "outcome": "upstream_error", "stream": True,
         "estimated_prompt_tokens": 40, "estimate": "bytes", "error": "reset mid-stream"}
     assert line["engine_request_id"] == book.record.engine_request_id and "prefill_worker" not in line
@@ -293,7 +295,8 @@ def test_a_client_that_hung_up_is_logged_and_counted_as_499() -> None:
     book.accepted(200)
     book.client_gone("mid_stream")
     book.finish()
-    assert sample(metrics, "kimi_gateway_requests_total", api="chat", pool="none", status_class="4xx") == 1
+    assert sample(metrics, "kimi_gateway_requests_total", api="chat", pool="none", status_class="4xx",
+                  model="none") == 1
     assert sample(metrics, "kimi_gateway_client_disconnects_total", pool="none", stage="mid_stream") == 1
 
 
@@ -348,3 +351,25 @@ async def test_a_real_guard_settles_a_finished_streams_reservation_once() -> Non
     await asyncio.sleep(0)
     assert reservation.settled
     assert await guard.check_quota(alice, 80) is not None  # 20 used + 80 fits the 100 only after the settle
+
+
+def test_the_model_label_is_the_resolved_model_or_a_known_adapter_never_another_name() -> None:
+    metrics = GatewayMetrics()
+    config = parse_config({"pools": [{"name": "p", "engine": "vllm", "max_context_tokens": 8192,
+                                      "workers": ["http://a:1"], "lora_adapters": ["sql-lora"]}]}, environ={})
+    workers = WorkerRegistry(config)
+    for model, adapter in (("kimi-k3", None), ("sql-lora", "sql-lora"), ("gone-lora", "gone-lora")):
+        book = ledger(metrics, workers)
+        book.parsed(replace(REQUEST, model=model, adapter=adapter))
+        book.in_pool("p")
+        book.accepted(200)
+        book.finish()
+    assert sample(metrics, "kimi_gateway_requests_total", api="chat", pool="p", status_class="2xx",
+                  model="kimi-k3") == 1
+    assert sample(metrics, "kimi_gateway_requests_total", api="chat", pool="p", status_class="2xx",
+                  model="sql-lora") == 1
+    # an adapter no pool declares and no worker lists (any more) adds no series: it counts as `none`
+    assert sample(metrics, "kimi_gateway_requests_total", api="chat", pool="p", status_class="2xx",
+                  model="none") == 1
+    assert sample(metrics, "kimi_gateway_request_duration_seconds_count", pool="p", model="sql-lora") == 1
+    assert "gone-lora" not in metrics.render()[0].decode()

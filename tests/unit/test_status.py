@@ -17,9 +17,9 @@ class Clock:
 
 
 def traffic(metrics: GatewayMetrics, pool: str, ok: int, errors: int = 0, hits: int = 0, misses: int = 0) -> None:
-    metrics.requests.labels("chat", pool, "2xx").inc(ok)
+    metrics.requests.labels("chat", pool, "2xx", "kimi-k3").inc(ok)
     if errors:
-        metrics.requests.labels("chat", pool, "5xx").inc(errors)
+        metrics.requests.labels("chat", pool, "5xx", "kimi-k3").inc(errors)
     metrics.route_decisions.labels(pool, "affinity").inc(hits)
     metrics.route_decisions.labels(pool, "no_match").inc(ok + errors - hits)
     metrics.affinity_lookups.labels(pool, "hit").inc(hits)
@@ -30,9 +30,9 @@ def test_first_call_reports_everything_since_start() -> None:
     clock, metrics = Clock(), GatewayMetrics()
     window = StatusWindow(metrics, window_s=30, clock=clock)
     traffic(metrics, "a", ok=8, errors=2, hits=3, misses=7)
-    metrics.ttft_seconds.labels("a").observe(0.2)
-    metrics.ttft_seconds.labels("a").observe(0.4)
-    metrics.requests.labels("chat", "none", "4xx").inc(5)  # refused before a pool was chosen
+    metrics.ttft_seconds.labels("a", "kimi-k3").observe(0.2)
+    metrics.ttft_seconds.labels("a", "kimi-k3").observe(0.4)
+    metrics.requests.labels("chat", "none", "4xx", "none").inc(5)  # refused before a pool was chosen
     clock.now += 10
     recent = window.recent(["a", "b"])
     assert recent["span_s"] == 10
