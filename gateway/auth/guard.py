@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gateway.auth.access import model_names, model_not_found_message
+from gateway.auth.access import allowed_models, canonical, model_names, model_not_found_message
 from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token, key_id
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
 from gateway.auth.params import AuthConfig
@@ -94,12 +94,14 @@ class AuthGuard:
         limiter: RateLimiter = (RedisRateLimiter(config.redis_url, auth, metrics) if config.redis_url
                                 else MemoryRateLimiter())
         names = model_names(config)
+        keys = KeyRing(auth.keys, names)
         for key in auth.keys:
+            allowed = allowed_models(key.models, names)
             for entry in key.model_limits:
-                if key.models is not None and entry not in key.models and entry.lower() not in names:
-                    log.warning("auth.keys %s: model_limits names %r, which is not in its models: moot",
+                if allowed is not None and canonical(entry, names) not in allowed:
+                    log.warning("auth.keys %s: model_limits names %r, which its models leave out: moot",
                                 key.name, entry)
-        return cls(auth, KeyRing(auth.keys, names), limiter, metrics)
+        return cls(auth, keys, limiter, metrics)
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal of an `Authorization` header value. Raises InvalidApiKey (401)."""

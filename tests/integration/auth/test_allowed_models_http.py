@@ -180,3 +180,37 @@ def test_the_request_metrics_carry_the_resolved_model(sim: RunningSim, start_gat
         assert f'kimi_gateway_request_duration_seconds_count{{model="{model}",pool="p"}} 1.0' in text
         assert gw.metric(f'kimi_gateway_tokens_total{{kind="completion",model="{model}",pool="p"}}') == 3
     assert "moonshotai/Kimi-K3" not in text
+
+
+def test_several_models_each_key_its_own(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """With `models:` (issue 22 §1): a key's models by canonical name or alias across models, a
+    limit on one model only, `/v1/models` per key, the metrics by each model's canonical name."""
+    big = start_sim("vllm", served_model_names=["kimi-k3", "kimi-k3-thinking"])
+    small = start_sim("vllm", max_context_tokens=32768, served_model_names=["Qwen/Qwen3-8B"])
+    alice = {"models": ["kimi-k3", "small"], "model_limits": {"small": {"requests_per_minute": 1}}}
+    gw = start_gateway([pool("big", "vllm", [big.url], 131072), pool("small", "vllm", [small.url], 32768)],
+                       models=[{"name": "kimi-k3", "aliases": ["moonshotai/Kimi-K3"], "pools": ["big"]},
+                               {"name": "kimi-k3-thinking", "pools": ["big"]},
+                               {"name": "qwen3-8b", "aliases": ["small"], "pools": ["small"],
+                                "served_model_name": "Qwen/Qwen3-8B"}],
+                       auth=auth_section(alice), load={"enabled": False})
+    client = oai(gw)
+    assert [m.id for m in client.models.list()] == ["kimi-k3", "moonshotai/Kimi-K3", "qwen3-8b", "small"]
+    assert len([m.id for m in oai(gw, OPS_KEY).models.list()]) == 5
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.chat.completions.create(model="kimi-k3-thinking", messages=HI, max_tokens=2)
+    assert refused.value.body["message"] == not_found("kimi-k3-thinking")  # type: ignore[index]
+    assert client.chat.completions.create(model="qwen3-8b", messages=HI, max_tokens=2).choices
+    with pytest.raises(openai.RateLimitError) as limited:  # `small` is qwen3-8b: its limit of 1 is spent
+        client.chat.completions.create(model="small", messages=HI, max_tokens=2)
+    assert "for qwen3-8b for API key alice on requests per min (RPM): Limit 1, Used 1" in \
+        limited.value.body["message"]  # type: ignore[index]
+    assert client.chat.completions.create(model="moonshotai/Kimi-K3", messages=HI, max_tokens=2).choices
+    assert [r.body["model"] for r in small.engine.records] == ["Qwen/Qwen3-8B"]
+    assert [r.body["model"] for r in big.engine.records] == ["kimi-k3"]
+    gw.wait_for_metric('kimi_gateway_requests_total{model="kimi-k3",pool="big",status_class="2xx"}',
+                       lambda v: v == 1)
+    assert gw.metric('kimi_gateway_requests_total{model="qwen3-8b",pool="small",status_class="2xx"}') == 1
+    assert gw.metric('kimi_gateway_requests_total{model="qwen3-8b",pool="none",status_class="4xx"}') == 1
+    assert gw.metric('kimi_gateway_requests_total{model="kimi-k3-thinking",status_class="4xx"}') == 1
+    assert gw.metric('kimi_gateway_requests_total{model="small"') == 0  # an alias is never a label

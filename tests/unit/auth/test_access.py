@@ -4,6 +4,7 @@ model it may not use, and both the key's and the model's limits on the in-proces
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -58,6 +59,17 @@ def test_names_resolve_as_requests_do() -> None:
     assert allowed_models(["Kimi-K3", "sql-lora"], names) == frozenset({"kimi-k3", "sql-lora"})
     assert model_not_found_message("x" * 300) == f"The model `{'x' * 200}` does not exist or you do not have " \
                                                  "access to it."
+
+
+def test_names_of_several_models() -> None:
+    config = parse_config({"models": [{"name": "kimi-k3", "aliases": ["K3"], "pools": ["p"]},
+                                      {"name": "qwen3-8b", "aliases": ["small"], "pools": ["p"]}],
+                           "pools": [{"name": "p", "engine": "vllm", "max_context_tokens": 8192,
+                                      "workers": ["http://a:1"]}]}, environ={})
+    names = model_names(config)
+    assert names == {"kimi-k3": "kimi-k3", "k3": "kimi-k3", "qwen3-8b": "qwen3-8b", "small": "qwen3-8b"}
+    alice = principal_of(key(models=["SMALL"], model_limits={"k3": {"requests_per_minute": 1}}), names)
+    assert alice.models == frozenset({"qwen3-8b"}) and list(alice.model_limits) == ["kimi-k3"]
 
 
 def test_a_keys_models_and_model_limits_are_resolved_to_canonical_names() -> None:
@@ -185,3 +197,17 @@ def test_key_names_cannot_meet_a_models_limiter_name() -> None:
     with pytest.raises(ValidationError):
         ApiKeyConfig(name="alice/model/kimi-k3", sha256=hash_key(KEY))
     assert Principal("a", frozenset()).may_use("x")
+
+
+def test_a_limit_on_a_model_the_key_may_not_use_is_logged_as_moot(caplog: pytest.LogCaptureFixture) -> None:
+    auth = {"enabled": True, "keys": [{"name": "alice", "sha256": hash_key(KEY), "models": ["Kimi-K3"],
+                                       "model_limits": {"moonshotai/Kimi-K3": {"requests_per_minute": 1},
+                                                        "sql-lora": {"requests_per_minute": 1}}}]}
+    config = parse_config({"pools": [{"name": "p", "engine": "vllm", "max_context_tokens": 8192,
+                                      "workers": ["http://a:1"], "lora_adapters": ["sql-lora"]}],
+                           "auth": auth}, environ={})
+    with caplog.at_level(logging.WARNING, logger="gateway.auth"):
+        built = AuthGuard.build(config, GatewayMetrics())
+    assert built is not None
+    moot = [r.getMessage() for r in caplog.records if r.name == "gateway.auth"]
+    assert moot == ["auth.keys alice: model_limits names 'sql-lora', which its models leave out: moot"]
