@@ -87,10 +87,12 @@ class ProxyService:
 
         `principal` is the authenticated caller (auth on): one request is counted against its
         request limit before the body is even parsed (so invalid or oversized bodies are not free
-        and a key over its limit fetches no image URL); its token limit is charged the request's
+        and a key over its limit fetches no image URL); once parsed, a model the key may not use is
+        404 `model_not_found` (`AuthGuard.check_model`); its token limit is charged the request's
         estimated prompt tokens + its output limit (else the first fitting pool's reservation) times
         the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
-        (429) or RateLimitUnavailable (503) when refused. A key with a token limit whose request
+        (429) or RateLimitUnavailable (503) when refused (the key's limits on the request's model too,
+        `model_limits`). A key with a token limit (its own or the model's) whose request
         sets no output limit has the reserved one written into the engine's body
         (`parsing.with_output_limit`), and a client's llama.cpp `n_predict` is set to it
         (`parsing.with_engine_output_limit`), so the engine cannot generate past what was charged. The
