@@ -133,6 +133,8 @@ class SimApp:
         handler = self._routes.get((scope["method"], path))
         if handler is None and scope["method"] == "POST" and path.startswith(SGLANG_ROOMS_PATH):
             handler = self._sglang_room
+        if handler is not None and path.endswith("_lora_adapter") and self.engine.faults.no_lora_routes:
+            handler = None
         if handler is not None:
             await handler(scope, receive, send)
         elif path.startswith("/v1/responses/"):

@@ -94,6 +94,9 @@ class SimFaults(BaseModel):
       same answer on every worker, so it is the request's fault, not the workers').
     - `raw_stream_chunks`: streaming only; base64 byte strings sent as the whole response body,
       each as its own write with a ~20 ms pause in between (byte-exact relay tests).
+    - `no_lora_routes`: the runtime LoRA load and unload paths answer FastAPI's 404 `Not Found`, as
+      an engine restarted without runtime loading does (vLLM without
+      VLLM_ALLOW_RUNTIME_LORA_UPDATING registers no such route).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -116,6 +119,7 @@ class SimFaults(BaseModel):
     cut_answer: bool = False
     null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None
+    no_lora_routes: bool = False
 
     @field_validator("raw_stream_chunks")
     @classmethod

@@ -203,3 +203,37 @@ def test_an_adapter_another_replica_loaded_counts_as_loaded(start_sim: StartSim,
     assert second.metric('kimi_gateway_lora_loads_total{outcome="already_loaded",pool="p"}') == 1
     state = second.server.app.state.gateway
     assert state is not None and state.registry.find("p", 0).on_demand == {}  # never its to unload
+
+
+def test_an_adapter_the_engine_no_longer_has_is_unloaded_as_gone(start_sim: StartSim,
+                                                                  start_gateway: StartGateway) -> None:
+    """An operator unloaded the gateway's adapter behind its back (no /v1/models read since): the
+    gateway's unload gets vLLM's 404 "cannot be found", which frees the slot all the same."""
+    sim = start_sim("vllm", runtime_lora_updating=True)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072, max_loras=1, lora_evict="lru",
+                             lora_on_demand=on_demand("a", "b"))])
+    ask(gw, "a")
+    assert httpx.post(sim.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=5).status_code == 200
+    ask(gw, "b")
+    assert list(sim.engine.loras) == ["b"] and models_sent(sim) == ["a", "b"]
+    assert gw.metric('kimi_gateway_lora_unloads_total{outcome="gone",pool="p"}') == 1
+
+
+def test_an_unload_the_engine_refuses_fails_the_request_and_keeps_the_adapter(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """The engine's unload route is gone (runtime updating off after a restart: FastAPI's 404, not
+    vLLM's words): the worker's state is unknown, so nothing is loaded; the request gets a 502 and
+    the adapter stays the gateway's."""
+    sim = start_sim("vllm", runtime_lora_updating=True)
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072, max_loras=1, lora_evict="lru",
+                             lora_on_demand=on_demand("a", "b"))])
+    ask(gw, "a")
+    assert httpx.post(sim.url + "/sim/faults", json={"no_lora_routes": True}, timeout=5).status_code == 200
+    with pytest.raises(openai.APIStatusError) as failed:
+        ask(gw, "b")
+    assert failed.value.status_code == 502 and "Unloading LoRA adapter `a`" in failed.value.message
+    assert list(sim.engine.loras) == ["a"]
+    assert gw.metric('kimi_gateway_lora_unloads_total{outcome="refused",pool="p"}') == 1
+    assert ask(gw, "a") == "p/0"
+    state = gw.server.app.state.gateway
+    assert state is not None and set(state.registry.find("p", 0).on_demand) == {"a"}
