@@ -4,6 +4,7 @@ bodies it reads (`engine_message`: vLLM's error object, SGLang's `LoRAUpdateOutp
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -12,7 +13,9 @@ import pytest
 from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.lora_loader import engine_message, eviction_choice, has_room, plan_load
 from gateway.backends.pool_params import PoolConfig
+from gateway.backends.registry import WorkerRegistry
 from gateway.backends.worker import Worker
+from gateway.config import parse_config
 
 NOW = 1000.0
 GRACE = 10.0
@@ -118,3 +121,39 @@ def test_engine_messages_are_read_from_each_engines_error_shape(body: dict[str, 
 def test_a_plain_text_answer_is_its_own_message() -> None:
     assert engine_message(b"  Internal Server Error \n") == "Internal Server Error"
     assert engine_message(b"") is None
+
+
+def registry_worker() -> tuple[WorkerRegistry, Worker]:
+    on_demand_a = [{"name": "a", "path": "/loras/a"}]
+    config = parse_config({"pools": [{"name": "p", "engine": "vllm", "workers": ["http://127.0.0.1:1"],
+                                      "max_context_tokens": 1024, "lora_on_demand": on_demand_a}]}, environ={})
+    registry = WorkerRegistry(config)
+    found = registry.find("p", 0)
+    assert found is not None
+    return registry, found
+
+
+def test_a_list_read_before_a_load_or_unload_does_not_undo_it() -> None:
+    registry, w = registry_worker()
+    before = time.monotonic()
+    registry.adapter_loaded(w, "a", "/loras/a")
+    registry.set_adapters(w, frozenset(), {}, read_at=before)  # asked before the load: it stays
+    assert w.adapters == {"a"} and set(w.on_demand) == {"a"}
+    registry.set_adapters(w, frozenset(), {}, read_at=time.monotonic())  # asked after: a restart lost it
+    assert w.adapters == frozenset() and w.on_demand == {}
+    registry.adapter_loaded(w, "a", "/loras/a")
+    before = time.monotonic()
+    registry.adapter_unloaded(w, "a")
+    registry.set_adapters(w, frozenset({"a"}), {"a": "/loras/a"}, read_at=before - 1)  # stale list
+    assert w.adapters == frozenset() and w.on_demand == {}
+
+
+def test_an_adapter_listed_from_another_path_is_no_longer_the_gateways() -> None:
+    registry, w = registry_worker()
+    registry.adapter_loaded(w, "a", "/loras/a")
+    registry.set_adapters(w, frozenset({"a"}), {"a": "/loras/a"}, read_at=time.monotonic())
+    assert set(w.on_demand) == {"a"}
+    registry.set_adapters(w, frozenset({"a"}), {"a": "/operators/a"}, read_at=time.monotonic())
+    assert w.adapters == {"a"} and w.on_demand == {}  # served still, never unloaded by the gateway
+    registry.adapter_loaded(w, "a")  # "already loaded": served, not owned
+    assert w.on_demand == {}
