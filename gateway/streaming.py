@@ -103,16 +103,20 @@ class Lease:
     `prefill` (a cost-aware policy's prefill ticket) is closed with it: a request that ends or
     fails before its first byte has no prefill pending any more."""
 
-    __slots__ = ("_gate", "_metrics", "_prefill", "_released", "worker")
+    __slots__ = ("_adapter", "_gate", "_metrics", "_prefill", "_released", "worker")
 
     def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True,
-                 prefill: PrefillTicket | None = None) -> None:
+                 prefill: PrefillTicket | None = None, adapter: str | None = None) -> None:
         self.worker = worker
         self._metrics = metrics
         self._gate = gate if counted else None
         self._prefill = prefill
+        self._adapter = adapter
         self._released = False
         worker.in_flight += 1
+        if adapter is not None:  # the LoRA adapter is in use here: never unloaded meanwhile (lora_loader)
+            worker.adapter_in_flight[adapter] = worker.adapter_in_flight.get(adapter, 0) + 1
+            worker.adapter_used_at[adapter] = time.monotonic()
         if counted:
             gate.acquired()
         metrics.worker_in_flight(worker.pool, worker.id, 1)
@@ -121,11 +125,23 @@ class Lease:
         if not self._released:
             self._released = True
             self.worker.in_flight -= 1
+            if self._adapter is not None:
+                _adapter_done(self.worker, self._adapter)
             if self._gate is not None:
                 self._gate.released()
             self._metrics.worker_in_flight(self.worker.pool, self.worker.id, -1)
             if self._prefill is not None:
                 self._prefill.close()
+
+
+def _adapter_done(worker: Worker, adapter: str) -> None:
+    """One request naming LoRA `adapter` on `worker` ended: counted down, its last use now."""
+    left = worker.adapter_in_flight.get(adapter, 0) - 1
+    if left > 0:
+        worker.adapter_in_flight[adapter] = left
+    else:
+        worker.adapter_in_flight.pop(adapter, None)
+    worker.adapter_used_at[adapter] = time.monotonic()
 
 
 class Closable(Protocol):
@@ -160,10 +176,11 @@ class Holding:
         return bool(self._leases or self._responses)
 
     def lease(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True,
-              prefill: PrefillTicket | None = None) -> Lease:
+              prefill: PrefillTicket | None = None, adapter: str | None = None) -> Lease:
         """Take a slot on `worker` (and, `counted`, one of its pool's `gate`; `prefill`: the
-        request's prefill ticket, closed with the slot), held until this Holding is closed."""
-        lease = Lease(worker, metrics, gate, counted, prefill)
+        request's prefill ticket, closed with the slot; `adapter`: the LoRA adapter the request
+        names, counted in use there), held until this Holding is closed."""
+        lease = Lease(worker, metrics, gate, counted, prefill, adapter)
         self._leases.append(lease)
         return lease
 

@@ -13,7 +13,7 @@ from gateway.backends.models_check import (
     CHECKED_ENGINES,
     MODELS_PATH,
     UnreadableModels,
-    listed_adapters,
+    listed_adapter_roots,
     models_verdict,
 )
 from gateway.backends.params import HealthConfig
@@ -107,6 +107,7 @@ class HealthChecker(FollowsWorkers[Worker]):
         if expected is None:  # retiring after a reload removed its pool: nothing to judge it by
             return
         served, max_context = expected
+        asked = time.monotonic()
         try:
             answer = await control_get(self.client, worker.url + MODELS_PATH, self.headers.get(worker.pool, {}),
                                        self.config.timeout, self.config.max_body_bytes)
@@ -117,7 +118,8 @@ class HealthChecker(FollowsWorkers[Worker]):
                 raise UnreadableModels(f"{MODELS_PATH} answered HTTP {answer.status}")
             else:
                 verdict = models_verdict(answer.body, served, max_context)
-                self.registry.set_adapters(worker, listed_adapters(answer.body, served))
+                roots = listed_adapter_roots(answer.body, served)
+                self.registry.set_adapters(worker, frozenset(roots), roots, asked)
         except (ControlError, UnreadableModels) as exc:
             note = str(exc) if isinstance(exc, UnreadableModels) else f"{MODELS_PATH} failed: {exc}"
             if self._models_notes.get(worker.id) != note:

@@ -52,8 +52,20 @@ def listed_adapters(body: bytes, served_names: Collection[str]) -> frozenset[str
     """The LoRA adapter names a `/v1/models` body lists: entries with a string `parent` (the
     base model they adapt) that are not one of `served_names` (the pool's models) themselves, at
     most `MAX_ADAPTERS`. Raises UnreadableModels for a body that is not a model list."""
-    names = [e["id"] for e in _entries(body) if isinstance(e.get("parent"), str) and e["id"] not in served_names]
-    return frozenset(names[:MAX_ADAPTERS])
+    return frozenset(listed_adapter_roots(body, served_names))
+
+
+def listed_adapter_roots(body: bytes, served_names: Collection[str]) -> dict[str, str | None]:
+    """`listed_adapters` with each one's `root`: the path the engine loaded it from (vLLM: the
+    `lora_path` of its load or `--lora-modules`; SGLang: the `lora_path` of its `lora_registry`
+    entry), None when not a string. The base model's entry has no `parent` (SGLang before it listed
+    adapters) or a null one (vLLM; SGLang since). Raises UnreadableModels as `listed_adapters`."""
+    found: dict[str, str | None] = {}
+    for entry in _entries(body):
+        if isinstance(entry.get("parent"), str) and entry["id"] not in served_names and len(found) < MAX_ADAPTERS:
+            root = entry.get("root")
+            found.setdefault(entry["id"], root if isinstance(root, str) else None)
+    return found
 
 
 def models_verdict(body: bytes, served_names: Sequence[str], max_context_tokens: int) -> str | None:

@@ -145,11 +145,20 @@ class PoolConfig(Section):
         "Adapters its workers list in /v1/models (`parent` set) are found without it (`health.verify_models`)")
     lora_on_demand: list[LoraModule] = Field(
         default_factory=list, description="LoRA adapters loaded on a worker when a request names one no worker "
-        "has (vLLM's POST /v1/load_lora_adapter, which needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); also "
-        "written in `lora_adapters` as {name, path, load_on_demand: true}")
+        "has (vLLM's POST /v1/load_lora_adapter, which needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; SGLang's "
+        "POST /load_lora_adapter, which needs --enable-lora); also written in `lora_adapters` as "
+        "{name, path, load_on_demand: true}")
     max_loras: int | None = Field(
         default=None, ge=1, description="on-demand adapters this gateway loads on one worker at most (keep it "
-        "within the engine's --max-cpu-loras); None: no bound")
+        "within vLLM's --max-cpu-loras, SGLang's --max-loaded-loras less its --lora-paths); None: no bound")
+    lora_evict: Literal["never", "lru"] = Field(
+        default="never", description="when every candidate worker has its max_loras on-demand adapters (or "
+        "SGLang refuses a load for its --max-loaded-loras): `never` answers 503; `lru` unloads, on the "
+        "least-loaded such worker, the on-demand adapter this gateway loaded there and used least recently, "
+        "with none of this process's requests in flight on it, then loads the new one. `never` by default: "
+        "a process sees only its own in-flight requests (another replica's or serving process's may still "
+        "route to an adapter it unloads), and a working set larger than the slots makes every request "
+        "reload an adapter")
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
     apis: list[Api] | None = Field(
         default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
@@ -203,10 +212,10 @@ class PoolConfig(Section):
     def _check_on_demand(self) -> PoolConfig:
         if not self.lora_on_demand:
             return self
-        if self.engine not in ("vllm", "ascend") or self.disaggregation is not None:
-            raise ValueError("lora_on_demand needs an aggregated vllm or ascend pool (vLLM's runtime "
-                             "/v1/load_lora_adapter); declare the adapters the engines load at start in "
-                             "`lora_adapters`")
+        if self.engine not in ("vllm", "ascend", "sglang") or self.disaggregation is not None:
+            raise ValueError("lora_on_demand needs an aggregated vllm, ascend or sglang pool (their runtime "
+                             "load endpoints: vLLM's /v1/load_lora_adapter, SGLang's /load_lora_adapter); "
+                             "declare the adapters the engines load at start in `lora_adapters`")
         names = [m.name for m in self.lora_on_demand]
         if len(set(names)) != len(names) or set(names) & set(self.lora_adapters):
             raise ValueError(f"LoRA adapter names must be distinct across lora_adapters and lora_on_demand, "

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from gateway.backends.capacity import PoolGate
@@ -100,21 +100,53 @@ class WorkerRegistry:
 
     # --- LoRA adapters -------------------------------------------------------------------------
 
-    def set_adapters(self, worker: Worker, adapters: frozenset[str]) -> None:
+    def set_adapters(self, worker: Worker, adapters: frozenset[str], roots: Mapping[str, str | None] | None = None,
+                     read_at: float | None = None) -> None:
         """The LoRA adapters `worker`'s `/v1/models` lists now (the prober's check); logged when
-        they change."""
+        they change. `roots`: each listed adapter's `root` (the path the engine loaded it from);
+        `read_at`: when the list was asked for (time.monotonic() s): what this gateway loaded or
+        unloaded there since is newer than the list and kept. An adapter the gateway loaded that is
+        no longer listed (an engine restart, an operator's unload) or is listed from another path
+        (an operator's own load under that name) is no longer the gateway's to unload."""
+        if read_at is not None:
+            adapters = (adapters | {a for a, (_, at) in worker.on_demand.items() if at >= read_at}) - \
+                {a for a, at in worker.unloaded.items() if at >= read_at}
+            worker.unloaded = {a: at for a, at in worker.unloaded.items() if at >= read_at}
+        for name, (path, _) in list(worker.on_demand.items()):
+            root = (roots or {}).get(name)
+            if name not in adapters or (root is not None and root != path):
+                del worker.on_demand[name]
+                log.info("worker %s: LoRA adapter %s is no longer the one this gateway loaded (%s)", worker.id,
+                         name, "not listed" if name not in adapters else f"listed from {root}")
         if worker.adapters != adapters:
             log.info("worker %s serves LoRA adapters: %s", worker.id, ", ".join(sorted(adapters)) or "none")
             worker.adapters = adapters
             self._adapter_names = None
 
-    def adapter_loaded(self, worker: Worker, adapter: str) -> None:
+    def adapter_loaded(self, worker: Worker, adapter: str, path: str | None = None) -> None:
         """`worker` loaded LoRA `adapter` on the gateway's request (`LoraLoader`): it serves it, and
-        its pool's declared ones until its `/v1/models` is read again."""
+        its pool's declared ones until its `/v1/models` is read again. `path`: the gateway loaded it
+        from there (its own, `Worker.on_demand`); None: it was loaded already (another replica's load)."""
         config = self._configs.get(worker.pool)
         known = worker.adapters if worker.adapters is not None else \
             frozenset(config.lora_adapters if config is not None else ())
+        worker.unloaded.pop(adapter, None)
+        if path is not None:
+            now = time.monotonic()
+            worker.on_demand[adapter] = (path, now)
+            worker.adapter_used_at[adapter] = now
         self.set_adapters(worker, known | {adapter})
+
+    def adapter_unloaded(self, worker: Worker, adapter: str) -> None:
+        """The gateway unloaded (or is unloading: no new requests go there) LoRA `adapter` on `worker`."""
+        worker.on_demand.pop(adapter, None)
+        worker.adapter_used_at.pop(adapter, None)
+        worker.unloaded[adapter] = time.monotonic()
+        if worker.adapters is not None and adapter in worker.adapters:
+            log.info("worker %s serves LoRA adapters: %s", worker.id,
+                     ", ".join(sorted(worker.adapters - {adapter})) or "none")
+            worker.adapters = worker.adapters - {adapter}
+            self._adapter_names = None
 
     def adapter_names(self) -> frozenset[str]:
         """Every LoRA adapter a pool declares (`lora_adapters`) or a current worker listed last."""

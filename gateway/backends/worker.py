@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.backends.engine_kinds import EngineSpec
 
@@ -21,7 +21,11 @@ class Worker:
     `misconfigured` (the reason, from the prober's `/v1/models` check) keeps it out of every request
     until a later check finds it serving the pool's model name and max context;
     `adapters` are the LoRA adapter names its `/v1/models` listed at the last check (None until one
-    was read: then a pool's declared `lora_adapters` are taken on trust).
+    was read: then a pool's declared `lora_adapters` are taken on trust); `on_demand` the ones this
+    gateway process loaded here itself (name -> (path, time.monotonic() s of the load)): the only
+    ones it may unload; `adapter_in_flight` / `adapter_used_at` this process's requests naming each
+    adapter on it now and when one last started or ended (time.monotonic() s), kept by the leg's
+    `Lease` (gateway/streaming.py).
     `retired` marks a worker discovery or a reload removed (out of its pool, finishing its requests).
     `role` is None for an aggregated pool's worker, "prefill" or "decode" in a prefill/decode pool
     (`bootstrap_port`: a SGLang / vLLM Mooncake prefill worker's bootstrap server port).
@@ -50,6 +54,10 @@ class Worker:
     misconfigured: str | None = None
     models_checked_at: float | None = None
     adapters: frozenset[str] | None = None  # LoRA adapters its /v1/models listed last; None: never read
+    on_demand: dict[str, tuple[str, float]] = field(default_factory=dict)
+    adapter_in_flight: dict[str, int] = field(default_factory=dict)
+    adapter_used_at: dict[str, float] = field(default_factory=dict)
+    unloaded: dict[str, float] = field(default_factory=dict)  # adapters this gateway unloaded here: name -> when
     engine_running: float | None = None
     engine_waiting: float | None = None
     kv_usage: float | None = None

@@ -215,7 +215,8 @@ class SingleLeg(Attempt):
         prefill = self._prefill
         self._ledger.watch_first_byte(None if prefill is None else prefill.first_byte)
         try:
-            holding.lease(self.worker, self._state.metrics, self._state.registry.gates[self.pool.name], prefill=prefill)
+            holding.lease(self.worker, self._state.metrics, self._state.registry.gates[self.pool.name], prefill=prefill,
+                          adapter=self._request.adapter)
             return await self._serve(holding, self.upstream_headers())
         finally:
             if holding:  # not handed over: release the slot (a waiter may take it), then the connection

@@ -200,6 +200,13 @@ class GatewayMetrics:
         self.rate_limit_unavailable = Counter("kimi_gateway_rate_limit_unavailable",
                                               "Rate-limit checks Redis could not answer (action: allowed = "
                                               "fail open, refused = fail closed).", ["action"], registry=r)
+        # LoRA adapters loaded and unloaded on demand (gateway/backends/lora_loader.py).
+        self.lora_loads = Counter("kimi_gateway_lora_loads",
+                                  "LoRA adapters the gateway asked a worker to load on demand (outcome: ok, "
+                                  "already_loaded, refused, full, error).", ["pool", "outcome"], registry=r)
+        self.lora_unloads = Counter("kimi_gateway_lora_unloads",
+                                    "On-demand LoRA adapters the gateway unloaded to make room (outcome: ok, gone, "
+                                    "refused, error).", ["pool", "outcome"], registry=r)
         self.image_fetches = Counter("kimi_gateway_image_fetches",
                                      "Client image URLs fetched to measure their size (result: ok, refused, error, "
                                      "timeout, too_large, skipped).", ["result"], registry=r)
@@ -279,6 +286,16 @@ class GatewayMetrics:
     def image_fetched(self, result: str, count: int = 1) -> None:
         """`count` client image URLs ended with `result` (`ok`, `refused`, `error`, `timeout`, ...)."""
         self.image_fetches.labels(result).inc(count)
+
+    def lora_load(self, pool: str, outcome: str) -> None:
+        """One on-demand LoRA load on a worker of `pool`: `ok`, `already_loaded` (the engine had it),
+        `refused` (the engine's 4xx), `full` (SGLang's --max-loaded-loras refusal), `error` (no answer, 5xx)."""
+        self.lora_loads.labels(pool, outcome).inc()
+
+    def lora_unload(self, pool: str, outcome: str) -> None:
+        """One eviction's unload on a worker of `pool`: `ok`, `gone` (the engine no longer had it),
+        `refused` (the engine's 4xx), `error` (no answer, 5xx)."""
+        self.lora_unloads.labels(pool, outcome).inc()
 
     def forget_worker(self, worker_id: str) -> None:
         """Remove every series labelled with `worker_id` (a worker discovery or a reload removed,

@@ -11,6 +11,9 @@ Engine endpoints:
     GET /v1/models     OpenAI model list with the served names, then the loaded LoRA adapters (`parent` set)
     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
                        vLLM family with `runtime_lora_updating` only: vLLM's runtime LoRA loading
+    POST /load_lora_adapter, POST /unload_lora_adapter
+                       SGLang: its runtime LoRA loading (`LoRAUpdateOutput` answers; refused unless
+                       `runtime_lora_updating` or `lora_modules`, its `--enable-lora`)
     GET /metrics       Prometheus text with the engine's own metric names (or a trickling or
                        endless body with `metrics_body`)
     POST /v1/chat/completions/render, POST /v1/completions/render, POST /tokenize
@@ -108,6 +111,9 @@ class SimApp:
         if engine.config.runtime_lora_updating and engine.config.engine in ("vllm", "ascend"):
             self._routes[("POST", "/v1/load_lora_adapter")] = self._load_lora
             self._routes[("POST", "/v1/unload_lora_adapter")] = self._unload_lora
+        if engine.config.engine == "sglang":
+            self._routes[("POST", "/load_lora_adapter")] = self._sglang_load_lora
+            self._routes[("POST", "/unload_lora_adapter")] = self._sglang_unload_lora
         if render.serves_render(engine):
             self._routes[("POST", render.CHAT_RENDER_PATH)] = self._render_chat
             self._routes[("POST", render.COMPLETIONS_RENDER_PATH)] = self._render_completion
@@ -127,6 +133,8 @@ class SimApp:
         handler = self._routes.get((scope["method"], path))
         if handler is None and scope["method"] == "POST" and path.startswith(SGLANG_ROOMS_PATH):
             handler = self._sglang_room
+        if handler is not None and path.endswith("_lora_adapter") and self.engine.faults.no_lora_routes:
+            handler = None
         if handler is not None:
             await handler(scope, receive, send)
         elif path.startswith("/v1/responses/"):
@@ -371,6 +379,65 @@ class SimApp:
         await send_bytes(send, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode(),
                          headers=[(b"content-type", b"text/plain; charset=utf-8")])
 
+    async def _sglang_load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """SGLang's runtime load (python/sglang/srt/entrypoints/http_server.py `load_lora_adapter`: 200 or
+        400 with a `LoRAUpdateOutput`). The checks in SGLang's order: LoRA off, then the
+        `--max-loaded-loras` bound (both python/sglang/srt/managers/tokenizer_manager.py
+        `load_lora_adapter`, whose ValueError leaves `loaded_adapters` null), then, in the scheduler,
+        a name already loaded (python/sglang/srt/lora/lora_manager.py `validate_new_adapter`) and a
+        path without an adapter: `LoRAConfig` hands a path that is no directory to huggingface_hub's
+        `snapshot_download` (python/sglang/srt/lora/lora_config.py), whose repo-id check refuses an
+        absolute path in the words below (huggingface_hub/utils/_validators.py `validate_repo_id`;
+        the simulator says them for any path `lora_loadable_paths` lacks). The scheduler's answers
+        carry every loaded adapter, name -> path (`LoRAManager.create_lora_update_result`)."""
+        body = await _read_lora_request(self.engine, receive, send)
+        if body is None:
+            return
+        name, path, config = body.get("lora_name"), body.get("lora_path"), self.engine.config
+        loras = self.engine.loras
+        if not isinstance(name, str) or not isinstance(path, str):
+            reply = self.engine.dialect.bad_request("lora_name and lora_path must be strings.")
+            await send_bytes(send, reply.status, reply.body)
+            return
+        if not config.lora_enabled:
+            failure: tuple[str, dict[str, str] | None] | None = (
+                "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", None)
+        elif config.max_loaded_loras is not None and len(loras) >= config.max_loaded_loras:
+            failure = (f"Cannot load LoRA adapter {name} at path {path}. Maximum number of loaded LoRA adapters "
+                       f"is {config.max_loaded_loras}. Please unload some LoRA adapters before loading new ones.",
+                       None)
+        elif name in loras:
+            failure = (f"Failed to load LoRA adapter {name} because it is already loaded", dict(loras))
+        elif config.lora_loadable_paths is not None and path not in config.lora_loadable_paths:
+            failure = (f"Repo id must be in the form 'repo_name' or 'namespace/repo_name': '{path}'. "
+                       "Use `repo_type` argument if needed.", dict(loras))
+        else:
+            loras[name] = path
+            failure = None
+        if failure is None:
+            await send_json(send, 200, _sglang_lora_update(True, "", dict(loras)))
+        else:
+            await send_json(send, 400, _sglang_lora_update(False, *failure))
+
+    async def _sglang_unload_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """SGLang's runtime unload (`unload_lora_adapter` in the same files): an unknown name refused by
+        its registry (python/sglang/srt/lora/lora_registry.py `unregister`, the names printed as the
+        `dict_keys` they are). SGLang unloads only once the adapter's running requests finished
+        (`wait_for_unload`); the simulator's requests hold no adapter, so it unloads at once."""
+        body = await _read_lora_request(self.engine, receive, send)
+        if body is None:
+            return
+        name, loras = body.get("lora_name"), self.engine.loras
+        if not self.engine.config.lora_enabled:
+            await send_json(send, 400, _sglang_lora_update(
+                False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.", None))
+        elif not isinstance(name, str) or name not in loras:
+            await send_json(send, 400, _sglang_lora_update(
+                False, f"LoRA with name {name} does not exist. Loaded LoRAs: {loras.keys()}", None))
+        else:
+            del loras[name]
+            await send_json(send, 200, _sglang_lora_update(True, "", dict(loras)))
+
     async def _get_script(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, self.engine.script.model_dump())
 
@@ -400,6 +467,13 @@ _Body = TypeVar("_Body", bound=BaseModel)
 def create_sim_app(config: SimConfig) -> SimApp:
     """A fresh simulated engine (own state, own metrics registry) wrapped in its ASGI app."""
     return SimApp(SimWorkerState(config))
+
+
+def _sglang_lora_update(success: bool, error_message: str, loaded: dict[str, str] | None) -> dict[str, Any]:
+    """SGLang's `LoRAUpdateOutput` as its API server serializes the dataclass: the `BaseReq` fields
+    first (python/sglang/srt/managers/io_struct.py)."""
+    return {"rid": None, "http_worker_ipc": None, "success": success, "error_message": error_message,
+            "loaded_adapters": loaded}
 
 
 async def _read_lora_request(engine: SimWorkerState, receive: Receive, send: Send) -> dict[str, Any] | None:

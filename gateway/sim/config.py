@@ -94,6 +94,9 @@ class SimFaults(BaseModel):
       same answer on every worker, so it is the request's fault, not the workers').
     - `raw_stream_chunks`: streaming only; base64 byte strings sent as the whole response body,
       each as its own write with a ~20 ms pause in between (byte-exact relay tests).
+    - `no_lora_routes`: the runtime LoRA load and unload paths answer FastAPI's 404 `Not Found`, as
+      an engine restarted without runtime loading does (vLLM without
+      VLLM_ALLOW_RUNTIME_LORA_UPDATING registers no such route).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -116,6 +119,7 @@ class SimFaults(BaseModel):
     cut_answer: bool = False
     null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None
+    no_lora_routes: bool = False
 
     @field_validator("raw_stream_chunks")
     @classmethod
@@ -182,11 +186,21 @@ class SimConfig(BaseModel):
         "`--lora-modules` (vllm/entrypoints/openai/cli_args.py `LoRAParserAction`) and SGLang's `--lora-paths` "
         "take them: listed in /v1/models with `parent` (`models_list`) and served under their name")
     runtime_lora_updating: bool = Field(
-        default=False, description="serve vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` "
-        "(vLLM registers them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; vllm-ascend likewise)")
+        default=False, description="vLLM family: serve `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` "
+        "(vLLM registers them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING=true; vllm-ascend likewise). SGLang "
+        "always serves `POST /load_lora_adapter` and `/unload_lora_adapter`; this is its `--enable-lora` "
+        "(also implied by `lora_modules`, its `--lora-paths`): without it they answer SGLang's 'LoRA is not "
+        "enabled' refusal")
     lora_loadable_paths: list[str] | None = Field(
         default=None, description="adapter paths a runtime load finds (None: every path); another fails as "
-        "vLLM fails on a path without an adapter")
+        "the engine fails on a path without an adapter")
+    max_loaded_loras: int | None = Field(
+        default=None, ge=1, description="SGLang's `--max-loaded-loras`: adapters loaded at once (start-up ones "
+        "included), a load beyond refused in SGLang's words (python/sglang/srt/managers/tokenizer_manager.py "
+        "`load_lora_adapter`); None: no bound. vLLM has no such refusal: a runtime load past `--max-cpu-loras` "
+        "drops its least recently used adapter from the CPU cache and keeps it listed and servable "
+        "(vllm/lora/worker_manager.py `LRUCacheWorkerLoRAManager.add_adapter`), which this simulator does by "
+        "doing nothing")
     max_context_tokens: int = Field(gt=0)
     ttft_s: float = Field(default=0.0, ge=0.0)
     tpot_s: float = Field(default=0.0, ge=0.0)
@@ -294,7 +308,15 @@ class SimConfig(BaseModel):
             raise ValueError("pd_protocol 'sglang' needs engine 'sglang'")
         if self.pd_protocol in ("vllm-nixl", "vllm-mooncake") and self.engine == "sglang":
             raise ValueError(f"pd_protocol '{self.pd_protocol}' needs engine 'vllm' or 'ascend'")
+        if self.max_loaded_loras is not None and self.engine != "sglang":
+            raise ValueError("max_loaded_loras is SGLang's --max-loaded-loras; vLLM refuses no runtime load for "
+                             "capacity (see its description)")
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        """SGLang's `--enable-lora`: `runtime_lora_updating`, or adapters loaded at start."""
+        return self.runtime_lora_updating or bool(self.lora_modules)
 
     @property
     def step_prefill_tokens_per_s(self) -> float:

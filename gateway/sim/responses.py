@@ -149,22 +149,28 @@ def text_completion(meta: ResponseMeta, texts: list[str], finish_reason: str, pr
 
 def models_list(names: list[str], max_model_len: int, owned_by: str, created: int,
                 adapters: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """`GET /v1/models`: OpenAI's list shape with the engines' extra fields: `root` and the context
-    window in tokens as `max_model_len`, on every entry (vLLM's `ModelCard`, which adds `parent`;
-    SGLang's `available_models`, which reports `model_config.context_len` there). Then one entry per
-    LoRA adapter (`adapters`: name -> path) as both engines list a loaded one: `id` its name, `root`
-    its path, `parent` the first served name, `max_model_len` null (vLLM:
-    vllm/entrypoints/openai/serving_models.py `show_available_models`; SGLang:
-    python/sglang/srt/entrypoints/http_server.py `available_models`, from its `lora_registry`)."""
-    data: list[dict[str, Any]] = []
-    for name in names:
+    """`GET /v1/models`: OpenAI's list shape with the engines' extra fields, in their `ModelCard`
+    order: `root`, `parent` (null for a base model) and the context window in tokens as
+    `max_model_len`; vLLM adds `permission` (one `ModelPermission`). Then one entry per LoRA adapter
+    (`adapters`: name -> path) as both engines list a loaded one: `id` its name, `root` its path,
+    `parent` the first served name, `max_model_len` null (vLLM: vllm/entrypoints/openai/serving_models.py
+    `show_available_models`, vllm/entrypoints/openai/protocol.py `ModelCard`; SGLang:
+    python/sglang/srt/entrypoints/http_server.py `available_models`, from its `lora_registry`, and
+    python/sglang/srt/entrypoints/openai/protocol.py `ModelCard`, whose `parent` came with the
+    adapter listing)."""
+    vllm = owned_by != "sglang"
+
+    def card(name: str, root: str, parent: str | None, length: int | None) -> dict[str, Any]:
         entry: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": owned_by,
-                                 "root": names[0]}
-        if owned_by != "sglang":
-            entry["parent"] = None
-        entry["max_model_len"] = max_model_len
-        data.append(entry)
-    for name, path in (adapters or {}).items():
-        data.append({"id": name, "object": "model", "created": created, "owned_by": owned_by, "root": path,
-                     "parent": names[0], "max_model_len": None})
+                                 "root": root, "parent": parent, "max_model_len": length}
+        if vllm:
+            entry["permission"] = [{
+                "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False}]
+        return entry
+
+    data = [card(name, names[0], None, max_model_len) for name in names]
+    data += [card(name, path, names[0], None) for name, path in (adapters or {}).items()]
     return {"object": "list", "data": data}

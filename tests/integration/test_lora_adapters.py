@@ -292,7 +292,12 @@ def test_max_loras_bounds_the_adapters_loaded_on_a_worker(start_sim: StartSim, s
     assert list(sim.engine.loras) == [ADAPTER] and models_sent(sim) == [ADAPTER]
 
 
-def test_on_demand_loading_needs_a_vllm_pool() -> None:
-    with pytest.raises((ConfigError, ValueError), match="lora_on_demand needs an aggregated vllm or ascend pool"):
-        parse_config({"pools": [pool("p", "sglang", ["http://127.0.0.1:1"], 131072, lora_adapters=[ON_DEMAND])]},
+def test_on_demand_loading_needs_an_engine_with_a_load_endpoint() -> None:
+    """llama.cpp has no runtime load endpoint; vLLM, vllm-ascend and SGLang do."""
+    with pytest.raises((ConfigError, ValueError), match="lora_on_demand needs an aggregated vllm, ascend or sglang"):
+        parse_config({"pools": [pool("p", "llamacpp", ["http://127.0.0.1:1"], 131072, lora_adapters=[ON_DEMAND])]},
                      environ={})
+    for engine in ("vllm", "ascend", "sglang"):
+        parsed = parse_config({"pools": [pool("p", engine, ["http://127.0.0.1:1"], 131072, lora_adapters=[ON_DEMAND])]},
+                              environ={})
+        assert parsed.pools[0].lora_evict == "never"  # the safe default (docs/routing.md)

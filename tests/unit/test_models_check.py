@@ -5,7 +5,13 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.backends.models_check import MAX_ADAPTERS, UnreadableModels, listed_adapters, models_verdict
+from gateway.backends.models_check import (
+    MAX_ADAPTERS,
+    UnreadableModels,
+    listed_adapter_roots,
+    listed_adapters,
+    models_verdict,
+)
 from gateway.sim.responses import models_list
 
 
@@ -49,7 +55,8 @@ def test_a_body_that_is_no_model_list_is_unreadable(raw: bytes) -> None:
 @pytest.mark.parametrize("owned_by", ["vllm", "sglang"])
 def test_listed_adapters_are_the_entries_with_a_parent(owned_by: str) -> None:
     """Issue 22 §2: a loaded LoRA adapter is listed with `parent` (the base model), the base model
-    without one (vLLM: `parent: null`; SGLang: no `parent`), and its `max_model_len` is null."""
+    without one (a null `parent`, or none in SGLang before it listed adapters), and its
+    `max_model_len` is null."""
     listed = orjson.dumps(models_list(["kimi-k3", "K3"], 131072, owned_by, 1,
                                       {"sql-lora": "/loras/sql", "chat": "/loras/chat"}))
     assert listed_adapters(listed, ("kimi-k3",)) == {"sql-lora", "chat"}
@@ -63,3 +70,14 @@ def test_listed_adapters_are_capped() -> None:
     many = {f"lora-{i}": f"/loras/{i}" for i in range(MAX_ADAPTERS + 5)}
     listed = orjson.dumps(models_list(["kimi-k3"], 1, "vllm", 1, many))
     assert len(listed_adapters(listed, ("kimi-k3",))) == MAX_ADAPTERS
+
+
+@pytest.mark.parametrize("owned_by", ["vllm", "sglang"])
+def test_listed_adapters_come_with_their_root_path(owned_by: str) -> None:
+    """Both engines give a loaded adapter's path as its `root` (vLLM: `lora_path`; SGLang: its
+    registry's `lora_path`): how the gateway tells its own load from an operator's."""
+    listed = orjson.dumps(models_list(["kimi-k3"], 131072, owned_by, 1, {"sql-lora": "/loras/sql"}))
+    assert listed_adapter_roots(listed, ("kimi-k3",)) == {"sql-lora": "/loras/sql"}
+    odd = orjson.dumps({"data": [{"id": "kimi-k3", "parent": None, "root": "kimi-k3"},
+                                 {"id": "x", "parent": "kimi-k3", "root": 7}, {"id": "y", "parent": "kimi-k3"}]})
+    assert listed_adapter_roots(odd, ("kimi-k3",)) == {"x": None, "y": None}

@@ -1,7 +1,10 @@
 """The simulator's LoRA adapters as vLLM and SGLang serve them (issue 22 §4): `lora_modules` in
 `/v1/models` with `parent` and `root`, requests naming one accepted, unknown names refused in the
-engine's words, and vLLM's runtime load/unload endpoints with their answers
-(vllm/entrypoints/openai/serving_models.py; vllm/exceptions.py `LoRAAdapterNotFoundError`)."""
+engine's words, vLLM's runtime load/unload endpoints with their answers
+(vllm/entrypoints/openai/serving_models.py; vllm/exceptions.py `LoRAAdapterNotFoundError`) and
+SGLang's (python/sglang/srt/entrypoints/http_server.py `load_lora_adapter`, its `LoRAUpdateOutput`
+answers and the wordings of python/sglang/srt/managers/tokenizer_manager.py,
+python/sglang/srt/lora/lora_manager.py and python/sglang/srt/lora/lora_registry.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from gateway.sim.config import SimConfig
 from tests.support import RunningSim
 
 StartSim = Callable[..., RunningSim]
@@ -27,6 +31,11 @@ def test_lora_modules_are_listed_with_their_parent_and_served(start_sim: StartSi
     assert [m["id"] for m in data] == ["kimi-k3", "sql-lora"]
     assert {k: data[1][k] for k in ("root", "parent", "max_model_len")} == {
         "root": "/loras/sql", "parent": "kimi-k3", "max_model_len": None}
+    assert data[0]["parent"] is None  # both engines' ModelCard: null for the base model
+    fields = ["id", "object", "created", "owned_by", "root", "parent", "max_model_len"]
+    assert [list(m) for m in data] == [fields + (["permission"] if engine == "vllm" else [])] * 2
+    if engine == "vllm":
+        assert data[1]["permission"][0]["object"] == "model_permission"
     assert chat(sim, "sql-lora").status_code == 200
     refused = chat(sim, "other-lora")
     assert refused.status_code == (404 if engine == "vllm" else 400)
@@ -58,3 +67,57 @@ def test_runtime_lora_endpoints_need_runtime_updating(start_sim: StartSim) -> No
     sim = start_sim("vllm")
     answer = httpx.post(sim.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"}, timeout=5)
     assert answer.status_code == 404 and sim.engine.loras == {}
+
+
+def sglang_post(sim: RunningSim, path: str, **body: str) -> tuple[int, dict[str, object]]:
+    answer = httpx.post(sim.url + path, json=body, timeout=5)
+    return answer.status_code, answer.json()
+
+
+def test_sglang_runtime_load_and_unload(start_sim: StartSim) -> None:
+    sim = start_sim("sglang", runtime_lora_updating=True, lora_modules=["base-lora=/loras/base"],
+                    lora_loadable_paths=["/loras/sql", "/loras/chat"], max_loaded_loras=2)
+    status, first = sglang_post(sim, "/load_lora_adapter", lora_name="sql-lora", lora_path="/loras/sql")
+    assert (status, first) == (200, {"rid": None, "http_worker_ipc": None, "success": True, "error_message": "",
+                                     "loaded_adapters": {"base-lora": "/loras/base", "sql-lora": "/loras/sql"}})
+    listed = httpx.get(sim.url + "/v1/models", timeout=5).json()["data"]
+    assert [(m["id"], m["root"], m["parent"]) for m in listed] == [
+        ("kimi-k3", "kimi-k3", None), ("base-lora", "/loras/base", "kimi-k3"), ("sql-lora", "/loras/sql", "kimi-k3")]
+    assert chat(sim, "sql-lora").status_code == 200
+    status, full = sglang_post(sim, "/load_lora_adapter", lora_name="chat-lora", lora_path="/loras/chat")
+    assert (status, full["success"], full["loaded_adapters"]) == (400, False, None)
+    assert full["error_message"] == ("Cannot load LoRA adapter chat-lora at path /loras/chat. Maximum number of "
+                                     "loaded LoRA adapters is 2. Please unload some LoRA adapters before loading "
+                                     "new ones.")
+    status, gone = sglang_post(sim, "/unload_lora_adapter", lora_name="base-lora")
+    assert (status, gone["success"], gone["loaded_adapters"]) == (200, True, {"sql-lora": "/loras/sql"})
+    status, again = sglang_post(sim, "/load_lora_adapter", lora_name="sql-lora", lora_path="/loras/sql")
+    assert (status, again["error_message"]) == (400, "Failed to load LoRA adapter sql-lora because it is already "
+                                                     "loaded")
+    status, missing = sglang_post(sim, "/load_lora_adapter", lora_name="x", lora_path="/loras/none")
+    assert (status, missing["error_message"]) == (400, "Repo id must be in the form 'repo_name' or "
+                                                       "'namespace/repo_name': '/loras/none'. Use `repo_type` "
+                                                       "argument if needed.")
+    status, unknown = sglang_post(sim, "/unload_lora_adapter", lora_name="base-lora")
+    assert (status, unknown["error_message"]) == (400, "LoRA with name base-lora does not exist. Loaded LoRAs: "
+                                                       "dict_keys(['sql-lora'])")
+    assert sglang_post(sim, "/load_lora_adapter", lora_name="chat-lora", lora_path="/loras/chat")[0] == 200
+    assert list(sim.engine.loras) == ["sql-lora", "chat-lora"]
+    assert chat(sim, "base-lora").status_code == 400
+
+
+def test_sglang_refuses_runtime_loads_without_lora_enabled(start_sim: StartSim) -> None:
+    sim = start_sim("sglang")
+    for path, body in (("/load_lora_adapter", {"lora_name": "a", "lora_path": "/a"}),
+                       ("/unload_lora_adapter", {"lora_name": "a"})):
+        status, refused = sglang_post(sim, path, **body)
+        assert (status, refused["success"]) == (400, False)
+        assert refused["error_message"] == "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
+    assert sim.engine.loras == {}
+    assert httpx.post(sim.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"},
+                      timeout=5).status_code == 404  # vLLM's path is not SGLang's
+
+
+def test_max_loaded_loras_is_sglangs_alone() -> None:
+    with pytest.raises(ValueError, match="max_loaded_loras is SGLang's"):
+        SimConfig(engine="vllm", max_context_tokens=1024, max_loaded_loras=1)
