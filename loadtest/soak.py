@@ -79,6 +79,10 @@ MID_STREAM = ("reset_after_chunks", "drop_after_chunks", "stall_after_chunks", "
 """Mid-stream fault kinds (`gateway/sim/config.py`, `SimFaults`), one per faulted worker in turn:
 TCP reset, EOF, stall, in-band error event after N SSE events."""
 
+FAULT_LIMITS = httpx.Limits(max_keepalive_connections=0)
+"""The fault tasks' connections are not kept: a fault held as long as the sim's idle keep-alive (5 s,
+uvicorn's) would otherwise be cleared on a connection the sim is closing (and the clear lost)."""
+
 SEAM = b": x-kimi-gateway-migrated"
 """The SSE comment the gateway sends where a stream goes on on another worker."""
 
@@ -410,7 +414,7 @@ class Soak:
     async def faults(self, t0: float, duration: float) -> None:
         a = self.args
         k = 0
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False, limits=FAULT_LIMITS) as client:
             while True:
                 at = (k + 1) * a.fault_every
                 kind, body = FAULTS[k % len(FAULTS)]
@@ -458,7 +462,7 @@ class Soak:
         urls = self.worker_urls
         n = min(max(1, round(a.mid_stream_fraction * len(urls))), max(len(urls) - 1, 1))
         k = 0
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False, limits=FAULT_LIMITS) as client:
             while True:
                 at = a.mid_stream_every * (k + 0.5)  # between the rotation's starts
                 if at + a.mid_stream_seconds > duration:
@@ -549,7 +553,9 @@ class Soak:
         finally:
             for task in fault_tasks:
                 task.cancel()
-            await asyncio.gather(*fault_tasks, return_exceptions=True)
+            for failed in await asyncio.gather(*fault_tasks, return_exceptions=True):
+                if isinstance(failed, Exception):  # a fault task that stopped early: say so in the report
+                    self.notes.append(f"a fault task stopped: {type(failed).__name__}: {failed}")
             async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
                 for url in self.worker_urls:  # leave no fault behind
                     with contextlib.suppress(httpx.HTTPError):
