@@ -28,10 +28,21 @@ An Anthropic Messages stream goes on on the engine's chat API (`Migration._conti
 engines' Messages layers do not prefill a trailing assistant turn), its chat chunks written as the
 rest of the client's Anthropic stream (`Migration._as_messages`).
 
-Not at a safe point, the failure ends the stream as before (one SSE error event): a tool call
-under way, `n` > 1, `logprobs`, `echo`, a prompt that is not one string, a finish already sent
-(Messages: a thinking block, no open text block, the client's own prefill). Responses streams and
-PD pools are not migrated.
+A prefill/decode (PD) pool's stream is its decode worker's, so there a mid-stream failure is a
+decode death: the continuation is a fresh prefill of prompt + text so far on a new pair
+(`Migration._attempt`): another decode worker (never the one that failed), and the stream's prefill
+worker again when it is still in service with room (its prefix cache holds the prompt; a decode
+death says nothing against it), else the prefill policy's choice. The pair is run by the pool's own
+protocol runner (`kinds.Disaggregated.pair`), which sets fresh protocol fields as for any attempt:
+a new SGLang bootstrap room, a new NIXL prefill leg and its KV handle, a new Mooncake transfer id.
+A NIXL stream committed before its decode leg opened (`pd.deferred.DeferredStream`) hands its
+migration to its decode stream when that opens. The seam, usage and bounds are the single leg's.
+
+Off: per request (`OPT_OUT_HEADER: off`), per pool (`migrate: false`), or everywhere
+(`migration.max_per_request: 0`); `attach` decides. Not at a safe point, the failure ends the
+stream as before (one SSE error event): a tool call under way, `n` > 1, `logprobs`, `echo`, a prompt
+that is not one string, a finish already sent (Messages: a thinking block, no open text block, the
+client's own prefill). Responses streams are not migrated.
 """
 
 from __future__ import annotations
