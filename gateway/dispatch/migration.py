@@ -380,7 +380,7 @@ class Migration:
     __slots__ = ("_api", "_body", "_from", "_kept_at", "_ledger", "_parsed", "_pool", "_prefill", "_request",
                  "_state", "_strip_usage", "_tried", "_worker", "count", "prefilled", "progress")
 
-    def __init__(self, state: AppState, api: str, pool: PoolConfig, worker: Worker, body: bytes | dict[str, Any],
+    def __init__(self, state: AppState, api: Api, pool: PoolConfig, worker: Worker, body: bytes | dict[str, Any],
                  request: RoutingRequest, ledger: Ledger, strip_usage: bool, tried: set[Worker],
                  prefill: Worker | None = None) -> None:
         self._state = state
@@ -417,7 +417,7 @@ class Migration:
             return False
         return True
 
-    async def resume(self, why: str) -> UpstreamStream | None:
+    async def resume(self, why: str) -> Continuing | None:
         """Open the continuation on another worker: its accepted `UpstreamStream`, or None (no
         worker with room, or its attempt failed before content: the caller ends the stream with its
         error event). Call after `ready()` said yes."""
@@ -453,6 +453,7 @@ class Migration:
             prefill = attempt.prefill if isinstance(attempt, PdAttempt) else None
             self._prefill = prefill
             ledger.migration_ended(pool.name, "migrated", worker, prefill)
+            assert isinstance(result, RelayResponse)  # the continuation streams, as the request did
             stream = result.stream
             assert isinstance(stream, UpstreamStream | DeferredStream)
             stream.migration = self if self.count < state.config.migration.max_per_request else None
