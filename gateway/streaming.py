@@ -546,13 +546,26 @@ class Migrating(Protocol):
 
     def ready(self) -> bool: ...
 
-    def resume(self, why: str) -> Awaitable[UpstreamStream | None]: ...
+    def resume(self, why: str) -> Awaitable[Continuing | None]: ...
 
-    def relay(self, stream: UpstreamStream) -> AsyncIterator[bytes]: ...
+    def relay(self, stream: Continuing) -> AsyncIterator[bytes]: ...
 
     def seam(self) -> bytes: ...
 
     def settled(self, continued: dict[str, Any] | None) -> dict[str, Any] | None: ...
+
+
+class Continuing(Protocol):
+    """A stream an answer goes on in after a migration: an `UpstreamStream`, or a PD pool's
+    `DeferredStream` (committed before its decode leg opened, `gateway/dispatch/pd/deferred.py`),
+    which hands `migration` and `continuation` to its decode stream when that opens."""
+
+    migration: Migrating | None
+    continuation: bool
+
+    def body(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
 
 
 def error_event_at(events: bytes) -> int:
@@ -620,7 +633,7 @@ class UpstreamStream:
         self._strip_usage = strip_usage and self.sse  # the usage patch's second half (backends/patches.py)
         self._redact = response.redact if response.redact else None
         self.migration: Migrating | None = None  # set by the dispatch: a failure may continue elsewhere
-        self._next: UpstreamStream | None = None  # the continuation this stream's answer went on in
+        self._next: Continuing | None = None  # the continuation this stream's answer went on in
         self.continuation = False  # this stream continues another one's answer (relayed by its migration)
 
     async def body(self) -> AsyncIterator[bytes]:

@@ -13,10 +13,21 @@ This process sends requests at a fixed rate (streaming and not, 1-20 KB prompts,
 hang up early) and, every `--fault-every` seconds, sets one fault on one worker in turn through
 `POST /sim/faults` for `--fault-seconds`, then clears it: a 500 burst, 429 + Retry-After, a hang
 before headers, a drop after 3 SSE chunks, a hanging /health, and SIGKILL of the extra worker
-(restarted `--restart-after` seconds later). Every response is classified as the client saw it;
-a request lost without any error the client could see (a 200 stream without [DONE] and without an
-error event, a 200 JSON body that does not parse) must not happen. At the end: the gateway's
-`kimi_gateway_in_flight` and the engines' requests still running or waiting must be 0.
+(restarted `--restart-after` seconds later). Besides, every `--mid-stream-every` seconds for
+`--mid-stream-seconds`, a fraction (`--mid-stream-fraction`) of the in-process workers, in turn,
+fail their streams mid-generation, one kind each in turn: a TCP reset, an EOF, a stall (past the
+gateway's gap limit `timeouts.read`, 2 s here) or the engine's in-band error event, after 3-8 SSE
+events (`reset_after_chunks`, `drop_after_chunks`, `stall_after_chunks`, `error_after_chunks`):
+the gateway migrates those streams to another worker (README "Migration").
+
+Every response is classified as the client saw it; a request lost without any error the client
+could see (a 200 stream without [DONE] and without an error event, a 200 JSON body that does not
+parse, or an answer whose text is not the whole answer the simulator gives for its `max_tokens`:
+`gateway.sim.tokens.output_text`) must not happen, and every request sent must end as a whole
+answer, an error the client saw, or a hang-up of its own. Streams that carried the gateway's
+migration seam (`: x-kimi-gateway-migrated`) are counted, with the gateway's
+`kimi_gateway_migrations_total` by outcome. At the end: the gateway's `kimi_gateway_in_flight` and
+the engines' requests still running or waiting must be 0.
 Results: stdout and `loadtest/results/soak-<ts>.{json,md}` (logs in `soak-<ts>-logs/`).
 """
 
@@ -42,6 +53,7 @@ import httpx
 import orjson
 import yaml
 
+from gateway.sim.tokens import output_text
 from loadtest.procs import ManagedProcess, ProcessError, ProcessGroup, child_env, free_port, python_argv
 from loadtest.report import percentile
 
@@ -62,6 +74,17 @@ FAULTS: list[tuple[str, dict[str, Any] | None]] = [
     ("kill9_extra_worker", None),
 ]
 """Fault kinds in rotation: (name, SimFaults body); None = SIGKILL the extra worker process."""
+
+MID_STREAM = ("reset_after_chunks", "drop_after_chunks", "stall_after_chunks", "error_after_chunks")
+"""Mid-stream fault kinds (`gateway/sim/config.py`, `SimFaults`), one per faulted worker in turn:
+TCP reset, EOF, stall, in-band error event after N SSE events."""
+
+FAULT_LIMITS = httpx.Limits(max_keepalive_connections=0)
+"""The fault tasks' connections are not kept: a fault held as long as the sim's idle keep-alive (5 s,
+uvicorn's) would otherwise be cleared on a connection the sim is closing (and the clear lost)."""
+
+SEAM = b": x-kimi-gateway-migrated"
+"""The SSE comment the gateway sends where a stream goes on on another worker."""
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo",
          "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor",
@@ -85,6 +108,8 @@ class Outcome:
     latency_s: float | None = None
     worker: str | None = None
     attempts: str | None = None
+    migrated: bool = False
+    """A stream that carried the gateway's migration seam (`SEAM`)."""
 
 
 @dataclass
@@ -122,13 +147,18 @@ def error_code(raw: bytes) -> str:
     return "non-json:" + raw[:60].decode("utf-8", "replace")
 
 
-async def run_stream(resp: httpx.Response, out: Outcome) -> None:
+async def run_stream(resp: httpx.Response, out: Outcome, max_tokens: int) -> None:
+    """Read a chat stream to its end and classify it; a whole answer (`ok`) is `[DONE]` after the
+    text the simulator gives for `max_tokens` tokens, without an error event."""
     buffer, done, error, content = b"", False, None, False
+    text: list[str] = []
     try:
         async for chunk in resp.aiter_raw():
             buffer += chunk
             while (end := buffer.find(b"\n")) >= 0:
                 line, buffer = buffer[:end].rstrip(b"\r"), buffer[end + 1:]
+                if line.startswith(SEAM):
+                    out.migrated = True
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
@@ -148,14 +178,18 @@ async def run_stream(resp: httpx.Response, out: Outcome) -> None:
                     error = str(err.get("code") or err.get("type")) if isinstance(err, dict) else str(err)[:60]
                 elif isinstance(event, dict):
                     for choice in event.get("choices") or ():
-                        if (choice.get("delta") or {}).get("content"):
+                        piece = (choice.get("delta") or {}).get("content")
+                        if piece:
                             content = True
+                            text.append(piece)
     except httpx.HTTPError as exc:
         out.kind = "conn_error"
         out.detail = f"mid-stream {type(exc).__name__}" + (f" after error event {error}" if error else "")
         return
     if error is not None:
         out.kind, out.detail = "sse_error", f"SSE error event {error}"
+    elif done and content and "".join(text) != output_text(max_tokens):
+        out.kind, out.detail = "lost", "stream with [DONE] whose text is not the whole answer"
     elif done and content:
         out.kind = "ok"
     elif done:
@@ -174,10 +208,13 @@ async def run_plain(resp: httpx.Response, out: Outcome, max_tokens: int) -> None
         body = orjson.loads(raw)
         choice = body["choices"][0]
         ok = isinstance(choice["message"]["content"], str) and choice["finish_reason"] in ("stop", "length")
+        whole = ok and choice["message"]["content"] == output_text(max_tokens)
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-        ok = False
-    if ok:
+        ok = whole = False
+    if whole:
         out.kind = "ok"
+    elif ok:
+        out.kind, out.detail = "lost", "200 completion whose text is not the whole answer"
     else:
         out.kind, out.detail = "lost", f"200 body not a complete completion ({len(raw)} bytes)"
 
@@ -195,7 +232,7 @@ async def send(client: httpx.AsyncClient, url: str, body: bytes, out: Outcome, m
                 raw = await resp.aread()
                 out.kind, out.detail = "http_error", f"HTTP {resp.status_code} {error_code(raw)}"
             elif out.stream:
-                await run_stream(resp, out)
+                await run_stream(resp, out, max_tokens)
             else:
                 await run_plain(resp, out, max_tokens)
 
@@ -226,7 +263,8 @@ def gateway_config(port: int, urls: list[str]) -> dict[str, Any]:
         "pools": [{"name": "soak", "engine": "vllm", "workers": urls, "max_context_tokens": MAX_CONTEXT_TOKENS,
                    "default_output_tokens": 64}],
         "health": {"interval": 1.0, "passive_failures": 3, "ejection_base": 2.0},
-        "timeouts": {"first_byte_base": 2.0, "first_byte_per_1k_tokens": 0.0},
+        # `read`: the gap limit once content flows, which a stalled stream runs past (then it migrates)
+        "timeouts": {"first_byte_base": 2.0, "first_byte_per_1k_tokens": 0.0, "read": 2.0},
     }
 
 
@@ -279,6 +317,10 @@ class Soak:
         self.base = ""
         self.notes: list[str] = []
         self.restarts = 0
+        self.owners: dict[str, str] = {}
+        """Worker URL -> which fault task holds its `/sim/faults` now ("rotation" or "mid_stream")."""
+        self.mid_stream: Counter[str] = Counter()
+        """Mid-stream fault windows by kind."""
 
     # processes
     def start(self) -> None:
@@ -372,7 +414,7 @@ class Soak:
     async def faults(self, t0: float, duration: float) -> None:
         a = self.args
         k = 0
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False, limits=FAULT_LIMITS) as client:
             while True:
                 at = (k + 1) * a.fault_every
                 kind, body = FAULTS[k % len(FAULTS)]
@@ -398,13 +440,52 @@ class Soak:
                     window = FaultWindow(kind, target, time.monotonic() - t0)
                     self.windows.append(window)
                     print(f"[{window.start_s:6.1f} s] fault {kind} on {target}", flush=True)
+                    self.owners[target] = "rotation"  # replaces a mid-stream fault there (POST replaces)
                     try:
                         (await client.post(target + "/sim/faults", json=body)).raise_for_status()
                         await asyncio.sleep(max(0.0, t0 + at + hold - time.monotonic()))
                     finally:
+                        self.owners.pop(target, None)
                         (await client.post(target + "/sim/faults", json={})).raise_for_status()
                 window.end_s = time.monotonic() - t0
                 print(f"[{window.end_s:6.1f} s] cleared {kind}", flush=True)
+                k += 1
+
+    async def mid_stream_faults(self, t0: float, duration: float) -> None:
+        """Every `--mid-stream-every` s for `--mid-stream-seconds`: `--mid-stream-fraction` of the
+        in-process workers (at least one, never all: in turn) fail their streams after 3-8 SSE
+        events, one `MID_STREAM` kind each in turn. A worker the rotation of `faults` holds is
+        skipped, and one it took over meanwhile is left to it."""
+        a = self.args
+        if a.mid_stream_fraction <= 0:
+            return
+        urls = self.worker_urls
+        n = min(max(1, round(a.mid_stream_fraction * len(urls))), max(len(urls) - 1, 1))
+        k = 0
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False, limits=FAULT_LIMITS) as client:
+            while True:
+                at = a.mid_stream_every * (k + 0.5)  # between the rotation's starts
+                if at + a.mid_stream_seconds > duration:
+                    return
+                await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+                held: list[str] = []
+                try:
+                    for j in range(n):
+                        url = urls[(k * n + j) % len(urls)]
+                        if url in self.owners:
+                            continue
+                        kind = MID_STREAM[(k * n + j) % len(MID_STREAM)]
+                        self.owners[url] = "mid_stream"
+                        held.append(url)
+                        self.mid_stream[kind] += 1
+                        (await client.post(url + "/sim/faults", json={kind: self.rng.randint(3, 8)})).raise_for_status()
+                    await asyncio.sleep(max(0.0, t0 + at + a.mid_stream_seconds - time.monotonic()))
+                finally:
+                    for url in held:
+                        if self.owners.get(url) == "mid_stream":
+                            del self.owners[url]
+                            with contextlib.suppress(httpx.HTTPError):
+                                await client.post(url + "/sim/faults", json={})
                 k += 1
 
     async def sample_rss(self, t0: float, stop: asyncio.Event) -> None:
@@ -465,12 +546,16 @@ class Soak:
         t0 = time.monotonic()
         stop = asyncio.Event()
         side = [asyncio.create_task(self.sample_rss(t0, stop)), asyncio.create_task(self.progress(t0, stop))]
-        fault_task = asyncio.create_task(self.faults(t0, duration))
+        fault_tasks = [asyncio.create_task(self.faults(t0, duration)),
+                       asyncio.create_task(self.mid_stream_faults(t0, duration))]
         try:
             await self.load(t0, duration)
         finally:
-            fault_task.cancel()
-            await asyncio.gather(fault_task, return_exceptions=True)
+            for task in fault_tasks:
+                task.cancel()
+            for failed in await asyncio.gather(*fault_tasks, return_exceptions=True):
+                if isinstance(failed, Exception):  # a fault task that stopped early: say so in the report
+                    self.notes.append(f"a fault task stopped: {type(failed).__name__}: {failed}")
             async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
                 for url in self.worker_urls:  # leave no fault behind
                     with contextlib.suppress(httpx.HTTPError):
@@ -505,6 +590,8 @@ IN_FLIGHT_LEAD_S = 1.0
 """A fault window also counts requests sent this long before it (still in flight when it starts)."""
 
 FAILURE_KINDS = ("http_error", "sse_error", "conn_error", "client_timeout", "violation", "lost")
+ACCOUNTED = ("ok", "client_cancelled", "http_error", "sse_error", "conn_error", "client_timeout")
+"""How a request may end: a whole answer, its client's own hang-up, or an error its client saw."""
 
 
 def summarize(soak: Soak, measured: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
@@ -532,9 +619,17 @@ def summarize(soak: Soak, measured: dict[str, Any], meta: dict[str, Any]) -> dic
         v = percentile(values, q)
         return None if v is None else round(v, 3)
 
+    sent = [o for o in outs if o.kind != "not_sent"]
+    moved = [o for o in outs if o.migrated]
     return {
         **meta,
-        "sent": sum(1 for o in outs if o.kind != "not_sent"),
+        "sent": len(sent),
+        # Every request sent ended as a whole answer, an error the client saw, or its own hang-up.
+        "unaccounted": sum(1 for o in sent if o.kind not in ACCOUNTED),
+        "migrated_streams": len(moved),
+        "migrated_streams_whole": sum(1 for o in moved if o.kind == "ok"),
+        "migrated_streams_by_outcome": dict(Counter(o.kind for o in moved)),
+        "mid_stream_windows": dict(soak.mid_stream),
         "not_sent_concurrency_cap": kinds.get("not_sent", 0),
         "ok": kinds.get("ok", 0),
         "client_cancelled": kinds.get("client_cancelled", 0),
@@ -591,8 +686,14 @@ def markdown(r: dict[str, Any]) -> str:
         f"| engine requests running or waiting at the end (must be 0) | {r['engine_open_end']} |",
         f"| engine requests neither completed, aborted nor errored (/sim/stats; a stream cut by the "
         f"`drop_after_chunks` fault counts here) | {r['engine_unaccounted_end']} |",
-        f"| streams continued on another worker after a mid-stream failure (migrated; no worker, failed, "
-        f"refused) | {migrated(r['migrations'])} |",
+        f"| streams continued on another worker after a mid-stream failure (gateway metric: migrated; no "
+        f"worker, failed, refused) | {migrated(r['migrations'])} |",
+        f"| streams the client saw migrate (the seam comment) / of them a whole answer | "
+        f"{r['migrated_streams']:,} / {r['migrated_streams_whole']:,} |",
+        f"| **requests sent that did not end as a whole answer, a visible error or their own hang-up** "
+        f"(must be 0) | **{r['unaccounted']}** |",
+        f"| mid-stream fault windows by kind | "
+        f"{', '.join(f'{k} {v}' for k, v in r['mid_stream_windows'].items()) or 'none'} |",
         "", "## Failures by cause (as the client saw them)", "",
     ]
     lines += [f"- {n} x {cause}" for cause, n in r["failures_by_cause"].items()] or ["- none"]
@@ -627,6 +728,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--fault-every", type=float, default=60.0, help="seconds between fault starts")
     add("--fault-seconds", type=float, default=15.0, help="how long a fault stays on")
     add("--restart-after", type=float, default=60.0, help="seconds before the killed worker is restarted")
+    add("--mid-stream-fraction", type=float, default=0.4,
+        help="in-process workers whose streams fail mid-generation in each mid-stream window (0: none)")
+    add("--mid-stream-every", type=float, default=8.0, help="seconds between mid-stream fault windows")
+    add("--mid-stream-seconds", type=float, default=3.0, help="how long a mid-stream fault window lasts")
     add("--window-grace", type=float, default=5.0, help="errors this long after a fault still count to it")
     add("--request-timeout", type=float, default=60.0, help="client gives up on a request after this")
     add("--max-concurrency", type=int, default=400, help="requests in flight at the client, at most")
@@ -656,8 +761,10 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": f"8-{args.max_tokens}", "ttft/tpot (s)": f"{args.ttft}/{args.tpot}",
         "fault every (s)": args.fault_every, "fault seconds": args.fault_seconds,
         "restart after (s)": args.restart_after, "window grace (s)": args.window_grace,
+        "mid-stream faults": f"{args.mid_stream_fraction:g} of the in-process workers, {args.mid_stream_seconds:g} s "
+        f"every {args.mid_stream_every:g} s, after 3-8 SSE events: {', '.join(MID_STREAM)} in turn",
         "request timeout (s)": args.request_timeout, "gateway": "health interval 1 s, passive_failures 3, "
-        "ejection_base 2 s, first_byte_base 2 s, first_byte_per_1k_tokens 0, default policy",
+        "ejection_base 2 s, first_byte_base 2 s, first_byte_per_1k_tokens 0, read 2 s, default policy",
         "gateway overrides": args.gateway_extra or "none",
         "logs": str(log_dir)}}
     soak = Soak(args, log_dir)
@@ -677,8 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     print(f"written: {base}.md and {base}.json")
-    bad = (result["lost_without_visible_error"] or result["in_flight_end"] or result["engine_open_end"]
-           or any(o.kind == "violation" for o in soak.outcomes))
+    bad = (result["lost_without_visible_error"] or result["unaccounted"] or result["in_flight_end"]
+           or result["engine_open_end"] or any(o.kind == "violation" for o in soak.outcomes))
     return 1 if bad else 0
 
 

@@ -167,6 +167,11 @@ class PoolConfig(Section):
         default=1024, ge=0, description="tokens reserved for output when the request sets no max_tokens"
     )
     spillover: bool = Field(default=True, description="may spill to the next larger pool when down")
+    migrate: bool = Field(
+        default=True,
+        description="a stream whose worker fails after content reached the client goes on on another worker of "
+        "this pool (a PD pool: another prefill/decode pair) from the text so far (`migration:`, "
+        "gateway/dispatch/migration.py); false: such a stream ends with one SSE error event, as before migration")
     policy: str = "prefix_affinity"
     policy_params: dict[str, Any] = Field(default_factory=dict, description="the policy's own parameters")
     api_key: SecretStr | None = Field(default=None, description="bearer credential sent to the engines")

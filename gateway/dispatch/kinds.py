@@ -18,14 +18,18 @@ from typing import Protocol
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
 from gateway.dialects.base import usage_patch
+from gateway.dialects.names import Api
 from gateway.dispatch.attempt import Attempt, SingleLeg
 from gateway.dispatch.context import Dispatch
+from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.pd.attempt import PdAttempt, PdRunner
 from gateway.dispatch.pd.mooncake import MOONCAKE
 from gateway.dispatch.pd.nixl import NIXL
 from gateway.dispatch.pd.sglang import SGLANG
 from gateway.dispatch.steps import decide, engine_body, prefill_ticket, served_name
+from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import RoutingPolicy
+from gateway.state import AppState
 
 
 class PoolKind(Protocol):
@@ -91,9 +95,18 @@ class Disaggregated:
                          f"prefill:{prefill.reason},decode:{decode.reason}", prefill.reason, matched, body,
                          request, dispatch.ledger, patch_usage)
 
+    def pair(self, state: AppState, api: Api, pool: PoolConfig, decode: Worker, prefill: Worker, reason: str,
+             body: bytes, request: RoutingRequest, ledger: Ledger, strip_usage: bool) -> PdAttempt:
+        """A two-leg attempt on a pair the caller chose (a migration's fresh pair,
+        `gateway/dispatch/migration.py`): `body` is the decode worker's engine body, without the
+        protocol's fields; the runner adds fresh ones (a new bootstrap room, KV handle or transfer
+        id), as for every attempt. Route reason `reason` for both phases."""
+        return PdAttempt(self._runner, state, api, pool, decode, prefill, reason, reason, None, body, request,
+                         ledger, strip_usage)
+
 
 AGGREGATED = Aggregated()
-PD_KINDS: dict[str, PoolKind] = {"sglang": Disaggregated(SGLANG), "vllm-nixl": Disaggregated(NIXL),
+PD_KINDS: dict[str, Disaggregated] = {"sglang": Disaggregated(SGLANG), "vllm-nixl": Disaggregated(NIXL),
                                  "vllm-mooncake": Disaggregated(MOONCAKE)}
 
 RESPONSE_AFFINITY = "response_affinity"

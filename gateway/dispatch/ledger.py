@@ -402,12 +402,16 @@ class Ledger:
         if self.trace is not None:
             self.trace.end_attempt(outcome)
 
-    def migration_ended(self, pool: str, outcome: str, to: Worker | None = None) -> None:
-        """The migration ended: `migrated` (to worker `to`), `no_worker` or `failed`."""
+    def migration_ended(self, pool: str, outcome: str, to: Worker | None = None,
+                        prefill: Worker | None = None) -> None:
+        """The migration ended: `migrated` (to worker `to`; a PD pool's decode worker, with its
+        pair's `prefill` worker), `no_worker` or `failed`."""
         note = self.record.migration
         if note is not None:
             if to is not None:
                 note["to"] = to.id
+            if prefill is not None:
+                note["prefill"] = prefill.id
             note["outcome"] = outcome
         self._metrics.migrations.labels(pool, outcome).inc()
 

@@ -28,10 +28,21 @@ An Anthropic Messages stream goes on on the engine's chat API (`Migration._conti
 engines' Messages layers do not prefill a trailing assistant turn), its chat chunks written as the
 rest of the client's Anthropic stream (`Migration._as_messages`).
 
-Not at a safe point, the failure ends the stream as before (one SSE error event): a tool call
-under way, `n` > 1, `logprobs`, `echo`, a prompt that is not one string, a finish already sent
-(Messages: a thinking block, no open text block, the client's own prefill). Responses streams and
-PD pools are not migrated.
+A prefill/decode (PD) pool's stream is its decode worker's, so there a mid-stream failure is a
+decode death: the continuation is a fresh prefill of prompt + text so far on a new pair
+(`Migration._attempt`): another decode worker (never the one that failed), and the stream's prefill
+worker again when it is still in service with room (its prefix cache holds the prompt; a decode
+death says nothing against it), else the prefill policy's choice. The pair is run by the pool's own
+protocol runner (`kinds.Disaggregated.pair`), which sets fresh protocol fields as for any attempt:
+a new SGLang bootstrap room, a new NIXL prefill leg and its KV handle, a new Mooncake transfer id.
+A NIXL stream committed before its decode leg opened (`pd.deferred.DeferredStream`) hands its
+migration to its decode stream when that opens. The seam, usage and bounds are the single leg's.
+
+Off: per request (`OPT_OUT_HEADER: off`), per pool (`migrate: false`), or everywhere
+(`migration.max_per_request: 0`); `attach` decides. Not at a safe point, the failure ends the
+stream as before (one SSE error event): a tool call under way, `n` > 1, `logprobs`, `echo`, a prompt
+that is not one string, a finish already sent (Messages: a thinking block, no open text block, the
+client's own prefill). Responses streams are not migrated.
 """
 
 from __future__ import annotations
@@ -45,13 +56,19 @@ import orjson
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
 from gateway.dialects.names import CHAT, COMPLETIONS, MESSAGES, Api
-from gateway.dispatch.attempt import SingleLeg
+from gateway.dialects.registry import dialect_for
+from gateway.dispatch.answers import RelayResponse
+from gateway.dispatch.attempt import Attempt, SingleLeg
+from gateway.dispatch.context import Dispatch
+from gateway.dispatch.kinds import PD_KINDS
 from gateway.dispatch.ledger import Ledger
+from gateway.dispatch.pd.attempt import PdAttempt
+from gateway.dispatch.pd.deferred import DeferredStream
 from gateway.dispatch.steps import decide
 from gateway.protocol.anthropic import STOP_REASONS, continuation_chat, message_end_events, sse_error, text_delta_event
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
-from gateway.streaming import AttemptFailed, Outcome, UpstreamStream
+from gateway.streaming import AttemptFailed, Continuing, Outcome, UpstreamStream
 
 OPT_OUT_HEADER = "x-kimi-gateway-migrate"
 """A request header: `off` keeps this request's stream from being migrated."""
@@ -74,6 +91,9 @@ renders only that message's `content`, not its `reasoning_content`: a stream tha
 is not continued there (`refusal`)."""
 
 SGLANG = "sglang"
+
+MIGRATION = "migration"
+"""The route reason of a continuation's attempt (both phases' in a PD pool)."""
 
 CONTINUATION_TRIES = 2
 """Workers a continuation is tried on at most (each failure before its first content moves on)."""
@@ -331,26 +351,49 @@ def continuation_body(api: str, body: dict[str, Any], progress: Progress, model:
     return out
 
 
+def attach(state: AppState, dispatch: Dispatch, attempt: Attempt, result: RelayResponse) -> None:
+    """Give an accepted stream its migration when a mid-stream failure could continue it elsewhere:
+    a chat or text completion (or Messages) stream of a single-leg or PD attempt (no pinned
+    worker) on an engine that continues a turn, with migration on for the request (no opt-out
+    header), the config (`migration.max_per_request` > 0) and the pool (`migrate`)."""
+    stream = result.stream
+    if (not dispatch.migrate or not dialect_for(dispatch.api).migrates or dispatch.pinned is not None
+            or not isinstance(stream, UpstreamStream | DeferredStream) or not attempt.pool.migrate
+            or attempt.worker.engine.kind not in ENGINES or state.config.migration.max_per_request == 0):
+        return
+    if isinstance(attempt, PdAttempt):
+        stream.migration = Migration(state, dispatch.api, attempt.pool, attempt.worker, attempt.body,
+                                     dispatch.request, dispatch.ledger, attempt.strip_usage, dispatch.tried,
+                                     attempt.prefill)
+    elif isinstance(attempt, SingleLeg):
+        stream.migration = Migration(state, dispatch.api, attempt.pool, attempt.worker, attempt.body,
+                                     dispatch.request, dispatch.ledger, attempt.strip_usage, dispatch.tried)
+
+
 class Migration:
     """One stream's migration state: owned by its `UpstreamStream` (`migration`), made by the
-    dispatch when it accepted the stream. `resume` finds the next worker and opens the
-    continuation; `relay` rewrites its events; `usage` is the honest usage after it."""
+    dispatch when it accepted the stream (`attach`). `resume` finds the next worker (a PD pool's:
+    the next pair) and opens the continuation; `relay` rewrites its events; `usage` is the honest
+    usage after it. `body` is the engine body the stream was asked with (bytes, or a PD attempt's
+    parsed one); `prefill` a PD stream's prefill worker."""
 
-    __slots__ = ("_api", "_body", "_from", "_kept_at", "_ledger", "_parsed", "_pool", "_request", "_state",
-                 "_strip_usage", "_tried", "_worker", "count", "prefilled", "progress")
+    __slots__ = ("_api", "_body", "_from", "_kept_at", "_ledger", "_parsed", "_pool", "_prefill", "_request",
+                 "_state", "_strip_usage", "_tried", "_worker", "count", "prefilled", "progress")
 
-    def __init__(self, state: AppState, api: str, pool: PoolConfig, worker: Worker, body: bytes,
-                 request: RoutingRequest, ledger: Ledger, strip_usage: bool, tried: set[Worker]) -> None:
+    def __init__(self, state: AppState, api: Api, pool: PoolConfig, worker: Worker, body: bytes | dict[str, Any],
+                 request: RoutingRequest, ledger: Ledger, strip_usage: bool, tried: set[Worker],
+                 prefill: Worker | None = None) -> None:
         self._state = state
         self._api = api
         self._pool = pool
         self._worker = worker
-        self._body = body
+        self._body = body if isinstance(body, bytes) else b""
         self._request = request
         self._ledger = ledger
         self._strip_usage = strip_usage
         self._tried = tried
-        self._parsed: dict[str, Any] | None = None
+        self._prefill = prefill
+        self._parsed: dict[str, Any] | None = body if isinstance(body, dict) else None
         self._from: Worker | None = None
         self._kept_at: list[int] = []
         self.count = 0
@@ -374,7 +417,7 @@ class Migration:
             return False
         return True
 
-    async def resume(self, why: str) -> UpstreamStream | None:
+    async def resume(self, why: str) -> Continuing | None:
         """Open the continuation on another worker: its accepted `UpstreamStream`, or None (no
         worker with room, or its attempt failed before content: the caller ends the stream with its
         error event). Call after `ready()` said yes."""
@@ -387,32 +430,63 @@ class Migration:
         outcome = "no_worker"
         registry = state.registry
         for _ in range(CONTINUATION_TRIES if body is not None else 0):
-            workers = [w for w in registry.gates[pool.name].with_room(registry.candidates(pool.name, self._tried))
-                       if w.engine.kind in ENGINES]
+            workers = [w for w in registry.gates[pool.name].with_room(
+                registry.candidates(pool.name, self._tried, adapter=self._request.adapter))
+                if w.engine.kind in ENGINES]
             if not workers:
                 break
-            decision = decide(state.policies.policy(pool.name), self._request, workers, {})
-            worker = decision.worker
+            attempt = self._attempt(api, orjson.dumps(body), workers)
+            if attempt is None:
+                break
+            worker = attempt.worker
             ledger.continuation_started(worker)
-            attempt = SingleLeg(state, api, pool, worker, "migration", None, orjson.dumps(body),
-                                self._request, ledger, self._strip_usage and api == self._api)
             try:
                 result = await attempt.run()
             except AttemptFailed as failure:
                 ledger.continuation_ended(pool.name, worker, failure.outcome)
-                self._tried.add(worker)
+                self._tried.add(attempt.failed_worker(failure))
                 outcome = "failed"
                 continue
             ledger.continuation_ended(pool.name, worker, Outcome.OK)
             self._kept_at.append(self.progress.generated)
             self._from, self._worker = self._worker, worker
-            ledger.migration_ended(pool.name, "migrated", worker)
+            prefill = attempt.prefill if isinstance(attempt, PdAttempt) else None
+            self._prefill = prefill
+            ledger.migration_ended(pool.name, "migrated", worker, prefill)
+            assert isinstance(result, RelayResponse)  # the continuation streams, as the request did
             stream = result.stream
-            assert isinstance(stream, UpstreamStream)
+            assert isinstance(stream, UpstreamStream | DeferredStream)
             stream.migration = self if self.count < state.config.migration.max_per_request else None
             return stream
         ledger.migration_ended(pool.name, outcome)
         return None
+
+    def _attempt(self, api: Api, body: bytes, workers: list[Worker]) -> SingleLeg | PdAttempt | None:
+        """The continuation's attempt among `workers` (the candidates with room, none tried): one
+        worker by the pool's policy; in a PD pool, a fresh pair (None: no prefill worker has room).
+
+        A PD pair: a decode worker by the decode policy among `workers` (never the one that
+        failed), and the stream's prefill worker again when it is still in service with room (a
+        decode death says nothing against it, and its prefix cache holds the prompt, so the
+        re-prefill of prompt + text so far computes mostly the text), else the prefill policy's
+        choice among the prefill workers in service. The runner gives the pair fresh protocol
+        fields (bootstrap room, KV handle, transfer id)."""
+        state, pool, request, registry = self._state, self._pool, self._request, self._state.registry
+        strip_usage = self._strip_usage and api == self._api
+        pd = pool.disaggregation
+        if pd is None:
+            decision = decide(state.policies.policy(pool.name), request, workers, {})
+            return SingleLeg(state, api, pool, decision.worker, MIGRATION, None, body, request, self._ledger,
+                             strip_usage)
+        prefills = registry.gates[pool.name].with_room(
+            registry.candidates(pool.name, self._tried, "prefill", request.adapter))
+        if not prefills:
+            return None
+        prefill = self._prefill if self._prefill in prefills else \
+            decide(state.policies.policy(pool.name), request, prefills, {}).worker
+        decode = decide(state.policies.policy(pool.name, "decode"), request, workers, {}).worker
+        return PD_KINDS[pd.mode].pair(state, api, pool, decode, prefill, MIGRATION, body, request, self._ledger,
+                                      strip_usage)
 
     def _continuation(self) -> tuple[Api, dict[str, Any] | None]:
         """The API and the engine body the answer goes on with (None: no output left). A Messages
@@ -428,12 +502,14 @@ class Migration:
         return CHAT, continuation_body(CHAT, chat, self.progress, model)
 
     def seam(self) -> bytes:
-        """The SSE comment that marks the latest seam (clients ignore comments: WHATWG SSE)."""
+        """The SSE comment that marks the latest seam (clients ignore comments: WHATWG SSE); a PD
+        continuation's names its prefill worker too."""
         origin = self._from.id if self._from is not None else ""
-        return (f": x-kimi-gateway-migrated from={origin} to={self._worker.id} "
+        prefill = f" prefill={self._prefill.id}" if self._prefill is not None else ""
+        return (f": x-kimi-gateway-migrated from={origin} to={self._worker.id}{prefill} "
                 f"kept_tokens={self.progress.generated}\n\n").encode()
 
-    async def relay(self, stream: UpstreamStream) -> AsyncIterator[bytes]:
+    async def relay(self, stream: Continuing) -> AsyncIterator[bytes]:
         """The continuation's events as the client gets them: the first stream's `id`, `created`
         and `model`, no second role chunk, honest usage; error events and `[DONE]` as they are."""
         stream.continuation = True
@@ -473,7 +549,7 @@ class Migration:
             if out:
                 yield b"".join(out)
 
-    async def _as_messages(self, stream: UpstreamStream) -> AsyncIterator[bytes]:
+    async def _as_messages(self, stream: Continuing) -> AsyncIterator[bytes]:
         """A chat continuation's events as the rest of the client's Messages stream: its content as
         `text_delta`s of the open text block, then that block's stop, one `message_delta` (the stop
         reason, the whole answer's usage) and `message_stop`; an error event as Anthropic's."""

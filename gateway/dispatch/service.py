@@ -25,13 +25,13 @@ from gateway.backends.worker import Worker
 from gateway.dialects.names import Api
 from gateway.dialects.registry import dialect_for
 from gateway.dispatch.answers import BufferedResponse, RelayResponse, response_id_in_json, route_headers
-from gateway.dispatch.attempt import Attempt, SingleLeg, silence_limit
+from gateway.dispatch.attempt import Attempt, silence_limit
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
 from gateway.dispatch.ledger import Ledger
-from gateway.dispatch.migration import ENGINES as MIGRATING_ENGINES
-from gateway.dispatch.migration import OPT_OUT_HEADER, Migration
+from gateway.dispatch.migration import OPT_OUT_HEADER
+from gateway.dispatch.migration import attach as attach_migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
@@ -39,7 +39,7 @@ from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_ses
 from gateway.routing.pools import fitting_pools, skipped_pools
 from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
-from gateway.streaming import AttemptFailed, UpstreamStream
+from gateway.streaming import AttemptFailed
 
 
 class ProxyService:
@@ -232,17 +232,9 @@ class ProxyService:
         raise exhausted(state.registry, dispatch.last, record, dispatch.pools, dispatch.failures)
 
     def _may_migrate(self, dispatch: Dispatch, attempt: Attempt, result: RelayResponse) -> None:
-        """Give an accepted stream its migration (`gateway/dispatch/migration.py`) when a mid-stream
-        failure could continue it elsewhere: a chat or text completion stream of a single-leg
-        attempt (no PD pool, no pinned worker) on an engine that continues a turn, migration on."""
-        stream = result.stream
-        if (not dialect_for(dispatch.api).migrates or not isinstance(stream, UpstreamStream)
-                or not isinstance(attempt, SingleLeg) or dispatch.pinned is not None
-                or attempt.pool.disaggregation is not None or attempt.worker.engine.kind not in MIGRATING_ENGINES
-                or self.state.config.migration.max_per_request == 0):
-            return
-        stream.migration = Migration(self.state, dispatch.api, attempt.pool, attempt.worker, attempt.body,
-                                     dispatch.request, dispatch.ledger, attempt.strip_usage, dispatch.tried)
+        """Give an accepted stream its migration when a mid-stream failure could continue it
+        elsewhere (`gateway/dispatch/migration.py`, `attach`: what qualifies, PD pools included)."""
+        attach_migration(self.state, dispatch, attempt, result)
 
     async def _wait_for_slot(self, dispatch: Dispatch) -> None:
         """Queue for a slot of the request's pool, up to `queue_timeout` after it first queued."""

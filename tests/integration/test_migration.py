@@ -131,6 +131,28 @@ def test_migration_off_in_the_config_gives_the_error_event(start_sim: StartSim, 
     assert b'"error"' in events[-1] and good.engine.records == []
 
 
+def test_a_pool_with_migrate_off_gives_the_error_event_and_others_still_migrate(
+        start_sim: StartSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture) -> None:
+    # `migrate: false` on a pool: a stream failing there ends as before migration (one SSE error
+    # event, no continuation); the next pool, with the default, still migrates its streams.
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    bad, good = start_sim("vllm", faults=FAULTS["eof"], max_context_tokens=2048), \
+        start_sim("vllm", max_context_tokens=2048)
+    big_bad, big_good = start_sim("vllm", faults=FAULTS["eof"]), start_sim("vllm")
+    gw = start_gateway([pool("off", "vllm", [bad.url, good.url], 2048, policy="round_robin", migrate=False),
+                        pool("on", "vllm", [big_bad.url, big_good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0}, timeouts=TIMEOUTS)
+    _, events = stream(gw.v1 + "/chat/completions", CHAT)
+    assert b'"error"' in events[-1] and b"[DONE]" not in b"".join(events)
+    assert good.engine.records == [] and not any(e.startswith(b": x-kimi-gateway-migrated") for e in events)
+    assert "migration" not in access_lines(caplog, gw)[-1]
+    assert gw.metric("kimi_gateway_migrations_total") == 0
+    long = {**CHAT, "messages": [{"role": "user", "content": "a long story " * 1000}]}  # fits only the second pool
+    _, events = stream(gw.v1 + "/chat/completions", long)
+    assert events[-1] == b"data: [DONE]" and big_good.engine.records[-1].body["continue_final_message"] is True
+    assert gw.wait_for_metric('kimi_gateway_migrations_total{outcome="migrated",pool="on"}', lambda v: v == 1)
+
+
 def test_one_migration_per_request_then_the_error_event(start_sim: StartSim, start_gateway: StartGateway) -> None:
     sims = [start_sim("vllm") for _ in range(3)]
     gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 131072, policy="round_robin")],

@@ -98,6 +98,11 @@ class PdAttempt(Attempt):
         return self._failed or self.worker
 
     @property
+    def strip_usage(self) -> bool:
+        """Whether the usage patch is on (its chunk is not relayed)."""
+        return self._strip_usage
+
+    @property
     def state(self) -> AppState:
         """The gateway's state (the registry, the HTTP client a runner asks a bootstrap server with)."""
         return self._state

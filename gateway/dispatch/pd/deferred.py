@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from gateway.dispatch.answers import RelayResponse
 from gateway.errors import UpstreamError
 from gateway.protocol.sse import sse_error_event
-from gateway.streaming import KEEPALIVE_COMMENT, AttemptFailed, Holding
+from gateway.streaming import KEEPALIVE_COMMENT, AttemptFailed, Holding, Migrating, UpstreamStream
 
 
 def after_commit_message(exc: Exception) -> str:
@@ -27,7 +27,8 @@ class DeferredStream:
     with one SSE error event (`on_failure(exc)` accounts it and returns its message), as any failure
     after a commit does. Owns `holding` (both slots, the prefill leg) until `start()` hands it to
     the decode stream; `aclose()` (idempotent) releases whatever it still holds. Quacks as
-    `UpstreamStream` for the relay (`body`, `aclose`, `sse`)."""
+    `UpstreamStream` for the relay (`body`, `aclose`, `sse`) and for a migration (`migration`,
+    `continuation`: handed to the decode stream once it opens, gateway/dispatch/migration.py)."""
 
     sse = True
 
@@ -39,6 +40,8 @@ class DeferredStream:
         self._on_failure = on_failure
         self._inner: RelayResponse | None = None
         self._closed = False
+        self.migration: Migrating | None = None  # the decode stream's, once it opens
+        self.continuation = False
 
     async def body(self) -> AsyncIterator[bytes]:
         """Keep-alives until the decode stream opened, then its bytes; one SSE error on failure."""
@@ -53,7 +56,10 @@ class DeferredStream:
             except (AttemptFailed, UpstreamError) as exc:
                 yield sse_error_event(self._on_failure(exc))
                 return
-            async for chunk in self._inner.stream.body():
+            inner = self._inner.stream
+            if isinstance(inner, UpstreamStream):  # a mid-stream failure of the decode leg may migrate
+                inner.migration, inner.continuation = self.migration, self.continuation
+            async for chunk in inner.body():
                 yield chunk
         finally:
             if not task.done():
