@@ -34,6 +34,14 @@ Sequence = tuple[bytes, int, int, int]
 
 _EMPTY: Sequence = (b"", 0, 0, 0)
 
+BINARY_ENCODINGS = frozenset({"bytes", "bytes_only"})
+"""vLLM's binary `encoding_format`s (`vllm/utils/serial_utils.py` `EncodingFormat`: "float", "base64",
+"bytes"; "bytes_only" is refused too, being no JSON either way, or else no format vLLM knows): the answer is
+`application/octet-stream` with the usage and shapes in a `metadata` header
+(`vllm/entrypoints/pooling/embed/api_router.py`), which the gateway does not relay (it relays JSON
+answers only, and would take the engine's octet stream for a broken worker), so it refuses them
+up front: the one thing a vLLM engine accepts that the gateway does not."""
+
 
 def _text(value: object) -> bytes:
     return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else b""
@@ -197,7 +205,12 @@ class EmbeddingsDialect(_Pooling[EmbeddingsRequest]):
     def features(self, wire: EmbeddingsRequest, model: str, estimator: TokenEstimator,
                  hasher: PrefixHasher | None, session_key: str | None,
                  measured: Mapping[str, tuple[int, int]] | None) -> RoutingRequest:
-        """`pooling_features` of `embedding_sequences`."""
+        """`pooling_features` of `embedding_sequences`. Raises InvalidRequest for a binary
+        `encoding_format` (`BINARY_ENCODINGS`)."""
+        encoding = (wire.model_extra or {}).get("encoding_format")
+        if encoding in BINARY_ENCODINGS:
+            raise InvalidRequest(f"encoding_format '{encoding}' is not relayed by this gateway (its answer is not "
+                                 "JSON); use 'float' or 'base64'.", param="encoding_format", code="unsupported_value")
         session = session_hint(session_key, (wire.model_extra or {}).get("user"))
         return pooling_features(EMBEDDINGS, embedding_sequences(wire), model, estimator, session)
 

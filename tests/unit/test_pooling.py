@@ -178,3 +178,10 @@ def test_a_parse_process_routes_a_pooling_body_to_its_pool() -> None:
 def test_the_engines_usage_in_the_names_the_quota_settles_by(usage: dict[str, Any], normal: dict[str, Any]) -> None:
     for api in POOLING_APIS:
         assert dialect_for(api).answer_usage(usage, False) == normal
+
+
+@pytest.mark.parametrize("encoding", ["bytes", "bytes_only"])
+def test_a_binary_encoding_the_gateway_cannot_relay_is_refused_up_front(encoding: str) -> None:
+    error = refusal(EMBEDDINGS, {"model": "kimi-k3", "input": "hi", "encoding_format": encoding})
+    assert (error.status, error.param, error.code) == (400, "encoding_format", "unsupported_value")
+    routed(EMBEDDINGS, {"model": "kimi-k3", "input": "hi", "encoding_format": "somethingnew"})  # the engine's to judge
