@@ -36,7 +36,9 @@ from pydantic import (
     Field,
     StrictStr,
     TypeAdapter,
+    ValidationError,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     WrapValidator,
     model_validator,
 )
@@ -73,23 +75,41 @@ def _shape_of(value: list[Any]) -> str:
     return "texts"
 
 
+def _whole(value: Any) -> Any:
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
 def _input_by_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     if isinstance(value, list) and value:
         shape = _shape_of(value)
         try:
             return _INPUT_SHAPES[shape].validate_python(value)
-        except Exception:
-            if shape != "ids":
-                raise
-            # JSON's 5.0 is the integer 5 (as `gateway.protocol.openai.WHOLE` reads it)
-            return _INPUT_SHAPES[shape].validate_python(
-                [int(v) if type(v) is float and v.is_integer() else v for v in value])
+        except ValidationError:
+            if shape == "ids":  # JSON's 5.0 is the integer 5 (as `gateway.protocol.openai.WHOLE` reads it)
+                return _INPUT_SHAPES[shape].validate_python([_whole(v) for v in value])
+            if shape == "batch":
+                return _INPUT_SHAPES[shape].validate_python(
+                    [[_whole(v) for v in ids] if isinstance(ids, list) else ids for ids in value])
+            raise
     return handler(value)
 
 
-EmbeddingInput = Annotated[StrictStr | list[Any], WrapValidator(_input_by_shape)]
+_OBJECTS_SCHEMA: dict[str, Any] = {"type": "array", "items": {"type": "object"}}
+_IDS_SCHEMA: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}
+_LIST_SHAPES_SCHEMA: list[dict[str, Any]] = [
+    {"type": "array", "items": {"type": "string"}}, _IDS_SCHEMA, {"type": "array", "items": _IDS_SCHEMA},
+    _OBJECTS_SCHEMA, {"type": "array", "items": _OBJECTS_SCHEMA}]
+"""What `_input_by_shape` accepts, for /openapi.json (its wrap validator has no schema of its own)."""
+
+EmbeddingInput = Annotated[StrictStr | list[Any], WrapValidator(_input_by_shape),
+                           WithJsonSchema({"anyOf": [{"type": "string"}, *_LIST_SHAPES_SCHEMA]})]
 """A string, strings, token ids, lists of token ids, chat messages or multimodal objects, or
 conversations (lists of chat messages); an empty list too (the engine judges it)."""
+
+
+def _present(*names: str) -> dict[str, Any]:
+    """JSON Schema: the members `names` are present and not null (what a model validator requires)."""
+    return {"required": list(names), "properties": {name: {"not": {"type": "null"}} for name in names}}
 
 
 class EmbeddingsRequest(_Open):
@@ -97,9 +117,13 @@ class EmbeddingsRequest(_Open):
     `EmbeddingChatRequest`, one conversation or a batch of them). `encoding_format` ("float",
     "base64"), `dimensions` and the engines' own fields are forwarded as sent."""
 
+    model_config = ConfigDict(json_schema_extra={"anyOf": [_present("input"), _present("messages")]})
+
     model: StrictStr = Field(min_length=1)
     input: EmbeddingInput | None = None
-    messages: Annotated[list[Any], WrapValidator(_input_by_shape)] | None = None
+    messages: Annotated[list[Any], WrapValidator(_input_by_shape),
+                        WithJsonSchema({"anyOf": [_OBJECTS_SCHEMA, {"type": "array", "items": _OBJECTS_SCHEMA}]})] \
+        | None = None
 
     @model_validator(mode="after")
     def _something_to_embed(self) -> EmbeddingsRequest:
@@ -131,6 +155,8 @@ SCORE_SIDES: tuple[tuple[str, str], ...] = (("text_1", "text_2"), ("queries", "d
 class ScoreRequest(_Open):
     """`POST /v1/score` body (the fields routing reads): one pair of sides (`SCORE_SIDES`), read by
     `sides`; the engine's own fields are forwarded as sent."""
+
+    model_config = ConfigDict(json_schema_extra={"anyOf": [_present(*pair) for pair in SCORE_SIDES]})
 
     model: StrictStr = Field(min_length=1)
     text_1: ScoreInputs | None = None

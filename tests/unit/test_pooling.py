@@ -38,7 +38,7 @@ def refusal(api: Any, payload: dict[str, Any]) -> InvalidRequest:
 
 
 @pytest.mark.parametrize("value", [
-    "hello", ["hello", "world"], [1, 2, 3], [1.0, 2, 3], [[1, 2], [3]], [],
+    "hello", ["hello", "world"], [1, 2, 3], [1.0, 2, 3], [[1, 2], [3]], [[1.0, 2], [3.0]], [],
     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "text", "text": "yo"}]}],
     [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
     [{"text": "a caption", "image": "data:image/png;base64,AAAA"}],  # SGLang's multimodal input
