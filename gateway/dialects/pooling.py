@@ -197,7 +197,7 @@ class _Pooling(Dialect[W]):
 class EmbeddingsDialect(_Pooling[EmbeddingsRequest]):
     """OpenAI's embeddings API (vLLM's and SGLang's `/v1/embeddings`, llama.cpp's)."""
 
-    api: Api = EMBEDDINGS
+    api = EMBEDDINGS
     path = "/v1/embeddings"
     wire_model = EmbeddingsRequest
     prompt_param = "input"
@@ -270,7 +270,7 @@ class _Pairs(_Pooling[W]):
 class RerankDialect(_Pairs[RerankRequest]):
     """vLLM's rerank API (Jina's and Cohere's shape; SGLang's and llama.cpp's `/v1/rerank`)."""
 
-    api: Api = RERANK
+    api = RERANK
     path = "/v1/rerank"
     wire_model = RerankRequest
     prompt_param = "documents"
@@ -290,7 +290,7 @@ class RerankDialect(_Pairs[RerankRequest]):
 class ScoreDialect(_Pairs[ScoreRequest]):
     """vLLM's score API (`text_1`/`text_2` and its other pair names; SGLang's `query`/`items`)."""
 
-    api: Api = SCORE
+    api = SCORE
     path = "/v1/score"
     wire_model = ScoreRequest
     prompt_param = "text_2"

@@ -13,7 +13,9 @@ import pytest
 from gateway.config import parse_config
 from gateway.dialects.names import CHAT, EMBEDDINGS, POOLING_APIS, RERANK, SCORE
 from gateway.dialects.registry import dialect_for
+from gateway.dispatch.ledger import quota_used
 from gateway.errors import ApiNotServed, ContextLengthExceeded, InvalidRequest, ModelNotFound
+from gateway.observability.record import RequestRecord
 from gateway.parsing import BodyParser, ForwardBody, encode_for
 from gateway.routing.pools import fitting_pools, serves
 
@@ -185,3 +187,12 @@ def test_a_binary_encoding_the_gateway_cannot_relay_is_refused_up_front(encoding
     error = refusal(EMBEDDINGS, {"model": "kimi-k3", "input": "hi", "encoding_format": encoding})
     assert (error.status, error.param, error.code) == (400, "encoding_format", "unsupported_value")
     routed(EMBEDDINGS, {"model": "kimi-k3", "input": "hi", "encoding_format": "somethingnew"})  # the engine's to judge
+
+
+def test_the_quota_settles_on_the_engines_prompt_tokens() -> None:
+    request = routed(EMBEDDINGS, {"model": "kimi-k3", "input": ["some text"] * 4})
+    record = RequestRecord(request_id="r", api=EMBEDDINGS, key="alice")
+    record.usage = dialect_for(EMBEDDINGS).answer_usage({"prompt_tokens": 13, "total_tokens": 13}, False)
+    assert quota_used(record, request, request.quota_tokens(1024), failed=False) == 13
+    record.usage = dialect_for(RERANK).answer_usage({"total_tokens": 21}, False)  # vLLM's older rerank usage
+    assert quota_used(record, request, request.quota_tokens(1024), failed=False) == 21
