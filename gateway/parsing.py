@@ -40,7 +40,7 @@ from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
 from gateway.dialects.base import usage_patch
 from gateway.dialects.messages import AnthropicWire
-from gateway.dialects.names import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
+from gateway.dialects.names import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE, Api
 from gateway.dialects.registry import DIALECTS, dialect_for
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
 from gateway.protocol.body import (
@@ -51,15 +51,19 @@ from gateway.protocol.body import (
     without_connector_args,
 )
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest, describe_validation_error
+from gateway.protocol.pooling import EmbeddingsRequest, RerankRequest, ScoreRequest
 from gateway.protocol.responses import ResponsesRequest
 from gateway.routing.features import ENGINE_OUTPUT_FIELD, RoutingRequest
 from gateway.routing.pools import fitting_pools
 from gateway.routing.tokens import TokenEstimator
 
 T = TypeVar("T")
-Wire = ChatCompletionRequest | CompletionRequest | AnthropicWire | ResponsesRequest
+Wire = (ChatCompletionRequest | CompletionRequest | AnthropicWire | ResponsesRequest | EmbeddingsRequest
+        | RerankRequest | ScoreRequest)
 _WIRE_DIALECT = {ChatCompletionRequest: DIALECTS[CHAT], CompletionRequest: DIALECTS[COMPLETIONS],
-                 AnthropicWire: DIALECTS[MESSAGES], ResponsesRequest: DIALECTS[RESPONSES]}
+                 AnthropicWire: DIALECTS[MESSAGES], ResponsesRequest: DIALECTS[RESPONSES],
+                 EmbeddingsRequest: DIALECTS[EMBEDDINGS], RerankRequest: DIALECTS[RERANK],
+                 ScoreRequest: DIALECTS[SCORE]}
 """The dialect whose features a validated wire model has (count_tokens' are Messages': `AnthropicWire.api`)."""
 
 CHARS_PER_TOKEN_MAX = 8

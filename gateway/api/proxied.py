@@ -30,14 +30,18 @@ from gateway.api.schemas import (
     AnthropicTokenCount,
     ChatCompletion,
     Completion,
+    EmbeddingList,
     ErrorResponse,
+    RerankResult,
     ResponseObject,
+    ScoreList,
 )
 from gateway.dialects.messages import OVERLOADED_STATUS
-from gateway.dialects.names import CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES, Api
+from gateway.dialects.names import CHAT, COMPLETIONS, COUNT_TOKENS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE, Api
 from gateway.errors import MethodNotAllowed
 from gateway.protocol.anthropic import CountTokensRequest, MessagesRequest
 from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.protocol.pooling import EmbeddingsRequest, RerankRequest, ScoreRequest
 from gateway.protocol.responses import ResponsesRequest
 
 ASGIApp = Callable[[Scope, Receive, Send], Any]
@@ -81,6 +85,12 @@ PROXIED_ROUTES: tuple[ProxiedRoute, ...] = (
     ProxiedRoute("/v1/messages/count_tokens", COUNT_TOKENS, "Count a message's input tokens (Anthropic)",
                  CountTokensRequest, AnthropicTokenCount, streams=False, error=AnthropicErrorResponse,
                  errors=ANTHROPIC_ERRORS),
+    # The pooling APIs: served by the pools that list them in `apis` (gateway/backends/engine_kinds.py).
+    ProxiedRoute("/v1/embeddings", EMBEDDINGS, "Create embeddings", EmbeddingsRequest, EmbeddingList,
+                 streams=False),
+    ProxiedRoute("/v1/rerank", RERANK, "Rerank documents by relevance to a query (vLLM, Jina/Cohere shape)",
+                 RerankRequest, RerankResult, streams=False),
+    ProxiedRoute("/v1/score", SCORE, "Score pairs of texts (vLLM)", ScoreRequest, ScoreList, streams=False),
 )
 
 

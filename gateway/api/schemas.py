@@ -244,3 +244,38 @@ class ResponseObject(BaseModel):
 
     id: str
     object: Literal["response"]
+
+
+class EmbeddingList(BaseModel):
+    """`POST /v1/embeddings`'s answer as the engine sends it, relayed unchanged: `data` holds one
+    `{"index", "object": "embedding", "embedding"}` per input, the embedding a list of floats or, with
+    `encoding_format: base64`, the base64 of its float32 values (https://platform.openai.com/docs/api-reference/embeddings;
+    vLLM's `EmbeddingResponse`, `vllm/entrypoints/pooling/embed/protocol.py`)."""
+
+    object: str
+    data: list[dict[str, Any]]
+    model: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class RerankResult(BaseModel):
+    """`POST /v1/rerank`'s answer as the engine sends it, relayed unchanged: `results` holds
+    `{"index", "document", "relevance_score"}` by relevance (vLLM's `RerankResponse`,
+    `vllm/entrypoints/pooling/score/protocol.py`)."""
+
+    id: str
+    model: str
+    results: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
+class ScoreList(BaseModel):
+    """`POST /v1/score`'s answer as the engine sends it, relayed unchanged: `data` holds one
+    `{"index", "object": "score", "score"}` per pair (vLLM's `ScoreResponse`,
+    `vllm/entrypoints/pooling/score/protocol.py`)."""
+
+    id: str
+    object: str
+    model: str
+    data: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None

@@ -22,6 +22,15 @@ id and stores responses in its process memory (with `VLLM_ENABLE_RESPONSES_API_S
 entrypoints/openai/serving_responses.py), SGLang's serving_responses (adapted from vLLM's) the same
 way; llama.cpp's server answers it statelessly and refuses `previous_response_id` (xllamacpp
 2026.10, measured), hence `stores_responses=False`.
+
+The pooling APIs (`names.POOLING_APIS`: `/v1/embeddings`, `/v1/rerank`, `/v1/score`) are served by
+no kind by default: an engine serves them only when it runs a pooling model. vLLM registers their
+routes only for a model whose supported tasks include `embed` / `score` (`--runner pooling`;
+`vllm/entrypoints/pooling/__init__.py` and the routers in `vllm/entrypoints/pooling/*/api_router.py`;
+older releases answered "The model does not support Embeddings API"), SGLang embeds only with
+`--is-embedding` (`python/sglang/srt/entrypoints/http_server.py`), llama.cpp's server only with
+`--embeddings` / `--reranking` (`tools/server/server.cpp`). A generative Kimi K3 pool serves none of
+them, so a pool that does lists them in its `apis` (`PoolConfig.apis`).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.backends.params import EngineKind
-from gateway.dialects.names import APIS, CHAT, COMPLETIONS
+from gateway.dialects.names import APIS, CHAT, COMPLETIONS, POOLING_APIS
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,8 +58,9 @@ class EngineSpec:
     # APIs (chat, completions) on which the engine reads `max_completion_tokens`; elsewhere it
     # ignores the field and generates its default (16 tokens), so the gateway sends `max_tokens`.
     max_completion_tokens_apis: frozenset[str] = frozenset({CHAT})
-    # The proxied APIs the engine serves (`gateway.dialects.names.Api`); see the module docstring.
-    apis: frozenset[str] = frozenset(APIS)
+    # The proxied APIs the engine serves (`gateway.dialects.names.Api`) by default: all but the pooling
+    # APIs, which a pool running a pooling model lists in its `apis`; see the module docstring.
+    apis: frozenset[str] = frozenset(APIS) - POOLING_APIS
     # Whether the engine keeps stored responses (`store`, `previous_response_id`, GET/cancel by id):
     # the gateway records a response's worker only on such engines.
     stores_responses: bool = True

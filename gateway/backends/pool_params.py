@@ -162,7 +162,8 @@ class PoolConfig(Section):
     modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
     apis: list[Api] | None = Field(
         default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
-        "versions the gateway knows (gateway/backends/engine_kinds.py); set it for an older engine version")
+        "versions the gateway knows (gateway/backends/engine_kinds.py: never the pooling APIs embeddings, rerank "
+        "and score); set it for an older engine version, or for a pool of a pooling model")
     default_output_tokens: int = Field(
         default=1024, ge=0, description="tokens reserved for output when the request sets no max_tokens"
     )

@@ -8,12 +8,24 @@ from gateway.dialects.base import Dialect
 from gateway.dialects.chat import ChatDialect
 from gateway.dialects.completions import CompletionsDialect
 from gateway.dialects.messages import CountTokensDialect, MessagesDialect
-from gateway.dialects.names import APIS, CHAT, COMPLETIONS, COUNT_TOKENS, MESSAGES, RESPONSES
+from gateway.dialects.names import (
+    APIS,
+    CHAT,
+    COMPLETIONS,
+    COUNT_TOKENS,
+    EMBEDDINGS,
+    MESSAGES,
+    RERANK,
+    RESPONSES,
+    SCORE,
+)
+from gateway.dialects.pooling import EmbeddingsDialect, RerankDialect, ScoreDialect
 from gateway.dialects.responses import ResponsesDialect
 
 DIALECTS: dict[str, Dialect[Any]] = {CHAT: ChatDialect(), COMPLETIONS: CompletionsDialect(),
                                      MESSAGES: MessagesDialect(), COUNT_TOKENS: CountTokensDialect(),
-                                     RESPONSES: ResponsesDialect()}
+                                     RESPONSES: ResponsesDialect(), EMBEDDINGS: EmbeddingsDialect(),
+                                     RERANK: RerankDialect(), SCORE: ScoreDialect()}
 """One stateless dialect per API (`names.APIS`)."""
 
 assert tuple(DIALECTS) == APIS and all(d.api == name for name, d in DIALECTS.items())

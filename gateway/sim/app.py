@@ -4,6 +4,8 @@ Engine endpoints:
     POST /v1/chat/completions, POST /v1/completions   (see `gateway.sim.generation`)
     POST /v1/responses, GET/DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
                        (the Responses API with in-memory stored responses: `gateway.sim.responses_api`)
+    POST /v1/embeddings, POST /v1/rerank (/rerank, /v2/rerank), POST /v1/score (/score)
+                       with `pooling` only: the pooling APIs in vLLM's shapes (`gateway.sim.pooling`)
     POST /v1/messages, POST /v1/messages/count_tokens Anthropic's Messages API (`gateway.sim.anthropic`;
                                                       api_version "current" only, as the engines added it in 2026)
     GET /health        200 with an empty body (or never answers with the `hang_health` or `black_hole` fault;
@@ -70,8 +72,16 @@ from gateway.sim.asgi import (
     send_json,
 )
 from gateway.sim.config import BodyMode, SimConfig, SimFaults
-from gateway.sim.generation import handle_generation
+from gateway.sim.generation import PooledAnswer, handle_generation, handle_pooled
 from gateway.sim.pd import MOONCAKE_PULL_PATH, NIXL_READ_PATH, SGLANG_ROOMS_PATH
+from gateway.sim.pooling import (
+    EMBEDDINGS_PATH,
+    RERANK_PATHS,
+    SCORE_PATHS,
+    embeddings_answer,
+    rerank_answer,
+    score_answer,
+)
 from gateway.sim.responses_api import ResponsesServer
 from gateway.sim.script import SimScript
 from gateway.sim.worker_state import SimWorkerState
@@ -114,6 +124,12 @@ class SimApp:
         if engine.config.engine == "sglang":
             self._routes[("POST", "/load_lora_adapter")] = self._sglang_load_lora
             self._routes[("POST", "/unload_lora_adapter")] = self._sglang_unload_lora
+        if engine.config.pooling:
+            self._routes[("POST", EMBEDDINGS_PATH)] = self._pooled(embeddings_answer)
+            for path in RERANK_PATHS:
+                self._routes[("POST", path)] = self._pooled(rerank_answer)
+            for path in SCORE_PATHS:
+                self._routes[("POST", path)] = self._pooled(score_answer)
         if render.serves_render(engine):
             self._routes[("POST", render.CHAT_RENDER_PATH)] = self._render_chat
             self._routes[("POST", render.COMPLETIONS_RENDER_PATH)] = self._render_completion
@@ -262,6 +278,11 @@ class SimApp:
         ok = self.engine.pd.nixl_read(body.get("remote_engine_id"), body.get("remote_request_id"),
                                       body.get("remote_block_ids"))
         await send_json(send, 200 if ok else 404, {"read": ok})
+
+    def _pooled(self, answer: PooledAnswer) -> Handler:
+        async def serve(scope: Scope, receive: Receive, send: Send) -> None:
+            await handle_pooled(self.engine, answer, scope, receive, send)
+        return serve
 
     async def _chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         await handle_generation(self.engine, "chat", scope, receive, send)

@@ -202,6 +202,11 @@ class SimConfig(BaseModel):
         "(vllm/lora/worker_manager.py `LRUCacheWorkerLoRAManager.add_adapter`), which this simulator does by "
         "doing nothing")
     max_context_tokens: int = Field(gt=0)
+    pooling: bool = Field(
+        default=False, description="also serve the pooling APIs (`/v1/embeddings`, `/v1/rerank`, `/v1/score`: "
+        "`gateway.sim.pooling`), as vLLM does only for a pooling model; without it they are not found")
+    embedding_dimensions: int = Field(default=64, ge=1, description="the length of an embedding vector before "
+                                      "a request's `dimensions` shortens it")
     ttft_s: float = Field(default=0.0, ge=0.0)
     tpot_s: float = Field(default=0.0, ge=0.0)
     default_output_tokens: int = Field(default=16, ge=0)

@@ -17,6 +17,7 @@ import asyncio
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -218,6 +219,59 @@ async def handle_generation(engine: SimWorkerState, kind: r.Kind, scope: Scope, 
     async with DisconnectWatch(receive) as watch:
         try:
             await _serve(engine, kind, body, record, watch, send, scope, anthropic)
+        except ClientDisconnected:
+            engine.note_aborted()
+            engine.update(record, aborted=True, finished_at=time.monotonic())
+        except _DropConnection:
+            engine.update(record, finished_at=time.monotonic())
+
+
+PooledAnswer = Callable[[SimWorkerState, dict[str, Any]], tuple[ErrorReply, int]]
+"""A pooling API's answer to a JSON object body: (the reply, its prompt tokens), `gateway.sim.pooling`.
+Raises FieldValidationError, PromptError."""
+
+
+async def handle_pooled(engine: SimWorkerState, answer: PooledAnswer, scope: Scope, receive: Receive,
+                        send: Send) -> None:
+    """Serve one request of a pooling API (embeddings, rerank, score; ASGI level): recorded like a
+    generation request, the same faults before it is read (`_refused_up_front`: hangs, `fail_status`,
+    an unknown model), `ttft_s` for its forward pass, then `answer`'s JSON in one piece (or half of
+    it with `cut_answer`). A body that is no JSON object is the engine's 400; `answer`'s
+    FieldValidationError its validation error, a PromptError its 400."""
+    raw = await read_body(receive)
+    if raw is None:
+        return
+    try:
+        body: Any = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = raw.decode("utf-8", errors="replace")
+    record = engine.new_record(scope["path"], lower_headers(scope), body)
+    async with DisconnectWatch(receive) as watch:
+        try:
+            dialect = engine.dialect
+            if not isinstance(body, dict):
+                await _Responder(send, engine, record, None).reply(dialect.bad_request("Invalid JSON body."))
+                return
+            try:
+                override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
+            except ValidationError as exc:
+                await _Responder(send, engine, record, None).reply(dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
+                return
+            faults, fail = engine.effective_faults(override)
+            responder = _Responder(send, engine, record, None, cut_answer=faults.cut_answer)
+            if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
+                return
+            try:
+                reply, tokens = answer(engine, body)
+            except FieldValidationError as exc:
+                await responder.reply(dialect.validation_error(str(exc)))
+                return
+            except PromptError as exc:
+                await responder.reply(dialect.bad_request(str(exc)))
+                return
+            engine.update(record, prompt_tokens=tokens)
+            await watch.sleep(engine.config.ttft_s)
+            await responder.reply(reply)
         except ClientDisconnected:
             engine.note_aborted()
             engine.update(record, aborted=True, finished_at=time.monotonic())

@@ -170,7 +170,9 @@ def only_context_length_refused(ctx: Any, response: schemathesis.Response, case:
             # (one assistant turn with empty content: its chat twin has no message), reported, not fixed.
             assert body["error"]["type"] == "invalid_request_error", response.text
         else:
-            assert body["error"]["code"] == "context_length_exceeded", response.text
+            # Or for an integer past 64 bits in one of the open members (`gateway/protocol/body.py`: the
+            # JSON reader holds integers in 64 bits): no schema of an open object can bound those.
+            assert body["error"]["code"] in ("context_length_exceeded", "integer_out_of_range"), response.text
 
 
 @pytest.mark.parametrize("auth", [False, True], ids=["auth-off", "auth-on"])

@@ -23,6 +23,7 @@ MEMBER_METHODS = frozenset({"get", "pop", "setdefault"})
 
 ALLOWED: dict[tuple[str, str], str] = {
     ("gateway/protocol/anthropic.py", "messages"): "the chat body's `messages` member in a dict display (to_chat)",
+    ("gateway/protocol/pooling.py", "messages"): "the embeddings body's `messages` member in its JSON Schema",
     ("gateway/api/proxied.py", "responses"): "an OpenAPI operation's `responses` member in a dict display",
     ("gateway/affinity/response_store.py", "responses"): "the stored-response store's name in its close log line",
 }

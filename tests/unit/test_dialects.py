@@ -25,7 +25,7 @@ def test_every_proxied_route_has_its_dialect_and_the_engine_gets_the_clients_pat
         assert dialect_for(route.api).api == route.api
         assert UPSTREAM_PATHS[route.api] == route.path == dialect_for(route.api).path
     with pytest.raises(KeyError):
-        dialect_for("embeddings")
+        dialect_for("images")
 
 
 @pytest.mark.parametrize(("path", "api"), [
