@@ -146,6 +146,32 @@ def test_a_worker_missing_one_of_its_pools_models_is_misconfigured(start_sim: St
     assert only_k3.engine.records == []
 
 
+def test_an_embedding_model_on_its_own_pool_gets_the_pooling_apis_only(start_sim: StartSim,
+                                                                      start_gateway: StartGateway) -> None:
+    """An embedding model's pool lists the pooling APIs in `apis`: `/v1/embeddings` for it reaches
+    that pool under its served name; for K3 (whose pools serve no pooling API) it gets 404
+    `api_not_served`, and a chat request for the embedding model gets the same."""
+    k3 = start_sim("vllm")
+    embedder = start_sim("vllm", pooling=True, max_context_tokens=32768,
+                         served_model_names=["Qwen/Qwen3-Embedding-8B"])
+    gw = start_gateway([pool("k3", "vllm", [k3.url], 131072),
+                        pool("embed", "vllm", [embedder.url], 32768, apis=["embeddings"])],
+                       models=[{"name": K3, "pools": ["k3"]},
+                               {"name": "qwen3-embedding-8b", "pools": ["embed"],
+                                "served_model_name": "Qwen/Qwen3-Embedding-8B"}],
+                       load={"enabled": False})
+    raw = oai(gw).embeddings.with_raw_response.create(model="qwen3-embedding-8b", input=["one", "two"])
+    assert len(raw.parse().data) == 2 and raw.headers["x-kimi-gateway-worker"] == "embed/0"
+    assert models_sent(embedder) == ["Qwen/Qwen3-Embedding-8B"]
+    with pytest.raises(openai.NotFoundError) as not_served:
+        oai(gw).embeddings.create(model=K3, input="one")
+    assert not_served.value.code == "api_not_served"
+    with pytest.raises(openai.NotFoundError) as no_chat:
+        oai(gw).chat.completions.create(model="qwen3-embedding-8b", messages=[{"role": "user", "content": "hi"}])
+    assert no_chat.value.code == "api_not_served"
+    assert k3.engine.records == [] and len(embedder.engine.records) == 1
+
+
 @pytest.mark.parametrize(("models", "error"), [
     ([{"name": K3, "pools": ["p"]}, {"name": "Kimi-K3", "pools": ["p"]}], "used twice"),
     ([{"name": K3, "pools": ["p"]}, {"name": THINKING, "aliases": ["KIMI-K3"], "pools": ["p"]}], "used twice"),

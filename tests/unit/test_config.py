@@ -23,6 +23,20 @@ def test_shipped_configs_load(name: str) -> None:
     assert [p.max_context_tokens for p in config.pools] == sorted(p.max_context_tokens for p in config.pools)
 
 
+def test_the_multi_model_example_gives_each_model_its_own_chain() -> None:
+    """config/k3-multi-model.yaml (docs/routing.md "Several models"): K3 on the four plan pools,
+    a second model and an embedding model each on their own pool, two adapters on the vLLM pool."""
+    environ = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64}
+    config = load_config(REPO_ROOT / "config" / "k3-multi-model.yaml", environ=environ)
+    chains = {m.name: [p.name for p in config.model_pools(m.name)] for m in config.served_models()}
+    assert chains == {"kimi-k3": ["vllm-128k", "ascend-128k", "sglang-512k", "nvl72-1m"],
+                      "qwen3-30b-a3b": ["qwen3-30b"], "qwen3-embedding-8b": ["embed"]}
+    served = config.pool_served_names()
+    assert served["vllm-128k"] == ("moonshotai/Kimi-K3",) and served["embed"] == ("Qwen/Qwen3-Embedding-8B",)
+    vllm = config.pool("vllm-128k")
+    assert vllm.lora_adapters == ["sql-lora"] and [m.name for m in vllm.lora_on_demand] == ["support-lora"]
+
+
 def test_env_interpolation_and_defaults() -> None:
     data = {"pools": [{**POOL, "workers": ["${W0}", "${W1:-http://fallback:8000}"], "api_key": "${KEY:-}"}]}
     config = parse_config(data, environ={"W0": "http://w0:8000/"})
