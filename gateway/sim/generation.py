@@ -147,9 +147,16 @@ class _Responder:
         if self._stall_after is not None and self._events >= self._stall_after and self._watch is not None:
             self._engine.update(self._record, fault="stall_after_chunks")
             await self._watch.until_disconnected()
-        if self._error_after is not None and self._events >= self._error_after and not self.anthropic:
+        if self._error_after is not None and self._events >= self._error_after:
             self._engine.update(self._record, fault="error_after_chunks")
-            event = self._engine.dialect.stream_error("Simulated failure mid-generation.", "InternalServerError", 500)
+            if self.anthropic:  # vLLM's Messages layer: vllm/entrypoints/anthropic/serving_messages.py
+                # `message_stream_converter`, `except Exception`: an `error` event, then `data: [DONE]`
+                event = b"event: error\ndata: " + orjson.dumps(
+                    {"type": "error", "error": {"type": "internal_error",
+                                                "message": "Simulated failure mid-generation."}}) + b"\n\n"
+            else:
+                event = self._engine.dialect.stream_error("Simulated failure mid-generation.", "InternalServerError",
+                                                          500)
             await self.body(event + r.SSE_DONE, more=True)
             await self.body(b"", more=False)
             raise _DropConnection

@@ -52,10 +52,11 @@ def setup(start_sim: StartSim, start_gateway: StartGateway, engine: str, faults:
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-@pytest.mark.parametrize("fault", ["eof", "stall"])
+@pytest.mark.parametrize("fault", ["eof", "stall", "reset", "error"])
 def test_a_messages_stream_whose_worker_fails_reads_as_one_anthropic_stream(
         start_sim: StartSim, start_gateway: StartGateway, engine: str, fault: str) -> None:
-    faults = SimFaults(drop_after_chunks=8) if fault == "eof" else SimFaults(stall_after_chunks=8)
+    faults = {"eof": SimFaults(drop_after_chunks=8), "stall": SimFaults(stall_after_chunks=8),
+              "reset": SimFaults(reset_after_chunks=8), "error": SimFaults(error_after_chunks=8)}[fault]
     good, gw = setup(start_sim, start_gateway, engine, faults)
     reference = events_of(good.url + "/v1/messages", BODY)
     events = events_of(gw.url + "/v1/messages", BODY)
