@@ -39,14 +39,9 @@ def gateway(start_sim: StartSim, start_gateway: StartGateway, **settings: Any) -
 
 
 def metric(gw: RunningGateway, name: str, **labels: str) -> float:
-    """The value of one sample of the gateway's `/metrics` (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in httpx.get(gw.url + "/metrics").text.splitlines():
-        if line.startswith(name + "{"):
-            got = ",".join(sorted(line[len(name) + 1:line.index("}")].split(",")))
-            if got == want:
-                return float(line.split()[-1])
-    return 0.0
+    """The sum of the gateway's `/metrics` samples of `name` whose labels include `labels` (0 when
+    none), as a PromQL selector picks them (`tests/support.metric_sum`)."""
+    return gw.metric(name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}")
 
 
 def test_the_openai_sdk_embeds_through_the_gateway_in_floats_and_base64(
