@@ -168,6 +168,14 @@ class GatewayConfig(Section):
 
     @model_validator(mode="after")
     def _check_pools(self) -> GatewayConfig:
+        self.check_pools()
+        return self
+
+    def check_pools(self) -> None:
+        """The pools against each other and the models: names unique, every model's pools exist and
+        every pool serves a model (`_check_models`), LoRA adapters distinct and none also a model's
+        name or alias, `readiness.pools` configured. Run at validation and by a reload on the
+        running models with the new pools (`gateway/serving/reload.py`). Raises ValueError."""
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
@@ -185,7 +193,6 @@ class GatewayConfig(Section):
             unknown = [name for name in required if name not in names]
             if unknown or not required:
                 raise ValueError(f"readiness.pools names no configured pool: {unknown or '[]'} (pools: {names})")
-        return self
 
     @model_validator(mode="after")
     def _redis_block_to_url(self) -> GatewayConfig:
