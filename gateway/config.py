@@ -261,6 +261,17 @@ class GatewayConfig(Section):
         return {pool.name: tuple(self.served_name(pool, m.name) for m in self.served_models()
                                  if m.pools is None or pool.name in m.pools) for pool in self.pools}
 
+    def pool_reserved_names(self) -> dict[str, frozenset[str]]:
+        """Pool name -> the names (lower case, as requests are matched) a LoRA adapter its engines
+        list may not take: every model's canonical name, and every name and alias of the models the
+        pool does not serve. An adapter wins only over an alias of one of the pool's own models (the
+        field case: configured as an alias it reached the engine as the base model); named like
+        another model it would take that model's requests to this pool."""
+        canonical = {m.name.lower() for m in self.served_models()}
+        return {pool.name: frozenset(canonical | {name.lower() for m in self.served_models()
+                                                  if m.pools is not None and pool.name not in m.pools
+                                                  for name in m.names()}) for pool in self.pools}
+
     def pool(self, name: str) -> PoolConfig:
         """The pool called `name`; KeyError if there is none."""
         for pool in self.pools:

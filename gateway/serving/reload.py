@@ -67,7 +67,8 @@ def apply_config(state: AppState, new: GatewayConfig) -> ReloadResult:
     except (ValueError, ValidationError) as exc:
         raise ReloadRefused(explain_validation_error(exc)) from None
     changes = state.registry.configure(new.pools)
-    state.health.set_pools(new.pools, running.pool_served_names())  # the names routing sends: the running models'
+    # judged by the running models: the names routing sends, and those no adapter may take
+    state.health.set_pools(new.pools, running.pool_served_names(), running.pool_reserved_names())
     state.lora.headers = pool_headers(new.pools)
     state.load.set_pools(new.pools)
     state.discovery.set_pools(new.discovery, new.pools)
