@@ -168,6 +168,14 @@ class GatewayConfig(Section):
 
     @model_validator(mode="after")
     def _check_pools(self) -> GatewayConfig:
+        self.check_pools()
+        return self
+
+    def check_pools(self) -> None:
+        """The pools against each other and the models: names unique, every model's pools exist and
+        every pool serves a model (`_check_models`), LoRA adapters distinct and none also a model's
+        name or alias, `readiness.pools` configured. Run at validation and by a reload on the
+        running models with the new pools (`gateway/serving/reload.py`). Raises ValueError."""
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"pool names must be unique, got {names}")
@@ -185,7 +193,6 @@ class GatewayConfig(Section):
             unknown = [name for name in required if name not in names]
             if unknown or not required:
                 raise ValueError(f"readiness.pools names no configured pool: {unknown or '[]'} (pools: {names})")
-        return self
 
     @model_validator(mode="after")
     def _redis_block_to_url(self) -> GatewayConfig:
@@ -253,6 +260,17 @@ class GatewayConfig(Section):
         """Pool name -> the names its engines must list in /v1/models, one per model the pool serves."""
         return {pool.name: tuple(self.served_name(pool, m.name) for m in self.served_models()
                                  if m.pools is None or pool.name in m.pools) for pool in self.pools}
+
+    def pool_reserved_names(self) -> dict[str, frozenset[str]]:
+        """Pool name -> the names (lower case, as requests are matched) a LoRA adapter its engines
+        list may not take: every model's canonical name, and every name and alias of the models the
+        pool does not serve. An adapter wins only over an alias of one of the pool's own models (the
+        field case: configured as an alias it reached the engine as the base model); named like
+        another model it would take that model's requests to this pool."""
+        canonical = {m.name.lower() for m in self.served_models()}
+        return {pool.name: frozenset(canonical | {name.lower() for m in self.served_models()
+                                                  if m.pools is not None and pool.name not in m.pools
+                                                  for name in m.names()}) for pool in self.pools}
 
     def pool(self, name: str) -> PoolConfig:
         """The pool called `name`; KeyError if there is none."""

@@ -120,7 +120,7 @@ class AppState:
                    policies=PoolPolicies(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, http, config.health, metrics, config.pools,
-                                        config.pool_served_names()),
+                                        config.pool_served_names(), config.pool_reserved_names()),
                    lora=LoraLoader(registry, http, config.timeouts.response_header, pool_headers(config.pools)),
                    load=LoadScraper(registry, http, config.load, metrics, config.pools),
                    drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),

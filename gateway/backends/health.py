@@ -45,7 +45,8 @@ class HealthChecker(FollowsWorkers[Worker]):
 
     def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: HealthConfig,
                  metrics: GatewayMetrics, pools: Iterable[PoolConfig],
-                 served_names: Mapping[str, tuple[str, ...]]) -> None:
+                 served_names: Mapping[str, tuple[str, ...]],
+                 reserved: Mapping[str, frozenset[str]] | None = None) -> None:
         pools = list(pools)
         self.registry = registry
         self.client = client
@@ -53,12 +54,15 @@ class HealthChecker(FollowsWorkers[Worker]):
         self.metrics = metrics
         self.headers = pool_headers(pools)
         self.expected = _expected(pools, served_names)
+        self.reserved: Mapping[str, frozenset[str]] = reserved or {}
         self._models_notes: dict[str, str] = {}
         self.loop = PeriodicEach("health probe", config.interval, list(registry), self.probe, label=lambda w: w.id)
 
-    def set_pools(self, pools: Iterable[PoolConfig], served_names: Mapping[str, tuple[str, ...]]) -> None:
+    def set_pools(self, pools: Iterable[PoolConfig], served_names: Mapping[str, tuple[str, ...]],
+                  reserved: Mapping[str, frozenset[str]] | None = None) -> None:
         """The pools' credentials and expected served names (pool -> the names of its models, as
-        `GatewayConfig.pool_served_names` gives them) and max context after a reload; the
+        `GatewayConfig.pool_served_names` gives them), the model names no adapter listed there may
+        take (`GatewayConfig.pool_reserved_names`) and max context after a reload; the
         workers of a pool whose expectation changed are checked again at their next probe (a
         fixed pool's misconfigured workers come back, a matching one that no longer matches goes)."""
         pools = list(pools)
@@ -66,6 +70,7 @@ class HealthChecker(FollowsWorkers[Worker]):
         expected = _expected(pools, served_names)
         changed = {name for name, value in expected.items() if self.expected.get(name) != value}
         self.expected = expected
+        self.reserved = reserved or {}
         for worker in self.registry:
             if worker.pool in changed:
                 worker.models_checked_at = None
@@ -118,7 +123,7 @@ class HealthChecker(FollowsWorkers[Worker]):
                 raise UnreadableModels(f"{MODELS_PATH} answered HTTP {answer.status}")
             else:
                 verdict = models_verdict(answer.body, served, max_context)
-                roots = listed_adapter_roots(answer.body, served)
+                roots = listed_adapter_roots(answer.body, served, self.reserved.get(worker.pool, frozenset()))
                 self.registry.set_adapters(worker, frozenset(roots), roots, asked)
         except (ControlError, UnreadableModels) as exc:
             note = str(exc) if isinstance(exc, UnreadableModels) else f"{MODELS_PATH} failed: {exc}"

@@ -48,21 +48,26 @@ def _entries(body: bytes) -> list[dict[str, Any]]:
     return entries
 
 
-def listed_adapters(body: bytes, served_names: Collection[str]) -> frozenset[str]:
+def listed_adapters(body: bytes, served_names: Collection[str],
+                    reserved: Collection[str] = frozenset()) -> frozenset[str]:
     """The LoRA adapter names a `/v1/models` body lists: entries with a string `parent` (the
-    base model they adapt) that are not one of `served_names` (the pool's models) themselves, at
-    most `MAX_ADAPTERS`. Raises UnreadableModels for a body that is not a model list."""
-    return frozenset(listed_adapter_roots(body, served_names))
+    base model they adapt) that are not one of `served_names` (the pool's models) themselves nor,
+    in lower case, one of `reserved` (the gateway's names of models it routes elsewhere, lower case:
+    `GatewayConfig.pool_reserved_names`), at most `MAX_ADAPTERS`. Raises UnreadableModels for a
+    body that is not a model list."""
+    return frozenset(listed_adapter_roots(body, served_names, reserved))
 
 
-def listed_adapter_roots(body: bytes, served_names: Collection[str]) -> dict[str, str | None]:
+def listed_adapter_roots(body: bytes, served_names: Collection[str],
+                         reserved: Collection[str] = frozenset()) -> dict[str, str | None]:
     """`listed_adapters` with each one's `root`: the path the engine loaded it from (vLLM: the
     `lora_path` of its load or `--lora-modules`; SGLang: the `lora_path` of its `lora_registry`
     entry), None when not a string. The base model's entry has no `parent` (SGLang before it listed
     adapters) or a null one (vLLM; SGLang since). Raises UnreadableModels as `listed_adapters`."""
     found: dict[str, str | None] = {}
     for entry in _entries(body):
-        if isinstance(entry.get("parent"), str) and entry["id"] not in served_names and len(found) < MAX_ADAPTERS:
+        if (isinstance(entry.get("parent"), str) and entry["id"] not in served_names
+                and entry["id"].lower() not in reserved and len(found) < MAX_ADAPTERS):
             root = entry.get("root")
             found.setdefault(entry["id"], root if isinstance(root, str) else None)
     return found

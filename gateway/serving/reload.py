@@ -52,21 +52,30 @@ class ReloadResult:
 def apply_config(state: AppState, new: GatewayConfig) -> ReloadResult:
     """Apply `new`'s pools and discovery to the running `state` (on the event loop, no awaits: the
     request path sees the old set or the new one, never half of each). Raises ReloadRefused when a
-    pool's policy cannot be built (nothing changed then)."""
+    pool's policy cannot be built, or when the new pools do not fit the running models (`models`
+    applies only at start-up: a model would name a pool that is gone, or a pool serve no model),
+    nothing changed then."""
+    old = state.config
+    running = old.model_copy(update={name: getattr(new, name) for name in RELOADABLE})
+    try:
+        running.check_pools()
+    except ValueError as exc:
+        raise ReloadRefused(f"the new pools do not fit the running models (models apply only at start-up: "
+                            f"restart to change them): {exc}") from None
     try:
         state.policies.update(new.pools)
     except (ValueError, ValidationError) as exc:
         raise ReloadRefused(explain_validation_error(exc)) from None
     changes = state.registry.configure(new.pools)
-    state.health.set_pools(new.pools, new.pool_served_names())
+    # judged by the running models: the names routing sends, and those no adapter may take
+    state.health.set_pools(new.pools, running.pool_served_names(), running.pool_reserved_names())
     state.lora.headers = pool_headers(new.pools)
     state.load.set_pools(new.pools)
     state.discovery.set_pools(new.discovery, new.pools)
     state.upstream.redactor.learn(new)  # a new api_key: kept out of engines' error answers too
-    old = state.config
     restart = [name for name in type(new).model_fields
                if name not in RELOADABLE and getattr(new, name) != getattr(old, name)]
-    state.config = old.model_copy(update={name: getattr(new, name) for name in RELOADABLE})
+    state.config = running
     state.parse_pool.reconfigure(state.config)  # its lower bound and first pool read the pools
     if restart:
         log.warning("reload: %s changed but apply only at start-up (restart to apply)", ", ".join(restart))

@@ -205,3 +205,32 @@ def test_a_one_model_config_is_unchanged() -> None:
     assert config.pool_served_names() == {"p": ("moonshotai/Kimi-K3",), "q": (K3,)}
     one = parse_config({"pools": pools, "models": [{"name": "m", "aliases": []}]})
     assert [p.name for p in one.model_pools("m")] == ["p", "q"]
+
+
+def test_an_adapter_an_engine_lists_under_another_models_name_never_takes_its_requests(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """A K3 worker listing LoRA adapters named like the small model (its alias `small`, its
+    canonical name) and like one of K3's own aliases: the small model's names keep going to its own
+    pool under its served name, and /v1/models lists them as that model's, not as K3's adapters;
+    only the adapter named like an alias of K3 itself wins over that alias (the field case)."""
+    k3 = start_sim("vllm", served_model_names=[K3],
+                   lora_modules=[f"{n}=/loras/{n}" for n in ("small", SMALL, "k3-sql")])
+    small = start_sim("vllm", max_context_tokens=32768, served_model_names=[SMALL_SERVED])
+    models = [{"name": K3, "aliases": ["k3-sql"], "pools": ["k3"]},
+              {"name": SMALL, "aliases": ["small"], "pools": ["small"], "served_model_name": SMALL_SERVED}]
+    gw = start_gateway([pool("k3", "vllm", [k3.url], 131072), pool("small", "vllm", [small.url], 32768)],
+                       models=models, health=CHECKED, load={"enabled": False})
+    deadline = time.monotonic() + 10
+    while "parent" not in (listed := {m["id"]: m for m in httpx.get(gw.v1 + "/models", timeout=5).json()["data"]}
+                           )["k3-sql"]:
+        assert time.monotonic() < deadline, f"k3's adapter was never listed: {listed}"
+        time.sleep(0.05)
+    assert list(listed) == [K3, "k3-sql", SMALL, "small"]
+    assert "parent" not in listed["small"] and "parent" not in listed[SMALL]
+    hi = [{"role": "user", "content": "hi"}]
+    for name in ("small", SMALL):
+        raw = oai(gw).chat.completions.with_raw_response.create(model=name, messages=hi, max_tokens=2)
+        assert raw.headers["x-kimi-gateway-worker"] == "small/0"
+    raw = oai(gw).chat.completions.with_raw_response.create(model="k3-sql", messages=hi, max_tokens=2)
+    assert raw.headers["x-kimi-gateway-worker"] == "k3/0"
+    assert models_sent(small) == [SMALL_SERVED, SMALL_SERVED] and models_sent(k3) == ["k3-sql"]

@@ -12,6 +12,7 @@ from gateway.backends.models_check import (
     listed_adapters,
     models_verdict,
 )
+from gateway.config import parse_config
 from gateway.sim.responses import models_list
 
 
@@ -81,3 +82,19 @@ def test_listed_adapters_come_with_their_root_path(owned_by: str) -> None:
     odd = orjson.dumps({"data": [{"id": "kimi-k3", "parent": None, "root": "kimi-k3"},
                                  {"id": "x", "parent": "kimi-k3", "root": 7}, {"id": "y", "parent": "kimi-k3"}]})
     assert listed_adapter_roots(odd, ("kimi-k3",)) == {"x": None, "y": None}
+
+
+def test_an_adapter_may_not_take_the_name_of_a_model_routed_elsewhere() -> None:
+    """Issue 22: an engine listing an adapter named like another model (its alias, any case) or
+    like any model's canonical name would take that model's requests to its pool; only an alias of
+    the pool's own model is left to the adapter (the field case). `pool_reserved_names` says which."""
+    config = parse_config({"pools": [{"name": name, "engine": "vllm", "workers": [f"http://{name}:1"],
+                                      "max_context_tokens": 8192} for name in ("k3", "small")],
+                           "models": [{"name": "kimi-k3", "aliases": ["Kimi-K3", "k3-sql"], "pools": ["k3"],
+                                       "served_model_name": "moonshotai/Kimi-K3"},
+                                      {"name": "qwen3-8b", "aliases": ["small"], "pools": ["small"]}]}, environ={})
+    reserved = config.pool_reserved_names()
+    assert reserved == {"k3": {"kimi-k3", "qwen3-8b", "small"}, "small": {"kimi-k3", "k3-sql", "qwen3-8b"}}
+    listed = orjson.dumps(models_list(["moonshotai/Kimi-K3"], 8192, "vllm", 1,
+                                      {n: f"/loras/{n}" for n in ("SMALL", "qwen3-8b", "Kimi-K3", "k3-sql", "sql")}))
+    assert listed_adapters(listed, ("moonshotai/Kimi-K3",), reserved["k3"]) == {"k3-sql", "sql"}
