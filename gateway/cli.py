@@ -167,8 +167,10 @@ def cmd_sim(args: argparse.Namespace) -> None:
     from gateway.sim.server import run_sim
 
     setup_logging("warning")
+    pooling = args.runner == "pooling"
     print(f"sim {args.engine} on http://{args.host}:{args.port} (max context {args.max_context} tokens, "
-          f"ttft {args.ttft}s, tpot {args.tpot}s; faults: POST /sim/faults)", file=sys.stderr, flush=True)
+          f"ttft {args.ttft}s, tpot {args.tpot}s{', pooling APIs' if pooling else ''}; faults: POST /sim/faults)",
+          file=sys.stderr, flush=True)
     run_sim(args.engine, args.port, host=args.host, max_context_tokens=args.max_context,
             ttft_s=args.ttft, tpot_s=args.tpot, served_model_names=args.served_model_name or ["kimi-k3"],
             max_num_seqs=args.max_num_seqs, kv_capacity_tokens=args.kv_capacity,
@@ -180,7 +182,7 @@ def cmd_sim(args: argparse.Namespace) -> None:
             chunk_tokens=args.chunk_tokens,
             decode_step_s=None if args.decode_step_ms is None else args.decode_step_ms / 1000.0,
             decode_s_per_seq=None if args.decode_ms_per_seq is None else args.decode_ms_per_seq / 1000.0,
-            lora_modules=args.lora_modules or [])
+            lora_modules=args.lora_modules or [], pooling=pooling)
 
 
 def cmd_engine(args: argparse.Namespace) -> None:
@@ -262,9 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--max-context", type=int, default=131072, help="tokens")
     sim.add_argument("--ttft", type=float, default=0.05, help="seconds of simulated prefill")
     sim.add_argument("--tpot", type=float, default=0.01, help="seconds per output token")
-    sim.add_argument("--served-model-name", action="append")
+    sim.add_argument("--served-model-name", nargs="+", action="extend", metavar="NAME",
+                     help="the model's names, first one primary, as vLLM takes them (`--served-model-name a b`, "
+                          "vllm/engine/arg_utils.py); repeatable; none given: kimi-k3")
     sim.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
                      help="LoRA adapters to serve (listed in /v1/models with their parent), as vLLM takes them")
+    sim.add_argument("--runner", choices=["generate", "pooling"], default="generate",
+                     help="pooling: also serve /v1/embeddings, /v1/rerank and /v1/score, as vLLM's `--runner "
+                          "pooling` (vllm/config/model.py) does for an embedding or cross-encoder model")
+    sim.add_argument("--is-embedding", dest="runner", action="store_const", const="pooling",
+                     help="SGLang's name for --runner pooling (python/sglang/srt/server_args.py)")
     sim.add_argument("--max-num-seqs", type=int, help="requests running at once; the rest wait")
     sim.add_argument("--kv-capacity", type=int, help="prefix/KV cache size in tokens (enables the cache model)")
     sim.add_argument("--prefill-rate", "--prefill-tokens-per-s", type=float,

@@ -106,6 +106,7 @@ def run_sim(
     decode_step_s: float | None = None,
     decode_s_per_seq: float | None = None,
     lora_modules: list[str] | None = None,
+    pooling: bool = False,
 ) -> None:
     """Serve one simulated engine until interrupted (blocking; `kimi-gateway sim --engine ...`).
 
@@ -125,6 +126,7 @@ def run_sim(
             "engine": engine,
             "served_model_names": served_model_names or ["kimi-k3"],
             "lora_modules": lora_modules or [],
+            "pooling": pooling,
             "max_context_tokens": max_context_tokens,
             "ttft_s": ttft_s,
             "tpot_s": tpot_s,
