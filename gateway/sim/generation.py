@@ -93,6 +93,8 @@ class _Plan:
     """The PD hand-over of a worker with a `pd_role` (see `gateway.sim.pd_leg`)."""
     anthropic: bool = False  # a Messages request: Anthropic's answer shapes
     script: tuple[int, ScriptStep] | None = None  # the scripted answer (`gateway.sim.script`), if any
+    model: str = ""
+    """The `model` a chat or completions answer names (`SimWorkerState.answer_model`); "" for the first served name."""
     start: int = 0
     """Tokens of the answer the request already holds (a continued assistant turn, a completion
     prompt ending in the model's own text: `tokens.continued_tokens`): output token 0 is answer token `start`."""
@@ -438,7 +440,7 @@ def _plan(engine: SimWorkerState, kind: r.Kind, body: dict[str, Any], stream: bo
                                                    config.max_context_tokens - max(prompt_tokens, default=0),
                                                    None if eos_after is None else max(eos_after - start, 0))
     return _Plan(kind, stream, prompt_tokens, output_tokens, finish_reason, r.StreamFormat.from_body(body),
-                 start=start)
+                 start=start, model=engine.answer_model(body.get("model")))
 
 
 async def _run_admitted(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
@@ -537,7 +539,7 @@ async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequest
     for i in range(plan.output_tokens):
         await _next_token(engine, watch, active, i, n_prompts)
     completion_tokens = plan.output_tokens * n_prompts
-    meta = r.ResponseMeta.new(plan.kind, config.model_name)
+    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name)
     text = output_text(plan.output_tokens, plan.start)
     if plan.kind == "chat":
         payload = r.chat_completion(meta, text, plan.finish_reason, plan.total_prompt_tokens, completion_tokens,
@@ -554,7 +556,7 @@ async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequest
 async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
-    meta = r.ResponseMeta.new(plan.kind, config.model_name)
+    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name)
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     await _prefill(engine, watch, active, plan.leg, record)

@@ -527,6 +527,16 @@ class SimWorkerState:
         (an adapter's request is generated as the base model's: the sim has no weights to adapt)."""
         return [*self.config.served_model_names, *self.loras]
 
+    def answer_model(self, requested: object) -> str:
+        """The `model` a chat or completions answer names for a request's `model`: a loaded LoRA
+        adapter's own name (vLLM: vllm/entrypoints/openai/serving_models.py `OpenAIServingModels.model_name`
+        returns `lora_request.lora_name`, else the first served name); SGLang names the request's
+        `model` as sent (python/sglang/srt/entrypoints/openai/serving_chat.py `_build_chat_response`:
+        `model=request.model`). An unnamed model is the first served name."""
+        if isinstance(requested, str) and requested and (requested in self.loras or self.config.engine == "sglang"):
+            return requested
+        return self.config.model_name
+
     def note_models_read(self) -> None:
         """Count one `GET /v1/models`."""
         with self._cond:

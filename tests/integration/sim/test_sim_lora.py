@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import httpx
+import orjson
 import pytest
 
 from gateway.sim.config import SimConfig
@@ -40,6 +41,23 @@ def test_lora_modules_are_listed_with_their_parent_and_served(start_sim: StartSi
     refused = chat(sim, "other-lora")
     assert refused.status_code == (404 if engine == "vllm" else 400)
     assert "The model `other-lora` does not exist." in refused.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_answer_names_the_model_as_the_engine_does(start_sim: StartSim, engine: str, stream: bool) -> None:
+    # vLLM: an adapter's own name, else its first served name whatever alias was sent
+    # (serving_models.py `model_name`); SGLang: the request's `model` as sent (serving_chat.py).
+    sim = start_sim(engine, served_model_names=["moonshotai/Kimi-K3", "kimi-k3"], lora_modules=["sql-lora=/loras/sql"])
+    alias_answer = "kimi-k3" if engine == "sglang" else "moonshotai/Kimi-K3"
+    base = "moonshotai/Kimi-K3"
+    for sent, named in (("sql-lora", "sql-lora"), ("kimi-k3", alias_answer), (base, base)):
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", {"prompt": "hi", "max_tokens": 2})):
+            got = httpx.post(sim.url + path, json={"model": sent, "stream": stream, **body}, timeout=5)
+            assert got.status_code == 200, got.text
+            models = ({orjson.loads(line[6:])["model"] for line in got.text.splitlines()
+                       if line.startswith("data: {")} if stream else {got.json()["model"]})
+            assert models == {named}, (sent, path)
 
 
 def test_vllm_runtime_load_and_unload(start_sim: StartSim) -> None:
