@@ -87,9 +87,13 @@ def cmd_check_config(args: argparse.Namespace) -> None:
         if (pd := pool.disaggregation) is not None:
             workers = f"PD {pd.mode}: {len(pd.prefill)} prefill + {len(pd.decode)} decode worker(s)"
             policy = f"{pd.prefill_policy} (prefill) / {pd.decode_policy} (decode)"
+        extras = f", apis {'+'.join(pool.apis)}" if pool.apis is not None else ""
+        if pool.lora_adapters or pool.lora_on_demand:
+            adapters = [*pool.lora_adapters, *(f"{m.name} (on demand)" for m in pool.lora_on_demand)]
+            extras += f", LoRA adapters {', '.join(adapters)}"
         print(f"  pool {pool.name}: {pool.engine}, {workers}, "
               f"max context {pool.max_context_tokens:,} tokens, policy {policy}, "
-              f"modalities {'+'.join(pool.modalities)}, spillover {'on' if pool.spillover else 'off'}")
+              f"modalities {'+'.join(pool.modalities)}, spillover {'on' if pool.spillover else 'off'}{extras}")
     _check_production_safety(args.config, config, args.strict)
 
 

@@ -43,8 +43,10 @@ def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[
     """
     by_api = [p for p in pools if serves(p, request.api)]
     if not by_api:
-        raise ApiNotServed(f"No pool of this gateway serves the {request.api} API: their engines "
-                           f"({', '.join(sorted({p.engine for p in pools}))}) do not answer it.")
+        raise ApiNotServed(f"No pool of this gateway serves the {request.api} API for the model "
+                           f"`{request.model[:200]}`: its pools ({', '.join(p.name for p in pools)}; engines "
+                           f"{', '.join(sorted({p.engine for p in pools}))}) do not answer it; a pool's `apis` "
+                           "lists what it serves.")
     pools = by_api
     by_modality = [p for p in pools if request.modalities.issubset(p.modalities)]
     if not by_modality:

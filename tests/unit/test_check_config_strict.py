@@ -17,12 +17,13 @@ from gateway.plans.safety import env_references, read_tree
 from tests.support import REPO_ROOT
 
 PRODUCTION = REPO_ROOT / "config" / "k3-production.yaml"
+MULTI_MODEL = REPO_ROOT / "config" / "k3-multi-model.yaml"
 
 
-def production_env() -> dict[str, str]:
-    """A value for every variable the production config references, as a deployment would set them."""
+def production_env(config: Path = PRODUCTION) -> dict[str, str]:
+    """A value for every variable `config` references, as a deployment would set them."""
     env = {}
-    for path, name, _ in env_references(read_tree(PRODUCTION)):
+    for path, name, _ in env_references(read_tree(config)):
         if ".workers." in path:
             env[name] = f"https://10.1.0.{len(env) + 1}:8000"  # plaintext http:// beyond loopback warns
         elif name.endswith("_SHA256"):
@@ -182,3 +183,16 @@ def test_plaintext_engines_beyond_loopback_fail_strict(
             "allow_plaintext: [engines]") in out
     assert "check-config --strict: 1 warning(s)" in out
     assert check(edited_copy(tmp_path, lambda d: d.update(allow_plaintext=["engines"])), capsys)[0] == 0
+
+
+def test_the_multi_model_example_passes_strict_and_says_what_each_pool_serves(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    for name, value in production_env(MULTI_MODEL).items():
+        monkeypatch.setenv(name, value)
+    for name in [n for n in os.environ if n.startswith("KIMI_GATEWAY_")]:
+        monkeypatch.delenv(name)
+    code, out = check(MULTI_MODEL, capsys)
+    assert code == 0, out
+    assert "OK — 3 models" in out
+    assert "model qwen3-embedding-8b (aliases: Qwen/Qwen3-Embedding-8B): pools embed" in out
+    assert "LoRA adapters sql-lora, support-lora (on demand)" in out and "apis embeddings" in out
