@@ -291,7 +291,8 @@ def test_pools_whose_engine_lacks_the_api_are_skipped(start_sim: StartSim, start
 
     only_old = start_gateway([pool("sglang-old", "sglang", [old.url], 131072, apis=openai_only)])
     response = httpx.post(only_old.v1 + "/messages", json={"model": "kimi-k3", "max_tokens": 3, "messages": HELLO})
-    assert "No pool of this gateway serves the messages API for the model `kimi-k3`" in _anthropic_error(response, 404, "not_found_error")
+    message = _anthropic_error(response, 404, "not_found_error")
+    assert "No pool of this gateway serves the messages API for the model `kimi-k3`" in message
     assert len(old.engine.records) == 1
 
 
