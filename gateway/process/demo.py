@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import Any
 from urllib.parse import urlsplit
 
 from gateway.app import create_app
+from gateway.backends.pool_params import PoolConfig
 from gateway.config import GatewayConfig
+from gateway.dialects.names import POOLING_APIS
 from gateway.process.supervisor import bind_socket
 from gateway.serving.request_head import http_options
 from gateway.serving.server import QuietServer, serve_many, uvicorn_config
@@ -34,10 +37,20 @@ def demo_servers(config: GatewayConfig, host: str, port: int) -> list[QuietServe
                 raise SystemExit(f"demo: worker {url} must be a loopback URL with a port")
             sim = SimConfig(engine=pool.engine, max_context_tokens=pool.max_context_tokens,
                             served_model_names=list(served[pool.name]),
-                            ttft_s=DEMO_TTFT_S, tpot_s=DEMO_TPOT_S, default_output_tokens=40)
+                            ttft_s=DEMO_TTFT_S, tpot_s=DEMO_TPOT_S, default_output_tokens=40,
+                            **_serves(pool))
             servers.append(QuietServer(uvicorn_config(create_sim_app(sim), "127.0.0.1", parts.port)))
     servers.append(QuietServer(uvicorn_config(create_app(config), host, port, **http_options(config))))
     return servers
+
+
+def _serves(pool: PoolConfig) -> dict[str, Any]:
+    """What the simulated workers of `pool` serve besides generation: the pooling APIs when its
+    `apis` are pooling APIs only (an embedding model), its declared LoRA adapters (loaded at start,
+    at a made-up path) and runtime loading when it loads adapters on demand."""
+    pooling = pool.apis is not None and bool(pool.apis) and set(pool.apis) <= POOLING_APIS
+    return {"pooling": pooling, "lora_modules": [f"{name}=/loras/{name}" for name in pool.lora_adapters],
+            "runtime_lora_updating": bool(pool.lora_on_demand)}
 
 
 def run_demo(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000) -> None:

@@ -15,11 +15,12 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+import yaml
 
 from gateway.config import parse_config
 from gateway.process.demo import demo_servers, listen_or_exit
 from gateway.serving.server import QuietServer, serve_many
-from tests.support import free_port, pool
+from tests.support import REPO_ROOT, free_port, pool
 
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -113,3 +114,30 @@ def test_demo_on_a_port_in_use_exits_with_one_line() -> None:
     # the worker's socket, bound before the gateway's failed, was closed again: its port is free
     with socket.socket() as again:
         again.bind(("127.0.0.1", int(workers[0].rsplit(":", 1)[1])))
+
+
+def test_the_several_models_demo_serves_every_model_adapter_and_embeddings() -> None:
+    """config/demo-models.yaml, on free ports: each model, the declared and the on-demand LoRA
+    adapter reach their pools, and the embedding model's pool of simulated pooling workers embeds."""
+    data = yaml.safe_load((REPO_ROOT / "config" / "demo-models.yaml").read_text())
+    for entry in data["pools"]:
+        entry["workers"] = [f"http://127.0.0.1:{free_port()}" for _ in entry["workers"]]
+    data["affinity"] = {"key_prefix": "kgw:test-demo-models"}
+    config = parse_config(data, environ={})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with serving_demo(demo_servers(config, "127.0.0.1", port)), httpx.Client(base_url=url, timeout=10) as client:
+        assert wait_listening(url).json()["ready"] is True
+        listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+        assert listed[:6] == ["kimi-k3", "Kimi-K3", "moonshotai/Kimi-K3", "qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B",
+                              "qwen3-embedding-8b"]
+        pools = {}
+        for model in ("kimi-k3", "qwen3-30b-a3b", "sql-lora", "support-lora"):
+            answer = client.post("/v1/chat/completions", json={**CHAT, "model": model, "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+            pools[model] = answer.headers["x-kimi-gateway-pool"]
+        assert pools == {"kimi-k3": "vllm-128k", "qwen3-30b-a3b": "small", "sql-lora": "vllm-128k",
+                         "support-lora": "vllm-128k"}
+        embedded = client.post("/v1/embeddings", json={"model": "qwen3-embedding-8b", "input": ["a", "b"]})
+        assert embedded.status_code == 200, embedded.text
+        assert len(embedded.json()["data"]) == 2 and embedded.headers["x-kimi-gateway-pool"] == "embed"
