@@ -59,19 +59,29 @@ def test_a_burst_at_the_default_redis_budget_opens_no_breaker(
                                affinity={"enabled": False})
     admin = redis.Redis.from_url(private_redis.url)
 
-    async def run() -> list[list[int]]:
+    Answer = tuple[int, str | None]  # status, error code
+
+    async def run() -> tuple[list[list[int]], list[Answer], Answer]:
         limits = httpx.Limits(max_connections=BURST * len(KEYS) + OTHERS, max_keepalive_connections=0)
         async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-            async def others() -> list[int]:
+            async def others() -> list[Answer]:
                 await asyncio.sleep(0.3)  # the burst is under way
-                return await statuses(gw, "other-key", OTHERS, client)
+                return await asyncio.gather(*(answer_of(client, "other-key") for _ in range(OTHERS)))
 
-            return list(await asyncio.gather(*(statuses(gw, f"{name}-key", BURST, client) for name in KEYS),
-                                             others()))
+            bursts, other = await asyncio.gather(
+                asyncio.gather(*(statuses(gw, f"{name}-key", BURST, client) for name in KEYS)), others())
+            after = await answer_of(client, "other-key")  # the burst answered: nothing left queued
+            return list(bursts), list(other), after
+
+    async def answer_of(client: httpx.AsyncClient, key: str) -> Answer:
+        answer = await client.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                                   json={"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 1})
+        return answer.status_code, answer.json()["error"]["code"] if answer.status_code >= 400 else None
 
     try:
         minute = redis_minute(admin)
-        *bursts, other = asyncio.run(run())
+        bursts, other, after = asyncio.run(run())
         crossed = redis_minute(admin) != minute
     finally:
         for key in admin.scan_iter(f"{prefix}:*"):
@@ -82,7 +92,12 @@ def test_a_burst_at_the_default_redis_budget_opens_no_breaker(
     for counts in seen:
         assert set(counts) <= {200, 429, 503}, seen
         assert counts[200] == RPM or (crossed and RPM <= counts[200] <= RPM + 2), seen
-    assert 429 not in other and other.count(200) >= OTHERS - 2, f"another key during the burst: {Counter(other)}"
+    # Another key is never charged for the burst: each of its requests is served, or (the gateway's
+    # own load on a busy machine: its check queued behind the burst's past the 0.05 s budget) gets
+    # the busy 503, never a 429; once the burst is answered it is served at once (no breaker).
+    assert {answer for answer in other if answer[0] != 200} <= {(503, "rate_limit_unavailable")}, \
+        f"another key during the burst: {Counter(other)}"
+    assert after == (200, None), f"another key after the burst: {after}"
 
 
 def test_a_lookup_flood_at_the_default_budget_opens_no_breaker(
