@@ -22,7 +22,7 @@ import orjson
 from loadtest.loadgen import RequestResult
 from loadtest.oracle import OracleResult
 from loadtest.spread import Aggregate, Spread, aggregate, fmt_spread
-from loadtest.ttft_split import RequestSplit, split_section
+from loadtest.ttft_split import BUSY_FLAG, RequestSplit, split_section
 from loadtest.workerstats import WorkerTotals
 
 
@@ -90,7 +90,7 @@ class RunResult:
         return out
 
 
-BUSY_WARNING = 0.9
+BUSY_WARNING = BUSY_FLAG
 """Machine CPU busy fraction above which a run is flagged: the load generator, the gateway and the
 workers share 2 cores, so a saturated machine measures itself, not the routing."""
 

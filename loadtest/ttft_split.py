@@ -238,11 +238,22 @@ class SplitRun(Protocol):
     repeat: int
     split: dict[str, Any]
     request_splits: list[RequestSplit]
+    cpu_seconds: dict[str, float]
+    machine_busy: float | None
+    send_lag_p99_s: float | None
+    ok: int
 
+
+ROUTER_PROCESSES = ("gateway", "router")
+"""`RunResult.cpu_seconds` keys of the router process (the gateway's, a peer router's)."""
 
 SPLIT_KINDS = ("gateway", "peer")
 """Layouts whose workers answer the client directly (a PD layout's first byte comes from a decode
 worker outside its `worker_urls`): the only ones split."""
+
+
+BUSY_FLAG = 0.9
+"""Machine busy share above which a run is marked saturated (`loadtest.report.BUSY_WARNING`)."""
 
 
 def _ms(value: float | None) -> str:
@@ -259,8 +270,15 @@ def _signed_ms(value: float) -> str:
 
 
 SPLIT_HEADER = ("| load | layout | run | joined | TTFT | router in | queue | prefill | relay | router | engine "
-                "| computed tokens/req | cached share |\n"
-                "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+                "| computed tokens/req | cached share | router CPU ms/req | machine busy | p99 send lag (s) |\n"
+                "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+                "| ---: | ---: |")
+
+
+def router_cpu_ms(run: SplitRun) -> float | None:
+    """CPU milliseconds the router process (gateway or peer router) spent per completed request."""
+    seconds = sum(v for k, v in (run.cpu_seconds or {}).items() if k in ROUTER_PROCESSES)
+    return seconds * 1000.0 / run.ok if seconds and run.ok else None
 GAP_HEADER = ("| load | run | layout vs peer | p50 gap | choices (engine) | router | p99 gap | choices | router "
               "| mean gap | Δ router in | Δ engine | Δ relay | Δ computed tokens/req |\n"
               "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -281,9 +299,14 @@ def split_section(runs: Sequence[SplitRun]) -> tuple[str, dict[str, Any]]:
         share, tokens = s.get("cached_share"), s.get("prefill_tokens_mean")
         cells = " | ".join(_pair(s, n) for n in ("ttft_s", "router_in_s", "queue_s", "prefill_s", "relay_s",
                                                  "router_s", "engine_s"))
+        cpu, busy, lag = router_cpu_ms(run), run.machine_busy, run.send_lag_p99_s
+        flag = " (saturated)" if busy is not None and busy > BUSY_FLAG else ""
         lines.append(f"| {run.level} | {run.name} | {run.repeat + 1} | {s['joined']}/{s['completed']} | {cells} | "
-                     f"{'-' if tokens is None else f'{tokens:,.0f}'} | {'-' if share is None else f'{share:.3f}'} |")
-        rows.append({"level": run.level, "layout": run.name, "kind": run.kind, "repeat": run.repeat, **s})
+                     f"{'-' if tokens is None else f'{tokens:,.0f}'} | {'-' if share is None else f'{share:.3f}'} | "
+                     f"{'-' if cpu is None else f'{cpu:.1f}'} | {'-' if busy is None else f'{busy:.0%}'}{flag} | "
+                     f"{'-' if lag is None else f'{lag:.2f}'} |")
+        rows.append({"level": run.level, "layout": run.name, "kind": run.kind, "repeat": run.repeat, **s,
+                     "router_cpu_ms_per_request": cpu, "machine_busy": busy, "send_lag_p99_s": lag})
     gaps = []
     gap_lines = []
     for a in split_runs:
@@ -310,5 +333,5 @@ def split_section(runs: Sequence[SplitRun]) -> tuple[str, dict[str, Any]]:
                   "the gap of the engine times' percentile, router = the rest, the routers' own latency):", "",
                   GAP_HEADER, *gap_lines]
     if not split_runs:
-        lines.append("| (no run with worker timings) | | | | | | | | | | | | |")
+        lines.append("| (no run with worker timings) | | | | | | | | | | | | | | | |")
     return "\n".join(lines), {"runs": rows, "gaps": gaps}

@@ -106,6 +106,10 @@ class _Run:
     request_splits: list[RequestSplit]
     status: str = "ok"
     split: dict[str, Any] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    machine_busy: float | None = None
+    send_lag_p99_s: float | None = None
+    ok: int = 3
 
 
 def test_section_compares_each_gateway_run_with_the_peers_of_its_level_and_repetition() -> None:
@@ -115,7 +119,9 @@ def test_section_compares_each_gateway_run_with_the_peers_of_its_level_and_repet
 
         return _Run(name, kind, level, repeat, splits, split=summarize(JoinResult(splits), 3))
 
-    runs = [run("prefix_affinity", "gateway", "80%", 0, 0.02), run("sglang-router:cache_aware", "peer", "80%", 0, 0.0),
+    gateway = run("prefix_affinity", "gateway", "80%", 0, 0.02)
+    gateway.cpu_seconds, gateway.machine_busy, gateway.send_lag_p99_s = {"loadgen": 9.0, "gateway": 0.03}, 0.95, 0.5
+    runs = [gateway, run("sglang-router:cache_aware", "peer", "80%", 0, 0.0),
             run("ttft_cost", "gateway", "80%", 1, 0.02), run("pd", "pd", "80%", 0, 0.0),
             run("sglang-router:cache_aware", "peer", "60%", 0, 0.0)]
     text, data = split_section(runs)  # type: ignore[arg-type]
@@ -124,3 +130,5 @@ def test_section_compares_each_gateway_run_with_the_peers_of_its_level_and_repet
     assert data["gaps"][0]["p50"]["router_s"] == pytest.approx(0.02)
     assert len(data["runs"]) == 4  # the PD run is not split
     assert "| 80% | 1 | prefix_affinity vs sglang-router:cache_aware | +20 | +0 | +20 |" in text
+    assert "| 0.900 | 10.0 | 95% (saturated) | 0.50 |" in text  # cached share, router CPU per request, flags
+    assert data["runs"][0]["router_cpu_ms_per_request"] == pytest.approx(10.0)
