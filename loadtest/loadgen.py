@@ -3,7 +3,10 @@
 One `httpx.AsyncClient` sends every request at its scheduled time (seconds after the start) as a
 streaming chat completion with `stream_options.include_usage`, so the client sees the time to the
 first token (TTFT), the time per output token after it (TPOT) and the engine's usage (prompt and
-cached tokens). Bounds: at most
+cached tokens). Every request carries its id (`request_id_for`) twice: as `x-request-id` and as the
+body's `x_request_tag`, so the simulated worker that served it can be found behind any router
+(`gateway.sim.timings`: SGLang's router forwards the header and drops unknown body fields, the
+gateway replaces the header with its own engine request id and relays the field). Bounds: at most
 `max_concurrency` requests in flight (the dispatcher waits for a free slot, so later requests may
 start late: the lag is recorded), nothing is sent after `max_seconds`, and requests still running
 then get at most `drain_seconds` more before they are cancelled and counted as errors.
@@ -30,7 +33,9 @@ WORKER_HEADER = "x-kimi-gateway-worker"
 class RequestResult:
     """What the client saw of one request. Times in seconds; tokens as the engine reported them.
 
-    `scheduled_s` / `sent_s`: offsets from the replay start; `ttft_s`: from sending to the first
+    `scheduled_s` / `sent_s`: offsets from the replay start; `sent_at`: the send time on the host's
+    monotonic clock (`time.monotonic()`, comparable with the simulated workers' record times on
+    the same machine); `request_id`: the id it was sent with; `ttft_s`: from sending to the first
     content token; `tpot_s`: from the first to the last content token / (output tokens - 1), output
     tokens from the usage (else the content events), None for fewer than 2; `e2e_s`: from sending
     to the end of the stream. `cached_tokens` is None when the
@@ -39,7 +44,9 @@ class RequestResult:
 
     index: int
     scheduled_s: float
+    request_id: str | None = None
     sent_s: float | None = None
+    sent_at: float | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
@@ -68,19 +75,33 @@ class LoadOptions:
     read_timeout: float = 120.0
 
 
-BodyBuilder = Callable[[ScheduledRequest], bytes]
-"""Builds the JSON body of one scheduled request."""
+BodyBuilder = Callable[[ScheduledRequest, str], bytes]
+"""Builds the JSON body of one scheduled request, given its request id (to put in the body as
+`TAG_FIELD`)."""
+
+TAG_FIELD = "x_request_tag"
+"""The body field carrying the request id (`gateway.sim.timings.TAG_FIELD`, which the simulated
+workers record)."""
 
 
-def chat_body(model: str, text: str, max_tokens: int) -> bytes:
-    """A streaming chat completion request body with one user message (JSON bytes)."""
-    return orjson.dumps({
+def request_id_for(index: int) -> str:
+    """The request id of the `index`-th request of a replay (`x-request-id` and `TAG_FIELD`)."""
+    return f"replay-{index}"
+
+
+def chat_body(model: str, text: str, max_tokens: int, tag: str | None = None) -> bytes:
+    """A streaming chat completion request body with one user message (JSON bytes); `tag`, when
+    given, goes into `TAG_FIELD` (a field engines and the gateway ignore)."""
+    body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": text}],
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
-    })
+    }
+    if tag is not None:
+        body[TAG_FIELD] = tag
+    return orjson.dumps(body)
 
 
 class _StreamReader:
@@ -148,9 +169,12 @@ class _StreamReader:
 async def send_one(client: httpx.AsyncClient, url: str, body: bytes, result: RequestResult, t0: float) -> None:
     """Send one streaming request and fill `result` (never raises for HTTP or protocol errors)."""
     started = time.monotonic()
-    result.sent_s = started - t0
+    result.sent_s, result.sent_at = started - t0, started
+    headers = {"content-type": "application/json"}
+    if result.request_id is not None:
+        headers["x-request-id"] = result.request_id
     try:
-        async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as resp:
+        async with client.stream("POST", url, content=body, headers=headers) as resp:
             result.status = resp.status_code
             result.worker = resp.headers.get(WORKER_HEADER)
             if resp.status_code != 200:
@@ -182,13 +206,13 @@ async def replay(base_url: str, items: list[ScheduledRequest], build: BodyBuilde
     limits = httpx.Limits(max_connections=options.max_concurrency,
                           max_keepalive_connections=options.max_concurrency, keepalive_expiry=30.0)
     timeout = httpx.Timeout(connect=10.0, read=options.read_timeout, write=30.0, pool=None)
-    results = [RequestResult(i, item.send_at_s) for i, item in enumerate(items)]
+    results = [RequestResult(i, item.send_at_s, request_id_for(i)) for i, item in enumerate(items)]
     slots = asyncio.Semaphore(options.max_concurrency)
     tasks: set[asyncio.Task[None]] = set()
 
     async def run(item: ScheduledRequest, result: RequestResult, t0: float) -> None:
         try:
-            await send_one(client, url, build(item), result, t0)
+            await send_one(client, url, build(item, result.request_id or ""), result, t0)
         finally:
             slots.release()
 

@@ -42,6 +42,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from loadtest import oracle
 from loadtest.capacity import Workload, prefill_for_utilisation, speedup_for_utilisation, utilisation
 from loadtest.layouts import Launched, Layout, RunContext, build_layouts, gateway_overrides
@@ -50,9 +52,11 @@ from loadtest.peers import KV_AWARE_NOTE, Peer, parse_peer
 from loadtest.plan import Level, run_order
 from loadtest.procs import CpuMeter, ProcessError, ProcessGroup
 from loadtest.replay_settings import MODEL, SIM_MESSAGE_OVERHEAD_TOKENS, Settings, auto_or_positive, sim_fields
-from loadtest.report import RunResult, summarize_run, summary_table, write_results
+from loadtest.report import BUSY_WARNING, RunResult, summarize_run, summary_table, write_results
 from loadtest.texts import DEFAULT_CACHE_BLOCKS, BlockTexts, prompt_bytes_for
 from loadtest.trace import ScheduledRequest, TraceRequest, read_trace, schedule, summarize
+from loadtest.ttft_split import SPLIT_KINDS, join, split_section
+from loadtest.ttft_split import summarize as summarize_split
 from loadtest.workerstats import StatsReader
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,10 +108,10 @@ async def replay_and_measure(launched: Launched, items: list[ScheduledRequest], 
     """Reset the workers' counters, replay, read the counters, summarise (a layout's side workers,
     e.g. PD decode workers, into `RunResult.pd`)."""
 
-    def build(item: ScheduledRequest) -> bytes:
+    def build(item: ScheduledRequest, request_id: str) -> bytes:
         req = item.request
         text = texts.prompt(req.hash_ids, prompt_bytes_for(req.input_length, SIM_MESSAGE_OVERHEAD_TOKENS))
-        return chat_body(MODEL, text, item.max_tokens)
+        return chat_body(MODEL, text, item.max_tokens, tag=request_id)
 
     stats, side = StatsReader(launched.worker_urls), StatsReader(launched.side_urls)
     await stats.start()
@@ -116,6 +120,12 @@ async def replay_and_measure(launched: Launched, items: list[ScheduledRequest], 
                           drain_seconds=s.drain_seconds)
     results, wall = await replay(launched.base, items, build, options)
     run = summarize_run(name, kind, results, await stats.finish(), wall)
+    if kind in SPLIT_KINDS:
+        timings, dropped = await stats.timings()
+        if any(timings):
+            joined = join(results, timings)
+            run.request_splits = joined.splits
+            run.split = {**summarize_split(joined, run.ok), "dropped": dropped}
     side_totals = await side.finish()
     if launched.side_figures is not None:
         run.pd = launched.side_figures(side_totals)
@@ -145,6 +155,9 @@ def run_one(layout: Layout, ctx: RunContext, repeat: int, items: list[ScheduledR
             with CpuMeter(pids) as meter:
                 run = asyncio.run(replay_and_measure(launched, items, texts, s, layout.name, layout.kind))
                 run.cpu_seconds, run.machine_busy = meter.read()
+            if run.request_splits:
+                with (run_dir / "splits.jsonl").open("wb") as out:
+                    out.writelines(orjson.dumps(split.to_json()) + b"\n" for split in run.request_splits)
             if launched.after_replay is not None:
                 details = {**details, **launched.after_replay()}
             exited = [c.name for c in group.children if not c.alive()]
@@ -157,9 +170,17 @@ def run_one(layout: Layout, ctx: RunContext, repeat: int, items: list[ScheduledR
                                                                         level.speedup, repeat, details)
     run.total_s = time.monotonic() - started
     busy = "" if run.machine_busy is None else f", machine CPU {run.machine_busy:.0%} busy"
+    if (run.machine_busy or 0.0) > BUSY_WARNING:
+        busy += " (CPU-saturated: figures are not reliable)"
+    lag = "" if run.send_lag_p99_s is None else f", p99 send lag {run.send_lag_p99_s:.2f} s"
     print(f"[{tag}] done in {run.total_s:.0f} s: {run.ok}/{run.sent} ok, hit ratio "
           f"{'n/a' if run.hit_ratio is None else f'{run.hit_ratio:.3f}'}, p99 TTFT "
-          f"{'n/a' if run.ttft_p99_s is None else f'{run.ttft_p99_s:.3f} s'}{busy}", flush=True)
+          f"{'n/a' if run.ttft_p99_s is None else f'{run.ttft_p99_s:.3f} s'}{lag}{busy}", flush=True)
+    if run.split:
+        p50 = {k: (run.split.get(k) or {}).get("p50") for k in ("ttft_s", "router_s", "queue_s", "prefill_s")}
+        print(f"[{tag}] TTFT split (p50, ms): " + ", ".join(
+            f"{k[:-2]} {'-' if v is None else f'{v * 1000:.0f}'}" for k, v in p50.items())
+            + f"; {run.split['joined']}/{run.split['completed']} joined", flush=True)
     return run
 
 
@@ -406,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     md_path, json_path = write_results(s.results_dir, stamp, runs, references, meta)
     print()
     print(summary_table(runs, references))
+    print()
+    print(split_section(runs)[0])
     print(f"\nwritten: {md_path} and {json_path}")
     return 0 if any(r.ok for r in runs) else 1
 

@@ -18,6 +18,11 @@ tokens) even after the gateway's deliberately high estimate (~0.26 tokens a byte
 SIM_MESSAGE_OVERHEAD_TOKENS: int = SimConfig.model_fields["message_overhead_tokens"].default
 """Tokens the simulator adds per chat message (the `SimConfig` default, 4)."""
 
+TIMING_RECORDS = 20_000
+"""Request timings each worker keeps (`SimConfig.timing_records`, `GET /sim/timings`; a few hundred
+bytes each): more than a whole 40-minute window's 7,851 requests, so none is dropped even if one
+worker got them all; the replay reads them after each run (`loadtest.ttft_split`)."""
+
 SIM_BYTES_PER_TOKEN: float = SimConfig.model_fields["bytes_per_token"].default
 """Prompt bytes the simulator counts as one token (the `SimConfig` default, 4); the replay's
 texts are ASCII, so this is also characters a token for the peers' text trees."""
@@ -79,6 +84,7 @@ def sim_fields(s: Settings, prefill_tps: float | None) -> dict[str, Any]:
         "kv_block_tokens": s.kv_block_tokens,
         "decode_batch_slowdown": s.decode_batch_slowdown,
         "keep_records": False,
+        "timing_records": TIMING_RECORDS,
     }
     if prefill_tps is not None:
         fields["prefill_tokens_per_s"] = prefill_tps

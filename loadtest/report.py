@@ -22,6 +22,7 @@ import orjson
 from loadtest.loadgen import RequestResult
 from loadtest.oracle import OracleResult
 from loadtest.spread import Aggregate, Spread, aggregate, fmt_spread
+from loadtest.ttft_split import BUSY_FLAG, RequestSplit, split_section
 from loadtest.workerstats import WorkerTotals
 
 
@@ -42,7 +43,9 @@ class RunResult:
     `status` is "ok", "skipped: <why>" or "failed: <why>". `hit_source` says where the hit ratio
     comes from ("sim/stats", "client usage" or "n/a"). `prefill_by_worker` is in worker order.
     `tpot_*_s`: client-side time per output token (first to last token / (tokens - 1)). `pd`: a
-    PD layout's decode-side totals (`loadtest.replay_pd.decode_figures`), empty otherwise.
+    PD layout's decode-side totals (`loadtest.replay_pd.decode_figures`), empty otherwise. `split`:
+    where its TTFT went (`loadtest.ttft_split.summarize`), empty when the workers kept no timings;
+    `request_splits` are its requests' splits (kept in memory for the gap section, not in `to_json`).
     """
 
     name: str
@@ -78,12 +81,16 @@ class RunResult:
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     machine_busy: float | None = None
     pd: dict[str, Any] = field(default_factory=dict)
+    split: dict[str, Any] = field(default_factory=dict)
+    request_splits: list[RequestSplit] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["request_splits"]
+        return out
 
 
-BUSY_WARNING = 0.9
+BUSY_WARNING = BUSY_FLAG
 """Machine CPU busy fraction above which a run is flagged: the load generator, the gateway and the
 workers share 2 cores, so a saturated machine measures itself, not the routing."""
 
@@ -261,12 +268,14 @@ def markdown(runs: list[RunResult], references: list[OracleResult], meta: dict[s
 
 def write_results(directory: Path, stamp: str, runs: list[RunResult], references: list[OracleResult],
                   meta: dict[str, Any]) -> tuple[Path, Path]:
-    """Write `replay-<stamp>.md` and `.json` into `directory`; returns both paths."""
+    """Write `replay-<stamp>.md` and `.json` into `directory`; returns both paths. Both carry the
+    "Where the TTFT goes" section (`loadtest.ttft_split.split_section`; JSON `ttft_split`)."""
     directory.mkdir(parents=True, exist_ok=True)
     md_path = directory / f"replay-{stamp}.md"
     json_path = directory / f"replay-{stamp}.json"
-    md_path.write_text(markdown(runs, references, meta), encoding="utf-8")
+    split_md, split_json = split_section(runs)
+    md_path.write_text(markdown(runs, references, meta) + "\n" + split_md + "\n", encoding="utf-8")
     payload = {**meta, "summary": [cell.to_json() for cell in aggregate(runs)], "runs": [r.to_json() for r in runs],
-               "references": [asdict(r) for r in references]}
+               "references": [asdict(r) for r in references], "ttft_split": split_json}
     json_path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
     return md_path, json_path

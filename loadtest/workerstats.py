@@ -1,4 +1,5 @@
-"""Per-worker totals of a run, read from the simulated engines themselves.
+"""Per-worker totals of a run, read from the simulated engines themselves (and their request timings,
+`GET /sim/timings`, for `loadtest.ttft_split`).
 
 Preferred source: `GET /sim/stats` (counters in requests and tokens: `prompt_tokens`,
 `cached_tokens`, `prefill_tokens`, ...), restarted with `DELETE /sim/stats` just before the replay.
@@ -94,12 +95,15 @@ class StatsReader:
         return ("metrics", {"prompt_tokens": value}) if value is not None else ("unavailable", {})
 
     async def start(self) -> None:
-        """Restart `/sim/stats` (counters and peaks) where supported, then note the counters as
-        the baseline (about zero after a restart; the totals so far with the fallback)."""
+        """Restart `/sim/stats` (counters and peaks) and clear `/sim/timings` where supported, then
+        note the counters as the baseline (about zero after a restart; the totals so far with the
+        fallback)."""
         async with httpx.AsyncClient(timeout=self.timeout, trust_env=False) as client:
             for url in self.urls:
                 with contextlib.suppress(httpx.HTTPError):
                     await client.delete(url + "/sim/stats")
+                with contextlib.suppress(httpx.HTTPError):
+                    await client.delete(url + "/sim/timings")
                 source, data = await self._read(client, url)
                 numbers = {k: float(v) for k, v in data.items() if k in COUNTERS and v is not None}
                 self._baseline[url] = (source, numbers)
@@ -115,3 +119,20 @@ class StatsReader:
                 peaks = {k: float(data[k]) for k in PEAKS if data.get(k) is not None}
                 out.append(WorkerTotals(url, source, counters, peaks))
         return out
+
+    async def timings(self) -> tuple[list[list[dict[str, Any]]], int]:
+        """Every worker's request timings since `start()` (`GET /sim/timings`, worker order; an
+        empty list for a worker without them) and how many they dropped (their bound was reached)."""
+        out: list[list[dict[str, Any]]] = []
+        dropped = 0
+        async with httpx.AsyncClient(timeout=max(self.timeout, 30.0), trust_env=False) as client:
+            for url in self.urls:
+                try:
+                    resp = await client.get(url + "/sim/timings")
+                    data = resp.json() if resp.status_code == 200 else {}
+                except (httpx.HTTPError, ValueError):
+                    data = {}
+                timings = data.get("timings") if isinstance(data, dict) else None
+                out.append(list(timings) if isinstance(timings, list) else [])
+                dropped += int(data.get("dropped") or 0) if isinstance(data, dict) else 0
+        return out, dropped

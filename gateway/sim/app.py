@@ -24,6 +24,8 @@ With `SimConfig.api_key`, the engine's guarded paths (or every path: `api_key_sc
 to a request without the key.
 Test endpoints:
     GET /sim/requests, DELETE /sim/requests     request records (JSON list) / clear them
+    GET /sim/timings, DELETE /sim/timings       compact timings of the last `timing_records`
+                                                requests (`gateway.sim.timings`) / clear them
     GET /sim/faults, POST /sim/faults           global faults (JSON `SimFaults`; POST replaces)
     GET /sim/script, POST /sim/script           scripted answers (JSON `SimScript`, gateway.sim.script;
                                                 POST replaces, `{}` clears)
@@ -104,6 +106,8 @@ class SimApp:
             ("GET", "/metrics"): self._metrics,
             ("GET", "/sim/requests"): self._get_requests,
             ("DELETE", "/sim/requests"): self._clear_requests,
+            ("GET", "/sim/timings"): self._get_timings,
+            ("DELETE", "/sim/timings"): self._clear_timings,
             ("GET", "/sim/faults"): self._get_faults,
             ("POST", "/sim/faults"): self._set_faults,
             ("GET", "/sim/script"): self._get_script,
@@ -344,6 +348,12 @@ class SimApp:
 
     async def _clear_requests(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, {"cleared": self.engine.clear_records()})
+
+    async def _get_timings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, self.engine.timings())
+
+    async def _clear_timings(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"cleared": self.engine.clear_timings()})
 
     async def _get_stats(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_json(send, 200, self.engine.sim_stats())

@@ -169,7 +169,8 @@ class SimConfig(BaseModel):
       `prefill_tokens_per_s` (seconds).
     - `decode_batch_slowdown` makes each output token take `tpot_s` x (1 + `decode_batch_slowdown`
       x (running requests - 1)) seconds.
-    - `keep_records=False` keeps only counters (`GET /sim/stats`), no per-request records.
+    - `keep_records=False` keeps only counters (`GET /sim/stats`), no per-request records;
+      `timing_records=N` keeps the last N requests' times and token counts (`GET /sim/timings`).
     - `scheduler="stepped"` replaces the per-request timing above by one step scheduler per worker
       (`gateway.sim.stepper`): one prefill budget (`prefill_tokens_per_s`, default
       `DEFAULT_PREFILL_TOKENS_PER_S`) shared by concurrent prefills in chunks of `chunk_tokens`,
@@ -266,6 +267,9 @@ class SimConfig(BaseModel):
     keep_records: bool = True
     """False: store no `SimRequestRecord`s (memory stays flat on long benchmarks); the counters
     of `GET /sim/stats` and `/metrics` are kept either way."""
+    timing_records: int = Field(default=0, ge=0)
+    """Keep the compact timings (`gateway.sim.timings`: times and token counts, no body) of the
+    last this many generation requests for `GET /sim/timings`; 0 keeps none."""
     keep_alive_s: float = Field(default=5.0, gt=0.0)
     """Seconds an idle HTTP connection stays open between requests: uvicorn's
     `timeout_keep_alive`, whose default of 5 s vLLM and SGLang run with."""

@@ -225,14 +225,17 @@ async def handle_generation(engine: SimWorkerState, kind: r.Kind, scope: Scope, 
     except orjson.JSONDecodeError:
         body = raw.decode("utf-8", errors="replace")
     record = engine.new_record(scope["path"], lower_headers(scope), body)
-    async with DisconnectWatch(receive) as watch:
-        try:
-            await _serve(engine, kind, body, record, watch, send, scope, anthropic)
-        except ClientDisconnected:
-            engine.note_aborted()
-            engine.update(record, aborted=True, finished_at=time.monotonic())
-        except _DropConnection:
-            engine.update(record, finished_at=time.monotonic())
+    try:
+        async with DisconnectWatch(receive) as watch:
+            try:
+                await _serve(engine, kind, body, record, watch, send, scope, anthropic)
+            except ClientDisconnected:
+                engine.note_aborted()
+                engine.update(record, aborted=True, finished_at=time.monotonic())
+            except _DropConnection:
+                engine.update(record, finished_at=time.monotonic())
+    finally:
+        engine.note_finished(record)
 
 
 PooledAnswer = Callable[[SimWorkerState, dict[str, Any]], tuple[ErrorReply, int]]
@@ -455,7 +458,8 @@ async def _run_admitted(engine: SimWorkerState, plan: _Plan, record: SimRequestR
         if admitted is None:
             admitted = await watch.run(engine.admit(plan.total_prompt_tokens, plan.keys))
         active = admitted
-        engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
+        engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens,
+                      admitted_at=active.admitted_at)
     reason = "abort"
     try:
         if plan.anthropic and not (plan.stream and faults.raw_stream_chunks is not None):  # raw: streams only
@@ -499,7 +503,8 @@ async def _prefill(engine: SimWorkerState, watch: DisconnectWatch, active: Activ
         remote = await leg.before_prefill(watch, active) if leg is not None else 0
         await watch.run(engine.run_stepped_prefill(active, remote))
         if record is not None:
-            engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
+            engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens,
+                          admitted_at=active.admitted_at)
         if leg is not None:
             leg.after_prefill(active)
         return

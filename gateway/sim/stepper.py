@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -316,6 +317,7 @@ class StepScheduler:
                 kv.grow(req.leases[0], resumed)
         if not req.counted:
             req.counted = True
+            req.admitted_at = time.monotonic()  # the step this admission plans starts now
             req.cached_tokens = hit
             self._totals.prompt_tokens += req.prompt_tokens
             self._totals.cached_tokens += hit

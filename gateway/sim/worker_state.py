@@ -28,6 +28,7 @@ from gateway.sim.pd import PdState
 from gateway.sim.request_ids import RunningIds
 from gateway.sim.script import SimScript
 from gateway.sim.stepper import StepRequest, StepScheduler, new_step_request
+from gateway.sim.timings import TAG_FIELD, SimTiming, TimingLog
 from gateway.sim.tokens import prompt_keys
 from gateway.sim.totals import HitRateWindow, SimTotals
 
@@ -44,7 +45,10 @@ class SimRequestRecord:
     (`finished_at` is then when that was noticed); `fault` names an injected fault that shaped the
     answer ("fail_status", "hang_before_headers", "black_hole", "drop_after_chunks", "raw_stream_chunks").
     `cached_tokens` of `prompt_tokens` were found in the prefix cache at admission;
-    `prefill_tokens` (the rest) had to be computed. PD workers (`gateway.sim.pd`): a decode
+    `prefill_tokens` (the rest) had to be computed; `admitted_at` is when the engine first admitted
+    it (out of the wait queue: `SimWorkerState._start`, or the step scheduler's
+    `StepScheduler._admit`), so `admitted_at - received_at` is its queueing and
+    `first_byte_at - admitted_at` its prefill. PD workers (`gateway.sim.pd`): a decode
     worker received `kv_transfer_tokens` of KV from its prefill worker in `kv_transfer_s` seconds;
     `pd_failure` names a failed hand-over ("bootstrap", "transfer", "unknown_handle").
     """
@@ -55,6 +59,7 @@ class SimRequestRecord:
     body: Any
     received_at: float
     headers_at: float | None = None
+    admitted_at: float | None = None
     first_byte_at: float | None = None
     finished_at: float | None = None
     status: int | None = None
@@ -73,6 +78,18 @@ class SimRequestRecord:
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-ready dict."""
         return asdict(self)
+
+    def timing(self) -> SimTiming:
+        """The request's compact timing (`gateway.sim.timings`): its times, tokens, the
+        `x-request-id` it came with and its body's `x_request_tag`."""
+        tag = self.body.get(TAG_FIELD) if isinstance(self.body, dict) else None
+        return SimTiming(
+            id=self.id, path=self.path, request_id=self.headers.get("x-request-id"),
+            tag=tag if isinstance(tag, str) else None, received_at=self.received_at,
+            admitted_at=self.admitted_at, first_byte_at=self.first_byte_at, finished_at=self.finished_at,
+            status=self.status, aborted=self.aborted, prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
+            completion_tokens=self.completion_tokens_sent)
 
 
 class KVUsageModel(Protocol):
@@ -140,6 +157,7 @@ class SimWorkerState:
         self._cond = threading.Condition(threading.RLock())
         self._ids = itertools.count(1)
         self._records: list[SimRequestRecord] = []
+        self._timings = TimingLog(config.timing_records)
         self._faults = config.faults.model_copy(deep=True)
         self.script = SimScript()  # scripted answers (`gateway.sim.script`), replaced whole by POST /sim/script
         self._active: dict[int, ActiveRequest] = {}
@@ -201,6 +219,23 @@ class SimWorkerState:
             for name, value in changes.items():
                 setattr(record, name, value)
             self._cond.notify_all()
+
+    def note_finished(self, record: SimRequestRecord) -> None:
+        """A generation request's handler is done: keep its compact timing (`gateway.sim.timings`;
+        kept only with `timing_records` > 0, the last that many)."""
+        if self._timings.capacity:
+            with self._cond:
+                self._timings.add(record.timing())
+
+    def timings(self) -> dict[str, Any]:
+        """`GET /sim/timings`: `{"capacity", "dropped", "timings": [...]}` (`TimingLog.snapshot`)."""
+        with self._cond:
+            return self._timings.snapshot()
+
+    def clear_timings(self) -> int:
+        """Forget the kept timings; returns how many there were."""
+        with self._cond:
+            return self._timings.clear()
 
     def clear_records(self) -> int:
         """Forget all records; returns how many there were (the counters are kept)."""
@@ -467,7 +502,7 @@ class SimWorkerState:
         return self._start(prompt_tokens, keys)
 
     def _start(self, prompt_tokens: int, keys: Sequence[PromptKey]) -> ActiveRequest:
-        active = ActiveRequest(prompt_tokens)
+        active = ActiveRequest(prompt_tokens, admitted_at=time.monotonic())
         if self.kv is not None:
             active.leases = [self.kv.acquire(key) for key in keys]
             active.cached_tokens = sum(lease.cached_tokens for lease in active.leases)
