@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
@@ -133,7 +134,25 @@ DEMOTED_RETRY = Retry(NoBackoff(), 1, supported_errors=(PrimaryDemoted,))
 count): only a command refused with `READONLY` is sent again, once, at once."""
 
 
-class _DemotionAwareConnection(Connection):
+class _HiredisPacking:
+    """Commands packed into RESP by hiredis (C) instead of redis-py's asyncio `pack_command`, a
+    Python loop over the arguments (redis-py's synchronous client packs with hiredis when it is
+    installed: `redis/connection.py`, `HiredisRespSerializer`; its asyncio connection never does).
+    The same bytes for the arguments the stores send (str as UTF-8, int, float, bytes); anything
+    else (a multi-word command name, an argument type hiredis refuses) goes to redis-py's packer,
+    which raises its own errors. A mixin before redis-py's `Connection` in the bases."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        name = args[0] if args else None
+        if isinstance(name, str) and " " not in name:
+            try:
+                return [hiredis.pack_command(args)]
+            except TypeError:  # bool, None, bytearray...: redis-py's packer says what is wrong
+                pass
+        return super().pack_command(*args)  # type: ignore[misc,no-any-return]  # redis-py's Connection
+
+
+class _DemotionAwareConnection(_HiredisPacking, Connection):
     """A plain `redis://` connection that drops itself on `READONLY`, as redis-py's Sentinel
     connections do: behind a DNS name that follows the primary (a cloud's primary endpoint, a
     Kubernetes Service) the next connection resolves the name again and reaches the new primary."""
@@ -150,7 +169,7 @@ class _DemotionAwareConnection(Connection):
         await refuse_cluster_node(self)  # a cluster node behind a plain URL: refused (gateway/redis_cluster.py)
 
 
-class _SentinelConnection(SentinelManagedConnection):
+class _SentinelConnection(_HiredisPacking, SentinelManagedConnection):
     """redis-py's Sentinel connection, raising PrimaryDemoted (not a bare ConnectionError) on
     `READONLY`, so that `DEMOTED_RETRY` resends the command to the primary the sentinels name now."""
 
