@@ -136,14 +136,13 @@ DEMOTED_RETRY = Retry(NoBackoff(), 1, supported_errors=(PrimaryDemoted,))
 count): only a command refused with `READONLY` is sent again, once, at once."""
 
 
-class _LeanCommands:
+class _HiredisPacking:
     """Commands packed into RESP by hiredis (C) instead of redis-py's asyncio `pack_command`, a
     Python loop over the arguments (redis-py's synchronous client packs with hiredis when it is
     installed: `redis/connection.py`, `HiredisRespSerializer`; its asyncio connection never does).
     The same bytes for the arguments the stores send (str as UTF-8, int, float, bytes); anything
     else (a multi-word command name, an argument type hiredis refuses) goes to redis-py's packer,
-    which raises its own errors; and sent without a task per command (`send_packed_command`). A
-mixin before redis-py's `Connection` in the bases."""
+    which raises its own errors. A mixin before redis-py's `Connection` in the bases."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         name = args[0] if args else None
@@ -153,29 +152,6 @@ mixin before redis-py's `Connection` in the bases."""
             except TypeError:  # bool, None, bytearray...: redis-py's packer says what is wrong
                 pass
         return super().pack_command(*args)  # type: ignore[misc,no-any-return]  # redis-py's Connection
-
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        """redis-py's `send_packed_command` without its `asyncio.wait_for` (a task per command) when
-        the command went to the socket whole: the timeout bounds waiting for a full socket buffer to
-        drain, and there is then nothing to wait for. A connection not ready for that (not connected,
-        closing, a health check due, an error seen by its reader) and a command that did not fit the
-        socket's buffer go redis-py's way, with its timeout and its errors."""
-        writer, reader = self._writer, self._reader
-        if (writer is None or reader is None or not isinstance(command, list) or writer.transport.is_closing()
-                or reader.exception() is not None or (check_health and self.health_check_interval)):
-            await super().send_packed_command(command, check_health)  # type: ignore[misc]
-            return
-        try:
-            writer.writelines(command)
-        except OSError as exc:  # as redis-py words it
-            await self.disconnect(nowait=True)  # type: ignore[attr-defined]  # redis-py's Connection
-            code, why = ("UNKNOWN", exc.args[0]) if len(exc.args) == 1 else exc.args[:2]
-            raise RedisConnectionError(f"Error {code} while writing to socket. {why}.") from exc
-        except BaseException:
-            await self.disconnect(nowait=True)  # type: ignore[attr-defined]
-            raise
-        if writer.transport.get_write_buffer_size():
-            await super().send_packed_command([], check_health=False)  # type: ignore[misc]  # its timed drain
 
 
 class _LeanPool(ConnectionPool):
@@ -214,7 +190,7 @@ def _redis_metrics() -> Any:
     return _get_or_create_collector()
 
 
-class _DemotionAwareConnection(_LeanCommands, Connection):
+class _DemotionAwareConnection(_HiredisPacking, Connection):
     """A plain `redis://` connection that drops itself on `READONLY`, as redis-py's Sentinel
     connections do: behind a DNS name that follows the primary (a cloud's primary endpoint, a
     Kubernetes Service) the next connection resolves the name again and reaches the new primary."""
@@ -231,7 +207,7 @@ class _DemotionAwareConnection(_LeanCommands, Connection):
         await refuse_cluster_node(self)  # a cluster node behind a plain URL: refused (gateway/redis_cluster.py)
 
 
-class _SentinelConnection(_LeanCommands, SentinelManagedConnection):
+class _SentinelConnection(_HiredisPacking, SentinelManagedConnection):
     """redis-py's Sentinel connection, raising PrimaryDemoted (not a bare ConnectionError) on
     `READONLY`, so that `DEMOTED_RETRY` resends the command to the primary the sentinels name now."""
 
