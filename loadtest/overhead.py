@@ -617,6 +617,14 @@ def main(argv: list[str] | None = None) -> int:
                                "peak_sampled_mb": max((s.rss_peak_mb for s in samples
                                                        if s.target == t.name and s.rss_peak_mb is not None),
                                                       default=None)} for t in plan.targets}
+            for target in plan.targets:
+                outcomes = tg.redis_outcomes(target) if target.kind == "gateway" else {}
+                if outcomes:
+                    result.setdefault("redis_outcomes", {})[target.name] = outcomes
+                    if any(k.startswith("redis_errors") or k.endswith("skipped]") for k in outcomes):
+                        notes.append(f"{target.name}: Redis calls failed or were skipped (breaker open) during the "
+                                     f"rounds, so its CPU per request undercounts them: "
+                                     + ", ".join(f"{k} {v:,.0f}" for k, v in outcomes.items()))
             gateway = next((t for t in plan.targets if t.name == "gateway"), None)
             if not args.no_profile and not args.quick and gateway is not None:
                 print(f"profiling the gateway under {PROFILE_SCENARIO.name} for {args.profile_seconds:g} s...",

@@ -291,3 +291,28 @@ def redis_available() -> bool:
             client.close()
     except Exception:  # any failure means: no Redis variant
         return False
+
+
+REDIS_OUTCOME_METRICS = ("kimi_gateway_affinity_lookups_total", "kimi_gateway_redis_errors_total",
+                         "kimi_gateway_rate_limit_unavailable_total")
+
+
+def redis_outcomes(target: Target) -> dict[str, float]:
+    """What a gateway's Redis calls came to so far, from its `/metrics`: affinity lookups by result
+    (`hit`, `miss`, `error`, `skipped`: the breaker was open), Redis errors by op, rate-limit checks
+    Redis did not answer. A run whose lookups were mostly skipped did not pay for them: its CPU per
+    request is then not the production path's. Empty when the scrape fails."""
+    try:
+        text = httpx.get(target.url + "/metrics", timeout=5.0, trust_env=False).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in REDIS_OUTCOME_METRICS or "}" not in rest:
+            continue
+        labels, _, value = rest.partition("}")
+        label = ",".join(part.split("=", 1)[1].strip('"') for part in labels.split(",")
+                         if part.split("=", 1)[0] in ("result", "op", "action"))
+        out[f"{name.removeprefix('kimi_gateway_').removesuffix('_total')}[{label}]"] = float(value)
+    return out

@@ -187,3 +187,38 @@ def test_the_production_gateway_config_has_auth_limits_and_redis_and_validates()
     (key,) = prod.auth.keys
     assert key.requests_per_minute == key.tokens_per_minute == PROD_LIMIT
     assert key.sha256 == hash_key(MASTER_KEY)
+
+
+def test_redis_outcomes_are_read_from_a_gateways_metrics() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from loadtest.overhead_targets import Target, redis_outcomes
+
+    body = (b"# HELP kimi_gateway_affinity_lookups_total x\n"
+            b'kimi_gateway_affinity_lookups_total{pool="bench",result="miss"} 1735.0\n'
+            b'kimi_gateway_affinity_lookups_total{pool="bench",result="skipped"} 262.0\n'
+            b'kimi_gateway_affinity_lookups_created{pool="bench",result="miss"} 1.7e+09\n'
+            b'kimi_gateway_redis_errors_total{op="rate_limit"} 46.0\n'
+            b'kimi_gateway_requests_total{pool="bench"} 9.0\n')
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        outcomes = redis_outcomes(Target("gateway+prod", "gateway", server.server_address[1]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert outcomes == {"affinity_lookups[miss]": 1735.0, "affinity_lookups[skipped]": 262.0,
+                        "redis_errors[rate_limit]": 46.0}
