@@ -148,6 +148,11 @@ def start_stub(group: ProcessGroup, name: str, pin: Pinning, chunks: int, chunk_
 
 PROD_LIMIT = 1_000_000_000
 """The production target's per-key requests and tokens per minute: counted, never reached."""
+PROD_REDIS_TIMEOUT_S = 0.5
+"""The production target's `affinity.lookup_timeout` and `auth.redis_timeout` (defaults 0.02 and
+0.05 s): on this loaded 2-core machine, with the gateway's core saturated, a few calls a thousand
+missed the defaults, and each opened its store's breaker for a second, so most requests of a
+run made no lookup and no rate-limit check. The figure wanted is the CPU of making every call."""
 
 
 def gateway_config(port: int, engine_url: str, log_level: str, redis_prefix: str | None,
@@ -156,7 +161,7 @@ def gateway_config(port: int, engine_url: str, log_level: str, redis_prefix: str
     affinity in Redis under that key prefix; `auth_prefix` (the production shape, with Redis):
     auth on with one `user` key, `MASTER_KEY` (the load client sends it), whose
     `requests_per_minute` and `tokens_per_minute` (`PROD_LIMIT`) are counted in Redis under that
-    prefix and never refuse."""
+    prefix and never refuse; both stores' Redis timeouts `PROD_REDIS_TIMEOUT_S`."""
     config: dict[str, Any] = {
         "host": HOST, "port": port, "log_level": log_level,
         "model": {"name": MODEL, "aliases": []},
@@ -167,7 +172,8 @@ def gateway_config(port: int, engine_url: str, log_level: str, redis_prefix: str
         config["redis_url"] = REDIS_URL
         config["affinity"] = {"key_prefix": redis_prefix}
     if auth_prefix is not None:
-        config["auth"] = {"enabled": True, "key_prefix": auth_prefix, "keys": [{
+        config["affinity"]["lookup_timeout"] = PROD_REDIS_TIMEOUT_S
+        config["auth"] = {"enabled": True, "key_prefix": auth_prefix, "redis_timeout": PROD_REDIS_TIMEOUT_S, "keys": [{
             "name": "bench", "sha256": hashlib.sha256(MASTER_KEY.encode()).hexdigest(), "scopes": ["user"],
             "requests_per_minute": PROD_LIMIT, "tokens_per_minute": PROD_LIMIT}]}
     return config
@@ -202,7 +208,8 @@ def start_gateway(group: ProcessGroup, name: str, engine: Target, pin: Pinning, 
         target.notes.append(f"affinity store in Redis at {REDIS_URL}, key prefix {prefix} (deleted afterwards)")
     if auth_prefix is not None:
         target.notes.append(f"auth on, one key with requests_per_minute and tokens_per_minute {PROD_LIMIT:,} "
-                            f"(never refused), counted in Redis under {auth_prefix} (deleted afterwards)")
+                            f"(never refused), counted in Redis under {auth_prefix} (deleted afterwards); both stores' "
+                            f"Redis timeouts {PROD_REDIS_TIMEOUT_S:g} s")
     proc.wait_http(target.url + "/ready", STARTUP_TIMEOUT_S)
     return target
 
