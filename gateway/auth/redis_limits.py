@@ -48,6 +48,7 @@ from typing import Any
 
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from gateway.auth.keys import Principal
 from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
@@ -56,6 +57,7 @@ from gateway.errors import RateLimitBusy
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.observability.metrics import GatewayMetrics
 from gateway.redis_client import DEMOTED_RETRY, close_redis, primary_known, redis_from_url
+from gateway.redis_cluster import is_cluster_url
 from gateway.redis_gate import WAIT_S, StoreBusy, StoreGate
 
 log = logging.getLogger("gateway.auth")
@@ -165,6 +167,7 @@ class RedisRateLimiter:
             url, socket_connect_timeout=SOCKET_BACKSTOP_S, socket_timeout=SOCKET_BACKSTOP_S,
             retry=DEMOTED_RETRY, max_connections=POOL_CONNECTIONS, health_check_interval=0,
         )
+        self.cluster = is_cluster_url(url)
         self._script = self.redis.register_script(LUA)
         self._refund = self.redis.register_script(REFUND_LUA)
         self._skip_until = 0.0
@@ -213,8 +216,10 @@ class RedisRateLimiter:
         timeout while other checks waited for a turn (a burst, whose replies the loop reads late)."""
         return await self._call(lambda: script(keys=[self.key(principal.name)], args=args))
 
-    async def _call(self, call: Callable[[], Awaitable[Any]]) -> Any:
-        """`call()`'s answer under the gate, the timeout and the breaker, as `_run` says."""
+    async def _call(self, call: Callable[[], Awaitable[Any]], crowded: bool = False) -> Any:
+        """`call()`'s answer under the gate, the timeout and the breaker, as `_run` says. `crowded`:
+        the call carries several requests' commands (a pipeline), whose replies the loop reads
+        behind each other: its timeout is the gateway's own load, as one while others wait for a turn."""
         try:
             async with self.gate:
                 if not self.available:  # Redis failed while this call waited for its turn
@@ -226,11 +231,13 @@ class RedisRateLimiter:
                     async with timer:
                         reply = await call()
                 except (RedisError, OSError, TimeoutError) as exc:
-                    queued = self.gate.queued_behind(exc)
+                    queued = self.gate.queued_behind(exc) or (crowded and isinstance(exc, (TimeoutError,
+                                                                                          RedisTimeout)))
                     if not timer.expired_late and not queued:
                         self._failed(exc)
                         return None
-                    why = f"{self.gate.waiting} more checks queued" if queued else "the event loop was still busy"
+                    why = (f"{self.gate.waiting} more checks queued" if self.gate.waiting else
+                           "a pipeline of several requests' calls" if queued else "the event loop was still busy")
                     self._busy(f"{why} at the {self.config.redis_timeout:g} s deadline "
                                f"after {time.perf_counter() - started:.3f} s")
                     raise self._busy_error() from None
@@ -278,7 +285,7 @@ class RedisRateLimiter:
                 try:
                     if self.available:
                         with contextlib.suppress(RateLimitBusy):  # logged by _call
-                            await self._call(lambda batch=batch: self._pipeline_refunds(batch))
+                            await self._call(lambda batch=batch: self._pipeline_refunds(batch), crowded=len(batch) > 1)
                 finally:
                     for *_, done in batch:
                         if not done.done():
@@ -290,7 +297,8 @@ class RedisRateLimiter:
                     done.set_result(None)
 
     async def _pipeline_refunds(self, batch: list[tuple[str, list[int | str], asyncio.Future[None]]]) -> None:
-        """`batch` in one pipeline of `REFUND_LUA` calls. The pipeline makes sure the script is on
+        """`batch` in one pipeline of `REFUND_LUA` calls (on Redis Cluster with the script's text, as
+        EVAL: a cluster pipeline loads no script). The pipeline makes sure the script is on
         its server first (SCRIPT EXISTS, then LOAD when it is not); a server that lost it between
         the two (a failover) answers NoScriptError, and the batch is sent once more, as the
         affinity store's writes are (`gateway/affinity/redis_store.py`)."""
@@ -298,7 +306,10 @@ class RedisRateLimiter:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for key, args, _ in batch:
-                        await self._refund(keys=[key], args=args, client=pipe)
+                        if self.cluster:  # a cluster pipeline loads no script: its text
+                            pipe.eval(REFUND_LUA, 1, key, *args)
+                        else:
+                            await self._refund(keys=[key], args=args, client=pipe)
                     await pipe.execute()
                 return
             except NoScriptError:
