@@ -33,11 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
+import hiredis
 import redis.asyncio as aioredis
-from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.connection import Connection, ConnectionPool, SSLConnection
+from redis.asyncio.observability.recorder import _get_or_create_collector
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
+from redis.event import AsyncAfterConnectionReleasedEvent
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError, RedisError
 
@@ -133,7 +136,61 @@ DEMOTED_RETRY = Retry(NoBackoff(), 1, supported_errors=(PrimaryDemoted,))
 count): only a command refused with `READONLY` is sent again, once, at once."""
 
 
-class _DemotionAwareConnection(Connection):
+class _HiredisPacking:
+    """Commands packed into RESP by hiredis (C) instead of redis-py's asyncio `pack_command`, a
+    Python loop over the arguments (redis-py's synchronous client packs with hiredis when it is
+    installed: `redis/connection.py`, `HiredisRespSerializer`; its asyncio connection never does).
+    The same bytes for the arguments the stores send (str as UTF-8, int, float, bytes); anything
+    else (a multi-word command name, an argument type hiredis refuses) goes to redis-py's packer,
+    which raises its own errors. A mixin before redis-py's `Connection` in the bases."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        name = args[0] if args else None
+        if isinstance(name, str) and " " not in name:
+            try:
+                return [hiredis.pack_command(args)]
+            except TypeError:  # bool, None, bytearray...: redis-py's packer says what is wrong
+                pass
+        return super().pack_command(*args)  # type: ignore[misc,no-any-return]  # redis-py's Connection
+
+
+class _LeanPool(ConnectionPool):
+    """redis-py's asyncio pool, without its per-call observability bookkeeping while that is off
+    (no OpenTelemetry metrics configured through redis-py: `redis/asyncio/observability/recorder.py`
+    then records nothing, but `get_connection` and `release` still make five calls a command to
+    find that out). With it on, redis-py's own methods run. Otherwise the same steps in the same
+    order: `get_connection`, `release` of redis-py 8.1's `ConnectionPool`."""
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if _redis_metrics() is not None:
+            return await super().get_connection(*args, **kwargs)
+        async with self._lock:
+            connection = self.get_available_connection()
+        try:
+            await self.ensure_connection(connection)
+        except BaseException:
+            await self.release(connection)
+            raise
+        return connection
+
+    async def release(self, connection: Any) -> None:
+        if _redis_metrics() is not None:
+            await super().release(connection)
+            return
+        async with self._lock:
+            self._in_use_connections.remove(connection)
+            if connection.should_reconnect():
+                await connection.disconnect()
+            self._available_connections.append(connection)
+        await self._event_dispatcher.dispatch_async(AsyncAfterConnectionReleasedEvent(connection))
+
+
+def _redis_metrics() -> Any:
+    """redis-py's metrics collector, None while its observability is off (the gateway's case)."""
+    return _get_or_create_collector()
+
+
+class _DemotionAwareConnection(_HiredisPacking, Connection):
     """A plain `redis://` connection that drops itself on `READONLY`, as redis-py's Sentinel
     connections do: behind a DNS name that follows the primary (a cloud's primary endpoint, a
     Kubernetes Service) the next connection resolves the name again and reaches the new primary."""
@@ -150,7 +207,7 @@ class _DemotionAwareConnection(Connection):
         await refuse_cluster_node(self)  # a cluster node behind a plain URL: refused (gateway/redis_cluster.py)
 
 
-class _SentinelConnection(SentinelManagedConnection):
+class _SentinelConnection(_HiredisPacking, SentinelManagedConnection):
     """redis-py's Sentinel connection, raising PrimaryDemoted (not a bare ConnectionError) on
     `READONLY`, so that `DEMOTED_RETRY` resends the command to the primary the sentinels name now."""
 
@@ -251,7 +308,7 @@ def redis_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
         if scheme in ("redis", "rediss"):
             kwargs.setdefault("connection_class",
                               _DemotionAwareSSLConnection if scheme == "rediss" else _DemotionAwareConnection)
-        return aioredis.Redis.from_url(url, **kwargs)
+        return aioredis.Redis.from_pool(_LeanPool.from_url(url, **kwargs))
     target = parse_sentinel_url(url)
     sentinel_kwargs: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
     sentinel_kwargs["retry"] = Retry(NoBackoff(), 0)  # a dead sentinel: ask the next one now, not after back-offs

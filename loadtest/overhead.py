@@ -80,31 +80,42 @@ SIZES = {"200B": 200, "16KiB": 16 * 1024, "1MiB": 1024 * 1024}
 REQUEST_TIMEOUT_S = 60.0
 
 
+NEWCONN = " newconn"
+"""The suffix of a scenario whose every request opens a new connection (`Scenario.fresh`)."""
+
+
 @dataclass(frozen=True)
 class Scenario:
-    """One kind of load: streaming or not, clients at once, prompt size label (a key of SIZES)."""
+    """One kind of load: streaming or not, clients at once, prompt size label (a key of SIZES), and
+    `fresh`: each request on a new TCP connection (the client closes it after the answer) instead
+    of one kept alive per client."""
 
     stream: bool
     concurrency: int
     size: str
+    fresh: bool = False
 
     @property
     def name(self) -> str:
-        return f"{'stream' if self.stream else 'json'} c={self.concurrency} {self.size}"
+        return f"{'stream' if self.stream else 'json'} c={self.concurrency} {self.size}{NEWCONN if self.fresh else ''}"
 
 
 def _scenarios(spec: str) -> list[Scenario]:
+    """`MODE:CONCURRENCY:SIZE[:new],...` (`new`: a new connection per request) as Scenarios."""
     out = []
     for item in spec.split(","):
-        mode, conc, size = item.split(":")
-        out.append(Scenario(mode == "stream", int(conc), size))
+        mode, conc, size, *rest = item.split(":")
+        if rest not in ([], ["new"]):
+            raise SystemExit(f"--scenarios: {item!r}: the fourth field can only be `new`")
+        out.append(Scenario(mode == "stream", int(conc), size, fresh=rest == ["new"]))
     return out
 
 
 FULL_SCENARIOS = _scenarios("stream:1:200B,stream:1:16KiB,stream:1:1MiB,json:1:16KiB,json:1:1MiB,"
-                            "stream:64:16KiB,stream:64:1MiB,stream:256:16KiB,json:64:16KiB,json:256:16KiB")
+                            "stream:64:16KiB,stream:64:16KiB:new,stream:64:1MiB,stream:256:16KiB,json:64:16KiB,"
+                            "json:256:16KiB")
 QUICK_SCENARIOS = _scenarios("stream:1:200B,stream:1:16KiB,stream:1:1MiB,json:1:16KiB,stream:64:16KiB,"
-                             "stream:256:16KiB,json:64:16KiB")
+                             "stream:64:16KiB:new,stream:256:16KiB,json:64:16KiB")
 PROFILE_SCENARIO = Scenario(True, 64, "16KiB")
 PROFILE_HZ = 200
 
@@ -193,12 +204,14 @@ def start_targets(group: ProcessGroup, engine: tg.Target, pin: tg.Pinning, args:
             print(f"  warning: {notes[-1]}", file=sys.stderr, flush=True)
 
     attempt("gateway", lambda: tg.start_gateway(group, "gateway", engine, pin, args.gateway_log_level))
-    if "gateway+redis" in wanted:
+    for name in ("gateway+redis", "gateway+prod"):
+        if name not in wanted:
+            continue
         if tg.redis_available():
-            attempt("gateway+redis", lambda: tg.start_gateway(group, "gateway+redis", engine, pin,
-                                                              args.gateway_log_level, redis=True))
+            attempt(name, lambda name=name: tg.start_gateway(group, name, engine, pin, args.gateway_log_level,
+                                                             redis=True, prod=name == "gateway+prod"))
         else:
-            notes.append(f"gateway+redis skipped: no Redis at {tg.REDIS_URL}")
+            notes.append(f"{name} skipped: no Redis at {tg.REDIS_URL}")
     if "gateway-2proc" in wanted:
         flag = tg.gateway_process_flag()
         if flag is not None:
@@ -227,7 +240,7 @@ def start_targets(group: ProcessGroup, engine: tg.Target, pin: tg.Pinning, args:
 def _wanted(args: argparse.Namespace) -> list[str]:
     if args.targets:
         return [t.strip() for t in args.targets.split(",") if t.strip()]
-    names = ["gateway"] + ([] if args.quick else ["gateway+redis", "gateway-2proc"])
+    names = ["gateway"] + ([] if args.quick else ["gateway+redis", "gateway+prod", "gateway-2proc"])
     if args.peers:
         names += ["vllm-router", "sglang-router", "litellm"]
     return names
@@ -250,9 +263,10 @@ async def measure_one(scenario: Scenario, target: tg.Target, engine: tg.Target, 
     if scenario.concurrency == 1:
         count = timing.latency_count_1mib if size >= SIZES["1MiB"] else timing.latency_count
         fig = await run_latency(target.port, maker, meter, count, timing.latency_max_s, timing.latency_warmup,
-                                REQUEST_TIMEOUT_S)
+                                REQUEST_TIMEOUT_S, fresh=scenario.fresh)
     else:
-        fig = await run_throughput(target.port, maker, meter, scenario.concurrency, timing.window, REQUEST_TIMEOUT_S)
+        fig = await run_throughput(target.port, maker, meter, scenario.concurrency, timing.window, REQUEST_TIMEOUT_S,
+                                   fresh=scenario.fresh)
     await meter.settle(timing.settle_s)
     return fig
 
@@ -419,6 +433,39 @@ def issue_targets(rows: list[Row]) -> list[dict[str, Any]]:
     return out
 
 
+PROD_LIMIT_RATIO = 1.15
+NEWCONN_LIMIT_RATIO = 1.3
+
+
+def production_targets(rows: list[Row]) -> list[dict[str, Any]]:
+    """Issue 27 item 3's figures: per scenario, CPU per request of the production path
+    (`gateway+prod`) over the bare one's (`gateway`), limit 1.15x; per gateway target, CPU per
+    request of a `newconn` scenario over the same scenario kept alive, limit 1.3x. Only the pairs
+    that were measured."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        if row.target != "gateway+prod":
+            continue
+        bare = find(rows, row.scenario, "gateway")
+        value = ratio(row.cpu_ms_per_req, bare.cpu_ms_per_req if bare else None)
+        if bare is None or value is None:
+            continue
+        out.append({"target": f"CPU per request, {row.scenario}: gateway+prod / gateway",
+                    "value": f"{fmt_ratio(value)} ({fmt(row.cpu_ms_per_req, 3)} / {fmt(bare.cpu_ms_per_req, 3)} ms)",
+                    "limit": f"<= {PROD_LIMIT_RATIO}x", "met": value <= PROD_LIMIT_RATIO})
+    for row in rows:
+        if not row.scenario.endswith(NEWCONN) or not row.target.startswith("gateway"):
+            continue
+        kept = find(rows, row.scenario.removesuffix(NEWCONN), row.target)
+        value = ratio(row.cpu_ms_per_req, kept.cpu_ms_per_req if kept else None)
+        if kept is None or value is None:
+            continue
+        out.append({"target": f"CPU per request, {row.target}: {row.scenario} / kept alive",
+                    "value": f"{fmt_ratio(value)} ({fmt(row.cpu_ms_per_req, 3)} / {fmt(kept.cpu_ms_per_req, 3)} ms)",
+                    "limit": f"<= {NEWCONN_LIMIT_RATIO}x", "met": value <= NEWCONN_LIMIT_RATIO})
+    return out
+
+
 def markdown_report(result: dict[str, Any], rows: list[Row]) -> str:
     m = result["machine"]
     lines = [f"# Overhead {result['started']}", "", f"`{result['command']}`", "",
@@ -442,6 +489,11 @@ def markdown_report(result: dict[str, Any], rows: list[Row]) -> str:
     for t in result["issue_targets"]:
         met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
         lines.append(f"| {t['target']} | {t['value']} | {t['limit']} | {met} |")
+    if result.get("production_targets"):
+        lines += ["", "## Issue 27 item 3: the production path and new connections", "",
+                  "| figure | value | limit | met |", "| --- | --- | --- | --- |"]
+        for t in result["production_targets"]:
+            lines.append(f"| {t['target']} | {t['value']} | {t['limit']} | {'yes' if t['met'] else '**no**'} |")
     scale = result.get("scale")
     if scale:
         lines += ["", f"## Scale: {scale['streams']:,} streams at once, {scale['chunks']} chunks "
@@ -485,7 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--targets", help="comma-separated subset, e.g. gateway,vllm-router (direct always runs)")
     add("--rounds", type=int, default=3, help="repetitions of every scenario on every target")
     add("--quick", action="store_true", help="fewer scenarios, shorter runs, small scale run, no profile")
-    add("--scenarios", help="MODE:CONCURRENCY:SIZE,... e.g. stream:1:16KiB,json:64:200B (sizes: 200B, 16KiB, 1MiB)")
+    add("--scenarios", help="MODE:CONCURRENCY:SIZE[:new],... e.g. stream:1:16KiB,stream:64:16KiB:new (sizes: 200B, "
+        "16KiB, 1MiB; new: a new connection per request)")
     add("--chunks", type=int, default=32, help="SSE chunks per answer of the fast engine")
     add("--engine-procs", type=int, default=1, help="fake engine processes (one listening socket)")
     add("--gateway-log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -564,6 +617,14 @@ def main(argv: list[str] | None = None) -> int:
                                "peak_sampled_mb": max((s.rss_peak_mb for s in samples
                                                        if s.target == t.name and s.rss_peak_mb is not None),
                                                       default=None)} for t in plan.targets}
+            for target in plan.targets:
+                outcomes = tg.redis_outcomes(target) if target.kind == "gateway" else {}
+                if outcomes:
+                    result.setdefault("redis_outcomes", {})[target.name] = outcomes
+                    if any(k.startswith("redis_errors") or k.endswith("skipped]") for k in outcomes):
+                        notes.append(f"{target.name}: Redis calls failed or were skipped (breaker open) during the "
+                                     f"rounds, so its CPU per request undercounts them: "
+                                     + ", ".join(f"{k} {v:,.0f}" for k, v in outcomes.items()))
             gateway = next((t for t in plan.targets if t.name == "gateway"), None)
             if not args.no_profile and not args.quick and gateway is not None:
                 print(f"profiling the gateway under {PROFILE_SCENARIO.name} for {args.profile_seconds:g} s...",
@@ -581,8 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
     finally:
         for target in plan.targets if plan else []:
-            prefix = target.cleanup.get("redis_prefix")
-            if prefix:
+            for prefix in target.cleanup.get("redis_prefixes", []):
                 tg.delete_redis_prefix(prefix)
     result.setdefault("rounds_done", 0)
     result["machine"]["loadavg_end"] = _loadavg()
@@ -591,6 +651,7 @@ def main(argv: list[str] | None = None) -> int:
                           **memory.get(t.name, {})} for t in (plan.targets if plan else [])]
     rows = aggregate(samples)
     result["issue_targets"] = issue_targets(rows)
+    result["production_targets"] = production_targets(rows)
     result["rows"] = [asdict(r) for r in rows]
     result["samples"] = [asdict(s) for s in samples]
     args.results_dir.mkdir(parents=True, exist_ok=True)

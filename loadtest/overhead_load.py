@@ -182,19 +182,24 @@ def _add_ok(fig: RunFigures, reply: Reply) -> None:
 
 
 async def run_latency(port: int, maker: RequestMaker, meter: Meter, count: int, max_s: float, warmup: int,
-                      timeout: float) -> RunFigures:
+                      timeout: float, fresh: bool = False) -> RunFigures:
     """`count` requests one after another on one connection (after `warmup` unmeasured ones), or
-    as many as fit in `max_s` seconds."""
+    as many as fit in `max_s` seconds; `fresh`: each on a new connection, closed after its answer
+    (its TTFT counts from the send, after the connect)."""
     conn = Connection(HOST, port)
     fig, kinds = RunFigures(), Counter[str]()
     try:
         for _ in range(warmup):
             await conn.request(maker.parts(), maker.stream, timeout)
+            if fresh:
+                conn.close()
         meter.start()
         a = meter.snapshot()
         deadline = a.t + max_s
         for _ in range(count):
             reply = await conn.request(maker.parts(), maker.stream, timeout)
+            if fresh:
+                conn.close()
             if _count(fig, reply, kinds):
                 _add_ok(fig, reply)
             if time.perf_counter() > deadline:
@@ -232,8 +237,9 @@ class _Phase:
 
 
 async def run_throughput(port: int, maker: RequestMaker, meter: Meter, concurrency: int, bounds: Window,
-                         timeout: float) -> RunFigures:
-    """`concurrency` clients back to back; figures of the requests that end inside the window."""
+                         timeout: float, fresh: bool = False) -> RunFigures:
+    """`concurrency` clients back to back; figures of the requests that end inside the window.
+    `fresh`: each request on a new connection, which the client closes after the answer."""
     fig, kinds = RunFigures(), Counter[str]()
     conns = [Connection(HOST, port) for _ in range(concurrency)]
     loop = asyncio.get_running_loop()
@@ -246,6 +252,8 @@ async def run_throughput(port: int, maker: RequestMaker, meter: Meter, concurren
         nonlocal completed
         while phase != _Phase.OVER:
             reply = await conn.request(maker.parts(), maker.stream, timeout)
+            if fresh:
+                conn.close()
             if not _count(fig, reply, kinds):
                 continue
             completed += 1

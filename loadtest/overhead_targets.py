@@ -12,6 +12,7 @@ tokenizer path, `HF_HUB_OFFLINE=1`) and LiteLLM's proxy (one `openai/kimi-k3` mo
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import shutil
@@ -36,7 +37,8 @@ GATEWAY_MAX_CONTEXT = 1_048_576
 REDIS_URL = "redis://127.0.0.1:6379/0"
 MASTER_KEY = "sk-overhead-bench-not-a-secret-0123456789"
 """LiteLLM's proxy refuses to start without a master key; the load client sends it to every target
-as `Authorization: Bearer` (the gateway with auth off and the Rust routers ignore it)."""
+as `Authorization: Bearer` (the gateway with auth off and the Rust routers ignore it; `gateway+prod`
+has it as its one key)."""
 
 PEERS: dict[str, tuple[str, str]] = {
     "vllm-router": ("vllm_router", "vllm-router"),
@@ -144,8 +146,22 @@ def start_stub(group: ProcessGroup, name: str, pin: Pinning, chunks: int, chunk_
     return target
 
 
-def gateway_config(port: int, engine_url: str, log_level: str, redis_prefix: str | None) -> dict[str, Any]:
-    """One pool of one vLLM-kind worker; everything else the gateway's defaults."""
+PROD_LIMIT = 1_000_000_000
+"""The production target's per-key requests and tokens per minute: counted, never reached."""
+PROD_REDIS_TIMEOUT_S = 0.5
+"""The production target's `affinity.lookup_timeout` and `auth.redis_timeout` (defaults 0.02 and
+0.05 s): on this loaded 2-core machine, with the gateway's core saturated, a few calls a thousand
+missed the defaults, and each opened its store's breaker for a second, so most requests of a
+run made no lookup and no rate-limit check. The figure wanted is the CPU of making every call."""
+
+
+def gateway_config(port: int, engine_url: str, log_level: str, redis_prefix: str | None,
+                   auth_prefix: str | None = None) -> dict[str, Any]:
+    """One pool of one vLLM-kind worker; everything else the gateway's defaults. `redis_prefix`:
+    affinity in Redis under that key prefix; `auth_prefix` (the production shape, with Redis):
+    auth on with one `user` key, `MASTER_KEY` (the load client sends it), whose
+    `requests_per_minute` and `tokens_per_minute` (`PROD_LIMIT`) are counted in Redis under that
+    prefix and never refuse; both stores' Redis timeouts `PROD_REDIS_TIMEOUT_S`."""
     config: dict[str, Any] = {
         "host": HOST, "port": port, "log_level": log_level,
         "model": {"name": MODEL, "aliases": []},
@@ -155,6 +171,11 @@ def gateway_config(port: int, engine_url: str, log_level: str, redis_prefix: str
     if redis_prefix is not None:
         config["redis_url"] = REDIS_URL
         config["affinity"] = {"key_prefix": redis_prefix}
+    if auth_prefix is not None:
+        config["affinity"]["lookup_timeout"] = PROD_REDIS_TIMEOUT_S
+        config["auth"] = {"enabled": True, "key_prefix": auth_prefix, "redis_timeout": PROD_REDIS_TIMEOUT_S, "keys": [{
+            "name": "bench", "sha256": hashlib.sha256(MASTER_KEY.encode()).hexdigest(), "scopes": ["user"],
+            "requests_per_minute": PROD_LIMIT, "tokens_per_minute": PROD_LIMIT}]}
     return config
 
 
@@ -164,13 +185,18 @@ def gateway_env() -> dict[str, str]:
 
 
 def start_gateway(group: ProcessGroup, name: str, engine: Target, pin: Pinning, log_level: str,
-                  redis: bool = False, processes: tuple[str, int] | None = None, cores: str | None = None) -> Target:
+                  redis: bool = False, processes: tuple[str, int] | None = None, cores: str | None = None,
+                  prod: bool = False) -> Target:
     """`kimi-gateway serve -c <yaml>` in front of `engine`, once `/ready` answers 200.
-    `processes`: (the serve option, how many) for several serving processes."""
+    `processes`: (the serve option, how many) for several serving processes; `prod`: the
+    production shape (Redis affinity, auth on, per-key limits in Redis: `gateway_config`)."""
     port = free_port()
+    redis = redis or prod
     prefix = f"kgw:ovh:{uuid.uuid4().hex[:12]}" if redis else None
+    auth_prefix = f"kgw:ovhrl:{uuid.uuid4().hex[:12]}" if prod else None
     path = group.log_dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(gateway_config(port, engine.url, log_level, prefix)), encoding="utf-8")
+    path.write_text(yaml.safe_dump(gateway_config(port, engine.url, log_level, prefix, auth_prefix)),
+                    encoding="utf-8")
     argv = python_argv("gateway.cli", "serve", "-c", str(path))
     if processes is not None:
         argv += [processes[0], str(processes[1])]
@@ -178,8 +204,12 @@ def start_gateway(group: ProcessGroup, name: str, engine: Target, pin: Pinning, 
     proc = group.spawn(name, pin.argv(use, argv), env=gateway_env())
     target = Target(name, "gateway", port, proc, version=gateway_version(), cores=use)
     if prefix is not None:
-        target.cleanup["redis_prefix"] = prefix
+        target.cleanup["redis_prefixes"] = [p for p in (prefix, auth_prefix) if p is not None]
         target.notes.append(f"affinity store in Redis at {REDIS_URL}, key prefix {prefix} (deleted afterwards)")
+    if auth_prefix is not None:
+        target.notes.append(f"auth on, one key with requests_per_minute and tokens_per_minute {PROD_LIMIT:,} "
+                            f"(never refused), counted in Redis under {auth_prefix} (deleted afterwards); both stores' "
+                            f"Redis timeouts {PROD_REDIS_TIMEOUT_S:g} s")
     proc.wait_http(target.url + "/ready", STARTUP_TIMEOUT_S)
     return target
 
@@ -268,3 +298,28 @@ def redis_available() -> bool:
             client.close()
     except Exception:  # any failure means: no Redis variant
         return False
+
+
+REDIS_OUTCOME_METRICS = ("kimi_gateway_affinity_lookups_total", "kimi_gateway_redis_errors_total",
+                         "kimi_gateway_rate_limit_unavailable_total")
+
+
+def redis_outcomes(target: Target) -> dict[str, float]:
+    """What a gateway's Redis calls came to so far, from its `/metrics`: affinity lookups by result
+    (`hit`, `miss`, `error`, `skipped`: the breaker was open), Redis errors by op, rate-limit checks
+    Redis did not answer. A run whose lookups were mostly skipped did not pay for them: its CPU per
+    request is then not the production path's. Empty when the scrape fails."""
+    try:
+        text = httpx.get(target.url + "/metrics", timeout=5.0, trust_env=False).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name not in REDIS_OUTCOME_METRICS or "}" not in rest:
+            continue
+        labels, _, value = rest.partition("}")
+        label = ",".join(part.split("=", 1)[1].strip('"') for part in labels.split(",")
+                         if part.split("=", 1)[0] in ("result", "op", "action"))
+        out[f"{name.removeprefix('kimi_gateway_').removesuffix('_total')}[{label}]"] = float(value)
+    return out

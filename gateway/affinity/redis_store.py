@@ -92,7 +92,8 @@ class RedisAffinityStore:
         Cluster they carry the first block's hash as their hash tag, `{prefix}:{pool}:{{first}}:{hash}`:
         one slot per prompt, so its MGET and record script stay on one node (gateway/redis_cluster.py)."""
         if not self.cluster or not hashes:
-            return [self.key(pool, h) for h in hashes]
+            head = f"{self.config.key_prefix}:{pool}:"  # `key`'s, without a call per block
+            return [f"{head}{h:016x}" for h in hashes]
         tag = f"{self.config.key_prefix}:{pool}:{{{hashes[0]:016x}}}"
         return [f"{tag}:{h:016x}" for h in hashes]
 

@@ -14,7 +14,9 @@ Cost: one EVALSHA per limit a request is charged — HMGET + HSET + PEXPIRE of t
 Lua script, so the check and the count are atomic across replicas, in one round trip; a key with
 both limits costs two (the request is counted on arrival, its tokens once estimated: `limits.py`) —
 and one more (`REFUND_LUA`: HMGET + HSET + PEXPIRE) when the request ends using another amount
-than it reserved (a debt whose window is gone is charged to the current one). At 1,000 requests/s
+than it reserved (a debt whose window is gone is charged to the current one); the refunds of
+requests that end while one is in flight are pipelined together (one round trip, plus the
+pipeline's SCRIPT EXISTS, for up to `REFUND_BATCH`). At 1,000 requests/s
 that is 1,000 small scripts/s, a few percent of one Redis core. The script reads Redis' own clock
 (`TIME`), so replicas whose clocks disagree still agree on the windows. One key per script call
 keeps it valid on Redis Cluster.
@@ -36,15 +38,17 @@ burst through its key's limit; no breaker, no Redis error). A command refused wi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from gateway.auth.keys import Principal
 from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
@@ -53,6 +57,7 @@ from gateway.errors import RateLimitBusy
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
 from gateway.observability.metrics import GatewayMetrics
 from gateway.redis_client import DEMOTED_RETRY, close_redis, primary_known, redis_from_url
+from gateway.redis_cluster import is_cluster_url
 from gateway.redis_gate import WAIT_S, StoreBusy, StoreGate
 
 log = logging.getLogger("gateway.auth")
@@ -60,6 +65,8 @@ log = logging.getLogger("gateway.auth")
 LOG_EVERY_S = 10.0
 POOL_CONNECTIONS = 128
 """Redis connections of one serving process's limiter, and so its checks in flight (`StoreGate`)."""
+REFUND_BATCH = 64
+"""Refunds sent in one pipeline at most (`RedisRateLimiter.refund`)."""
 
 _WINDOWS_NOW = """
 if redis.replicate_commands then redis.replicate_commands() end
@@ -160,10 +167,13 @@ class RedisRateLimiter:
             url, socket_connect_timeout=SOCKET_BACKSTOP_S, socket_timeout=SOCKET_BACKSTOP_S,
             retry=DEMOTED_RETRY, max_connections=POOL_CONNECTIONS, health_check_interval=0,
         )
+        self.cluster = is_cluster_url(url)
         self._script = self.redis.register_script(LUA)
         self._refund = self.redis.register_script(REFUND_LUA)
         self._skip_until = 0.0
         self._last_log = 0.0
+        self._refunds: list[tuple[str, list[int | str], asyncio.Future[None]]] = []  # queued: key, args, answered
+        self._refunder: asyncio.Task[None] | None = None
 
     def key(self, name: str) -> str:
         """The Redis key of the API key called `name` (its configured name, not the key)."""
@@ -204,6 +214,12 @@ class RedisRateLimiter:
         breaker tripped: module doc). Raises RateLimitBusy when the gateway's own load kept the call
         from an answer: no turn within `WAIT_S`, the event loop still held at the deadline, or a
         timeout while other checks waited for a turn (a burst, whose replies the loop reads late)."""
+        return await self._call(lambda: script(keys=[self.key(principal.name)], args=args))
+
+    async def _call(self, call: Callable[[], Awaitable[Any]], crowded: bool = False) -> Any:
+        """`call()`'s answer under the gate, the timeout and the breaker, as `_run` says. `crowded`:
+        the call carries several requests' commands (a pipeline), whose replies the loop reads
+        behind each other: its timeout is the gateway's own load, as one while others wait for a turn."""
         try:
             async with self.gate:
                 if not self.available:  # Redis failed while this call waited for its turn
@@ -213,13 +229,15 @@ class RedisRateLimiter:
                 timer = StoreTimeout(self.config.redis_timeout)
                 try:
                     async with timer:
-                        reply = await script(keys=[self.key(principal.name)], args=args)
+                        reply = await call()
                 except (RedisError, OSError, TimeoutError) as exc:
-                    queued = self.gate.queued_behind(exc)
+                    queued = self.gate.queued_behind(exc) or (crowded and isinstance(exc, (TimeoutError,
+                                                                                          RedisTimeout)))
                     if not timer.expired_late and not queued:
                         self._failed(exc)
                         return None
-                    why = f"{self.gate.waiting} more checks queued" if queued else "the event loop was still busy"
+                    why = (f"{self.gate.waiting} more checks queued" if self.gate.waiting else
+                           "a pipeline of several requests' calls" if queued else "the event loop was still busy")
                     self._busy(f"{why} at the {self.config.redis_timeout:g} s deadline "
                                f"after {time.perf_counter() - started:.3f} s")
                     raise self._busy_error() from None
@@ -246,13 +264,63 @@ class RedisRateLimiter:
         return "" if self._clock is None else str(math.floor(self._clock() * 1000))
 
     async def refund(self, principal: Principal, window: int, requests: int, tokens: int) -> None:
+        """As `RateLimiter.refund`; returns once Redis answered (or could not). The refunds of
+        requests ending meanwhile go out together: one pipeline of `REFUND_LUA` calls, at most
+        `REFUND_BATCH` of them, while the one before it is in flight (`_send_refunds`)."""
         if not self.available:
             return
-        with contextlib.suppress(RateLimitBusy):  # logged by _run; the key stays charged
-            await self._run(self._refund, principal, [self.window_ms, window, requests, tokens, self._now_ms()])
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._refunds.append((self.key(principal.name),
+                              [self.window_ms, window, requests, tokens, self._now_ms()], done))
+        if self._refunder is None or self._refunder.done():
+            self._refunder = asyncio.create_task(self._send_refunds(), name="rate-limit-refunds")
+        await asyncio.shield(done)  # a settle cancelled meanwhile still gives its tokens back
+
+    async def _send_refunds(self) -> None:
+        """Send the queued refunds, a batch a round trip, until none is left; each caller is told
+        when its batch is answered (or failed: counted and logged by `_call`, the keys stay charged)."""
+        try:
+            while self._refunds:
+                batch, self._refunds = self._refunds[:REFUND_BATCH], self._refunds[REFUND_BATCH:]
+                try:
+                    if self.available:
+                        with contextlib.suppress(RateLimitBusy):  # logged by _call
+                            await self._call(lambda batch=batch: self._pipeline_refunds(batch), crowded=len(batch) > 1)
+                finally:
+                    for *_, done in batch:
+                        if not done.done():
+                            done.set_result(None)
+        finally:  # cancelled: nobody waits for refunds that will not be sent
+            left, self._refunds = self._refunds, []
+            for *_, done in left:
+                if not done.done():
+                    done.set_result(None)
+
+    async def _pipeline_refunds(self, batch: list[tuple[str, list[int | str], asyncio.Future[None]]]) -> None:
+        """`batch` in one pipeline of `REFUND_LUA` calls (on Redis Cluster with the script's text, as
+        EVAL: a cluster pipeline loads no script). The pipeline makes sure the script is on
+        its server first (SCRIPT EXISTS, then LOAD when it is not); a server that lost it between
+        the two (a failover) answers NoScriptError, and the batch is sent once more, as the
+        affinity store's writes are (`gateway/affinity/redis_store.py`)."""
+        for attempt in (1, 2):
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for key, args, _ in batch:
+                        if self.cluster:  # a cluster pipeline loads no script: its text
+                            pipe.eval(REFUND_LUA, 1, key, *args)
+                        else:
+                            await self._refund(keys=[key], args=args, client=pipe)
+                    await pipe.execute()
+                return
+            except NoScriptError:
+                if attempt == 2:
+                    raise
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
+        if self._refunder is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self._refunder
         await close_redis(self.redis, "rate-limit")

@@ -136,3 +136,89 @@ def test_closed_loop_throughput_from_answer_times() -> None:
     assert slow.rps == 25.6 and slow.chunks_per_s == 25.6 * 34
     row = find(aggregate([slow]), "stream c=256 16KiB", "litellm")
     assert row is not None and row.little_rounds == 1 and row.rps == 25.6
+
+
+def _row_sample(scenario: str, target: str, cpu_ms: float) -> Sample:
+    return Sample(scenario, target, 0, 100, 0, 1.0, 3300, 500.0, 900.0, 500.0, cpu_ms, 50.0, concurrency=64)
+
+
+def test_scenarios_name_a_new_connection_per_request_and_refuse_another_fourth_field() -> None:
+    from loadtest.overhead import _scenarios
+
+    kept, fresh = _scenarios("stream:64:16KiB,stream:64:16KiB:new")
+    assert (kept.fresh, kept.name) == (False, "stream c=64 16KiB")
+    assert (fresh.fresh, fresh.name) == (True, "stream c=64 16KiB newconn")
+    try:
+        _scenarios("stream:64:16KiB:old")
+    except SystemExit as exc:
+        assert "fourth field" in str(exc)
+    else:
+        raise AssertionError("a fourth field other than `new` was accepted")
+
+
+def test_production_targets_compare_prod_with_bare_and_new_connections_with_kept_alive() -> None:
+    from loadtest.overhead import production_targets
+
+    rows = aggregate([
+        _row_sample("stream c=64 16KiB", "gateway", 1.0), _row_sample("stream c=64 16KiB", "gateway+prod", 1.2),
+        _row_sample("stream c=64 16KiB newconn", "gateway", 1.25),
+        _row_sample("stream c=64 16KiB newconn", "gateway+prod", 1.5),
+        _row_sample("stream c=64 16KiB", "vllm-router", 0.5),
+        _row_sample("stream c=64 16KiB newconn", "vllm-router", 1.0),
+    ])
+    figures = {t["target"]: (t["value"].split(" ")[0], t["met"]) for t in production_targets(rows)}
+    assert figures == {
+        "CPU per request, stream c=64 16KiB: gateway+prod / gateway": ("1.20x", False),
+        "CPU per request, stream c=64 16KiB newconn: gateway+prod / gateway": ("1.20x", False),
+        "CPU per request, gateway: stream c=64 16KiB newconn / kept alive": ("1.25x", True),
+        "CPU per request, gateway+prod: stream c=64 16KiB newconn / kept alive": ("1.25x", True),
+    }
+
+
+def test_the_production_gateway_config_has_auth_limits_and_redis_and_validates() -> None:
+    from gateway.auth.keys import hash_key
+    from gateway.config import GatewayConfig
+    from loadtest.overhead_targets import MASTER_KEY, PROD_LIMIT, gateway_config
+
+    bare = GatewayConfig.model_validate(gateway_config(8000, "http://127.0.0.1:9", "info", None))
+    prod = GatewayConfig.model_validate(gateway_config(8000, "http://127.0.0.1:9", "info", "kgw:ovh:x", "kgw:ovhrl:x"))
+    assert not bare.auth.enabled and bare.redis_url is None
+    assert prod.auth.enabled and prod.redis_url is not None and prod.auth.key_prefix == "kgw:ovhrl:x"
+    (key,) = prod.auth.keys
+    assert key.requests_per_minute == key.tokens_per_minute == PROD_LIMIT
+    assert key.sha256 == hash_key(MASTER_KEY)
+
+
+def test_redis_outcomes_are_read_from_a_gateways_metrics() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from loadtest.overhead_targets import Target, redis_outcomes
+
+    body = (b"# HELP kimi_gateway_affinity_lookups_total x\n"
+            b'kimi_gateway_affinity_lookups_total{pool="bench",result="miss"} 1735.0\n'
+            b'kimi_gateway_affinity_lookups_total{pool="bench",result="skipped"} 262.0\n'
+            b'kimi_gateway_affinity_lookups_created{pool="bench",result="miss"} 1.7e+09\n'
+            b'kimi_gateway_redis_errors_total{op="rate_limit"} 46.0\n'
+            b'kimi_gateway_requests_total{pool="bench"} 9.0\n')
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        outcomes = redis_outcomes(Target("gateway+prod", "gateway", server.server_address[1]))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert outcomes == {"affinity_lookups[miss]": 1735.0, "affinity_lookups[skipped]": 262.0,
+                        "redis_errors[rate_limit]": 46.0}

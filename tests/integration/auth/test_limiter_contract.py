@@ -213,3 +213,31 @@ async def test_a_redis_limiter_given_a_clock_counts_in_that_clocks_windows(key_p
         assert later is not None and later.allowed and later.window == 2
     finally:
         await lim.stop()
+
+
+@pytest.mark.anyio
+async def test_concurrent_refunds_go_out_together_and_each_lands(key_prefix: str) -> None:
+    """Refunds of requests ending at once are pipelined (fewer Redis round trips than refunds), and
+    every one of them is settled once its `refund` returns: 40 keys, each charged 100 tokens and
+    refunded 60 concurrently, then holding exactly 40."""
+    metrics = GatewayMetrics()
+    limiter = RedisRateLimiter(REDIS_URL, AuthConfig(key_prefix=key_prefix, redis_timeout=0.5), metrics)
+    keys = [key(tpm=1000, name=f"k{i}") for i in range(40)]
+    await async_wait_clear_of_window_edge(time.time, 60.0, 5.0)  # all in one minute's window
+    try:
+        windows = [await limiter.acquire(k, 100, 0) for k in keys]
+        assert all(w is not None and w.allowed and w.window is not None for w in windows)
+        calls = metrics.registry.get_sample_value("kimi_gateway_redis_seconds_count", {"op": "rate_limit"}) or 0
+        await asyncio.gather(*(limiter.refund(k, w.window, 0, 60) for k, w in zip(keys, windows, strict=True)
+                               if w is not None and w.window is not None))
+        refund_calls = (metrics.registry.get_sample_value("kimi_gateway_redis_seconds_count",
+                                                          {"op": "rate_limit"}) or 0) - calls
+        assert 1 <= refund_calls < len(keys) / 4
+        client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
+        try:
+            held = [await client.hget(f"{key_prefix}:{k.name}", "t") for k in keys]
+        finally:
+            await client.aclose()
+        assert held == ["40"] * len(keys)
+    finally:
+        await limiter.stop()
