@@ -11,7 +11,6 @@ layout the hit ratio and the prefill spread are those of the prefill workers (`l
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,18 +21,8 @@ import orjson
 from loadtest.loadgen import RequestResult
 from loadtest.oracle import OracleResult
 from loadtest.spread import Aggregate, Spread, aggregate, fmt_spread
-from loadtest.ttft_split import BUSY_FLAG, RequestSplit, split_section
+from loadtest.ttft_split import BUSY_FLAG, RequestSplit, percentile, split_section
 from loadtest.workerstats import WorkerTotals
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The `q`-th percentile (0..100) with linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass

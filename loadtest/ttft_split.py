@@ -49,8 +49,8 @@ COMPONENTS = ("ttft_s", "router_in_s", "queue_s", "prefill_s", "relay_s", "route
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The `q`-th percentile (0..100), linear interpolation (as `loadtest.report.percentile`); None
-    for no values."""
+    """The `q`-th percentile (0..100) with linear interpolation; None for no values (also the
+    replay report's, `loadtest/report.py`)."""
     if not values:
         return None
     ordered = sorted(values)
