@@ -163,9 +163,9 @@ class _LeanPool(ConnectionPool):
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         if _redis_metrics() is not None:
-            return await super().get_connection(*args, **kwargs)
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
         async with self._lock:
-            connection = self.get_available_connection()
+            connection = self.get_available_connection()  # type: ignore[no-untyped-call]
         try:
             await self.ensure_connection(connection)
         except BaseException:
@@ -182,7 +182,9 @@ class _LeanPool(ConnectionPool):
             if connection.should_reconnect():
                 await connection.disconnect()
             self._available_connections.append(connection)
-        await self._event_dispatcher.dispatch_async(AsyncAfterConnectionReleasedEvent(connection))
+        dispatcher = self._event_dispatcher
+        assert dispatcher is not None  # redis-py's pool always sets one
+        await dispatcher.dispatch_async(AsyncAfterConnectionReleasedEvent(connection))  # type: ignore[no-untyped-call]
 
 
 def _redis_metrics() -> Any:

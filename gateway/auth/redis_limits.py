@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -285,7 +286,8 @@ class RedisRateLimiter:
                 try:
                     if self.available:
                         with contextlib.suppress(RateLimitBusy):  # logged by _call
-                            await self._call(lambda batch=batch: self._pipeline_refunds(batch), crowded=len(batch) > 1)
+                            await self._call(functools.partial(self._pipeline_refunds, batch),
+                                             crowded=len(batch) > 1)
                 finally:
                     for *_, done in batch:
                         if not done.done():
