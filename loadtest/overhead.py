@@ -442,28 +442,20 @@ def production_targets(rows: list[Row]) -> list[dict[str, Any]]:
     (`gateway+prod`) over the bare one's (`gateway`), limit 1.15x; per gateway target, CPU per
     request of a `newconn` scenario over the same scenario kept alive, limit 1.3x. Only the pairs
     that were measured."""
-    out: list[dict[str, Any]] = []
-    for row in rows:
-        if row.target != "gateway+prod":
-            continue
-        bare = find(rows, row.scenario, "gateway")
-        value = ratio(row.cpu_ms_per_req, bare.cpu_ms_per_req if bare else None)
-        if bare is None or value is None:
-            continue
-        out.append({"target": f"CPU per request, {row.scenario}: gateway+prod / gateway",
-                    "value": f"{fmt_ratio(value)} ({fmt(row.cpu_ms_per_req, 3)} / {fmt(bare.cpu_ms_per_req, 3)} ms)",
-                    "limit": f"<= {PROD_LIMIT_RATIO}x", "met": value <= PROD_LIMIT_RATIO})
-    for row in rows:
-        if not row.scenario.endswith(NEWCONN) or not row.target.startswith("gateway"):
-            continue
-        kept = find(rows, row.scenario.removesuffix(NEWCONN), row.target)
-        value = ratio(row.cpu_ms_per_req, kept.cpu_ms_per_req if kept else None)
-        if kept is None or value is None:
-            continue
-        out.append({"target": f"CPU per request, {row.target}: {row.scenario} / kept alive",
-                    "value": f"{fmt_ratio(value)} ({fmt(row.cpu_ms_per_req, 3)} / {fmt(kept.cpu_ms_per_req, 3)} ms)",
-                    "limit": f"<= {NEWCONN_LIMIT_RATIO}x", "met": value <= NEWCONN_LIMIT_RATIO})
-    return out
+    def compared(row: Row, base: Row | None, what: str, limit: float) -> dict[str, Any] | None:
+        value = ratio(row.cpu_ms_per_req, base.cpu_ms_per_req if base else None)
+        if base is None or value is None:
+            return None
+        return {"target": f"CPU per request, {what}",
+                "value": f"{fmt_ratio(value)} ({fmt(row.cpu_ms_per_req, 3)} / {fmt(base.cpu_ms_per_req, 3)} ms)",
+                "limit": f"<= {limit}x", "met": value <= limit}
+
+    pairs = [compared(row, find(rows, row.scenario, "gateway"), f"{row.scenario}: gateway+prod / gateway",
+                      PROD_LIMIT_RATIO) for row in rows if row.target == "gateway+prod"]
+    pairs += [compared(row, find(rows, row.scenario.removesuffix(NEWCONN), row.target),
+                       f"{row.target}: {row.scenario} / kept alive", NEWCONN_LIMIT_RATIO)
+              for row in rows if row.scenario.endswith(NEWCONN) and row.target.startswith("gateway")]
+    return [pair for pair in pairs if pair is not None]
 
 
 def markdown_report(result: dict[str, Any], rows: list[Row]) -> str:

@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import redis
 
 from gateway.config import GatewayConfig
@@ -301,3 +303,17 @@ def wait_router_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, name
             pass
         assert time.monotonic() < deadline, f"{name} not ready: {log.read_text()[-2000:]}"
         time.sleep(0.1)
+
+
+def access_lines(caplog: pytest.LogCaptureFixture, gw: RunningGateway, count: int) -> list[dict[str, Any]]:
+    """`gw`'s access log lines (its server thread's only: another test's gateway may still be finishing
+    in the background), once there are `count`: a request is logged as its handler ends. AssertionError
+    after 5 s with fewer."""
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [json.loads(r.getMessage()) for r in caplog.records
+                 if r.name == "gateway.access" and r.threadName == gw.server.thread_name]
+        if len(lines) >= count:
+            return lines
+        assert time.monotonic() < deadline, f"{len(lines)} access log lines, expected {count}"
+        time.sleep(0.02)

@@ -213,18 +213,46 @@ def _anthropic_error(reply: ErrorReply) -> ErrorReply:
     return replace(reply, body=a.error_body(str(inner.get("type") or "BadRequestError"), inner["message"]))
 
 
-async def handle_generation(engine: SimWorkerState, kind: r.Kind, scope: Scope, receive: Receive,
-                            send: Send, anthropic: str | None = None) -> None:
-    """Serve one chat or text completion request (ASGI level); with `anthropic` ("messages" or
-    "count_tokens") an Anthropic Messages API request, served as its chat request (`kind` "chat")."""
+async def read_recorded(engine: SimWorkerState, scope: Scope,
+                        receive: Receive) -> tuple[Any, SimRequestRecord] | None:
+    """Read a request's body (its JSON, else its text as sent) and open its record; None when the
+    client left before sending it all."""
     raw = await read_body(receive)
     if raw is None:
-        return
+        return None
     try:
         body: Any = orjson.loads(raw) if raw else None
     except orjson.JSONDecodeError:
         body = raw.decode("utf-8", errors="replace")
-    record = engine.new_record(scope["path"], lower_headers(scope), body)
+    return body, engine.new_record(scope["path"], lower_headers(scope), body)
+
+
+async def request_faults(engine: SimWorkerState, record: SimRequestRecord, send: Send, body: Any,
+                         anthropic: bool = False) -> tuple[SimFaults, bool] | None:
+    """`SimWorkerState.effective_faults` of a JSON object `body` (its `x_sim_faults` over the
+    worker's); None once the engine's 400 went out instead: a body that is no object, or an
+    `x_sim_faults` that is no SimFaults (in Anthropic's error shape with `anthropic`)."""
+    dialect = engine.dialect
+    if not isinstance(body, dict):
+        await _Responder(send, engine, record, None, anthropic).reply(dialect.bad_request("Invalid JSON body."))
+        return None
+    try:
+        override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
+    except ValidationError as exc:
+        await _Responder(send, engine, record, None, anthropic).reply(
+            dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
+        return None
+    return engine.effective_faults(override)
+
+
+async def handle_generation(engine: SimWorkerState, kind: r.Kind, scope: Scope, receive: Receive,
+                            send: Send, anthropic: str | None = None) -> None:
+    """Serve one chat or text completion request (ASGI level); with `anthropic` ("messages" or
+    "count_tokens") an Anthropic Messages API request, served as its chat request (`kind` "chat")."""
+    read = await read_recorded(engine, scope, receive)
+    if read is None:
+        return
+    body, record = read
     try:
         async with DisconnectWatch(receive) as watch:
             try:
@@ -250,26 +278,17 @@ async def handle_pooled(engine: SimWorkerState, answer: PooledAnswer, scope: Sco
     an unknown model), `ttft_s` for its forward pass, then `answer`'s JSON in one piece (or half of
     it with `cut_answer`). A body that is no JSON object is the engine's 400; `answer`'s
     FieldValidationError its validation error, a PromptError its 400."""
-    raw = await read_body(receive)
-    if raw is None:
+    read = await read_recorded(engine, scope, receive)
+    if read is None:
         return
-    try:
-        body: Any = orjson.loads(raw) if raw else None
-    except orjson.JSONDecodeError:
-        body = raw.decode("utf-8", errors="replace")
-    record = engine.new_record(scope["path"], lower_headers(scope), body)
+    body, record = read
     async with DisconnectWatch(receive) as watch:
         try:
             dialect = engine.dialect
-            if not isinstance(body, dict):
-                await _Responder(send, engine, record, None).reply(dialect.bad_request("Invalid JSON body."))
+            found = await request_faults(engine, record, send, body)
+            if found is None:
                 return
-            try:
-                override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
-            except ValidationError as exc:
-                await _Responder(send, engine, record, None).reply(dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
-                return
-            faults, fail = engine.effective_faults(override)
+            faults, fail = found
             responder = _Responder(send, engine, record, None, cut_answer=faults.cut_answer)
             if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
                 return
@@ -294,16 +313,10 @@ async def handle_pooled(engine: SimWorkerState, answer: PooledAnswer, scope: Sco
 async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimRequestRecord,
                  watch: DisconnectWatch, send: Send, scope: Scope, anthropic: str | None = None) -> None:
     dialect = engine.dialect
-    if not isinstance(body, dict):
-        await _Responder(send, engine, record, None, bool(anthropic)).reply(dialect.bad_request("Invalid JSON body."))
+    found = await request_faults(engine, record, send, body, bool(anthropic))
+    if found is None:
         return
-    try:
-        override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
-    except ValidationError as exc:
-        await _Responder(send, engine, record, None, bool(anthropic)).reply(
-            dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
-        return
-    faults, fail = engine.effective_faults(override)
+    faults, fail = found
     stream = body.get("stream") is True and anthropic != "count_tokens"
     engine.update(record, stream=stream)
     responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None, bool(anthropic),

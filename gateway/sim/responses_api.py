@@ -48,7 +48,6 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import orjson
-from pydantic import ValidationError
 
 from gateway.sim import script as sc
 from gateway.sim.active import ActiveRequest
@@ -59,13 +58,18 @@ from gateway.sim.asgi import (
     Receive,
     Scope,
     Send,
-    lower_headers,
-    read_body,
     send_json,
 )
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
-from gateway.sim.generation import RAW_CHUNK_PAUSE_S, _DropConnection, _refused_up_front, _Responder
+from gateway.sim.generation import (
+    RAW_CHUNK_PAUSE_S,
+    _DropConnection,
+    _refused_up_front,
+    _Responder,
+    read_recorded,
+    request_faults,
+)
 from gateway.sim.request_ids import VLLM_FAMILY, already_running, engine_request_id
 from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
@@ -110,15 +114,11 @@ class ResponsesServer:
 
     async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
         """POST /v1/responses."""
-        raw = await read_body(receive)
-        if raw is None:
-            return
-        try:
-            body: Any = orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError:
-            body = raw.decode("utf-8", errors="replace")
         engine = self.engine
-        record = engine.new_record(scope["path"], lower_headers(scope), body)
+        read = await read_recorded(engine, scope, receive)
+        if read is None:
+            return
+        body, record = read
         async with DisconnectWatch(receive) as watch:
             try:
                 await self._serve(body, record, watch, send)
@@ -187,15 +187,10 @@ class ResponsesServer:
         dialect = engine.dialect
         stream = isinstance(body, dict) and body.get("stream") is True
         engine.update(record, stream=stream)
-        if not isinstance(body, dict):
-            await _Responder(send, engine, record, None).reply(dialect.bad_request("Invalid JSON body."))
+        found = await request_faults(engine, record, send, body)
+        if found is None:
             return
-        try:
-            override = SimFaults.model_validate(body["x_sim_faults"]) if "x_sim_faults" in body else None
-        except ValidationError as exc:
-            await _Responder(send, engine, record, None).reply(dialect.bad_request(f"Invalid x_sim_faults: {exc}"))
-            return
-        faults, fail = engine.effective_faults(override)
+        faults, fail = found
         responder = _Responder(send, engine, record, faults.drop_after_chunks if stream else None)
         if await _refused_up_front(engine, record, responder, watch, faults, fail, body.get("model")):
             return

@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import time
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 import pytest
 
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, access_lines, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
 SECRET_PROMPT = "the launch code is 7-alpha-unicorn"
-
-
-def _access_lines(caplog: pytest.LogCaptureFixture, count: int, gw: RunningGateway) -> list[dict[str, Any]]:
-    """`gw`'s access log lines (another test's gateway may still be finishing in the background)."""
-    deadline = time.monotonic() + 5
-    while True:
-        lines = [json.loads(r.getMessage()) for r in caplog.records
-                 if r.name == "gateway.access" and r.threadName == gw.server.thread_name]
-        if len(lines) >= count:
-            return lines
-        assert time.monotonic() < deadline, f"{len(lines)} access log lines, expected {count}"
-        time.sleep(0.02)
 
 
 def test_one_json_line_per_request_with_the_callers_request_id(
@@ -46,7 +31,7 @@ def test_one_json_line_per_request_with_the_callers_request_id(
     bad = httpx.post(gw.v1 + "/chat/completions", json={**body, "max_tokens": -1})
     assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 32  # minted when none came
 
-    ok, refused = _access_lines(caplog, 2, gw)
+    ok, refused = access_lines(caplog, gw, 2)
     assert ok["request_id"] == "trace-42" and f'{ok["engine_request_id"]}-1' == engine_id
     assert "engine_request_id" not in refused  # it reached no engine
     assert (ok["pool"], ok["worker"], ok["status"], ok["attempts"]) == ("p", "p/0", 200, 1)

@@ -5,12 +5,10 @@ SDK against the simulator."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 import openai
@@ -19,7 +17,7 @@ import pytest
 from gateway.auth.keys import hash_key
 from gateway.auth.limits import MemoryRateLimiter
 from gateway.sim.responses_api import Replay
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, access_lines, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -28,18 +26,6 @@ KEY = "sk-carol-" + uuid.uuid4().hex + uuid.uuid4().hex
 
 def sdk(gw: RunningGateway, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0)
-
-
-def access_lines(caplog: pytest.LogCaptureFixture, gw: RunningGateway, count: int) -> list[dict[str, Any]]:
-    """`gw`'s access log lines once there are `count` (a request is logged when its handler ends)."""
-    deadline = time.monotonic() + 5
-    while True:
-        lines = [json.loads(r.getMessage()) for r in caplog.records
-                 if r.name == "gateway.access" and r.threadName == gw.server.thread_name]
-        if len(lines) >= count:
-            return lines
-        assert time.monotonic() < deadline, f"{len(lines)} access log lines, expected {count}"
-        time.sleep(0.02)
 
 
 def ended_replays(sim: RunningSim, count: int) -> list[Replay]:

@@ -8,9 +8,7 @@ metrics carry the resolved model's name."""
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +21,7 @@ import redis
 
 from gateway.auth.keys import hash_key, key_id
 from tests.integration.auth.conftest import ALICE_KEY, OPS_KEY, REDIS_URL, auth_section, start_a_window_now
-from tests.support import RunningGateway, RunningSim, pool
+from tests.support import RunningGateway, RunningSim, access_lines, pool
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -53,18 +51,6 @@ def gateway(start_gateway: StartGateway, sim: RunningSim, **settings: Any) -> Ru
 
 def oai(gw: RunningGateway, key: str = ALICE_KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0)
-
-
-def access_lines(caplog: pytest.LogCaptureFixture, gw: RunningGateway, count: int) -> list[dict[str, Any]]:
-    """`gw`'s access log lines, once there are `count` (a request is logged as its handler ends)."""
-    deadline = time.monotonic() + 5
-    while True:
-        lines = [json.loads(r.getMessage()) for r in caplog.records
-                 if r.name == "gateway.access" and r.threadName == gw.server.thread_name]
-        if len(lines) >= count:
-            return lines
-        assert time.monotonic() < deadline, f"{len(lines)} access log lines, expected {count}"
-        time.sleep(0.02)
 
 
 def test_a_model_the_key_may_not_use_is_openais_404_and_anthropics_not_found(
