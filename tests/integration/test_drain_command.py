@@ -73,9 +73,10 @@ def test_drain_by_url_moves_new_requests_on_both_replicas_and_waits_for_the_stre
     key_prefix = f"kgw-test-drain-cmd-{uuid.uuid4().hex[:8]}"
     store = redis.Redis.from_url(shared_redis_url())
     request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained"), store.close()))
-    # 50 tokens: ~5 s a stream, long enough on a loaded machine for the drain command (a Python
-    # process that imports the gateway) to start and both replicas to see the drain before the streams end
-    sims = [start_sim("vllm", tpot_s=0.1), start_sim("vllm", tpot_s=0.1)]
+    # 50 tokens: ~8 s a stream, long enough on a loaded machine for the drain command (a Python
+    # process that imports the gateway) to start and both replicas to see the drain before the streams
+    # end (at ~5 s a stream they ended first once, in a clean-clone CI run on a slow 2-core machine)
+    sims = [start_sim("vllm", tpot_s=0.16), start_sim("vllm", tpot_s=0.16)]
     settings: dict[str, Any] = {
         "redis_url": shared_redis_url(), "affinity": {"key_prefix": key_prefix},
         "auth": {"enabled": True, "keys": [{"name": "ops", "sha256": hash_key(KEY), "scopes": ["user", "admin"]}]}}
