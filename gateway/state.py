@@ -17,6 +17,7 @@ from gateway.backends.client import UpstreamClient, build_control_client
 from gateway.backends.control import pool_headers
 from gateway.backends.discovery import DnsDiscovery
 from gateway.backends.drains import DrainBoard
+from gateway.backends.h1 import H1Pool
 from gateway.backends.health import HealthChecker
 from gateway.backends.load import LoadScraper
 from gateway.backends.lora_loader import LoraLoader
@@ -45,7 +46,9 @@ class AppState:
     upstream: UpstreamClient
     """Generation requests to the engines (backends/h1.py; see backends/client.py for why)."""
     http: httpx.AsyncClient
-    """Health probes and engine `/metrics` scrapes."""
+    """LoRA adapter loads, stored responses, the Mooncake bootstrap query (`build_control_client`)."""
+    control: H1Pool
+    """The health probes' and load scrapes' keep-alive connections (`backends/control.py`)."""
     registry: WorkerRegistry
     policies: PoolPolicies
     estimator: TokenEstimator
@@ -102,7 +105,9 @@ class AppState:
         `metrics_dir`: prometheus_client's multiprocess directory when several processes serve
         (gateway/process/supervisor.py), else None. `config_path`: the file `config` came from (reloads).
         """
-        http = build_control_client(config.timeouts, min(p.upstream_keep_alive for p in config.pools))
+        keep_alive = min(p.upstream_keep_alive for p in config.pools)
+        http = build_control_client(config.timeouts, keep_alive)
+        control = H1Pool(keep_alive)
         metrics = GatewayMetrics(metrics_dir)
         registry = WorkerRegistry(config, metrics)
         hasher: PrefixHasher | None = None
@@ -116,13 +121,13 @@ class AppState:
         images = ImageFetcher(config.image_fetch, metrics) if config.image_fetch.enabled else None
         upstream = UpstreamClient(config.timeouts, {p.name: p.upstream_keep_alive for p in config.pools},
                                   Redactor.of(config), config.max_decoded_bytes)
-        return cls(config=config, upstream=upstream, http=http, registry=registry,
+        return cls(config=config, upstream=upstream, http=http, control=control, registry=registry,
                    policies=PoolPolicies(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
-                   health=HealthChecker(registry, http, config.health, metrics, config.pools,
+                   health=HealthChecker(registry, control, config.health, metrics, config.pools,
                                         config.pool_served_names(), config.pool_reserved_names()),
                    lora=LoraLoader(registry, http, config.timeouts.response_header, pool_headers(config.pools)),
-                   load=LoadScraper(registry, http, config.load, metrics, config.pools),
+                   load=LoadScraper(registry, control, config.load, metrics, config.pools),
                    drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),
                    hasher=hasher, affinity=affinity,
                    responses=build_response_store(config.redis_url, config.responses, metrics),
@@ -170,6 +175,7 @@ class AppState:
             await self.images.aclose()
         await self.upstream.aclose()
         await self.http.aclose()
+        self.control.close()
         self.parse_pool.close()
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.shutdown)  # a blocking flush of the last spans

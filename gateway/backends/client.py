@@ -184,8 +184,9 @@ def request_timeout(timeouts: TimeoutConfig, prompt_tokens: int, stream: bool,
 
 
 def build_control_client(timeouts: TimeoutConfig, keep_alive: float = DEFAULT_KEEP_ALIVE_S) -> httpx.AsyncClient:
-    """The httpx client for health probes and `/metrics` scrapes (each call sets its own deadline, body
-    cap and headers: `backends/control.py`).
+    """The httpx client of the control calls other than health probes and `/metrics` scrapes (those
+    go through their own `H1Pool`, `backends/control.py`): LoRA adapter loads, stored responses,
+    the Mooncake bootstrap query.
 
     Idle connections are kept `keep_alive` seconds: below the engines' own idle keep-alive, so a
     probe never goes out on a connection the engine is closing (and fails the worker for it)."""

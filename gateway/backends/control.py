@@ -19,15 +19,16 @@ import socket
 import ssl
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from gateway.backends.h1 import H1ConnectError, H1Disconnected, H1Error, H1Pool, H1ProtocolError
 from gateway.backends.pool_params import PoolConfig
 
-# A chunk is at most one socket read (httpcore reads 64 KiB), so a call holds at most
-# max_bytes + 64 KiB of body before it gives up.
+# A chunk is what arrived since the last read (reading pauses above h1.HIGH_WATER, after at
+# most one more socket read), so a call holds at most max_bytes + HIGH_WATER + 256 KiB of body
+# before it gives up.
 _IDENTITY = {"accept-encoding": "identity"}
 
 
@@ -62,55 +63,53 @@ class ControlError(Exception):
 
 
 class _Phase:
-    """Where a call is, from httpcore's trace events, to say what a deadline cut."""
+    """Where a call is (`H1Pool.get`'s trace), to say what a deadline cut."""
 
     __slots__ = ("name",)
 
     def __init__(self) -> None:
         self.name = "connecting"
 
-    async def trace(self, event: str, info: Mapping[str, Any]) -> None:
-        if event == "http11.send_request_headers.started":
-            self.name = "sending the request"
-        elif event == "http11.receive_response_headers.started":
-            self.name = "waiting for the response headers"
+    def __call__(self, name: str) -> None:
+        self.name = name
 
 
-async def control_get(client: httpx.AsyncClient, url: str, headers: Mapping[str, str], deadline: float,
+async def control_get(client: H1Pool, url: str, headers: Mapping[str, str], deadline: float,
                       max_bytes: int) -> ControlAnswer:
     """GET `url` within `deadline` seconds overall, reading at most `max_bytes` of body.
 
-    Returns the status and body of any complete answer (the caller judges the status). Raises
-    ControlError when the deadline passes, the body is larger than `max_bytes` or compressed, or
-    the transport fails (`describe_transport_error` gives the words).
+    `client`: the keep-alive pool of the control calls (`AppState.control`; its own connections,
+    not the generation requests'). Returns the status and body of any complete answer (the caller
+    judges the status). Raises ControlError when the deadline passes, the body is larger than
+    `max_bytes` or compressed, or the exchange fails (`describe_transport_error` gives the words).
     """
     phase = _Phase()
     received = 0
+    chunks: list[bytes] = []
     try:
         async with asyncio.timeout(deadline):
-            request = client.build_request("GET", url, headers={**_IDENTITY, **headers},
-                                           timeout=httpx.Timeout(deadline), extensions={"trace": phase.trace})
-            response = await client.send(request, stream=True)
+            # (H1Pool sends `Accept-Encoding: identity` itself)
+            response = await client.get(url, {k: v for k, v in headers.items() if k != "accept-encoding"},
+                                        deadline, deadline, phase)
             try:
                 encoding = response.headers.get("content-encoding", "identity").strip().lower()
                 if encoding not in ("", "identity"):
                     raise ControlError(f"answered a compressed body (Content-Encoding: {encoding}) "
                                        "though identity was asked")
                 phase.name = "reading the body"
-                chunks: list[bytes] = []
-                async for chunk in response.aiter_raw():
+                while chunk := await response.read():
                     received += len(chunk)
                     if received > max_bytes:
                         raise ControlError(f"body larger than {max_bytes} bytes", received)
                     chunks.append(chunk)
             finally:
-                await response.aclose()  # an unread rest is not drained: the connection is dropped
-    except (TimeoutError, httpx.TimeoutException):  # httpx's own timeout (set to the deadline) may win the race
+                response.aclose()  # an unread rest is not drained: the connection is dropped
+    except TimeoutError:  # the overall deadline (or H1's own timers, set to it, winning the race)
         so_far = f", {received} bytes so far" if phase.name == "reading the body" else ""
         raise ControlError(f"no complete answer within {deadline:g} s ({phase.name}{so_far})", received) from None
-    except httpx.HTTPError as exc:
+    except (H1Error, ValueError) as exc:
         raise ControlError(describe_transport_error(exc, url), received) from exc
-    return ControlAnswer(response.status_code, b"".join(chunks))
+    return ControlAnswer(response.status, b"".join(chunks))
 
 
 def describe_transport_error(exc: BaseException, url: str) -> str:
@@ -134,6 +133,10 @@ def describe_transport_error(exc: BaseException, url: str) -> str:
             return f"{host}: {os.strerror(cause.errno)}"
         if isinstance(cause, ConnectionResetError | BrokenPipeError):
             return f"connection to {host} dropped by the worker"
+    if isinstance(exc, H1Disconnected | H1ProtocolError):
+        return f"the worker broke the HTTP exchange ({exc})"
+    if isinstance(exc, H1ConnectError):
+        return str(exc)
     if isinstance(exc, httpx.RemoteProtocolError):
         return f"the worker broke the HTTP exchange ({str(exc) or 'no detail'})"
     if isinstance(exc, httpx.ReadError | httpx.WriteError):

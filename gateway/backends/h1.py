@@ -1,10 +1,11 @@
-"""A minimal HTTP/1.1 client for generation requests: asyncio protocols and httptools, keep-alive pools.
+"""A minimal HTTP/1.1 client for generation requests (and the control GETs of
+`backends/control.py`): asyncio protocols and httptools, keep-alive pools.
 
 Why not aiohttp: measured side by side against the overhead benchmark's fast fake engine (64
 streams of 32 SSE events, client alone, one core), aiohttp 3.14 spent 0.19-0.22 ms of CPU per
 streamed request and this connection 0.075-0.08 ms: aiohttp runs ~8 Python calls per body
 read (parser feed, stream buffer, flow control, timeout rescheduling), this one two (the parser's
-`on_body` and the reader's wake-up). It does only what the relay needs: POST with a body, a response
+`on_body` and the reader's wake-up). It does only what the relay needs: POST with a body (GET without), a response
 after any 1xx interim ones (skipped), a body framed by chunked transfer coding, content-length or
 the connection's end, keep-alive reuse (RFC 9112 §9), TLS for https workers. Bytes after an
 answer's end close its connection (no pipelining: nobody asked for them). No transfer coding but
@@ -24,7 +25,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -36,6 +37,8 @@ MAX_HEAD_BYTES = 64 * 1024  # a longer response head is a protocol error (no eng
 # is resent: an idle close crossing the request ends it within one round trip (plus loop lag).
 # One that ends later may have carried a request the engine read and ran (then died): not resent.
 RESEND_WINDOW_S = 1.0
+_CONNECTING = "connecting"
+_WAITING = "waiting for the response headers"
 
 
 class H1Error(Exception):
@@ -377,11 +380,25 @@ class H1Pool:
         request) is sent once more on a new connection: the engine never saw it (RFC 9112
         §9.3.1.1), and it is no sign of a broken worker. aiohttp resent at any delay, even after
         part of a head; a later end may follow a request the engine read, so it is raised."""
+        return await self._exchange(b"POST", url, body, headers, connect_timeout, read_timeout, None)
+
+    async def get(self, url: str, headers: Mapping[str, str], connect_timeout: float, read_timeout: float,
+                  trace: Callable[[str], None] | None = None) -> H1Response:
+        """GET `url` (no body, no `Content-Length`) and return once the response head arrived; as
+        `post` otherwise. `trace(phase)` hears "connecting" before a new connection is made and
+        "waiting for the response headers" once the request is written. Raises H1Error."""
+        return await self._exchange(b"GET", url, b"", headers, connect_timeout, read_timeout, trace)
+
+    async def _exchange(self, method: bytes, url: str, body: bytes, headers: Mapping[str, str],
+                        connect_timeout: float, read_timeout: float,
+                        trace: Callable[[str], None] | None) -> H1Response:
         origin, target = self.origin(url)
-        head = _request_head(target, origin.host_header, headers, len(body))
+        head = _request_head(method, target, origin.host_header, headers, len(body))
         key = (origin.host, origin.port, origin.ssl is not None)
         conn = self._take(key)
         if conn is not None:
+            if trace is not None:
+                trace(_WAITING)
             try:
                 await conn.send(head, body, read_timeout)
             except H1Disconnected:
@@ -393,8 +410,12 @@ class H1Pool:
                 raise
             else:
                 return H1Response(conn, self)
+        if trace is not None:
+            trace(_CONNECTING)
         conn = await self._connect(origin, connect_timeout, read_timeout)
         self._homes[conn] = key
+        if trace is not None:
+            trace(_WAITING)
         try:
             await conn.send(head, body, read_timeout)
         except BaseException:
@@ -449,13 +470,17 @@ class H1Pool:
         self._homes.clear()
 
 
-def _request_head(target: bytes, host: bytes, headers: Mapping[str, str], length: int) -> bytes:
-    """The request line and headers. Raises ValueError for a header holding CR or LF (no injection)."""
-    lines = [b"POST ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
+def _request_head(method: bytes, target: bytes, host: bytes, headers: Mapping[str, str], length: int) -> bytes:
+    """The request line and headers (`Content-Length` unless a GET has no body, RFC 9110 §8.6).
+    Raises ValueError for a header holding CR or LF (no injection)."""
+    lines = [method, b" ", target, b" HTTP/1.1\r\nhost: ", host, b"\r\n"]
     for name, value in headers.items():
         line = f"{name}: {value}\r\n"
         if "\n" in line[:-2] or "\r" in line[:-2]:
             raise ValueError(f"header {name!r} holds a line break")
         lines.append(line.encode("latin-1"))
-    lines.append(b"accept-encoding: identity\r\ncontent-length: %d\r\n\r\n" % length)
+    if length or method != b"GET":
+        lines.append(b"accept-encoding: identity\r\ncontent-length: %d\r\n\r\n" % length)
+    else:
+        lines.append(b"accept-encoding: identity\r\n\r\n")
     return b"".join(lines)

@@ -6,9 +6,8 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 
-import httpx
-
 from gateway.backends.control import ControlError, control_get, pool_headers
+from gateway.backends.h1 import H1Pool
 from gateway.backends.models_check import (
     CHECKED_ENGINES,
     MODELS_PATH,
@@ -43,7 +42,7 @@ class HealthChecker(FollowsWorkers[Worker]):
     list names become the worker's `adapters` (requests naming one may go there).
     """
 
-    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: HealthConfig,
+    def __init__(self, registry: WorkerRegistry, client: H1Pool, config: HealthConfig,
                  metrics: GatewayMetrics, pools: Iterable[PoolConfig],
                  served_names: Mapping[str, tuple[str, ...]],
                  reserved: Mapping[str, frozenset[str]] | None = None) -> None:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.backends.control import ControlError, control_get, pool_headers
 from gateway.backends.engine_kinds import EngineSpec
+from gateway.backends.h1 import H1Pool
 from gateway.backends.params import LoadConfig
 from gateway.backends.periodic import FollowsWorkers, PeriodicEach
 from gateway.backends.pool_params import PoolConfig
@@ -55,7 +55,7 @@ class LoadScraper(FollowsWorkers[Worker]):
     failures is logged (a warning), and the next success (info), not every one in between.
     """
 
-    def __init__(self, registry: WorkerRegistry, client: httpx.AsyncClient, config: LoadConfig,
+    def __init__(self, registry: WorkerRegistry, client: H1Pool, config: LoadConfig,
                  metrics: GatewayMetrics, pools: Iterable[PoolConfig]) -> None:
         self.registry = registry
         self.client = client

@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 
-from gateway.backends.client import build_control_client
+from gateway.backends.h1 import H1Pool
 from gateway.backends.load import LoadScraper
 from gateway.backends.params import LoadConfig
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import parse_config
-from gateway.dispatch.params import TimeoutConfig
 from gateway.observability.metrics import GatewayMetrics
 from gateway.serving.server import ThreadedServer
 
@@ -53,11 +52,11 @@ async def test_requests_finishing_during_a_slow_scrape_are_not_counted_as_queued
         registry = WorkerRegistry(config)
         worker = registry.pools["p"][0]
         worker.in_flight = 3  # this replica's three requests, on the engine when the scrape is sent
-        client = build_control_client(TimeoutConfig(), 5.0)
+        client = H1Pool(5.0)
         try:
             scraper = LoadScraper(registry, client, LoadConfig(timeout=5.0), GatewayMetrics(), config.pools)
             assert await scraper.scrape(worker)
         finally:
-            await client.aclose()
+            client.close()
     assert (worker.engine_running, worker.in_flight_at_scrape) == (3.0, 3)
     assert worker.load() == 0.0  # 3 counted by the engine, all 3 finished since: nothing queued

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.backends.h1 import H1Pool
 from gateway.backends.health import HealthChecker
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import parse_config
@@ -235,7 +236,8 @@ async def test_a_retiring_worker_of_a_removed_pool_is_not_judged(start_sim: Star
     registry = WorkerRegistry(config)
     registry.configure(config.pools, initial=True)
     (worker,) = registry.pools["p"]
-    async with httpx.AsyncClient() as client:
+    client = H1Pool(5.0)
+    try:
         health = HealthChecker(registry, client, config.health, GatewayMetrics(), config.pools,
                                config.pool_served_names())
         await health.check_models(worker)
@@ -243,3 +245,5 @@ async def test_a_retiring_worker_of_a_removed_pool_is_not_judged(start_sim: Star
         health.set_pools([], {})
         await health.check_models(worker)  # no KeyError
         assert worker.misconfigured is not None  # the last verdict stays; the worker takes no new requests anyway
+    finally:
+        client.close()
