@@ -51,7 +51,7 @@ from loadtest.loadgen import LoadOptions, chat_body, replay
 from loadtest.peers import KV_AWARE_NOTE, Peer, parse_peer
 from loadtest.plan import Level, run_order
 from loadtest.procs import CpuMeter, ProcessError, ProcessGroup
-from loadtest.replay_settings import MODEL, SIM_MESSAGE_OVERHEAD_TOKENS, Settings, auto_or_positive, sim_fields
+from loadtest.replay_settings import MODEL, SIM_MESSAGE_OVERHEAD_TOKENS, Settings, auto_or_positive, sim_fields, window
 from loadtest.report import BUSY_WARNING, RunResult, summarize_run, summary_table, write_results
 from loadtest.texts import DEFAULT_CACHE_BLOCKS, BlockTexts, prompt_bytes_for
 from loadtest.trace import ScheduledRequest, TraceRequest, read_trace, schedule, summarize
@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
     add("--minutes", type=float, default=TUNING_MINUTES,
         help="use rows with timestamp < minutes x 60,000 ms (40 = the tuning window)")
+    add("--from-minutes", type=float, default=0.0,
+        help="and timestamp >= this x 60,000 ms: --from-minutes 40 --minutes 60 is the held-out window")
     add("--limit", type=int, help="at most this many requests (the first ones)")
     add("--speedup", type=float, default=20.0,
         help="time compression of the arrivals (x); with --utilisation only the reference of --prefill-tps auto")
@@ -304,11 +306,13 @@ def settings_from(args: argparse.Namespace) -> Settings:
                  "target_util"):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    if args.minutes > TUNING_MINUTES:
+    if not 0 <= args.from_minutes < args.minutes:
+        raise SystemExit("--from-minutes must be at least 0 and below --minutes")
+    if args.minutes > TUNING_MINUTES and args.from_minutes < TUNING_MINUTES:
         print(f"warning: --minutes {args.minutes:g} reaches past the {TUNING_MINUTES:g}-minute tuning window "
               "into held-out data", file=sys.stderr)
     return Settings(
-        trace=args.trace, minutes=args.minutes, limit=args.limit, speedup=args.speedup,
+        trace=args.trace, minutes=args.minutes, from_minutes=args.from_minutes, limit=args.limit, speedup=args.speedup,
         output_scale=args.output_scale, workers=args.workers, policies=_names(args.policies),
         policy_params=_param_pairs(args.policy_params), gateway_extra=args.gateway_extra,
         gateway_time_scale=not args.no_gateway_time_scale, peers=args.peers, peer_scale=not args.no_peer_scale,
@@ -343,7 +347,7 @@ def _meta(s: Settings, stamp: str, command: str, rows: list[TraceRequest], load:
     return {
         "started": stamp, "command": command, "gateway_version": _git_describe(), "notes": notes,
         "settings": {
-            "trace": f"{s.trace.name}, first {s.minutes:g} min" + (f", limit {s.limit}" if s.limit else ""),
+            "trace": f"{s.trace.name}, {window(s)}" + (f", limit {s.limit}" if s.limit else ""),
             "requests": load.requests, "trace span (s)": round(load.span_s_1x, 1),
             "prompt tokens": round(load.mean_prompt_tokens * load.requests), "distinct blocks": distinct,
             "load levels": [{"load": lv.label, "utilisation": round(utilisation(sim, load, s.workers, lv.speedup), 4),
@@ -383,9 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", "-m", "loadtest.replay", *argv])
 
-    rows = read_trace(s.trace, s.minutes, s.limit)
+    rows = read_trace(s.trace, s.minutes, s.limit, s.from_minutes)
     if not rows:
-        raise SystemExit(f"{s.trace}: no requests in the first {s.minutes} minutes")
+        raise SystemExit(f"{s.trace}: no requests in the {window(s)}")
     load = workload_of(rows, s)
     levels = plan_levels(s, load)
     schedules = [schedule(rows, level.speedup, s.output_scale) for level in levels]

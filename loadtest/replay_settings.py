@@ -39,6 +39,7 @@ class Settings:
 
     trace: Path
     minutes: float
+    from_minutes: float
     limit: int | None
     speedup: float
     output_scale: float
@@ -68,6 +69,11 @@ class Settings:
     text_cache_blocks: int
     seed: int
     results_dir: Path
+
+
+def window(s: Settings) -> str:
+    """The trace window in words: "first 40 min", "minutes 40-60"."""
+    return f"minutes {s.from_minutes:g}-{s.minutes:g}" if s.from_minutes else f"first {s.minutes:g} min"
 
 
 def sim_fields(s: Settings, prefill_tps: float | None) -> dict[str, Any]:

@@ -42,12 +42,15 @@ class ScheduledRequest:
     max_tokens: int
 
 
-def read_trace(path: str | Path, minutes: float | None = None, limit: int | None = None) -> list[TraceRequest]:
-    """Rows with `timestamp < minutes * 60,000 ms` (all when None), at most `limit` of them, in order.
+def read_trace(path: str | Path, minutes: float | None = None, limit: int | None = None,
+               from_minutes: float = 0.0) -> list[TraceRequest]:
+    """Rows with `from_minutes * 60,000 ms <= timestamp < minutes * 60,000 ms` (no upper bound when
+    `minutes` is None), at most `limit` of them, in order; `index` counts the rows kept (0, 1, ...).
 
     Raises ValueError for a malformed row (names the line) or a file that is not sorted by time.
     """
     cutoff_ms = None if minutes is None else minutes * 60_000.0
+    start_ms = from_minutes * 60_000.0
     rows: list[TraceRequest] = []
     last_ts = -1
     with Path(path).open("rb") as handle:
@@ -67,6 +70,8 @@ def read_trace(path: str | Path, minutes: float | None = None, limit: int | None
             last_ts = row.timestamp_ms
             if cutoff_ms is not None and row.timestamp_ms >= cutoff_ms:
                 break
+            if row.timestamp_ms < start_ms:
+                continue
             if row.input_length <= 0 or len(row.hash_ids) != math.ceil(row.input_length / TRACE_BLOCK_TOKENS):
                 raise ValueError(f"{path}:{line_no}: hash_ids do not match input_length")
             rows.append(row)

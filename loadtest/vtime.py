@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     s = rp.settings_from(rp.build_parser().parse_args(argv))
     if s.scheduler != "stepped":
         raise SystemExit("loadtest.vtime models the stepped scheduler only")
-    rows = read_trace(s.trace, s.minutes, s.limit)
+    rows = read_trace(s.trace, s.minutes, s.limit, s.from_minutes)
     names = [*s.policies, *(["cache_aware"] if any(peer.policy == "cache_aware" for peer in s.peers) else [])]
     for level in rp.plan_levels(s, rp.workload_of(rows, s)):
         items = schedule(rows, level.speedup, s.output_scale)

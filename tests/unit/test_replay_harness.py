@@ -21,8 +21,10 @@ from loadtest.capacity import (
 from loadtest.peers import ROUTERS, Peer, parse_peer, peer_settings
 from loadtest.plan import Level, rotated, run_order
 from loadtest.replay import build_parser, plan_levels, settings_from
+from loadtest.replay_settings import window
 from loadtest.report import RunResult, check_served, summary_row
 from loadtest.spread import aggregate, fmt_spread, spread
+from loadtest.trace import read_trace, schedule
 
 # --- median and spread -------------------------------------------------------------------------------------
 
@@ -231,3 +233,19 @@ def test_load_levels_from_the_command_line(tmp_path: Path) -> None:
     assert plain == [Level(None, 12.0, plain[0].prefill_tps)] and plain[0].label == "12x"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--utilisation", "0"])
+
+
+def test_a_window_of_the_trace_starts_at_its_own_first_row(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = [(0, 1), (59_999, 2), (60_000, 3), (61_500, 1), (120_000, 2)]  # (timestamp ms, blocks)
+    trace.write_text("".join(
+        f'{{"timestamp": {ts}, "input_length": {512 * n}, "output_length": 4, "hash_ids": {list(range(n))}}}\n'
+        for ts, n in rows))
+    held_out = read_trace(trace, minutes=2, from_minutes=1)
+    assert [(r.index, r.timestamp_ms) for r in held_out] == [(0, 60_000), (1, 61_500)]
+    assert [item.send_at_s for item in schedule(held_out, speedup=2.0)] == [0.0, 0.75]
+    assert [r.timestamp_ms for r in read_trace(trace, minutes=1)] == [0, 59_999]
+    s = settings_from(build_parser().parse_args(["--from-minutes", "40", "--minutes", "60"]))
+    assert (s.from_minutes, s.minutes, window(s)) == (40.0, 60.0, "minutes 40-60")
+    with pytest.raises(SystemExit):
+        settings_from(build_parser().parse_args(["--from-minutes", "40", "--minutes", "40"]))
