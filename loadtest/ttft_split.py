@@ -24,6 +24,12 @@ Per request (seconds), with `sent` the client's send, `recv` the worker's end of
 `router = router_in + relay` is the router's own latency, `engine = queue + prefill` what its
 choice of worker (that worker's queue, the prompt's uncached tokens there) cost.
 
+Time per output token, both ends (requests of 2+ output tokens): `tpot` is the client's (first to
+last content token / (tokens - 1), `RequestResult.tpot_s`), `engine_tpot` the worker's (first
+answer byte to its end of the answer / (tokens - 1)); what the client's exceeds the worker's is
+the relay's jitter on the stream's first and last events, the rest is the worker's decode steps
+(its batch, the prefill chunks other requests put between them).
+
 The p50 gap between two layouts a and b splits into two parts that add up exactly:
 
     gap     = P50(ttft_a) - P50(ttft_b)
@@ -44,7 +50,8 @@ from typing import Any, Protocol
 
 from loadtest.loadgen import RequestResult
 
-COMPONENTS = ("ttft_s", "router_in_s", "queue_s", "prefill_s", "relay_s", "router_s", "engine_s")
+COMPONENTS = ("ttft_s", "router_in_s", "queue_s", "prefill_s", "relay_s", "router_s", "engine_s", "tpot_s",
+              "engine_tpot_s")
 """The per-request times summarised (seconds)."""
 
 
@@ -63,7 +70,9 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 class RequestSplit:
     """One request's TTFT split (seconds; see the module docstring) and its tokens at the worker
     that answered (`worker`: its index in the run's worker list). `queue_s` / `prefill_s` are None
-    when the worker did not record the admission (then only `engine_s` is known)."""
+    when the worker did not record the admission (then only `engine_s` is known); `tpot_s` /
+    `engine_tpot_s` (seconds per output token at the client / at the worker) for fewer than 2
+    output tokens or no end time."""
 
     index: int
     worker: int
@@ -75,6 +84,8 @@ class RequestSplit:
     prompt_tokens: int
     cached_tokens: int
     prefill_tokens: int
+    tpot_s: float | None = None
+    engine_tpot_s: float | None = None
 
     @property
     def engine_s(self) -> float:
@@ -148,12 +159,16 @@ def join(results: Iterable[RequestResult], timings_by_worker: Sequence[Iterable[
         if admitted is not None and not received <= admitted <= first_byte:
             admitted = None
         first_token = result.sent_at + result.ttft_s
+        tokens, finished = result.completion_tokens or 0, timing.get("finished_at")
+        engine_tpot = (finished - first_byte) / (tokens - 1) if tokens >= 2 and finished is not None \
+            and finished >= first_byte else None
         out.splits.append(RequestSplit(
             index=result.index, worker=worker, ttft_s=result.ttft_s, router_in_s=received - result.sent_at,
             queue_s=None if admitted is None else admitted - received,
             prefill_s=None if admitted is None else first_byte - admitted, relay_s=first_token - first_byte,
             prompt_tokens=int(timing.get("prompt_tokens") or 0), cached_tokens=int(timing.get("cached_tokens") or 0),
-            prefill_tokens=int(timing.get("prefill_tokens") or 0)))
+            prefill_tokens=int(timing.get("prefill_tokens") or 0), tpot_s=result.tpot_s,
+            engine_tpot_s=engine_tpot))
     return out
 
 
@@ -260,6 +275,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def _ms1(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
 def _pair(summary: dict[str, Any], name: str) -> str:
     cell = summary.get(name) or {}
     return f"{_ms(cell.get('p50'))} / {_ms(cell.get('p99'))}"
@@ -270,9 +289,10 @@ def _signed_ms(value: float) -> str:
 
 
 SPLIT_HEADER = ("| load | layout | run | joined | TTFT | router in | queue | prefill | relay | router | engine "
-                "| computed tokens/req | cached share | router CPU ms/req | machine busy | p99 send lag (s) |\n"
+                "| TPOT client / engine p99 | computed tokens/req | cached share | router CPU ms/req | machine busy "
+                "| p99 send lag (s) |\n"
                 "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-                "| ---: | ---: |")
+                "| ---: | ---: | ---: |")
 
 
 def router_cpu_ms(run: SplitRun) -> float | None:
@@ -291,7 +311,8 @@ def split_section(runs: Sequence[SplitRun]) -> tuple[str, dict[str, Any]]:
     split_runs = [r for r in runs if r.kind in SPLIT_KINDS and r.status == "ok" and r.split]
     lines = ["Where the TTFT goes (ms, p50 / p99 per request; router in = worker received - client sent, "
              "queue = admitted - received, prefill = first byte - admitted, relay = client first token - worker "
-             "first byte; router = in + relay, engine = queue + prefill; `loadtest/ttft_split.py`):", "",
+             "first byte; router = in + relay, engine = queue + prefill; TPOT p99 at the client and at the worker, "
+             "ms with one decimal; `loadtest/ttft_split.py`):", "",
              SPLIT_HEADER]
     rows = []
     for run in split_runs:
@@ -299,9 +320,11 @@ def split_section(runs: Sequence[SplitRun]) -> tuple[str, dict[str, Any]]:
         share, tokens = s.get("cached_share"), s.get("prefill_tokens_mean")
         cells = " | ".join(_pair(s, n) for n in ("ttft_s", "router_in_s", "queue_s", "prefill_s", "relay_s",
                                                  "router_s", "engine_s"))
+        tpot = f"{_ms1((s.get('tpot_s') or {}).get('p99'))} / {_ms1((s.get('engine_tpot_s') or {}).get('p99'))}"
         cpu, busy, lag = router_cpu_ms(run), run.machine_busy, run.send_lag_p99_s
         flag = " (saturated)" if busy is not None and busy > BUSY_FLAG else ""
         lines.append(f"| {run.level} | {run.name} | {run.repeat + 1} | {s['joined']}/{s['completed']} | {cells} | "
+                     f"{tpot} | "
                      f"{'-' if tokens is None else f'{tokens:,.0f}'} | {'-' if share is None else f'{share:.3f}'} | "
                      f"{'-' if cpu is None else f'{cpu:.1f}'} | {'-' if busy is None else f'{busy:.0%}'}{flag} | "
                      f"{'-' if lag is None else f'{lag:.2f}'} |")
@@ -333,5 +356,5 @@ def split_section(runs: Sequence[SplitRun]) -> tuple[str, dict[str, Any]]:
                   "the gap of the engine times' percentile, router = the rest, the routers' own latency):", "",
                   GAP_HEADER, *gap_lines]
     if not split_runs:
-        lines.append("| (no run with worker timings) | | | | | | | | | | | | | | | |")
+        lines.append("| (no run with worker timings) | | | | | | | | | | | | | | | | |")
     return "\n".join(lines), {"runs": rows, "gaps": gaps}

@@ -42,6 +42,19 @@ def test_join_by_header_or_tag_splits_the_ttft_exactly() -> None:
     assert (two.prompt_tokens, two.cached_tokens, two.prefill_tokens) == (800, 0, 800)
 
 
+def test_tpot_at_the_client_and_at_the_worker() -> None:
+    long, short = _result(0, 100.0, 0.5), _result(1, 200.0, 0.3)
+    long.completion_tokens, long.tpot_s = 11, 0.012  # the client's: first to last token / 10
+    short.completion_tokens, short.tpot_s = 1, None
+    workers = [[{**_timing(None, "replay-0", 100.01, 100.02, 100.45), "finished_at": 100.55},
+                {**_timing(None, "replay-1", 200.01, 200.02, 200.25), "finished_at": 200.26}]]
+    one, two = join([long, short], workers).splits
+    assert one.tpot_s == 0.012 and one.engine_tpot_s == pytest.approx(0.01)  # (100.55 - 100.45) / 10
+    assert two.tpot_s is None and two.engine_tpot_s is None  # one token: no time per token
+    summary = summarize(join([long, short], workers), 2)
+    assert summary["engine_tpot_s"]["p99"] == pytest.approx(0.01) and summary["tpot_s"]["p50"] == 0.012
+
+
 def test_join_takes_the_attempt_that_answered_and_counts_what_it_cannot_join() -> None:
     results = [_result(0, 10.0, 1.0), _result(1, 20.0, 1.0), _result(2, 30.0, 1.0), _result(3, 40.0, 1.0, ok=False)]
     workers = [
