@@ -65,7 +65,7 @@ SHARED_DATA = Path(os.environ.get("KIMI_SHARED_DATA", REPO.parent / "shared" / "
 DEFAULT_TRACE = SHARED_DATA / "traces" / "mooncake" / "conversation_trace.jsonl"
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-DEFAULT_POLICIES = "round_robin,least_load,prefix_affinity"
+DEFAULT_POLICIES = "least_load,prefix_affinity,ttft_cost"  # a baseline, the earlier default, the default
 DEFAULT_PEERS = "sglang-router:cache_aware,vllm-router:cache_aware"
 TUNING_MINUTES = 40.0
 """Trace rows with timestamp < 2,400,000 ms are for tuning; later ones are held out."""

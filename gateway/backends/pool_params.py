@@ -173,7 +173,10 @@ class PoolConfig(Section):
         description="a stream whose worker fails after content reached the client goes on on another worker of "
         "this pool (a PD pool: another prefill/decode pair) from the text so far (`migration:`, "
         "gateway/dispatch/migration.py); false: such a stream ends with one SSE error event, as before migration")
-    policy: str = "prefix_affinity"
+    policy: str = Field(
+        default="ttft_cost", description="the routing policy (gateway/routing/policies/; docs/routing.md): "
+        "ttft_cost, the lowest predicted time to first token, is the default since 2026-12-03 (prefix_affinity "
+        "before: loadtest/README.md \"Latest results\" says why)")
     policy_params: dict[str, Any] = Field(default_factory=dict, description="the policy's own parameters")
     api_key: SecretStr | None = Field(default=None, description="bearer credential sent to the engines")
     max_in_flight_per_worker: int | None = Field(

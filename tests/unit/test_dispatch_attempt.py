@@ -216,13 +216,13 @@ def test_the_aggregated_kind_makes_one_single_leg_attempt_from_the_policys_choic
     pool = state.config.pools[0]
     assert kind_of(pool) is AGGREGATED
     a, b = state.registry.pools["p"]
-    a.in_flight += 3  # the default (prefix affinity) policy: no match long enough, so the least loaded, b
+    a.in_flight += 3  # the default (ttft_cost) policy: b is as fast and holds the longer prefix
     dispatch = Dispatch(state, "chat", {"model": "kimi-k3", "messages": [], "max_completion_tokens": 5},
                         request(), ledger_of(state), list(state.config.pools), pool)
     attempt = AGGREGATED.attempt(dispatch, state.policies.policy("p"), [a, b], {"http://b:1": 0.5})
     assert isinstance(attempt, SingleLeg)
     # `matched`: the share b held, for the affinity metric (None with a policy that ignores affinity)
-    assert (attempt.worker, attempt.pool, attempt.reason, attempt.matched) == (b, pool, "no_match", 0.5)
+    assert (attempt.worker, attempt.pool, attempt.reason, attempt.matched) == (b, pool, "affinity", 0.5)
     assert len(dispatch.bodies) == 1  # the engine body, encoded once for the request's attempts
     a.in_flight -= 3
 

@@ -124,7 +124,8 @@ def test_a_full_pool_without_spillover_waits_even_when_a_later_one_has_room() ->
 # -- the decision ------------------------------------------------------------------------------------
 
 def test_decide_takes_the_policy_of_the_pool_and_sees_load_and_prefix_matches() -> None:
-    pools_of = {"small": {"policy": "least_load"}, "large": {"policy_params": {"min_match_tokens": 10}}}
+    pools_of = {"small": {"policy": "least_load"},
+                "large": {"policy": "prefix_affinity", "policy_params": {"min_match_tokens": 10}}}
     registry, _, _ = setup(**pools_of)
     policies = PoolPolicies(config(**pools_of))
     a, b = registry.pools["small"]

@@ -116,8 +116,8 @@ def test_pool_policies_update_keeps_unchanged_policies() -> None:
     policies.update(config(pool("p", ["http://c:1"], policy="round_robin"), pool("q", ["http://b:1"]),
                          pool("r", ["http://d:1"])).pools)
     assert policies.policy("p") is p  # same policy and params: its state (round-robin position) stays
-    assert policies.policy("q") is not q and policies.policy("q").name == "prefix_affinity"
-    assert policies.policy("r").name == "prefix_affinity"
+    assert policies.policy("q") is not q and policies.policy("q").name == "ttft_cost"  # the default
+    assert policies.policy("r").name == "ttft_cost"
 
 
 def test_periodic_each_adds_and_removes_items_while_running() -> None:

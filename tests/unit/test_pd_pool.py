@@ -110,7 +110,7 @@ def test_pd_pool_without_a_prefill_candidate_is_unavailable() -> None:
 def test_pool_policies_has_a_policy_per_role() -> None:
     policies = PoolPolicies(config({"prefill_policy": "round_robin", "decode_policy": "power_of_two"}))
     assert (policies.policy("pd").name, policies.policy("pd", "decode").name) == ("round_robin", "power_of_two")
-    assert policies.policy("big").name == "prefix_affinity"
+    assert policies.policy("big").name == "ttft_cost"  # an aggregated pool's default
 
 
 def test_sglang_rooms_and_the_vllm_prefill_leg() -> None:
