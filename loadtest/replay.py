@@ -245,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--minutes", type=float, default=TUNING_MINUTES,
         help="use rows with timestamp < minutes x 60,000 ms (40 = the tuning window)")
     add("--from-minutes", type=float, default=0.0,
-        help="and timestamp >= this x 60,000 ms: --from-minutes 40 --minutes 60 is the held-out window")
+        help="and timestamp >= this x 60,000 ms: --from-minutes 40 --minutes 60 is all of the held-out "
+             "traffic (the published table uses minutes 40-50)")
     add("--limit", type=int, help="at most this many requests (the first ones)")
     add("--speedup", type=float, default=20.0,
         help="time compression of the arrivals (x); with --utilisation only the reference of --prefill-tps auto")
