@@ -233,6 +233,11 @@ class SimConfig(BaseModel):
     `{"object": "error", ...}` errors with the "(N in the messages, M in the completion)" wording
     and `vllm:gpu_cache_usage_perc`; SGLang before 2026-04 (context errors of streaming requests
     arrive as an SSE error event inside a 200 response; any model name accepted)."""
+    responses_delete: bool = False
+    """Serve `DELETE /v1/responses/{id}` as OpenAI does (the stored response deleted:
+    `{"id", "object": "response", "deleted": true}`), a server that can delete. False (vLLM 0.32 and
+    SGLang: no such route, `vllm/entrypoints/openai/responses/api_router.py`): FastAPI's 405
+    `{"detail": "Method Not Allowed"}` with `allow: GET` (`gateway.sim.responses_api`)."""
     faults: SimFaults = Field(default_factory=SimFaults)
     kv_capacity_tokens: int | None = Field(default=None, gt=0)
     """KV-cache memory of the worker in tokens; None = no prefix cache (cached_tokens always 0)
