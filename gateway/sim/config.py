@@ -86,8 +86,8 @@ class SimFaults(BaseModel):
       `data: {create_streaming_error_response(...)}` and then `data: [DONE]`; SGLang's
       `serving_chat.py` `_generate_chat_stream` likewise, its event `{"error": {"object": "error", ...}}`:
       `SimDialect.stream_error`); on a Messages stream Anthropic's `error` event
-      (`internal_error`) and `data: [DONE]`, as vLLM's Messages layer sends it
-      (vllm/entrypoints/anthropic/serving_messages.py `message_stream_converter`).
+      (`internal_error`) and the end, no `[DONE]`, as vLLM 0.32's Messages layer sends it
+      (vllm/entrypoints/anthropic/serving.py `message_stream_converter`).
     - `cut_answer`: non-streaming only; a 200 answer's headers (with its whole `content-length`)
       and the first half of its body are sent, then the connection is dropped: an engine that dies
       while its answer is on the wire (the client reads an EOF before the body's end).

@@ -151,15 +151,15 @@ class _Responder:
             await self._watch.until_disconnected()
         if self._error_after is not None and self._events >= self._error_after:
             self._engine.update(self._record, fault="error_after_chunks")
-            if self.anthropic:  # vLLM's Messages layer: vllm/entrypoints/anthropic/serving_messages.py
-                # `message_stream_converter`, `except Exception`: an `error` event, then `data: [DONE]`
+            if self.anthropic:  # vLLM 0.32's Messages layer: vllm/entrypoints/anthropic/serving.py
+                # `message_stream_converter`, `except Exception`: an `error` event, and the stream ends
                 event = b"event: error\ndata: " + orjson.dumps(
                     {"type": "error", "error": {"type": "internal_error",
                                                 "message": "Simulated failure mid-generation."}}) + b"\n\n"
             else:
                 event = self._engine.dialect.stream_error("Simulated failure mid-generation.", "InternalServerError",
-                                                          500)
-            await self.body(event + r.SSE_DONE, more=True)
+                                                          500) + r.SSE_DONE
+            await self.body(event, more=True)
             await self.body(b"", more=False)
             raise _DropConnection
         self._events += 1

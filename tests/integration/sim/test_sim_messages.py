@@ -159,3 +159,15 @@ def test_max_tokens_refused_by_the_request_model(start_sim: StartSim, engine: st
     assert (inner["type"], inner["param"]) == ("Bad Request", None)
     assert f"'type': '{error_type}', 'loc': ('body', 'max_tokens')" in inner["message"] and words in inner["message"]
     assert ("Field required" in inner["message"]) is (max_tokens is None)
+
+
+def test_an_error_mid_stream_is_the_last_event(start_sim: StartSim) -> None:
+    """vLLM 0.32's `message_stream_converter` (`vllm/entrypoints/anthropic/serving.py`) yields an `error`
+    event when its chat stream fails, and the stream ends there: no `data: [DONE]`."""
+    srv = start_sim("vllm")
+    body = {"model": "kimi-k3", "max_tokens": 4, "messages": HELLO, "stream": True,
+            "x_sim_faults": {"error_after_chunks": 2}}
+    with httpx.stream("POST", srv.url + "/v1/messages", json=body) as response:
+        events = [e for e in response.read().split(b"\n\n") if e]
+    assert len(events) == 3 and events[-1].startswith(b"event: error\ndata: ")
+    assert orjson.loads(events[-1].split(b"\n")[1][6:])["error"]["type"] == "internal_error"
