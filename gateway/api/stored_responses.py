@@ -303,9 +303,6 @@ class ReplayStream:
             why = None if tap.done else "the worker's replay ended without its last event"
         except httpx.HTTPError as exc:
             why = None if tap.done else f"the worker's replay broke ({type(exc).__name__})"
-        finally:
-            if self._pending is not None:
-                self._pending.cancel()
         if why is None:
             if carry:  # a whole replay whose last event lacks its blank line
                 yield carry
