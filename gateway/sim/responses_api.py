@@ -494,7 +494,9 @@ def _final_status(finish_reason: str) -> dict[str, Any]:
     `vllm/entrypoints/openai/responses/serving.py` `responses_full_generator`: finish reason
     "length" makes the status "incomplete"; `protocol.py` `ResponsesResponse.from_request` sets
     `IncompleteDetails(reason="max_output_tokens")` for it). Streamed, the last event is still
-    `response.completed`, its `response` carrying that status (`ResponseCompletedEvent`)."""
+    `response.completed`, its `response` carrying that status (`ResponseCompletedEvent`). The SGLang
+    dialect answers the same: its `serving_responses.py` is adapted from vLLM's (its own status
+    handling not checked against a release)."""
     if finish_reason == "length":
         return {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
     return {"status": "completed", "incomplete_details": None}
