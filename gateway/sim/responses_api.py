@@ -7,7 +7,8 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        response.content_part.added, response.output_text.delta (one per
                                        token), response.output_text.done, response.content_part.done,
                                        response.output_item.done, response.completed (with the usage:
-                                       input_tokens, output_tokens, total_tokens, cached tokens).
+                                       input_tokens, output_tokens, total_tokens, cached tokens). A
+                                       response stopped by its limit is `incomplete` (`_final_status`).
     GET /v1/responses/{id}             the stored response; with `?stream=true` (and `starting_after=N`)
                                        the SSE events of a response created streaming, replayed from
                                        sequence number N + 1 (vLLM replays a background response's
