@@ -202,9 +202,12 @@ def upstream_error_object(status: int, body: bytes, code: str | None = None,
     """An engine's 4xx answer as the inside of an OpenAI error object: `{message, type, param, code}`.
 
     vLLM and SGLang answer `{"object": "error", "message", "type", "param", "code"}` (flat, older) or
-    `{"error": {...}}`; llama.cpp answers `{"error": {"code", "message", "type", ...}}`. The message
-    is kept; `type` follows the status; `param` and `code` are kept only when they are strings
-    (`code` and `param` may be given, e.g. `context_length_exceeded` and `messages`: they win);
+    `{"error": {...}}`; llama.cpp answers `{"error": {"code", "message", "type", ...}}`; FastAPI's own
+    answers (a route or method the engine does not serve: `{"detail": "Method Not Allowed"}`, which
+    vLLM's `HTTPException` handler does not catch, as it is registered for FastAPI's subclass, not
+    Starlette's: `vllm/entrypoints/serve/exception_handling/register.py`) have their `detail` string
+    as the message. The message is kept; `type` follows the status; `param` and `code` are kept only
+    when they are strings (`code` and `param` may be given, e.g. `context_length_exceeded` and `messages`: they win);
     anything else an engine adds is dropped.
     """
     try:
@@ -214,6 +217,8 @@ def upstream_error_object(status: int, body: bytes, code: str | None = None,
     inner = data.get("error") if isinstance(data, dict) else None
     source = inner if isinstance(inner, dict) else data if isinstance(data, dict) else {}
     message = source.get("message")
+    if (not isinstance(message, str) or not message) and isinstance(data, dict):
+        message = data.get("detail")
     if not isinstance(message, str) or not message:
         message = body[:2000].decode("utf-8", "replace") or f"The inference server answered HTTP {status}."
     param = param or source.get("param")

@@ -3,15 +3,18 @@ to the worker that stores the response (gateway/routing/response_affinity.py), i
 
 What the engines serve (their own routers): vLLM and SGLang answer GET (the stored response; 404
 `Response with id '…' not found.` for an unknown id) and POST …/cancel (a `background` response
-that is queued or in progress; 400 for any other); neither serves DELETE (a 405 from FastAPI),
-which the simulator and OpenAI do (`{"id", "object": "response", "deleted": true}`). llama.cpp's
+that is queued or in progress; 400 for any other); neither serves DELETE (FastAPI's 405
+`{"detail": "Method Not Allowed"}`: vLLM 0.32 `vllm/entrypoints/openai/responses/api_router.py` has
+GET and POST …/cancel only; the simulator answers so too unless `SimConfig.responses_delete`), which
+OpenAI serves (`{"id", "object": "response", "deleted": true}`). llama.cpp's
 server stores nothing (404 for every id), so the gateway records no ids for its pools.
 
 DELETE forgets the gateway's record when the engine deleted the response (2xx) or no longer knows
 it (404); otherwise (a 405 from an engine that cannot delete) the record stays, since the engine
-still holds the response and GET still finds it there. These are control calls, not generations:
-they go through the gateway's control HTTP client, are never retried elsewhere, and take no pool
-slot.
+still holds the response and GET still finds it there. That 405 reaches the client as OpenAI's error
+object saying the engine does not support deleting stored responses (`_cannot_delete`), status 405.
+These are control calls, not generations: they go through the gateway's control HTTP client, are
+never retried elsewhere, and take no pool slot.
 
 Ownership: only the API key that created the response (or an admin key) may use it; any other key
 gets the unknown id's 404 (gateway/routing/response_affinity.py). Accounting: each call is one
@@ -38,12 +41,13 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
+import orjson
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Scope
 
-from gateway.api.proxy import Receive, Send, cancelled, relay, request_id_of, watch_hang_up
+from gateway.api.proxy import Receive, Send, cancelled, relay, request_id_of, start_message, watch_hang_up
 from gateway.api.schemas import ResponseObject, error_responses
 from gateway.auth.middleware import principal_of
 from gateway.backends.control import describe_transport_error
@@ -51,9 +55,16 @@ from gateway.dialects.names import RESPONSES
 from gateway.dialects.registry import dialect_for
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, RelayResponse
 from gateway.dispatch.ledger import Ledger
-from gateway.errors import GatewayError, UpstreamError, UpstreamTimeout, error_bytes_from_upstream
+from gateway.errors import (
+    GatewayError,
+    UpstreamError,
+    UpstreamTimeout,
+    error_bytes_from_upstream,
+    upstream_error_object,
+)
 from gateway.http_answers import error_response
 from gateway.protocol.responses import RESPONSE_ID_MAX
+from gateway.protocol.sse import SSETap, event_end
 from gateway.routing.response_affinity import ResponseNotFound, owner_of
 from gateway.state import AppState
 
@@ -146,6 +157,9 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
             state.responses.forget(response_id)
         if 200 <= status < 300:
             ledger.answered(status)
+        elif method == "DELETE" and status == 405:  # the engine has no DELETE route (module docstring)
+            ledger.answered_with_error(status, "the engine does not delete stored responses")
+            body = _cannot_delete(state.upstream.redactor(body))
         else:  # an engine's error in whatever shape it uses, as an OpenAI error object
             ledger.answered_with_error(status)
             body = error_bytes_from_upstream(status, state.upstream.redactor(body), None, None)
@@ -155,6 +169,21 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
         if finish:
             ledger.finish()
 
+
+def _cannot_delete(engine_body: bytes) -> bytes:
+    """The client's 405 when the engine storing a response answers DELETE with its 405: OpenAI's error
+    object saying the engine cannot delete stored responses, with the engine's own message."""
+    error = upstream_error_object(405, engine_body)
+    error["message"] = ("The inference engine storing this response does not support deleting stored responses "
+                        f"(it answered HTTP 405: {error['message']}). The response is still stored and can still "
+                        "be retrieved.")
+    return orjson.dumps({"error": error})
+
+
+OPENING_WAIT_S = 10.0
+"""Seconds a replay's answer waits for the engine's first bytes before it starts (so a replay that
+fails at once gets an error status, not an empty stream); a replay still silent then (a background
+response's next event not generated yet) starts streaming and goes on waiting under the relay's cap."""
 
 CONTROL_DEADLINE_S = 30.0
 """Seconds for a whole GET/DELETE/cancel exchange with the engine (a JSON answer): they read or
@@ -209,32 +238,88 @@ async def _drain(response: httpx.Response, url: str, max_bytes: int) -> bytes:
 
 class ReplayStream:
     """The engine's SSE replay as a relayed stream (`RelayStream`: `body`, `aclose`, `sse`), relayed
-    by the proxied endpoints' own relay (`gateway.api.proxy.relay`): its bytes unchanged as they
-    come. Facts for the ledger, once per stream: the first byte, a broken end (`upstream_error`)."""
+    by the proxied endpoints' own relay (`gateway.api.proxy.relay`): its bytes unchanged, whole events
+    as they come. Facts for the ledger, once per stream: the first byte, a broken end
+    (`upstream_error`).
+
+    A replay is whole when it reaches a Responses stream's last event (`response.completed`,
+    `response.incomplete`, `response.failed`: `gateway.protocol.sse.SSETap`). One that breaks (the
+    connection fails, or it ends before that event) is told to the client: before any byte by
+    `opening` (the answer is then an error status), after by one Responses `error` event
+    (`Dialect.stream_error`) and no terminal event; an engine that sent its own `error` event gets no
+    second one."""
 
     sse = True
 
     def __init__(self, response: httpx.Response, ledger: Ledger) -> None:
         self._response = response
         self._ledger = ledger
+        self._chunks = response.aiter_bytes()
+        self._head = b""  # bytes `opening` read before the answer started
+        self._pending: asyncio.Future[bytes] | None = None  # a read `opening` left running
+        self._tap = SSETap(RESPONSES)
+
+    async def opening(self, wait: float) -> str | None:
+        """Wait up to `wait` seconds for the replay's first bytes, before the client's answer starts:
+        why the replay failed when it broke or ended before any byte, else None (they came, or are
+        still on their way: the relay waits for them)."""
+        pending = asyncio.ensure_future(anext(self._chunks, b""))
+        try:
+            done, _ = await asyncio.wait((pending,), timeout=wait)
+        except BaseException:
+            pending.cancel()
+            raise
+        if not done:
+            self._pending = pending
+            return None
+        try:
+            self._head = pending.result()
+        except httpx.HTTPError as exc:
+            return f"the worker's replay broke before its first byte ({type(exc).__name__})"
+        return None if self._head else "the worker ended the replay without sending an event"
+
+    async def _next(self) -> bytes:
+        if self._head:
+            head, self._head = self._head, b""
+            return head
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            return await pending
+        return await anext(self._chunks, b"")
 
     async def body(self) -> AsyncIterator[bytes]:
-        """The engine's bytes; a transport failure ends the stream (recorded, nothing appended)."""
-        chunks = self._response.aiter_bytes()
+        """The engine's bytes cut at event ends; a broken end adds the error event (class docstring)."""
+        tap, carry = self._tap, b""
         try:
-            first = await anext(chunks, b"")
-            if first:
+            while chunk := await self._next():
                 self._ledger.first_byte()
-                yield first
-                async for chunk in chunks:
-                    yield chunk
+                tap.feed(chunk)
+                data = carry + chunk if carry else chunk
+                end = event_end(data)
+                carry, whole = data[end:], data[:end]
+                if whole:
+                    yield whole
+            tap.end()
+            why = None if tap.done else "the worker's replay ended without its last event"
         except httpx.HTTPError as exc:
-            self._ledger.stream_broken(f"The worker's replayed stream broke ({type(exc).__name__}).")
-        finally:
+            why = None if tap.done else f"the worker's replay broke ({type(exc).__name__})"
+        if why is None:
+            if carry:  # a whole replay whose last event lacks its blank line
+                yield carry
             await self.aclose()
+            return
+        await self.aclose()
+        if tap.failed and not carry:  # the engine said why: its error event was the client's last
+            self._ledger.stream_broken(f"{why}, after its error event")
+            return
+        self._ledger.stream_broken(f"{why} after {tap.events} events")
+        yield _RESPONSES.stream_error(f"The inference server's replay of this response broke off ({why}); "
+                                      "the replay is incomplete.")
 
     async def aclose(self) -> None:
         """Close the engine's response (idempotent): the engine ends its replay."""
+        if self._pending is not None:
+            self._pending.cancel()
         with contextlib.suppress(Exception):
             await self._response.aclose()
 
@@ -252,7 +337,9 @@ class _Replay(Response):
     def __init__(self, upstream: httpx.Response, ledger: Ledger, deadline: float | None, total: float | None,
                  headers: list[tuple[bytes, bytes]]) -> None:
         super().__init__()
-        self._result = RelayResponse(ReplayStream(upstream, ledger), SSE_CONTENT_TYPE, headers)
+        self._stream = ReplayStream(upstream, ledger)
+        self._route = headers
+        self._result = RelayResponse(self._stream, SSE_CONTENT_TYPE, headers)
         self._ledger = ledger
         self._deadline = deadline
         self._total = total
@@ -260,12 +347,33 @@ class _Replay(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ledger = self._ledger
         watch = watch_hang_up(receive)
+        started = False
         try:
+            wait = OPENING_WAIT_S
+            if self._deadline is not None:
+                wait = max(0.0, min(wait, self._deadline - asyncio.get_running_loop().time()))
+            failure = await self._stream.opening(wait)
+            started = True
+            if failure is not None:
+                await self._fail(failure, send)
+                return
             await relay(_RESPONSES, self._result, ledger, send, self._deadline, self._total)
         except asyncio.CancelledError:
-            if not cancelled(watch, scope, ledger, response_started=True):
+            if not cancelled(watch, scope, ledger, response_started=started):
                 raise
         finally:
             await watch.stop()
             await self._result.stream.aclose()
             ledger.finish()
+
+    async def _fail(self, why: str, send: Send) -> None:
+        """The replay failed before its first byte: a 502 in OpenAI's shape instead of an empty stream."""
+        ledger = self._ledger
+        error = UpstreamError(f"The inference server's replay of this response failed ({why}).")
+        ledger.stream_broken(why)
+        ledger.answered_with_error(error.status)
+        body = _RESPONSES.error_bytes(error, ledger.record.request_id)
+        with contextlib.suppress(OSError):
+            await send(start_message(_RESPONSES, error.status, b"application/json", self._route,
+                                     ledger.record.request_id, len(body)))
+            await send({"type": "http.response.body", "body": body, "more_body": False})

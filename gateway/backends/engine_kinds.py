@@ -66,7 +66,10 @@ class EngineSpec:
     stores_responses: bool = True
     # Whether its Messages usage counts the cached prompt inside `input_tokens` and again as
     # `cache_read_input_tokens` (SGLang's `srt/entrypoints/anthropic/serving.py`), not apart as
-    # Anthropic does (`gateway.protocol.anthropic.openai_usage`).
+    # Anthropic does and vLLM 0.32 does (`vllm/entrypoints/anthropic/serving.py`
+    # `_build_anthropic_usage`: `input_tokens` the uncached part; in a stream only `message_delta`
+    # splits it, `message_start` has the whole prompt): `gateway.protocol.anthropic.openai_usage`,
+    # `merge_stream_usage`.
     messages_cache_in_input: bool = False
 
 

@@ -365,6 +365,49 @@ def portable_blocks(payload: dict[str, Any]) -> int:
     return rewritten
 
 
+_PROMPT_SPLIT = ("cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+def _count(usage: dict[str, Any], name: str) -> int | None:
+    value = usage.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def merge_stream_usage(merged: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]:
+    """The usage of a Messages stream so far (`merged`, Anthropic's names) with one more event's
+    `usage` (`message_start`'s message's, `message_delta`'s, an earlier SGLang layer's
+    `message_stop`'s): a new dict, for `openai_usage`.
+
+    The prompt's counts (`input_tokens` and the cache fields) are one group: an event that carries a
+    cache field states the whole split, so its group replaces the one before (vLLM 0.32,
+    `vllm/entrypoints/anthropic/serving.py` `_build_anthropic_usage`: the whole prompt as
+    `input_tokens` in `message_start`, whose chat chunk has no `prompt_tokens_details`, then in
+    `message_delta` the uncached part as `input_tokens` beside `cache_read_input_tokens` and
+    `cache_creation_input_tokens`, a zero `input_tokens` when those cover the prompt; SGLang: zeros
+    and `cache_read_input_tokens: 0` at the start, the whole prompt and its cached part at the end).
+    An event without cache fields keeps the larger `input_tokens` (llama.cpp and Anthropic send the
+    prompt only at the start; a zero later never hides a count reported before), and raises a split
+    only past its total. Any other count (`output_tokens`) keeps its largest: counts only grow."""
+    out = dict(merged)
+    if any(_count(usage, name) is not None for name in _PROMPT_SPLIT):
+        for name in ("input_tokens", *_PROMPT_SPLIT):
+            out[name] = _count(usage, name) or 0
+        usage = {k: v for k, v in usage.items() if k != "input_tokens" and k not in _PROMPT_SPLIT}
+    elif (prompt := _count(usage, "input_tokens")) is not None:
+        usage = {k: v for k, v in usage.items() if k != "input_tokens"}
+        if any(name in out for name in _PROMPT_SPLIT):
+            if prompt > sum(_count(out, name) or 0 for name in ("input_tokens", *_PROMPT_SPLIT)):
+                out = {k: v for k, v in out.items() if k not in _PROMPT_SPLIT}
+                out["input_tokens"] = prompt
+        else:
+            out["input_tokens"] = max(prompt, _count(out, "input_tokens") or 0)
+    for name, value in usage.items():
+        if isinstance(value, int) and not isinstance(value, bool):
+            old = _count(out, name)
+            out[name] = value if old is None else max(value, old)
+    return out
+
+
 def openai_usage(usage: dict[str, Any], cache_in_input: bool = False) -> dict[str, Any]:
     """An engine's usage object in OpenAI's names, which the gateway accounts by (token limits,
     `kimi_gateway_tokens_total`): an Anthropic one (`input_tokens`, `output_tokens`,
@@ -372,16 +415,18 @@ def openai_usage(usage: dict[str, Any], cache_in_input: bool = False) -> dict[st
     `completion_tokens` and `prompt_tokens_details.cached_tokens`; any other usage is returned as it is.
 
     Anthropic counts the cached parts apart from `input_tokens`, so by default the prompt is all
-    three. With `cache_in_input` (`EngineSpec.messages_cache_in_input`: SGLang, whose
-    `srt/entrypoints/anthropic/serving.py` sends its chat usage's `prompt_tokens` as `input_tokens`
-    and the cached part of it again as `cache_read_input_tokens`) the prompt is `input_tokens`.
-    vLLM and llama.cpp send no cache fields. A missing `input_tokens` counts 0 (`quota_used` then
-    charges the prompt estimate)."""
+    three, as vLLM 0.32 splits it (`vllm/entrypoints/anthropic/serving.py` `_build_anthropic_usage`:
+    `input_tokens` = `prompt_tokens` less `cache_read_input_tokens` and `cache_creation_input_tokens`,
+    with `--enable-prompt-tokens-details`; without it only `input_tokens`, the whole prompt);
+    llama.cpp sends no cache fields. With `cache_in_input` (`EngineSpec.messages_cache_in_input`:
+    SGLang, whose `srt/entrypoints/anthropic/serving.py` sends its chat usage's `prompt_tokens` as
+    `input_tokens` and the cached part of it again as `cache_read_input_tokens`) the prompt is
+    `input_tokens`. A missing `input_tokens` counts 0 (`quota_used` then charges the prompt
+    estimate). A stream's events are merged first (`merge_stream_usage`)."""
     if "input_tokens" not in usage and "output_tokens" not in usage:
         return usage
     def count(name: str) -> int:
-        value = usage.get(name)
-        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+        return _count(usage, name) or 0
     cached = count("cache_read_input_tokens")
     prompt = count("input_tokens")
     if not cache_in_input:

@@ -19,7 +19,7 @@ import orjson
 
 from gateway.dialects.names import CHAT
 from gateway.dialects.registry import dialect_for
-from gateway.protocol.anthropic import openai_usage
+from gateway.protocol.anthropic import merge_stream_usage, openai_usage
 from gateway.protocol.responses import chat_usage, response_id_of
 
 # A line longer than this is not tracked (no engine sends one; it bounds memory).
@@ -32,7 +32,7 @@ class SSETap:
     `events` (data events seen), `done` (`data: [DONE]` or `event: message_stop` seen, or a Responses
     API stream's last event: `response.completed`, `response.incomplete`, `response.failed`; that API
     sends no `[DONE]`), `usage` (the last usage dict or None; an Anthropic stream's usage merged from
-    its events (each count's largest), in OpenAI's names:
+    its events (`gateway.protocol.anthropic.merge_stream_usage`), in OpenAI's names:
     `gateway.protocol.anthropic.openai_usage`; a Responses usage, nested in its final event's
     `response`, with the chat names added: `gateway.protocol.responses.chat_usage`).
     `on_response_id`, when set, is called once with the id of a Responses stream's `response.created`.
@@ -124,11 +124,12 @@ class SSETap:
         """One event's usage, wherever the engine put it: on the event (a chat chunk, with choices or
         without; Anthropic's `message_delta`), or in the object it carries (`message`: Anthropic's
         `message_start`, and SGLang's earlier Messages layer's `message_stop`; `response`: the
-        Responses API's final events). An Anthropic stream's counts are merged over its events,
-        each field's largest kept: the engines split them differently (vLLM: the prompt in both
-        `message_start` and `message_delta`; SGLang: zeros in `message_start`, all in `message_delta`;
-        llama.cpp: the prompt only in `message_start`, as Anthropic; `gateway/sim/anthropic.py`), and
-        counts only grow, so a zero in one event never hides a count another one reported."""
+        Responses API's final events). An Anthropic stream's counts are merged over its events
+        (`gateway.protocol.anthropic.merge_stream_usage`): the engines split them differently (vLLM:
+        the whole prompt in `message_start`, its uncached part and its cache fields in
+        `message_delta`; SGLang: zeros in `message_start`, all in `message_delta`; llama.cpp: the
+        prompt only in `message_start`, as Anthropic; `gateway/sim/anthropic.py`), so the prompt is
+        counted once, and a zero in one event never hides a count another one reported."""
         try:
             event = orjson.loads(line[5:].strip())
         except orjson.JSONDecodeError:
@@ -145,11 +146,7 @@ class SSETap:
             return
         kind = event.get("type")
         if isinstance(kind, str) and kind.startswith("message_"):  # Anthropic's message_start/_delta/_stop
-            merged = dict(self._anthropic or {})
-            for name, value in usage.items():
-                if isinstance(value, int) and not isinstance(value, bool):
-                    old = merged.get(name)
-                    merged[name] = max(value, old) if isinstance(old, int) else value
+            merged = merge_stream_usage(self._anthropic or {}, usage)
             self._anthropic = merged
             self.usage = openai_usage(merged, self._cache_in_input)
         else:

@@ -28,3 +28,9 @@ class ActiveRequest:
     def prefill_tokens(self) -> int:
         """Prompt tokens to compute (not cached)."""
         return self.prompt_tokens - self.cached_tokens
+
+    def created_cache_tokens(self, block_tokens: int) -> int:
+        """Prompt tokens its prefill wrote to the prefix cache: the full blocks past the cached
+        prefix (vLLM's `PrefillStats.num_cache_creation_tokens`, `vllm/v1/metrics/stats.py`); 0
+        without a prefix cache."""
+        return sum(max(0, len(lease.key.hashes) * block_tokens - lease.cached_tokens) for lease in self.leases)

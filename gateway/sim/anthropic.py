@@ -9,17 +9,21 @@ with `json.dumps` arguments, images as image parts, thinking left out), so promp
 prefix-cache blocks are those of the equivalent chat request: a conversation alternating between
 the two APIs hits the same cached blocks.
 
-Shapes as those engines produce them (their serving code, read 2026-11): a non-streaming `message`
-whose usage has `input_tokens` (the whole prompt) and `output_tokens`; streamed, `message_start`,
-`content_block_start` (an empty text block, with the first token), `content_block_delta` (one
-`text_delta` per token), `content_block_stop`, `message_delta` (stop reason, usage), `message_stop`,
-each as `event: <type>` + `data: <json>`; vLLM then writes `data: [DONE]` (its chat stream's end,
-passed on), SGLang does not. Where the usage goes differs per engine (`MessagesUsage`, chosen by
-`SimConfig.messages_usage`; `usage_shapes`):
+Shapes as those engines produce them (their serving code, read 2026-11; vLLM's 0.32.0): a
+non-streaming `message` with its usage; streamed, `message_start`, `content_block_start` (an empty
+text block, with the first token), `content_block_delta` (one `text_delta` per token),
+`content_block_stop`, `message_delta` (stop reason, usage), `message_stop`, each as
+`event: <type>` + `data: <json>`, and nothing after it: neither engine writes `data: [DONE]` (vLLM's
+`message_stream_converter` turns its chat stream's `[DONE]` into `message_stop`). Where the usage
+goes differs per engine (`MessagesUsage`, chosen by `SimConfig.messages_usage`; `usage_shapes`):
 
-- `vllm` (`vllm/entrypoints/anthropic/serving.py`: its chat stream runs with
-  `continuous_usage_stats`, so the first chunk has the prompt): `message_start` `{input_tokens: P,
-  output_tokens: 0}`, `message_delta` `{input_tokens: P, output_tokens: O}`;
+- `vllm` (0.32.0 `vllm/entrypoints/anthropic/serving.py`, `_build_anthropic_usage`, with prompt
+  token details on, as the simulator's chat usage has them; its chat stream runs with
+  `continuous_usage_stats`, so the first chunk has the prompt but no `prompt_tokens_details`,
+  `vllm/entrypoints/openai/chat_completion/serving.py`): `message_start` `{input_tokens: P,
+  output_tokens: 0}`; `message_delta` and the answer `{input_tokens: P - C - K, output_tokens: O,
+  cache_read_input_tokens: C, cache_creation_input_tokens: K}`, Anthropic's split, with C the cached
+  prefix and K the tokens the prefill wrote to the prefix cache (`ActiveRequest.created_cache_tokens`);
 - `sglang` (`python/sglang/srt/entrypoints/anthropic/serving.py`, on its OpenAI chat stream, whose
   usage comes only in the last chunk): `message_start` `{input_tokens: 0, cache_read_input_tokens: 0,
   output_tokens: 0}`, `message_delta` `{input_tokens: P, output_tokens: O, cache_read_input_tokens: C}`
@@ -189,17 +193,23 @@ class UsageShapes:
     answer: dict[str, int]
 
 
-def usage_shapes(mode: MessagesUsage, prompt_tokens: int, output_tokens: int, cached_tokens: int) -> UsageShapes:
+def usage_shapes(mode: MessagesUsage, prompt_tokens: int, output_tokens: int, cached_tokens: int,
+                 created_tokens: int = 0) -> UsageShapes:
     """The usage objects of an answer of `prompt_tokens` (whole prompt, `cached_tokens` of it from the
-    prefix cache) and `output_tokens`, as engine `mode` writes them."""
+    prefix cache, `created_tokens` of it written to the cache by its prefill) and `output_tokens`, as
+    engine `mode` writes them."""
     whole = {"input_tokens": prompt_tokens, "output_tokens": output_tokens}
+    start = {"input_tokens": prompt_tokens, "output_tokens": 0}
     if mode == "sglang":
         full = {**whole, "cache_read_input_tokens": cached_tokens}
         return UsageShapes({"input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}, full, None, full)
     if mode == "sglang_message_stop":
         return UsageShapes({"input_tokens": 0, "output_tokens": 0}, None, whole, whole)
-    start = {"input_tokens": prompt_tokens, "output_tokens": 0}
-    return UsageShapes(start, {"output_tokens": output_tokens} if mode == "llamacpp" else whole, None, whole)
+    if mode == "llamacpp":
+        return UsageShapes(start, {"output_tokens": output_tokens}, None, whole)
+    split = {"input_tokens": max(0, prompt_tokens - cached_tokens - created_tokens), "output_tokens": output_tokens,
+             "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": created_tokens}
+    return UsageShapes(start, split, None, split)
 
 
 def message(mid: str, model: str, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
@@ -230,11 +240,11 @@ def text_delta(text: str) -> bytes:
     return event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
 
 
-def stream_end(finish_reason: str, shapes: UsageShapes, done: bool, mid: str = "", model: str = "",
+def stream_end(finish_reason: str, shapes: UsageShapes, mid: str = "", model: str = "",
                text: str = "") -> list[bytes]:
     """`content_block_stop`, `message_delta` (stop reason, usage) unless the engine sends none,
     `message_stop` (with the message and its usage where the engine puts it there: `mid`, `model`,
-    `text`), and with `done` (vLLM) `data: [DONE]`."""
+    `text`): the stream's last event (no `data: [DONE]`)."""
     stop_reason = STOP_REASONS.get(finish_reason, "end_turn")
     events = [event({"type": "content_block_stop", "index": 0})]
     if shapes.delta is not None:
@@ -244,4 +254,4 @@ def stream_end(finish_reason: str, shapes: UsageShapes, done: bool, mid: str = "
         events.append(event({"type": "message_stop", "message": message(mid, model, text, finish_reason, shapes.stop)}))
     else:
         events.append(event({"type": "message_stop"}))
-    return [*events, b"data: [DONE]\n\n"] if done else events
+    return events

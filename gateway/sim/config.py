@@ -86,8 +86,8 @@ class SimFaults(BaseModel):
       `data: {create_streaming_error_response(...)}` and then `data: [DONE]`; SGLang's
       `serving_chat.py` `_generate_chat_stream` likewise, its event `{"error": {"object": "error", ...}}`:
       `SimDialect.stream_error`); on a Messages stream Anthropic's `error` event
-      (`internal_error`) and `data: [DONE]`, as vLLM's Messages layer sends it
-      (vllm/entrypoints/anthropic/serving_messages.py `message_stream_converter`).
+      (`internal_error`) and the end, no `[DONE]`, as vLLM 0.32's Messages layer sends it
+      (vllm/entrypoints/anthropic/serving.py `message_stream_converter`).
     - `cut_answer`: non-streaming only; a 200 answer's headers (with its whole `content-length`)
       and the first half of its body are sent, then the connection is dropped: an engine that dies
       while its answer is on the wire (the client reads an EOF before the body's end).
@@ -233,6 +233,11 @@ class SimConfig(BaseModel):
     `{"object": "error", ...}` errors with the "(N in the messages, M in the completion)" wording
     and `vllm:gpu_cache_usage_perc`; SGLang before 2026-04 (context errors of streaming requests
     arrive as an SSE error event inside a 200 response; any model name accepted)."""
+    responses_delete: bool = False
+    """Serve `DELETE /v1/responses/{id}` as OpenAI does (the stored response deleted:
+    `{"id", "object": "response", "deleted": true}`), a server that can delete. False (vLLM 0.32 and
+    SGLang: no such route, `vllm/entrypoints/openai/responses/api_router.py`): FastAPI's 405
+    `{"detail": "Method Not Allowed"}` with `allow: GET` (`gateway.sim.responses_api`)."""
     faults: SimFaults = Field(default_factory=SimFaults)
     kv_capacity_tokens: int | None = Field(default=None, gt=0)
     """KV-cache memory of the worker in tokens; None = no prefix cache (cached_tokens always 0)

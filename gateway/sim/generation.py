@@ -151,15 +151,15 @@ class _Responder:
             await self._watch.until_disconnected()
         if self._error_after is not None and self._events >= self._error_after:
             self._engine.update(self._record, fault="error_after_chunks")
-            if self.anthropic:  # vLLM's Messages layer: vllm/entrypoints/anthropic/serving_messages.py
-                # `message_stream_converter`, `except Exception`: an `error` event, then `data: [DONE]`
+            if self.anthropic:  # vLLM 0.32's Messages layer: vllm/entrypoints/anthropic/serving.py
+                # `message_stream_converter`, `except Exception`: an `error` event, and the stream ends
                 event = b"event: error\ndata: " + orjson.dumps(
                     {"type": "error", "error": {"type": "internal_error",
                                                 "message": "Simulated failure mid-generation."}}) + b"\n\n"
             else:
                 event = self._engine.dialect.stream_error("Simulated failure mid-generation.", "InternalServerError",
-                                                          500)
-            await self.body(event + r.SSE_DONE, more=True)
+                                                          500) + r.SSE_DONE
+            await self.body(event, more=True)
             await self.body(b"", more=False)
             raise _DropConnection
         self._events += 1
@@ -615,7 +615,7 @@ async def _anthropic_json(engine: SimWorkerState, plan: _Plan, record: SimReques
     for i in range(plan.output_tokens):
         await _next_token(engine, watch, active, i, 1)
     shapes = a.usage_shapes(config.messages_usage_mode, plan.total_prompt_tokens, plan.output_tokens,
-                            active.cached_tokens)
+                            active.cached_tokens, active.created_cache_tokens(config.kv_block_tokens))
     payload = a.message(a.message_id(), config.model_name, output_text(plan.output_tokens), plan.finish_reason,
                         shapes.answer)
     if plan.script is not None:
@@ -635,7 +635,7 @@ async def _anthropic_sse(engine: SimWorkerState, plan: _Plan, record: SimRequest
     if config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     shapes = a.usage_shapes(config.messages_usage_mode, plan.total_prompt_tokens, plan.output_tokens,
-                            active.cached_tokens)
+                            active.cached_tokens, active.created_cache_tokens(config.kv_block_tokens))
     mid = a.message_id()
     await responder.event(a.message_start(mid, config.model_name, shapes.start))
     if plan.script is not None:
@@ -649,7 +649,7 @@ async def _anthropic_sse(engine: SimWorkerState, plan: _Plan, record: SimRequest
         engine.update(record, completion_tokens_sent=i + 1)
     if plan.output_tokens == 0:
         await responder.event(a.block_start())
-    for chunk in a.stream_end(plan.finish_reason, shapes, engine.config.engine != "sglang", mid, config.model_name,
+    for chunk in a.stream_end(plan.finish_reason, shapes, mid, config.model_name,
                               output_text(plan.output_tokens) if shapes.stop is not None else ""):
         await responder.event(chunk)
     await responder.end_stream()
@@ -667,13 +667,12 @@ async def _scripted_messages_sse(engine: SimWorkerState, plan: _Plan, step: tupl
             sent += 1
             engine.update(record, completion_tokens_sent=sent)
         await responder.event(chunk)
-    shapes = a.usage_shapes(engine.config.messages_usage_mode, plan.total_prompt_tokens, sent, active.cached_tokens)
+    shapes = a.usage_shapes(engine.config.messages_usage_mode, plan.total_prompt_tokens, sent, active.cached_tokens,
+                            active.created_cache_tokens(engine.config.kv_block_tokens))
     await responder.event(a.event({"type": "message_delta", "delta": {"stop_reason": sc.stop_reason(step[1]),
                                                                       "stop_sequence": None},
                                    "usage": shapes.delta if shapes.delta is not None else shapes.answer}))
     await responder.event(a.event({"type": "message_stop"}))
-    if engine.config.engine != "sglang":
-        await responder.event(r.SSE_DONE)
     await responder.end_stream()
 
 

@@ -7,7 +7,8 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        response.content_part.added, response.output_text.delta (one per
                                        token), response.output_text.done, response.content_part.done,
                                        response.output_item.done, response.completed (with the usage:
-                                       input_tokens, output_tokens, total_tokens, cached tokens).
+                                       input_tokens, output_tokens, total_tokens, cached tokens). A
+                                       response stopped by its limit is `incomplete` (`_final_status`).
     GET /v1/responses/{id}             the stored response; with `?stream=true` (and `starting_after=N`)
                                        the SSE events of a response created streaming, replayed from
                                        sequence number N + 1 (vLLM replays a background response's
@@ -15,9 +16,18 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        a streamed response's events instead), one per `tpot_s` (a
                                        background response's events come as it generates); 400 for
                                        one created without streaming. Each replay is recorded in
-                                       `ResponsesServer.replays` (events sent, ended by the client)
-    DELETE /v1/responses/{id}          `{"id", "object": "response", "deleted": true}` (OpenAI's shape;
-                                       vLLM itself has no DELETE route)
+                                       `ResponsesServer.replays` (events sent, ended by the client).
+                                       The worker's global stream faults apply to it
+                                       (`drop_after_chunks`, `reset_after_chunks`,
+                                       `stall_after_chunks`, `error_after_chunks`: `_replay`)
+    DELETE /v1/responses/{id}          FastAPI's 405 `{"detail": "Method Not Allowed"}` (`allow: GET`), as
+                                       vLLM 0.32 answers: its router has no DELETE route
+                                       (`vllm/entrypoints/openai/responses/api_router.py`) and its
+                                       HTTPException handler is registered for FastAPI's subclass, not
+                                       the Starlette one the router raises
+                                       (`vllm/entrypoints/serve/exception_handling/register.py`); with
+                                       `SimConfig.responses_delete`, OpenAI's
+                                       `{"id", "object": "response", "deleted": true}`
     POST /v1/responses/{id}/cancel     400 "Cannot cancel a synchronous response." (no background mode)
 
 A response's id is the body's `request_id` when it has one, else `resp_` + a uuid, as vLLM's
@@ -41,6 +51,8 @@ prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -52,20 +64,24 @@ import orjson
 from gateway.sim import script as sc
 from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import (
+    JSON_HEADERS,
     SSE_HEADERS,
     ClientDisconnected,
     DisconnectWatch,
     Receive,
     Scope,
     Send,
+    send_bytes,
     send_json,
 )
 from gateway.sim.config import SimFaults
 from gateway.sim.dialects import ErrorReply
 from gateway.sim.generation import (
     RAW_CHUNK_PAUSE_S,
+    RESET_PAUSE_S,
     _DropConnection,
     _refused_up_front,
+    _reset,
     _Responder,
     read_recorded,
     request_faults,
@@ -77,6 +93,7 @@ from gateway.sim.tokens import (
     FieldValidationError,
     PromptError,
     chat_prompt_tokens,
+    generated_count,
     output_token,
     responses_output_limit,
 )
@@ -101,6 +118,7 @@ class Replay:
     sent: int = 0
     aborted: bool = False
     completed: bool = False
+    fault: bool = False  # a stream fault ended it (`ResponsesServer._replay`)
 
 
 @dataclass
@@ -138,7 +156,10 @@ class ResponsesServer:
                             {"detail": "Method Not Allowed" if action in ("", "cancel") else "Not Found"})
             return
         stored = self.stored.get(response_id)
-        if stored is None:
+        if method == "DELETE" and not self.engine.config.responses_delete:  # no route: whatever the id
+            await send_bytes(send, 405, orjson.dumps({"detail": "Method Not Allowed"}),
+                             [*JSON_HEADERS, (b"allow", b"GET")])
+        elif stored is None:
             reply = self._not_found(response_id)
             await send_json(send, reply.status, orjson.loads(reply.body))
         elif method == "GET" and _query(scope, "stream") == "true":
@@ -155,7 +176,12 @@ class ResponsesServer:
     async def _replay(self, response_id: str, stored: StoredResponse, starting_after: str | None,
                       receive: Receive, send: Send) -> None:
         """GET ?stream=true: the stored events after sequence number `starting_after` (-1 if absent),
-        one per `tpot_s` seconds; a client's hang-up ends it (`Replay.aborted`)."""
+        one per `tpot_s` seconds; a client's hang-up ends it (`Replay.aborted`). The worker's global
+        stream faults apply after that many events, as on a generation's stream: `drop_after_chunks`
+        (the body left unended), `reset_after_chunks` (a TCP reset), `stall_after_chunks` (silence
+        until the client leaves), `error_after_chunks` (the Responses API's `error` event, the
+        shape vLLM 0.32's `responses_stream_generator` turns a GenerationError into,
+        `vllm/entrypoints/openai/responses/serving.py`, then the end)."""
         after = int(starting_after) if starting_after is not None and starting_after.lstrip("-").isdigit() else -1
         if not stored.events:
             reply = self.engine.dialect.error("This response was not created with stream=true; it cannot be "
@@ -165,12 +191,16 @@ class ResponsesServer:
         replay = Replay(response_id)
         self.replays.append(replay)
         pause = self.engine.config.tpot_s
+        faults = self.engine.faults
         async with DisconnectWatch(receive) as watch:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             try:
                 for event in stored.events[max(after + 1, 0):]:
                     if pause:
                         await watch.sleep(pause)
+                    if await _replay_fault(faults, replay.sent, send, watch):
+                        replay.fault = True
+                        return
                     await send({"type": "http.response.body", "body": event, "more_body": True})
                     replay.sent += 1
             except ClientDisconnected:
@@ -251,13 +281,20 @@ class ResponsesServer:
         max_context = engine.config.max_context_tokens
         keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens])
         step = sc.next_step(engine.script, "responses", body)
-        output_tokens = limit if limit is not None else engine.config.default_output_tokens
+        eos_after = engine.config.eos_after_tokens  # the model's own end, under any limit
         if step is not None:
-            output_tokens = sc.output_tokens(step[1])
-        if engine.config.eos_after_tokens is not None:  # the model's own end, under any limit
-            output_tokens = min(output_tokens, engine.config.eos_after_tokens)
-        if engine.config.engine != "sglang":  # vLLM: min(max_output_tokens, max_model_len - prompt)
-            output_tokens = min(output_tokens, max_context - prompt_tokens)
+            output_tokens, finish = sc.output_tokens(step[1]), "stop"
+            if eos_after is not None:
+                output_tokens = min(output_tokens, eos_after)
+            if engine.config.engine != "sglang":
+                output_tokens = min(output_tokens, max_context - prompt_tokens)
+        elif engine.config.engine != "sglang":  # vLLM: min(max_output_tokens, max_model_len - prompt)
+            room = max_context - prompt_tokens
+            output_tokens, finish = generated_count({}, None if limit is None else min(limit, room),
+                                                    engine.config.default_output_tokens, room, eos_after)
+        else:  # SGLang refused a prompt + limit over its context above
+            output_tokens, finish = generated_count({}, limit, engine.config.default_output_tokens, sys.maxsize,
+                                                    eos_after)
         active: ActiveRequest
         if engine.stepper is not None:
             active = engine.new_step_request(prompt_tokens, keys, 1, output_tokens)
@@ -313,7 +350,7 @@ class ResponsesServer:
             usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": active.cached_tokens},
                      "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": prompt_tokens + output_tokens}
-            final = {**response, "status": "completed", "output": [item] if output_tokens else [], "usage": usage}
+            final = {**response, **_final_status(finish), "output": [item] if output_tokens else [], "usage": usage}
             if body.get("store", True) is not False:
                 self.stored[response["id"]] = StoredResponse(messages, text, final, events.sent)
             if stream:
@@ -327,7 +364,7 @@ class ResponsesServer:
                 await responder.body(b"", more=False)
             else:
                 await responder.reply(ErrorReply(200, orjson.dumps(final)))
-            reason = "length" if limit is not None else "stop"
+            reason = finish
         finally:
             engine.stop_running(active, reason)
 
@@ -414,6 +451,27 @@ async def _send_raw(engine: SimWorkerState, record: SimRequestRecord, responder:
     await responder.body(b"", more=False)
 
 
+async def _replay_fault(faults: SimFaults, sent: int, send: Send, watch: DisconnectWatch) -> bool:
+    """Inject the stream fault due after `sent` replayed events, if any: True when it ended the replay
+    (dropped, reset, or ended with an error event); a stall returns only when the client left."""
+    if faults.drop_after_chunks is not None and sent >= faults.drop_after_chunks:
+        return True  # the handler returns with the body unended: the server drops the connection
+    if faults.reset_after_chunks is not None and sent >= faults.reset_after_chunks:
+        await asyncio.sleep(RESET_PAUSE_S)
+        _reset(send)
+        return True
+    if faults.stall_after_chunks is not None and sent >= faults.stall_after_chunks:
+        await watch.until_disconnected()
+    if faults.error_after_chunks is not None and sent >= faults.error_after_chunks:
+        error = {"type": "error", "code": "InternalServerError", "message": "Simulated failure mid-replay.",
+                 "param": None, "sequence_number": sent}
+        await send({"type": "http.response.body", "body": b"event: error\ndata: " + orjson.dumps(error) + b"\n\n",
+                    "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
+    return False
+
+
 class _EventWriter:
     """Typed SSE events with vLLM's `sequence_number` (0, 1, ... across the stream)."""
 
@@ -428,6 +486,21 @@ class _EventWriter:
         event = b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
         self.sent.append(event)
         await self._responder.event(event)
+
+
+def _final_status(finish_reason: str) -> dict[str, Any]:
+    """A finished response's `status` and `incomplete_details` for its generation's finish reason:
+    stopped by its token limit (`length`: `max_output_tokens`, or the context's room) it is
+    `incomplete` with reason `max_output_tokens`, else `completed` (vLLM 0.32
+    `vllm/entrypoints/openai/responses/serving.py` `responses_full_generator`: finish reason
+    "length" makes the status "incomplete"; `protocol.py` `ResponsesResponse.from_request` sets
+    `IncompleteDetails(reason="max_output_tokens")` for it). Streamed, the last event is still
+    `response.completed`, its `response` carrying that status (`ResponseCompletedEvent`). The SGLang
+    dialect answers the same: its `serving_responses.py` is adapted from vLLM's (its own status
+    handling not checked against a release)."""
+    if finish_reason == "length":
+        return {"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
+    return {"status": "completed", "incomplete_details": None}
 
 
 def _query(scope: Scope, name: str) -> str | None:

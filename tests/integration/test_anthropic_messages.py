@@ -79,11 +79,13 @@ def test_messages_create_streaming_relays_anthropics_events_in_order(
     gw, _ = one_pool
     body = {"model": "kimi-k3", "max_tokens": 6, "messages": HELLO, "stream": True}
     with httpx.stream("POST", gw.v1 + "/messages", json=body) as response:
-        names = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event:")]
+        lines = list(response.iter_lines())
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event:")]
     assert names == ["message_start", "content_block_start", *["content_block_delta"] * 6,
                      "content_block_stop", "message_delta", "message_stop"]
+    assert [line for line in lines if line][-2:] == ["event: message_stop", 'data: {"type":"message_stop"}']
     events = list(sdk(gw).messages.create(model="kimi-k3", max_tokens=6, messages=HELLO, stream=True))
-    assert [e.type for e in events] == names  # vLLM's `data: [DONE]` after message_stop is harmless to the SDK
+    assert [e.type for e in events] == names  # message_stop is the last event, as vLLM 0.32 ends it
     text = "".join(e.delta.text for e in events if e.type == "content_block_delta")  # type: ignore[union-attr]
     assert len(text.split()) == 6
     assert events[-2].usage.output_tokens == 6  # type: ignore[union-attr]

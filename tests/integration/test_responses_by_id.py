@@ -12,10 +12,12 @@ from collections.abc import Callable
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from gateway.auth.keys import hash_key
 from gateway.auth.limits import MemoryRateLimiter
+from gateway.sim.config import SimFaults
 from gateway.sim.responses_api import Replay
 from tests.support import RunningGateway, RunningSim, access_lines, pool
 
@@ -42,7 +44,7 @@ def ended_replays(sim: RunningSim, count: int) -> list[Replay]:
 def test_id_calls_are_logged_and_counted(start_sim: StartSim, start_gateway: StartGateway,
                                          caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gateway.access")
-    sim = start_sim("vllm", max_context_tokens=131072)
+    sim = start_sim("vllm", max_context_tokens=131072, responses_delete=True)  # a server that deletes
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
     c = sdk(gw)
     created = c.responses.create(model="kimi-k3", input="Hi", max_output_tokens=2)
@@ -127,3 +129,79 @@ def test_a_client_hanging_up_mid_replay_is_a_disconnect_and_closes_the_engines_r
     assert gw.metric('kimi_gateway_requests_total{api="responses_get",pool="p",status_class="4xx"}') == 1
     [engine_replay] = ended_replays(sim, 1)
     assert engine_replay.aborted and engine_replay.sent < len(events)
+
+
+@pytest.mark.parametrize(("fault", "engine_error"), [
+    ({"drop_after_chunks": 3}, False), ({"reset_after_chunks": 3}, False), ({"error_after_chunks": 3}, True)])
+def test_a_replay_the_engine_breaks_ends_as_a_failure_the_client_sees(
+        start_sim: StartSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture,
+        fault: dict[str, int], engine_error: bool) -> None:
+    """The engine cuts its `GET ?stream=true` replay after 3 events (the connection dropped, reset, or
+    its own `error` event): the client reads those events, then one Responses `error` event (the
+    engine's own, never a second) and no terminal event. Logged and counted as
+    an `upstream_error`, not as a whole answer."""
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+    events = list(sdk(gw).responses.create(model="kimi-k3", input="Count.", max_output_tokens=8, stream=True))
+    rid = events[0].response.id  # type: ignore[union-attr]
+    sim.engine.set_faults(SimFaults.model_validate(fault))
+    with httpx.stream("GET", f"{gw.v1}/responses/{rid}", params={"stream": "true"}) as r:
+        assert r.status_code == 200
+        body = b"".join(r.iter_raw())
+    sent = [e for e in body.split(b"\n\n") if e]
+    assert b"".join(e + b"\n\n" for e in sent[:3]) == b"".join(sim.app.responses.stored[rid].events[:3])
+    assert len(sent) == 4 and sent[3].startswith(b"event: error\ndata: ")
+    error = orjson.loads(sent[3].split(b"\n", 1)[1][6:])
+    assert error["type"] == "error" and error["message"]
+    if not engine_error:
+        assert "replay" in error["message"] and error["error"]["type"] == "server_error"
+    assert b"response.completed" not in body
+    if engine_error:  # OpenAI's `error` event as the engine sent it: the SDK yields it as the last event
+        assert [e.type for e in sdk(gw).responses.retrieve(rid, stream=True)][-1] == "error"
+    else:  # the gateway's also carries OpenAI's error object, which the SDK raises on
+        with pytest.raises(openai.APIError):
+            list(sdk(gw).responses.retrieve(rid, stream=True))
+    [line, _] = [a for a in access_lines(caplog, gw, 3) if a["api"] == "responses_get"]
+    assert (line["outcome"], line["status"], line["stream"]) == ("upstream_error", 200, True)
+    assert gw.metric('kimi_gateway_requests_total{api="responses_get",pool="p",status_class="2xx"}') == 0
+
+
+def test_a_replay_that_fails_before_its_first_byte_is_an_error_status(
+        start_sim: StartSim, start_gateway: StartGateway, caplog: pytest.LogCaptureFixture) -> None:
+    """The engine drops its replay before any event: no empty 200, but a 502 in OpenAI's shape."""
+    caplog.set_level(logging.INFO, logger="gateway.access")
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+    events = list(sdk(gw).responses.create(model="kimi-k3", input="Count.", max_output_tokens=4, stream=True))
+    rid = events[0].response.id  # type: ignore[union-attr]
+    sim.engine.set_faults(SimFaults(drop_after_chunks=0))
+    answer = httpx.get(f"{gw.v1}/responses/{rid}", params={"stream": "true"})
+    assert answer.status_code == 502 and answer.headers["content-type"] == "application/json"
+    error = answer.json()["error"]
+    assert error["type"] == "server_error" and "replay" in error["message"]
+    assert answer.headers["x-kimi-gateway-worker"] == "p/0"
+    [line] = [a for a in access_lines(caplog, gw, 2) if a["api"] == "responses_get"]
+    assert (line["outcome"], line["status"]) == ("upstream_error", 502)
+    assert gw.metric('kimi_gateway_requests_total{api="responses_get",pool="p",status_class="5xx"}') == 1
+
+
+def test_delete_on_an_engine_without_it_is_a_clear_405(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """vLLM 0.32 has no `DELETE /v1/responses/{id}` (FastAPI's 405 `{"detail": "Method Not Allowed"}`):
+    the client gets a 405 in OpenAI's shape saying the engine cannot delete stored responses, not the
+    engine's JSON as its message; the response stays stored and retrievable."""
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], load={"enabled": False})
+    c = sdk(gw)
+    created = c.responses.create(model="kimi-k3", input="Hi")
+    with pytest.raises(openai.APIStatusError) as refused:
+        c.responses.delete(created.id)
+    assert refused.value.status_code == 405
+    error = refused.value.body
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    message = error["message"]
+    assert "does not support deleting stored responses" in message and "Method Not Allowed" in message
+    assert "{" not in message  # not the engine's raw JSON
+    assert c.responses.retrieve(created.id).id == created.id
+    assert gw.metric('kimi_gateway_requests_total{api="responses_delete",pool="p",status_class="4xx"}') == 1

@@ -38,7 +38,7 @@ def sdk(gw: RunningGateway, key: str) -> openai.OpenAI:
 @pytest.fixture(params=["memory", "redis"])
 def gateway(request: pytest.FixtureRequest, start_sim: StartSim,
             start_gateway: StartGateway) -> Iterator[RunningGateway]:
-    sim = start_sim("vllm", max_context_tokens=131072)
+    sim = start_sim("vllm", max_context_tokens=131072, responses_delete=True)  # a server that deletes
     settings: dict[str, object] = {"auth": auth(), "load": {"enabled": False}}
     prefix = f"test-own-{uuid.uuid4().hex[:10]}"
     if request.param == "redis":

@@ -122,7 +122,15 @@ def _message_stream(start: dict[str, int], delta: dict[str, int] | None, stop: d
 # whole prompt is 40 tokens (15 of them cached), the output 9.
 @pytest.mark.parametrize(("stream", "cache_in_input", "prompt"), [
     (_message_stream({"input_tokens": 40, "output_tokens": 0}, {"input_tokens": 40, "output_tokens": 9}, None),
-     False, 40),  # vLLM
+     False, 40),  # vLLM without prompt token details
+    (_message_stream({"input_tokens": 40, "output_tokens": 0},
+                     {"input_tokens": 9, "output_tokens": 9, "cache_read_input_tokens": 15,
+                      "cache_creation_input_tokens": 16}, None),
+     False, 40),  # vLLM 0.32: the whole prompt at the start, Anthropic's split at the end (not 40 + 15 + 16)
+    (_message_stream({"input_tokens": 32, "output_tokens": 0},
+                     {"input_tokens": 0, "output_tokens": 9, "cache_read_input_tokens": 0,
+                      "cache_creation_input_tokens": 32}, None),
+     False, 32),  # vLLM 0.32, a prompt of whole blocks: the split's zero input_tokens stands
     (_message_stream({"input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0},
                      {"input_tokens": 40, "output_tokens": 9, "cache_read_input_tokens": 15}, None),
      True, 40),  # SGLang: the cached part inside input_tokens, not on top

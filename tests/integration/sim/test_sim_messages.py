@@ -26,24 +26,50 @@ def test_message_shape_and_usage(start_sim: StartSim) -> None:
     assert body["usage"] == {"input_tokens": 7, "output_tokens": 3, "cache_read_input_tokens": 0}
 
 
-@pytest.mark.parametrize(("engine", "done"), [("vllm", True), ("sglang", False)])
-def test_stream_events_in_the_engines_order(start_sim: StartSim, engine: str, done: bool) -> None:
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_stream_events_in_the_engines_order(start_sim: StartSim, engine: str) -> None:
     srv = start_sim(engine)
     with httpx.stream("POST", srv.url + "/v1/messages",
                       json={"model": "kimi-k3", "max_tokens": 2, "messages": HELLO, "stream": True}) as response:
         raw = response.read()
+    assert b"[DONE]" not in raw  # vLLM 0.32 turns its chat stream's [DONE] into message_stop; SGLang too
     events = [e.split(b"\n") for e in raw.split(b"\n\n") if e]
-    assert (events[-1] == [b"data: [DONE]"]) is done  # vLLM passes its chat stream's end on
-    events = events[:-1] if done else events
     names = [e[0].removeprefix(b"event: ").decode() for e in events]
     assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
                      "content_block_stop", "message_delta", "message_stop"]
     assert all(e[1].startswith(b'data: {"type":"' + n.encode() + b'"') for e, n in zip(events, names, strict=True))
-    cache = {"cache_read_input_tokens": 0} if engine == "sglang" else {}
     start = orjson.loads(events[0][1][6:])["message"]["usage"]
-    assert start == ({"input_tokens": 0, "output_tokens": 0, **cache} if engine == "sglang" else
-                     {"input_tokens": 7, "output_tokens": 0})  # SGLang's chat stream has no usage before its end
-    assert orjson.loads(events[5][1][6:])["usage"] == {"input_tokens": 7, "output_tokens": 2, **cache}
+    delta = orjson.loads(events[5][1][6:])["usage"]
+    if engine == "sglang":  # SGLang's chat stream has no usage before its end
+        assert start == {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0}
+        assert delta == {"input_tokens": 7, "output_tokens": 2, "cache_read_input_tokens": 0}
+    else:  # vLLM 0.32: the whole prompt first, Anthropic's split (no prefix cache here: all uncached) last
+        assert start == {"input_tokens": 7, "output_tokens": 0}
+        assert delta == {"input_tokens": 7, "output_tokens": 2, "cache_read_input_tokens": 0,
+                         "cache_creation_input_tokens": 0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_splits_a_cached_prompt_as_anthropic_does(start_sim: StartSim, stream: bool) -> None:
+    """vLLM 0.32 (`vllm/entrypoints/anthropic/serving.py` `_build_anthropic_usage`): `input_tokens` is the
+    prompt less its cached part and the part its prefill wrote to the cache; `message_start` has the whole."""
+    srv = start_sim("vllm", kv_capacity_tokens=65536, kv_block_tokens=16)
+    turns = [{"role": "user", "content": "lorem ipsum " * 40}]  # 480 bytes: 120 + 4 tokens, 7 full blocks
+    usages: list[dict[str, int]] = []
+    for _ in range(2):
+        body = {"model": "kimi-k3", "max_tokens": 2, "messages": turns, "stream": stream}
+        if not stream:
+            usages.append(httpx.post(srv.url + "/v1/messages", json=body).json()["usage"])
+            continue
+        with httpx.stream("POST", srv.url + "/v1/messages", json=body) as response:
+            raw = response.read()
+        events = {e.split(b"\n")[0].removeprefix(b"event: ").decode(): orjson.loads(e.split(b"\n")[1][6:])
+                  for e in raw.split(b"\n\n") if e.startswith(b"event:")}
+        assert events["message_start"]["message"]["usage"] == {"input_tokens": 124, "output_tokens": 0}
+        usages.append(events["message_delta"]["usage"])
+    assert usages == [
+        {"input_tokens": 12, "output_tokens": 2, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 112},
+        {"input_tokens": 12, "output_tokens": 2, "cache_read_input_tokens": 112, "cache_creation_input_tokens": 0}]
 
 
 @pytest.mark.parametrize(("mode", "start", "delta", "stop"), [
@@ -75,7 +101,9 @@ def test_same_prompt_tokens_and_cache_blocks_as_chat(start_sim: StartSim) -> Non
     message = httpx.post(srv.url + "/v1/messages", json={
         "model": "kimi-k3", "max_tokens": 1, "system": [{"type": "text", "text": system}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]}).json()
-    assert message["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    usage = message["usage"]  # vLLM 0.32's split: the cached part apart from input_tokens
+    assert (usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"]
+            == chat["usage"]["prompt_tokens"])
     record = srv.engine.records[-1]
     assert record.path == "/v1/messages"
     assert record.cached_tokens >= chat["usage"]["prompt_tokens"] - 16 - 8  # all but the last block
@@ -131,3 +159,15 @@ def test_max_tokens_refused_by_the_request_model(start_sim: StartSim, engine: st
     assert (inner["type"], inner["param"]) == ("Bad Request", None)
     assert f"'type': '{error_type}', 'loc': ('body', 'max_tokens')" in inner["message"] and words in inner["message"]
     assert ("Field required" in inner["message"]) is (max_tokens is None)
+
+
+def test_an_error_mid_stream_is_the_last_event(start_sim: StartSim) -> None:
+    """vLLM 0.32's `message_stream_converter` (`vllm/entrypoints/anthropic/serving.py`) yields an `error`
+    event when its chat stream fails, and the stream ends there: no `data: [DONE]`."""
+    srv = start_sim("vllm")
+    body = {"model": "kimi-k3", "max_tokens": 4, "messages": HELLO, "stream": True,
+            "x_sim_faults": {"error_after_chunks": 2}}
+    with httpx.stream("POST", srv.url + "/v1/messages", json=body) as response:
+        events = [e for e in response.read().split(b"\n\n") if e]
+    assert len(events) == 3 and events[-1].startswith(b"event: error\ndata: ")
+    assert orjson.loads(events[-1].split(b"\n")[1][6:])["error"]["type"] == "internal_error"

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from gateway.sim.tokens import chat_prompt_tokens, output_text
@@ -17,10 +18,13 @@ StartSim = Callable[..., RunningSim]
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_sdk_create_stream_retrieve_delete(start_sim: StartSim, engine: str) -> None:
-    srv = start_sim(engine=engine)
+    srv = start_sim(engine=engine, responses_delete=True)  # a server that deletes, as OpenAI does
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
         done = client.responses.create(model="kimi-k3", input="hello world", max_output_tokens=5)
-        assert done.output_text == output_text(5) and done.status == "completed"
+        assert done.output_text == output_text(5)
+        # stopped by its limit: vLLM 0.32's `incomplete` (vllm/entrypoints/openai/responses/serving.py)
+        assert done.status == "incomplete" and done.incomplete_details is not None
+        assert done.incomplete_details.reason == "max_output_tokens"
         # 11 bytes at 4 bytes a token + the message overhead: chat's accounting of the same message
         assert done.usage is not None and (done.usage.input_tokens, done.usage.output_tokens) == (7, 5)
         events = list(client.responses.create(model="kimi-k3", input="hello world", max_output_tokens=3,
@@ -69,3 +73,42 @@ def test_vllm_refuses_a_prompt_of_max_model_len_and_clamps_the_output(start_sim:
     clamped = httpx.post(srv.url + "/v1/responses", json={"model": "kimi-k3", "input": "x" * 360,
                                                           "max_output_tokens": 50}).json()
     assert clamped["usage"]["output_tokens"] == 100 - clamped["usage"]["input_tokens"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_delete_is_fastapis_405_as_vllm_has_no_such_route(start_sim: StartSim, engine: str) -> None:
+    """vLLM 0.32 routes GET and POST …/cancel only (vllm/entrypoints/openai/responses/api_router.py):
+    FastAPI's own 405, whatever the id; the response stays stored."""
+    srv = start_sim(engine=engine)
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+        done = client.responses.create(model="kimi-k3", input="hello world")
+        assert done.status == "completed" and done.incomplete_details is None  # the model's own end
+    for rid in (done.id, "resp_unknown"):
+        answer = httpx.delete(f"{srv.url}/v1/responses/{rid}")
+        assert (answer.status_code, answer.json(), answer.headers["allow"]) == (
+            405, {"detail": "Method Not Allowed"}, "GET")
+    assert done.id in srv.app.responses.stored
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_stopped_by_its_limit_is_incomplete(start_sim: StartSim, stream: bool) -> None:
+    """vLLM 0.32: finish reason "length" makes the status "incomplete" with reason max_output_tokens
+    (`responses_full_generator`, `ResponsesResponse.from_request`); streamed, the last event is still
+    `response.completed`. The context's room stops it too; the model's own end does not."""
+    srv = start_sim("vllm", max_context_tokens=64, eos_after_tokens=6)
+    body = {"model": "kimi-k3", "input": "hello world", "stream": stream}
+
+    def final(extra: dict[str, object]) -> dict[str, object]:
+        if not stream:
+            return httpx.post(srv.url + "/v1/responses", json={**body, **extra}).json()  # type: ignore[no-any-return]
+        with httpx.stream("POST", srv.url + "/v1/responses", json={**body, **extra}) as response:
+            last = [e for e in response.read().split(b"\n\n") if e][-1]
+        assert last.startswith(b"event: response.completed\n")
+        return orjson.loads(last.split(b"\n")[1][6:])["response"]  # type: ignore[no-any-return]
+
+    limited = final({"max_output_tokens": 3})
+    assert (limited["status"], limited["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert limited["usage"]["output_tokens"] == 3  # type: ignore[index]
+    ended = final({"max_output_tokens": 10})
+    assert (ended["status"], ended["incomplete_details"], ended["usage"]["output_tokens"]) == (  # type: ignore[index]
+        "completed", None, 6)
