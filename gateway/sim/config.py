@@ -63,8 +63,9 @@ class SimFaults(BaseModel):
       `fail_headers` any others (e.g. the `x-ratelimit-*` of a rate-limiting proxy in front).
     - `hang_before_headers`: accept the request but never send headers (the request is recorded as
       aborted once the client gives up).
-    - `hang_health`: `GET /health` accepts the connection but never answers.
-    - `health_body` / `metrics_body`: how `GET /health` / `GET /metrics` send their body:
+    - `hang_health`: `GET /health` (and SGLang's other probe endpoints, `/health_generate` and
+      `/model_info`) accepts the connection but never answers.
+    - `health_body` / `metrics_body`: how the probe endpoints / `GET /metrics` send their body:
       "normal"; "trickle" (200 headers, then one byte every `trickle_interval_s` seconds, never
       ending); "endless" (200 headers, then 64 KiB writes as fast as the client reads, never
       ending). Both stop when the client leaves (hostile-endpoint tests of probes and scrapes).
@@ -264,6 +265,13 @@ class SimConfig(BaseModel):
     """"engine": what the engine itself guards with `--api-key`: vLLM and vllm-ascend only paths
     under `/v1`, SGLang every path but `/health*` and `/metrics*`. "all": every path, as an
     authenticating proxy in front of the engine would."""
+    health_generate_poll_s: float = Field(default=1.0, gt=0.0)
+    """SGLang: how often its generating `/health` (`/health_generate`) looks for scheduler output,
+    seconds: SGLang's handler sleeps 1 s per look (`python/sglang/srt/entrypoints/http_server.py`
+    `health_generate`), so it never answers in under a second. Tests shorten it."""
+    health_generate_timeout_s: float = Field(default=20.0, gt=0.0)
+    """SGLang: how long its generating `/health` waits for scheduler output before answering 503,
+    seconds (`SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s)."""
     keep_records: bool = True
     """False: store no `SimRequestRecord`s (memory stays flat on long benchmarks); the counters
     of `GET /sim/stats` and `/metrics` are kept either way."""

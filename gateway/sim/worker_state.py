@@ -170,6 +170,8 @@ class SimWorkerState:
         self._hit_rate = HitRateWindow()
         self._finished: Counter[str] = Counter()
         self._health_checks = 0
+        self._last_output_at = 0.0
+        """When a running request last produced output (`time.monotonic()` s; per-request timing)."""
         self._idle_resets = 0
         self._models_reads = 0
         self._hash_seed = seed_for(config.model_name)
@@ -443,6 +445,8 @@ class SimWorkerState:
             if id(active) not in self._active:
                 return
             self._totals.prefill_tokens += active.prefill_tokens
+            active.prefill_done = True
+            self._last_output_at = time.monotonic()  # the first token leaves with the prefill
             if self.kv is not None:
                 for lease in active.leases:
                     self.kv.commit(lease)
@@ -454,6 +458,7 @@ class SimWorkerState:
         with self._cond:
             active.generated += tokens
             self._totals.generated_tokens += tokens
+            self._last_output_at = time.monotonic()
             if self.kv is not None and active.leases:
                 self.kv.grow(active.leases[0], tokens)
             self._cond.notify_all()
@@ -536,15 +541,42 @@ class SimWorkerState:
     # --- health and statistics ----------------------------------------------------------------
 
     def note_health_check(self) -> None:
-        """Count one `GET /health`."""
+        """Count one probe (`GET /health`, or SGLang's `/health_generate` or `/model_info`)."""
         with self._cond:
             self._health_checks += 1
+            self._cond.notify_all()  # `wait_for` may be waiting on the count
 
     @property
     def health_checks(self) -> int:
-        """How many `GET /health` requests arrived."""
+        """How many probes (`GET /health`, SGLang's `/health_generate` and `/model_info`) arrived."""
         with self._cond:
             return self._health_checks
+
+    def scheduler_mark(self) -> tuple[float, int]:
+        """Where the scheduler is now (time, stepped scheduler's steps so far), for `scheduler_answered`."""
+        with self._cond:
+            return time.monotonic(), self.stepper.steps_run if self.stepper is not None else 0
+
+    def scheduler_answered(self, mark: tuple[float, int]) -> bool:
+        """Whether a one-token health generation submitted at `mark` has scheduler output by now,
+        as SGLang judges it (`health_generate` in `python/sglang/srt/entrypoints/http_server.py`:
+        any output reaching the tokenizer manager after the submission counts; a busy scheduler
+        defers the health request and answers it with the outputs of its next forward step,
+        `return_health_check_ct` in `python/sglang/srt/managers/scheduler.py`; an idle one runs it).
+
+        Per-request timing: some request produced output since `mark`, or no admitted request is
+        in its prefill now (the scheduler is free to run the health request: it answers at once).
+        A long prefill with nothing else producing output holds the answer back until it ends.
+        Stepped scheduler: a step ended since `mark`, or the scheduler is idle.
+        """
+        since, steps = mark
+        with self._cond:
+            if self._last_output_at > since:
+                return True
+            if self.stepper is not None:
+                stepper = self.stepper
+                return stepper.steps_run > steps or (not stepper.running and stepper.waiting_count == 0)
+            return all(active.prefill_done for active in self._active.values())
 
     def note_idle_reset(self) -> None:
         """Count one request reset on a connection dropped idle (`idle_close_unannounced`)."""
