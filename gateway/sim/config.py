@@ -239,7 +239,10 @@ class SimConfig(BaseModel):
     """KV-cache memory of the worker in tokens; None = no prefix cache (cached_tokens always 0)
     and KV usage = tokens of running requests / `max_context_tokens`."""
     kv_block_tokens: int = Field(default=16, gt=0)
-    """Tokens per cache block (vLLM's default block size is 16)."""
+    """Tokens per cache block. Cached tokens are reported in whole blocks, as vLLM reports them
+    (`num_cached_tokens` is hit blocks x block size): its default block size is 16 on GPU, 128 on
+    CPU (`vllm/platforms/cpu.py`) and on Ascend (vllm-ascend's platform). SGLang's radix cache
+    matches per page (`--page-size`, 1 by default on most attention backends): 1 imitates it."""
     kv_usage_includes_cache: bool = False
     """False (what vLLM and SGLang report): KV usage counts tokens of running requests only, as
     cached blocks nobody uses are free to evict. True: cached blocks count too."""

@@ -249,7 +249,7 @@ class ResponsesServer:
                         response_id: str) -> None:
         """Admission, prefill, the answer (JSON or events) and the store, for a request checked above."""
         max_context = engine.config.max_context_tokens
-        keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens])
+        keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens], engine.cache_partition(body))
         step = sc.next_step(engine.script, "responses", body)
         output_tokens = limit if limit is not None else engine.config.default_output_tokens
         if step is not None:

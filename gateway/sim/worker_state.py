@@ -307,11 +307,30 @@ class SimWorkerState:
 
     # --- prefix cache and latency model ------------------------------------------------------
 
-    def prompt_keys(self, kind: str, body: dict[str, Any], prompt_tokens: list[int]) -> list[PromptKey]:
-        """The prefix-cache keys of a validated request's prompts ([] without a prefix cache)."""
+    def cache_partition(self, body: dict[str, Any]) -> str | None:
+        """What keeps a request's prefix-cache entries apart from other requests' with the same
+        model and prompt, as this engine reads it from the body (None: nothing).
+
+        vLLM family: `cache_salt` (chat, completions, Responses; a non-empty string, which their
+        `protocol.py` requires), mixed into the first block's hash by `generate_block_hash_extra_keys`
+        in `vllm/v1/core/kv_cache_utils.py`, so no block of a salted prompt matches another salt's or
+        an unsalted one's. SGLang: `cache_salt` and `extra_key` joined in that order
+        (`OpenAIServingBase._compute_extra_key` in
+        `python/sglang/srt/entrypoints/openai/serving_base.py`), the `extra_key` its radix cache
+        matches on beside the tokens. A field that is not a non-empty string counts as absent.
+        """
+        names = ("cache_salt", "extra_key") if self.config.engine == "sglang" else ("cache_salt",)
+        parts = [value for name in names if isinstance(value := body.get(name), str) and value]
+        return "".join(parts) if parts else None
+
+    def prompt_keys(self, kind: str, body: dict[str, Any], prompt_tokens: list[int],
+                    partition: str | None = None) -> list[PromptKey]:
+        """The prefix-cache keys of a validated request's prompts ([] without a prefix cache), in
+        the cache `partition` (`cache_partition`; None: the model's own)."""
         if self.kv is None:
             return []
-        return prompt_keys(kind, body, prompt_tokens, self.config, self._hash_seed)
+        seed = self._hash_seed if partition is None else seed_for(f"{self.config.model_name}\x00{partition}")
+        return prompt_keys(kind, body, prompt_tokens, self.config, seed)
 
     def prefill_seconds(self, active: ActiveRequest) -> float:
         """Time to first token of an admitted request (seconds): `ttft_s`, plus its uncached
