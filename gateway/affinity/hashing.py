@@ -3,6 +3,8 @@
 A prompt becomes canonical bytes (per message: role, then text; an image as a digest of its URL
 or data URI, never the base64 itself), cut into blocks of `block_bytes`. Block i's hash covers
 every byte up to its end: h_i = xxh3_64(canonical[0:(i+1) * block_bytes], seed=xxh3_64(model)),
+where a request's cache partition, when it has one (`partition_seed_bytes`), joins the model in the
+seed, so differently salted prompts share no block hash, as they share no cache entry in the engine,
 taken from one streaming xxh3 state fed up to each sampled block's end (XXH3's streaming digest
 equals the one-shot digest of what it was fed), so hashing costs one pass over the bytes plus
 one digest per sampled block, not a Python step per block. Equal h_i means an equal prompt up to
@@ -67,6 +69,16 @@ def sampled_positions(n_blocks: int, dense: int, per_octave: int) -> list[int]:
     return positions
 
 
+def partition_seed_bytes(model: str, partition: str | None) -> bytes:
+    """What seeds a prompt's block hashes: the model name, then, for a request whose prefix-cache
+    entries the engine keeps apart (`gateway.routing.features.cache_partition`), a separator and that
+    partition. The model name alone when `partition` is None, so unsalted hashes stay as they were."""
+    base = model.encode("utf-8", "surrogatepass")
+    if partition is None:
+        return base
+    return base + b"\x00partition:" + partition.encode("utf-8", "surrogatepass")
+
+
 class PrefixHasher:
     """Canonical bytes and sampled chained hashes, parameterised by an AffinityConfig."""
 
@@ -75,12 +87,13 @@ class PrefixHasher:
         self.dense = config.dense_blocks
         self.per_octave = config.blocks_per_octave
 
-    def hash(self, canonical: bytes, model: str) -> PrefixKey:
-        """Sampled chained block hashes of `canonical` seeded with `model`."""
+    def hash(self, canonical: bytes, model: str, partition: str | None = None) -> PrefixKey:
+        """Sampled chained block hashes of `canonical` seeded with `model` and the request's cache
+        `partition` (`partition_seed_bytes`; None: none)."""
         size = self.block_bytes
         wanted = _positions(-(-len(canonical) // size), self.dense, self.per_octave)
         view = memoryview(canonical)
-        state = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(model.encode()))
+        state = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(partition_seed_bytes(model, partition)))
         hashes, fed = [], 0
         for p in wanted:  # ascending block positions
             end = (p + 1) * size

@@ -31,6 +31,26 @@ older releases answered "The model does not support Embeddings API"), SGLang emb
 `--is-embedding` (`python/sglang/srt/entrypoints/http_server.py`), llama.cpp's server only with
 `--embeddings` / `--reranking` (`tools/server/server.cpp`). A generative Kimi K3 pool serves none of
 them, so a pool that does lists them in its `apis` (`PoolConfig.apis`).
+
+Health probes (`EngineSpec.probe`, the table `PROBES` below; `gateway/backends/health.py` uses it,
+and deployment probes can read it): each kind is probed on an endpoint that answers at once without
+running a generation, so a worker busy with a long prefill stays healthy.
+
+- vllm, ascend: `/health`, answers at once. `EngineClient.check_health()`: the engine core process
+  is alive, no generation; 503 once it died (`vllm/entrypoints/serve/instrumentator/health.py`).
+- sglang: `/model_info`, answers at once: the tokenizer manager's model facts, no scheduler round
+  trip (`python/sglang/srt/entrypoints/http_server.py` `model_info`).
+- llamacpp: `/health`, answers at once: 200 once the model is loaded, 503 while it loads
+  (`tools/server/server.cpp`).
+
+SGLang's own `/health` is `/health_generate` (unless the engine runs with
+`SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`, `python/sglang/srt/environ.py`): it submits a
+one-token generation (`input_ids=[0]`, `max_new_tokens=1`) and polls once a second for any output
+of the scheduler after it started, so it never answers in under 1 s, and answers 503 after
+`SGLANG_HEALTH_CHECK_TIMEOUT` (20 s) without output: a busy scheduler answers it only at the end of
+its current forward step, so a long prefill step fails it. `/get_model_info` is a deprecated alias
+of `/model_info` that logs a warning per call; `/server_info` (`/get_server_info`) asks the
+scheduler for its internal state, so it waits for the current step too. SGLang has no `/ready`.
 """
 
 from __future__ import annotations
@@ -42,11 +62,39 @@ from gateway.dialects.names import APIS, CHAT, COMPLETIONS, POOLING_APIS
 
 
 @dataclass(frozen=True, slots=True)
+class HealthProbe:
+    """How one engine kind is probed for health (the module docstring's table).
+
+    `path` is the endpoint (GET, 200 = healthy); `latency_s` how long the engine itself takes to
+    answer it when healthy (seconds; 0 = at once), added to `health.timeout` (`timeout`); `source`
+    the engine file its behaviour is read from.
+    """
+
+    path: str
+    latency_s: float
+    source: str
+
+    def timeout(self, configured: float) -> float:
+        """The probe's deadline (seconds): the configured `health.timeout` plus the engine's own
+        answer time."""
+        return configured + self.latency_s
+
+
+PROBES: dict[str, HealthProbe] = {
+    "vllm": HealthProbe("/health", 0.0, "vllm/entrypoints/serve/instrumentator/health.py"),
+    "ascend": HealthProbe("/health", 0.0, "vllm/entrypoints/serve/instrumentator/health.py"),
+    "sglang": HealthProbe("/model_info", 0.0, "python/sglang/srt/entrypoints/http_server.py"),
+    "llamacpp": HealthProbe("/health", 0.0, "tools/server/server.cpp"),
+}
+"""Engine kind -> its health probe (module docstring)."""
+
+
+@dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """Per-engine facts: health path, load metric names, context-error wordings (lower case)."""
+    """Per-engine facts: health probe, load metric names, context-error wordings (lower case)."""
 
     kind: EngineKind
-    health_path: str
+    probe: HealthProbe
     running_metric: str | None
     waiting_metric: str | None
     kv_usage_metrics: tuple[str, ...]  # first one present wins (renamed across engine versions)
@@ -85,18 +133,18 @@ _VLLM_TOO_LONG = (
 _VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 ENGINES: dict[str, EngineSpec] = {
-    "vllm": EngineSpec("vllm", "/health", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm": EngineSpec("vllm", PROBES["vllm"], "vllm:num_requests_running", "vllm:num_requests_waiting",
                        _VLLM_KV, _VLLM_TOO_LONG),
-    "ascend": EngineSpec("ascend", "/health", "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "ascend": EngineSpec("ascend", PROBES["ascend"], "vllm:num_requests_running", "vllm:num_requests_waiting",
                          _VLLM_KV, _VLLM_TOO_LONG),
-    "sglang": EngineSpec("sglang", "/health", "sglang:num_running_reqs", "sglang:num_queue_reqs",
+    "sglang": EngineSpec("sglang", PROBES["sglang"], "sglang:num_running_reqs", "sglang:num_queue_reqs",
                          ("sglang:token_usage",), (
                              "longer than the model's context length",  # "The input (N tokens) is longer than ..."
                              "exceeds the model's maximum context length",
                              "maximum context length",
                          ), context_slack_tokens=1, messages_cache_in_input=True),
     # llama.cpp's server (xllamacpp 2026.10) exports no KV usage gauge.
-    "llamacpp": EngineSpec("llamacpp", "/health", "llamacpp:requests_processing",
+    "llamacpp": EngineSpec("llamacpp", PROBES["llamacpp"], "llamacpp:requests_processing",
                            "llamacpp:requests_deferred", (), (
                                "exceed_context_size_error",
                                "exceeds the available context size",

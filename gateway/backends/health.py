@@ -1,4 +1,6 @@
-"""Active health probes: every worker's engine health path, on an interval, in the background."""
+"""Active health probes: every worker's engine probe endpoint (`engine_kinds.PROBES`: one that
+answers at once without generating, e.g. SGLang's `/model_info`, not its generating `/health`), on an
+interval, in the background."""
 
 from __future__ import annotations
 
@@ -26,9 +28,11 @@ log = logging.getLogger("gateway.health")
 
 
 class HealthChecker(FollowsWorkers[Worker]):
-    """Probes each worker every `interval` s, each on its own loop (a slow worker delays no other).
+    """Probes each worker every `interval` s, each on its own loop (a slow worker delays no other),
+    on its engine kind's probe endpoint (`EngineSpec.probe`).
 
-    A probe fails on a non-200, on no complete answer within `timeout` s (connect, headers and
+    A probe fails on a non-200, on no complete answer within `timeout` s plus the endpoint's own
+    answer time (`HealthProbe.timeout`; connect, headers and
     body together), on a body over `max_body_bytes`, or on a transport error; the failure's real
     cause (e.g. a host name that does not resolve, a refused connection, a refused key) becomes
     the worker's `last_error`. Probes carry the pool's `api_key`. A worker that passes a probe is
@@ -78,9 +82,9 @@ class HealthChecker(FollowsWorkers[Worker]):
         """One probe; updates the worker's state and metrics; returns the verdict."""
         reason: str | None = None
         try:
-            answer = await control_get(self.client, worker.url + worker.engine.health_path,
-                                       self.headers.get(worker.pool, {}), self.config.timeout,
-                                       self.config.max_body_bytes)
+            probe = worker.engine.probe
+            answer = await control_get(self.client, worker.url + probe.path, self.headers.get(worker.pool, {}),
+                                       probe.timeout(self.config.timeout), self.config.max_body_bytes)
             if answer.status in (401, 403):
                 reason = (f"health probe answered HTTP {answer.status}: the worker refused the pool's "
                           "credentials (check the pool's api_key)")

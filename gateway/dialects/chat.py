@@ -20,6 +20,7 @@ from gateway.protocol.openai import PART_MODALITY, AudioURLPart, ChatCompletionR
 from gateway.routing.features import (
     METHOD_ORDER,
     RoutingRequest,
+    cache_partition,
     completions_per_prompt,
     engine_output_limit,
     forced_output,
@@ -171,7 +172,7 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
     tokens += estimator.utf8_tokens(b"".join(texts))
     output = output_limit(wire)
     method = "+".join(sorted(methods, key=METHOD_ORDER.index))
-    prefix = hasher.hash(b"".join(canonical), model) if hasher is not None else None
+    prefix = hasher.hash(b"".join(canonical), model, cache_partition(extra)) if hasher is not None else None
     return RoutingRequest(
         api=CHAT, model=model, prompt_tokens=tokens, output_tokens=output, stream=bool(wire.stream),
         modalities=frozenset(modalities), estimate_method=method,

@@ -19,6 +19,7 @@ from gateway.errors import InvalidRequest
 from gateway.protocol.openai import CompletionRequest
 from gateway.routing.features import (
     RoutingRequest,
+    cache_partition,
     completions_per_prompt,
     engine_output_limit,
     forced_output,
@@ -96,7 +97,7 @@ def completion_features(wire: CompletionRequest, model: str, estimator: TokenEst
         first, method = _ids_bytes(prompt[0]), "token_ids"  # type: ignore[arg-type]
         lengths = [len(p) for p in prompt]  # type: ignore[arg-type]
         tokens, total, prompts = max(lengths), sum(lengths), len(lengths)
-    prefix = hasher.hash(first, model) if hasher is not None else None
+    prefix = hasher.hash(first, model, cache_partition(wire.model_extra)) if hasher is not None else None
     return RoutingRequest(
         api=COMPLETIONS, model=model, prompt_tokens=tokens, output_tokens=output_limit(wire),
         stream=bool(wire.stream), modalities=frozenset({"text"}), estimate_method=method,

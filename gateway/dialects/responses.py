@@ -19,7 +19,13 @@ from gateway.dialects.chat import chat_counts
 from gateway.dialects.names import RESPONSES, Api
 from gateway.errors import InvalidRequest
 from gateway.protocol.responses import TERMINAL_EVENTS, ResponsesRequest, chat_usage, item_text_and_images
-from gateway.routing.features import METHOD_ORDER, RoutingRequest, forced_output, session_hint
+from gateway.routing.features import (
+    METHOD_ORDER,
+    RoutingRequest,
+    cache_partition,
+    forced_output,
+    session_hint,
+)
 from gateway.routing.tokens import TokenEstimator
 
 
@@ -138,7 +144,7 @@ def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstim
         canonical.append(canonical_message(role, parts))
     tokens += estimator.utf8_tokens(b"".join(texts_all))
     method = "+".join(sorted(methods, key=METHOD_ORDER.index))
-    prefix = hasher.hash(b"".join(canonical), model) if hasher is not None else None
+    prefix = hasher.hash(b"".join(canonical), model, cache_partition(wire.model_extra)) if hasher is not None else None
     return RoutingRequest(
         api=RESPONSES, model=model, prompt_tokens=tokens, output_tokens=wire.max_output_tokens,
         stream=bool(wire.stream), modalities=frozenset(modalities), estimate_method=method,

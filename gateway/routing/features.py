@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import xxhash
 
 from gateway.affinity.hashing import PrefixKey
@@ -130,6 +131,30 @@ def forced_output(extra: Mapping[str, Any] | None) -> int:
     if type(value) is float and value.is_integer():
         value = int(value)
     return value if type(value) is int and value > 0 else 0
+
+
+CACHE_PARTITION_FIELDS = ("cache_salt", "extra_key")
+"""The body fields that keep a request's prefix-cache entries apart from other requests' with the
+same model and prompt: `cache_salt`, which vLLM reads on chat, completions and Responses (their
+`protocol.py`: a non-empty string, else 400) and mixes into the hash of the prompt's first block
+(`generate_block_hash_extra_keys` in `vllm/v1/core/kv_cache_utils.py`), so every later block's
+chained hash differs too; and SGLang's `cache_salt` and `extra_key` (strings; its
+`OpenAIServingBase._compute_extra_key` in `python/sglang/srt/entrypoints/openai/serving_base.py`
+joins them into the request's `extra_key`, which its radix cache matches on beside the tokens).
+The model (and a LoRA adapter, which is the request's model) and the images already seed or enter
+the canonical prompt."""
+
+
+def cache_partition(extra: Mapping[str, Any] | None) -> str | None:
+    """The request's prefix-cache partition (`CACHE_PARTITION_FIELDS`) as one string, None for none:
+    the JSON object of each field that is a non-empty string, by its name, so salt "ab" and salt
+    "a" with extra_key "b" stay apart (vLLM ignores `extra_key`; keeping them apart costs at worst a
+    missed affinity on SGLang, never an affinity to a cache entry the engine keeps apart). A field
+    of another type is ignored here (the engine judges it)."""
+    if not extra:
+        return None
+    parts = {name: value for name in CACHE_PARTITION_FIELDS if isinstance(value := extra.get(name), str) and value}
+    return orjson.dumps(parts).decode() if parts else None
 
 
 ENGINE_OUTPUT_FIELD = "n_predict"

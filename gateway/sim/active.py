@@ -14,8 +14,8 @@ class ActiveRequest:
     `cached_tokens` of its `prompt_tokens` were found in the prefix cache at admission; `leases`
     are its holds on the cache (one per prompt; empty without a prefix cache). `generated` counts
     output tokens (all its prompts together). `admitted_at` is when the engine first admitted it
-    (`time.monotonic()` seconds: out of the wait queue, its prefill may start; None until then).
-    Compared by identity.
+    (`time.monotonic()` seconds: out of the wait queue, its prefill may start; None until then);
+    `prefill_done` turns True when its prefill ends (per-request timing). Compared by identity.
     """
 
     prompt_tokens: int
@@ -23,6 +23,7 @@ class ActiveRequest:
     cached_tokens: int = 0
     leases: list[CacheLease] = field(default_factory=list)
     admitted_at: float | None = None
+    prefill_done: bool = False
 
     @property
     def prefill_tokens(self) -> int:

@@ -8,8 +8,11 @@ Engine endpoints:
                        with `pooling` only: the pooling APIs in vLLM's shapes (`gateway.sim.pooling`)
     POST /v1/messages, POST /v1/messages/count_tokens Anthropic's Messages API (`gateway.sim.anthropic`;
                                                       api_version "current" only, as the engines added it in 2026)
-    GET /health        200 with an empty body (or never answers with the `hang_health` or `black_hole` fault;
-                       trickles or never ends with `health_body`)
+    GET /health        vLLM family: 200 with an empty body at once. SGLang: its generating health check
+                       (also at /health_generate): 200 or 503 after at least `health_generate_poll_s`
+                       (`SimApp._health_generate`). Never answers with the `hang_health` or `black_hole`
+                       fault; trickles or never ends with `health_body`
+    GET /model_info    SGLang only (also at /get_model_info): the model's facts at once, the probe faults apply
     GET /v1/models     OpenAI model list with the served names, then the loaded LoRA adapters (`parent` set)
     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
                        vLLM family with `runtime_lora_updating` only: vLLM's runtime LoRA loading
@@ -52,6 +55,7 @@ PD side channels (workers with a `pd_role`, see `gateway.sim.pd`):
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -126,6 +130,10 @@ class SimApp:
             self._routes[("POST", "/v1/load_lora_adapter")] = self._load_lora
             self._routes[("POST", "/v1/unload_lora_adapter")] = self._unload_lora
         if engine.config.engine == "sglang":
+            for path in ("/health", "/health_generate"):
+                self._routes[("GET", path)] = self._health_generate
+            for path in ("/model_info", "/get_model_info"):
+                self._routes[("GET", path)] = self._model_info
             self._routes[("POST", "/load_lora_adapter")] = self._sglang_load_lora
             self._routes[("POST", "/unload_lora_adapter")] = self._sglang_unload_lora
         if engine.config.pooling:
@@ -309,19 +317,63 @@ class SimApp:
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         await render.tokenize(self.engine, scope, receive, send)
 
-    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _probe_faults(self, receive: Receive, send: Send) -> bool:
+        """Count a probe and play the probe faults (`hang_health`, `health_body`, `black_hole`);
+        True when a fault answered (or the client left), so the endpoint must not."""
         self.engine.note_health_check()
         faults = self.engine.faults
         if faults.health_body != "normal" and not faults.black_hole:
             await self._hostile_body(faults.health_body, receive, send)
-            return
+            return True
         if faults.hang_health or faults.black_hole:
             async with DisconnectWatch(receive) as watch:
                 try:
                     await watch.until_disconnected()
                 except ClientDisconnected:
-                    return
-        await send_bytes(send, 200, b"", headers=[])
+                    return True
+        return False
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not await self._probe_faults(receive, send):
+            await send_bytes(send, 200, b"", headers=[])
+
+    async def _health_generate(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """SGLang's `/health` and `/health_generate` (`health_generate` in
+        `python/sglang/srt/entrypoints/http_server.py`): submit a one-token generation, then look
+        every `health_generate_poll_s` (SGLang: 1 s) for scheduler output since the submission
+        (`SimWorkerState.scheduler_answered`); 200 (empty body) at the first look that finds it,
+        503 (empty body) once `health_generate_timeout_s` (`SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s)
+        passed without. So it never answers before the first look, and fails while one long
+        prefill keeps the scheduler from producing output."""
+        if await self._probe_faults(receive, send):
+            return
+        config = self.engine.config
+        mark = self.engine.scheduler_mark()
+        deadline = time.monotonic() + config.health_generate_timeout_s
+        async with DisconnectWatch(receive) as watch:
+            try:
+                while time.monotonic() < deadline:
+                    await watch.sleep(config.health_generate_poll_s)
+                    if self.engine.scheduler_answered(mark):
+                        await send_bytes(send, 200, b"", headers=[])
+                        return
+            except ClientDisconnected:
+                return
+        await send_bytes(send, 503, b"", headers=[])
+
+    async def _model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """SGLang's `/model_info` (and its deprecated alias `/get_model_info`): the tokenizer
+        manager's facts about the model, answered at once without the scheduler (`model_info` in
+        `python/sglang/srt/entrypoints/http_server.py`). The probe faults apply."""
+        if await self._probe_faults(receive, send):
+            return
+        name = self.engine.config.model_name
+        await send_json(send, 200, {
+            "model_path": name, "tokenizer_path": name, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": None, "architectures": None,
+        })
 
     async def _models(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.engine.note_models_read()

@@ -63,8 +63,9 @@ class SimFaults(BaseModel):
       `fail_headers` any others (e.g. the `x-ratelimit-*` of a rate-limiting proxy in front).
     - `hang_before_headers`: accept the request but never send headers (the request is recorded as
       aborted once the client gives up).
-    - `hang_health`: `GET /health` accepts the connection but never answers.
-    - `health_body` / `metrics_body`: how `GET /health` / `GET /metrics` send their body:
+    - `hang_health`: `GET /health` (and SGLang's other probe endpoints, `/health_generate` and
+      `/model_info`) accepts the connection but never answers.
+    - `health_body` / `metrics_body`: how the probe endpoints / `GET /metrics` send their body:
       "normal"; "trickle" (200 headers, then one byte every `trickle_interval_s` seconds, never
       ending); "endless" (200 headers, then 64 KiB writes as fast as the client reads, never
       ending). Both stop when the client leaves (hostile-endpoint tests of probes and scrapes).
@@ -243,7 +244,10 @@ class SimConfig(BaseModel):
     """KV-cache memory of the worker in tokens; None = no prefix cache (cached_tokens always 0)
     and KV usage = tokens of running requests / `max_context_tokens`."""
     kv_block_tokens: int = Field(default=16, gt=0)
-    """Tokens per cache block (vLLM's default block size is 16)."""
+    """Tokens per cache block. Cached tokens are reported in whole blocks, as vLLM reports them
+    (`num_cached_tokens` is hit blocks x block size): its default block size is 16 on GPU, 128 on
+    CPU (`vllm/platforms/cpu.py`) and on Ascend (vllm-ascend's platform). SGLang's radix cache
+    matches per page (`--page-size`, 1 by default on most attention backends): 1 imitates it."""
     kv_usage_includes_cache: bool = False
     """False (what vLLM and SGLang report): KV usage counts tokens of running requests only, as
     cached blocks nobody uses are free to evict. True: cached blocks count too."""
@@ -269,6 +273,13 @@ class SimConfig(BaseModel):
     """"engine": what the engine itself guards with `--api-key`: vLLM and vllm-ascend only paths
     under `/v1`, SGLang every path but `/health*` and `/metrics*`. "all": every path, as an
     authenticating proxy in front of the engine would."""
+    health_generate_poll_s: float = Field(default=1.0, gt=0.0)
+    """SGLang: how often its generating `/health` (`/health_generate`) looks for scheduler output,
+    seconds: SGLang's handler sleeps 1 s per look (`python/sglang/srt/entrypoints/http_server.py`
+    `health_generate`), so it never answers in under a second. Tests shorten it."""
+    health_generate_timeout_s: float = Field(default=20.0, gt=0.0)
+    """SGLang: how long its generating `/health` waits for scheduler output before answering 503,
+    seconds (`SGLANG_HEALTH_CHECK_TIMEOUT`, 20 s)."""
     keep_records: bool = True
     """False: store no `SimRequestRecord`s (memory stays flat on long benchmarks); the counters
     of `GET /sim/stats` and `/metrics` are kept either way."""

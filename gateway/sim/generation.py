@@ -361,7 +361,8 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
                                                                   stream and anthropic is None))
             return
     try:
-        plan = replace(plan, keys=tuple(engine.prompt_keys(kind, body, plan.prompt_tokens)))
+        keys = engine.prompt_keys(kind, body, plan.prompt_tokens, engine.cache_partition(body))
+        plan = replace(plan, keys=tuple(keys))
         if engine.pd is not None:
             leg = PdLeg.start(engine, record, kind, body, len(plan.prompt_tokens), scope)
             if isinstance(leg, ErrorReply):

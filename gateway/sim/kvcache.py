@@ -6,7 +6,10 @@ Model (after vLLM's automatic prefix caching and SGLang's radix cache, at block 
   cut into blocks of `block_bytes` bytes = `block_tokens` tokens. Block i of a prompt is named by a
   chained hash h_i = H(h_{i-1} || block_i), so equal hashes mean equal prompts up to the end of the
   block. H is xxh3_64 with the previous hash as seed when `xxhash` is installed, else blake2b with
-  an 8-byte digest (~4x slower).
+  an 8-byte digest (~4x slower). The chain's seed h_{-1} comes from the model name and the
+  request's cache partition (its `cache_salt`, and on SGLang its `extra_key`:
+  `SimWorkerState.cache_partition`), so differently salted prompts share no block, as in vLLM,
+  which mixes the salt into the first block's hash.
 - A request's cached tokens = leading blocks found in the cache x `block_tokens`, stopping at the
   first miss. Like vLLM, the last prompt token is always recomputed: only blocks that end before
   it can hit, so a fully cached, block-aligned prompt still prefills its last block.
@@ -85,7 +88,7 @@ def short_digest(data: bytes) -> bytes:
 
 def seed_for(name: str) -> int:
     """A stable 64-bit seed from a name (e.g. the served model), so chains differ per model."""
-    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 @dataclass(frozen=True, slots=True)

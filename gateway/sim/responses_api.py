@@ -279,7 +279,7 @@ class ResponsesServer:
                         response_id: str) -> None:
         """Admission, prefill, the answer (JSON or events) and the store, for a request checked above."""
         max_context = engine.config.max_context_tokens
-        keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens])
+        keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens], engine.cache_partition(body))
         step = sc.next_step(engine.script, "responses", body)
         eos_after = engine.config.eos_after_tokens  # the model's own end, under any limit
         if step is not None:

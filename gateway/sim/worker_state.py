@@ -170,6 +170,8 @@ class SimWorkerState:
         self._hit_rate = HitRateWindow()
         self._finished: Counter[str] = Counter()
         self._health_checks = 0
+        self._last_output_at = 0.0
+        """When a running request last produced output (`time.monotonic()` s; per-request timing)."""
         self._idle_resets = 0
         self._models_reads = 0
         self._hash_seed = seed_for(config.model_name)
@@ -305,11 +307,30 @@ class SimWorkerState:
 
     # --- prefix cache and latency model ------------------------------------------------------
 
-    def prompt_keys(self, kind: str, body: dict[str, Any], prompt_tokens: list[int]) -> list[PromptKey]:
-        """The prefix-cache keys of a validated request's prompts ([] without a prefix cache)."""
+    def cache_partition(self, body: dict[str, Any]) -> str | None:
+        """What keeps a request's prefix-cache entries apart from other requests' with the same
+        model and prompt, as this engine reads it from the body (None: nothing).
+
+        vLLM family: `cache_salt` (chat, completions, Responses; a non-empty string, which their
+        `protocol.py` requires), mixed into the first block's hash by `generate_block_hash_extra_keys`
+        in `vllm/v1/core/kv_cache_utils.py`, so no block of a salted prompt matches another salt's or
+        an unsalted one's. SGLang: `cache_salt` and `extra_key` joined in that order
+        (`OpenAIServingBase._compute_extra_key` in
+        `python/sglang/srt/entrypoints/openai/serving_base.py`), the `extra_key` its radix cache
+        matches on beside the tokens. A field that is not a non-empty string counts as absent.
+        """
+        names = ("cache_salt", "extra_key") if self.config.engine == "sglang" else ("cache_salt",)
+        parts = [value for name in names if isinstance(value := body.get(name), str) and value]
+        return "".join(parts) if parts else None
+
+    def prompt_keys(self, kind: str, body: dict[str, Any], prompt_tokens: list[int],
+                    partition: str | None = None) -> list[PromptKey]:
+        """The prefix-cache keys of a validated request's prompts ([] without a prefix cache), in
+        the cache `partition` (`cache_partition`; None: the model's own)."""
         if self.kv is None:
             return []
-        return prompt_keys(kind, body, prompt_tokens, self.config, self._hash_seed)
+        seed = self._hash_seed if partition is None else seed_for(f"{self.config.model_name}\x00{partition}")
+        return prompt_keys(kind, body, prompt_tokens, self.config, seed)
 
     def prefill_seconds(self, active: ActiveRequest) -> float:
         """Time to first token of an admitted request (seconds): `ttft_s`, plus its uncached
@@ -443,6 +464,8 @@ class SimWorkerState:
             if id(active) not in self._active:
                 return
             self._totals.prefill_tokens += active.prefill_tokens
+            active.prefill_done = True
+            self._last_output_at = time.monotonic()  # the first token leaves with the prefill
             if self.kv is not None:
                 for lease in active.leases:
                     self.kv.commit(lease)
@@ -454,6 +477,7 @@ class SimWorkerState:
         with self._cond:
             active.generated += tokens
             self._totals.generated_tokens += tokens
+            self._last_output_at = time.monotonic()
             if self.kv is not None and active.leases:
                 self.kv.grow(active.leases[0], tokens)
             self._cond.notify_all()
@@ -536,15 +560,42 @@ class SimWorkerState:
     # --- health and statistics ----------------------------------------------------------------
 
     def note_health_check(self) -> None:
-        """Count one `GET /health`."""
+        """Count one probe (`GET /health`, or SGLang's `/health_generate` or `/model_info`)."""
         with self._cond:
             self._health_checks += 1
+            self._cond.notify_all()  # `wait_for` may be waiting on the count
 
     @property
     def health_checks(self) -> int:
-        """How many `GET /health` requests arrived."""
+        """How many probes (`GET /health`, SGLang's `/health_generate` and `/model_info`) arrived."""
         with self._cond:
             return self._health_checks
+
+    def scheduler_mark(self) -> tuple[float, int]:
+        """Where the scheduler is now (time, stepped scheduler's steps so far), for `scheduler_answered`."""
+        with self._cond:
+            return time.monotonic(), self.stepper.steps_run if self.stepper is not None else 0
+
+    def scheduler_answered(self, mark: tuple[float, int]) -> bool:
+        """Whether a one-token health generation submitted at `mark` has scheduler output by now,
+        as SGLang judges it (`health_generate` in `python/sglang/srt/entrypoints/http_server.py`:
+        any output reaching the tokenizer manager after the submission counts; a busy scheduler
+        defers the health request and answers it with the outputs of its next forward step,
+        `return_health_check_ct` in `python/sglang/srt/managers/scheduler.py`; an idle one runs it).
+
+        Per-request timing: some request produced output since `mark`, or no admitted request is
+        in its prefill now (the scheduler is free to run the health request: it answers at once).
+        A long prefill with nothing else producing output holds the answer back until it ends.
+        Stepped scheduler: a step ended since `mark`, or the scheduler is idle.
+        """
+        since, steps = mark
+        with self._cond:
+            if self._last_output_at > since:
+                return True
+            if self.stepper is not None:
+                stepper = self.stepper
+                return stepper.steps_run > steps or (not stepper.running and stepper.waiting_count == 0)
+            return all(active.prefill_done for active in self._active.values())
 
     def note_idle_reset(self) -> None:
         """Count one request reset on a connection dropped idle (`idle_close_unannounced`)."""

@@ -3,6 +3,7 @@ deadlocked engine that accepts connections but never answers its health check.""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -183,3 +184,66 @@ def test_quick_hang_ups_and_hang_ups_on_a_busy_worker_eject_nobody(start_sim: St
         assert waited.result() >= 0.9
     gw.wait_until_idle()
     assert _state(gw, "p/0") == "healthy"
+
+
+# SGLang's generating /health, shortened: it looks for scheduler output every 0.05 s and gives up
+# (503) after 0.5 s; a 40,000-token prompt at 1,000 tokens/s keeps the scheduler in one prefill
+# for 40 s, far longer than any step of these tests (the client leaves early to end it).
+SGLANG_HEALTH = {"health_generate_poll_s": 0.05, "health_generate_timeout_s": 0.5, "prefill_tokens_per_s": 1000.0}
+LONG_PROMPT = {**CHAT, "messages": [{"role": "user", "content": "word " * 32000}], "stream": True}
+
+
+def _hold_a_long_prefill(url: str, leave: threading.Event) -> None:
+    """Stream a long-prefill request to a simulated engine (which sends its headers at once) until
+    `leave` is set, then hang up, which ends the prefill."""
+    with httpx.stream("POST", url + "/chat/completions", json=LONG_PROMPT, timeout=60) as response:
+        assert response.status_code == 200
+        leave.wait(60)
+
+
+def test_sglang_sim_health_runs_a_generation_and_model_info_answers_at_once(start_sim: StartSim) -> None:
+    """The simulator's SGLang imitates 0.5.23: `/health` (= `/health_generate`) waits for scheduler
+    output, so it fails while one long prefill holds the scheduler; `/model_info` answers at once."""
+    sim = start_sim("sglang", **SGLANG_HEALTH)
+    idle = httpx.get(sim.url + "/health", timeout=10)
+    assert idle.status_code == 200 and idle.content == b""
+    assert idle.elapsed.total_seconds() >= 0.05  # at its first look, never before
+    assert httpx.get(sim.url + "/health_generate", timeout=10).status_code == 200
+    leave = threading.Event()
+    with ThreadPoolExecutor(1) as pool_:
+        held = pool_.submit(_hold_a_long_prefill, sim.url + "/v1", leave)
+        sim.engine.wait_for(lambda: sim.engine.stats().running == 1 or None, timeout=10)
+        try:
+            assert httpx.get(sim.url + "/health", timeout=10).status_code == 503
+            info = httpx.get(sim.url + "/model_info", timeout=10)
+            assert info.status_code == 200 and info.json()["model_path"] == "kimi-k3"
+            assert httpx.get(sim.url + "/get_model_info", timeout=10).json() == info.json()
+        finally:
+            leave.set()
+            held.result(timeout=30)
+    sim.engine.wait_for(lambda: sim.engine.stats().running == 0 or None, timeout=10)
+    assert httpx.get(sim.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_sglang_worker_busy_with_a_long_prefill_stays_healthy(start_sim: StartSim,
+                                                                start_gateway: StartGateway) -> None:
+    """The gateway probes SGLang on its instant `/model_info` (`engine_kinds.PROBES`), not on its
+    generating `/health`, which fails while a long prefill runs: the busy worker stays healthy. (The
+    long request goes to the worker directly: the gateway would hold its client's headers until the
+    first token, so the client could not leave early.)"""
+    busy = start_sim("sglang", **SGLANG_HEALTH)
+    gw = start_gateway([pool("p", "sglang", [busy.url], 131072)], health={"interval": 0.1, "timeout": 1.0},
+                       load={"enabled": False})
+    leave = threading.Event()
+    with ThreadPoolExecutor(1) as pool_:
+        held = pool_.submit(_hold_a_long_prefill, busy.url + "/v1", leave)
+        try:
+            busy.engine.wait_for(lambda: busy.engine.stats().running == 1 or None, timeout=10)
+            probes = busy.engine.health_checks
+            busy.engine.wait_for(lambda: busy.engine.health_checks >= probes + 4 or None, timeout=20)
+            assert httpx.get(busy.url + "/health", timeout=10).status_code == 503  # its own /health fails meanwhile
+            assert busy.engine.stats().running == 1  # (still in the prefill)
+            assert _state(gw, "p/0") == "healthy"
+        finally:
+            leave.set()
+            held.result(timeout=30)

@@ -33,7 +33,7 @@ def run_sim_cli(unused_port: int) -> Iterator[StartSimCli]:
                 stderr = proc.stderr.read().decode() if proc.stderr else ""
                 raise AssertionError(f"sim exited {proc.returncode}: {stderr}")
             try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:  # SGLang answers after its 1 s look
                     return url
             except httpx.TransportError:
                 pass

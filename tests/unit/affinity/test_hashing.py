@@ -10,7 +10,11 @@ import pytest
 from gateway.affinity.hashing import PrefixHasher, longest_match, sampled_positions
 from gateway.affinity.params import AffinityConfig
 from gateway.dialects.chat import chat_features
-from gateway.protocol.openai import ChatCompletionRequest
+from gateway.dialects.completions import completion_features
+from gateway.dialects.responses import responses_features
+from gateway.protocol.openai import ChatCompletionRequest, CompletionRequest
+from gateway.protocol.responses import ResponsesRequest
+from gateway.routing.features import cache_partition
 from gateway.routing.params import EstimationConfig
 from gateway.routing.tokens import TokenEstimator
 
@@ -89,3 +93,41 @@ def test_images_hash_by_digest_not_base64(shared_data: Path) -> None:
 def test_no_owner_no_match(owners: list[str | None]) -> None:
     key = HASHER.hash(b"a" * 3000, "m")
     assert longest_match(key, owners) == {}
+
+
+def test_cache_salt_partitions_the_hashes_on_every_api_that_takes_it() -> None:
+    """vLLM mixes `cache_salt` into the first block's hash (so every chained block differs) on chat,
+    completions and Responses; SGLang keys its radix cache on it and `extra_key`: a salted prompt
+    shares no block hash with the same prompt unsalted or under another salt."""
+    messages = [{"role": "user", "content": "A shared prompt. " * 400}]
+    plain = features(messages).prefix
+    salted = features(messages, cache_salt="tenant-a").prefix
+    again = features(messages, cache_salt="tenant-a").prefix
+    other = features(messages, cache_salt="tenant-b").prefix
+    assert plain and salted and other
+    assert salted == again
+    assert not set(salted.hashes) & set(plain.hashes) and not set(salted.hashes) & set(other.hashes)
+    # what the engine judges (an empty salt is vLLM's 400, SGLang's no salt; not a string is an error) is no salt
+    assert features(messages, cache_salt="").prefix == plain
+    assert features(messages, cache_salt=7).prefix == plain
+    # SGLang's extra_key partitions too, apart from the salt (tagged, not concatenated)
+    keyed = features(messages, extra_key="b").prefix
+    assert keyed and not set(keyed.hashes) & set(plain.hashes)
+    assert features(messages, cache_salt="a", extra_key="b").prefix != features(messages, cache_salt="ab").prefix
+
+    text = "A shared completion prompt. " * 400
+    completions = [completion_features(CompletionRequest.model_validate({"model": "m", "prompt": text, **salt}),
+                                       "m", ESTIMATOR, HASHER).prefix for salt in ({}, {"cache_salt": "s"})]
+    responses = [responses_features(ResponsesRequest.model_validate({"model": "m", "input": text, **salt}),
+                                    "m", ESTIMATOR, HASHER).prefix for salt in ({}, {"cache_salt": "s"})]
+    for unsalted, salted_key in (completions, responses):
+        assert unsalted and salted_key and not set(unsalted.hashes) & set(salted_key.hashes)
+
+
+def test_cache_partition_reads_non_empty_strings_only() -> None:
+    assert cache_partition(None) is None and cache_partition({}) is None
+    assert cache_partition({"cache_salt": "", "extra_key": None, "other": "x"}) is None
+    assert cache_partition({"cache_salt": "s"}) == '{"cache_salt":"s"}'
+    assert cache_partition({"cache_salt": "s", "extra_key": "k"}) == '{"cache_salt":"s","extra_key":"k"}'
+    # no partition seeds as before: an unsalted prompt keeps its hashes across this change
+    assert HASHER.hash(b"x" * 2000, "m", None) == HASHER.hash(b"x" * 2000, "m")
