@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.backends.engine_kinds import is_context_too_long
+from gateway.backends.engine_kinds import ENGINES, is_context_too_long
 from gateway.errors import ContextLengthExceeded, error_bytes_from_upstream
 from gateway.protocol.openai import ChatCompletionRequest, describe_validation_error
 
@@ -86,3 +86,34 @@ def test_only_assistant_and_function_turns_may_omit_content() -> None:
         {"role": "function", "name": "w", "content": None},
     ]})
     assert [m.content for m in request.messages] == ["weather?", None, None]
+
+
+@pytest.mark.parametrize(("engine", "prompt", "output", "accepted"), [
+    # vLLM 0.32 / vllm-ascend: the prompt must leave a token; an output limit the context cannot hold
+    # after it is shortened, one over the whole context refused
+    ("vllm", 99, None, True), ("vllm", 100, None, False), ("vllm", 101, None, False),
+    ("vllm", 90, 50, True), ("vllm", 90, 100, True), ("vllm", 90, 101, False), ("ascend", 99, 100, True),
+    ("vllm", 100, 0, True),  # a pooling request may fill the context
+    # SGLang 0.5.23: input < context and input + max_new_tokens <= context
+    ("sglang", 99, None, True), ("sglang", 100, None, False), ("sglang", 60, 40, True),
+    ("sglang", 61, 40, False), ("sglang", 100, 0, False),
+    # llama.cpp: the prompt must leave a token; the output stops where the context ends
+    ("llamacpp", 99, 5000, True), ("llamacpp", 100, 1, False),
+])
+def test_each_engine_kinds_context_rule(engine: str, prompt: int, output: int | None, accepted: bool) -> None:
+    assert ENGINES[engine].accepts(prompt, output, 100) is accepted
+
+
+def test_engine_default_output_runs_to_the_end_of_the_context_but_on_completions() -> None:
+    assert ENGINES["vllm"].default_output("chat", 30, 100) == 70
+    assert ENGINES["sglang"].default_output("responses", 30, 100) == 70
+    assert ENGINES["vllm"].default_output("completions", 30, 100) == 16
+    assert ENGINES["llamacpp"].default_output("completions", 30, 100) == 70
+
+
+def test_vllm_032_wordings_are_context_errors() -> None:
+    for message in (b"This model's maximum context length is 100 tokens. However, your prompt contains at least "
+                    b"101 input tokens, which exceeds this limit even without any output tokens.",
+                    b"max_tokens=32000 cannot be greater than max_model_len=16384. Please request fewer output "
+                    b"tokens. (parameter=max_tokens, value=32000)"):
+        assert is_context_too_long(400, b'{"error":{"message":"' + message + b'"}}')
