@@ -4,8 +4,10 @@ Sources: vLLM's metrics (`vllm:num_requests_running`, `vllm:num_requests_waiting
 `vllm:kv_cache_usage_perc`) and SGLang's (`sglang:num_running_reqs`, `sglang:num_queue_reqs`,
 `sglang:token_usage`) as those engines export them on `/metrics`; llama.cpp's server exports
 `llamacpp:requests_processing` / `llamacpp:requests_deferred` with `--metrics`. vllm-ascend keeps
-vLLM's API and names. The "prompt too long" wordings are the engines' own 400 messages (vLLM's
-serving_engine / input processor, SGLang's tokenizer manager, llama.cpp's `exceed_context_size_error`).
+vLLM's API and names. The "prompt too long" wordings are the engines' own 400 messages (vLLM 0.32's
+renderer, `vllm/renderers/params.py`, its input processor and Responses serving; SGLang's tokenizer
+manager; llama.cpp's `exceed_context_size_error`). What each kind serves near its context is
+`EngineSpec.accepts` (docs/routing.md "Context fit").
 Which APIs honour `max_completion_tokens`: vLLM's and SGLang's `CompletionRequest` (their
 `entrypoints/openai/protocol.py`) have only `max_tokens` (default 16), their `ChatCompletionRequest`
 both; llama.cpp's server (xllamacpp 2026.10, measured) reads it on both APIs.

@@ -155,8 +155,9 @@ class SimConfig(BaseModel):
     Token accounting (no real tokenizer): prompt tokens = ceil(UTF-8 bytes of all prompt text /
     `bytes_per_token`) + `image_tokens` per image part + `message_overhead_tokens` per chat message.
     Output: one word per token; the count is `max_completion_tokens`, else `max_tokens`, else
-    `default_output_tokens` (where the model stops by itself; `eos_after_tokens`, `min_tokens` and
-    `ignore_eos` move that end as the engines' sampling params do: `tokens.generated_count`).
+    `default_output_tokens` (where the model stops by itself; None: it never does and runs to the end
+    of the context; `eos_after_tokens`, `min_tokens` and `ignore_eos` move that end as the engines'
+    sampling params do: `tokens.generated_count`), never more than the context leaves (`output_room`).
     Latency: `ttft_s` before the first token, `tpot_s` between tokens.
 
     Opt-in engine model (every field below defaults to today's behaviour):
