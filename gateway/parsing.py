@@ -13,8 +13,8 @@ by a thread to a file the parse process reads (one copy of 64 MB held the loop 0
 
 Cheap bounds first (`BodyParser.check_size`): the count limits, then a lower bound of the request's
 tokens (each message's template tokens, text at `CHARS_PER_TOKEN_MAX` characters a token, each
-image at its least cost, the output limit) against the largest pool: a request that fits no pool is
-refused before its parts are validated, measured or hashed.
+image at its least cost, the output limit when no pool's engine shortens it) against the largest pool: a
+request that fits no pool is refused before its parts are validated, measured or hashed.
 """
 
 from __future__ import annotations
@@ -235,6 +235,12 @@ class BodyParser:
         self.chains = {model.name: config.model_pools(model.name) for model in served}
         """Canonical model name -> the pools serving it, in its cost order."""
         self.largest_context = max(p.max_context_tokens for p in config.pools)
+        engines = [ENGINES[p.engine] for p in config.pools]
+        self._floor_counts_output = not any(engine.clamps_output for engine in engines)
+        """Whether the output limit adds to the lower bound: only when no pool's engine shortens it
+        (`EngineSpec.accepts`; vLLM and llama.cpp serve a prompt that fits with a limit that does not)."""
+        self._output_within_context = all(e.output_within_context or not e.clamps_output for e in engines)
+        """Whether every pool's engine refuses an output limit over its whole context (vLLM, SGLang)."""
         estimation = config.estimation
         rates = estimation.text_rates
         least = estimation.safety_margin * min(  # tokens of the cheapest character (others: 1 byte or more)
@@ -305,17 +311,20 @@ class BodyParser:
     def check_floor(self, payload: dict[str, Any], param: str, chars: int, images: int, tokens: int,
                     output: object, messages: int | None) -> None:
         """ContextLengthExceeded (naming `param`) when `chars` characters of text, `images` images and
-        `tokens` more tokens, + the output limit `output` (the body's value, as sent), + the chat
-        template's tokens for `messages` messages (None: no template), cannot fit the largest pool."""
+        `tokens` more tokens, + the output limit `output` (the body's value, as sent; only when no pool's
+        engine shortens an output limit instead of refusing it), + the chat template's tokens for
+        `messages` messages (None: no template), cannot fit the largest pool; or when `output` alone is
+        over the largest context and every pool's engine refuses that (vLLM, SGLang)."""
         estimation = self.config.estimation
         floor = tokens + chars // self._chars_per_token + images * self._image_floor
         if messages is not None:
             floor += estimation.tokens_per_request + estimation.tokens_per_message * messages
         if type(output) is float and output.is_integer():  # JSON's 5.0 is 5, as validation reads it
             output = int(output)
-        if type(output) is int and output > 0:
+        if type(output) is int and output > 0 and self._floor_counts_output:
             floor += output
-        if floor > self.largest_context:
+        if floor > self.largest_context or (self._output_within_context and type(output) is int
+                                            and output > self.largest_context):
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.largest_context} tokens. However, this request "
                 f"needs at least {floor} tokens (a lower bound, counted before measuring it). Please reduce the "

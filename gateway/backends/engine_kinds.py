@@ -4,8 +4,10 @@ Sources: vLLM's metrics (`vllm:num_requests_running`, `vllm:num_requests_waiting
 `vllm:kv_cache_usage_perc`) and SGLang's (`sglang:num_running_reqs`, `sglang:num_queue_reqs`,
 `sglang:token_usage`) as those engines export them on `/metrics`; llama.cpp's server exports
 `llamacpp:requests_processing` / `llamacpp:requests_deferred` with `--metrics`. vllm-ascend keeps
-vLLM's API and names. The "prompt too long" wordings are the engines' own 400 messages (vLLM's
-serving_engine / input processor, SGLang's tokenizer manager, llama.cpp's `exceed_context_size_error`).
+vLLM's API and names. The "prompt too long" wordings are the engines' own 400 messages (vLLM 0.32's
+renderer, `vllm/renderers/params.py`, its input processor and Responses serving; SGLang's tokenizer
+manager; llama.cpp's `exceed_context_size_error`). What each kind serves near its context is
+`EngineSpec.accepts` (docs/routing.md "Context fit").
 Which APIs honour `max_completion_tokens`: vLLM's and SGLang's `CompletionRequest` (their
 `entrypoints/openai/protocol.py`) have only `max_tokens` (default 16), their `ChatCompletionRequest`
 both; llama.cpp's server (xllamacpp 2026.10, measured) reads it on both APIs.
@@ -100,9 +102,18 @@ class EngineSpec:
     kv_usage_metrics: tuple[str, ...]  # first one present wins (renamed across engine versions)
     too_long_markers: tuple[str, ...]
     supports_include_usage: bool = True
-    # Tokens of its max context the engine will not fill: SGLang refuses prompt + max_new_tokens
-    # >= context_len (TokenizerManager._validate_one_request), vLLM only > max_model_len.
+    # Tokens of its context the engine will not fill with a prompt that generates nothing (the
+    # pooling APIs): SGLang refuses an input of context_len tokens or more on every path
+    # (TokenizerManager._validate_one_request), vLLM only a prompt over max_model_len.
     context_slack_tokens: int = 0
+    # Whether the engine shortens an output limit the context cannot hold after the prompt to what it
+    # can (the answer ends with finish_reason "length") instead of refusing the request; see `accepts`.
+    clamps_output: bool = True
+    # Whether it refuses an output limit larger than its whole context even so (vLLM).
+    output_within_context: bool = False
+    # The output limit of a completions request that sets no `max_tokens` (their CompletionRequest's
+    # default, 16); None: it generates to the end of the context (llama.cpp's n_predict -1).
+    completions_default_output: int | None = 16
     # APIs (chat, completions) on which the engine reads `max_completion_tokens`; elsewhere it
     # ignores the field and generates its default (16 tokens), so the gateway sends `max_tokens`.
     max_completion_tokens_apis: frozenset[str] = frozenset({CHAT})
@@ -120,13 +131,54 @@ class EngineSpec:
     # `merge_stream_usage`.
     messages_cache_in_input: bool = False
 
+    def accepts(self, prompt: int, output: int | None, context: int) -> bool:
+        """Whether the engine serves a prompt of `prompt` tokens with output limit `output` (tokens;
+        None: no limit, 0: a request that generates nothing) on a context of `context` tokens.
+
+        Every kind refuses a prompt that leaves no token of its context for output. vLLM 0.32
+        refuses a prompt over max_model_len (`vllm/renderers/params.py` `TokenizeParams._token_len_check`:
+        `max_input_tokens` is the whole context, the output limit no longer taken off it) and one of
+        exactly max_model_len (`get_max_tokens` in `vllm/entrypoints/serve/utils/api_utils.py` leaves it
+        0 output tokens, which `SamplingParams._verify_args` refuses), refuses an output limit over
+        max_model_len (`TokenizeParams.__post_init__`) and otherwise clamps the limit to max_model_len
+        - prompt (`get_max_tokens`). SGLang 0.5.23 refuses an input of context_len tokens or more and
+        input + max_new_tokens over context_len (`TokenizerManager._validate_one_request` in
+        `python/sglang/srt/managers/tokenizer_manager.py`). llama.cpp's server refuses a prompt of
+        n_ctx tokens or more (`exceed_context_size_error`) and stops the output where prompt + output
+        reach n_ctx (`tools/server/server-context.cpp`; measured, gateway/llamacpp_worker/README.md)."""
+        if output == 0:
+            return prompt + self.context_slack_tokens <= context
+        if prompt >= context:
+            return False
+        if output is None:
+            return True
+        if self.clamps_output:
+            return not self.output_within_context or output <= context
+        return prompt + output <= context
+
+    def default_output(self, api: str, prompt: int, context: int) -> int:
+        """The output limit (tokens) the engine applies to a request of `api` that sets none: what is
+        left of the context after the prompt (vLLM: `get_max_tokens`, and the engine core's
+        `max_model_len - prompt_len` in `vllm/v1/engine/input_processor.py`; SGLang: `max_new_tokens`
+        left None by its chat and Responses layers, which the scheduler clamps to the context,
+        `Scheduler.init_req_max_new_tokens`; its `SamplingParams` default of 128 is the native
+        `/generate` API's), except on completions (`completions_default_output`)."""
+        if api == COMPLETIONS and self.completions_default_output is not None:
+            return self.completions_default_output
+        return max(context - prompt, 0)
+
 
 _VLLM_TOO_LONG = (
-    "maximum context length",  # "This model's maximum context length is N tokens. However, you requested M"
+    # 0.32: "This model's maximum context length is N tokens. However, your prompt contains at least M
+    # input tokens, which exceeds this limit even without any output tokens." (renderers/params.py);
+    # before: "... However, you requested M output tokens and your prompt contains ..."
+    "maximum context length",
     # "The decoder prompt (length N) is longer than the maximum model length of M"
     "longer than the maximum model length",
     # Responses API: "The engine prompt length N exceeds the max_model_len M. Please reduce prompt."
     "exceeds the max_model_len",
+    # 0.32, an output limit over the whole context: "max_tokens=N cannot be greater than max_model_len=M."
+    "cannot be greater than max_model_len",
 )
 
 # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc (v1 engine); accept both.
@@ -134,22 +186,22 @@ _VLLM_KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec("vllm", PROBES["vllm"], "vllm:num_requests_running", "vllm:num_requests_waiting",
-                       _VLLM_KV, _VLLM_TOO_LONG),
+                       _VLLM_KV, _VLLM_TOO_LONG, output_within_context=True),
     "ascend": EngineSpec("ascend", PROBES["ascend"], "vllm:num_requests_running", "vllm:num_requests_waiting",
-                         _VLLM_KV, _VLLM_TOO_LONG),
+                         _VLLM_KV, _VLLM_TOO_LONG, output_within_context=True),
     "sglang": EngineSpec("sglang", PROBES["sglang"], "sglang:num_running_reqs", "sglang:num_queue_reqs",
                          ("sglang:token_usage",), (
                              "longer than the model's context length",  # "The input (N tokens) is longer than ..."
                              "exceeds the model's maximum context length",
                              "maximum context length",
-                         ), context_slack_tokens=1, messages_cache_in_input=True),
+                         ), context_slack_tokens=1, clamps_output=False, messages_cache_in_input=True),
     # llama.cpp's server (xllamacpp 2026.10) exports no KV usage gauge.
     "llamacpp": EngineSpec("llamacpp", PROBES["llamacpp"], "llamacpp:requests_processing",
                            "llamacpp:requests_deferred", (), (
                                "exceed_context_size_error",
                                "exceeds the available context size",
                            ), max_completion_tokens_apis=frozenset({CHAT, COMPLETIONS}),
-                           stores_responses=False),
+                           stores_responses=False, completions_default_output=None),
 }
 
 # Any engine's wording counts: a pool mislabelled in config still gets the right retry.

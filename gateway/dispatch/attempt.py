@@ -55,6 +55,7 @@ from gateway.dispatch.params import TimeoutConfig
 from gateway.errors import UpstreamError
 from gateway.observability.record import RequestRecord
 from gateway.routing.features import RoutingRequest
+from gateway.routing.pools import output_room
 from gateway.routing.prefill import PrefillTicket
 from gateway.state import AppState
 from gateway.streaming import (
@@ -109,11 +110,22 @@ def budgets(timeouts: TimeoutConfig, request: RoutingRequest,
 
     The budget is its own: the client's read timeout is per read and must also allow a long
     prefill, so it cannot catch a worker that hangs quickly. A stream's headers have a shorter
-    wait: engines send them before the prefill."""
-    output = request.output_tokens if request.output_tokens is not None else pool.default_output_tokens
-    timeout = request_timeout(timeouts, request.prompt_tokens, request.stream, output)
+    wait: engines send them before the prefill. A whole answer's budget counts the output the
+    engine really generates at most (`engine_output`), not the pool's reservation."""
+    timeout = request_timeout(timeouts, request.prompt_tokens, request.stream, engine_output(request, pool))
     budget = first_byte_budget(timeouts, request.prompt_tokens) if request.stream else timeout.read
     return timeout, budget, min(timeouts.response_header, budget) if request.stream else budget
+
+
+def engine_output(request: RoutingRequest, pool: PoolConfig) -> int:
+    """The most output tokens the pool's engine generates for `request` (each completion): its
+    output limit, else the engine's own default (`EngineSpec.default_output`: to the end of the
+    context but on completions), and never more than the context leaves after the prompt (vLLM and
+    llama.cpp shorten a larger limit to that; SGLang accepted only one that fits)."""
+    room = output_room(pool, request)
+    if request.output_tokens is None:
+        return ENGINES[pool.engine].default_output(request.api, request.prompt_tokens, pool.max_context_tokens)
+    return min(request.output_tokens, room)
 
 
 def silence_limit(timeouts: TimeoutConfig, prompt_tokens: int) -> float:

@@ -72,8 +72,10 @@ def after_failure(ledger: Ledger, failure: AttemptFailed, worker: Worker, pool: 
     if outcome is Outcome.AUTH_ERROR:
         raise UpstreamError(f"The inference server of pool {pool.name} refused the gateway's "
                             "credentials; check the pool's api_key.")
-    if outcome is Outcome.TIMEOUT and not request.stream and failure.answered:
-        # The engine was generating (it had answered): do not make another one repeat it.
+    if outcome is Outcome.TIMEOUT and not request.stream and (failure.answered or ledger.served_others(worker)):
+        # The engine was generating: it had answered, or (a whole answer's headers come with its last
+        # byte) it passed its health probes and answered other requests all the while, so the request's
+        # own length outran its budget. Held against nobody, and no other worker is made to repeat it.
         raise UpstreamTimeout(f"The inference server did not answer in time ({failure.detail}).",
                               headers=dict(NO_CLIENT_RETRY))
     if outcome not in RETRYABLE:

@@ -293,6 +293,11 @@ class Ledger:
         """Call `callback` with the first byte's time when it comes (a prefill ticket; None: nobody)."""
         self._on_first_byte = callback
 
+    def served_others(self, worker: Worker) -> bool:
+        """Whether `worker` sent response headers to another request since this request's attempt
+        on it began (it is alive and serving). Read after an attempt that got none failed."""
+        return worker.answered_at >= self._attempt_at
+
     def headers_arrived(self, worker: Worker) -> None:
         """The attempt's engine sent its response headers: it is alive and working on the request."""
         self._answered = True

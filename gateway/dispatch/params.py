@@ -40,8 +40,9 @@ class TimeoutConfig(Section):
     )
     generation_per_token: float = Field(
         default=0.1, ge=0,
-        description="non-streaming: seconds of budget per requested output token (max_completion_tokens, else "
-        "max_tokens, else the pool's default_output_tokens); 0.1 s is a slow engine under a full batch",
+        description="non-streaming: seconds of budget per output token the engine may generate (max_completion_tokens, "
+        "else max_tokens, at most what the context leaves; without a limit the engine's default: the rest of the "
+        "context, 16 on completions); 0.1 s is a slow engine under a full batch",
     )
     hold_headers: float | None = Field(
         default=20.0, gt=0,

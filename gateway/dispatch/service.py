@@ -36,7 +36,7 @@ from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
-from gateway.routing.pools import fitting_pools, skipped_pools
+from gateway.routing.pools import fitting_pools, output_room, skipped_pools
 from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed
@@ -131,15 +131,15 @@ class ProxyService:
         if guard is None:
             return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
         assert principal is not None
-        default_output = pools[0].default_output_tokens
+        default_output, room = pools[0].default_output_tokens, output_room(pools[0], request)
         if principal.limits_tokens(request.model) and generates:
             # What is reserved bounds what the engine may generate: it gets that output limit, in
             # llama.cpp's own `n_predict` too when the client sent one (that server ranks it first).
-            out = request.reserved_output(default_output)
+            out = request.reserved_output(default_output, room)
             if request.output_tokens is None:
                 payload, request = with_output_limit(payload, api, out), replace(request, output_tokens=out)
             payload = with_engine_output_limit(payload, out)
-        reservation = await guard.check_quota(principal, request.quota_tokens(default_output), requests=0,
+        reservation = await guard.check_quota(principal, request.quota_tokens(default_output, room), requests=0,
                                               counted=counted, model=request.model, counting=not generates)
         if reservation is None:
             return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)

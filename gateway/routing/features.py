@@ -66,19 +66,23 @@ class RoutingRequest:
         out = self.output_tokens if self.output_tokens is not None else default_output_tokens
         return self.prompt_tokens + out
 
-    def reserved_output(self, default_output_tokens: int) -> int:
+    def reserved_output(self, default_output_tokens: int, room: int | None = None) -> int:
         """The output tokens reserved for each completion (tokens): the client's output limit, else
         the pool's `default_output_tokens` or the client's `min_tokens`, whichever is larger; at
-        least llama.cpp's `n_predict` when the client set one (`engine_output_tokens`). For a key
-        with a token limit the gateway sends the engine exactly this limit (`ProxyService.handle`)."""
+        least llama.cpp's `n_predict` when the client set one (`engine_output_tokens`); at most
+        `room`, what the pool's engines can generate after the prompt (`pools.output_room`: vLLM and
+        llama.cpp shorten a larger limit to it). For a key with a token limit the gateway sends the
+        engine exactly this limit (`ProxyService.handle`)."""
         base = self.output_tokens if self.output_tokens is not None else max(default_output_tokens,
                                                                               self.min_output_tokens)
-        return max(base, self.engine_output_tokens)
+        out = max(base, self.engine_output_tokens)
+        return out if room is None else min(out, room)
 
-    def quota_tokens(self, default_output_tokens: int) -> int:
+    def quota_tokens(self, default_output_tokens: int, room: int | None = None) -> int:
         """Tokens charged to a per-key token limit: every prompt plus the output limit of every
-        completion (as OpenAI's TPM counts a request: prompt + max_tokens * n; `reserved_output`)."""
-        out = self.reserved_output(default_output_tokens)
+        completion (as OpenAI's TPM counts a request: prompt + max_tokens * n; `reserved_output`,
+        at most `room` each)."""
+        out = self.reserved_output(default_output_tokens, room)
         prompts = self.batch_prompt_tokens if self.batch_prompt_tokens is not None else self.prompt_tokens
         return prompts + out * self.outputs
 

@@ -11,10 +11,23 @@ from gateway.errors import ApiNotServed, ContextLengthExceeded, InvalidRequest
 from gateway.routing.features import RoutingRequest
 
 
-def usable_context(pool: PoolConfig) -> int:
-    """Tokens of prompt + output the pool's engines accept: `max_context_tokens` less the engine's
-    slack (SGLang refuses a request that would fill its context exactly)."""
-    return pool.max_context_tokens - ENGINES[pool.engine].context_slack_tokens
+def accepts(pool: PoolConfig, request: RoutingRequest) -> bool:
+    """Whether the pool's engines serve `request`'s prompt and output limit by their own rule
+    (`EngineSpec.accepts`: vLLM and llama.cpp shorten an output limit the context cannot hold,
+    SGLang refuses it)."""
+    return ENGINES[pool.engine].accepts(request.prompt_tokens, request.output_tokens, pool.max_context_tokens)
+
+
+def holds_output(pool: PoolConfig, request: RoutingRequest) -> bool:
+    """Whether prompt + output fit the pool's context whole: the output the request asks for, else
+    the pool's reservation (`default_output_tokens`), so the engine does not shorten it."""
+    return request.context_tokens(pool.default_output_tokens) <= pool.max_context_tokens
+
+
+def output_room(pool: PoolConfig, request: RoutingRequest) -> int:
+    """Output tokens the pool's engines can generate after the request's prompt (at least 1): what
+    its context leaves; an engine generates no more whatever the limit (`EngineSpec.accepts`)."""
+    return max(pool.max_context_tokens - request.prompt_tokens, 1)
 
 
 def serves(pool: PoolConfig, api: str) -> bool:
@@ -29,17 +42,20 @@ def skipped_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[
     """Names of the pools that would fit `request` by modality and context but whose engines do
     not serve its API (the route reason `x-kimi-gateway-skipped-pools` reports)."""
     return [p.name for p in pools if not serves(p, request.api) and request.modalities.issubset(p.modalities)
-            and request.context_tokens(p.default_output_tokens) <= usable_context(p)]
+            and accepts(p, request)]
 
 
 def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[PoolConfig]:
-    """The pools that can serve `request`, cheapest (configured order) first.
+    """The pools that can serve `request`, in the order they are tried: first those whose context
+    holds prompt + output whole (`holds_output`), then those whose engines serve it by shortening
+    the output (`accepts`: vLLM, vllm-ascend, llama.cpp), each cheapest (configured order) first.
+    So the gateway never shortens an answer a pool could give whole, and never refuses what an
+    engine would serve (docs/routing.md "Context fit").
 
     A pool fits when its engines serve the request's API (`serves`), it accepts every modality
-    the request uses and its `usable_context` is at least prompt + output tokens (output = the
-    request's limit, else the pool's reservation). Raises ApiNotServed (404) when no pool serves
-    the API, InvalidRequest when no pool accepts a modality, ContextLengthExceeded (400,
-    `context_length_exceeded`) when the request is larger than every such pool.
+    the request uses and its engine kind accepts the prompt and output limit on its context.
+    Raises ApiNotServed (404) when no pool serves the API, InvalidRequest when no pool accepts a
+    modality, ContextLengthExceeded (400, `context_length_exceeded`) when no such pool fits.
     """
     by_api = [p for p in pools if serves(p, request.api)]
     if not by_api:
@@ -56,16 +72,24 @@ def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[
             f"{', '.join(sorted(set().union(*(set(p.modalities) for p in pools))))}.",
             param="messages", code="unsupported_content_type",
         )
-    fits = [p for p in by_modality if request.context_tokens(p.default_output_tokens) <= usable_context(p)]
+    fits = [p for p in by_modality if accepts(p, request)]
     if fits:
-        return fits
+        return [p for p in fits if holds_output(p, request)] + [p for p in fits if not holds_output(p, request)]
     largest = max(by_modality, key=lambda p: p.max_context_tokens)
-    output = request.output_tokens if request.output_tokens is not None else largest.default_output_tokens
+    prompt, output = request.prompt_tokens, request.output_tokens
+    if output == 0:  # generates nothing: the prompt alone
+        needs = (f"{prompt} tokens (estimated by {request.estimate_method}). Please reduce the length of "
+                 "the input.")
+    elif prompt >= largest.max_context_tokens or output is None:
+        needs = (f"at least {prompt + 1} tokens ({prompt} estimated prompt tokens by {request.estimate_method} "
+                 "+ at least 1 output token). Please reduce the length of the messages.")
+    else:
+        needs = (f"about {prompt + output} tokens ({prompt} estimated prompt tokens by "
+                 f"{request.estimate_method} + {output} output tokens). Please reduce the length of the "
+                 "messages or the output limit.")
     raise ContextLengthExceeded(
         f"This model's maximum context length is {largest.max_context_tokens} tokens. However, this "
-        f"request needs about {request.prompt_tokens + output} tokens ({request.prompt_tokens} "
-        f"estimated prompt tokens by {request.estimate_method} + {output} output tokens). "
-        "Please reduce the length of the messages or the output limit.",
+        f"request needs {needs}",
         param=dialect_for(request.api).prompt_param,
     )
 

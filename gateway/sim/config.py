@@ -156,8 +156,9 @@ class SimConfig(BaseModel):
     Token accounting (no real tokenizer): prompt tokens = ceil(UTF-8 bytes of all prompt text /
     `bytes_per_token`) + `image_tokens` per image part + `message_overhead_tokens` per chat message.
     Output: one word per token; the count is `max_completion_tokens`, else `max_tokens`, else
-    `default_output_tokens` (where the model stops by itself; `eos_after_tokens`, `min_tokens` and
-    `ignore_eos` move that end as the engines' sampling params do: `tokens.generated_count`).
+    `default_output_tokens` (where the model stops by itself; None: it never does and runs to the end
+    of the context; `eos_after_tokens`, `min_tokens` and `ignore_eos` move that end as the engines'
+    sampling params do: `tokens.generated_count`), never more than the context leaves (`output_room`).
     Latency: `ttft_s` before the first token, `tpot_s` between tokens.
 
     Opt-in engine model (every field below defaults to today's behaviour):
@@ -213,7 +214,10 @@ class SimConfig(BaseModel):
                                       "a request's `dimensions` shortens it")
     ttft_s: float = Field(default=0.0, ge=0.0)
     tpot_s: float = Field(default=0.0, ge=0.0)
-    default_output_tokens: int = Field(default=16, ge=0)
+    default_output_tokens: int | None = Field(
+        default=16, ge=0, description="where the model ends by itself when the request sets no output limit "
+        "(finish `stop`); None: it never does and runs to the end of the context, as vLLM and SGLang let a model "
+        "that emits no end-of-sequence do (`output_room`), at `tpot_s` a token")
     eos_after_tokens: int | None = Field(
         default=None, ge=0, description="the model ends by itself after this many tokens under any output limit "
         "(finish `stop`); None: it runs to an explicit limit (`tokens.generated_count`)")
@@ -366,3 +370,12 @@ class SimConfig(BaseModel):
         if self.messages_usage != "engine":
             return self.messages_usage
         return "sglang" if self.engine == "sglang" else "vllm"
+
+    def output_room(self, prompt_tokens: int) -> int:
+        """Output tokens the engine generates at most after a prompt of `prompt_tokens` (whatever the
+        limit; 0 when none is left): vLLM, max_model_len - prompt (`get_max_tokens`,
+        vllm/entrypoints/serve/utils/api_utils.py); SGLang, its scheduler's bound of context_len - 1
+        less the prompt less one (`Scheduler.init_req_max_new_tokens`,
+        python/sglang/srt/managers/scheduler.py, with `max_req_len` = context_len - 1 from tp_worker.py)."""
+        slack = 2 if self.engine == "sglang" else 0
+        return max(self.max_context_tokens - prompt_tokens - slack, 0)

@@ -74,8 +74,9 @@ class MetricNames:
     """Counter of running requests preempted (vLLM) or retracted (SGLang) for KV-cache room."""
 
 
-ContextCheck = Callable[[int, int | None, int], str | None]
-"""(prompt tokens, requested output tokens or None, max context) -> error message or None."""
+ContextCheck = Callable[[int, int | None, int, str, bool], tuple[str, str | None] | None]
+"""(prompt tokens, requested output tokens or None, max context, the output limit's field name,
+whether the request generates) -> (error message, its `param`) or None."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,6 @@ class EngineDialect:
     nested_errors: bool
     """True: `{"error": {message, type, param, code}}`; False: `{"object": "error", message, ...}`."""
     context_check: ContextCheck
-    context_param: str | None
     model_not_found: Callable[[str, str], tuple[int, str, str | None]] | None
     """(requested, served) -> (status, message, param); None = any model name is accepted."""
     metric_names: MetricNames
@@ -121,12 +121,15 @@ class EngineDialect:
         return dataclasses.replace(self.error(message, "Bad Request", 400), app_wide=True)
 
     def check_context(self, prompt_tokens: int, requested_output: int | None, max_context: int,
-                      stream: bool) -> ErrorReply | None:
-        """The engine's answer to a request that does not fit its context window, else None."""
-        message = self.context_check(prompt_tokens, requested_output, max_context)
-        if message is None:
+                      stream: bool, output_param: str = "max_tokens", generate: bool = True) -> ErrorReply | None:
+        """The engine's answer to a request that does not fit its context window, else None.
+        `output_param` names the body field of `requested_output`; `generate` False for a request
+        that generates nothing (the pooling APIs)."""
+        refused = self.context_check(prompt_tokens, requested_output, max_context, output_param, generate)
+        if refused is None:
             return None
-        reply = self.bad_request(message, self.context_param)
+        message, param = refused
+        reply = self.bad_request(message, param)
         if stream and self.in_band_stream_errors:
             # SGLang serialised its streaming error with json.dumps (spaces, ASCII escapes).
             inner = {"object": "error", "message": message, "type": "BadRequestError", "param": None,
@@ -147,56 +150,68 @@ class EngineDialect:
 # --- context-length wording ---------------------------------------------------------------------
 
 
-def vllm_context_error(prompt: int, output: int | None, limit: int) -> str | None:
-    """vLLM (current): one template for "prompt too long" and "prompt + max_tokens too long"."""
-    requested = output or 0
-    if prompt + requested <= limit and prompt < limit:
-        return None
-    shown_output = requested if requested > 0 else (1 if prompt == limit else 0)
-    shown_prompt = prompt if shown_output > limit else min(prompt, limit - shown_output + 1)
-    return (
-        f"This model's maximum context length is {limit} tokens. However, you requested "
-        f"{shown_output} output tokens and your prompt contains at least {shown_prompt} input tokens, "
-        f"for a total of at least {shown_prompt + shown_output} tokens. Please reduce the length of "
-        f"the input prompt or the number of requested output tokens. "
-        f"(parameter=input_tokens, value={shown_prompt})"
-    )
+def vllm_context_error(prompt: int, output: int | None, limit: int, output_param: str = "max_tokens",
+                       generate: bool = True) -> tuple[str, str | None] | None:
+    """vLLM 0.32: refuses an output limit over the whole context (`TokenizeParams.__post_init__`,
+    vllm/renderers/params.py), a prompt over it (`TokenizeParams._token_len_check`: its tokenizer
+    stops at max_model_len + 1 tokens, hence "at least") and, when it generates, a prompt of exactly
+    max_model_len (`get_max_tokens`, vllm/entrypoints/serve/utils/api_utils.py, leaves it 0 output
+    tokens, which `SamplingParams._verify_args` refuses). A prompt that fits with an output limit
+    that does not is served: the limit is shortened to what is left (`clamped_output`). Messages
+    carry `VLLMValidationError`'s " (parameter=..., value=...)" suffix (vllm/exceptions.py)."""
+    if output is not None and output > limit:
+        return (f"{output_param}={output} cannot be greater than max_model_len={limit}. Please request fewer "
+                f"output tokens. (parameter={output_param}, value={output})", output_param)
+    if prompt > limit:
+        shown = limit + 1
+        return (f"This model's maximum context length is {limit} tokens. However, your prompt contains at least "
+                f"{shown} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                f"the length of the input prompt. (parameter=input_tokens, value={shown})", "input_tokens")
+    if generate and prompt == limit:
+        return "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens"
+    return None
 
 
-def vllm_legacy_context_error(prompt: int, output: int | None, limit: int) -> str | None:
-    """vLLM ≤ 0.9: the classic "(N in the messages, M in the completion)" wording."""
+def vllm_legacy_context_error(prompt: int, output: int | None, limit: int, output_param: str = "max_tokens",
+                              generate: bool = True) -> tuple[str, str | None] | None:
+    """vLLM ≤ 0.9: the classic "(N in the messages, M in the completion)" wording; it refused
+    prompt + max_tokens over the context."""
     if output is None:
         if prompt < limit:
             return None
         return (
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt} tokens in the messages, Please reduce the length of the messages."
-        )
+        ), None
     if prompt + output <= limit:
         return None
     return (
         f"This model's maximum context length is {limit} tokens. However, you requested "
         f"{prompt + output} tokens ({prompt} in the messages, {output} in the completion). "
         f"Please reduce the length of the messages or completion."
-    )
+    ), None
 
 
-def sglang_context_error(prompt: int, output: int | None, limit: int) -> str | None:
-    """SGLang: note the `>=` on the total (prompt + max_new_tokens == limit is refused)."""
+def sglang_context_error(prompt: int, output: int | None, limit: int, output_param: str = "max_tokens",
+                         generate: bool = True) -> tuple[str, str | None] | None:
+    """SGLang 0.5.23: an output limit over the context (`OpenAIServingChat._validate_request`,
+    python/sglang/srt/entrypoints/openai/serving_chat.py), an input of context_len tokens or more,
+    and input + max_new_tokens over context_len (`TokenizerManager._validate_one_request`,
+    python/sglang/srt/managers/tokenizer_manager.py; a total of exactly context_len is served)."""
     if output is not None and output > limit:
         return (
             f"max_completion_tokens is too large: {output}."
             f"This model supports at most {limit} completion tokens."
-        )
+        ), None
     if prompt >= limit:
-        return f"The input ({prompt} tokens) is longer than the model's context length ({limit} tokens)."
-    if output is not None and prompt + output >= limit:
+        return f"The input ({prompt} tokens) is longer than the model's context length ({limit} tokens).", None
+    if output is not None and prompt + output > limit:
         return (
             f"Requested token count exceeds the model's maximum context length of {limit} tokens. "
             f"You requested a total of {prompt + output} tokens: {prompt} tokens from the input "
             f"messages and {output} tokens for the completion. Please reduce the number of tokens in "
             f"the input messages or the completion to fit within the limit."
-        )
+        ), None
     return None
 
 
@@ -259,7 +274,6 @@ def _vllm_family(engine: SimEngineKind, api_version: ApiVersion) -> EngineDialec
         owned_by="vllm",
         nested_errors=not legacy,
         context_check=vllm_legacy_context_error if legacy else vllm_context_error,
-        context_param=None if legacy else "input_tokens",
         model_not_found=_vllm_legacy_model_not_found if legacy else _vllm_model_not_found,
         metric_names=VLLM_LEGACY_METRICS if legacy else VLLM_METRICS,
         metric_labels=_vllm_labels,
@@ -274,7 +288,6 @@ def _sglang(api_version: ApiVersion) -> EngineDialect:
         owned_by="sglang",
         nested_errors=False,
         context_check=sglang_context_error,
-        context_param=None,
         model_not_found=None if legacy else _sglang_model_not_found,
         metric_names=SGLANG_METRICS,
         metric_labels=_sglang_labels,

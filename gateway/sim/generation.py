@@ -58,6 +58,7 @@ from gateway.sim.tokens import (
     messages_max_tokens,
     output_text,
     output_token,
+    requested_output_field,
     requested_output_tokens,
     text_tokens,
 )
@@ -349,7 +350,8 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
         plan = replace(plan, script=step, output_tokens=sc.output_tokens(step[1]), finish_reason="stop")
     for tokens in plan.prompt_tokens:
         error = dialect.check_context(tokens, requested_output_tokens(body, kind == "chat"),
-                                      engine.config.max_context_tokens, stream)
+                                      engine.config.max_context_tokens, stream,
+                                      requested_output_field(body, kind == "chat"))
         if error is not None:
             await _reply_context_error(responder, error)
             return
@@ -452,9 +454,10 @@ def _plan(engine: SimWorkerState, kind: r.Kind, body: dict[str, Any], stream: bo
             answer = output_text(start).encode("utf-8")
             prompt_tokens = [text_tokens(len(prompt.encode("utf-8")) - len(answer), config.bytes_per_token) + start]
     requested = requested_output_tokens(body, kind == "chat")
-    eos_after = config.eos_after_tokens
-    output_tokens, finish_reason = generated_count(body, requested, max(config.default_output_tokens - start, 0),
-                                                   config.max_context_tokens - max(prompt_tokens, default=0),
+    eos_after, natural = config.eos_after_tokens, config.default_output_tokens
+    output_tokens, finish_reason = generated_count(body, requested,
+                                                   None if natural is None else max(natural - start, 0),
+                                                   config.output_room(max(prompt_tokens, default=0)),
                                                    None if eos_after is None else max(eos_after - start, 0))
     return _Plan(kind, stream, prompt_tokens, output_tokens, finish_reason, r.StreamFormat.from_body(body),
                  start=start, model=engine.answer_model(body.get("model")))

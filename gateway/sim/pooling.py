@@ -175,7 +175,7 @@ def _model(body: dict[str, Any], engine: SimWorkerState) -> str:
 
 def _check_context(inputs: list[Input], engine: SimWorkerState) -> ErrorReply | None:
     for _, tokens in inputs:
-        error = engine.dialect.check_context(tokens, None, engine.config.max_context_tokens, False)
+        error = engine.dialect.check_context(tokens, None, engine.config.max_context_tokens, False, generate=False)
         if error is not None:
             return error
     return None

@@ -37,6 +37,7 @@ from gateway.sim.tokens import (
     completion_prompt_tokens,
     engine_ints,
     prompt_token_ids,
+    requested_output_field,
     requested_output_tokens,
 )
 from gateway.sim.worker_state import SimWorkerState
@@ -129,7 +130,8 @@ def _token_ids(engine: SimWorkerState, kind: str, body: dict[str, Any],
             return engine.dialect.bad_request(f"Token id {bad} is out of vocabulary")
     if check_context:
         for count in counts:
-            error = engine.dialect.check_context(count, requested, config.max_context_tokens, False)
+            error = engine.dialect.check_context(count, requested, config.max_context_tokens, False,
+                                                 requested_output_field(body, kind == "chat"))
             if error is not None:
                 return error
     return prompt_token_ids(kind, body, counts, config)

@@ -40,10 +40,12 @@ Stored responses live in this process's memory (`ResponsesServer.stored`), keyed
 messages and the output text. `previous_response_id` prepends that conversation (instructions, stored
 messages, the stored answer as an assistant message) to the new input, as vLLM's
 `_construct_input_messages` does, so the prompt and its prefix-cache blocks include the history. An
-unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`. Context: vLLM refuses a prompt
-of `max_model_len` tokens or more (`The engine prompt length N exceeds the max_model_len M.`) and
-clamps the output to the room left (`ResponsesRequest.to_sampling_params`); the SGLang dialect
-refuses prompt + output over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
+unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`. Context: vLLM 0.32 refuses a
+`max_output_tokens` over max_model_len and a prompt over it in its renderer's words (as for chat,
+`dialects.vllm_context_error`), a prompt of exactly max_model_len with `The engine prompt length N
+exceeds the max_model_len M.` (`_validate_generator_input`, vllm/entrypoints/openai/responses/serving.py),
+and clamps the output to the room left (`get_max_tokens`); the SGLang dialect refuses prompt + output
+over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
 prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`fail_status`,
 `hang_before_headers`, `black_hole`, `drop_after_chunks`, `raw_stream_chunks`, global or per request in
 `x_sim_faults`) are chat's (`generation.py`).
@@ -52,7 +54,6 @@ prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -254,11 +255,12 @@ class ResponsesServer:
         max_context = engine.config.max_context_tokens
         if engine.config.engine == "sglang":
             error = dialect.check_context(prompt_tokens, limit, max_context, False)
+        elif (error := dialect.check_context(prompt_tokens, limit, max_context, False, "max_output_tokens",
+                                             generate=False)) is not None:
+            pass  # vLLM's renderer: an output limit over the context, a prompt over it
         elif prompt_tokens >= max_context:  # vLLM's _validate_generator_input; it clamps the output instead
             error = dialect.error(f"The engine prompt length {prompt_tokens} exceeds the max_model_len "
-                                  f"{max_context}. Please reduce prompt.", "invalid_request_error", 400)
-        else:
-            error = None
+                                  f"{max_context}. Please reduce prompt.", "invalid_request_error", 400, "input")
         if error is not None:
             await responder.reply(error)
             return
@@ -278,23 +280,17 @@ class ResponsesServer:
                         prompt_tokens: int, limit: int | None, prior: StoredResponse | None, stream: bool,
                         response_id: str) -> None:
         """Admission, prefill, the answer (JSON or events) and the store, for a request checked above."""
-        max_context = engine.config.max_context_tokens
         keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens], engine.cache_partition(body))
         step = sc.next_step(engine.script, "responses", body)
+        # vLLM: min(max_output_tokens, max_model_len - prompt); SGLang's scheduler likewise
+        room = engine.config.output_room(prompt_tokens)
         eos_after = engine.config.eos_after_tokens  # the model's own end, under any limit
         if step is not None:
-            output_tokens, finish = sc.output_tokens(step[1]), "stop"
+            output_tokens, finish = min(sc.output_tokens(step[1]), room), "stop"
             if eos_after is not None:
                 output_tokens = min(output_tokens, eos_after)
-            if engine.config.engine != "sglang":
-                output_tokens = min(output_tokens, max_context - prompt_tokens)
-        elif engine.config.engine != "sglang":  # vLLM: min(max_output_tokens, max_model_len - prompt)
-            room = max_context - prompt_tokens
-            output_tokens, finish = generated_count({}, None if limit is None else min(limit, room),
-                                                    engine.config.default_output_tokens, room, eos_after)
-        else:  # SGLang refused a prompt + limit over its context above
-            output_tokens, finish = generated_count({}, limit, engine.config.default_output_tokens, sys.maxsize,
-                                                    eos_after)
+        else:
+            output_tokens, finish = generated_count({}, limit, engine.config.default_output_tokens, room, eos_after)
         active: ActiveRequest
         if engine.stepper is not None:
             active = engine.new_step_request(prompt_tokens, keys, 1, output_tokens)

@@ -77,7 +77,7 @@ def run_sim(
     ttft_s: float = 0.0,
     tpot_s: float = 0.0,
     served_model_names: list[str] | None = None,
-    default_output_tokens: int = 16,
+    default_output_tokens: int | None = 16,
     bytes_per_token: float = 4.0,
     image_tokens: int = 256,
     max_num_seqs: int | None = None,

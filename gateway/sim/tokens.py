@@ -280,25 +280,36 @@ def requested_output_tokens(body: dict[str, Any], chat: bool = True) -> int | No
     return None
 
 
-def generated_count(body: dict[str, Any], requested: int | None, natural: int, room: int,
+def requested_output_field(body: dict[str, Any], chat: bool = True) -> str:
+    """The body field `requested_output_tokens` read (`max_completion_tokens` on chat when set, else
+    `max_tokens`): the engines name it in their errors."""
+    return "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+
+
+def generated_count(body: dict[str, Any], requested: int | None, natural: int | None, room: int,
                     eos_after: int | None = None) -> tuple[int, str]:
     """(output tokens, finish reason) of one completion as vLLM's `SamplingParams` and SGLang's
     sampling params decide them (`vllm/sampling_params.py`; SGLang `srt/sampling/sampling_params.py`).
-    The limit is `requested` (`max_tokens`), else the `room` left in the context (vLLM's default
-    `max_tokens`: max_model_len - prompt). The simulated model ends by itself after `natural` tokens
-    when no limit is given (`default_output_tokens`) and, with `eos_after` set, after that many under
+    The limit is `requested` (`max_tokens`) shortened to the `room` left in the context, else that
+    room: vLLM 0.32 clamps both to max_model_len - prompt (`get_max_tokens` in
+    vllm/entrypoints/serve/utils/api_utils.py), SGLang's scheduler to its context less the prompt
+    (`Scheduler.init_req_max_new_tokens`; its tokenizer manager refused a limit that does not fit).
+    The simulated model ends by itself after `natural` tokens when no limit is given
+    (`default_output_tokens`; None: it never does, so it runs to the end of the context as a model
+    that emits no end-of-sequence does on vLLM) and, with `eos_after` set, after that many under
     any limit; otherwise it runs to an explicit limit. `min_tokens` holds its end back until that many
     are out, `ignore_eos` lets it run to the limit. Raises PromptError for `min_tokens` over
     `max_tokens` (vLLM's `_verify_args`: "min_tokens must be less than or equal to max_tokens")."""
     least = body.get("min_tokens")
     least = least if type(least) is int and least > 0 else 0
-    limit = requested if requested is not None else max(room, 0)
-    if requested is not None and least > requested:
-        raise PromptError(f"min_tokens must be less than or equal to max_tokens={requested}, got {least}.")
+    room = max(room, 0)
+    limit = room if requested is None else min(requested, room)
+    if requested is not None and least > limit:
+        raise PromptError(f"min_tokens must be less than or equal to max_tokens={limit}, got {least}.")
     if body.get("ignore_eos") is True:
         return limit, "length"
     end = eos_after if eos_after is not None else natural if requested is None else None
-    if end is None:  # the simulator's model runs to an explicit limit
+    if end is None:  # the simulator's model runs to its limit
         return limit, "length"
     count = max(end, least)
     return (count, "stop") if count < limit else (limit, "length")

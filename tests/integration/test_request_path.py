@@ -132,7 +132,7 @@ def test_image_data_uri_from_shared_images(three_pools: tuple[RunningGateway, di
 
 @pytest.mark.parametrize(("pool_name", "limit", "next_pool"), [
     ("vllm-128k", 131072, "sglang-512k"),
-    ("sglang-512k", 524288 - 1, "nvl72-1m"),  # SGLang refuses prompt + output == its context length
+    ("sglang-512k", 524288, "nvl72-1m"),  # SGLang 0.5.23 serves prompt + output == its context length
 ])
 def test_routing_at_exact_pool_boundary(three_pools: tuple[RunningGateway, dict[str, RunningSim]],
                                         pool_name: str, limit: int, next_pool: str) -> None:
@@ -197,18 +197,36 @@ def test_max_completion_tokens_decides_the_output_reservation(start_sim: StartSi
 
 def test_over_the_largest_pool_is_context_length_exceeded(
         three_pools: tuple[RunningGateway, dict[str, RunningSim]]) -> None:
+    """A prompt that leaves no token of the largest context for output: no engine serves it."""
     gw, sims = three_pools
     estimator = TokenEstimator(gw.config.estimation)
-    text = prompt_of_estimate(1048576 - 100, estimator)
+    text = prompt_of_estimate(1048576, estimator)
     with pytest.raises(openai.BadRequestError) as info:
         client(gw).chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": text}],
-                                           max_tokens=101)
+                                           max_tokens=1)
     error = info.value.body
     assert isinstance(error, dict)
     assert error["code"] == "context_length_exceeded"
     assert error["type"] == "invalid_request_error"
     assert "1048576" in error["message"] and "1048577" in error["message"]
     assert all(not s.engine.records for s in sims.values())
+
+
+def test_a_prompt_that_fits_with_an_output_limit_that_does_not_is_served_shortened(
+        three_pools: tuple[RunningGateway, dict[str, RunningSim]]) -> None:
+    """Prompt + max_tokens over the largest context, the prompt alone within it: the 1M pool's vLLM
+    serves it with the output shortened to what is left (finish_reason "length"), as vLLM 0.32 does;
+    the gateway used to answer context_length_exceeded."""
+    gw, sims = three_pools
+    estimator = TokenEstimator(gw.config.estimation)
+    text = prompt_of_estimate(1048576 - 100, estimator)
+    assert not sims["nvl72-1m"].engine.records
+    raw = client(gw).chat.completions.with_raw_response.create(
+        model="kimi-k3", messages=[{"role": "user", "content": text}], max_tokens=101)
+    answer = raw.parse()
+    assert raw.headers["x-kimi-gateway-pool"] == "nvl72-1m" and raw.headers["x-kimi-gateway-attempts"] == "1"
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None and answer.usage.prompt_tokens + answer.usage.completion_tokens <= 1048576
 
 
 @pytest.mark.parametrize("alias", ["kimi-k3", "Kimi-K3", "moonshotai/Kimi-K3"])

@@ -16,7 +16,7 @@ from gateway.backends.client import UpstreamTimeouts
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig, parse_config
 from gateway.dispatch.answers import BufferedResponse, RelayResponse
-from gateway.dispatch.attempt import ProbeWatch, SingleLeg, budgets, hold_window
+from gateway.dispatch.attempt import ProbeWatch, SingleLeg, budgets, engine_output, hold_window
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import Failures, exhausted
 from gateway.dispatch.kinds import AGGREGATED, kind_of
@@ -197,6 +197,24 @@ def test_budgets_give_a_stream_a_short_header_wait_and_a_whole_answer_its_read_t
     assert (budget, header_wait) == (15.0, 2.0)
     timeout, budget, header_wait = budgets(cfg.timeouts, request(prompt=5000, output=100), pool)
     assert budget == header_wait == timeout.read
+
+
+def test_a_whole_answer_without_an_output_limit_gets_the_budget_of_the_engines_own_default() -> None:
+    """vLLM (and SGLang) generate to the end of the context when a chat or Responses request sets no
+    limit: the budget counts that, not the pool's `default_output_tokens` (1024 here), else a long
+    answer times out on a healthy worker. Completions default to 16 tokens on vLLM; an explicit
+    limit counts at most what the context leaves after the prompt (vLLM shortens it)."""
+    cfg = config(timeouts={"first_byte_base": 1.0, "first_byte_per_1k_tokens": 0.0, "generation": 1.0,
+                           "generation_per_token": 0.01}, default_output_tokens=1024)
+    pool = cfg.pools[0]
+    assert engine_output(request(prompt=192), pool) == 8192 - 192
+    _, budget, _ = budgets(cfg.timeouts, request(prompt=192), pool)
+    assert budget == pytest.approx(2.0 + 0.01 * 8000)
+    completion = RoutingRequest(api="completions", model="kimi-k3", prompt_tokens=100, output_tokens=None,
+                                stream=False, modalities=frozenset({"text"}), estimate_method="bytes")
+    assert engine_output(completion, pool) == 16
+    assert engine_output(request(prompt=8000, output=32000), pool) == 192
+    assert engine_output(request(prompt=100, output=50), pool) == 50
 
 
 def test_the_hold_window_counts_from_the_clients_arrival() -> None:

@@ -96,3 +96,34 @@ def test_every_engine_kind_is_probed_on_an_endpoint_that_does_not_generate() -> 
     assert {kind: spec.probe.path for kind, spec in ENGINES.items()} == {
         "vllm": "/health", "ascend": "/health", "sglang": "/model_info", "llamacpp": "/health"}
     assert all(spec.probe is PROBES[kind] and spec.probe.timeout(2.0) == 2.0 for kind, spec in ENGINES.items())
+
+
+@pytest.mark.parametrize(("engine", "prompt", "output", "accepted"), [
+    # vLLM 0.32 / vllm-ascend: the prompt must leave a token; an output limit the context cannot hold
+    # after it is shortened, one over the whole context refused
+    ("vllm", 99, None, True), ("vllm", 100, None, False), ("vllm", 101, None, False),
+    ("vllm", 90, 50, True), ("vllm", 90, 100, True), ("vllm", 90, 101, False), ("ascend", 99, 100, True),
+    ("vllm", 100, 0, True),  # a pooling request may fill the context
+    # SGLang 0.5.23: input < context and input + max_new_tokens <= context
+    ("sglang", 99, None, True), ("sglang", 100, None, False), ("sglang", 60, 40, True),
+    ("sglang", 61, 40, False), ("sglang", 100, 0, False),
+    # llama.cpp: the prompt must leave a token; the output stops where the context ends
+    ("llamacpp", 99, 5000, True), ("llamacpp", 100, 1, False),
+])
+def test_each_engine_kinds_context_rule(engine: str, prompt: int, output: int | None, accepted: bool) -> None:
+    assert ENGINES[engine].accepts(prompt, output, 100) is accepted
+
+
+def test_engine_default_output_runs_to_the_end_of_the_context_but_on_completions() -> None:
+    assert ENGINES["vllm"].default_output("chat", 30, 100) == 70
+    assert ENGINES["sglang"].default_output("responses", 30, 100) == 70
+    assert ENGINES["vllm"].default_output("completions", 30, 100) == 16
+    assert ENGINES["llamacpp"].default_output("completions", 30, 100) == 70
+
+
+def test_vllm_032_wordings_are_context_errors() -> None:
+    for message in (b"This model's maximum context length is 100 tokens. However, your prompt contains at least "
+                    b"101 input tokens, which exceeds this limit even without any output tokens.",
+                    b"max_tokens=32000 cannot be greater than max_model_len=16384. Please request fewer output "
+                    b"tokens. (parameter=max_tokens, value=32000)"):
+        assert is_context_too_long(400, b'{"error":{"message":"' + message + b'"}}')

@@ -166,16 +166,14 @@ LONG = [{"role": "user", "content": "x" * 400}]
 
 CONTEXT_CASES = [
     ("vllm", "current", {"error": {
-        "message": "This model's maximum context length is 100 tokens. However, you requested 0 output tokens "
-                   "and your prompt contains at least 101 input tokens, for a total of at least 101 tokens. "
-                   "Please reduce the length of the input prompt or the number of requested output tokens. "
-                   "(parameter=input_tokens, value=101)",
+        "message": "This model's maximum context length is 100 tokens. However, your prompt contains at least "
+                   "101 input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                   "length of the input prompt. (parameter=input_tokens, value=101)",
         "type": "BadRequestError", "param": "input_tokens", "code": 400}}),
     ("ascend", "current", {"error": {
-        "message": "This model's maximum context length is 100 tokens. However, you requested 0 output tokens "
-                   "and your prompt contains at least 101 input tokens, for a total of at least 101 tokens. "
-                   "Please reduce the length of the input prompt or the number of requested output tokens. "
-                   "(parameter=input_tokens, value=101)",
+        "message": "This model's maximum context length is 100 tokens. However, your prompt contains at least "
+                   "101 input tokens, which exceeds this limit even without any output tokens. Please reduce the "
+                   "length of the input prompt. (parameter=input_tokens, value=101)",
         "type": "BadRequestError", "param": "input_tokens", "code": 400}}),
     ("vllm", "legacy", {
         "object": "error",
@@ -204,12 +202,20 @@ def test_context_error_wording_per_engine(start_sim: StartSim, engine: str, api_
 
 
 def test_context_error_with_max_tokens_per_engine(start_sim: StartSim) -> None:
+    """54 prompt tokens + max_tokens 60 on a context of 100: vLLM 0.32 serves it with the output
+    shortened to the 46 tokens left (`get_max_tokens`; it refused it before its renderer stopped taking
+    max_tokens off the prompt's room), vLLM <= 0.9 and SGLang refuse it."""
     body = {"messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 60}  # 54 + 60 > 100
     vllm = start_sim(max_context_tokens=100)
-    assert httpx.post(vllm.url + CHAT, json=body).json()["error"]["message"] == (
-        "This model's maximum context length is 100 tokens. However, you requested 60 output tokens and your "
-        "prompt contains at least 41 input tokens, for a total of at least 101 tokens. Please reduce the length "
-        "of the input prompt or the number of requested output tokens. (parameter=input_tokens, value=41)")
+    served = httpx.post(vllm.url + CHAT, json=body)
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["finish_reason"] == "length"
+    usage = served.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (54, 46)
+    over = httpx.post(vllm.url + CHAT, json={**body, "max_tokens": 101})
+    assert over.status_code == 400 and over.json()["error"] == {
+        "message": "max_tokens=101 cannot be greater than max_model_len=100. Please request fewer output tokens. "
+                   "(parameter=max_tokens, value=101)", "type": "BadRequestError", "param": "max_tokens", "code": 400}
     legacy = start_sim(max_context_tokens=100, api_version="legacy")
     assert httpx.post(legacy.url + CHAT, json=body).json()["message"] == (
         "This model's maximum context length is 100 tokens. However, you requested 114 tokens (54 in the "
@@ -221,10 +227,34 @@ def test_context_error_with_max_tokens_per_engine(start_sim: StartSim) -> None:
         "number of tokens in the input messages or the completion to fit within the limit.")
 
 
-def test_exact_fit_vllm_accepts_sglang_refuses(start_sim: StartSim) -> None:
+def test_exact_fit_both_serve_one_more_sglang_refuses(start_sim: StartSim) -> None:
+    """54 + 46 == 100: served by both (SGLang 0.5.23 refuses only a total over its context, and its
+    scheduler then stops 2 tokens short of it); 54 + 47: vLLM shortens it, SGLang refuses it."""
     body = {"messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 46}  # 54 + 46 == 100
     assert httpx.post(start_sim(max_context_tokens=100).url + CHAT, json=body).status_code == 200
-    assert httpx.post(start_sim(engine="sglang", max_context_tokens=100).url + CHAT, json=body).status_code == 400
+    sglang = start_sim(engine="sglang", max_context_tokens=100)
+    exact = httpx.post(sglang.url + CHAT, json=body)
+    assert exact.status_code == 200 and exact.json()["usage"]["completion_tokens"] == 44
+    assert httpx.post(sglang.url + CHAT, json={**body, "max_tokens": 47}).status_code == 400
+    assert httpx.post(start_sim(max_context_tokens=100).url + CHAT, json={**body, "max_tokens": 47}).status_code == 200
+
+
+def test_vllm_refuses_a_prompt_that_fills_its_context(start_sim: StartSim) -> None:
+    """A prompt of exactly max_model_len leaves vLLM 0.32 0 output tokens, which its SamplingParams refuse."""
+    full = [{"role": "user", "content": "x" * 384}]  # 96 + 4 == 100
+    refused = httpx.post(start_sim(max_context_tokens=100).url + CHAT, json={"messages": full})
+    assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+        "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)")
+
+
+def test_no_output_limit_runs_to_the_end_of_the_context_without_a_natural_end(start_sim: StartSim) -> None:
+    """With `default_output_tokens` None the simulated model never ends by itself, so a request without a
+    limit generates what the context leaves, as vLLM's default max_tokens (max_model_len - prompt) lets it."""
+    srv = start_sim(max_context_tokens=100, default_output_tokens=None)
+    answer = httpx.post(srv.url + CHAT, json={"messages": HELLO}).json()
+    usage = answer["usage"]
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 100
 
 
 def test_sglang_legacy_stream_reports_context_error_in_band(start_sim: StartSim) -> None:

@@ -68,8 +68,11 @@ def test_previous_response_id_prepends_the_stored_conversation(start_sim: StartS
 def test_vllm_refuses_a_prompt_of_max_model_len_and_clamps_the_output(start_sim: StartSim) -> None:
     srv = start_sim(max_context_tokens=100)
     too_long = httpx.post(srv.url + "/v1/responses", json={"model": "kimi-k3", "input": "x" * 400})
-    assert too_long.status_code == 400
-    assert "exceeds the max_model_len 100" in too_long.json()["error"]["message"]
+    assert too_long.status_code == 400  # 104 tokens: vLLM 0.32's renderer refuses it
+    assert "maximum context length is 100 tokens" in too_long.json()["error"]["message"]
+    full = httpx.post(srv.url + "/v1/responses", json={"model": "kimi-k3", "input": "x" * 384})
+    assert full.status_code == 400  # exactly 100: serving.py's _validate_generator_input
+    assert "exceeds the max_model_len 100" in full.json()["error"]["message"]
     clamped = httpx.post(srv.url + "/v1/responses", json={"model": "kimi-k3", "input": "x" * 360,
                                                           "max_output_tokens": 50}).json()
     assert clamped["usage"]["output_tokens"] == 100 - clamped["usage"]["input_tokens"]

@@ -16,47 +16,55 @@ from gateway.sim.dialects import (
 @pytest.mark.parametrize(("prompt", "output", "expected"), [
     (99, None, None),
     (90, 10, None),
-    (100, None, "However, you requested 1 output tokens and your prompt contains at least 100 input tokens, "
-                "for a total of at least 101 tokens."),
-    (250, None, "However, you requested 0 output tokens and your prompt contains at least 101 input tokens, "
-                "for a total of at least 101 tokens."),
-    (95, 10, "However, you requested 10 output tokens and your prompt contains at least 91 input tokens, "
-             "for a total of at least 101 tokens."),
+    (95, 10, None),    # vLLM 0.32 serves it with 5 output tokens (it used to refuse prompt + max_tokens > 100)
+    (99, 100, None),
+    (100, None, ("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens")),
+    (100, 5, ("max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)", "max_tokens")),
+    (250, None, ("This model's maximum context length is 100 tokens. However, your prompt contains at least 101 "
+                 "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
+                 "of the input prompt. (parameter=input_tokens, value=101)", "input_tokens")),
+    (101, 1, ("This model's maximum context length is 100 tokens. However, your prompt contains at least 101 "
+              "input tokens, which exceeds this limit even without any output tokens. Please reduce the length "
+              "of the input prompt. (parameter=input_tokens, value=101)", "input_tokens")),
+    (10, 101, ("max_tokens=101 cannot be greater than max_model_len=100. Please request fewer output tokens. "
+               "(parameter=max_tokens, value=101)", "max_tokens")),
 ])
-def test_vllm_current_context_wording(prompt: int, output: int | None, expected: str | None) -> None:
-    message = vllm_context_error(prompt, output, 100)
-    if expected is None:
-        assert message is None
-        return
-    assert message is not None
-    assert message.startswith("This model's maximum context length is 100 tokens. " + expected)
-    assert message.endswith(" Please reduce the length of the input prompt or the number of requested output "
-                            "tokens. (parameter=input_tokens, value=" + expected.split("at least ")[1].split(" ")[0]
-                            + ")")
+def test_vllm_current_context_wording(prompt: int, output: int | None,
+                                      expected: tuple[str, str] | None) -> None:
+    """vLLM 0.32's refusals (vllm/renderers/params.py, serve/utils/api_utils.py, sampling_params.py)."""
+    assert vllm_context_error(prompt, output, 100) == expected
+
+
+def test_vllm_names_the_output_field_and_lets_pooling_fill_the_context() -> None:
+    refused = vllm_context_error(1, 200, 100, "max_completion_tokens")
+    assert refused is not None and refused[1] == "max_completion_tokens"
+    assert refused[0].startswith("max_completion_tokens=200 cannot be greater than max_model_len=100.")
+    assert vllm_context_error(100, None, 100, generate=False) is None  # a pooling request generates nothing
 
 
 def test_vllm_legacy_context_wording() -> None:
     assert vllm_legacy_context_error(99, None, 100) is None
     assert vllm_legacy_context_error(100, None, 100) == (
         "This model's maximum context length is 100 tokens. However, you requested 100 tokens in the messages, "
-        "Please reduce the length of the messages.")
+        "Please reduce the length of the messages.", None)
     assert vllm_legacy_context_error(60, 40, 100) is None
     assert vllm_legacy_context_error(60, 41, 100) == (
         "This model's maximum context length is 100 tokens. However, you requested 101 tokens (60 in the "
-        "messages, 41 in the completion). Please reduce the length of the messages or completion.")
+        "messages, 41 in the completion). Please reduce the length of the messages or completion.", None)
 
 
 def test_sglang_context_wording() -> None:
+    """SGLang 0.5.23 serves input + max_new_tokens == context_len (`> _max_req_len`); older releases refused it."""
     assert sglang_context_error(99, None, 100) is None
     assert sglang_context_error(100, None, 100) == (
-        "The input (100 tokens) is longer than the model's context length (100 tokens).")
-    assert sglang_context_error(59, 40, 100) is None
-    assert sglang_context_error(60, 40, 100) == (
+        "The input (100 tokens) is longer than the model's context length (100 tokens).", None)
+    assert sglang_context_error(60, 40, 100) is None
+    assert sglang_context_error(61, 40, 100) == (
         "Requested token count exceeds the model's maximum context length of 100 tokens. You requested a total "
-        "of 100 tokens: 60 tokens from the input messages and 40 tokens for the completion. Please reduce the "
-        "number of tokens in the input messages or the completion to fit within the limit.")
+        "of 101 tokens: 61 tokens from the input messages and 40 tokens for the completion. Please reduce the "
+        "number of tokens in the input messages or the completion to fit within the limit.", None)
     assert sglang_context_error(1, 101, 100) == (
-        "max_completion_tokens is too large: 101.This model supports at most 100 completion tokens.")
+        "max_completion_tokens is too large: 101.This model supports at most 100 completion tokens.", None)
 
 
 def test_error_shapes() -> None:
