@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from gateway.backends.client import answer_budget  # noqa: E402
 from gateway.dispatch.params import TimeoutConfig  # noqa: E402
-from gateway.plans.emit import sglang_args, shell_command, vllm_args  # noqa: E402
+from gateway.plans.emit import sglang_args, sglang_launcher, shell_command, vllm_args  # noqa: E402
 from gateway.plans.models import LoadedPlan, load_plan  # noqa: E402
 from gateway.serving.params import ShutdownConfig  # noqa: E402
 
@@ -207,26 +207,11 @@ def engine_api_key_env(loaded: LoadedPlan) -> str | None:
 
     vLLM and vllm-ascend read VLLM_API_KEY when --api-key is absent
     (vllm/entrypoints/openai/api_server.py: `args.api_key or envs.VLLM_API_KEY`); SGLang reads no
-    variable, so its launcher (sglang_launcher) reads the plan's `api_key_env`."""
+    variable, so its launcher (gateway.plans.emit.sglang_launcher) reads the plan's `api_key_env`."""
     engine = loaded.plan.engine
     if not engine.api_key_env:
         return None
     return engine.api_key_env if engine.kind == "sglang" else "VLLM_API_KEY"
-
-
-def _launcher(key_env: str) -> str:
-    """`python3 -c` code that starts SGLang's launch_server with its key from `key_env`, never from argv.
-
-    sglang/launch_server.py parses `prepare_server_args(sys.argv[1:])` when run as __main__; the
-    wrapper replaces that function in sglang.srt.server_args by one that also sets `api_key` (the
-    field --api-key fills) and runs the module as __main__, so the key is not in /proc/PID/cmdline."""
-    return ("import os, runpy, sglang.srt.server_args as s; p = s.prepare_server_args\n"
-            "def with_key(argv):\n"
-            "    args = p(argv)\n"
-            f"    args.api_key = os.environ.pop({key_env!r})\n"
-            "    return args\n"
-            "s.prepare_server_args = with_key\n"
-            "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
 
 
 def launch_script(loaded: LoadedPlan) -> str:
@@ -286,7 +271,7 @@ def launch_script(loaded: LoadedPlan) -> str:
                 args += ["--data-parallel-size-local 1", '--data-parallel-address "$leader"',
                          f"--data-parallel-rpc-port {VLLM_DP_RPC_PORT}"]
     if engine.kind == "sglang":
-        out.append("launcher=" + shlex.quote(_launcher(key_env or "SGLANG_API_KEY")))
+        out.append("launcher=" + shlex.quote(sglang_launcher(key_env or "SGLANG_API_KEY")))
         return "\n".join(out) + "\n" + shell_command(args, 'exec python3 -c "$launcher"')
     if hw.nodes == 1:
         return "\n".join(out) + "\n" + shell_command(args, "exec vllm serve")

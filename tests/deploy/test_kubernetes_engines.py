@@ -28,6 +28,7 @@ import yaml
 
 from gateway.config import load_config
 from gateway.dispatch.params import TimeoutConfig
+from gateway.plans.emit import ray_pack_strategy_env, render_script
 from tests.deploy.crd_schema import SCHEMAS, json_schema, schema_path
 from tests.deploy.test_kubernetes import (
     CRD_GROUPS,
@@ -43,6 +44,7 @@ from tests.deploy.test_kubernetes import (
     rendered,  # noqa: F401 - the fixture
 )
 from tests.deploy.tools import run, tool
+from tests.support import REPO_ROOT
 
 CHECK_JSONSCHEMA = tool("check-jsonschema")
 needs_check_jsonschema = pytest.mark.skipif(CHECK_JSONSCHEMA is None,
@@ -299,15 +301,23 @@ print(json.dumps({"argv": sys.argv[1:], "key": os.environ.get("VLLM_API_KEY")}))
 FAKE_SGLANG = {
     "sglang/__init__.py": "",
     "sglang/srt/__init__.py": "",
+    # ServerArgs is a dataclass whose repr SGLang logs at start (`logger.info(f"{server_args=}")`,
+    # srt/entrypoints/engine.py); the stand-in's `logged` is that line.
     "sglang/srt/server_args.py": (
-        "import argparse\n"
+        "import argparse, dataclasses\n"
+        "@dataclasses.dataclass\n"
+        "class ServerArgs:\n"
+        "    api_key: str | None = None\n"
+        "    node_rank: int = 0\n"
+        "    nnodes: int = 1\n"
+        "    dist_init_addr: str | None = None\n"
         "def prepare_server_args(argv):\n"
         "    parser = argparse.ArgumentParser()\n"
         "    parser.add_argument('--api-key', default=None)\n"
         "    parser.add_argument('--node-rank', type=int, default=0)\n"
         "    parser.add_argument('--nnodes', type=int, default=1)\n"
         "    parser.add_argument('--dist-init-addr', default=None)\n"
-        "    return parser.parse_known_args(argv)[0]\n"),
+        "    return ServerArgs(**vars(parser.parse_known_args(argv)[0]))\n"),
     "sglang/launch_server.py": (
         "import json, os, sys\n"
         "from sglang.srt.server_args import prepare_server_args\n"
@@ -315,12 +325,13 @@ FAKE_SGLANG = {
         "    args = prepare_server_args(sys.argv[1:])\n"
         "    cmdline = open('/proc/self/cmdline', 'rb').read().decode().split('\\0')\n"
         "    print(json.dumps({'api_key': args.api_key, 'node_rank': args.node_rank, 'nnodes': args.nnodes,\n"
-        "                      'dist': args.dist_init_addr, 'cmdline': cmdline,\n"
+        "                      'dist': args.dist_init_addr, 'cmdline': cmdline, 'logged': f'{args=}',\n"
         "                      'env_key': os.environ.get('SGLANG_API_KEY')}))\n"),
 }
 
 
-def run_script(loaded: Any, tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_script(loaded: Any, tmp_path: Path, env: dict[str, str], script_text: str | None = None) -> dict[str, Any]:
+    """Run `loaded`'s Kubernetes launch script (or `script_text`) against the stand-ins; their JSON output."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     vllm = bin_dir / "vllm"
@@ -331,7 +342,7 @@ def run_script(loaded: Any, tmp_path: Path, env: dict[str, str]) -> dict[str, An
         (tmp_path / "py" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "py" / name).write_text(text)
     script = tmp_path / "launch.sh"
-    script.write_text(GENERATE.launch_script(loaded))
+    script.write_text(GENERATE.launch_script(loaded) if script_text is None else script_text)
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30, env={
         "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "py"), **env})
     assert result.returncode == 0, result.stderr
@@ -371,6 +382,7 @@ def test_sglang_key_reaches_the_server_but_not_its_command_line(tmp_path: Path) 
         assert out["api_key"] == "s3cret-key"
         assert not any("s3cret-key" in arg for arg in out["cmdline"]), out["cmdline"]
         assert out["env_key"] is None  # taken out of the environment the engine's children inherit
+        assert "s3cret-key" not in out["logged"] and "api_key='<redacted>'" in out["logged"]
         assert (out["node_rank"], out["nnodes"]) == (rank, 2)
         assert out["dist"] in (f"{ip}:{GENERATE.SGLANG_DIST_PORT}" for ip in ("127.0.0.1", "::1"))
 
@@ -379,3 +391,39 @@ def test_sglang_key_reaches_the_server_but_not_its_command_line(tmp_path: Path) 
 def test_no_launch_script_puts_a_key_on_the_command_line(plan: str) -> None:
     script = GENERATE.launch_script(PLANS[plan])
     assert "--api-key" not in script and "ray " not in script
+
+
+# --- the bare-metal scripts (deploy/engines/, gateway.plans.emit), run ----------------------------
+
+def test_bare_metal_vllm_scripts_pass_the_key_in_the_environment(tmp_path: Path) -> None:
+    """vLLM reads VLLM_API_KEY (vllm/entrypoints/openai/api_server.py): the script exports the plan's
+    key variable there, and no argument carries it."""
+    for name in ("plan-a", "ascend"):
+        loaded = PLANS[name]
+        key_env = loaded.plan.engine.api_key_env
+        assert key_env is not None
+        out = run_script(loaded, tmp_path, {key_env: "bare-k3y"}, script_text=render_script(loaded))
+        assert out["key"] == "bare-k3y" and not any("bare-k3y" in a for a in out["argv"]), name
+        assert "--api-key" not in out["argv"]
+
+
+def test_bare_metal_sglang_script_keeps_the_key_off_argv_and_out_of_the_log(tmp_path: Path) -> None:
+    loaded = PLANS["plan-b"]
+    out = run_script(loaded, tmp_path, {"SGLANG_API_KEY": "bare-s3cret", "NODE_RANK": "1",
+                                        "DIST_INIT_ADDR": "10.0.0.1:5000"}, script_text=render_script(loaded))
+    assert out["api_key"] == "bare-s3cret" and out["env_key"] is None
+    assert not any("bare-s3cret" in arg for arg in out["cmdline"]), out["cmdline"]
+    assert "bare-s3cret" not in out["logged"] and "api_key='<redacted>'" in out["logged"]
+    assert (out["node_rank"], out["nnodes"], out["dist"]) == (1, 2, "10.0.0.1:5000")
+
+
+def test_bare_metal_plan_c_lets_ray_place_a_data_parallel_rank_across_trays() -> None:
+    """Plan C's DP rank is TP 8 x PP 3 = 24 GPUs, 6 trays of 4: vLLM's default pack strategy
+    `strict` refuses it ("Not enough resources to allocate 3 DP ranks on DP master node",
+    vllm/v1/engine/utils.py create_dp_placement_groups); `span` places it."""
+    text = (REPO_ROOT / "deploy" / "engines" / "nvl72-1m.sh").read_text()
+    assert text == render_script(PLANS["plan-c"])
+    assert "export VLLM_RAY_DP_PACK_STRATEGY=span" in text
+    assert text.index("VLLM_RAY_DP_PACK_STRATEGY=span") < text.index("exec vllm serve")
+    assert "--data-parallel-backend ray" in text and "--data-parallel-size-local" not in text
+    assert ray_pack_strategy_env(PLANS["plan-a"]) == {}  # one node: nothing to place across nodes
