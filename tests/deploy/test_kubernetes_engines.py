@@ -137,7 +137,7 @@ def test_multi_node_instances_are_leader_worker_sets(rendered: dict[str, list[di
     (lws,) = engine_sets(objects, loaded).values()
     spec = lws["spec"]
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
-    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupAfterStart"
     assert spec["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxUnavailable": 1, "maxSurge": 0}
     pool = loaded.plan.pool.name
     leaders = by_kind(objects, "Service")[f"{pool}-leaders"]
@@ -188,6 +188,10 @@ def test_engine_pods_are_guaranteed_probed_prioritised_and_pinned(rendered: dict
         for container in spec["containers"]:
             resources = container["resources"]
             assert resources["requests"] == resources["limits"] and {"cpu", "memory"} <= set(resources["limits"])
+            if container["image"].startswith("quay.io/ascend/vllm-ascend:"):
+                # No vllm-ascend tag was shown to serve K3: no default, the overlay must set one.
+                assert container["image"].endswith(":set-a-validated-tag")
+                continue
             assert not container["image"].endswith(":latest") and re.search(r":v?\d+\.\d+\.\d+$", container["image"])
         engine = spec["containers"][0]
         (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
@@ -427,3 +431,69 @@ def test_bare_metal_plan_c_lets_ray_place_a_data_parallel_rank_across_trays() ->
     assert text.index("VLLM_RAY_DP_PACK_STRATEGY=span") < text.index("exec vllm serve")
     assert "--data-parallel-backend ray" in text and "--data-parallel-size-local" not in text
     assert ray_pack_strategy_env(PLANS["plan-a"]) == {}  # one node: nothing to place across nodes
+
+
+# --- architectures, weights and compile caches, readiness, monitoring labels -----------------------
+
+def test_plan_c_pods_select_arm64_nodes_and_the_others_no_architecture(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    """GB200 trays are Grace (arm64): every Plan C pod selects them; no other plan pins one."""
+    for name, loaded in PLANS.items():
+        (workload,) = engine_sets(rendered[name], loaded).values()
+        for template in pod_templates(workload):
+            selector = template["spec"].get("nodeSelector", {})
+            assert selector == ({"kubernetes.io/arch": "arm64"} if name == "plan-c" else {}), name
+
+
+def test_vllm_reads_the_weights_eagerly_and_every_engine_keeps_its_compile_cache(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    """vLLM and vllm-ascend load with --safetensors-load-strategy eager (vllm/config/load.py: for
+    network filesystems); every engine pod mounts the compile-cache claim at its pool's sub-directory
+    and points the compilers' cache variables into it."""
+    for name, loaded in PLANS.items():
+        script = GENERATE.launch_script(loaded)
+        assert ("--safetensors-load-strategy eager" in script) == (loaded.plan.engine.kind != "sglang"), name
+        (workload,) = engine_sets(rendered[name], loaded).values()
+        for template in pod_templates(workload):
+            pod = template["spec"]
+            (volume,) = [v for v in pod["volumes"] if v["name"] == "compile-cache"]
+            assert volume["persistentVolumeClaim"]["claimName"] == GENERATE.COMPILE_CACHE_CLAIM
+            engine = pod["containers"][0]
+            (mount,) = [m for m in engine["volumeMounts"] if m["name"] == "compile-cache"]
+            assert mount["subPath"] == loaded.plan.pool.name and "readOnly" not in mount
+            env = {e["name"]: e.get("value") for e in engine["env"]}
+            own = "SGLANG_DG_CACHE_DIR" if loaded.plan.engine.kind == "sglang" else "VLLM_CACHE_ROOT"
+            for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", own):
+                assert env[key].startswith(mount["mountPath"] + "/"), (name, key)
+
+
+def test_single_pool_gateways_stay_ready_while_their_engines_load(
+        rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:  # noqa: F811
+    """An overlay of one pool runs the gateway with `readiness: {pools: none}` (ready unless
+    draining), so its replicas stay in the Service while the engines load; overlays of several pools
+    keep `any`. The gateway's PodDisruptionBudget never blocks a drain on an unready replica."""
+    for overlay, objects in rendered.items():
+        config = load_config(gateway_files(objects, tmp_path / overlay),
+                             environ={**gateway_environ(objects), **VALID_KEYS})
+        assert config.readiness.pools == ("none" if len(OVERLAYS[overlay]) == 1 else "any"), overlay
+        budget = by_kind(objects, "PodDisruptionBudget")["kimi-gateway"]
+        assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_monitoring_objects_carry_the_release_label_prometheus_selects(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    for overlay, objects in rendered.items():
+        monitoring = [o for o in objects if o["apiVersion"].startswith("monitoring.coreos.com/")]
+        assert {o["kind"] for o in monitoring} == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+        for obj in monitoring:
+            assert obj["metadata"]["labels"]["release"] == GENERATE.MONITORING_RELEASE_LABEL, overlay
+
+
+def test_the_engine_metrics_alert_waits_out_the_longest_engine_start() -> None:
+    """KimiEngineMetricsDown must not fire on a normal start: its `for` outlasts every plan's startup
+    budget, and a pod kube-state-metrics reports unready (still loading) is left out."""
+    rules = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    (rule,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "KimiEngineMetricsDown"]
+    minutes = int(rule["for"].removesuffix("m"))
+    assert minutes * 60 > max(GENERATE.startup_seconds(loaded) for loaded in PLANS.values()) == 2169
+    assert 'kube_pod_status_ready{condition="false"}' in rule["expr"] and "unless on (namespace, pod)" in rule["expr"]
