@@ -361,7 +361,17 @@ def _engine_env(loaded: LoadedPlan, multi: bool) -> list[dict[str, Any]]:
             "name": ENGINE_KEYS_SECRET, "key": plan.engine.api_key_env}}})
     if multi:
         env += [{"name": k, "value": v} for k, v in fabric(plan.hardware.accelerator).items()]
+        env += host_ip_env(loaded)
     return env
+
+
+def host_ip_env(loaded: LoadedPlan) -> list[dict[str, Any]]:
+    """vLLM's VLLM_HOST_IP (vllm/envs.py; vllm/utils get_ip falls back to the interface of a route
+    to the internet, which on a pod with a second, RDMA network need not be the pod network's) set
+    to the pod's IP, the address its peers reach; SGLang gets none (it binds to --dist-init-addr)."""
+    if loaded.plan.engine.kind == "sglang":
+        return []
+    return [{"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
 
 
 def _engine_container(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool, serves: bool) -> dict[str, Any]:

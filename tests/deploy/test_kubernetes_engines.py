@@ -534,3 +534,17 @@ def test_the_gateway_api_route_serves_only_v1_and_outlasts_the_longest_stream(tm
         (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
         result = run([validate, "--strict", "--quiet", str(tmp_path / "policy.yaml")])
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_multi_node_vllm_pods_announce_their_pod_ip(rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    """vLLM's ranks find each other at VLLM_HOST_IP: the pod IP, not whatever interface a default
+    route picks on a pod with an RDMA network too; SGLang and single-node pods get none."""
+    for name in MULTI:
+        loaded = PLANS[name]
+        (workload,) = engine_sets(rendered[name], loaded).values()
+        for template in pod_templates(workload):
+            env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+            if loaded.plan.engine.kind == "sglang":
+                assert "VLLM_HOST_IP" not in env
+            else:
+                assert env["VLLM_HOST_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
