@@ -2,8 +2,11 @@
 
 One overlay per plan that config/k3-production.yaml names (`pools: - plan: plans/X.yaml`), in a
 folder named after the plan (`overlays/plan-a/`), and `overlays/production/`: all of them behind one
-gateway, as the production config has it. Everything an overlay says about its plans comes
-from the plan file through gateway.plans (the same loader the gateway and `kimi-gateway plan` use):
+gateway, as the production config has it, except the plans of OPTIONAL_ACCELERATORS (Ascend): each
+of those is a kustomize Component, `components/<plan>/` (component_files), that adds its pool to
+production, and `overlays/production-<plan>/` is production with it. Everything an overlay says
+about its plans comes from the plan file through gateway.plans (the same loader the gateway and
+`kimi-gateway plan` use):
 
 - ConfigMap `kimi-gateway-config`: the production config with only the overlay's pool entries and
   `redis_url: ${REDIS_URL}` (an external URL from the Secret, no localhost fallback), the plan file
@@ -790,7 +793,8 @@ def prometheus_rule() -> str:
 
 
 def render_all() -> dict[Path, str]:
-    """Every generated file: absolute path -> text. One overlay per plan, and `production` with them all."""
+    """Every generated file: absolute path -> text. One overlay per plan, `production` with every plan
+    but the optional ones (optional_plan), and for each of those its component and `production-<plan>`."""
     config = yaml.safe_load(PRODUCTION.read_text(encoding="utf-8"))
     out: dict[Path, str] = {PROMETHEUS_RULE: prometheus_rule()}
     pairs = [(load_plan(PRODUCTION.parent / entry["plan"]), entry) for entry in config["pools"]
@@ -829,7 +833,8 @@ def optional_components(optional: Pairs, everything: Pairs, config: dict[str, An
 
 
 def drift() -> list[str]:
-    """Files that differ from what would be generated, are missing, or are stale in overlays/."""
+    """Files that differ from what would be generated, are missing, or are stale in overlays/ or a
+    generated component's folder."""
     wanted = render_all()
     problems = [f"{p.relative_to(ROOT)}: differs" for p, text in wanted.items()
                 if p.exists() and p.read_text(encoding="utf-8") != text]
