@@ -1,5 +1,10 @@
 # kimi-gateway container image. Build from the repository root:
 #   docker build -t kimi-gateway .
+# For amd64 and arm64 at once (the NVL72's Grace trays are arm64), one multi-arch manifest:
+#   docker buildx build --platform linux/amd64,linux/arm64 -t REGISTRY/kimi-gateway:VERSION --push .
+# Nothing here is arch-specific: the base is the official multi-arch Python image, and every
+# dependency installs from a wheel (--only-binary, so a missing aarch64 wheel fails the build
+# instead of compiling under emulation); deploy/README.md says how the wheels were checked.
 # Two stages: `build` installs the gateway into a virtualenv with pip from pyproject.toml and the
 # pinned constraints.txt (as scripts/bootstrap, which CI runs, does; without the test and llama.cpp
 # extras); `runtime` copies only that virtualenv and the example configs onto a slim Python and
@@ -21,7 +26,7 @@ COPY gateway/ gateway/
 # A regular (not editable) install: the runtime stage gets no source tree. The tracing extra is
 # included so `tracing.otlp_endpoint` works in the image.
 RUN touch constraints.txt \
- && /opt/kimi-gateway/bin/python -m pip install -c constraints.txt '.[tracing]' \
+ && /opt/kimi-gateway/bin/python -m pip install --only-binary=:all: -c constraints.txt '.[tracing]' \
  && /opt/kimi-gateway/bin/python -c "import uvloop, httptools, hiredis, gateway.cli"
 
 FROM ${PYTHON_IMAGE} AS runtime

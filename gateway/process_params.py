@@ -19,16 +19,22 @@ class ReadinessConfig(Section):
     rack) leaves the replica in the load balancer's rotation and the other pools' traffic flows;
     requests only the down pool could serve spill over (`spillover`) or get 503 with `Retry-After`.
     `all`: every pool must serve (the strictest: one pool down takes every replica out).
-    A list of pool names: each of those must serve. A draining replica (shutdown began) is never ready.
+    A list of pool names: each of those must serve. `none`: no pool must, the replica is ready while it
+    runs (for a single-pool deployment whose engines load for many minutes: the replicas stay behind
+    the load balancer and answer 503 with `Retry-After` themselves). A draining replica (shutdown
+    began) is never ready.
     """
 
-    pools: Literal["any", "all"] | list[Annotated[str, Field(min_length=1)]] = Field(
-        default="any", description="any | all | [pool names]: the pools that must serve for /ready to answer 200")
+    pools: Literal["any", "all", "none"] | list[Annotated[str, Field(min_length=1)]] = Field(
+        default="any",
+        description="any | all | none | [pool names]: the pools that must serve for /ready to answer 200")
 
     def is_ready(self, names: list[str], unready: list[str]) -> bool:
         """Whether pools `names` (the running config's, in order), of which `unready` have no usable
         worker, make this replica ready (shutdown aside)."""
         down = set(unready)
+        if self.pools == "none":
+            return True
         if self.pools == "any":
             return any(name not in down for name in names)
         if self.pools == "all":

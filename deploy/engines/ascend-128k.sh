@@ -7,11 +7,11 @@
 # Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), ASCEND_API_KEY (required).
 set -euo pipefail
 : "${ASCEND_API_KEY:?set ASCEND_API_KEY: the bearer key the gateway sends pool ascend-128k}"
+export VLLM_API_KEY="$ASCEND_API_KEY"  # vLLM reads its key from here, not argv
 exec vllm serve "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --host "${HOST:-0.0.0.0}" \
   --port 8000 \
   --served-model-name moonshotai/Kimi-K3 \
-  --api-key "$ASCEND_API_KEY" \
   --max-model-len 131072 \
   --tensor-parallel-size 16 \
   --enable-expert-parallel \

@@ -7,6 +7,8 @@
 # Environment: MODEL_PATH (weights, default the Hugging Face repo), HOST (default 0.0.0.0), NVL72_API_KEY (required); NODE_RANK (0 on the head node); HEAD_ADDRESS (node 0's host, on the other nodes).
 set -euo pipefail
 : "${NVL72_API_KEY:?set NVL72_API_KEY: the bearer key the gateway sends pool nvl72-1m}"
+export VLLM_API_KEY="$NVL72_API_KEY"  # vLLM reads its key from here, not argv
+export VLLM_RAY_DP_PACK_STRATEGY=span  # ray_pack_strategy_env: a data-parallel rank spans nodes
 : "${NODE_RANK:?set NODE_RANK: the rank of this node, 0..17}"
 # Node 0 starts the Ray head and serves; nodes 1..17 join its cluster (start them within Ray's connect timeout): vLLM places its 72 workers on the cluster's devices.
 if [ "$NODE_RANK" != 0 ]; then
@@ -18,7 +20,6 @@ exec vllm serve "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --host "${HOST:-0.0.0.0}" \
   --port 8000 \
   --served-model-name moonshotai/Kimi-K3 \
-  --api-key "$NVL72_API_KEY" \
   --max-model-len 1048576 \
   --tensor-parallel-size 8 \
   --pipeline-parallel-size 3 \

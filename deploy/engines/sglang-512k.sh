@@ -9,12 +9,24 @@ set -euo pipefail
 : "${SGLANG_API_KEY:?set SGLANG_API_KEY: the bearer key the gateway sends pool sglang-512k}"
 : "${NODE_RANK:?set NODE_RANK: the rank of this node, 0..1}"
 : "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"
-exec python3 -m sglang.launch_server \
+# SGLang reads its key from no variable: this launcher sets it (sglang_launcher).
+launcher='import os, runpy, sglang.srt.server_args as s; p = s.prepare_server_args
+r = s.ServerArgs.__repr__
+def redacted(self):
+    text = r(self)
+    return text.replace(repr(self.api_key), "'"'"'<redacted>'"'"'") if self.api_key else text
+s.ServerArgs.__repr__ = redacted
+def with_key(argv):
+    args = p(argv)
+    args.api_key = os.environ.pop('"'"'SGLANG_API_KEY'"'"')
+    return args
+s.prepare_server_args = with_key
+runpy.run_module('"'"'sglang.launch_server'"'"', run_name='"'"'__main__'"'"', alter_sys=True)'
+exec python3 -c "$launcher" \
   --model-path "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --host "${HOST:-0.0.0.0}" \
   --port 30000 \
   --served-model-name moonshotai/Kimi-K3 \
-  --api-key "$SGLANG_API_KEY" \
   --context-length 524288 \
   --tp-size 16 \
   --ep-size 16 \

@@ -11,7 +11,6 @@ exec vllm serve "${MODEL_PATH:-moonshotai/Kimi-K3}" \
   --host "${HOST:-0.0.0.0}" \
   --port 8000 \
   --served-model-name moonshotai/Kimi-K3 \
-  --api-key "$VLLM_API_KEY" \
   --max-model-len 131072 \
   --tensor-parallel-size 8 \
   --enable-expert-parallel \

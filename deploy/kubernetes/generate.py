@@ -2,8 +2,11 @@
 
 One overlay per plan that config/k3-production.yaml names (`pools: - plan: plans/X.yaml`), in a
 folder named after the plan (`overlays/plan-a/`), and `overlays/production/`: all of them behind one
-gateway, as the production config has it. Everything an overlay says about its plans comes
-from the plan file through gateway.plans (the same loader the gateway and `kimi-gateway plan` use):
+gateway, as the production config has it, except the plans of OPTIONAL_ACCELERATORS (Ascend): each
+of those is a kustomize Component, `components/<plan>/` (component_files), that adds its pool to
+production, and `overlays/production-<plan>/` is production with it. Everything an overlay says
+about its plans comes from the plan file through gateway.plans (the same loader the gateway and
+`kimi-gateway plan` use):
 
 - ConfigMap `kimi-gateway-config`: the production config with only the overlay's pool entries and
   `redis_url: ${REDIS_URL}` (an external URL from the Secret, no localhost fallback), the plan file
@@ -52,7 +55,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere
 
 from gateway.backends.client import answer_budget  # noqa: E402
 from gateway.dispatch.params import TimeoutConfig  # noqa: E402
-from gateway.plans.emit import sglang_args, shell_command, vllm_args  # noqa: E402
+from gateway.plans.emit import sglang_args, sglang_launcher, shell_command, vllm_args  # noqa: E402
 from gateway.plans.models import LoadedPlan, load_plan  # noqa: E402
 from gateway.serving.params import ShutdownConfig  # noqa: E402
 
@@ -72,11 +75,13 @@ VLLM_DP_RPC_PORT = 13345  # vLLM's --data-parallel-rpc-port default: data-parall
 WEIGHTS_CLAIM = "kimi-k3-weights"  # a ReadOnlyMany PVC with the weights, created by the operator
 ENGINE_KEYS_SECRET = "kimi-engine-keys"
 # Engine releases the gateway's protocol code was checked against (gateway/protocol, gateway/sim).
-# vllm-ascend tags follow vLLM's; override any of them with `images:` in your own overlay.
+# vllm-ascend's tags do not follow vLLM's (PyPI's newest vllm-ascend is 0.23.0.post1) and no
+# release was checked for K3: its image has no usable default, `images:` in your overlay must set one
+# (deploy/README.md, "Images and architectures", says how each tag was checked).
 ENGINE_IMAGES = {
     "vllm": "vllm/vllm-openai:v0.33.0",
     "sglang": "lmsysorg/sglang:v0.5.23",
-    "ascend": "quay.io/ascend/vllm-ascend:v0.33.0",
+    "ascend": "quay.io/ascend/vllm-ascend:set-a-validated-tag",
 }
 GATEWAY_IMAGE = f"kimi-gateway:{tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['version']}"
 GATEWAY_URL = "http://kimi-gateway:8000"  # base/gateway.yaml's Service, from inside the namespace
@@ -96,6 +101,25 @@ NODE_RESOURCES = {
 }
 WEIGHTS_READ_BYTES_PER_SECOND = 1e9  # per node, from the weights volume (parameter: your storage's rate)
 ENGINE_WARMUP_SECONDS = 600  # after loading: kernel compile, CUDA graph capture, KV cache allocation
+# vLLM's --safetensors-load-strategy for the weights volume (vllm/config/load.py LoadConfig: `eager`
+# reads each file whole before loading it, "recommended for models on network filesystems (e.g.,
+# Lustre, NFS)", one file at a time per worker in host RAM; `lazy` memory-maps, for local NVMe;
+# the default auto-prefetches only a checkpoint within 90% of RAM, which K3's 1.57 TB is not).
+VLLM_SAFETENSORS_LOAD_STRATEGY: str | None = "eager"
+# A ReadWriteMany PVC for the engines' kernel and compile caches (torch.compile, Inductor, Triton,
+# FlashInfer and DeepGEMM JIT): a restarted pod reuses them instead of compiling again. One
+# sub-directory per pool (subPath), so accelerators and engine versions never share one.
+COMPILE_CACHE_CLAIM = "kimi-k3-compile-cache"
+COMPILE_CACHE_MOUNT = "/var/cache/kimi-k3"
+# The host CPU architecture of an accelerator's nodes, where it is fixed: GB200 trays are Grace
+# (arm64). Those engine pods select it (kubernetes.io/arch), and their images must have it.
+NODE_ARCH = {"GB200": "arm64"}
+# Accelerators whose pools are a kustomize component (`components/<plan>`) that `overlays/production`
+# does not include: an NVIDIA-only cluster applies production as it is.
+OPTIONAL_ACCELERATORS = ("Ascend",)
+# kube-prometheus-stack's Prometheus selects ServiceMonitors, PodMonitors and PrometheusRules by
+# `release: <its Helm release name>`: set yours (None: no such label).
+MONITORING_RELEASE_LABEL: str | None = "kube-prometheus-stack"
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"  # NVIDIA Network Operator's shared RDMA device plugin (its example name)
 # Accelerators whose TP spans trays: the node label naming one NVLink partition (GPU feature discovery).
 NVLINK_DOMAIN = {"GB200": "nvidia.com/gpu.clique"}
@@ -117,6 +141,43 @@ def fabric(accelerator: str) -> dict[str, str]:
     if accelerator in NVLINK_DOMAIN:
         env |= {"NCCL_MNNVL_ENABLE": "1", "NCCL_CUMEM_ENABLE": "1"}
     return env
+
+def node_selector(accelerator: str) -> dict[str, str]:
+    """The pod's nodeSelector for `accelerator`'s nodes: their CPU architecture where NODE_ARCH fixes it."""
+    arch = NODE_ARCH.get(accelerator)
+    return {"kubernetes.io/arch": arch} if arch else {}
+
+
+def weights_load_args(loaded: LoadedPlan) -> list[str]:
+    """Engine flags for reading the weights from the network volume (VLLM_SAFETENSORS_LOAD_STRATEGY).
+    vLLM and vllm-ascend (vLLM's loader); SGLang gets none: its default loader is kept (no SGLang
+    recommendation for network storage was found)."""
+    if loaded.plan.engine.kind == "sglang" or VLLM_SAFETENSORS_LOAD_STRATEGY is None:
+        return []
+    return [f"--safetensors-load-strategy {VLLM_SAFETENSORS_LOAD_STRATEGY}"]
+
+
+def compile_cache_env(loaded: LoadedPlan) -> list[dict[str, str]]:
+    """Where the engine's compilers keep their caches, all under COMPILE_CACHE_MOUNT: vLLM's
+    VLLM_CACHE_ROOT (vllm/envs.py: torch.compile artifacts), PyTorch Inductor's
+    TORCHINDUCTOR_CACHE_DIR, Triton's TRITON_CACHE_DIR, FlashInfer's FLASHINFER_WORKSPACE_BASE and
+    SGLang's DeepGEMM SGLANG_DG_CACHE_DIR (python/sglang/srt/environ.py)."""
+    dirs = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton",
+            "FLASHINFER_WORKSPACE_BASE": "flashinfer"}
+    dirs |= {"SGLANG_DG_CACHE_DIR": "deep_gemm"} if loaded.plan.engine.kind == "sglang" else {"VLLM_CACHE_ROOT": "vllm"}
+    return [{"name": k, "value": f"{COMPILE_CACHE_MOUNT}/{v}"} for k, v in sorted(dirs.items())]
+
+
+def compile_cache_volume(loaded: LoadedPlan) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the pod's volume, the engine container's mount) of the compile cache, the pool's sub-directory."""
+    return ({"name": "compile-cache", "persistentVolumeClaim": {"claimName": COMPILE_CACHE_CLAIM}},
+            {"name": "compile-cache", "mountPath": COMPILE_CACHE_MOUNT, "subPath": loaded.plan.pool.name})
+
+
+def optional_plan(loaded: LoadedPlan) -> bool:
+    """Whether the plan's pool is a component production leaves out (OPTIONAL_ACCELERATORS)."""
+    return loaded.plan.hardware.accelerator.startswith(OPTIONAL_ACCELERATORS)
+
 
 GENERATED = ("# Generated by deploy/kubernetes/generate.py from {source}. "
              "Do not edit: change the source and run it again.\n")
@@ -207,26 +268,11 @@ def engine_api_key_env(loaded: LoadedPlan) -> str | None:
 
     vLLM and vllm-ascend read VLLM_API_KEY when --api-key is absent
     (vllm/entrypoints/openai/api_server.py: `args.api_key or envs.VLLM_API_KEY`); SGLang reads no
-    variable, so its launcher (sglang_launcher) reads the plan's `api_key_env`."""
+    variable, so its launcher (gateway.plans.emit.sglang_launcher) reads the plan's `api_key_env`."""
     engine = loaded.plan.engine
     if not engine.api_key_env:
         return None
     return engine.api_key_env if engine.kind == "sglang" else "VLLM_API_KEY"
-
-
-def _launcher(key_env: str) -> str:
-    """`python3 -c` code that starts SGLang's launch_server with its key from `key_env`, never from argv.
-
-    sglang/launch_server.py parses `prepare_server_args(sys.argv[1:])` when run as __main__; the
-    wrapper replaces that function in sglang.srt.server_args by one that also sets `api_key` (the
-    field --api-key fills) and runs the module as __main__, so the key is not in /proc/PID/cmdline."""
-    return ("import os, runpy, sglang.srt.server_args as s; p = s.prepare_server_args\n"
-            "def with_key(argv):\n"
-            "    args = p(argv)\n"
-            f"    args.api_key = os.environ.pop({key_env!r})\n"
-            "    return args\n"
-            "s.prepare_server_args = with_key\n"
-            "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
 
 
 def launch_script(loaded: LoadedPlan) -> str:
@@ -253,7 +299,7 @@ def launch_script(loaded: LoadedPlan) -> str:
         args = [a for a in sglang_args(loaded) if not a.startswith(drop)]
     else:
         args = ['"${MODEL_PATH:-' + engine.model_path + '}"']
-        args += [a for a in vllm_args(loaded) if not a.startswith(drop)]
+        args += [a for a in vllm_args(loaded) if not a.startswith(drop)] + weights_load_args(loaded)
     out = [
         "#!/usr/bin/env bash",
         f"# {plan.pool.name}: {plan.title}, on Kubernetes (deploy/kubernetes/generate.py; the flags are "
@@ -286,7 +332,7 @@ def launch_script(loaded: LoadedPlan) -> str:
                 args += ["--data-parallel-size-local 1", '--data-parallel-address "$leader"',
                          f"--data-parallel-rpc-port {VLLM_DP_RPC_PORT}"]
     if engine.kind == "sglang":
-        out.append("launcher=" + shlex.quote(_launcher(key_env or "SGLANG_API_KEY")))
+        out.append("launcher=" + shlex.quote(sglang_launcher(key_env or "SGLANG_API_KEY")))
         return "\n".join(out) + "\n" + shell_command(args, 'exec python3 -c "$launcher"')
     if hw.nodes == 1:
         return "\n".join(out) + "\n" + shell_command(args, "exec vllm serve")
@@ -310,6 +356,7 @@ def _engine_env(loaded: LoadedPlan, multi: bool) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "MODEL_PATH", "value": posixpath.join("/models", plan.engine.model_path)},
         {"name": "HF_HUB_OFFLINE", "value": "1"},  # the weights come from the volume, never a download
+        *compile_cache_env(loaded),
     ]
     key_env = engine_api_key_env(loaded)
     if key_env:
@@ -317,7 +364,17 @@ def _engine_env(loaded: LoadedPlan, multi: bool) -> list[dict[str, Any]]:
             "name": ENGINE_KEYS_SECRET, "key": plan.engine.api_key_env}}})
     if multi:
         env += [{"name": k, "value": v} for k, v in fabric(plan.hardware.accelerator).items()]
+        env += host_ip_env(loaded)
     return env
+
+
+def host_ip_env(loaded: LoadedPlan) -> list[dict[str, Any]]:
+    """vLLM's VLLM_HOST_IP (vllm/envs.py; vllm/utils get_ip falls back to the interface of a route
+    to the internet, which on a pod with a second, RDMA network need not be the pod network's) set
+    to the pod's IP, the address its peers reach; SGLang gets none (it binds to --dist-init-addr)."""
+    if loaded.plan.engine.kind == "sglang":
+        return []
+    return [{"name": "VLLM_HOST_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
 
 
 def _engine_container(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool, serves: bool) -> dict[str, Any]:
@@ -345,6 +402,7 @@ def _engine_container(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool
             {"name": "launch", "mountPath": "/opt/kimi-k3", "readOnly": True},
             {"name": "weights", "mountPath": "/models", "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            compile_cache_volume(loaded)[1],
         ],
     }
     if multi:
@@ -404,6 +462,7 @@ def _pod_spec(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool, serves
         {"name": "launch", "configMap": {"name": f"{pool}-launch", "defaultMode": 0o555}},
         {"name": "weights", "persistentVolumeClaim": {"claimName": WEIGHTS_CLAIM, "readOnly": True}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": node["shm"]}},  # counts toward memory
+        compile_cache_volume(loaded)[0],
     ]
     if serves:
         containers.append(_drain_container(loaded, config))
@@ -419,6 +478,8 @@ def _pod_spec(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool, serves
         "containers": containers,
         "volumes": volumes,
     }
+    if node_selector(hw.accelerator):
+        spec["nodeSelector"] = node_selector(hw.accelerator)
     if hw.accelerator in NVLINK_DOMAIN:
         # TP spans trays: the pods share one IMEX channel of the rack's ComputeDomain (NVIDIA DRA driver).
         spec["resourceClaims"] = [{"name": "imex-channel", "resourceClaimTemplateName": f"{pool}-imex-channel"}]
@@ -431,7 +492,7 @@ def engine_objects(loaded: LoadedPlan, config: dict[str, Any]) -> list[dict[str,
 
     Single-node instances: a StatefulSet (one pod = one engine = one gateway worker) and its headless
     Service. Multi-node instances: a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1) of `replicas`
-    groups of `nodes` pods; a failed pod restarts its whole group (RecreateGroupOnPodRestart), a
+    groups of `nodes` pods; a failed pod restarts its whole group (RecreateGroupAfterStart), a
     rollout replaces one group at a time (maxUnavailable 1, maxSurge 0), and a Service
     `<pool>-leaders` selects only the leaders (worker-index 0), the pods that serve HTTP, for DNS
     discovery. NVL72: a ComputeDomain whose IMEX channel every pod of the group claims.
@@ -477,7 +538,10 @@ def engine_objects(loaded: LoadedPlan, config: dict[str, Any]) -> list[dict[str,
                                     "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
                 "leaderWorkerTemplate": {
                     "size": hw.nodes,
-                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    # A failed pod recreates its group, but not while one of the group's pods is still
+                    # Pending (an image pull, scheduling): no restart loop while a group forms
+                    # (LWS v0.9+ restartPolicy; the vendored v0.10.0 CRD schema has it).
+                    "restartPolicy": "RecreateGroupAfterStart",
                     "leaderTemplate": {"metadata": {"labels": labels},
                                        "spec": _pod_spec(loaded, config, multi=True, serves=True)},
                     "workerTemplate": {"metadata": {"labels": labels},
@@ -588,6 +652,68 @@ def gateway_patch(plans: list[LoadedPlan], config: dict[str, Any], items: list[d
     }
 
 
+def single_pool_readiness(pairs: list[tuple[LoadedPlan, dict[str, Any]]]) -> dict[str, Any]:
+    """The gateway config's `readiness` for an overlay of one pool: `none`, so a replica is ready while
+    it runs and is not draining. With the default `any` every replica would answer /ready 503 while
+    the pool's only engines load their weights (15 to 36 minutes) or its NVL72 group rolls: the
+    Service would have no endpoints (clients get the ingress's errors, not the gateway's 503 with
+    Retry-After) and node drains would wait on the gateway's PodDisruptionBudget. Overlays of
+    several pools keep the config's own setting."""
+    return {"readiness": {"pools": "none"}} if len(pairs) == 1 else {}
+
+
+def monitoring_patches() -> list[dict[str, Any]]:
+    """Kustomize patches giving every Prometheus Operator object of the overlay the label
+    `release: MONITORING_RELEASE_LABEL` (kube-prometheus-stack's default selector); none without one."""
+    if MONITORING_RELEASE_LABEL is None:
+        return []
+    return [{"target": {"group": "monitoring.coreos.com"},
+             "patch": _dump([{"op": "add", "path": "/metadata/labels/release", "value": MONITORING_RELEASE_LABEL}])}]
+
+
+Pairs = list[tuple[LoadedPlan, dict[str, Any]]]  # (plan, its pool entry in the production config)
+
+
+def component_files(members: Pairs, everything: Pairs, config: dict[str, Any]) -> dict[str, str]:
+    """A kustomize Component adding `members`' pools to the production overlay (which leaves them out):
+    their engines, launch scripts and engine keys, and the gateway's config, worker variables and
+    mounted files as for `everything` (the production config's plans, members included). Path in the
+    component's folder -> text."""
+    full = overlay_files(PRODUCTION_OVERLAY, everything, config)
+    generators = yaml.safe_load(full["kustomization.yaml"])["configMapGenerator"]
+    (gateway_files,) = [g for g in generators if g["name"] == "kimi-gateway-config"]
+    plans = [loaded for loaded, _ in members]
+    sources = ", ".join(f"config/{posixpath.normpath(entry['plan'])}" for _, entry in members)
+    files = {key: text for key, text in full.items() if key == "gateway-patch.yaml" or (
+        key.startswith("files/") and (not key.endswith(".sh") or any(key == f"files/{p.plan.pool.name}.sh"
+                                                                      for p in plans)))}
+    files["engines.yaml"] = GENERATED.format(source=sources) + _dump(
+        *[obj for loaded in plans for obj in engine_objects(loaded, config)])
+    component: dict[str, Any] = {
+        "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+        "kind": "Component",
+        "resources": ["engines.yaml"],
+        "patches": [{"path": "gateway-patch.yaml"}],
+        "configMapGenerator": [
+            {**gateway_files, "behavior": "replace"},
+            *[{"name": f"{p.plan.pool.name}-launch", "files": [f"{p.plan.pool.name}.sh=files/{p.plan.pool.name}.sh"]}
+              for p in plans],
+        ],
+    }
+    key_envs = sorted({p.plan.engine.api_key_env for p in plans if p.plan.engine.api_key_env})
+    if key_envs:  # EMPTY, as the production overlay's: set them in your private overlay
+        component["secretGenerator"] = [{"name": ENGINE_KEYS_SECRET, "behavior": "merge",
+                                         "literals": [f"{k}=" for k in key_envs]}]
+    names = " ".join(p.plan.name for p in plans)
+    files["kustomization.yaml"] = (GENERATED.format(source=sources)
+                                   + f"# {names}: not in overlays/{PRODUCTION_OVERLAY}, which applies on a cluster "
+                                   "without these accelerators.\n# Add it to production in your overlay: "
+                                   f"`resources: [.../overlays/{PRODUCTION_OVERLAY}]` and `components: "
+                                   f"[.../components/{plans[0].plan.name}]` (overlays/{PRODUCTION_OVERLAY}-"
+                                   f"{plans[0].plan.name} does).\n" + _dump(component))
+    return files
+
+
 def overlay_files(name: str, pairs: list[tuple[LoadedPlan, dict[str, Any]]], config: dict[str, Any]) -> dict[str, str]:
     """The files of overlay `name` for (plan, its pool entry in the config) pairs: path in the folder -> text."""
     config_dir = PRODUCTION.parent.resolve()
@@ -606,7 +732,7 @@ def overlay_files(name: str, pairs: list[tuple[LoadedPlan, dict[str, Any]]], con
         files[f"files/{loaded.plan.pool.name}.sh"] = launch_script(loaded)
     plans = [loaded for loaded, _ in pairs]
     sources = ", ".join(f"config/{posixpath.normpath(entry['plan'])}" for _, entry in pairs)
-    overlay_config = gateway_config(config, [entry for _, entry in pairs], plans)
+    overlay_config = gateway_config(config, [entry for _, entry in pairs], plans) | single_pool_readiness(pairs)
     files["files/gateway.yaml"] = (GENERATED.format(source=f"config/k3-production.yaml (its pools for {sources})")
                                    + _dump(overlay_config))
     files["engines.yaml"] = GENERATED.format(source=sources) + _dump(
@@ -625,6 +751,7 @@ def overlay_files(name: str, pairs: list[tuple[LoadedPlan, dict[str, Any]]], con
             {"path": "gateway-patch.yaml"},
             {"target": {"kind": "HorizontalPodAutoscaler", "name": "kimi-gateway"},
              "patch": _dump([{"op": "replace", "path": "/spec/minReplicas", "value": replicas}])},
+            *monitoring_patches(),
         ],
         "configMapGenerator": [
             {"name": "kimi-gateway-config", "files": [f"{i['key']}=files/{i['key']}" for i in items]},
@@ -666,36 +793,69 @@ def prometheus_rule() -> str:
 
 
 def render_all() -> dict[Path, str]:
-    """Every generated file: absolute path -> text. One overlay per plan, and `production` with them all."""
+    """Every generated file: absolute path -> text. One overlay per plan, `production` with every plan
+    but the optional ones (optional_plan), and for each of those its component and `production-<plan>`."""
     config = yaml.safe_load(PRODUCTION.read_text(encoding="utf-8"))
     out: dict[Path, str] = {PROMETHEUS_RULE: prometheus_rule()}
     pairs = [(load_plan(PRODUCTION.parent / entry["plan"]), entry) for entry in config["pools"]
              if isinstance(entry, dict) and "plan" in entry]  # a pool typed in the config has no plan to deploy
     overlays = {loaded.plan.name: [(loaded, entry)] for loaded, entry in pairs}
+    core = [(loaded, entry) for loaded, entry in pairs if not optional_plan(loaded)]
     if len(pairs) > 1:
-        overlays[PRODUCTION_OVERLAY] = pairs
+        overlays[PRODUCTION_OVERLAY] = core
     for name, members in overlays.items():
         for file, text in overlay_files(name, members, config).items():
             out[OVERLAYS / name / file] = text
+    if len(pairs) > 1:
+        out |= optional_components([pair for pair in pairs if optional_plan(pair[0])], pairs, config)
+    return out
+
+
+def components_dir() -> Path:
+    """deploy/kubernetes/components/: the generated components and hand-written ones (gateway-api)."""
+    return OVERLAYS.parent / "components"
+
+
+def optional_components(optional: Pairs, everything: Pairs, config: dict[str, Any]) -> dict[Path, str]:
+    """components/<plan>/ for each optional plan (component_files), and overlays/production-<plan>/,
+    production with that component: absolute path -> text."""
+    out: dict[Path, str] = {}
+    for pair in optional:
+        name = pair[0].plan.name
+        for file, text in component_files([pair], everything, config).items():
+            out[components_dir() / name / file] = text
+        example = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                   "resources": [f"../{PRODUCTION_OVERLAY}"], "components": [f"../../components/{name}"]}
+        out[OVERLAYS / f"{PRODUCTION_OVERLAY}-{name}" / "kustomization.yaml"] = (
+            GENERATED.format(source="deploy/kubernetes/generate.py")
+            + f"# overlays/{PRODUCTION_OVERLAY} with the {name} pool (components/{name}).\n" + _dump(example))
     return out
 
 
 def drift() -> list[str]:
-    """Files that differ from what would be generated, are missing, or are stale in overlays/."""
+    """Files that differ from what would be generated, are missing, or are stale in overlays/ or a
+    generated component's folder."""
     wanted = render_all()
     problems = [f"{p.relative_to(ROOT)}: differs" for p, text in wanted.items()
                 if p.exists() and p.read_text(encoding="utf-8") != text]
     problems += [f"{p.relative_to(ROOT)}: missing" for p in wanted if not p.exists()]
-    if OVERLAYS.exists():
-        problems += [f"{p.relative_to(ROOT)}: not generated (stale)" for p in sorted(OVERLAYS.rglob("*"))
-                     if p.is_file() and p not in wanted]
+    for folder in _generated_dirs(wanted):
+        if folder.exists():
+            problems += [f"{p.relative_to(ROOT)}: not generated (stale)" for p in sorted(folder.rglob("*"))
+                         if p.is_file() and p not in wanted]
     return problems
+
+
+def _generated_dirs(wanted: dict[Path, str]) -> list[Path]:
+    """overlays/ and each generated component's folder (components/ also holds hand-written ones)."""
+    return [OVERLAYS, *sorted({p.parent for p in wanted if p.parent.parent == components_dir()})]
 
 
 def write() -> list[Path]:
     """Replace overlays/ and the PrometheusRule with freshly generated files; return their paths."""
     wanted = render_all()
-    shutil.rmtree(OVERLAYS, ignore_errors=True)
+    for folder in _generated_dirs(wanted):
+        shutil.rmtree(folder, ignore_errors=True)
     for path, text in wanted.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")

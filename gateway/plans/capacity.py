@@ -12,12 +12,31 @@ and per device, the fullest device of the layout:
     stage      = ceil(layers / pipeline) / layers                             (the largest pipeline stage's share)
     experts/dv = experts x stage x ceil(n_experts / EP) / n_experts           (EP: the group the engine forms;
                  (experts x stage / (TP x DP) without EP; SGLang: / TP)        vLLM: TP x DP per stage)
-    dense/dv   = dense x stage / tensor                                       (each DP rank keeps its own copy)
+    dense/dv   = ((dense - replicated) / tensor + replicated) x stage         (each DP rank keeps its own copy;
+                                                                               router gates and latent-MoE
+                                                                               projections are whole on every
+                                                                               TP rank: `replicated_parameters`)
     usable/dv  = memory_per_device x memory_utilization
     kv_budget  = usable/dv - weights/dv - activation_reserve
     per token  = kv_bytes_per_token x stage   (MLA latent kept whole on every TP rank: assumption)
-    per seq    = max_context x per token + state_bytes_per_sequence x stage / tensor
+    state      = state_bytes_per_sequence x stage / tensor                    (KDA heads split by TP)
+
+vLLM keeps each sequence's KV and linear-attention state in one pool:
+
+    per seq    = max_context x per token + state
     sequences  = floor(kv_budget / per seq) x data                            (each DP rank holds its own)
+
+SGLang splits the budget first (python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py: the
+linear-attention ("mamba") pool gets `mamba_full_memory_ratio / (1 + ratio)` of the memory left after
+weights and activations, ratio 0.9 by default in srt/server_args.py, and sizes max_mamba_cache_size
+from it; the MLA KV pool gets the rest):
+
+    states     = floor(kv_budget x r / (1 + r) / state)                       (r = --mamba-full-memory-ratio)
+    kv room    = kv_budget - states x state
+    sequences  = min(states, floor(kv room / (max_context x per token))) x data
+
+vLLM plans with pipeline stages are also reported in the other layout of the same devices (no PP,
+DP = devices / TP: the expert-parallel group spans every device; `layouts`).
 
 A plan is refused when its weights exceed a device's usable memory, or when the KV budget holds not
 one max-context sequence; the refusal carries the numbers. The plan's memory per device is checked
@@ -33,10 +52,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, get_args
 
 from gateway.plans.accelerators import vendor_memory
-from gateway.plans.models import LoadedPlan, Precision, expert_parallel_size, stage_layers
+from gateway.plans.models import LoadedPlan, Parallelism, Precision, expert_parallel_size, stage_layers
 
 GB = 1e9
 THIN_HEADROOM = 0.10  # headroom after weights below this share of all memory is called thin
+# SGLang's --mamba-full-memory-ratio default (python/sglang/srt/server_args.py, mamba_full_memory_ratio=0.9).
+SGLANG_MAMBA_FULL_MEMORY_RATIO = 0.9
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,22 @@ class PrecisionFit:
     precision: str
     weight_bytes: float
     fits: bool
+
+
+@dataclass(frozen=True)
+class LayoutFit:
+    """One way to lay the plan's devices out (TP x PP x DP) and what it leaves for sequences."""
+
+    tensor: int
+    pipeline: int
+    data: int
+    expert_parallel_size: int
+    experts_per_device: int
+    stage_layers: int
+    weights_per_device_bytes: float
+    max_context_sequences: int
+    fits: bool
+    planned: bool
 
 
 @dataclass(frozen=True)
@@ -102,6 +139,9 @@ class CapacityReport:
     kv_budget_per_device_bytes: float
     kv_bytes_per_token_per_device: float
     state_bytes_per_sequence_per_device: float
+    replicated_weight_bytes_per_device: float
+    state_pool_share: float | None
+    state_pool_sequences: int | None
     max_context_tokens: int
     sequence_bytes_per_device: float
     max_context_sequences: int
@@ -115,6 +155,7 @@ class CapacityReport:
     warnings: list[str] = field(default_factory=list)
     precisions: list[PrecisionFit] = field(default_factory=list)
     assumptions: list[AssumptionUsed] = field(default_factory=list)
+    layouts: list[LayoutFit] = field(default_factory=list)
     at_vendor_figure: CapacityReport | None = None
 
     def as_json(self) -> dict[str, Any]:
@@ -134,8 +175,56 @@ def _weights_per_device(loaded: LoadedPlan, precision: Precision) -> tuple[float
     # (FusedMoEParallelConfig.make, flatten_tp_across_dp); SGLang's DP attention sits inside its TP group.
     moe_tp = par.tensor * par.data if plan.engine.kind != "sglang" else par.tensor
     expert_share = local_experts / card.experts if ep > 1 else 1 / moe_tp
-    per_device = (card.expert_weight_bytes(precision) * expert_share + card.dense_weight_bytes(precision) / par.tensor)
+    replicated = card.replicated_weight_bytes(precision)
+    dense = (card.dense_weight_bytes(precision) - replicated) / par.tensor + replicated
+    per_device = card.expert_weight_bytes(precision) * expert_share + dense
     return per_device * stage, local_experts, layers
+
+
+def mamba_full_memory_ratio(loaded: LoadedPlan) -> float:
+    """SGLang's --mamba-full-memory-ratio: the plan's `engine.extra_args` value, or SGLang's default."""
+    args = loaded.plan.engine.extra_args
+    for index, arg in enumerate(args):
+        if arg.startswith("--mamba-full-memory-ratio="):
+            return float(arg.split("=", 1)[1])
+        if arg == "--mamba-full-memory-ratio" and index + 1 < len(args):
+            return float(args[index + 1])
+    return SGLANG_MAMBA_FULL_MEMORY_RATIO
+
+
+def _sequences(loaded: LoadedPlan, room: float, per_token: float, state: float) -> tuple[int, int, int | None]:
+    """(max-context sequences, KV tokens, SGLang's state-pool sequences or None) in `room` bytes per device."""
+    plan = loaded.plan
+    data = plan.parallelism.data
+    if plan.engine.kind != "sglang":
+        per_sequence = plan.max_context_tokens * per_token + state
+        return math.floor(room / per_sequence) * data, math.floor(room / per_token) * data, None
+    ratio = mamba_full_memory_ratio(loaded)
+    states = math.floor(room * ratio / (1 + ratio) / state) if state else 0
+    kv_room = room - states * state
+    by_kv = math.floor(kv_room / (plan.max_context_tokens * per_token))
+    return min(states, by_kv) * data, math.floor(kv_room / per_token) * data, states * data
+
+
+def _layouts(loaded: LoadedPlan, precision: Precision, memory_per_device_gb: float | None) -> list[LayoutFit]:
+    """The planned layout and, for a vLLM plan with pipeline stages and expert parallelism, the same
+    devices without PP (DP = devices / TP): vLLM's EP group is TP x DP per stage, so only that layout
+    spreads the experts over every device."""
+    plan = loaded.plan
+    par = plan.parallelism
+    if plan.engine.kind == "sglang" or par.pipeline == 1 or par.expert == 1:
+        return []
+    flat = Parallelism(tensor=par.tensor, pipeline=1, data=plan.hardware.devices // par.tensor,
+                       expert=plan.hardware.devices)
+    other = LoadedPlan(path=loaded.path, plan=plan.model_copy(update={"parallelism": flat}), card=loaded.card)
+    out = []
+    for candidate, planned in ((loaded, True), (other, False)):
+        r = plan_capacity(candidate, precision, memory_per_device_gb, layouts=False)
+        out.append(LayoutFit(tensor=r.tensor, pipeline=r.pipeline, data=r.data,
+                             expert_parallel_size=r.expert_parallel_size, experts_per_device=r.experts_per_device,
+                             stage_layers=r.stage_layers, weights_per_device_bytes=r.weights_per_device_bytes,
+                             max_context_sequences=r.max_context_sequences, fits=r.fits, planned=planned))
+    return out
 
 
 def _warnings(loaded: LoadedPlan, precision: Precision, local_experts: int, ep: int) -> list[str]:
@@ -165,9 +254,10 @@ def _warnings(loaded: LoadedPlan, precision: Precision, local_experts: int, ep: 
 
 
 def plan_capacity(loaded: LoadedPlan, precision: Precision | None = None,
-                  memory_per_device_gb: float | None = None) -> CapacityReport:
+                  memory_per_device_gb: float | None = None, *, layouts: bool = True) -> CapacityReport:
     """Compute the capacity report of a plan, optionally at another `precision` (a what-if) or another
-    memory per device in decimal GB (the vendor's figure; then no nested vendor report)."""
+    memory per device in decimal GB (the vendor's figure; then no nested vendor report). With
+    `layouts`, a vLLM plan with pipeline stages also carries its no-PP layout (`_layouts`)."""
     plan, card = loaded.plan, loaded.card
     precision = precision or plan.engine.precision
     hw, par = plan.hardware, plan.parallelism
@@ -191,14 +281,19 @@ def plan_capacity(loaded: LoadedPlan, precision: Precision | None = None,
     state = a.state_bytes_per_sequence.value * stage / par.tensor
     per_sequence = plan.max_context_tokens * per_token + state
     room = max(kv_per_device, 0.0)
-    sequences = math.floor(room / per_sequence) * par.data
-    tokens = math.floor(room / per_token) * par.data
+    sequences, tokens, state_pool = _sequences(loaded, room, per_token, state)
+    state_share = None
+    if plan.engine.kind == "sglang":
+        ratio = mamba_full_memory_ratio(loaded)
+        state_share = ratio / (1 + ratio)
 
     refusal = None
     if weights_device > per_device * util:
-        refusal = (f"{precision} weights need {_gb(resident)} ({_gb(weights_device)} per device: "
+        refusal = (f"{precision} weights need {_gb(resident)} on the devices ({_gb(weights)} once, "
+                   f"{_gb(weights_device)} per device: "
                    f"{card.parameter_split.expert / 1e9:,.1f}B expert params x {part.expert_bytes_with_scales:g} bytes "
-                   f"+ {card.parameter_split.dense / 1e9:,.1f}B dense x {part.dense_bytes:g} bytes) but {devices} x "
+                   f"+ {card.parameter_split.dense / 1e9:,.1f}B dense x {part.dense_bytes:g} bytes, "
+                   f"{a.replicated_parameters.value / 1e9:,.1f}B of them whole on every TP rank) but {devices} x "
                    f"{hw.accelerator} hold {memory / GB:,.0f} GB, {usable / GB:,.1f} GB usable at {util:g}: "
                    f"{(resident - usable) / GB:,.1f} GB short")
     elif sequences < 1:
@@ -206,6 +301,10 @@ def plan_capacity(loaded: LoadedPlan, precision: Precision | None = None,
                    f"({kv_per_device / GB:,.2f} GB per device after the {reserve_per_device / GB:g} GB activation "
                    f"reserve) holds no {plan.max_context_tokens:,}-token sequence "
                    f"({per_sequence / GB:,.2f} GB per device)")
+        if state_share is not None and state_pool is not None:
+            refusal += (f": SGLang gives the linear-attention state {state_share:.1%} of it, leaving "
+                        f"{(room - state_pool / par.data * state) / GB:,.2f} GB per device for MLA KV "
+                        f"({plan.max_context_tokens * per_token / GB:,.2f} GB per sequence)")
     fits_by_precision = [
         PrecisionFit(p, card.weight_bytes(p), _weights_per_device(loaded, p)[0] <= per_device * util)
         for p in get_args(Precision) if p in card.precisions
@@ -233,11 +332,14 @@ def plan_capacity(loaded: LoadedPlan, precision: Precision | None = None,
         headroom_thin=0 <= headroom < THIN_HEADROOM * memory,
         activation_reserve_bytes=reserve_per_device * devices, kv_budget_bytes=kv_per_device * devices,
         kv_budget_per_device_bytes=kv_per_device, kv_bytes_per_token_per_device=per_token,
-        state_bytes_per_sequence_per_device=state, max_context_tokens=plan.max_context_tokens,
+        state_bytes_per_sequence_per_device=state,
+        replicated_weight_bytes_per_device=card.replicated_weight_bytes(precision) * stage,
+        state_pool_share=state_share, state_pool_sequences=state_pool, max_context_tokens=plan.max_context_tokens,
         sequence_bytes_per_device=per_sequence, max_context_sequences=sequences, kv_tokens=tokens,
         tensor=par.tensor, pipeline=par.pipeline, data=par.data, expert=par.expert,
         fits=refusal is None, refusal=refusal, precisions=fits_by_precision, assumptions=assumptions,
         warnings=_warnings(loaded, precision, local_experts, ep) if memory_per_device_gb is None else [],
+        layouts=_layouts(loaded, precision, memory_per_device_gb) if layouts else [],
     )
     if memory_per_device_gb is None and vendor is not None and vendor.memory_per_device_gb != hw.memory_per_device_gb:
         report = dataclasses.replace(report, at_vendor_figure=plan_capacity(loaded, precision,
@@ -270,15 +372,18 @@ def render_report(report: CapacityReport, assumptions: bool = True) -> str:
         f"{_gb(r.expert_weight_bytes)}; dense {_b(r.dense_parameters)} x {r.dense_bytes_per_param:g} bytes = "
         f"{_gb(r.dense_weight_bytes)}; total {_gb(r.weight_bytes)} ({r.precision})",
         f"  per device   {_gb(r.weights_per_device_bytes)} of weights on the fullest device ({r.experts_per_device} "
-        f"experts of EP {r.expert_parallel_size}, {r.stage_layers} layers), {_gb(r.resident_weight_bytes)} over all",
+        f"experts of EP {r.expert_parallel_size}, {r.stage_layers} layers; {_gb(r.replicated_weight_bytes_per_device)} "
+        f"of it replicated on every TP rank [assumption]), {_gb(r.resident_weight_bytes)} over all",
         f"  usable       {_gb(r.memory_bytes)} x {r.memory_utilization:g} = {_gb(r.usable_bytes)}; "
         f"headroom after weights {_gb(r.headroom_bytes)}"
         + (f" ({r.headroom_bytes / r.memory_bytes:.1%} of memory: thin)" if r.headroom_thin else ""),
-        f"  parallelism  TP {r.tensor} x PP {r.pipeline} x DP {r.data} = {r.devices} devices, EP {r.expert}",
+        f"  parallelism  TP {r.tensor} x PP {r.pipeline} x DP {r.data} = {r.devices} devices, EP "
+        f"{r.expert_parallel_size}{' per pipeline stage' if r.pipeline > 1 and r.expert_parallel_size > 1 else ''}",
     ]
     if r.weights_per_device_bytes <= r.usable_bytes / r.devices:
         lines += kv_lines(r)
     lines.append(_verdict(r))
+    lines.extend(layout_lines(r))
     lines.append("  precisions   " + "; ".join(
         f"{p.precision} {_gb(p.weight_bytes)} {'fits' if p.fits else 'does not fit'}" for p in r.precisions))
     lines.extend(f"  WARNING      {w}" for w in r.warnings)
@@ -292,6 +397,16 @@ def render_report(report: CapacityReport, assumptions: bool = True) -> str:
         lines.append("  assumptions (model card):")
         lines.extend(f"    {format_assumption(a)}" for a in r.assumptions)
     return "\n".join(lines)
+
+
+def layout_lines(r: CapacityReport) -> list[str]:
+    """One line per layout of `r.layouts` (none for a plan with one possible layout)."""
+    return [f"  {'layout' if f.planned else 'or layout'}{' ' * (7 if f.planned else 4)}TP {f.tensor} x PP {f.pipeline} "
+            f"x DP {f.data}: EP {f.expert_parallel_size}{' per stage' if f.pipeline > 1 else ''}, "
+            f"{f.experts_per_device} experts x {f.stage_layers} layers per device, "
+            f"{_gb(f.weights_per_device_bytes)} of weights per device, "
+            + (f"{f.max_context_sequences:,} sequence(s)" if f.fits else "REFUSED")
+            + (" (as planned)" if f.planned else "") for f in r.layouts]
 
 
 def _verdict(r: CapacityReport) -> str:
@@ -316,4 +431,7 @@ def kv_lines(r: CapacityReport) -> list[str]:
         f"  per sequence {r.max_context_tokens:,} tokens x {r.kv_bytes_per_token_per_device:,.0f} B per device "
         f"+ {r.state_bytes_per_sequence_per_device / 1e6:,.1f} MB state = "
         f"{r.sequence_bytes_per_device / GB:,.2f} GB per device [assumption]",
+        *([f"  state pool   SGLang gives linear-attention state {r.state_pool_share:.1%} of the KV budget "
+           f"(--mamba-full-memory-ratio): {r.state_pool_sequences:,} sequences' state; MLA KV gets the rest"]
+          if r.state_pool_share is not None else []),
     ]

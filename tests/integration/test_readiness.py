@@ -107,6 +107,22 @@ def test_readiness_pools_names_what_must_serve(start_sim: StartSim, start_gatewa
     assert (status == 200) is ready_with_large_down and body["ready"] is ready_with_large_down
 
 
+def test_readiness_none_keeps_a_replica_ready_with_no_pool_serving_until_it_drains(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """`none` (the single-pool Kubernetes overlays): every pool down, the replica stays ready and
+    answers the request itself (503 with Retry-After); draining still makes it unready."""
+    small, large, gw = two_pools(start_sim, start_gateway, readiness={"pools": "none"})
+    small.server.stop()
+    large.server.stop()
+    status, body = wait_unready_pools(gw, ["small", "large"])
+    assert status == 200 and body["ready"] is True
+    refused = httpx.post(gw.url + "/v1/chat/completions", json=SHORT, timeout=30)
+    assert refused.status_code == 503 and "retry-after" in refused.headers
+    begin_draining(gw.server.app)
+    status, body = ready(gw)
+    assert status == 503 and body["draining"] is True
+
+
 def test_draining_makes_a_serving_replica_unready(start_sim: StartSim, start_gateway: StartGateway) -> None:
     _, _, gw = two_pools(start_sim, start_gateway)
     begin_draining(gw.server.app)

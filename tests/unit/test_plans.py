@@ -52,6 +52,14 @@ def edit_yaml(path: Path, change: Callable[[dict[str, Any]], object]) -> None:
 EXPERT_B = (2800e9 - 104e9) * 896 / 880          # 2,745.0B, derived
 DENSE_B = 2800e9 - EXPERT_B                        # 55.0B
 MXFP4_WEIGHTS = EXPERT_B * (0.5 + 1 / 32) + DENSE_B * 2   # 1,568.25 GB
+# Of the dense part, the router gates and latent-MoE projections are whole on every TP rank (assumed):
+# 63 MoE layers x (2 x 7,168 x 3,584 + 7,168 x 896).
+REPLICATED = 63 * (2 * 7168 * 3584 + 7168 * 896)   # 3,641.6M
+
+
+def dense_per_device(tensor: int) -> float:
+    """BF16 bytes of the dense part on one TP rank of a one-stage layout."""
+    return (DENSE_B - REPLICATED) * 2 / tensor + REPLICATED * 2
 
 
 def guide_figure(tmp_path: Path, name: str, gb: float) -> LoadedPlan:
@@ -82,8 +90,11 @@ def test_plan_a_at_the_guides_192_gb_is_short_and_fits_at_nvidias_288(tmp_path: 
     report = plan_capacity(guide_figure(tmp_path, "plan-a", 192))
     assert not report.fits and report.memory_bytes == pytest.approx(1536 * GB)
     assert report.weight_bytes > report.memory_bytes  # 1,568 GB of weights on 1,536 GB of HBM
-    assert ("mxfp4 weights need 1,568.3 GB" in report.refusal
-            and "8 x B300 hold 1,536 GB, 1,459.2 GB usable at 0.95: 109.1 GB short" in report.refusal)
+    # Resident: 1,568.3 GB once, plus 7 more copies of the 7.3 GB replicated on every TP rank.
+    assert report.resident_weight_bytes == pytest.approx(MXFP4_WEIGHTS + 7 * REPLICATED * 2)
+    assert ("mxfp4 weights need 1,619.2 GB on the devices (1,568.3 GB once" in report.refusal
+            and "3.6B of them whole on every TP rank" in report.refusal
+            and "8 x B300 hold 1,536 GB, 1,459.2 GB usable at 0.95: 160.0 GB short" in report.refusal)
     assert any("192 GB per B300 disagrees with the vendor's 288 GB" in w and "docs.nvidia.com" in w
                for w in report.warnings)
     vendor = report.at_vendor_figure
@@ -94,12 +105,13 @@ def test_plan_a_at_the_guides_192_gb_is_short_and_fits_at_nvidias_288(tmp_path: 
     assert shipped.max_context_sequences == vendor.max_context_sequences
 
 
-def test_plan_b_holds_twice_the_512k_sequences_at_nvidias_180_gb(tmp_path: Path) -> None:
+def test_plan_b_at_the_guides_144_gb_holds_no_512k_sequence_and_two_at_nvidias_180_gb(tmp_path: Path) -> None:
     report = plan_capacity(guide_figure(tmp_path, "plan-b", 144))
-    assert report.fits and report.memory_bytes == pytest.approx(2304 * GB)
+    assert report.memory_bytes == pytest.approx(2304 * GB)
+    assert not report.fits and "holds no 524,288-token sequence" in report.refusal
     vendor = report.at_vendor_figure
     assert vendor is not None and vendor.fits and vendor.memory_bytes == pytest.approx(2880 * GB)
-    assert vendor.max_context_sequences >= 2 * report.max_context_sequences >= 2
+    assert vendor.max_context_sequences == 2
     assert plan_capacity(plan("plan-b")).max_context_sequences == vendor.max_context_sequences
 
 
@@ -127,8 +139,75 @@ def test_without_expert_parallelism_vllm_shards_the_experts_over_tp_x_dp(tmp_pat
     edit_yaml(path, lambda d: d["parallelism"].update(expert=1))
     report = plan_capacity(load_plan(path))
     assert report.expert_parallel_size == 1 and "--enable-expert-parallel" not in render_script(load_plan(path))
-    expected = (EXPERT_B * 0.53125 / 24 + DENSE_B * 2 / 8) * 22 / 64
+    expected = (EXPERT_B * 0.53125 / 24 + dense_per_device(8)) * 22 / 64
     assert report.weights_per_device_bytes == pytest.approx(expected)
+
+
+def test_k3_has_96_kda_and_attention_heads_and_the_state_follows_them() -> None:
+    """vLLM 0.33's K3 code: 96 KDA heads (not K2's 64); the state per sequence is 48 KDA layers x 96
+    heads x 128 x 128 FP32, split over the TP ranks."""
+    card = load_model_card(CONFIG / "models" / "kimi-k3.yaml")
+    a = card.assumptions
+    assert (a.kda_heads.value, a.attention_heads.value) == (96, 96)
+    assert a.state_bytes_per_sequence.value == 48 * a.kda_heads.value * 128 * 128 * 4
+    report = plan_capacity(plan("plan-b"))
+    assert report.state_bytes_per_sequence_per_device == pytest.approx(48 * 96 * 128 * 128 * 4 / 16)
+
+
+def test_replicated_router_gates_and_latent_projections_are_on_every_tp_rank() -> None:
+    """Router gates and the latent-MoE projections are not split by TP: every rank holds them whole."""
+    card = load_model_card(CONFIG / "models" / "kimi-k3.yaml")
+    assert card.assumptions.replicated_parameters.value == REPLICATED
+    report = plan_capacity(plan("plan-a"))  # TP 8, EP 8: 112 of 896 experts per device
+    assert report.weights_per_device_bytes == pytest.approx(EXPERT_B * 0.53125 / 8 + dense_per_device(8))
+    assert report.replicated_weight_bytes_per_device == pytest.approx(REPLICATED * 2)
+    assert report.weights_per_device_bytes - (EXPERT_B * 0.53125 + DENSE_B * 2) / 8 == pytest.approx(
+        REPLICATED * 2 * 7 / 8)  # what counting them as TP-split missed, per device
+
+
+def test_sglang_splits_the_budget_between_linear_attention_state_and_mla_kv(tmp_path: Path) -> None:
+    """SGLang (model_runner_kv_cache_mixin.py) gives the state pool ratio / (1 + ratio) of the memory
+    left after weights (ratio 0.9 by default); MLA KV gets the rest. Plan B: 2 sequences of 512K,
+    where one shared pool (vLLM's way) would hold 5."""
+    report = plan_capacity(plan("plan-b"))
+    room = report.kv_budget_per_device_bytes
+    state, per_token = report.state_bytes_per_sequence_per_device, report.kv_bytes_per_token_per_device
+    share = 0.9 / 1.9
+    assert report.state_pool_share == pytest.approx(share)
+    states = int(room * share // state)
+    assert report.state_pool_sequences == states
+    kv_sequences = int((room - states * state) // (524288 * per_token))
+    assert report.max_context_sequences == min(states, kv_sequences) == 2
+    assert int(room // (524288 * per_token + state)) == 5  # one pool: the 5 reported before
+    assert plan_capacity(plan("plan-a")).state_pool_share is None  # vLLM: one pool
+    # A plan may set SGLang's ratio: less for the state, more KV.
+    copy_config(tmp_path)
+    path = tmp_path / "config" / "plans" / "plan-b.yaml"
+    edit_yaml(path, lambda d: d["engine"].update(extra_args=["--mamba-full-memory-ratio=0.05"]))
+    small = plan_capacity(load_plan(path))
+    assert small.state_pool_share == pytest.approx(0.05 / 1.05) and small.max_context_sequences == 4
+    assert "--mamba-full-memory-ratio=0.05" in render_script(load_plan(path))
+
+
+def test_plan_c_is_reported_in_both_layouts_of_its_72_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's EP group is TP x DP per pipeline stage: TP 8 x PP 3 x DP 3 gives EP 24 (38 experts on the
+    fullest GPU, 22 layers); the same rack as TP 8 x DP 9 without PP gives EP 72 (13 experts, 64 layers)."""
+    rack = plan_capacity(plan("plan-c"))
+    planned, flat = rack.layouts
+    assert planned.planned and (planned.tensor, planned.pipeline, planned.data) == (8, 3, 3)
+    assert (planned.expert_parallel_size, planned.experts_per_device, planned.stage_layers) == (24, 38, 22)
+    assert planned.max_context_sequences == rack.max_context_sequences
+    assert not flat.planned and (flat.tensor, flat.pipeline, flat.data) == (8, 1, 9)
+    assert (flat.expert_parallel_size, flat.experts_per_device, flat.stage_layers) == (72, 13, 64)
+    assert flat.weights_per_device_bytes == pytest.approx(EXPERT_B * 0.53125 * 13 / 896 + dense_per_device(8))
+    assert flat.fits and flat.max_context_sequences >= 1
+    for name in ("plan-a", "plan-b", "ascend"):
+        assert plan_capacity(plan(name)).layouts == [], name
+    with pytest.raises(SystemExit):
+        main(["plan", str(CONFIG / "plans" / "plan-c.yaml")])
+    out = capsys.readouterr().out
+    assert "  layout       TP 8 x PP 3 x DP 3: EP 24 per stage, 38 experts x 22 layers per device" in out
+    assert "  or layout    TP 8 x PP 1 x DP 9: EP 72, 13 experts x 64 layers per device" in out
 
 
 def test_an_unlisted_accelerator_is_flagged_unchecked() -> None:
@@ -152,8 +231,8 @@ def test_cli_refuses_bf16_on_plan_a_with_the_numbers(capsys: pytest.CaptureFixtu
         main(["plan", str(CONFIG / "plans" / "plan-a.yaml"), "--precision", "bf16"])
     assert info.value.code == 1
     out, err = capsys.readouterr()
-    assert "REFUSED" in out and "bf16 weights need 5,600 GB" in out
-    assert "8 x B300 hold 2,304 GB, 2,188.8 GB usable at 0.95: 3,411.2 GB short" in out
+    assert "REFUSED" in out and "bf16 weights need 5,651 GB on the devices (5,600 GB once" in out
+    assert "8 x B300 hold 2,304 GB, 2,188.8 GB usable at 0.95: 3,462.2 GB short" in out
     assert "what-if only" in out and "plan plan-a refused" in err
 
 
@@ -177,7 +256,7 @@ def test_cli_and_json_show_the_new_fields(tmp_path: Path, capsys: pytest.Capture
                  "  weights      experts 2,745.0B x 0.5 + scales 0.03125 bytes = 1,458.3 GB; dense 55.0B x 2 bytes "
                  "= 110 GB; total 1,568.3 GB (mxfp4)",
                  "  WARNING      the plan's 192 GB per B300 disagrees with the vendor's 288 GB",
-                 "  at vendor's  8 x 288 GB = 2,304 GB: fits 30 sequence(s) of 131,072 tokens"):
+                 "  at vendor's  8 x 288 GB = 2,304 GB: fits 27 sequence(s) of 131,072 tokens"):
         assert line in out, line
     with pytest.raises(SystemExit):
         main(["plan", str(tmp_path / "config" / "plans" / "plan-a.yaml"), "--json"])
@@ -186,7 +265,7 @@ def test_cli_and_json_show_the_new_fields(tmp_path: Path, capsys: pytest.Capture
     assert report["dense_weight_bytes"] == pytest.approx(DENSE_B * 2)
     assert (report["checkpoint"], report["checkpoint_precision"]) == ("moonshotai/Kimi-K3", "mxfp4")
     assert report["vendor_memory_per_device_bytes"] == 288 * GB and report["fits"] is False
-    assert report["at_vendor_figure"]["fits"] is True and report["at_vendor_figure"]["max_context_sequences"] == 30
+    assert report["at_vendor_figure"]["fits"] is True and report["at_vendor_figure"]["max_context_sequences"] == 27
     assert any("disagrees" in w for w in report["warnings"])
 
 
@@ -199,7 +278,7 @@ def test_assumptions_are_labelled_with_their_sources(capsys: pytest.CaptureFixtu
         main(["plan", str(PRODUCTION)])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    assert out.count("[assumption]") == 2 * 4  # reserve and per-sequence lines of four plans
+    assert out.count("[assumption]") == 3 * 4  # per-device, reserve and per-sequence lines of four plans
     assert out.count("[derived]") == 4
     for name in names:
         assert f"  {name} = " in out
@@ -235,10 +314,10 @@ def test_memory_utilization_outside_zero_one_is_refused(tmp_path: Path, value: f
 
 
 def test_a_tensor_size_that_does_not_divide_the_heads_is_refused(tmp_path: Path) -> None:
-    def six(d: dict[str, Any]) -> None:
-        d["hardware"].update(devices_per_node=6)
-        d["parallelism"].update(tensor=6, expert=6)
-    assert "parallelism: tensor 6 does not divide the 64 attention heads" in refused(tmp_path, "plan-a", six)
+    def five(d: dict[str, Any]) -> None:
+        d["hardware"].update(devices_per_node=5)
+        d["parallelism"].update(tensor=5, expert=5)
+    assert "parallelism: tensor 5 does not divide the 96 attention heads" in refused(tmp_path, "plan-a", five)
 
 
 def test_an_sglang_expert_size_that_does_not_divide_the_experts_is_refused(tmp_path: Path) -> None:
@@ -247,7 +326,7 @@ def test_an_sglang_expert_size_that_does_not_divide_the_experts_is_refused(tmp_p
         d["parallelism"].update(tensor=24, expert=24)
     message = refused(tmp_path, "plan-b", three_nodes)
     assert "expert 24 does not divide the 896 experts" in message
-    assert "tensor 24 does not divide the 64 attention heads" in message
+    assert "attention heads" not in message  # 96 = 24 x 4
 
 
 def test_an_sglang_expert_size_that_does_not_divide_the_tensor_size_is_refused(tmp_path: Path) -> None:
@@ -407,7 +486,8 @@ def test_scripts_agree_with_the_gateway_pools() -> None:
         assert int(_flag(text, "--max-model-len", "--context-length")) == pool.max_context_tokens, pool.name
         assert _flag(text, "--served-model-name") == pool.served_model_name, pool.name
         assert int(_flag(text, "--port")) == urlsplit(pool.workers[0]).port, pool.name
-        key_var = _flag(text, "--api-key").lstrip("$")
+        assert "--api-key" not in text, pool.name  # the key stays off the command line
+        (key_var,) = re.findall(r'(?m)^: "\$\{(\w+):\?set \w+: the bearer key', text)
         assert f"${{{key_var}:-}}" in str(plan_pool(pool.name)["api_key"]), pool.name
 
 
@@ -424,7 +504,8 @@ def test_script_flags_follow_the_plan(name: str) -> None:
     loaded = plan(name)
     p, text = loaded.plan, render_script(loaded)
     if p.engine.kind == "sglang":
-        assert "exec python3 -m sglang.launch_server" in text
+        # SGLang reads its key from no variable: a `python3 -c` launcher runs sglang.launch_server.
+        assert 'exec python3 -c "$launcher"' in text and "sglang.launch_server" in text
         assert int(_flag(text, "--tp-size")) == p.parallelism.tensor
         assert int(_flag(text, "--ep-size")) == p.parallelism.expert
         assert float(_flag(text, "--mem-fraction-static")) == p.engine.memory_utilization
@@ -485,14 +566,25 @@ def test_the_plan_verdicts_in_deploy_readme_are_the_planners(tmp_path: Path) -> 
 
     a_guide, a_vendor = at("plan-a", 192), at("plan-a", 288)
     assert not a_guide.fits and f"{(a_guide.resident_weight_bytes - a_guide.usable_bytes) / GB:,.1f} GB short" in (
-        f"{a_guide.refusal}") and "**109.1 GB short**" in verdicts
+        f"{a_guide.refusal}") and "**160.0 GB short**" in verdicts
     assert f"{(a_guide.weight_bytes - a_guide.memory_bytes) / GB:,.1f} GB less than the 1,568.3 GB" in verdicts
     assert f"headroom {a_vendor.headroom_bytes / GB:,.1f} GB, **{a_vendor.max_context_sequences}** sequences" in (
         verdicts)
-    for name, guide_gb, vendor_gb in (("plan-b", 144, 180), ("plan-c", 186, 186)):
-        guide = at(name, guide_gb)
-        assert guide.fits and f"headroom {guide.headroom_bytes / GB:,.1f} GB, **{guide.max_context_sequences}** " in (
-            verdicts), name
+    b_guide = at("plan-b", 144)
+    assert not b_guide.fits and b_guide.refusal is not None and f"headroom {b_guide.headroom_bytes / GB:,.1f} GB" in (
+        verdicts)
+    budget, _, left, sequence = re.findall(r"\d+\.\d\d GB", b_guide.refusal)  # per device; MLA KV's share
+    for figure in (budget, left, sequence):
+        assert figure in verdicts, figure
+    for name, guide_gb, vendor_gb in (("plan-b", None, 180), ("plan-c", 186, 186)):
+        if guide_gb is not None:
+            guide = at(name, guide_gb)
+            quoted = f"headroom {guide.headroom_bytes / GB:,.1f} GB, **{guide.max_context_sequences}** "
+            assert guide.fits and quoted in verdicts, name
         vendor = at(name, vendor_gb) if vendor_gb != guide_gb else at(name, vendor_gb, "bf16")
         assert f"headroom {vendor.headroom_bytes / GB:,.1f} GB, **{vendor.max_context_sequences}** " in verdicts, name
+    planned, flat = plan_capacity(plan("plan-c")).layouts
+    assert "EP 24 per stage** (896" in verdicts and f"), {planned.max_context_sequences}\nsequences" in verdicts
+    assert f"EP 72** ({flat.experts_per_device} experts" in verdicts
+    assert f"GPU), {flat.max_context_sequences} sequences" in verdicts
     assert f"{MXFP4_WEIGHTS / GB:,.1f} GB" == "1,568.3 GB" and "**1,568.3 GB**" in verdicts

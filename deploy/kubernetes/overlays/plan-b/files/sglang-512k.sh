@@ -14,6 +14,11 @@ for _ in $(seq 60); do
 done
 : "${leader:?cannot resolve $LWS_LEADER_ADDRESS}"
 launcher='import os, runpy, sglang.srt.server_args as s; p = s.prepare_server_args
+r = s.ServerArgs.__repr__
+def redacted(self):
+    text = r(self)
+    return text.replace(repr(self.api_key), "'"'"'<redacted>'"'"'") if self.api_key else text
+s.ServerArgs.__repr__ = redacted
 def with_key(argv):
     args = p(argv)
     args.api_key = os.environ.pop('"'"'SGLANG_API_KEY'"'"')
