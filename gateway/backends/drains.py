@@ -13,6 +13,15 @@ as a field `host:pid:random` -> `"count unix-time"` of the hash `{affinity.key_p
 (expiring `REPORT_TTL_S` after the last write), so one `GET /admin/workers/{pool}/{index}` answers
 for the whole fleet (`fleet_in_flight`): what `kimi-gateway drain` waits on behind a Service that
 reaches one replica per call.
+
+A drain holds for the engine it was placed on, not for the address: when the health prober saw the
+drained worker's engine answer, then saw it gone (`control.engine_gone`: nothing listens on its
+port, its name does not resolve) and then answer again, a new engine serves there (a restarted
+pod, a rolled-out release) and the drain is lifted (`engine_seen`), shared the same way as an
+undrain. So a rolling restart whose preStop drains each engine cannot leave the fleet drained when
+nothing undrains it. A drain placed on an engine that was already gone holds until that engine has
+answered, gone and answered again (an operator keeping a broken engine out stays in control), and
+a slow or failing engine (timeouts, 5xx) is never taken for a new one.
 """
 
 from __future__ import annotations
@@ -61,6 +70,9 @@ class DrainBoard:
                                       socket_connect_timeout=CALL_TIMEOUT_S)
                        if redis_url else None)
         self.loop = Periodic("drain-sync", SYNC_EVERY_S, self.sync)
+        self._seen: dict[str, str] = {}
+        """Drained worker id -> what the prober saw of its engine since: "up" (answered while
+        drained) or "gone" (then gone); absent: neither yet (module doc)."""
 
     @property
     def shared(self) -> bool:
@@ -69,6 +81,7 @@ class DrainBoard:
     async def set_draining(self, worker: Worker, draining: bool) -> bool:
         """Drain or undrain `worker` here and, with Redis, everywhere. Returns True when every
         process will see it (written to Redis), False when it holds for this process only."""
+        self._seen.pop(worker.id, None)  # a new drain, or none: what the prober saw before counts no more
         self.registry.set_draining(worker, draining)
         if self._redis is None:
             return False
@@ -83,6 +96,26 @@ class DrainBoard:
             return False
         return True
 
+    async def engine_seen(self, worker: Worker, up: bool) -> None:
+        """The health prober's news of `worker`'s engine: it answered (`up`) or is gone (not `up`;
+        only `control.engine_gone` failures count). Lifts the worker's drain when its engine
+        answered, was gone and answers again: a new engine (module doc)."""
+        if not worker.draining:
+            self._seen.pop(worker.id, None)
+            return
+        seen = self._seen.get(worker.id)
+        if not up:
+            if seen == "up":
+                self._seen[worker.id] = "gone"
+            return
+        if seen != "gone":
+            self._seen[worker.id] = "up"
+            return
+        self._seen.pop(worker.id, None)
+        shared = await self.set_draining(worker, False)
+        log.warning("drain of %s lifted: its engine went away and a new one answers at %s (%s)", worker.id,
+                    worker.url, "every replica follows" if shared else "this process only")
+
     async def sync(self) -> None:
         """Take the drain state from Redis (a no-op without it; kept as it was when Redis fails)."""
         if self._redis is None:
@@ -96,6 +129,7 @@ class DrainBoard:
             return
         for worker in self.registry:
             if worker.draining != (worker.id in drained):
+                self._seen.pop(worker.id, None)
                 self.registry.set_draining(worker, worker.id in drained)
         await self._report_in_flight()
 
