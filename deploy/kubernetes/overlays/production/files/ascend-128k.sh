@@ -12,4 +12,5 @@ exec vllm serve \
   --tensor-parallel-size 16 \
   --enable-expert-parallel \
   --gpu-memory-utilization 0.9 \
-  --trust-remote-code
+  --trust-remote-code \
+  --shutdown-timeout 45

@@ -26,6 +26,7 @@ args=(
   --gpu-memory-utilization 0.9
   --enable-chunked-prefill
   --trust-remote-code
+  --shutdown-timeout 45
   --nnodes "$LWS_GROUP_SIZE"
   --node-rank "$rank"
   --master-addr "$leader"

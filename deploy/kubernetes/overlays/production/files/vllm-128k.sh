@@ -12,4 +12,5 @@ exec vllm serve \
   --tensor-parallel-size 8 \
   --enable-expert-parallel \
   --gpu-memory-utilization 0.95 \
-  --trust-remote-code
+  --trust-remote-code \
+  --shutdown-timeout 45
