@@ -40,6 +40,7 @@ import posixpath
 import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -307,20 +308,24 @@ def engine_exit_args(loaded: LoadedPlan) -> list[str]:
     return [f"--shutdown-timeout {VLLM_SHUTDOWN_TIMEOUT_SECONDS}"]
 
 
-def drain_hook(pool: str, worker: str, wait: int, *, gateway: str = GATEWAY_REPLICAS_URL,
+def _gateway_flags(gateways: Sequence[str]) -> str:
+    return " ".join(f"--gateway {g}" for g in gateways) + " --every-address"
+
+
+def drain_hook(pool: str, worker: str, wait: int, *, gateways: Sequence[str] = (GATEWAY_REPLICAS_URL,),
                done: str = DRAIN_DONE, key_env: str = DRAIN_KEY_ENV) -> str:
     """The drain sidecar's preStop (sh): `kimi-gateway drain` of `worker` through every gateway replica
-    (`--every-address` over the headless Service), waiting up to `wait` s for its requests; then `done`
+    (`--every-address` over `gateways`: the headless Service), waiting up to `wait` s for its requests; then `done`
     is touched, which releases the engine container's preStop (SIGTERM follows). Fails closed: when the
     drain fails (a refused key, no gateway answering, an unknown worker) the hook still holds the
     engine until `wait` s have passed since it began, so requests running then can end."""
-    return (f"start=$(date +%s); kimi-gateway drain --gateway {gateway} --every-address --pool {pool} "
+    return (f"start=$(date +%s); kimi-gateway drain {_gateway_flags(gateways)} --pool {pool} "
             f"--worker {worker} --wait {wait} --admin-key-env {key_env} || "
             f'{{ left=$(( {wait} - ($(date +%s) - start) )); [ "$left" -gt 0 ] && sleep "$left"; }}; '
             f"touch {done}")
 
 
-def drain_sidecar_script(pool: str, worker: str, *, gateway: str = GATEWAY_REPLICAS_URL,
+def drain_sidecar_script(pool: str, worker: str, *, gateways: Sequence[str] = (GATEWAY_REPLICAS_URL,),
                          key_env: str = DRAIN_KEY_ENV, retry_s: int = 10) -> str:
     """The drain sidecar's own command (sh, PID 1): put `worker` back into service on every gateway
     replica (`kimi-gateway drain --undrain`, retried every `retry_s` s until every replica took it: a
@@ -329,7 +334,7 @@ def drain_sidecar_script(pool: str, worker: str, *, gateway: str = GATEWAY_REPLI
     ends it at once (a shell as PID 1 ignores the signal without a trap, holding the pod Terminating
     for its whole grace period)."""
     return (f"trap 'exit 0' TERM; "
-            f"until kimi-gateway drain --gateway {gateway} --every-address --pool {pool} --worker {worker} "
+            f"until kimi-gateway drain {_gateway_flags(gateways)} --pool {pool} --worker {worker} "
             f"--undrain --admin-key-env {key_env}; do sleep {retry_s} & wait $!; done; "
             "sleep infinity & wait $!")
 
