@@ -41,6 +41,11 @@ DEADLINE_S = 30.0  # for each condition waited on: generous, for a loaded 2-core
 BIN = str(Path(sys.executable).parent)  # `kimi-gateway` (the console script) beside the interpreter
 
 
+def healthy(worker: dict[str, Any]) -> bool:
+    """In service: healthy and not drained."""
+    return bool(worker["healthy"] and not worker["draining"])
+
+
 def eventually(check: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -88,6 +93,10 @@ class Fleet:
         assert answer.status_code == 200, answer.text
         snapshot: dict[str, Any] = answer.json()
         return snapshot
+
+    def until_everywhere(self, index: int, check: Callable[[dict[str, Any]], bool], what: str) -> None:
+        """Wait until `check` holds for worker p/`index` on every gateway replica."""
+        eventually(lambda: self.everywhere(index, check), f"p/{index} {what} on every gateway\n{self.logs()}")
 
     def everywhere(self, index: int, check: Callable[[dict[str, Any]], bool]) -> bool:
         try:
@@ -141,6 +150,11 @@ class Traffic:
     def served_by(self, worker: str) -> int:
         return sum(1 for status, who in list(self.answers) if status == 200 and who == worker)
 
+    def until_more(self, worker: str) -> None:
+        """Wait until `worker` answered another request than it had when called."""
+        served = self.served_by(worker)
+        eventually(lambda: self.served_by(worker) > served, f"traffic on {worker} again")
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=DEADLINE_S)
@@ -188,9 +202,8 @@ def test_a_rolling_restart_and_a_failed_drain_leave_no_worker_drained(fleet: Fle
             {"name": GENERATE.DRAIN_KEY_NAME, "sha256": hash_key(DRAIN_KEY), "scopes": ["drain"]}]}})
     for port in gateway_ports:
         fleet.start_gateway(port, config)
-    healthy = (lambda w: w["healthy"] and not w["draining"])
     for index in (0, 1):
-        eventually(lambda: fleet.everywhere(index, healthy), f"p/{index} healthy on both gateways\n{fleet.logs()}")
+        fleet.until_everywhere(index, healthy, "in service")
     traffic = Traffic(fleet.gateways).start()
     try:
         eventually(lambda: traffic.served_by("p/0") and traffic.served_by("p/1"), "traffic on both workers")
@@ -205,8 +218,7 @@ def test_a_rolling_restart_and_a_failed_drain_leave_no_worker_drained(fleet: Fle
             assert fleet.everywhere(index, lambda w: w["draining"])
             fleet.stop_sim(port)  # SIGTERM once the preStop hooks ended
             # The gateways' probes find nothing listening there (what tells them the engine is gone).
-            eventually(lambda: fleet.everywhere(index, lambda w: w["failed_probes"] >= 1 and w["draining"]),
-                       f"p/{index}'s probes failing on both gateways")
+            fleet.until_everywhere(index, lambda w: w["failed_probes"] >= 1 and w["draining"], "failing its probes")
             sidecar = None
             if index == 1:  # the new pod's drain sidecar starts with it and undrains the worker
                 script = GENERATE.drain_sidecar_script("p", workers[index], gateways=fleet.gateways, retry_s=1)
@@ -214,10 +226,8 @@ def test_a_rolling_restart_and_a_failed_drain_leave_no_worker_drained(fleet: Fle
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             fleet.start_sim(port)  # the new engine, at the same address
             try:
-                eventually(lambda: fleet.everywhere(index, healthy),
-                           f"p/{index} back in service on both gateways after its restart\n{fleet.logs()}")
-                served = traffic.served_by(f"p/{index}")
-                eventually(lambda: traffic.served_by(f"p/{index}") > served, f"traffic on p/{index} again")
+                fleet.until_everywhere(index, healthy, "back in service after its restart")
+                traffic.until_more(f"p/{index}")
             finally:
                 if sidecar is not None:  # the pod's next SIGTERM: the sidecar exits at once
                     sidecar.send_signal(signal.SIGTERM)
@@ -235,9 +245,8 @@ def test_a_rolling_restart_and_a_failed_drain_leave_no_worker_drained(fleet: Fle
         assert done.exists() and time.monotonic() - started >= 2.5  # fail closed: the whole drain time
         fleet.stop_sim(sim_ports[0])
         fleet.start_sim(sim_ports[0])
-        eventually(lambda: fleet.everywhere(0, healthy), f"p/0 back after the failed drain\n{fleet.logs()}")
-        served = traffic.served_by("p/0")
-        eventually(lambda: traffic.served_by("p/0") > served, "traffic on p/0 again")
+        fleet.until_everywhere(0, healthy, "back in service after the failed drain")
+        traffic.until_more("p/0")
     finally:
         traffic.stop()
     failures = [answer for answer in traffic.answers if answer[0] != 200]
