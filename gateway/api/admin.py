@@ -22,8 +22,8 @@ on, open with it off; errors are raised as GatewayError and answered by the app'
   inline script and style, by hash; fetches to this origin only) keeps injected script from
   reading the key; the page also writes worker data as text, never as HTML.
 
-Drain state lives in this gateway process (like health and ejections): with several replicas,
-drain the worker on each.
+Drain state lives in this gateway process (like health and ejections) and, with Redis, is shared by
+every process and replica (gateway/backends/drains.py); without Redis, drain the worker on each.
 """
 
 from __future__ import annotations
