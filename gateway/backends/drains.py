@@ -113,7 +113,7 @@ class DrainBoard:
             return
         self._seen.pop(worker.id, None)
         shared = await self.set_draining(worker, False)
-        log.warning("drain of %s lifted: its engine went away and a new one answers at %s (%s)", worker.id,
+        log.info("drain of %s lifted: its engine went away and a new one answers at %s (%s)", worker.id,
                     worker.url, "every replica follows" if shared else "this process only")
 
     async def sync(self) -> None:
