@@ -30,6 +30,7 @@ import redis
 import yaml
 
 from gateway.auth.keys import hash_key
+from gateway.backends.drains import GONE_PROBES
 from tests.deploy.test_kubernetes import GENERATE
 from tests.support import REPO_ROOT, free_ports, shared_redis_url, with_test_redis_budgets
 
@@ -218,7 +219,8 @@ def test_a_rolling_restart_and_a_failed_drain_leave_no_worker_drained(fleet: Fle
             assert fleet.everywhere(index, lambda w: w["draining"])
             fleet.stop_sim(port)  # SIGTERM once the preStop hooks ended
             # The gateways' probes find nothing listening there (what tells them the engine is gone).
-            fleet.until_everywhere(index, lambda w: w["failed_probes"] >= 1 and w["draining"], "failing its probes")
+            fleet.until_everywhere(index, lambda w: w["failed_probes"] >= GONE_PROBES and w["draining"],
+                                   "failing its probes")
             sidecar = None
             if index == 1:  # the new pod's drain sidecar starts with it and undrains the worker
                 script = GENERATE.drain_sidecar_script("p", workers[index], gateways=fleet.gateways, retry_s=1)
