@@ -246,9 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--wait", type=float, default=300.0, help="seconds to wait for in-flight requests to end")
     drain.add_argument("--interval", type=float, default=0.5, help="seconds between polls of /admin/workers")
     drain.add_argument("--admin-key-env", default=DEFAULT_ADMIN_KEY_ENV,
-                       help="environment variable holding a key with the admin scope (none: no key sent)")
+                       help="environment variable holding a key with the drain (or admin) scope (none: no key sent)")
     drain.add_argument("--every-address", action="store_true",
-                       help="poll every address each --gateway host resolves to (a headless Service: every replica)")
+                       help="drain, poll (and undrain) every address each --gateway host resolves to (a headless "
+                            "Service: every replica)")
     drain.add_argument("--undrain", action="store_true",
                        help="put the worker back into service instead (when its engine starts again) and exit")
     drain.set_defaults(func=cmd_drain)

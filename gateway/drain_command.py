@@ -9,7 +9,9 @@ gateway's config or DNS discovery has it (`http://10.1.2.3:8000`) or its index. 
    `http://$(POD_IP):8000` finds a worker the gateway knows by its DNS name);
 2. `POST {gateway}/admin/workers/{pool}/{index}/drain`: no new requests go to it; with Redis the
    drain is shared (`"shared": true`), every replica and serving process follows within ~1 s
-   (gateway/backends/drains.py); without Redis only the replica that answered drains (a warning);
+   (gateway/backends/drains.py); without Redis (or with Redis unreachable) only the replica that
+   answered drains, so the drain is then sent to every other `--gateway` URL too, again at each
+   poll to one that does not show the worker draining;
 3. polls until the worker has no request in flight anywhere, or `--wait` seconds pass: with a
    shared drain, `GET /admin/workers/{pool}/{index}`'s `fleet_in_flight` (every serving process of
    every replica reports its count on a drained worker through Redis each second; counted once
@@ -23,16 +25,18 @@ replica's URL (`--every-address`); with `processes: N`, `/admin/workers` shows t
 answered. A replica that cannot reach Redis neither sees the drain nor reports (shared drains'
 limit: it keeps sending the worker requests).
 
-`--undrain` puts the worker back (`POST .../undrain`, shared the same way) and exits: the drain is
-kept in Redis by worker id, so an engine back at the same URL takes no traffic until undrained (run
-it when the engine pod starts: the gateway's health probes hold traffic back until it is healthy).
+`--undrain` puts the worker back (`POST .../undrain` on every `--gateway` URL, so replicas without
+Redis follow too) and exits: the drain is kept in Redis by worker id, so an engine back at the same
+URL takes no traffic until undrained or until a gateway saw the drained engine go and a new one
+answer (gateway/backends/drains.py). Run it when the engine pod starts: the gateway's health probes
+hold traffic back until the engine is healthy.
 
-Exit status: 0 once every replica reports the worker drained and idle (with `--undrain`: once it
-is undrained); 1 on an error (the first gateway unreachable, a refused key, an unknown pool or
+Exit status: 0 once every replica reports the worker drained and idle (with `--undrain`: once every
+URL undrained it); 1 on an error (the first gateway unreachable, a refused key, an unknown pool or
 worker) or when `--wait` ran out with requests still in flight or a gateway not answering the
 polls (the last counts are printed; a gateway that fails one poll is asked again at the next).
-Progress goes to stderr. The admin key is read from the environment variable `--admin-key-env`
-names (never from the command line, which `ps` shows).
+Progress goes to stderr. The key (the `drain` scope suffices, `admin` works too) is read from the
+environment variable `--admin-key-env` names (never from the command line, which `ps` shows).
 """
 
 from __future__ import annotations
@@ -143,8 +147,8 @@ def _call(client: httpx.Client, method: str, url: str) -> dict[str, Any]:
     except httpx.HTTPError as exc:
         raise DrainError(f"{method} {url} failed: {exc.__class__.__name__}: {exc}") from None
     if answer.status_code in (401, 403):
-        raise DrainError(f"{method} {url}: HTTP {answer.status_code}: the gateway wants a key with the admin scope "
-                         "in the variable --admin-key-env names")
+        raise DrainError(f"{method} {url}: HTTP {answer.status_code}: the gateway wants a key with the drain (or "
+                         "admin) scope in the variable --admin-key-env names")
     if answer.status_code != 200:
         raise DrainError(f"{method} {url}: HTTP {answer.status_code}: {answer.text[:300]}")
     body: dict[str, Any] = answer.json()
@@ -188,6 +192,11 @@ def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, 
                     continue
                 # not yet draining there (the ~1 s Redis sync): it may still take new requests
                 draining = snapshot["draining"] or snapshot["retired"]
+                if not draining and not shared:  # no shared drain reaches it: drain it there too
+                    try:
+                        _call(client, "POST", f"{base}/admin/workers/{pool}/{snapshot['index']}/drain")
+                    except DrainError as exc:
+                        say(f"{base}: {exc}; asking again")
                 counts[base] = snapshot["in_flight"] if draining else max(snapshot["in_flight"], 1)
             fleet = _fleet_in_flight(client, first, pool, index, drained_at) if shared else None
             if fleet is not None:
@@ -238,12 +247,13 @@ def run_drain(gateways: list[str], pool: str, worker: str, *, wait_s: float, int
 
     admin_key = os.environ.get(admin_key_env) or None
     try:
-        if undrain:
-            answer = undrain_worker(gateways[0], pool, worker, admin_key=admin_key)
-            say(f"undrained {answer['id']} ({answer['url']}) "
-                + ("on every replica (shared through Redis)" if answer.get("shared") else "on one replica only"))
-            return 0
         targets = [u for g in gateways for u in (every_address(g) if resolve_every_address else [g])]
+        if undrain:
+            for target in targets:
+                answer = undrain_worker(target, pool, worker, admin_key=admin_key)
+                say(f"undrained {answer['id']} ({answer['url']}) "
+                    + ("on every replica (shared through Redis)" if answer.get("shared") else f"on {target} only"))
+            return 0
         result = drain_worker(targets, pool, worker, wait_s=wait_s, interval_s=interval_s,
                               admin_key=admin_key, log=say)
     except DrainError as exc:

@@ -121,14 +121,15 @@ class AppState:
         images = ImageFetcher(config.image_fetch, metrics) if config.image_fetch.enabled else None
         upstream = UpstreamClient(config.timeouts, {p.name: p.upstream_keep_alive for p in config.pools},
                                   Redactor.of(config), config.max_decoded_bytes)
+        drains = DrainBoard(registry, config.redis_url, config.affinity.key_prefix)
         return cls(config=config, upstream=upstream, http=http, control=control, registry=registry,
                    policies=PoolPolicies(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
                    health=HealthChecker(registry, control, config.health, metrics, config.pools,
-                                        config.pool_served_names(), config.pool_reserved_names()),
+                                        config.pool_served_names(), config.pool_reserved_names(), drains=drains),
                    lora=LoraLoader(registry, http, config.timeouts.response_header, pool_headers(config.pools)),
                    load=LoadScraper(registry, control, config.load, metrics, config.pools),
-                   drains=DrainBoard(registry, config.redis_url, config.affinity.key_prefix),
+                   drains=drains,
                    hasher=hasher, affinity=affinity,
                    responses=build_response_store(config.redis_url, config.responses, metrics),
                    auth=AuthGuard.build(config, metrics),

@@ -16,8 +16,11 @@ about its plans comes from the plan file through gateway.plans (the same loader 
   nodes, a LeaderWorkerSet per pool (one group of `nodes` pods per instance, restarted and rolled
   out as a group) with a leader-only Service `<pool>-leaders`; NVL72: a ComputeDomain. Each pool
   also gets a PodDisruptionBudget that never evicts its last instance, the PriorityClass
-  `kimi-k3-engine`, Guaranteed resources, probes on the serving pod, and a drain sidecar whose
-  preStop hook runs `kimi-gateway drain` before the engine gets SIGTERM;
+  `kimi-k3-engine`, Guaranteed resources, probes on the serving pod from each engine kind's own
+  endpoints (ENGINE_PROBES), and a drain sidecar (its own image, DRAIN_IMAGE) whose preStop hook
+  runs `kimi-gateway drain` on every gateway replica (the headless Service `kimi-gateway-replicas`)
+  before the engine gets SIGTERM, holding the engine its drain time when that fails, and which
+  undrains the worker when the pod starts, with a key of the `drain` scope only;
 - ConfigMap `<pool>-launch`: the engine's launch script for Kubernetes (launch_script: the plan's
   flags from gateway.plans.emit, the key from the environment, LWS ranks), which the container runs;
 - a patch of the gateway Deployment: one `<WORKER_ENV>_<i>` URL per engine instance (the variables
@@ -43,7 +46,7 @@ import posixpath
 import shlex
 import shutil
 import sys
-import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from gateway.backends.client import answer_budget  # noqa: E402
+from gateway.backends.client import answer_budget, first_byte_budget  # noqa: E402
 from gateway.dispatch.params import TimeoutConfig  # noqa: E402
 from gateway.plans.emit import sglang_args, sglang_launcher, shell_command, vllm_args  # noqa: E402
 from gateway.plans.models import LoadedPlan, load_plan  # noqa: E402
@@ -83,13 +86,26 @@ ENGINE_IMAGES = {
     "sglang": "lmsysorg/sglang:v0.5.23",
     "ascend": "quay.io/ascend/vllm-ascend:set-a-validated-tag",
 }
-GATEWAY_IMAGE = f"kimi-gateway:{tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['version']}"
-GATEWAY_URL = "http://kimi-gateway:8000"  # base/gateway.yaml's Service, from inside the namespace
+# A headless Service over every gateway replica (ready or not): `kimi-gateway drain --every-address`
+# resolves it to each replica's address, so a drain reaches every replica even when they share no Redis.
+GATEWAY_REPLICAS_SERVICE = "kimi-gateway-replicas"
+GATEWAY_REPLICAS_URL = f"http://{GATEWAY_REPLICAS_SERVICE}:8000"
 PRIORITY_CLASS = "kimi-k3-engine"
-DRAIN_KEY_SECRET = "kimi-gateway-admin"  # the admin key itself (the gateway's Secret holds only its hash)
-DRAIN_KEY_ENV = "KIMI_GATEWAY_ADMIN_KEY"  # what `kimi-gateway drain` reads the admin key from
+DRAIN_KEY_SECRET = "kimi-gateway-drain"  # the drain key itself (the gateway's Secret holds only its hash)
+DRAIN_KEY_ENV = "KIMI_GATEWAY_DRAIN_KEY"  # what the engines' `kimi-gateway drain` reads it from
+DRAIN_KEY_NAME = "engine-drains"  # its entry in the gateway's auth.keys: scope `drain` only
+DRAIN_KEY_HASH_ENV = "DRAIN_KEY_SHA256"  # the gateway's variable with its SHA-256 (Secret kimi-gateway-keys)
+# The drain sidecar's image: the gateway's image pushed under its own name and pinned tag (the
+# `kimi-gateway drain` command and the admin routes it calls are stable across gateway releases), so
+# an `images:` entry bumping `kimi-gateway` changes the gateway Deployment only and never rewrites (and
+# so rolls) the engine pods. Bump `kimi-gateway-drain` on purpose, when an engine rollout is wanted.
+DRAIN_IMAGE = "kimi-gateway-drain:0.1.0"
+DRAIN_DONE = "/drain/done"  # the file the drain sidecar's preStop touches when the engine may get SIGTERM
 DRAIN_MARGIN_SECONDS = 30  # the drain's own round trips beyond the longest request
 ENGINE_EXIT_SECONDS = 60  # after the drain: the engine's SIGTERM handling and process exit
+# vLLM's --shutdown-timeout (vllm/engine/arg_utils.py; default 0 = abort what runs at SIGTERM): requests
+# still running then (a drain that failed and held the engine its drain time instead) get this long.
+VLLM_SHUTDOWN_TIMEOUT_SECONDS = 45  # inside ENGINE_EXIT_SECONDS, with time left for the process exit
 # Overlay parameters: what one node offers the engine pod (requests = limits: Guaranteed QoS, so a
 # pod staging weights through host RAM is not the first evicted). Use your nodes' allocatable
 # (`kubectl describe node`); /dev/shm (a Memory emptyDir) counts toward the memory limit.
@@ -275,6 +291,120 @@ def engine_api_key_env(loaded: LoadedPlan) -> str | None:
     return engine.api_key_env if engine.kind == "sglang" else "VLLM_API_KEY"
 
 
+# Probes per engine kind, from the engines' own endpoints (one table: the overlays and the tests read it).
+# - vLLM 0.33 and vllm-ascend (its API server): `/health` (vllm/entrypoints/serve/instrumentator/health.py)
+#   answers at once, 200 unless the engine core died (EngineDeadError: 503); the HTTP port answers only
+#   once the engine is loaded. It needs no key (vllm/entrypoints/serve/middleware/authenticate.py guards /v1).
+# - SGLang 0.5.23 (python/sglang/srt/entrypoints/http_server.py): `/ready` is a flag check, 200 once
+#   the warm-up request set the server Up, 503 while starting, paused or shutting down; `/health`
+#   submits a one-token generation and polls each second for any output, up to SGLANG_HEALTH_CHECK_TIMEOUT
+#   (20 s), then answers 503 (and marks the server UnHealthy until a later /health passes): it never
+#   answers within the kubelet's default 1 s, and during a long prefill no output comes at all. Both
+#   are exempt from its key (sglang/srt/utils/auth.py).
+# `answer_s`: the longest the liveness path takes to answer when the engine is well; the probe's
+# timeoutSeconds is that plus PROBE_MARGIN_SECONDS.
+ENGINE_PROBES: dict[str, dict[str, Any]] = {
+    "vllm": {"startup": "/health", "readiness": "/health", "liveness": "/health", "answer_s": 1},
+    "ascend": {"startup": "/health", "readiness": "/health", "liveness": "/health", "answer_s": 1},
+    "sglang": {"startup": "/ready", "readiness": "/ready", "liveness": "/health", "answer_s": 20},
+}
+PROBE_MARGIN_SECONDS = 9  # on top of answer_s: a loaded API server's event loop, the network
+FLAG_PROBE_TIMEOUT_SECONDS = 5  # startup and readiness paths: flag checks that answer at once
+LIVENESS_PERIOD_SECONDS = 60
+
+
+def prefill_seconds(config: dict[str, Any], loaded: LoadedPlan) -> int:
+    """The longest prefill the gateway allows on this plan's pool, whole seconds rounded up: the
+    first-byte budget (`gateway.backends.client.first_byte_budget`) of a prompt as long as the pool's
+    context. Plan C (1,048,576 tokens, the production timeouts): 60 + 524.3 = 585 s."""
+    timeouts = TimeoutConfig(**(config.get("timeouts") or {}))
+    return int(-(-first_byte_budget(timeouts, loaded.plan.max_context_tokens) // 1))
+
+
+def engine_probes(loaded: LoadedPlan, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """startupProbe, readinessProbe and livenessProbe of the serving engine container, from ENGINE_PROBES.
+
+    Startup: `startup_seconds` to load and warm up. Readiness: 3 failures 10 s apart. Liveness: a
+    timeout above the path's own answer time, and failures tolerated for longer than the longest
+    allowed prefill (`prefill_seconds` + one period): an engine busy with a 1M-token prompt is not
+    restarted (SGLang's /health fails throughout one; vLLM's API server may stall tokenizing it)."""
+    paths = ENGINE_PROBES[loaded.plan.engine.kind]
+    period = 10
+
+    def probe(path: str) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": "http"}}
+
+    live_timeout = paths["answer_s"] + PROBE_MARGIN_SECONDS
+    return {
+        "startupProbe": {**probe(paths["startup"]), "periodSeconds": period,
+                         "timeoutSeconds": FLAG_PROBE_TIMEOUT_SECONDS,
+                         "failureThreshold": -(-startup_seconds(loaded) // period)},
+        "readinessProbe": {**probe(paths["readiness"]), "periodSeconds": period,
+                           "timeoutSeconds": FLAG_PROBE_TIMEOUT_SECONDS, "failureThreshold": 3},
+        "livenessProbe": {**probe(paths["liveness"]), "periodSeconds": LIVENESS_PERIOD_SECONDS,
+                          "timeoutSeconds": live_timeout,
+                          "failureThreshold": -(-prefill_seconds(config, loaded) // LIVENESS_PERIOD_SECONDS) + 1},
+    }
+
+
+def engine_exit_args(loaded: LoadedPlan) -> list[str]:
+    """Engine flags for how it stops on SIGTERM. vLLM (and vllm-ascend, under vLLM's CLI):
+    `--shutdown-timeout` (vllm/engine/arg_utils.py, VllmConfig.shutdown_timeout: 0, the default,
+    aborts every running request at once). SGLang needs none: on SIGTERM its tokenizer manager waits
+    for every request to end (TokenizerManager.sigterm_watchdog, sglang/srt/managers/tokenizer_manager.py)."""
+    if loaded.plan.engine.kind == "sglang":
+        return []
+    return [f"--shutdown-timeout {VLLM_SHUTDOWN_TIMEOUT_SECONDS}"]
+
+
+def _gateway_flags(gateways: Sequence[str]) -> str:
+    return " ".join(f"--gateway {g}" for g in gateways) + " --every-address"
+
+
+def drain_hook(pool: str, worker: str, wait: int, *, gateways: Sequence[str] = (GATEWAY_REPLICAS_URL,),
+               done: str = DRAIN_DONE, key_env: str = DRAIN_KEY_ENV) -> str:
+    """The drain sidecar's preStop (sh): `kimi-gateway drain` of `worker` through every gateway replica
+    (`--every-address` over `gateways`: the headless Service), waiting up to `wait` s for its requests; then `done`
+    is touched, which releases the engine container's preStop (SIGTERM follows). Fails closed: when the
+    drain fails (a refused key, no gateway answering, an unknown worker) the hook still holds the
+    engine until `wait` s have passed since it began, so requests running then can end."""
+    return (f"start=$(date +%s); kimi-gateway drain {_gateway_flags(gateways)} --pool {pool} "
+            f"--worker {worker} --wait {wait} --admin-key-env {key_env} || "
+            f'{{ left=$(( {wait} - ($(date +%s) - start) )); [ "$left" -gt 0 ] && sleep "$left"; }}; '
+            f"touch {done}")
+
+
+def drain_sidecar_script(pool: str, worker: str, *, gateways: Sequence[str] = (GATEWAY_REPLICAS_URL,),
+                         key_env: str = DRAIN_KEY_ENV, retry_s: int = 10) -> str:
+    """The drain sidecar's own command (sh, PID 1): put `worker` back into service on every gateway
+    replica (`kimi-gateway drain --undrain`, retried every `retry_s` s until every replica took it: a
+    drain left by the pod this one replaces, e.g. after a rolling restart, is lifted as the engine
+    starts; the gateways' health probes hold its traffic until it is healthy), then idle. SIGTERM
+    ends it at once (a shell as PID 1 ignores the signal without a trap, holding the pod Terminating
+    for its whole grace period)."""
+    return (f"trap 'exit 0' TERM; "
+            f"until kimi-gateway drain {_gateway_flags(gateways)} --pool {pool} --worker {worker} "
+            f"--undrain --admin-key-env {key_env}; do sleep {retry_s} & wait $!; done; "
+            "sleep infinity & wait $!")
+
+
+def gateway_replicas_service() -> dict[str, Any]:
+    """The headless Service over every gateway replica (GATEWAY_REPLICAS_SERVICE), ready or not:
+    what the engines' drain sidecars resolve to reach each replica (a terminating replica still
+    finishes requests on the worker; a starting one already routes)."""
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": GATEWAY_REPLICAS_SERVICE, "labels": {"app.kubernetes.io/name": "kimi-gateway",
+                                                                     "app.kubernetes.io/component": "gateway"}},
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {"app.kubernetes.io/name": "kimi-gateway"},
+                     "ports": [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def drain_key_entry() -> dict[str, Any]:
+    """The gateway config's auth key for the engines' drain sidecars: the `drain` scope only."""
+    return {"name": DRAIN_KEY_NAME, "sha256": f"${{{DRAIN_KEY_HASH_ENV}}}", "scopes": ["drain"]}
+
+
 def launch_script(loaded: LoadedPlan) -> str:
     """The engine container's command (bash), for Kubernetes: the plan's engine flags
     (gateway.plans.emit, as deploy/engines/<pool>.sh has them) without the key on the command line,
@@ -300,6 +430,7 @@ def launch_script(loaded: LoadedPlan) -> str:
     else:
         args = ['"${MODEL_PATH:-' + engine.model_path + '}"']
         args += [a for a in vllm_args(loaded) if not a.startswith(drop)] + weights_load_args(loaded)
+    args += engine_exit_args(loaded)
     out = [
         "#!/usr/bin/env bash",
         f"# {plan.pool.name}: {plan.title}, on Kubernetes (deploy/kubernetes/generate.py; the flags are "
@@ -410,18 +541,12 @@ def _engine_container(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool
         container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     if serves:
         # Weight loading: the startup probe allows startup_seconds before liveness takes over.
-        period = 10
-        container["startupProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period,
-                                     "failureThreshold": -(-startup_seconds(loaded) // period)}
-        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"},
-                                       "periodSeconds": 10, "failureThreshold": 3}
-        container["livenessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 30,
-                                      "timeoutSeconds": 10, "failureThreshold": 4}
+        container |= engine_probes(loaded, config)
         container["volumeMounts"].append({"name": "drain", "mountPath": "/drain"})
         # SIGTERM only once the drain sidecar has taken this worker out of every gateway replica and
-        # its streams ended (or the drain's wait ran out): the sidecar touches /drain/done.
+        # its streams ended (or the drain's wait ran out): the sidecar touches DRAIN_DONE.
         container["lifecycle"] = {"preStop": {"exec": {"command": [
-            "bash", "-c", f"for _ in $(seq {drain}); do [ -e /drain/done ] && exit 0; sleep 1; done"]}}}
+            "bash", "-c", f"for _ in $(seq {drain}); do [ -e {DRAIN_DONE} ] && exit 0; sleep 1; done"]}}}
     else:
         # A worker outlives its leader's drain: leaving the process group early cuts the leader's streams.
         container["lifecycle"] = {"preStop": {"exec": {"command": [
@@ -431,21 +556,24 @@ def _engine_container(loaded: LoadedPlan, config: dict[str, Any], *, multi: bool
 
 
 def _drain_container(loaded: LoadedPlan, config: dict[str, Any]) -> dict[str, Any]:
-    """The sidecar whose preStop drains the pod's worker through the gateway (the engine image has no CLI)."""
+    """The sidecar that takes the pod's worker out of every gateway replica before the engine stops
+    (preStop: drain_hook) and puts it back when the pod starts (drain_sidecar_script); the engine
+    image has no `kimi-gateway` CLI."""
     plan = loaded.plan
     pool, port = plan.pool.name, plan.engine.port
     wait = request_budget_seconds(config, loaded)
     worker = f"http://${{POD_NAME}}.{pool}:{port}"  # the URL the gateway's config names (instances())
-    drain = (f"kimi-gateway drain --gateway {GATEWAY_URL} --pool {pool} --worker {worker} --wait {wait}; "
-             "touch /drain/done")
+    drain = drain_hook(pool, worker, wait)
     return {
         "name": "drain",
-        "image": GATEWAY_IMAGE,
-        "command": ["sleep", "infinity"],
+        "image": DRAIN_IMAGE,
+        "command": ["sh", "-c", drain_sidecar_script(pool, worker)],
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
                 {"name": DRAIN_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": DRAIN_KEY_SECRET,
                                                                        "key": DRAIN_KEY_ENV}}}],
-        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "50m", "memory": "128Mi"}},
+        # The drain CLI is a Python process whose start takes ~0.8 CPU-seconds (measured on loopback):
+        # ~16 s of the drain's time at 50m, ~3 s at 250m.
+        "resources": {"requests": {"cpu": "250m", "memory": "128Mi"}, "limits": {"cpu": "250m", "memory": "128Mi"}},
         "lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", drain]}}},
         "volumeMounts": [{"name": "drain", "mountPath": "/drain"}],
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
@@ -609,6 +737,7 @@ def shared_objects() -> list[dict[str, Any]]:
                   "policyTypes": ["Ingress"],
                   "ingress": [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "engine"}}}],
                                "ports": [{"port": "http", "protocol": "TCP"}]}]}},
+        gateway_replicas_service(),
     ]
 
 
@@ -628,6 +757,9 @@ def gateway_config(config: dict[str, Any], entries: list[dict[str, Any]], plans:
     out["pools"] = list(entries)
     out["redis_url"] = "${REDIS_URL}"
     out["shutdown"] = {**(config.get("shutdown") or {}), "grace_period": gateway_grace_seconds(config, plans)}
+    auth = dict(config.get("auth") or {})
+    auth["keys"] = [*(auth.get("keys") or []), drain_key_entry()]
+    out["auth"] = auth
     return out
 
 
@@ -764,8 +896,9 @@ def overlay_files(name: str, pairs: list[tuple[LoadedPlan, dict[str, Any]]], con
         # EMPTY on purpose: the launch scripts refuse to start without their key. Replace it in a
         # private overlay (behavior: replace) or manage kimi-engine-keys with an external secret store.
         kustomization["secretGenerator"] = [{"name": ENGINE_KEYS_SECRET, "literals": [f"{k}=" for k in key_envs]}]
-    # The admin key the engines' drain sidecars send the gateway: EMPTY as well (the drain is refused,
-    # the engine then waits its whole drain time before SIGTERM). Replace it as the other two.
+    # The drain key the engines' drain sidecars send the gateway (scope `drain` only; its SHA-256 is
+    # DRAIN_KEY_SHA256 in kimi-gateway-keys): EMPTY as well (the drain is refused, and the engine then
+    # waits its whole drain time before SIGTERM). Replace it as the other two.
     kustomization.setdefault("secretGenerator", []).append({"name": DRAIN_KEY_SECRET,
                                                             "literals": [f"{DRAIN_KEY_ENV}="]})
     summary = "".join(

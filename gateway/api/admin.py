@@ -1,7 +1,8 @@
 """Admin API and the live status page.
 
-Routes (each JSON one depends on `scope_check("admin")`: 401/403 with auth on, open with it off;
-errors are raised as GatewayError and answered by the app's handler):
+Routes (each JSON one depends on `scope_check("admin")`, or `scope_check("drain")` for the four
+worker routes `kimi-gateway drain` calls, which a key with either scope may call: 401/403 with auth
+on, open with it off; errors are raised as GatewayError and answered by the app's handler):
 
 - `GET /admin/workers`: every pool and its workers' state (`Worker.snapshot()`).
 - `GET /admin/workers/{pool}/{index}`: one worker.
@@ -21,8 +22,8 @@ errors are raised as GatewayError and answered by the app's handler):
   inline script and style, by hash; fetches to this origin only) keeps injected script from
   reading the key; the page also writes worker data as text, never as HTML.
 
-Drain state lives in this gateway process (like health and ejections): with several replicas,
-drain the worker on each.
+Drain state lives in this gateway process (like health and ejections) and, with Redis, is shared by
+every process and replica (gateway/backends/drains.py); without Redis, drain the worker on each.
 """
 
 from __future__ import annotations
@@ -230,19 +231,24 @@ class DashboardPage:
 
 
 def routers() -> list[APIRouter]:
-    """The admin routes (admin scope) and the status page's (public), for `create_app`."""
+    """The admin routes (admin scope; the worker routes drain scope) and the status page's
+    (public), for `create_app`."""
     admin = APIRouter(tags=["admin"], dependencies=[Depends(scope_check("admin"))],
                       responses=error_responses(401, 403))
+    drains = APIRouter(tags=["admin"], dependencies=[Depends(scope_check("drain"))],
+                       responses=error_responses(401, 403))
     worker = error_responses(404)
     change = error_responses(403, 404)
-    admin.add_api_route("/admin/workers", list_workers, methods=["GET"], response_model=WorkerList,
-                        summary="Every pool and its workers")
-    admin.add_api_route("/admin/workers/{pool}/{index}", get_worker, methods=["GET"], response_model=WorkerDetail,
-                        summary="One worker", responses=worker)
-    admin.add_api_route("/admin/workers/{pool}/{index}/drain", drain, methods=["POST"], response_model=DrainedWorker,
-                        summary="Stop sending new requests to a worker", responses=change)
-    admin.add_api_route("/admin/workers/{pool}/{index}/undrain", undrain, methods=["POST"],
-                        response_model=DrainedWorker, summary="Send new requests to a worker again", responses=change)
+    drains.add_api_route("/admin/workers", list_workers, methods=["GET"], response_model=WorkerList,
+                         summary="Every pool and its workers")
+    drains.add_api_route("/admin/workers/{pool}/{index}", get_worker, methods=["GET"], response_model=WorkerDetail,
+                         summary="One worker", responses=worker)
+    drains.add_api_route("/admin/workers/{pool}/{index}/drain", drain, methods=["POST"],
+                         response_model=DrainedWorker, summary="Stop sending new requests to a worker",
+                         responses=change)
+    drains.add_api_route("/admin/workers/{pool}/{index}/undrain", undrain, methods=["POST"],
+                         response_model=DrainedWorker, summary="Send new requests to a worker again",
+                         responses=change)
     admin.add_api_route("/admin/reload", reload, methods=["POST"], response_model=ReloadResult,
                         summary="Re-read the config file", responses=error_responses(400, 403, 409))
     admin.add_api_route("/admin/status", status, methods=["GET"], response_model=Status,
@@ -250,4 +256,4 @@ def routers() -> list[APIRouter]:
     page = APIRouter(tags=["admin"])
     page.add_api_route("/dashboard", DashboardPage().serve, methods=["GET"], response_class=HTMLResponse,
                        summary="The status page (public HTML; its data needs the admin key)")
-    return [admin, page]
+    return [drains, admin, page]

@@ -24,8 +24,11 @@ from typing import Literal
 from gateway.auth.access import allowed_models, canonical
 from gateway.auth.params import ApiKeyConfig
 
-Scope = Literal["user", "admin"]
-"""`user` may call `/v1/*`; `admin` may call admin routes (see `middleware.require_scope`)."""
+Scope = Literal["user", "admin", "drain"]
+"""`user` may call `/v1/*`; `admin` may call admin routes (see `middleware.require_scope`); `drain`
+only the routes `kimi-gateway drain` calls (list and read workers, drain and undrain one): the key an
+engine pod holds to take itself out of the gateway and back, which cannot reload the config, read
+the status page nor call `/v1/*`. A key with `admin` has `drain` too."""
 
 MIN_KEY_CHARS = 32  # `hash-key` warns below this: a short key is guessable from its hash
 
@@ -62,7 +65,8 @@ class Principal:
     model_limits: Mapping[str, Principal] = field(default_factory=dict, hash=False, compare=False)
 
     def has(self, scope: Scope) -> bool:
-        return scope in self.scopes
+        """Whether the key holds `scope` (`admin` includes `drain`)."""
+        return scope in self.scopes or (scope == "drain" and "admin" in self.scopes)
 
     def may_use(self, model: str) -> bool:
         """Whether the key may use `model`, a request's resolved name (`RoutingRequest.model`:

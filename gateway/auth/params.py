@@ -42,8 +42,10 @@ class ApiKeyConfig(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     sha256: str
-    scopes: list[Literal["user", "admin"]] = Field(
-        default_factory=lambda: ["user"], min_length=1, description="user: /v1/*; admin: admin routes"
+    scopes: list[Literal["user", "admin", "drain"]] = Field(
+        default_factory=lambda: ["user"], min_length=1,
+        description="user: /v1/*; admin: admin routes; drain: only listing, draining and undraining workers "
+                    "(an engine pod's key for `kimi-gateway drain`)"
     )
     requests_per_minute: int | None = Field(default=None, ge=1, description="None: no request limit")
     tokens_per_minute: int | None = Field(

@@ -54,12 +54,14 @@ class ControlAnswer:
 
 class ControlError(Exception):
     """A probe or scrape that got no usable answer; `str()` says why in words, `bytes_read` is how
-    much body was read before giving up (bytes)."""
+    much body was read before giving up (bytes); `gone` is true when nothing serves at the worker's
+    address (`engine_gone`), as opposed to an engine that is there but slow or failing."""
 
-    def __init__(self, reason: str, bytes_read: int = 0) -> None:
+    def __init__(self, reason: str, bytes_read: int = 0, gone: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.bytes_read = bytes_read
+        self.gone = gone
 
 
 class _Phase:
@@ -108,8 +110,27 @@ async def control_get(client: H1Pool, url: str, headers: Mapping[str, str], dead
         so_far = f", {received} bytes so far" if phase.name == "reading the body" else ""
         raise ControlError(f"no complete answer within {deadline:g} s ({phase.name}{so_far})", received) from None
     except (H1Error, ValueError) as exc:
-        raise ControlError(describe_transport_error(exc, url), received) from exc
+        raise ControlError(describe_transport_error(exc, url), received, gone=engine_gone(exc)) from exc
     return ControlAnswer(response.status, b"".join(chunks))
+
+
+_NO_SUCH_NAME = {socket.EAI_NONAME} | ({socket.EAI_NODATA} if hasattr(socket, "EAI_NODATA") else set())
+
+
+def engine_gone(exc: BaseException) -> bool:
+    """True when a failed exchange shows that no engine process serves the address: its host name
+    does not exist (a deleted pod's DNS record; not a resolver that failed to answer, EAI_AGAIN),
+    the connection was refused (nothing listens on the port: the engine process exited), or the
+    address is unreachable (no such host). A timeout is not: a busy engine (a long prefill) or a
+    stalled gateway event loop looks the same."""
+    for cause in _causes(exc):
+        if isinstance(cause, socket.gaierror):
+            return cause.errno in _NO_SUCH_NAME
+        if isinstance(cause, ConnectionRefusedError):
+            return True
+        if isinstance(cause, OSError) and cause.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+            return True
+    return False
 
 
 def describe_transport_error(exc: BaseException, url: str) -> str:

@@ -13,6 +13,16 @@ as a field `host:pid:random` -> `"count unix-time"` of the hash `{affinity.key_p
 (expiring `REPORT_TTL_S` after the last write), so one `GET /admin/workers/{pool}/{index}` answers
 for the whole fleet (`fleet_in_flight`): what `kimi-gateway drain` waits on behind a Service that
 reaches one replica per call.
+
+A drain holds for the engine it was placed on, not for the address: when the health prober saw the
+drained worker's engine answer, then saw it gone at `GONE_PROBES` probes in a row
+(`control.engine_gone`: nothing listens on its port, its name does not exist) and then answer
+again, a new engine serves there (a restarted pod, a rolled-out release) and the drain is lifted
+(`engine_seen`), shared the same way as an undrain. So a rolling restart whose preStop drains each
+engine cannot leave the fleet drained when nothing undrains it. A drain placed on an engine that was
+already gone holds until that engine has answered, gone and answered again (an operator keeping a
+broken engine out stays in control); one probe finding it gone between answers (a blip) is the same
+engine, and a slow or failing engine (timeouts, 5xx) is never taken for a new one.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ SYNC_EVERY_S = 1.0
 CALL_TIMEOUT_S = 0.5  # per call, as a StoreTimeout: a stall of this process' event loop is not Redis' fault
 REPORT_FRESH_S = 3 * SYNC_EVERY_S  # an in-flight report older than this is from a process that stopped
 REPORT_TTL_S = 30.0  # the report hash outlives its last writer by this much
+GONE_PROBES = 2  # probes in a row finding a drained worker's engine gone before a new one may lift the drain
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,11 @@ class DrainBoard:
                                       socket_connect_timeout=CALL_TIMEOUT_S)
                        if redis_url else None)
         self.loop = Periodic("drain-sync", SYNC_EVERY_S, self.sync)
+        self._seen: dict[str, str] = {}
+        """Drained worker id -> what the prober saw of its engine since: "up" (answered while
+        drained) or "gone" (then gone `GONE_PROBES` times in a row); absent: neither yet (module doc)."""
+        self._gone_runs: dict[str, int] = {}
+        """Drained worker id -> probes in a row that found its engine gone (while "up" was seen)."""
 
     @property
     def shared(self) -> bool:
@@ -69,6 +85,7 @@ class DrainBoard:
     async def set_draining(self, worker: Worker, draining: bool) -> bool:
         """Drain or undrain `worker` here and, with Redis, everywhere. Returns True when every
         process will see it (written to Redis), False when it holds for this process only."""
+        self._forget(worker)  # a new drain, or none: what the prober saw before counts no more
         self.registry.set_draining(worker, draining)
         if self._redis is None:
             return False
@@ -83,6 +100,33 @@ class DrainBoard:
             return False
         return True
 
+    async def engine_seen(self, worker: Worker, up: bool) -> None:
+        """The health prober's news of `worker`'s engine: it answered (`up`) or is gone (not `up`;
+        only `control.engine_gone` failures count). Lifts the worker's drain when its engine
+        answered, was gone `GONE_PROBES` times in a row and answers again: a new engine (module doc)."""
+        if not worker.draining:
+            self._forget(worker)
+            return
+        seen = self._seen.get(worker.id)
+        if not up:
+            if seen is not None:
+                runs = self._gone_runs[worker.id] = self._gone_runs.get(worker.id, 0) + 1
+                if runs >= GONE_PROBES:
+                    self._seen[worker.id] = "gone"
+            return
+        self._gone_runs.pop(worker.id, None)
+        if seen != "gone":
+            self._seen[worker.id] = "up"
+            return
+        self._forget(worker)
+        shared = await self.set_draining(worker, False)
+        log.info("drain of %s lifted: its engine went away and a new one answers at %s (%s)", worker.id,
+                    worker.url, "every replica follows" if shared else "this process only")
+
+    def _forget(self, worker: Worker) -> None:
+        self._seen.pop(worker.id, None)
+        self._gone_runs.pop(worker.id, None)
+
     async def sync(self) -> None:
         """Take the drain state from Redis (a no-op without it; kept as it was when Redis fails)."""
         if self._redis is None:
@@ -96,6 +140,7 @@ class DrainBoard:
             return
         for worker in self.registry:
             if worker.draining != (worker.id in drained):
+                self._forget(worker)
                 self.registry.set_draining(worker, worker.id in drained)
         await self._report_in_flight()
 

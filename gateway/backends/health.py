@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from gateway.backends.control import ControlError, control_get, pool_headers
+from gateway.backends.drains import DrainBoard
 from gateway.backends.h1 import H1Pool
 from gateway.backends.models_check import (
     CHECKED_ENGINES,
@@ -44,14 +45,19 @@ class HealthChecker(FollowsWorkers[Worker]):
     `/v1/models` that answers nothing usable leaves the verdict as it was and is read again at the
     next probe; one refusing the pool's key (401/403) is a misconfiguration. The LoRA adapters the
     list names become the worker's `adapters` (requests naming one may go there).
+
+    With `drains`, each probe that passes, or fails because nothing serves at the worker's address
+    (`ControlError.gone`), is told to the DrainBoard, which lifts a drain once a new engine
+    answers where the drained one was (gateway/backends/drains.py).
     """
 
     def __init__(self, registry: WorkerRegistry, client: H1Pool, config: HealthConfig,
                  metrics: GatewayMetrics, pools: Iterable[PoolConfig],
                  served_names: Mapping[str, tuple[str, ...]],
-                 reserved: Mapping[str, frozenset[str]] | None = None) -> None:
+                 reserved: Mapping[str, frozenset[str]] | None = None, drains: DrainBoard | None = None) -> None:
         pools = list(pools)
         self.registry = registry
+        self.drains = drains
         self.client = client
         self.config = config
         self.metrics = metrics
@@ -81,6 +87,7 @@ class HealthChecker(FollowsWorkers[Worker]):
     async def probe(self, worker: Worker) -> bool:
         """One probe; updates the worker's state and metrics; returns the verdict."""
         reason: str | None = None
+        gone = False
         try:
             probe = worker.engine.probe
             answer = await control_get(self.client, worker.url + probe.path, self.headers.get(worker.pool, {}),
@@ -92,6 +99,9 @@ class HealthChecker(FollowsWorkers[Worker]):
                 reason = f"health probe answered HTTP {answer.status}"
         except ControlError as exc:
             reason = f"health probe failed: {exc}"
+            gone = exc.gone
+        if self.drains is not None and (reason is None or gone):
+            await self.drains.engine_seen(worker, up=reason is None)
         if reason is None:
             recovered = not worker.healthy
             self.registry.probe_passed(worker)

@@ -42,7 +42,7 @@ needs_validate = pytest.mark.skipif(VALIDATE is None, reason="kubernetes-validat
 # test_kubernetes_engines.py checks them against their CRDs' schemas.
 CRD_GROUPS = ("monitoring.coreos.com/", "leaderworkerset.x-k8s.io/", "resource.nvidia.com/",
               "gateway.networking.k8s.io/")
-VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64,
+VALID_KEYS = {"CLIENT_KEY_SHA256": "a" * 64, "ADMIN_KEY_SHA256": "b" * 64, "DRAIN_KEY_SHA256": "c" * 64,
               "REDIS_URL": "rediss://redis-master.data.svc:6380/0?ssl_ca_certs=/etc/redis-tls/ca.crt"}
 
 

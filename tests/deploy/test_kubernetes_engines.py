@@ -12,14 +12,17 @@ and the key staying off the command line are observed, not read from the text.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -207,7 +210,6 @@ def test_engine_pods_are_guaranteed_probed_prioritised_and_pinned(rendered: dict
             startup = engine["startupProbe"]
             assert startup["httpGet"]["port"] == "http"
             assert startup["periodSeconds"] * startup["failureThreshold"] >= GENERATE.startup_seconds(loaded) >= 600
-            assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_startup_budget_follows_the_weights_each_node_reads() -> None:
@@ -258,8 +260,10 @@ def test_gateway_grace_covers_the_longest_request(rendered: dict[str, list[dict[
 def test_engines_drain_through_the_gateway_before_they_stop(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
                                                             plan: str, tmp_path: Path) -> None:
     """The serving pod's drain sidecar runs `kimi-gateway drain` for its own worker URL (as the
-    gateway's config names it) with the admin key from a Secret; the engine waits for it; every
-    pod's termination grace outlasts the drain's wait."""
+    gateway's config names it) on every gateway replica (the headless Service, --every-address) with
+    a drain-only key from a Secret, holding the engine its drain time even when the drain fails; at
+    start it undrains the worker. Its image is not the gateway's (a gateway release rolls no engine).
+    The engine waits for it; every pod's termination grace outlasts the drain's wait."""
     loaded = PLANS[plan]
     objects = rendered[plan]
     (workload,) = engine_sets(objects, loaded).values()
@@ -270,28 +274,129 @@ def test_engines_drain_through_the_gateway_before_they_stop(rendered: dict[str, 
     templates = pod_templates(workload)
     leader = templates[0]["spec"]
     engine, sidecar = leader["containers"]
-    assert sidecar["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]
-    (command,) = sidecar["lifecycle"]["preStop"]["exec"]["command"][2:]
-    match = re.fullmatch(r"kimi-gateway drain --gateway http://kimi-gateway:8000 --pool (\S+) "
-                         r"--worker (\S+) --wait (\d+); touch /drain/done", command)
-    assert match, command
-    assert match[1] == pool
-    wait = int(match[3])
+    gateway_image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert sidecar["image"].partition(":")[0] != gateway_image.partition(":")[0]  # `images:` of one spares the other
+    assert sidecar["image"] == GENERATE.DRAIN_IMAGE
+    (hook,) = sidecar["lifecycle"]["preStop"]["exec"]["command"][2:]
+    replicas = f"--gateway {GENERATE.GATEWAY_REPLICAS_URL} --every-address --pool {pool} --worker (\\S+)"
+    match = re.fullmatch(r"start=\$\(date \+%s\); kimi-gateway drain " + replicas + r" --wait (\d+) "
+                         r"--admin-key-env KIMI_GATEWAY_DRAIN_KEY \|\| \{ left=\$\(\( \2 - .*\}; touch /drain/done",
+                         hook)
+    assert match, hook
+    wait = int(match[2])
     assert wait >= GENERATE.request_budget_seconds(yaml.safe_load(GENERATE.PRODUCTION.read_text()), loaded)
-    assert {match[2].replace("${POD_NAME}", f"{workload['metadata']['name']}-{i}")
+    assert {match[1].replace("${POD_NAME}", f"{workload['metadata']['name']}-{i}")
             for i in range(loaded.plan.replicas)} == set(gateway_pool.workers)
+    (start,) = sidecar["command"][2:]
+    assert sidecar["command"][:2] == ["sh", "-c"] and start.startswith("trap 'exit 0' TERM; ")
+    assert f"--worker {match[1]} --undrain --admin-key-env KIMI_GATEWAY_DRAIN_KEY" in start
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     key = env[GENERATE.DRAIN_KEY_ENV]["valueFrom"]["secretKeyRef"]
     assert key["name"].startswith(GENERATE.DRAIN_KEY_SECRET)
+    # The gateway knows that key with the drain scope only; the admin key is in no engine pod.
+    (drain_key,) = [k for k in config.auth.keys if k.name == GENERATE.DRAIN_KEY_NAME]
+    assert drain_key.scopes == ["drain"] and drain_key.sha256 == VALID_KEYS["DRAIN_KEY_SHA256"]
+    for template in templates:
+        text = json.dumps(template)
+        assert "ADMIN_KEY" not in text and "kimi-gateway-admin" not in text
     assert "/drain/done" in engine["lifecycle"]["preStop"]["exec"]["command"][2]
     for template in templates:
         assert template["spec"]["terminationGracePeriodSeconds"] > wait
-    # The drain sidecars may reach the gateway's port.
+    # The drain sidecars may reach the gateway's port, on every replica through the headless Service.
     policy = by_kind(objects, "NetworkPolicy")["kimi-gateway-drains"]
     assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/component": "engine"}}}]
     assert templates[0]["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"
+    service = by_kind(objects, "Service")[GENERATE.GATEWAY_REPLICAS_SERVICE]["spec"]
+    assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
+    assert service["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_engine_probes_follow_the_engine_kind_table(rendered: dict[str, list[dict[str, Any]]],  # noqa: F811
+                                                    overlay: str) -> None:
+    """Every rendered engine's probes against GENERATE.ENGINE_PROBES (the engines' own endpoints):
+    the path per probe, a timeout above what the path takes to answer (SGLang's /health up to 20 s:
+    the kubelet's default 1 s restart-looped it), and a liveness that tolerates failures for longer
+    than the longest prefill the gateway allows, so no engine is killed mid-prefill."""
+    production = yaml.safe_load(GENERATE.PRODUCTION.read_text())
+    objects = rendered[overlay]
+    for loaded in OVERLAYS[overlay]:
+        table = GENERATE.ENGINE_PROBES[loaded.plan.engine.kind]
+        (workload,) = engine_sets(objects, loaded).values()
+        engine = pod_templates(workload)[0]["spec"]["containers"][0]
+        for probe, key in (("startupProbe", "startup"), ("readinessProbe", "readiness"), ("livenessProbe", "liveness")):
+            spec = engine[probe]
+            assert spec["httpGet"] == {"path": table[key], "port": "http"}, (loaded.plan.name, probe)
+            assert spec["timeoutSeconds"] >= 2
+        live = engine["livenessProbe"]
+        assert live["timeoutSeconds"] > table["answer_s"]
+        prefill = GENERATE.prefill_seconds(production, loaded)
+        assert live["periodSeconds"] * (live["failureThreshold"] - 1) >= prefill, loaded.plan.name
+        if loaded.plan.engine.kind == "sglang":
+            assert (engine["readinessProbe"]["httpGet"]["path"], live["timeoutSeconds"]) == ("/ready", 29)
+            assert prefill > 20  # its /health fails throughout such a prefill: liveness must outlast it
+
+
+def test_the_longest_prefill_follows_the_first_byte_budget() -> None:
+    """Plan C: 1,048,576 tokens at the production timeouts (60 s + 0.5 s per 1K tokens): 585 s."""
+    production = yaml.safe_load(GENERATE.PRODUCTION.read_text())
+    assert GENERATE.prefill_seconds(production, PLANS["plan-c"]) == 585
+
+
+def _fake_gateway_cli(tmp_path: Path, script: str) -> dict[str, str]:
+    """A `kimi-gateway` on PATH that runs `script` (sh) and logs its arguments; the env to run with."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    cli = bin_dir / "kimi-gateway"
+    cli.write_text(f"#!/bin/sh\necho \"$*\" >> {tmp_path}/calls\n{script}\n")
+    cli.chmod(0o755)
+    return {"PATH": f"{bin_dir}:/usr/bin:/bin", "POD_NAME": "pool-0"}
+
+
+def test_the_drain_hook_fails_closed(tmp_path: Path) -> None:
+    """A drain that fails at once (a refused key, no gateway) still holds the engine its drain time:
+    `done` appears only after the wait; one that succeeds releases it at once."""
+    done = tmp_path / "done"
+    hook = GENERATE.drain_hook("p", "http://pool-0.p:8000", 3, done=str(done))
+    env = _fake_gateway_cli(tmp_path, "exit 1")
+    started = time.monotonic()
+    subprocess.run(["sh", "-c", hook], env=env, timeout=30, check=True)
+    assert done.exists() and time.monotonic() - started >= 2.5
+    assert "--every-address" in (tmp_path / "calls").read_text()
+    done.unlink()
+    env = _fake_gateway_cli(tmp_path, "exit 0")
+    started = time.monotonic()
+    subprocess.run(["sh", "-c", hook], env=env, timeout=30, check=True)
+    assert done.exists() and time.monotonic() - started < 2.5
+
+
+def test_the_drain_sidecar_undrains_at_start_and_exits_on_sigterm(tmp_path: Path) -> None:
+    """PID 1 of the sidecar: retries the undrain until it succeeds, then idles, and SIGTERM ends it
+    at once with status 0 (a bare `sleep infinity` ignores it and holds the pod Terminating)."""
+    state = tmp_path / "fails"
+    state.write_text("x")  # the first undrain fails (no gateway yet), the second succeeds
+    env = _fake_gateway_cli(tmp_path, f'[ -e {state} ] && {{ rm {state}; exit 1; }}; exit 0')
+    script = GENERATE.drain_sidecar_script("p", "http://pool-0.p:8000", retry_s=1)
+    proc = subprocess.Popen(["sh", "-c", script], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not ((tmp_path / "calls").exists() and len((tmp_path / "calls").read_text().splitlines()) == 2):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        assert all("--undrain" in line for line in (tmp_path / "calls").read_text().splitlines())
+        time.sleep(0.3)  # idle now: `sleep infinity`, waited on
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its orphaned `sleep`
 
 
 # --- the launch scripts, run ---------------------------------------------------------------------
@@ -389,6 +494,19 @@ def test_sglang_key_reaches_the_server_but_not_its_command_line(tmp_path: Path) 
         assert "s3cret-key" not in out["logged"] and "api_key='<redacted>'" in out["logged"]
         assert (out["node_rank"], out["nnodes"]) == (rank, 2)
         assert out["dist"] in (f"{ip}:{GENERATE.SGLANG_DIST_PORT}" for ip in ("127.0.0.1", "::1"))
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_vllm_engines_let_running_requests_end_on_sigterm(plan: str) -> None:
+    """vLLM's --shutdown-timeout defaults to 0: abort everything at SIGTERM. The launch scripts give
+    it time inside the pod's termination grace; SGLang drains its requests on SIGTERM by itself."""
+    loaded = PLANS[plan]
+    script = GENERATE.launch_script(loaded)
+    if loaded.plan.engine.kind == "sglang":
+        assert "--shutdown-timeout" not in script
+    else:
+        assert f"--shutdown-timeout {GENERATE.VLLM_SHUTDOWN_TIMEOUT_SECONDS}" in script
+        assert GENERATE.VLLM_SHUTDOWN_TIMEOUT_SECONDS < GENERATE.ENGINE_EXIT_SECONDS
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))

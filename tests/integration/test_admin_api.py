@@ -20,6 +20,7 @@ StartGateway = Callable[..., RunningGateway]
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 USER_KEY = "sk-user-" + uuid.uuid4().hex + uuid.uuid4().hex
 ADMIN_KEY = "sk-admin-" + uuid.uuid4().hex + uuid.uuid4().hex
+DRAIN_KEY = "sk-drain-" + uuid.uuid4().hex + uuid.uuid4().hex
 
 
 def send(gw: RunningGateway, **headers: str) -> httpx.Response:
@@ -160,6 +161,23 @@ def test_admin_routes_need_the_admin_scope_when_auth_is_on(start_sim: StartSim, 
     page = httpx.get(gw.url + "/dashboard")  # the HTML is public and carries no data
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert sim.url not in page.text and "p/0" not in page.text
+
+
+def test_a_drain_key_may_only_list_drain_and_undrain_workers(start_sim: StartSim,
+                                                            start_gateway: StartGateway) -> None:
+    """The `drain` scope (an engine pod's key): the four routes `kimi-gateway drain` calls, nothing else."""
+    sim = start_sim("vllm")
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], auth={"enabled": True, "keys": [
+        {"name": "engine-drains", "sha256": hash_key(DRAIN_KEY), "scopes": ["drain"]}]})
+    key = {"authorization": f"Bearer {DRAIN_KEY}"}
+    assert httpx.get(gw.url + "/admin/workers", headers=key).status_code == 200
+    assert httpx.post(gw.url + "/admin/workers/p/0/drain", headers=key).json()["draining"] is True
+    assert httpx.get(gw.url + "/admin/workers/p/0", headers=key).json()["draining"] is True
+    assert httpx.post(gw.url + "/admin/workers/p/0/undrain", headers=key).json()["draining"] is False
+    for method, path in [("GET", "/admin/status"), ("POST", "/admin/reload")]:
+        refused = httpx.request(method, gw.url + path, headers=key)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "insufficient_permissions", path
+    assert send(gw, authorization=f"Bearer {DRAIN_KEY}").status_code == 403  # no /v1 either
 
 
 def test_dashboard_page_is_self_contained_with_a_strict_csp(start_sim: StartSim, start_gateway: StartGateway) -> None:

@@ -171,8 +171,8 @@ def test_drain_errors_exit_1_with_the_reason(start_sim: StartSim, start_gateway:
                                                         "scopes": ["user", "admin"]}]})
     monkeypatch.delenv("OPS_ADMIN_KEY", raising=False)
     assert run_in_process(capsys, "--gateway", gw.url, "--pool", "p", "--worker", "0") == (1, (
-        f"kimi-gateway drain: error: GET {gw.url}/admin/workers: HTTP 401: the gateway wants a key with the admin "
-        "scope in the variable --admin-key-env names\n"))
+        f"kimi-gateway drain: error: GET {gw.url}/admin/workers: HTTP 401: the gateway wants a key with the drain (or "
+        "admin) scope in the variable --admin-key-env names\n"))
     monkeypatch.setenv("OPS_ADMIN_KEY", KEY)
     for args, reason in [
             (("--pool", "q", "--worker", "0"), "the gateway has no pool 'q' (pools: p)"),
@@ -197,3 +197,21 @@ def test_drain_errors_exit_1_with_the_reason(start_sim: StartSim, start_gateway:
     assert "on the replica that answered only" in err and f"still in flight after 0.2 s: {gw.url} 1" in err
     stream.join(10)
     assert stream.lines[-1] == "data: [DONE]"
+
+
+def test_without_a_shared_redis_the_drain_and_undrain_reach_every_replica_given(
+        start_sim: StartSim, start_gateway: StartGateway, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Replicas that share no Redis (none configured, or Redis down): the drain is sent to each
+    `--gateway` URL, not only the first, and so is the undrain."""
+    sim = start_sim("vllm", tpot_s=0.02)
+    keys = {"enabled": True, "keys": [{"name": "engine", "sha256": hash_key(KEY), "scopes": ["drain"]}]}
+    replicas = [start_gateway([pool("p", "vllm", [sim.url], 131072)], auth=keys) for _ in range(2)]
+    monkeypatch.setenv("OPS_ADMIN_KEY", KEY)
+    gateways = [arg for gw in replicas for arg in ("--gateway", gw.url)]
+    status, err = run_in_process(capsys, *gateways, "--pool", "p", "--worker", sim.url, "--wait", "10")
+    assert status == 0, err
+    assert [in_flight(gw, "p/0") for gw in replicas] == [(True, 0), (True, 0)], err
+    status, err = run_in_process(capsys, *gateways, "--pool", "p", "--worker", sim.url, "--undrain")
+    assert status == 0, err
+    assert [in_flight(gw, "p/0") for gw in replicas] == [(False, 0), (False, 0)], err

@@ -257,3 +257,30 @@ def test_a_restarted_worker_turns_healthy_within_the_interval_while_a_neighbour_
         assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=10).headers["x-kimi-gateway-worker"] == "p/1"
     finally:
         restarted.stop()
+
+
+@pytest.mark.anyio
+async def test_only_an_address_nothing_serves_counts_as_gone() -> None:
+    """`ControlError.gone` (what lets a drain lift for a new engine): a refused connection or a name
+    that does not resolve is an engine gone; a slow answer or a broken exchange is not."""
+    async def silent(writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)  # a busy engine: the connection is there, no answer comes
+
+    async def hang_up(writer: asyncio.StreamWriter) -> None:
+        pass
+
+    client = H1Pool(5.0)
+    try:
+        async with raw_server(hang_up) as url:
+            closed = url  # the server closes when the block ends: nothing listens there any more
+        for gone_url in (closed, "http://no-such-engine.invalid:8000"):
+            with pytest.raises(ControlError) as refused:
+                await control_get(client, gone_url + "/health", {}, 2.0, MIB)
+            assert refused.value.gone, refused.value
+        for answer in (silent, hang_up):
+            async with raw_server(answer) as url:
+                with pytest.raises(ControlError) as there:
+                    await control_get(client, url + "/health", {}, 0.3, MIB)
+                assert not there.value.gone, there.value
+    finally:
+        client.close()

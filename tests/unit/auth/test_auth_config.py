@@ -58,7 +58,7 @@ def test_the_whole_section_from_the_environment() -> None:
     ({"enabled": True}, "auth: Value error, auth.enabled needs at least one key"),
     ({"keys": [{**ALICE, "sha256": "sk-the-key"}]}, "auth.keys.0.sha256: Value error, must be the key's SHA-256"),
     ({"keys": [{**ALICE, "sha256": "g" * 64}]}, "auth.keys.0.sha256: Value error"),
-    ({"keys": [{**ALICE, "scopes": ["root"]}]}, "auth.keys.0.scopes.0: Input should be 'user' or 'admin'"),
+    ({"keys": [{**ALICE, "scopes": ["root"]}]}, "auth.keys.0.scopes.0: Input should be 'user', 'admin' or 'drain'"),
     ({"keys": [{**ALICE, "scopes": []}]}, "auth.keys.0.scopes: List should have at least 1 item"),
     ({"keys": [{**ALICE, "requests_per_minute": 0}]}, "auth.keys.0.requests_per_minute: Input should be greater"),
     ({"keys": [{**ALICE, "key": "sk-plain"}]}, "auth.keys.0.key: Extra inputs are not permitted"),

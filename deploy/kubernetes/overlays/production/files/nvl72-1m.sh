@@ -27,6 +27,7 @@ args=(
   --enable-chunked-prefill
   --trust-remote-code
   --safetensors-load-strategy eager
+  --shutdown-timeout 45
   --nnodes "$LWS_GROUP_SIZE"
   --node-rank "$rank"
   --master-addr "$leader"

@@ -13,4 +13,5 @@ exec vllm serve \
   --enable-expert-parallel \
   --gpu-memory-utilization 0.95 \
   --trust-remote-code \
-  --safetensors-load-strategy eager
+  --safetensors-load-strategy eager \
+  --shutdown-timeout 45
