@@ -40,8 +40,9 @@ running a generation, so a worker busy with a long prefill stays healthy.
 
 - vllm, ascend: `/health`, answers at once. `EngineClient.check_health()`: the engine core process
   is alive, no generation; 503 once it died (`vllm/entrypoints/serve/instrumentator/health.py`).
-- sglang: `/model_info`, answers at once: the tokenizer manager's model facts, no scheduler round
-  trip (`python/sglang/srt/entrypoints/http_server.py` `model_info`).
+- sglang: `/ready`, answers at once: 200 while the tokenizer manager is ready (the warm-up request
+  set it Up), 503 while it starts, is paused or shuts down; no scheduler round trip
+  (`python/sglang/srt/entrypoints/http_server.py` `ready`, SGLang 0.5.23).
 - llamacpp: `/health`, answers at once: 200 once the model is loaded, 503 while it loads
   (`tools/server/server.cpp`).
 
@@ -52,7 +53,7 @@ of the scheduler after it started, so it never answers in under 1 s, and answers
 `SGLANG_HEALTH_CHECK_TIMEOUT` (20 s) without output: a busy scheduler answers it only at the end of
 its current forward step, so a long prefill step fails it. `/get_model_info` is a deprecated alias
 of `/model_info` that logs a warning per call; `/server_info` (`/get_server_info`) asks the
-scheduler for its internal state, so it waits for the current step too. SGLang has no `/ready`.
+scheduler for its internal state, so it waits for the current step too.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class HealthProbe:
 PROBES: dict[str, HealthProbe] = {
     "vllm": HealthProbe("/health", 0.0, "vllm/entrypoints/serve/instrumentator/health.py"),
     "ascend": HealthProbe("/health", 0.0, "vllm/entrypoints/serve/instrumentator/health.py"),
-    "sglang": HealthProbe("/model_info", 0.0, "python/sglang/srt/entrypoints/http_server.py"),
+    "sglang": HealthProbe("/ready", 0.0, "python/sglang/srt/entrypoints/http_server.py"),
     "llamacpp": HealthProbe("/health", 0.0, "tools/server/server.cpp"),
 }
 """Engine kind -> its health probe (module docstring)."""

@@ -1,5 +1,5 @@
 """Active health probes: every worker's engine probe endpoint (`engine_kinds.PROBES`: one that
-answers at once without generating, e.g. SGLang's `/model_info`, not its generating `/health`), on an
+answers at once without generating, e.g. SGLang's `/ready`, not its generating `/health`), on an
 interval, in the background."""
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ Engine endpoints:
                        (`SimApp._health_generate`). Never answers with the `hang_health` or `black_hole`
                        fault; trickles or never ends with `health_body`
     GET /model_info    SGLang only (also at /get_model_info): the model's facts at once, the probe faults apply
+    GET /ready         SGLang only: 200 at once once up (the gateway's probe of SGLang workers), the probe faults apply
     GET /v1/models     OpenAI model list with the served names, then the loaded LoRA adapters (`parent` set)
     POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter
                        vLLM family with `runtime_lora_updating` only: vLLM's runtime LoRA loading
@@ -134,6 +135,7 @@ class SimApp:
                 self._routes[("GET", path)] = self._health_generate
             for path in ("/model_info", "/get_model_info"):
                 self._routes[("GET", path)] = self._model_info
+            self._routes[("GET", "/ready")] = self._ready
             self._routes[("POST", "/load_lora_adapter")] = self._sglang_load_lora
             self._routes[("POST", "/unload_lora_adapter")] = self._sglang_unload_lora
         if engine.config.pooling:
@@ -179,8 +181,8 @@ class SimApp:
         if config.api_key is None or scope["method"] == "OPTIONS" or path.startswith("/sim/"):
             return True
         if config.api_key_scope == "engine":
-            if config.engine == "sglang":  # SGLang's middleware lets health and metrics through
-                guarded = not path.startswith(("/health", "/metrics"))
+            if config.engine == "sglang":  # SGLang's middleware lets health, readiness and metrics through
+                guarded = not path.startswith(("/health", "/ready", "/metrics"))  # sglang/srt/utils/auth.py
             else:  # vLLM's (and vllm-ascend's) guards the OpenAI API only
                 guarded = path.startswith("/v1")
             if not guarded:
@@ -360,6 +362,15 @@ class SimApp:
             except ClientDisconnected:
                 return
         await send_bytes(send, 503, b"", headers=[])
+
+    async def _ready(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """SGLang's `/ready`: 200 with an empty body once the server is up, at once, without the
+        scheduler (`ready` in `python/sglang/srt/entrypoints/http_server.py`, 0.5.23:
+        `tokenizer_manager.is_ready()`). The probe faults apply."""
+        if await self._probe_faults(receive, send):
+            return
+        self.engine.note_health_check()
+        await send_bytes(send, 200, b"", headers=[])
 
     async def _model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
         """SGLang's `/model_info` (and its deprecated alias `/get_model_info`): the tokenizer

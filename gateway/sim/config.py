@@ -63,7 +63,7 @@ class SimFaults(BaseModel):
       `fail_headers` any others (e.g. the `x-ratelimit-*` of a rate-limiting proxy in front).
     - `hang_before_headers`: accept the request but never send headers (the request is recorded as
       aborted once the client gives up).
-    - `hang_health`: `GET /health` (and SGLang's other probe endpoints, `/health_generate` and
+    - `hang_health`: `GET /health` (and SGLang's other probe endpoints, `/health_generate`, `/ready` and
       `/model_info`) accepts the connection but never answers.
     - `health_body` / `metrics_body`: how the probe endpoints / `GET /metrics` send their body:
       "normal"; "trickle" (200 headers, then one byte every `trickle_interval_s` seconds, never

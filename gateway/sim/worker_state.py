@@ -560,14 +560,14 @@ class SimWorkerState:
     # --- health and statistics ----------------------------------------------------------------
 
     def note_health_check(self) -> None:
-        """Count one probe (`GET /health`, or SGLang's `/health_generate` or `/model_info`)."""
+        """Count one probe (`GET /health`, or SGLang's `/health_generate`, `/ready` or `/model_info`)."""
         with self._cond:
             self._health_checks += 1
             self._cond.notify_all()  # `wait_for` may be waiting on the count
 
     @property
     def health_checks(self) -> int:
-        """How many probes (`GET /health`, SGLang's `/health_generate` and `/model_info`) arrived."""
+        """How many probes (`GET /health`, SGLang's `/health_generate`, `/ready` and `/model_info`) arrived."""
         with self._cond:
             return self._health_checks
 

@@ -201,9 +201,10 @@ def _hold_a_long_prefill(url: str, leave: threading.Event) -> None:
         leave.wait(60)
 
 
-def test_sglang_sim_health_runs_a_generation_and_model_info_answers_at_once(start_sim: StartSim) -> None:
+def test_sglang_sim_health_runs_a_generation_and_ready_answers_at_once(start_sim: StartSim) -> None:
     """The simulator's SGLang imitates 0.5.23: `/health` (= `/health_generate`) waits for scheduler
-    output, so it fails while one long prefill holds the scheduler; `/model_info` answers at once."""
+    output, so it fails while one long prefill holds the scheduler; `/ready` and `/model_info` answer at
+    once."""
     sim = start_sim("sglang", **SGLANG_HEALTH)
     idle = httpx.get(sim.url + "/health", timeout=10)
     assert idle.status_code == 200 and idle.content == b""
@@ -215,6 +216,7 @@ def test_sglang_sim_health_runs_a_generation_and_model_info_answers_at_once(star
         sim.engine.wait_for(lambda: sim.engine.stats().running == 1 or None, timeout=10)
         try:
             assert httpx.get(sim.url + "/health", timeout=10).status_code == 503
+            assert httpx.get(sim.url + "/ready", timeout=10).status_code == 200
             info = httpx.get(sim.url + "/model_info", timeout=10)
             assert info.status_code == 200 and info.json()["model_path"] == "kimi-k3"
             assert httpx.get(sim.url + "/get_model_info", timeout=10).json() == info.json()
@@ -227,7 +229,7 @@ def test_sglang_sim_health_runs_a_generation_and_model_info_answers_at_once(star
 
 def test_a_sglang_worker_busy_with_a_long_prefill_stays_healthy(start_sim: StartSim,
                                                                 start_gateway: StartGateway) -> None:
-    """The gateway probes SGLang on its instant `/model_info` (`engine_kinds.PROBES`), not on its
+    """The gateway probes SGLang on its instant `/ready` (`engine_kinds.PROBES`), not on its
     generating `/health`, which fails while a long prefill runs: the busy worker stays healthy. (The
     long request goes to the worker directly: the gateway would hold its client's headers until the
     first token, so the client could not leave early.)"""

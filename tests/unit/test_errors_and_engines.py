@@ -90,11 +90,11 @@ def test_only_assistant_and_function_turns_may_omit_content() -> None:
 
 def test_every_engine_kind_is_probed_on_an_endpoint_that_does_not_generate() -> None:
     """SGLang's `/health` runs a one-token generation (1 s at best, 503 during a long prefill): its
-    workers are probed on `/model_info`; the probe deadline is health.timeout plus the endpoint's
+    workers are probed on `/ready`; the probe deadline is health.timeout plus the endpoint's
     own answer time."""
     assert set(PROBES) == set(ENGINES)
     assert {kind: spec.probe.path for kind, spec in ENGINES.items()} == {
-        "vllm": "/health", "ascend": "/health", "sglang": "/model_info", "llamacpp": "/health"}
+        "vllm": "/health", "ascend": "/health", "sglang": "/ready", "llamacpp": "/health"}
     assert all(spec.probe is PROBES[kind] and spec.probe.timeout(2.0) == 2.0 for kind, spec in ENGINES.items())
 
 
