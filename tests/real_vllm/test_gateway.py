@@ -95,10 +95,10 @@ def test_openai_sdk_on_chat_completions_and_responses(engines: list[VllmEngine],
 def test_anthropic_sdk_on_messages(engines: list[VllmEngine], start_gateway: Callable[..., RunningGateway]) -> None:
     gw = _gateway(start_gateway, engines)
     client = anthropic.Anthropic(base_url=gw.url, api_key="unused", timeout=120, max_retries=0)
-    message = client.messages.create(model=MODEL, max_tokens=8, temperature=0,
+    message = client.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 0},
                                      messages=[{"role": "user", "content": "The river"}])
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 8
-    with client.messages.stream(model=MODEL, max_tokens=8, temperature=0,
+    with client.messages.stream(model=MODEL, max_tokens=8, extra_body={"temperature": 0},
                                 messages=[{"role": "user", "content": "The river"}]) as stream:
         final = stream.get_final_message()
     assert final.content[0].text == message.content[0].text  # type: ignore[union-attr]
@@ -114,7 +114,7 @@ def test_a_cached_messages_stream_is_billed_its_prompt_once(
     caplog.set_level(logging.INFO, logger="gateway.access")
     gw = _gateway(start_gateway, engines, policy="prefix_affinity")
     client = anthropic.Anthropic(base_url=gw.url, api_key="unused", timeout=120, max_retries=0)
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "extra_body": {"temperature": 0},
                             "system": contract.LONG_TEXT, "messages": [{"role": "user", "content": "Go on."}]}
     first = client.messages.create(**body)
     with client.messages.stream(**body) as stream:
@@ -142,7 +142,7 @@ def test_a_request_without_an_output_limit_is_answered_and_ejects_no_worker(
     # vLLM generates to the end of the context when no max_tokens is given; a pool's small
     # default_output_tokens must not size the wait for it (it did: 504, then both workers ejected).
     gw = _gateway(start_gateway, engines, default_output_tokens=16,
-                  timeouts={"generation": 1.0, "generation_per_token": 0.02})
+                  timeouts={"first_byte_base": 1.0, "generation": 0.5, "generation_per_token": 0.01})
     client = _oai(gw)
     for _ in range(3):
         chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The river"}],
@@ -194,52 +194,76 @@ def test_lora_adapters_declared_and_loaded_on_demand(engines: list[VllmEngine],
     assert {MODEL, ADAPTER, ON_DEMAND} <= listed
 
 
+def _finished(engine: VllmEngine) -> float:
+    """Requests the engine finished by itself (stop or length), from its `vllm:request_success_total`."""
+    total = 0.0
+    for line in httpx.get(engine.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:request_success_total{") and ('reason="stop"' in line or 'reason="length"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def test_a_client_hang_up_aborts_the_engine_request_and_admin_reads_vllm_load(
         engines: list[VllmEngine], start_gateway: Callable[..., RunningGateway]) -> None:
     gw = _gateway(start_gateway, engines, policy="round_robin")
+    deadline = time.monotonic() + 60
+    while True:  # the gateway's load scrape read the engines' own /metrics (None before its first scrape)
+        workers = httpx.get(gw.url + "/admin/workers", timeout=10).json()["pools"][0]["workers"]
+        if all(w["engine_running"] is not None and w["kv_usage"] is not None for w in workers):
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "The river"}], "max_tokens": CONTEXT - 64,
             "temperature": 0, "stream": True}
-    aborted_before = sum(e.metric("vllm:request_success_total") for e in engines)
+    finished = [_finished(e) for e in engines]
+    generated = sum(e.metric("vllm:generation_tokens_total") for e in engines)
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=120) as response:
-        worker = int(response.headers["x-kimi-gateway-worker"].rsplit("/", 1)[1])
-        next(response.iter_raw())
-        deadline = time.monotonic() + 60
-        while True:  # the gateway's load scrape sees the engine's running request
-            load = httpx.get(gw.url + "/admin/workers", timeout=10).json()["pools"][0]["workers"][worker]
-            if (load.get("engine_running") or 0) >= 1:
-                break
-            assert time.monotonic() < deadline, load
-            time.sleep(0.2)
-    deadline = time.monotonic() + 30
-    while engines[worker].metric("vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline, "the engine still runs the request the client hung up on"
-        time.sleep(0.1)
-    assert sum(e.metric("vllm:request_success_total") for e in engines) == aborted_before  # not finished: aborted
+        next(response.iter_raw())  # the first content, then the client hangs up
+    last, deadline = -1.0, time.monotonic() + 60
+    while (now := sum(e.metric("vllm:generation_tokens_total") for e in engines)) != last:  # the engines settle
+        assert time.monotonic() < deadline
+        last = now
+        time.sleep(1.5)
+    assert [_finished(e) for e in engines] == finished  # aborted, not run to its end
+    assert last - generated < CONTEXT - 64
+    assert all(e.metric("vllm:num_requests_running") == 0 for e in engines)
 
 
-def _stream_text(response: httpx.Response, on_event: Callable[[int], None]) -> tuple[str, list[str]]:
-    text, events, buffer = [], [], b""
+def _stream(response: httpx.Response, on_event: Callable[[int], None]) -> list[str]:
+    """The SSE events of `response` as text, calling `on_event(count)` after each."""
+    events, buffer = [], b""
     for chunk in response.iter_raw():
         buffer += chunk
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)
             events.append(event.decode())
             on_event(len(events))
-            if event.startswith(b"data: {"):
-                for choice in json.loads(event[6:]).get("choices") or []:
-                    text.append((choice.get("delta") or {}).get("content") or "")
-    return "".join(text), events
+    return events
+
+
+def _content(events: list[str]) -> str:
+    return "".join((choice.get("delta") or {}).get("content") or ""
+                   for e in events if e.startswith("data: {") for choice in json.loads(e[6:]).get("choices") or [])
+
+
+def _token_ids(events: list[str]) -> list[int]:
+    return [t for e in events if e.startswith("data: {") for choice in json.loads(e[6:]).get("choices") or []
+            for t in choice.get("token_ids") or []]
 
 
 def test_zz_a_sigkilled_engine_s_stream_is_migrated_with_the_exact_greedy_text(
         engines: list[VllmEngine], start_gateway: Callable[..., RunningGateway]) -> None:
-    # Last in the file: it kills engines[0]. The tiny model was trained on the books, so its greedy text
-    # is words that tokenize back to the tokens they came from; that is checked first through /tokenize,
-    # since only then is the continuation on the other engine the same text.
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the river."}],
-            "max_tokens": 120, "temperature": 0, "stream": True}
-    with httpx.stream("POST", engines[1].url + "/v1/chat/completions", json=body, timeout=120) as direct:
-        uninterrupted, _ = _stream_text(direct, lambda n: None)
+    # Last in the file: it kills engines[0]. After the kill the gateway continues the answer on engines[1]
+    # from the text the client has (the chat twin + that text as a final assistant message). The client's
+    # text must be exactly that prefix + what the engine answers to that continuation; and the whole
+    # uninterrupted answer wherever the prefix tokenizes back to the tokens that made it (checked through
+    # the engine's /tokenize: the tiny model was trained on the books so that its greedy words do).
+    messages = [{"role": "user", "content": "Tell me about the river."}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 120, "temperature": 0, "stream": True}
+    with httpx.stream("POST", engines[1].url + "/v1/chat/completions", timeout=120,
+                      json={**body, "return_token_ids": True}) as direct:
+        direct_events = _stream(direct, lambda n: None)
+    uninterrupted, uninterrupted_ids = _content(direct_events), _token_ids(direct_events)
     gw = _gateway(start_gateway, engines, policy="round_robin")
 
     def kill(count: int) -> None:
@@ -248,8 +272,17 @@ def test_zz_a_sigkilled_engine_s_stream_is_migrated_with_the_exact_greedy_text(
 
     with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=120) as response:
         assert response.headers["x-kimi-gateway-worker"] == "vllm/0"
-        text, events = _stream_text(response, kill)
+        events = _stream(response, kill)
     assert engines[0].proc is not None and engines[0].proc.wait(30) is not None
-    assert any(e.startswith(": x-kimi-gateway-migrated from=vllm/0 to=vllm/1") for e in events), events[:30]
+    moved = [i for i, e in enumerate(events) if e.startswith(": x-kimi-gateway-migrated from=vllm/0 to=vllm/1")]
+    assert len(moved) == 1, events[:30]
     assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
-    assert text == uninterrupted
+    prefix, rest = _content(events[:moved[0]]), _content(events[moved[0]:])
+    assert prefix and uninterrupted.startswith(prefix)
+    continued = httpx.post(engines[1].url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [*messages, {"role": "assistant", "content": prefix}], "temperature": 0,
+        "max_tokens": 120, "continue_final_message": True, "add_generation_prompt": False})
+    assert continued.json()["choices"][0]["message"]["content"].startswith(rest)
+    tokens = httpx.post(engines[1].url + "/tokenize", json={"model": MODEL, "prompt": prefix}, timeout=30).json()
+    if tokens["tokens"] == uninterrupted_ids[:len(tokens["tokens"])]:
+        assert prefix + rest == uninterrupted
