@@ -6,7 +6,9 @@ Sources of the exact strings (only the wording and names are taken from the engi
   error as returned by vllm-ascend in vllm-project/vllm-ascend#11557 (2026-07) and in many client
   reports; the prompt count is a lower bound ("at least") because vLLM stops tokenizing one token
   past the room left, so it reports `min(prompt, limit - output + 1)`. `VLLMValidationError.__str__`
-  appends ` (parameter=input_tokens, value=N)`. Unknown model: `OpenAIServing._check_model`.
+  appends ` (parameter=input_tokens, value=N)`. Unknown model: `_check_model` in
+  `vllm/entrypoints/serve/engine/serving.py` (0.32: 404 `NotFoundError`, param "model", the base
+  model names after "Valid aliases:").
 - vLLM, legacy (≤ 0.9, `serving_engine._validate_input`, flat `{"object": "error", ...}`).
 - SGLang (`TokenizerManager._validate_one_request`; flat `ErrorResponse` via
   `OpenAIServingBase.create_error_response`); unknown model: SGLang's strict model validation test
@@ -28,13 +30,18 @@ Sources of the exact strings (only the wording and names are taken from the engi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
 
-from gateway.sim.config import ApiVersion, SimEngineKind
+from gateway.sim.config import ApiVersion, SimConfig, SimEngineKind
+from gateway.sim.responses import AnswerShape
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM release whose answers the vLLM family's "current" dialect imitates (its `system_fingerprint`)."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +96,30 @@ class EngineDialect:
     """True: `{"error": {message, type, param, code}}`; False: `{"object": "error", message, ...}`."""
     context_check: ContextCheck
     context_param: str | None
-    model_not_found: Callable[[str, str], tuple[int, str, str | None]] | None
-    """(requested, served) -> (status, message, param); None = any model name is accepted."""
+    model_not_found: Callable[[str, list[str]], tuple[int, str, str | None]] | None
+    """(requested, the base model's served names) -> (status, message, param); None = any model name is accepted."""
     metric_names: MetricNames
     metric_labels: Callable[[str], dict[str, str]]
     in_band_stream_errors: bool = False
+    answer_shape: AnswerShape = dataclasses.field(default_factory=AnswerShape)
+    """Chat and text answers' engine-specific fields (`gateway.sim.responses`), without the fingerprint."""
+    fingerprints: bool = False
+    """Answers carry vLLM's `system_fingerprint` (`fingerprint`)."""
+
+    def shape_for(self, config: SimConfig) -> AnswerShape:
+        """`answer_shape` with the worker's `system_fingerprint` where the engine sets one."""
+        return dataclasses.replace(self.answer_shape, fingerprint=self.fingerprint(config))
+
+    def fingerprint(self, config: SimConfig) -> str | None:
+        """vLLM's default (`full`) `system_fingerprint` for a single-GPU server,
+        `vllm-<version>-<first 8 hex digits of the config hash>`
+        (`vllm/entrypoints/serve/utils/fingerprint.py` `build_system_fingerprint`; the simulator hashes
+        its own config, so one worker's fingerprint is stable and two configs' differ); None for engines
+        without one."""
+        if not self.fingerprints:
+            return None
+        digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:8]
+        return f"vllm-{VLLM_VERSION}-{digest}"
 
     def error(self, message: str, err_type: str, status: int, param: str | None = None) -> ErrorReply:
         """An error object in this engine's JSON shape."""
@@ -135,11 +161,12 @@ class EngineDialect:
             return ErrorReply(200, reply.body, in_band_stream=True, stream_event=event)
         return reply
 
-    def check_model(self, requested: str | None, served: list[str]) -> ErrorReply | None:
-        """The engine's answer to a request naming a model it does not serve, else None."""
+    def check_model(self, requested: str | None, served: list[str], base: list[str]) -> ErrorReply | None:
+        """The engine's answer to a request naming none of the `served` names (base model names and
+        LoRA adapters), else None; `base` are the base model's names, which the answer may list."""
         if self.model_not_found is None or requested is None or requested in served:
             return None
-        status, message, param = self.model_not_found(requested, served[0])
+        status, message, param = self.model_not_found(requested, base)
         err_type = "NotFoundError" if status == 404 else "BadRequestError"
         return self.error(message, err_type, status, param)
 
@@ -203,16 +230,16 @@ def sglang_context_error(prompt: int, output: int | None, limit: int) -> str | N
 # --- unknown model wording ----------------------------------------------------------------------
 
 
-def _vllm_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
-    return 404, f"The model `{requested}` does not exist.", "model"
+def _vllm_model_not_found(requested: str, served: list[str]) -> tuple[int, str, str | None]:
+    return 404, f"The model `{requested}` does not exist. Valid aliases: {', '.join(served)}.", "model"
 
 
-def _vllm_legacy_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
+def _vllm_legacy_model_not_found(requested: str, served: list[str]) -> tuple[int, str, str | None]:
     return 404, f"The model `{requested}` does not exist.", None
 
 
-def _sglang_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
-    return 400, f"The model `{requested}` does not exist. The served model name is `{served}`.", None
+def _sglang_model_not_found(requested: str, served: list[str]) -> tuple[int, str, str | None]:
+    return 400, f"The model `{requested}` does not exist. The served model name is `{served[0]}`.", None
 
 
 # --- metric names -------------------------------------------------------------------------------
@@ -263,6 +290,9 @@ def _vllm_family(engine: SimEngineKind, api_version: ApiVersion) -> EngineDialec
         model_not_found=_vllm_legacy_model_not_found if legacy else _vllm_model_not_found,
         metric_names=VLLM_LEGACY_METRICS if legacy else VLLM_METRICS,
         metric_labels=_vllm_labels,
+        answer_shape=AnswerShape() if legacy else AnswerShape(drop_empty_tool_calls=True, reasoning_field="reasoning",
+                                                              created_cache_tokens=True),
+        fingerprints=not legacy,
     )
 
 

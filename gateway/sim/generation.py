@@ -45,6 +45,7 @@ from gateway.sim.kvcache import PromptKey
 from gateway.sim.pd import PdFailure
 from gateway.sim.pd_leg import PdLeg
 from gateway.sim.request_ids import VLLM_FAMILY, already_running, engine_request_id
+from gateway.sim.sampling import check_sampling
 from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
@@ -341,7 +342,8 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
         return
     engine.update(record, prompt_tokens=plan.total_prompt_tokens)
     if anthropic == "count_tokens":  # the engine's tokenizer count, nothing generated
-        await responder.reply(ErrorReply(200, orjson.dumps({"input_tokens": plan.total_prompt_tokens})))
+        answer = a.count_tokens_answer(plan.total_prompt_tokens, engine.config.engine in VLLM_FAMILY)
+        await responder.reply(ErrorReply(200, orjson.dumps(answer)))
         return
     if anthropic is not None:
         plan = replace(plan, anthropic=True, finish_reason="length")
@@ -353,6 +355,10 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
         if error is not None:
             await _reply_context_error(responder, error)
             return
+    sampling_error = check_sampling(engine.config.engine, dialect, body)  # vLLM: once the prompt fits
+    if sampling_error is not None:
+        await responder.reply(sampling_error)
+        return
     running_id = None
     if engine.config.engine in VLLM_FAMILY:  # vLLM refuses an id already running (gateway/sim/request_ids.py)
         running_id = engine_request_id(kind, record.headers, body)
@@ -389,7 +395,7 @@ async def _refused_up_front(engine: SimWorkerState, record: SimRequestRecord, re
     if fail:
         await _fail(engine, record, responder, faults)
         return True
-    error = engine.dialect.check_model(model, engine.model_names())
+    error = engine.dialect.check_model(model, engine.model_names(), engine.config.served_model_names)
     if error is not None:
         await responder.reply(error)
         return True
@@ -558,11 +564,11 @@ async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequest
     for i in range(plan.output_tokens):
         await _next_token(engine, watch, active, i, n_prompts)
     completion_tokens = plan.output_tokens * n_prompts
-    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name)
+    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name, engine.answer_shape)
     text = output_text(plan.output_tokens, plan.start)
     if plan.kind == "chat":
         payload = r.chat_completion(meta, text, plan.finish_reason, plan.total_prompt_tokens, completion_tokens,
-                                    active.cached_tokens)
+                                    active.cached_tokens, active.created_cache_tokens(config.kv_block_tokens))
     else:
         payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
                                     completion_tokens, active.cached_tokens)
@@ -575,7 +581,7 @@ async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequest
 async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
-    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name)
+    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name, engine.answer_shape)
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     await _prefill(engine, watch, active, plan.leg, record)
@@ -604,7 +610,8 @@ async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestR
             await responder.event(r.sse_event(chunk))
             engine.update(record, completion_tokens_sent=sent)
     if plan.fmt.include_usage:
-        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent, cached)))
+        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent, cached,
+                                                        active.created_cache_tokens(config.kv_block_tokens))))
     await responder.end_stream()
 
 

@@ -98,7 +98,7 @@ async def _json_body(engine: SimWorkerState, receive: Receive, send: Send) -> di
     if not isinstance(body, dict):
         await _reply(send, engine.dialect.bad_request("Invalid JSON body."))
         return None
-    error = engine.dialect.check_model(body.get("model"), engine.model_names())
+    error = engine.dialect.check_model(body.get("model"), engine.model_names(), engine.config.served_model_names)
     if error is not None:
         await _reply(send, error)
         return None

@@ -87,6 +87,7 @@ from gateway.sim.generation import (
     request_faults,
 )
 from gateway.sim.request_ids import VLLM_FAMILY, already_running, engine_request_id
+from gateway.sim.sampling import check_sampling
 from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
@@ -258,7 +259,7 @@ class ResponsesServer:
             error = dialect.error(f"The engine prompt length {prompt_tokens} exceeds the max_model_len "
                                   f"{max_context}. Please reduce prompt.", "invalid_request_error", 400)
         else:
-            error = None
+            error = check_sampling(engine.config.engine, dialect, body)  # vLLM's SamplingParams checks
         if error is not None:
             await responder.reply(error)
             return
