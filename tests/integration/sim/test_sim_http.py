@@ -36,8 +36,20 @@ def test_chat_non_streaming_has_vllm_shape(start_sim: StartSim) -> None:
     assert choice["message"]["role"] == "assistant"
     assert choice["message"]["content"] == output_text(3) == "Kimi café naïve"
     assert choice["finish_reason"] == "length"
+    # vLLM 0.32: prompt tokens written to the prefix cache (none without a simulated cache), the
+    # message without an empty `tool_calls` and with `reasoning`, the server's fingerprint
     assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 10, "completion_tokens": 3,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": 0}}
+    assert "tool_calls" not in choice["message"] and "reasoning_content" not in choice["message"]
+    assert "reasoning" in choice["message"]
+    assert body["system_fingerprint"].startswith("vllm-0.32.0-") and len(body["system_fingerprint"]) == 20
+
+
+def test_sglang_chat_message_keeps_its_fields(start_sim: StartSim) -> None:
+    body = httpx.post(start_sim("sglang").url + CHAT, json={"messages": HELLO, "max_tokens": 1}).json()
+    message = body["choices"][0]["message"]
+    assert message["tool_calls"] == [] and "reasoning_content" in message and body["system_fingerprint"] is None
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_default_output_tokens_finish_with_stop(start_sim: StartSim) -> None:
@@ -72,6 +84,8 @@ def test_chat_stream_events(start_sim: StartSim, sse_payloads: Callable[[bytes],
     assert "".join(deltas) == output_text(4)
     assert [c["choices"][0]["finish_reason"] for c in chunks[1:]] == [None, None, None, "length"]
     assert chunks[-1]["choices"][0]["stop_reason"] is None
+    # vLLM 0.32 stamps its fingerprint on the chunk that finishes (no usage chunk follows) only
+    assert [("system_fingerprint" in c) for c in chunks] == [False] * 4 + [True]
 
 
 def test_chat_stream_include_usage(start_sim: StartSim, sse_payloads: Callable[[bytes], list[Any]]) -> None:
@@ -81,10 +95,11 @@ def test_chat_stream_include_usage(start_sim: StartSim, sse_payloads: Callable[[
     events = sse_payloads(resp.content)
     assert events[-1] == "[DONE]"
     *chunks, usage_chunk = events[:-1]
-    assert all(c["usage"] is None for c in chunks)
+    assert all(c["usage"] is None and "system_fingerprint" not in c for c in chunks)
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"] == {"prompt_tokens": 7, "total_tokens": 9, "completion_tokens": 2,
-                                    "prompt_tokens_details": {"cached_tokens": 0}}
+                                    "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": 0}}
+    assert usage_chunk["system_fingerprint"].startswith("vllm-")  # the last chunk carries it
 
 
 def test_text_completions_with_prompt_list(start_sim: StartSim) -> None:
@@ -144,8 +159,8 @@ def test_unknown_model_vllm(start_sim: StartSim) -> None:
     assert ok.status_code == 200 and ok.json()["model"] == "kimi-k3"
     resp = httpx.post(srv.url + CHAT, json={"model": "gpt-4", "messages": HELLO, "stream": True})
     assert resp.status_code == 404
-    assert resp.json() == {"error": {"message": "The model `gpt-4` does not exist.", "type": "NotFoundError",
-                                     "param": "model", "code": 404}}
+    assert resp.json() == {"error": {"message": "The model `gpt-4` does not exist. Valid aliases: kimi-k3, kimi.",
+                                     "type": "NotFoundError", "param": "model", "code": 404}}
 
 
 def test_unknown_model_vllm_legacy_and_sglang(start_sim: StartSim) -> None:

@@ -97,7 +97,8 @@ def test_same_prompt_tokens_and_cache_blocks_as_chat(start_sim: StartSim) -> Non
         {"role": "system", "content": system}, {"role": "user", "content": question}]}).json()
     counted = httpx.post(srv.url + "/v1/messages/count_tokens", json={
         "model": "kimi-k3", "system": system, "messages": [{"role": "user", "content": question}]}).json()
-    assert counted == {"input_tokens": chat["usage"]["prompt_tokens"]}
+    prompt = chat["usage"]["prompt_tokens"]  # vLLM 0.32 repeats the count under context_management
+    assert counted == {"input_tokens": prompt, "context_management": {"original_input_tokens": prompt}}
     message = httpx.post(srv.url + "/v1/messages", json={
         "model": "kimi-k3", "max_tokens": 1, "system": [{"type": "text", "text": system}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]}).json()

@@ -86,8 +86,8 @@ def test_render_errors_have_vllm_shapes(start_sim: StartSim) -> None:
     assert bad_json.json()["error"]["type"] == "BadRequestError"
     unknown = httpx.post(srv.url + CHAT_RENDER, json={"model": "gpt-x", "messages": _messages("hi")})
     assert unknown.status_code == 404
-    assert unknown.json()["error"] == {"message": "The model `gpt-x` does not exist.", "type": "NotFoundError",
-                                       "param": "model", "code": 404}
+    assert unknown.json()["error"] == {"message": "The model `gpt-x` does not exist. Valid aliases: kimi-k3.",
+                                       "type": "NotFoundError", "param": "model", "code": 404}
     no_messages = httpx.post(srv.url + CHAT_RENDER, json={"messages": []})
     assert no_messages.status_code == 400 and "messages" in no_messages.json()["error"]["message"]
     too_long = httpx.post(srv.url + TEXT_RENDER, json={"prompt": "x" * 400})
