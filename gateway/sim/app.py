@@ -21,8 +21,8 @@ Engine endpoints:
                        `runtime_lora_updating` or `lora_modules`, its `--enable-lora`)
     GET /metrics       Prometheus text with the engine's own metric names (or a trickling or
                        endless body with `metrics_body`)
-    POST /v1/chat/completions/render, POST /v1/completions/render, POST /tokenize
-                       vLLM family only: a prompt's token ids (`gateway.sim.render`)
+    POST /v1/chat/completions/render, POST /v1/completions/render, POST /tokenize, POST /detokenize
+                       vLLM family only: a prompt's token ids, token ids' text (`gateway.sim.render`)
 With `SimConfig.api_key`, the engine's guarded paths (or every path: `api_key_scope`) answer 401
 to a request without the key.
 Test endpoints:
@@ -147,6 +147,7 @@ class SimApp:
             self._routes[("POST", render.COMPLETIONS_RENDER_PATH)] = self._render_completion
         if render.serves_tokenize(engine):
             self._routes[("POST", render.TOKENIZE_PATH)] = self._tokenize
+            self._routes[("POST", render.DETOKENIZE_PATH)] = self._detokenize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -316,6 +317,9 @@ class SimApp:
 
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         await render.tokenize(self.engine, scope, receive, send)
+
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await render.detokenize(self.engine, scope, receive, send)
 
     async def _probe_faults(self, receive: Receive, send: Send) -> bool:
         """Count a probe and play the probe faults (`hang_health`, `health_body`, `black_hole`);

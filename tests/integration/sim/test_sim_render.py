@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import httpx
 
-from gateway.sim.tokens import VOCAB_SIZE
+from gateway.sim.tokens import VOCAB_SIZE, output_text
 from tests.support import RunningSim
 
 StartSim = Callable[..., RunningSim]
@@ -77,6 +77,20 @@ def test_tokenize_answers_vllm_tokenize_response(start_sim: StartSim) -> None:
     chat = httpx.post(srv.url + "/tokenize", json={"messages": _messages("hi")}).json()
     rendered = httpx.post(srv.url + CHAT_RENDER, json={"messages": _messages("hi")}).json()
     assert chat["tokens"] == rendered["token_ids"] and chat["count"] == len(rendered["token_ids"])
+
+
+def test_detokenize_answers_vllm_detokenize_response(start_sim: StartSim) -> None:
+    """vLLM's `/detokenize`: `{"prompt": text}`, one word per id here; ids must be ints >= 0 (its 400)."""
+    srv = start_sim()
+    out = httpx.post(srv.url + "/detokenize", json={"model": "kimi-k3", "tokens": [5, 6, 7]})
+    assert out.status_code == 200 and out.json() == {"prompt": output_text(3, 5)}
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    bad = httpx.post(srv.url + "/detokenize", json={"tokens": [1, -2]})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "Bad Request"
+    assert "greater_than_equal" in bad.json()["error"]["message"]
+    unknown = httpx.post(srv.url + "/detokenize", json={"model": "gpt-x", "tokens": [1]})
+    assert unknown.status_code == 404
+    assert httpx.post(start_sim(engine="sglang").url + "/detokenize", json={"tokens": [1]}).status_code == 404
 
 
 def test_render_errors_have_vllm_shapes(start_sim: StartSim) -> None:
