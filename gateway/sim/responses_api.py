@@ -6,17 +6,18 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        response.created, response.in_progress, response.output_item.added,
                                        response.content_part.added, response.output_text.delta (one per
                                        token), response.output_text.done, response.content_part.done,
-                                       response.output_item.done, response.completed (with the usage:
-                                       input_tokens, output_tokens, total_tokens, cached tokens). A
-                                       response stopped by its limit is `incomplete` (`_final_status`).
+                                       response.output_item.done, response.completed (with the usage,
+                                       `_usage`). A response stopped by its limit is `incomplete`
+                                       (`_final_status`). With `background` (which needs `store`): the
+                                       response stored `queued` at once and generated in a task
+                                       (`ResponsesServer._background`); streamed, its events as they come.
     GET /v1/responses/{id}             the stored response; with `?stream=true` (and `starting_after=N`)
-                                       the SSE events of a response created streaming, replayed from
-                                       sequence number N + 1 (vLLM replays a background response's
-                                       events so; the simulator has no background mode, so it keeps
-                                       a streamed response's events instead), one per `tpot_s` (a
-                                       background response's events come as it generates); 400 for
-                                       one created without streaming. Each replay is recorded in
-                                       `ResponsesServer.replays` (events sent, ended by the client).
+                                       the SSE events of a background stream from sequence number
+                                       N + 1, the stored ones one per `tpot_s`, the rest as they are
+                                       generated; for any other response the 200 and its headers, then
+                                       a broken connection, as vLLM 0.32 answers (`_replay`). Each
+                                       replay is recorded in `ResponsesServer.replays` (events sent,
+                                       ended by the client).
                                        The worker's global stream faults apply to it
                                        (`drop_after_chunks`, `reset_after_chunks`,
                                        `stall_after_chunks`, `error_after_chunks`: `_replay`)
@@ -28,7 +29,8 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        (`vllm/entrypoints/serve/exception_handling/register.py`); with
                                        `SimConfig.responses_delete`, OpenAI's
                                        `{"id", "object": "response", "deleted": true}`
-    POST /v1/responses/{id}/cancel     400 "Cannot cancel a synchronous response." (no background mode)
+    POST /v1/responses/{id}/cancel     a queued background response: `cancelled`, its generation aborted;
+                                       any other: 400 "Cannot cancel a synchronous response." (`_cancel`)
 
 A response's id is the body's `request_id` when it has one, else `resp_` + a uuid, as vLLM's
 `ResponsesRequest.request_id` (`vllm/entrypoints/openai/protocol.py`) becomes the response id and
@@ -40,10 +42,12 @@ Stored responses live in this process's memory (`ResponsesServer.stored`), keyed
 messages and the output text. `previous_response_id` prepends that conversation (instructions, stored
 messages, the stored answer as an assistant message) to the new input, as vLLM's
 `_construct_input_messages` does, so the prompt and its prefix-cache blocks include the history. An
-unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`. Context: vLLM refuses a prompt
+unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`, param `response_id`.
+Context: vLLM refuses a prompt
 of `max_model_len` tokens or more (`The engine prompt length N exceeds the max_model_len M.`) and
 clamps the output to the room left (`ResponsesRequest.to_sampling_params`); the SGLang dialect
-refuses prompt + output over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
+refuses prompt + output over its context as for chat. vLLM's sampling-parameter checks come next
+(`gateway.sim.sampling`). Prompt tokens, admission,
 prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`fail_status`,
 `hang_before_headers`, `black_hole`, `drop_after_chunks`, `raw_stream_chunks`, global or per request in
 `x_sim_faults`) are chat's (`generation.py`).

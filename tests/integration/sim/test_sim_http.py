@@ -264,6 +264,34 @@ def test_bad_json_and_bad_prompt(start_sim: StartSim) -> None:
     assert httpx.get(srv.url + CHAT).status_code == 405
 
 
+@pytest.mark.parametrize(("field", "value", "message", "param"), [
+    ("temperature", -1, "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)",
+     "temperature"),
+    ("temperature", 2.5, "temperature must be in [0, 2], got 2.5. (parameter=temperature, value=2.5)", "temperature"),
+    ("top_p", 0, "top_p must be in (0, 1], got 0.0. (parameter=top_p, value=0.0)", "top_p"),
+    ("presence_penalty", 3, "presence_penalty must be in [-2, 2], got 3.0.", None),
+    ("frequency_penalty", -2.5, "frequency_penalty must be in [-2, 2], got -2.5.", None),
+    ("repetition_penalty", 0, "repetition_penalty must be greater than zero, got 0.0.", None),
+    ("top_k", -2, "top_k must be 0 (disable), or at least 1, got -2.", None),
+    ("min_p", 1.5, "min_p must be in [0, 1], got 1.5.", None),
+])
+def test_vllm_refuses_sampling_parameters_out_of_range(start_sim: StartSim, field: str, value: float, message: str,
+                                                       param: str | None) -> None:
+    """vLLM's `SamplingParams._verify_args` (vllm/sampling_params.py): 400 `BadRequestError`, `param` the
+    parameter its error names; on chat, completions and Responses alike. SGLang's checks are not imitated."""
+    srv = start_sim()
+    for path, body in ((CHAT, {"messages": HELLO}), (TEXT, {"prompt": "hi"}), ("/v1/responses", {"input": "hi"})):
+        refused = httpx.post(srv.url + path, json={**body, "max_tokens": 2, field: value})
+        assert refused.status_code == 400, path
+        assert refused.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    assert not [r for r in srv.engine.records if r.completion_tokens_sent]  # refused before generating
+    assert httpx.post(srv.url + CHAT, json={"messages": HELLO, "max_tokens": 1, field: None}).status_code == 200
+    legacy = httpx.post(start_sim(api_version="legacy").url + CHAT, json={"messages": HELLO, field: value}).json()
+    assert (legacy["message"], legacy["param"]) == (message.split(" (parameter=")[0], None)
+    assert httpx.post(start_sim(engine="sglang").url + CHAT, json={"messages": HELLO, "max_tokens": 1,
+                                                                  field: value}).status_code == 200
+
+
 def test_models_and_health(start_sim: StartSim) -> None:
     srv = start_sim(engine="sglang", served_model_names=["kimi-k3", "k3"], max_context_tokens=524288)
     models = httpx.get(srv.url + "/v1/models").json()
