@@ -34,11 +34,13 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
 from gateway.sim.config import ApiVersion, SimConfig, SimEngineKind
 from gateway.sim.responses import AnswerShape
+from gateway.sim.tokens import FieldValidationError
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release whose answers the vLLM family's "current" dialect imitates (its `system_fingerprint`)."""
@@ -141,10 +143,19 @@ class EngineDialect:
         """A 400 `BadRequestError` in this engine's shape."""
         return self.error(message, "BadRequestError", 400, param)
 
-    def validation_error(self, message: str) -> ErrorReply:
+    def validation_error(self, exc: FieldValidationError) -> ErrorReply:
         """The engines' FastAPI `RequestValidationError` answer: 400, type "Bad Request"
-        (`HTTPStatus.BAD_REQUEST.phrase`), `param` null, in this engine's OpenAI shape on every route."""
-        return dataclasses.replace(self.error(message, "Bad Request", 400), app_wide=True)
+        (`HTTPStatus.BAD_REQUEST.phrase`), in this engine's OpenAI shape on every route. vLLM 0.32's
+        handler (`validation_exception_handler` in
+        `vllm/entrypoints/serve/exception_handling/handlers/validation.py`) words it from the errors
+        (`vllm_validation_message`) and sets `param` to the first error's `loc` joined with dots
+        ("body.max_tokens"); the legacy vLLM and the SGLang dialects say `str(exc)` with `param` null."""
+        if self.engine in ("vllm", "ascend") and self.api_version == "current":
+            param = ".".join(str(part) for part in exc.errors[0]["loc"]) if exc.errors else None
+            reply = self.error(vllm_validation_message(exc.errors), "Bad Request", 400, param)
+        else:
+            reply = self.error(str(exc), "Bad Request", 400)
+        return dataclasses.replace(reply, app_wide=True)
 
     def check_context(self, prompt_tokens: int, requested_output: int | None, max_context: int,
                       stream: bool) -> ErrorReply | None:
@@ -169,6 +180,46 @@ class EngineDialect:
         status, message, param = self.model_not_found(requested, base)
         err_type = "NotFoundError" if status == 404 else "BadRequestError"
         return self.error(message, err_type, status, param)
+
+
+# --- request validation wording ------------------------------------------------------------------
+
+_MAX_REPORTED_ERRORS = 10
+_MAX_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+
+
+def _summarized_input(value: Any) -> Any:
+    """vLLM's bound on an error's echoed `input` (`_summarize_error_input`): long text cut, containers
+    described, other values as their text."""
+    if isinstance(value, str):
+        return value[:_MAX_INPUT_CHARS] + "...[truncated]" if len(value) > _MAX_INPUT_CHARS else value
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text[:_MAX_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_INPUT_CHARS else text
+
+
+def vllm_validation_message(errors: list[dict[str, Any]]) -> str:
+    """vLLM 0.32's RequestValidationError message (`validation_exception_handler`, `_format_error`):
+    "N validation error(s):" and one line per error (at most 10, then "...and M more"), each the error's
+    dict with `loc` joined with dots and `input` summarized, cut at 1000 characters. (The simulator's
+    `loc`s hold field names only, so vLLM's removal of pydantic's internal segments does nothing here.)"""
+    if not errors:
+        return "Validation error"
+    label = "error" if len(errors) == 1 else "errors"
+    lines = []
+    for error in errors[:_MAX_REPORTED_ERRORS]:
+        shown = dict(error)
+        if "input" in shown:
+            shown["input"] = _summarized_input(shown["input"])
+        shown["loc"] = ".".join(str(part) for part in shown.get("loc", ()))
+        text = str(shown)
+        lines.append(text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text)
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {line}\n" for line in lines)
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        message += f"  ...and {len(errors) - _MAX_REPORTED_ERRORS} more {label}\n"
+    return message.rstrip()
 
 
 # --- context-length wording ---------------------------------------------------------------------

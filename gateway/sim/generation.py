@@ -296,7 +296,7 @@ async def handle_pooled(engine: SimWorkerState, answer: PooledAnswer, scope: Sco
             try:
                 reply, tokens = answer(engine, body)
             except FieldValidationError as exc:
-                await responder.reply(dialect.validation_error(str(exc)))
+                await responder.reply(dialect.validation_error(exc))
                 return
             except PromptError as exc:
                 await responder.reply(dialect.bad_request(str(exc)))
@@ -335,7 +335,7 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
             body = _as_chat(body, anthropic == "messages", engine.config.engine == "sglang")
         plan = _plan(engine, kind, body, stream)
     except FieldValidationError as exc:
-        await responder.reply(dialect.validation_error(str(exc)))
+        await responder.reply(dialect.validation_error(exc))
         return
     except PromptError as exc:
         await responder.reply(dialect.bad_request(str(exc)))

@@ -125,7 +125,7 @@ def _token_ids(engine: SimWorkerState, kind: str, body: dict[str, Any],
             counts = completion_prompt_tokens(body.get("prompt"), config)
         requested = requested_output_tokens(body, kind == "chat") if check_context else None
     except FieldValidationError as exc:
-        return engine.dialect.validation_error(str(exc))
+        return engine.dialect.validation_error(exc)
     except PromptError as exc:
         return engine.dialect.bad_request(str(exc))
     if kind == "text":
@@ -210,7 +210,7 @@ async def detokenize(engine: SimWorkerState, scope: Scope, receive: Receive, sen
         tokens = _Detokenize.model_validate({"tokens": body.get("tokens")}).tokens
     except ValidationError as exc:
         error = FieldValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)])
-        await _reply(send, engine.dialect.validation_error(str(error)))
+        await _reply(send, engine.dialect.validation_error(error))
         return
     await send_json(send, 200, {"prompt": "".join(output_token(t) for t in tokens)})
 

@@ -277,7 +277,7 @@ class ResponsesServer:
         try:
             limit = responses_output_limit(body)
         except FieldValidationError as exc:
-            await responder.reply(dialect.validation_error(str(exc)))
+            await responder.reply(dialect.validation_error(exc))
             return
         if limit is not None and limit < 1:
             await responder.reply(dialect.bad_request("max_output_tokens must be a positive integer",
