@@ -219,6 +219,15 @@ def message(mid: str, model: str, text: str, finish_reason: str, usage: dict[str
             "usage": usage}
 
 
+def count_tokens_answer(input_tokens: int, vllm: bool) -> dict[str, Any]:
+    """`POST /v1/messages/count_tokens`'s answer: the prompt's tokens; vLLM adds
+    `context_management.original_input_tokens`, the same count (`count_tokens` in
+    `vllm/entrypoints/anthropic/serving.py`, `AnthropicCountTokensResponse` in its `protocol.py`)."""
+    if not vllm:
+        return {"input_tokens": input_tokens}
+    return {"input_tokens": input_tokens, "context_management": {"original_input_tokens": input_tokens}}
+
+
 def event(payload: dict[str, Any]) -> bytes:
     """One SSE event with its `event:` line."""
     return b"event: " + str(payload["type"]).encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"

@@ -22,8 +22,8 @@ Engine endpoints:
                        `runtime_lora_updating` or `lora_modules`, its `--enable-lora`)
     GET /metrics       Prometheus text with the engine's own metric names (or a trickling or
                        endless body with `metrics_body`)
-    POST /v1/chat/completions/render, POST /v1/completions/render, POST /tokenize
-                       vLLM family only: a prompt's token ids (`gateway.sim.render`)
+    POST /v1/chat/completions/render, POST /v1/completions/render, POST /tokenize, POST /detokenize
+                       vLLM family only: a prompt's token ids, token ids' text (`gateway.sim.render`)
 With `SimConfig.api_key`, the engine's guarded paths (or every path: `api_key_scope`) answer 401
 to a request without the key.
 Test endpoints:
@@ -91,6 +91,7 @@ from gateway.sim.pooling import (
 )
 from gateway.sim.responses_api import ResponsesServer
 from gateway.sim.script import SimScript
+from gateway.sim.tokens import FieldValidationError
 from gateway.sim.worker_state import SimWorkerState
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -149,6 +150,7 @@ class SimApp:
             self._routes[("POST", render.COMPLETIONS_RENDER_PATH)] = self._render_completion
         if render.serves_tokenize(engine):
             self._routes[("POST", render.TOKENIZE_PATH)] = self._tokenize
+            self._routes[("POST", render.DETOKENIZE_PATH)] = self._detokenize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -319,6 +321,9 @@ class SimApp:
     async def _tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         await render.tokenize(self.engine, scope, receive, send)
 
+    async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await render.detokenize(self.engine, scope, receive, send)
+
     async def _probe_faults(self, receive: Receive, send: Send) -> bool:
         """Count a probe and play the probe faults (`hang_health`, `health_body`, `black_hole`);
         True when a fault answered (or the client left), so the endpoint must not."""
@@ -437,41 +442,64 @@ class SimApp:
             await send_json(send, 200, faults.model_dump())
 
     async def _load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """vLLM's runtime load (vllm/entrypoints/openai/serving_models.py `load_lora_adapter` and its
-        checks): both fields needed, a loaded name refused (400 `InvalidUserInput`), a path without
-        an adapter 404 `NotFoundError` (vllm/exceptions.py `LoRAAdapterNotFoundError`'s words);
-        success answers a plain-text line (the API server's `Response(content=...)`)."""
+        """vLLM 0.32's runtime load (vllm/entrypoints/openai/models/serving.py `load_lora_adapter` and
+        `_check_load_lora_adapter_request`): a body its `LoadLoRAAdapterRequest` refuses (a field
+        missing or no string, vllm/entrypoints/serve/lora/protocol.py) is the validation error;
+        an empty name or path 400 `InvalidUserInput`, as are a base model's name and a loaded name
+        (unless `load_inplace`, which loads it again); a path without an adapter 404 `NotFoundError`
+        (vllm/exceptions.py `LoRAAdapterNotFoundError`'s words); success answers a plain-text line
+        (the router's `Response(content=...)`, vllm/entrypoints/serve/lora/api_router.py)."""
         body = await _read_lora_request(self.engine, receive, send)
         if body is None:
             return
-        name, path = body.get("lora_name"), body.get("lora_path")
+        fields = _lora_fields(body, ("lora_name", "lora_path"))
         dialect, loadable = self.engine.dialect, self.engine.config.lora_loadable_paths
-        if not name or not path or not isinstance(name, str) or not isinstance(path, str):
+        if isinstance(fields, FieldValidationError):
+            reply = dialect.validation_error(fields)
+        elif not fields["lora_name"] or not fields["lora_path"]:
             reply = dialect.error("Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput", 400)
-        elif name in self.engine.loras:
-            reply = dialect.error(f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput", 400)
-        elif loadable is not None and path not in loadable:
-            reply = dialect.error(f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError", 404)
+        elif fields["lora_name"] in self.engine.config.served_model_names:
+            reply = dialect.error(f"The lora adapter '{fields['lora_name']}' conflicts with a served base model.",
+                                  "InvalidUserInput", 400)
+        elif fields["lora_name"] in self.engine.loras and body.get("load_inplace") is not True:
+            hint = (" If you want to load the adapter in place, set 'load_inplace' to True."
+                    if dialect.api_version == "current" else "")  # vLLM <= 0.9: the first sentence only
+            reply = dialect.error(f"The lora adapter '{fields['lora_name']}' has already been loaded.{hint}",
+                                  "InvalidUserInput", 400)
+        elif loadable is not None and fields["lora_path"] not in loadable:
+            reply = dialect.error(f"Loading lora {fields['lora_name']} failed: No adapter found for "
+                                  f"{fields['lora_path']}", "NotFoundError", 404)
         else:
-            self.engine.loras[name] = path
+            name = fields["lora_name"]
+            self.engine.loras[name] = fields["lora_path"]
             await send_bytes(send, 200, f"Success: LoRA adapter '{name}' added successfully.".encode(),
                              headers=[(b"content-type", b"text/plain; charset=utf-8")])
             return
         await send_bytes(send, reply.status, reply.body)
 
     async def _unload_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """vLLM's runtime unload (`unload_lora_adapter`): an unknown name 404 `NotFoundError`."""
+        """vLLM 0.32's runtime unload (`unload_lora_adapter`, `_check_unload_lora_adapter_request`): a
+        missing name the validation error, an empty one 400 `InvalidUserInput`, an unknown one 404
+        `NotFoundError`."""
         body = await _read_lora_request(self.engine, receive, send)
         if body is None:
             return
-        name = body.get("lora_name")
-        if not isinstance(name, str) or name not in self.engine.loras:
-            reply = self.engine.dialect.error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
-            await send_bytes(send, reply.status, reply.body)
+        fields = _lora_fields(body, ("lora_name",))
+        dialect = self.engine.dialect
+        if isinstance(fields, FieldValidationError):
+            reply = dialect.validation_error(fields)
+        elif not fields["lora_name"]:
+            reply = dialect.error("'lora_name' needs to be provided to unload a LoRA adapter.", "InvalidUserInput",
+                                  400)
+        elif fields["lora_name"] not in self.engine.loras:
+            reply = dialect.error(f"The lora adapter '{fields['lora_name']}' cannot be found.", "NotFoundError", 404)
+        else:
+            name = fields["lora_name"]
+            del self.engine.loras[name]
+            await send_bytes(send, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode(),
+                             headers=[(b"content-type", b"text/plain; charset=utf-8")])
             return
-        del self.engine.loras[name]
-        await send_bytes(send, 200, f"Success: LoRA adapter '{name}' removed successfully.".encode(),
-                         headers=[(b"content-type", b"text/plain; charset=utf-8")])
+        await send_bytes(send, reply.status, reply.body)
 
     async def _sglang_load_lora(self, scope: Scope, receive: Receive, send: Send) -> None:
         """SGLang's runtime load (python/sglang/srt/entrypoints/http_server.py `load_lora_adapter`: 200 or
@@ -568,6 +596,20 @@ def _sglang_lora_update(success: bool, error_message: str, loaded: dict[str, str
     first (python/sglang/srt/managers/io_struct.py)."""
     return {"rid": None, "http_worker_ipc": None, "success": success, "error_message": error_message,
             "loaded_adapters": loaded}
+
+
+def _lora_fields(body: dict[str, Any], names: tuple[str, ...]) -> dict[str, str] | FieldValidationError:
+    """The required string fields of a vLLM LoRA request, or pydantic's errors for them as FastAPI
+    reports a body (`loc` "body", field): "Field required" for a missing one, "Input should be a valid
+    string" for another type."""
+    errors: list[dict[str, Any]] = []
+    for name in names:
+        if name not in body:
+            errors.append({"type": "missing", "loc": ("body", name), "msg": "Field required", "input": body})
+        elif not isinstance(body[name], str):
+            errors.append({"type": "string_type", "loc": ("body", name), "msg": "Input should be a valid string",
+                           "input": body[name]})
+    return FieldValidationError(errors) if errors else {name: body[name] for name in names}
 
 
 async def _read_lora_request(engine: SimWorkerState, receive: Receive, send: Send) -> dict[str, Any] | None:

@@ -6,7 +6,9 @@ Sources of the exact strings (only the wording and names are taken from the engi
   error as returned by vllm-ascend in vllm-project/vllm-ascend#11557 (2026-07) and in many client
   reports; the prompt count is a lower bound ("at least") because vLLM stops tokenizing one token
   past the room left, so it reports `min(prompt, limit - output + 1)`. `VLLMValidationError.__str__`
-  appends ` (parameter=input_tokens, value=N)`. Unknown model: `OpenAIServing._check_model`.
+  appends ` (parameter=input_tokens, value=N)`. Unknown model: `_check_model` in
+  `vllm/entrypoints/serve/engine/serving.py` (0.32: 404 `NotFoundError`, param "model", the base
+  model names after "Valid aliases:").
 - vLLM, legacy (≤ 0.9, `serving_engine._validate_input`, flat `{"object": "error", ...}`).
 - SGLang (`TokenizerManager._validate_one_request`; flat `ErrorResponse` via
   `OpenAIServingBase.create_error_response`); unknown model: SGLang's strict model validation test
@@ -28,13 +30,20 @@ Sources of the exact strings (only the wording and names are taken from the engi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
-from gateway.sim.config import ApiVersion, SimEngineKind
+from gateway.sim.config import ApiVersion, SimConfig, SimEngineKind
+from gateway.sim.responses import AnswerShape
+from gateway.sim.tokens import FieldValidationError
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM release whose answers the vLLM family's "current" dialect imitates (its `system_fingerprint`)."""
 
 
 @dataclass(frozen=True)
@@ -89,11 +98,30 @@ class EngineDialect:
     nested_errors: bool
     """True: `{"error": {message, type, param, code}}`; False: `{"object": "error", message, ...}`."""
     context_check: ContextCheck
-    model_not_found: Callable[[str, str], tuple[int, str, str | None]] | None
-    """(requested, served) -> (status, message, param); None = any model name is accepted."""
+    model_not_found: Callable[[str, list[str]], tuple[int, str, str | None]] | None
+    """(requested, the base model's served names) -> (status, message, param); None = any model name is accepted."""
     metric_names: MetricNames
     metric_labels: Callable[[str], dict[str, str]]
     in_band_stream_errors: bool = False
+    answer_shape: AnswerShape = dataclasses.field(default_factory=AnswerShape)
+    """Chat and text answers' engine-specific fields (`gateway.sim.responses`), without the fingerprint."""
+    fingerprints: bool = False
+    """Answers carry vLLM's `system_fingerprint` (`fingerprint`)."""
+
+    def shape_for(self, config: SimConfig) -> AnswerShape:
+        """`answer_shape` with the worker's `system_fingerprint` where the engine sets one."""
+        return dataclasses.replace(self.answer_shape, fingerprint=self.fingerprint(config))
+
+    def fingerprint(self, config: SimConfig) -> str | None:
+        """vLLM's default (`full`) `system_fingerprint` for a single-GPU server,
+        `vllm-<version>-<first 8 hex digits of the config hash>`
+        (`vllm/entrypoints/serve/utils/fingerprint.py` `build_system_fingerprint`; the simulator hashes
+        its own config, so one worker's fingerprint is stable and two configs' differ); None for engines
+        without one."""
+        if not self.fingerprints:
+            return None
+        digest = hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:8]
+        return f"vllm-{VLLM_VERSION}-{digest}"
 
     def error(self, message: str, err_type: str, status: int, param: str | None = None) -> ErrorReply:
         """An error object in this engine's JSON shape."""
@@ -115,10 +143,19 @@ class EngineDialect:
         """A 400 `BadRequestError` in this engine's shape."""
         return self.error(message, "BadRequestError", 400, param)
 
-    def validation_error(self, message: str) -> ErrorReply:
+    def validation_error(self, exc: FieldValidationError) -> ErrorReply:
         """The engines' FastAPI `RequestValidationError` answer: 400, type "Bad Request"
-        (`HTTPStatus.BAD_REQUEST.phrase`), `param` null, in this engine's OpenAI shape on every route."""
-        return dataclasses.replace(self.error(message, "Bad Request", 400), app_wide=True)
+        (`HTTPStatus.BAD_REQUEST.phrase`), in this engine's OpenAI shape on every route. vLLM 0.32's
+        handler (`validation_exception_handler` in
+        `vllm/entrypoints/serve/exception_handling/handlers/validation.py`) words it from the errors
+        (`vllm_validation_message`) and sets `param` to the first error's `loc` joined with dots
+        ("body.max_tokens"); the legacy vLLM and the SGLang dialects say `str(exc)` with `param` null."""
+        if self.engine in ("vllm", "ascend") and self.api_version == "current":
+            param = ".".join(str(part) for part in exc.errors[0]["loc"]) if exc.errors else None
+            reply = self.error(vllm_validation_message(exc.errors), "Bad Request", 400, param)
+        else:
+            reply = self.error(str(exc), "Bad Request", 400)
+        return dataclasses.replace(reply, app_wide=True)
 
     def check_context(self, prompt_tokens: int, requested_output: int | None, max_context: int,
                       stream: bool, output_param: str = "max_tokens", generate: bool = True) -> ErrorReply | None:
@@ -138,13 +175,54 @@ class EngineDialect:
             return ErrorReply(200, reply.body, in_band_stream=True, stream_event=event)
         return reply
 
-    def check_model(self, requested: str | None, served: list[str]) -> ErrorReply | None:
-        """The engine's answer to a request naming a model it does not serve, else None."""
+    def check_model(self, requested: str | None, served: list[str], base: list[str]) -> ErrorReply | None:
+        """The engine's answer to a request naming none of the `served` names (base model names and
+        LoRA adapters), else None; `base` are the base model's names, which the answer may list."""
         if self.model_not_found is None or requested is None or requested in served:
             return None
-        status, message, param = self.model_not_found(requested, served[0])
+        status, message, param = self.model_not_found(requested, base)
         err_type = "NotFoundError" if status == 404 else "BadRequestError"
         return self.error(message, err_type, status, param)
+
+
+# --- request validation wording ------------------------------------------------------------------
+
+_MAX_REPORTED_ERRORS = 10
+_MAX_INPUT_CHARS = 200
+_MAX_ERROR_CHARS = 1000
+
+
+def _summarized_input(value: Any) -> Any:
+    """vLLM's bound on an error's echoed `input` (`_summarize_error_input`): long text cut, containers
+    described, other values as their text."""
+    if isinstance(value, str):
+        return value[:_MAX_INPUT_CHARS] + "...[truncated]" if len(value) > _MAX_INPUT_CHARS else value
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text[:_MAX_INPUT_CHARS] + "...[truncated]" if len(text) > _MAX_INPUT_CHARS else text
+
+
+def vllm_validation_message(errors: list[dict[str, Any]]) -> str:
+    """vLLM 0.32's RequestValidationError message (`validation_exception_handler`, `_format_error`):
+    "N validation error(s):" and one line per error (at most 10, then "...and M more"), each the error's
+    dict with `loc` joined with dots and `input` summarized, cut at 1000 characters. (The simulator's
+    `loc`s hold field names only, so vLLM's removal of pydantic's internal segments does nothing here.)"""
+    if not errors:
+        return "Validation error"
+    label = "error" if len(errors) == 1 else "errors"
+    lines = []
+    for error in errors[:_MAX_REPORTED_ERRORS]:
+        shown = dict(error)
+        if "input" in shown:
+            shown["input"] = _summarized_input(shown["input"])
+        shown["loc"] = ".".join(str(part) for part in shown.get("loc", ()))
+        text = str(shown)
+        lines.append(text[:_MAX_ERROR_CHARS] + "...[truncated]" if len(text) > _MAX_ERROR_CHARS else text)
+    message = f"{len(errors)} validation {label}:\n" + "".join(f"  {line}\n" for line in lines)
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        message += f"  ...and {len(errors) - _MAX_REPORTED_ERRORS} more {label}\n"
+    return message.rstrip()
 
 
 # --- context-length wording ---------------------------------------------------------------------
@@ -218,16 +296,16 @@ def sglang_context_error(prompt: int, output: int | None, limit: int, output_par
 # --- unknown model wording ----------------------------------------------------------------------
 
 
-def _vllm_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
-    return 404, f"The model `{requested}` does not exist.", "model"
+def _vllm_model_not_found(requested: str, served: list[str]) -> tuple[int, str, str | None]:
+    return 404, f"The model `{requested}` does not exist. Valid aliases: {', '.join(served)}.", "model"
 
 
-def _vllm_legacy_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
+def _vllm_legacy_model_not_found(requested: str, served: list[str]) -> tuple[int, str, str | None]:
     return 404, f"The model `{requested}` does not exist.", None
 
 
-def _sglang_model_not_found(requested: str, served: str) -> tuple[int, str, str | None]:
-    return 400, f"The model `{requested}` does not exist. The served model name is `{served}`.", None
+def _sglang_model_not_found(requested: str, served: list[str]) -> tuple[int, str, str | None]:
+    return 400, f"The model `{requested}` does not exist. The served model name is `{served[0]}`.", None
 
 
 # --- metric names -------------------------------------------------------------------------------
@@ -277,6 +355,9 @@ def _vllm_family(engine: SimEngineKind, api_version: ApiVersion) -> EngineDialec
         model_not_found=_vllm_legacy_model_not_found if legacy else _vllm_model_not_found,
         metric_names=VLLM_LEGACY_METRICS if legacy else VLLM_METRICS,
         metric_labels=_vllm_labels,
+        answer_shape=AnswerShape() if legacy else AnswerShape(drop_empty_tool_calls=True, reasoning_field="reasoning",
+                                                              created_cache_tokens=True),
+        fingerprints=not legacy,
     )
 
 

@@ -45,6 +45,7 @@ from gateway.sim.kvcache import PromptKey
 from gateway.sim.pd import PdFailure
 from gateway.sim.pd_leg import PdLeg
 from gateway.sim.request_ids import VLLM_FAMILY, already_running, engine_request_id
+from gateway.sim.sampling import check_sampling
 from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
@@ -296,7 +297,7 @@ async def handle_pooled(engine: SimWorkerState, answer: PooledAnswer, scope: Sco
             try:
                 reply, tokens = answer(engine, body)
             except FieldValidationError as exc:
-                await responder.reply(dialect.validation_error(str(exc)))
+                await responder.reply(dialect.validation_error(exc))
                 return
             except PromptError as exc:
                 await responder.reply(dialect.bad_request(str(exc)))
@@ -335,14 +336,15 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
             body = _as_chat(body, anthropic == "messages", engine.config.engine == "sglang")
         plan = _plan(engine, kind, body, stream)
     except FieldValidationError as exc:
-        await responder.reply(dialect.validation_error(str(exc)))
+        await responder.reply(dialect.validation_error(exc))
         return
     except PromptError as exc:
         await responder.reply(dialect.bad_request(str(exc)))
         return
     engine.update(record, prompt_tokens=plan.total_prompt_tokens)
     if anthropic == "count_tokens":  # the engine's tokenizer count, nothing generated
-        await responder.reply(ErrorReply(200, orjson.dumps({"input_tokens": plan.total_prompt_tokens})))
+        answer = a.count_tokens_answer(plan.total_prompt_tokens, engine.config.engine in VLLM_FAMILY)
+        await responder.reply(ErrorReply(200, orjson.dumps(answer)))
         return
     if anthropic is not None:
         plan = replace(plan, anthropic=True, finish_reason="length")
@@ -355,6 +357,10 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
         if error is not None:
             await _reply_context_error(responder, error)
             return
+    sampling_error = check_sampling(engine.config.engine, dialect, body)  # vLLM: once the prompt fits
+    if sampling_error is not None:
+        await responder.reply(sampling_error)
+        return
     running_id = None
     if engine.config.engine in VLLM_FAMILY:  # vLLM refuses an id already running (gateway/sim/request_ids.py)
         running_id = engine_request_id(kind, record.headers, body)
@@ -391,7 +397,7 @@ async def _refused_up_front(engine: SimWorkerState, record: SimRequestRecord, re
     if fail:
         await _fail(engine, record, responder, faults)
         return True
-    error = engine.dialect.check_model(model, engine.model_names())
+    error = engine.dialect.check_model(model, engine.model_names(), engine.config.served_model_names)
     if error is not None:
         await responder.reply(error)
         return True
@@ -561,11 +567,11 @@ async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequest
     for i in range(plan.output_tokens):
         await _next_token(engine, watch, active, i, n_prompts)
     completion_tokens = plan.output_tokens * n_prompts
-    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name)
+    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name, engine.answer_shape)
     text = output_text(plan.output_tokens, plan.start)
     if plan.kind == "chat":
         payload = r.chat_completion(meta, text, plan.finish_reason, plan.total_prompt_tokens, completion_tokens,
-                                    active.cached_tokens)
+                                    active.cached_tokens, active.created_cache_tokens(config.kv_block_tokens))
     else:
         payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
                                     completion_tokens, active.cached_tokens)
@@ -578,7 +584,7 @@ async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequest
 async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestRecord, responder: _Responder,
                         watch: DisconnectWatch, active: ActiveRequest) -> None:
     config = engine.config
-    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name)
+    meta = r.ResponseMeta.new(plan.kind, plan.model or config.model_name, engine.answer_shape)
     if not config.stream_headers_after_prefill:
         await responder.start(200, SSE_HEADERS)
     await _prefill(engine, watch, active, plan.leg, record)
@@ -607,7 +613,8 @@ async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestR
             await responder.event(r.sse_event(chunk))
             engine.update(record, completion_tokens_sent=sent)
     if plan.fmt.include_usage:
-        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent, cached)))
+        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent, cached,
+                                                        active.created_cache_tokens(config.kv_block_tokens))))
     await responder.end_stream()
 
 

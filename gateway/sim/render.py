@@ -4,15 +4,17 @@
     POST /v1/completions/render        completion request -> a list of GenerateRequest, one per prompt
     POST /tokenize                     {"prompt"} or {"messages"} -> {"count", "max_model_len",
                                        "tokens", "token_strs"}
+    POST /detokenize                   {"tokens": [ids]} -> {"prompt": text}
 
 Shapes from vLLM's API server (`vllm/entrypoints/openai/api_server.py` registers the render
 routes with `response_model=GenerateRequest` / `list[GenerateRequest]`, the model of
 `vllm/entrypoints/serve/disagg/protocol.py`: `request_id`, `token_ids`, `features`,
 `sampling_params`, `model`, `stream`, `stream_options`, `cache_salt`, `priority`,
-`kv_transfer_params`; `/tokenize` answers `TokenizeResponse`). `sampling_params` holds a subset of
+`kv_transfer_params`; `/tokenize` answers `TokenizeResponse`, `/detokenize` `DetokenizeResponse`, both
+in `vllm/entrypoints/serve/tokenize/protocol.py`, served by `serving.py` beside it). `sampling_params` holds a subset of
 vLLM's `SamplingParams` (n, temperature, top_p, max_tokens, stop, seed). Only the vLLM family at
 api_version "current" serves the render routes (vLLM added them in 2026); `/tokenize` is older
-and served by every vLLM-family version. Errors as the generation endpoints word them: 400 for a
+and served by every vLLM-family version, as is `/detokenize`. Errors as the generation endpoints word them: 400 for a
 bad body or a prompt over the context window, the engine's unknown-model answer.
 
 vllm-router 0.1.17's `cache_aware` asks every worker for the render of each request (the chat or
@@ -23,9 +25,10 @@ completion body it will send, as is) and keys its prefix tree on `token_ids`; it
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
+from pydantic import BaseModel, Field, ValidationError
 
 from gateway.sim.asgi import Receive, Scope, Send, read_body, send_bytes, send_json
 from gateway.sim.dialects import ErrorReply
@@ -36,6 +39,7 @@ from gateway.sim.tokens import (
     chat_prompt_tokens,
     completion_prompt_tokens,
     engine_ints,
+    output_token,
     prompt_token_ids,
     requested_output_field,
     requested_output_tokens,
@@ -45,6 +49,7 @@ from gateway.sim.worker_state import SimWorkerState
 CHAT_RENDER_PATH = "/v1/chat/completions/render"
 COMPLETIONS_RENDER_PATH = "/v1/completions/render"
 TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"
 
 
 def serves_render(engine: SimWorkerState) -> bool:
@@ -99,7 +104,7 @@ async def _json_body(engine: SimWorkerState, receive: Receive, send: Send) -> di
     if not isinstance(body, dict):
         await _reply(send, engine.dialect.bad_request("Invalid JSON body."))
         return None
-    error = engine.dialect.check_model(body.get("model"), engine.model_names())
+    error = engine.dialect.check_model(body.get("model"), engine.model_names(), engine.config.served_model_names)
     if error is not None:
         await _reply(send, error)
         return None
@@ -121,7 +126,7 @@ def _token_ids(engine: SimWorkerState, kind: str, body: dict[str, Any],
             counts = completion_prompt_tokens(body.get("prompt"), config)
         requested = requested_output_tokens(body, kind == "chat") if check_context else None
     except FieldValidationError as exc:
-        return engine.dialect.validation_error(str(exc))
+        return engine.dialect.validation_error(exc)
     except PromptError as exc:
         return engine.dialect.bad_request(str(exc))
     if kind == "text":
@@ -192,3 +197,27 @@ async def tokenize(engine: SimWorkerState, scope: Scope, receive: Receive, send:
         return
     await send_json(send, 200, {"count": len(ids[0]), "max_model_len": engine.config.max_context_tokens,
                                 "tokens": ids[0], "token_strs": None})
+
+
+async def detokenize(engine: SimWorkerState, scope: Scope, receive: Receive, send: Send) -> None:
+    """POST /detokenize: `{"tokens": [ids]}` -> `{"prompt": text}` (vLLM's `create_detokenize`). The
+    simulator's ids are hashes of the text, so it cannot give the text back: each id reads as one of
+    its output words (`tokens.output_token`), a deterministic text of one word per id. `tokens`
+    must be a list of non-negative integers (vLLM's `DetokenizeRequest`; the validation error
+    otherwise, `FieldValidationError`)."""
+    body = await _json_body(engine, receive, send)
+    if body is None:
+        return
+    try:
+        tokens = _Detokenize.model_validate({"tokens": body.get("tokens")}).tokens
+    except ValidationError as exc:
+        error = FieldValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)])
+        await _reply(send, engine.dialect.validation_error(error))
+        return
+    await send_json(send, 200, {"prompt": "".join(output_token(t) for t in tokens)})
+
+
+class _Detokenize(BaseModel):
+    """vLLM's `DetokenizeRequest.tokens`: a list of token ids >= 0 (lax ints, so 5.0 is 5)."""
+
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -5,6 +5,20 @@ Field sets follow vLLM's protocol models as serialised with `exclude_unset`: str
 with `stream_options.include_usage` every chunk has `"usage": null` and a last chunk with
 `"choices": []` carries the usage. Payloads are serialised compactly (orjson: UTF-8, no spaces),
 as pydantic's `model_dump_json` does.
+
+Where the engines' shapes differ, `AnswerShape` (from the worker's dialect) says how:
+
+- `system_fingerprint`: vLLM 0.32 stamps its fingerprint on every JSON answer and on a stream's
+  last chunk: the usage chunk with `include_usage`, else the chunk that finishes
+  (`vllm/entrypoints/openai/chat_completion/serving.py` and `completion/serving.py`; the string
+  comes from `vllm/entrypoints/serve/utils/fingerprint.py`, `vllm-<version>-<8 hex of the config
+  hash>` by default).
+- A chat message without tool calls: vLLM's `ChatMessage` drops its empty `tool_calls` and names
+  its reasoning `reasoning` (`vllm/entrypoints/openai/chat_completion/protocol.py`); the SGLang and
+  legacy vLLM dialects keep `"tool_calls": []` and `reasoning_content`.
+- Chat usage: vLLM's `prompt_tokens_details` carries `created_cache_tokens`, the prompt tokens its
+  prefill wrote to the prefix cache (`_make_prompt_tokens_details` in the chat serving module);
+  completions carry `cached_tokens` only (`completion/serving.py`).
 """
 
 from __future__ import annotations
@@ -27,14 +41,31 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+@dataclass(frozen=True)
+class AnswerShape:
+    """How one engine shapes chat and text answers where the engines differ (module docstring)."""
+
+    fingerprint: str | None = None
+    """`system_fingerprint` of JSON answers and of a stream's last chunk; None: never set."""
+    drop_empty_tool_calls: bool = False
+    reasoning_field: str = "reasoning_content"
+    created_cache_tokens: bool = False
+    """Chat usage reports `prompt_tokens_details.created_cache_tokens`."""
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          created_cache_tokens: int | None = None) -> dict[str, Any]:
     """The usage object (vLLM with prompt-token details enabled): `cached_tokens` of the prompt
-    tokens came from the prefix cache (0 without a simulated cache)."""
+    tokens came from the prefix cache (0 without a simulated cache); `created_cache_tokens` (when
+    not None) were written to it by this request's prefill."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if created_cache_tokens is not None:
+        details["created_cache_tokens"] = created_cache_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 
@@ -46,12 +77,19 @@ class ResponseMeta:
     id: str
     created: int
     model: str
+    shape: AnswerShape = AnswerShape()
 
     @staticmethod
-    def new(kind: Kind, model: str) -> ResponseMeta:
+    def new(kind: Kind, model: str, shape: AnswerShape | None = None) -> ResponseMeta:
         """Fresh id (`chatcmpl-…` / `cmpl-…`) and creation time (Unix seconds)."""
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return ResponseMeta(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model)
+        return ResponseMeta(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, shape or AnswerShape())
+
+    def chat_usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+                   created_cache_tokens: int) -> dict[str, Any]:
+        """The usage object of this answer (chat's with `created_cache_tokens` where the engine reports it)."""
+        created = created_cache_tokens if self.kind == "chat" and self.shape.created_cache_tokens else None
+        return usage(prompt_tokens, completion_tokens, cached_tokens, created)
 
     @property
     def chunk_object(self) -> str:
@@ -91,7 +129,8 @@ def role_chunk(meta: ResponseMeta, fmt: StreamFormat, index: int = 0, prompt_tok
 def token_chunk(meta: ResponseMeta, fmt: StreamFormat, text: str, *, index: int = 0,
                 finish_reason: str | None = None, prompt_tokens: int = 0,
                 completion_tokens: int = 0, cached_tokens: int = 0) -> dict[str, Any]:
-    """A chunk carrying one token (`delta.content` for chat, `text` for completions)."""
+    """A chunk carrying one token (`delta.content` for chat, `text` for completions); the chunk that
+    finishes carries the engine's `system_fingerprint` unless a usage chunk follows."""
     choice: dict[str, Any] = {"index": index}
     if meta.kind == "chat":
         choice["delta"] = {"content": text}
@@ -101,15 +140,20 @@ def token_chunk(meta: ResponseMeta, fmt: StreamFormat, text: str, *, index: int 
             choice["stop_reason"] = None
     else:
         choice.update(text=text, logprobs=None, finish_reason=finish_reason, stop_reason=None)
-    return _with_usage(meta._envelope(meta.chunk_object, [choice]), fmt, prompt_tokens, completion_tokens,
-                       cached_tokens)
+    payload = meta._envelope(meta.chunk_object, [choice])
+    if finish_reason is not None and not fmt.include_usage and meta.shape.fingerprint is not None:
+        payload["system_fingerprint"] = meta.shape.fingerprint
+    return _with_usage(payload, fmt, prompt_tokens, completion_tokens, cached_tokens)
 
 
 def usage_chunk(meta: ResponseMeta, prompt_tokens: int, completion_tokens: int,
-                cached_tokens: int = 0) -> dict[str, Any]:
-    """The final usage chunk of a stream with `include_usage`: `"choices": []`."""
+                cached_tokens: int = 0, created_cache_tokens: int = 0) -> dict[str, Any]:
+    """The final usage chunk of a stream with `include_usage`: `"choices": []`, the engine's
+    `system_fingerprint` (when it has one)."""
     payload = meta._envelope(meta.chunk_object, [])
-    payload["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+    payload["usage"] = meta.chat_usage(prompt_tokens, completion_tokens, cached_tokens, created_cache_tokens)
+    if meta.shape.fingerprint is not None:
+        payload["system_fingerprint"] = meta.shape.fingerprint
     return payload
 
 
@@ -123,16 +167,20 @@ def _with_usage(payload: dict[str, Any], fmt: StreamFormat, prompt_tokens: int,
 
 
 def chat_completion(meta: ResponseMeta, text: str, finish_reason: str, prompt_tokens: int,
-                    completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """A non-streaming `chat.completion` object."""
+                    completion_tokens: int, cached_tokens: int = 0, created_cache_tokens: int = 0) -> dict[str, Any]:
+    """A non-streaming `chat.completion` object (`AnswerShape` for the engine's variations)."""
+    shape = meta.shape
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                               "audio": None, "function_call": None, "tool_calls": [], "reasoning_content": None}
+                               "audio": None, "function_call": None}
+    if not shape.drop_empty_tool_calls:
+        message["tool_calls"] = []
+    message[shape.reasoning_field] = None
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
               "stop_reason": None}
     payload = meta._envelope("chat.completion", [choice])
-    payload.update(service_tier=None, system_fingerprint=None,
-                   usage=usage(prompt_tokens, completion_tokens, cached_tokens), prompt_logprobs=None,
-                   kv_transfer_params=None)
+    payload.update(service_tier=None, system_fingerprint=shape.fingerprint,
+                   usage=meta.chat_usage(prompt_tokens, completion_tokens, cached_tokens, created_cache_tokens),
+                   prompt_logprobs=None, kv_transfer_params=None)
     return payload
 
 
@@ -142,7 +190,7 @@ def text_completion(meta: ResponseMeta, texts: list[str], finish_reason: str, pr
     choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish_reason,
                 "stop_reason": None, "prompt_logprobs": None} for i, text in enumerate(texts)]
     payload = meta._envelope("text_completion", choices)
-    payload.update(service_tier=None, system_fingerprint=None,
+    payload.update(service_tier=None, system_fingerprint=meta.shape.fingerprint,
                    usage=usage(prompt_tokens, completion_tokens, cached_tokens), kv_transfer_params=None)
     return payload
 

@@ -6,17 +6,18 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        response.created, response.in_progress, response.output_item.added,
                                        response.content_part.added, response.output_text.delta (one per
                                        token), response.output_text.done, response.content_part.done,
-                                       response.output_item.done, response.completed (with the usage:
-                                       input_tokens, output_tokens, total_tokens, cached tokens). A
-                                       response stopped by its limit is `incomplete` (`_final_status`).
+                                       response.output_item.done, response.completed (with the usage,
+                                       `_usage`). A response stopped by its limit is `incomplete`
+                                       (`_final_status`). With `background` (which needs `store`): the
+                                       response stored `queued` at once and generated in a task
+                                       (`ResponsesServer._background`); streamed, its events as they come.
     GET /v1/responses/{id}             the stored response; with `?stream=true` (and `starting_after=N`)
-                                       the SSE events of a response created streaming, replayed from
-                                       sequence number N + 1 (vLLM replays a background response's
-                                       events so; the simulator has no background mode, so it keeps
-                                       a streamed response's events instead), one per `tpot_s` (a
-                                       background response's events come as it generates); 400 for
-                                       one created without streaming. Each replay is recorded in
-                                       `ResponsesServer.replays` (events sent, ended by the client).
+                                       the SSE events of a background stream from sequence number
+                                       N + 1, the stored ones one per `tpot_s`, the rest as they are
+                                       generated; for any other response the 200 and its headers, then
+                                       a broken connection, as vLLM 0.32 answers (`_replay`). Each
+                                       replay is recorded in `ResponsesServer.replays` (events sent,
+                                       ended by the client).
                                        The worker's global stream faults apply to it
                                        (`drop_after_chunks`, `reset_after_chunks`,
                                        `stall_after_chunks`, `error_after_chunks`: `_replay`)
@@ -28,7 +29,8 @@ its router), with the stored responses vLLM keeps with `VLLM_ENABLE_RESPONSES_AP
                                        (`vllm/entrypoints/serve/exception_handling/register.py`); with
                                        `SimConfig.responses_delete`, OpenAI's
                                        `{"id", "object": "response", "deleted": true}`
-    POST /v1/responses/{id}/cancel     400 "Cannot cancel a synchronous response." (no background mode)
+    POST /v1/responses/{id}/cancel     a queued background response: `cancelled`, its generation aborted;
+                                       any other: 400 "Cannot cancel a synchronous response." (`_cancel`)
 
 A response's id is the body's `request_id` when it has one, else `resp_` + a uuid, as vLLM's
 `ResponsesRequest.request_id` (`vllm/entrypoints/openai/protocol.py`) becomes the response id and
@@ -40,12 +42,13 @@ Stored responses live in this process's memory (`ResponsesServer.stored`), keyed
 messages and the output text. `previous_response_id` prepends that conversation (instructions, stored
 messages, the stored answer as an assistant message) to the new input, as vLLM's
 `_construct_input_messages` does, so the prompt and its prefix-cache blocks include the history. An
-unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`. Context: vLLM 0.32 refuses a
-`max_output_tokens` over max_model_len and a prompt over it in its renderer's words (as for chat,
-`dialects.vllm_context_error`), a prompt of exactly max_model_len with `The engine prompt length N
-exceeds the max_model_len M.` (`_validate_generator_input`, vllm/entrypoints/openai/responses/serving.py),
-and clamps the output to the room left (`get_max_tokens`); the SGLang dialect refuses prompt + output
-over its context as for chat. `background` is refused (not simulated). Prompt tokens, admission,
+unknown id is a 404 in vLLM's shape: `Response with id '…' not found.`, param `response_id`.
+Context: vLLM 0.32 refuses a `max_output_tokens` over max_model_len and a prompt over it in its
+renderer's words (as for chat, `dialects.vllm_context_error`), a prompt of exactly max_model_len with
+`The engine prompt length N exceeds the max_model_len M.` (`_validate_generator_input`,
+vllm/entrypoints/openai/responses/serving.py), and clamps the output to the room left
+(`get_max_tokens`); the SGLang dialect refuses prompt + output over its context as for chat. vLLM's
+sampling-parameter checks come next (`gateway.sim.sampling`). Prompt tokens, admission,
 prefill, decode pacing, the prefix cache, disconnect → abort and the faults (`fail_status`,
 `hang_before_headers`, `black_hole`, `drop_after_chunks`, `raw_stream_chunks`, global or per request in
 `x_sim_faults`) are chat's (`generation.py`).
@@ -88,6 +91,7 @@ from gateway.sim.generation import (
     request_faults,
 )
 from gateway.sim.request_ids import VLLM_FAMILY, already_running, engine_request_id
+from gateway.sim.sampling import check_sampling
 from gateway.sim.script import ScriptStep
 from gateway.sim.stepper import StepRequest
 from gateway.sim.tokens import (
@@ -103,12 +107,31 @@ from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
 @dataclass
 class StoredResponse:
-    """One stored response: the conversation it answered (chat messages) and its answer object."""
+    """One stored response: the conversation it answered (chat messages) and its answer object.
+
+    A background response is stored from its start (status `queued`) and runs in `task`; a background
+    stream also keeps its SSE `events` as they are generated (vLLM's `event_store`), which `notify`
+    announces to the streams that follow it. Only such a response can be replayed."""
 
     messages: list[dict[str, Any]]
     text: str
     response: dict[str, Any]
-    events: list[bytes] = field(default_factory=list)  # the SSE events of a streamed response, in order
+    events: list[bytes] = field(default_factory=list)  # a background stream's SSE events, in order
+    background: bool = False
+    live: bool = False  # a background stream: `events` is its replay
+    done: bool = True  # False while a background response generates
+    task: asyncio.Task[None] | None = None
+    _tick: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        """Wake the streams waiting for this response's next event (or its end)."""
+        tick, self._tick = self._tick, asyncio.Event()
+        tick.set()
+
+    async def next_change(self, seen: int) -> None:
+        """Return once there are more than `seen` events or the response is done."""
+        while len(self.events) <= seen and not self.done:
+            await self._tick.wait()
 
 
 @dataclass
@@ -171,24 +194,43 @@ class ResponsesServer:
             del self.stored[response_id]
             await send_json(send, 200, {"id": response_id, "object": "response", "deleted": True})
         else:
-            reply = self.engine.dialect.error("Cannot cancel a synchronous response.", "invalid_request_error", 400)
+            await self._cancel(stored, send)
+
+    async def _cancel(self, stored: StoredResponse, send: Send) -> None:
+        """POST …/cancel (vLLM 0.32 `cancel_responses`, `vllm/entrypoints/openai/responses/serving.py`): a
+        response not `queued` or `in_progress` is refused (400 "Cannot cancel a synchronous response.",
+        param `response_id`); else its status becomes `cancelled`, its generation is aborted, and the
+        answer is the stored response (as it was when queued: no output, no usage), which stays so."""
+        if stored.response.get("status") not in ("queued", "in_progress"):
+            reply = self.engine.dialect.error("Cannot cancel a synchronous response.", "invalid_request_error", 400,
+                                              "response_id")
             await send_json(send, 400, orjson.loads(reply.body))
+            return
+        stored.response = {**stored.response, "status": "cancelled"}
+        if stored.task is not None and not stored.task.done():
+            stored.task.cancel()
+            await asyncio.gather(stored.task, return_exceptions=True)
+        await send_json(send, 200, stored.response)
 
     async def _replay(self, response_id: str, stored: StoredResponse, starting_after: str | None,
                       receive: Receive, send: Send) -> None:
-        """GET ?stream=true: the stored events after sequence number `starting_after` (-1 if absent),
-        one per `tpot_s` seconds; a client's hang-up ends it (`Replay.aborted`). The worker's global
+        """GET ?stream=true: the events of a background stream after sequence number `starting_after`
+        (-1 if absent), one per `tpot_s` seconds, then those still to come as they are generated; a
+        client's hang-up ends it (`Replay.aborted`). Any other response has no events to replay: vLLM
+        0.32's replay generator raises for it after the 200 and its SSE headers went out
+        (`responses_background_stream_generator`; Starlette's `StreamingResponse` sends the headers
+        before the first item), so the connection breaks without a body; the simulator answers the
+        same. A background stream cancelled meanwhile ends its replay without `response.completed`
+        (vLLM's would wait forever). The worker's global
         stream faults apply after that many events, as on a generation's stream: `drop_after_chunks`
         (the body left unended), `reset_after_chunks` (a TCP reset), `stall_after_chunks` (silence
         until the client leaves), `error_after_chunks` (the Responses API's `error` event, the
         shape vLLM 0.32's `responses_stream_generator` turns a GenerationError into,
         `vllm/entrypoints/openai/responses/serving.py`, then the end)."""
         after = int(starting_after) if starting_after is not None and starting_after.lstrip("-").isdigit() else -1
-        if not stored.events:
-            reply = self.engine.dialect.error("This response was not created with stream=true; it cannot be "
-                                              "streamed.", "invalid_request_error", 400)
-            await send_json(send, 400, orjson.loads(reply.body))
-            return
+        if not stored.live:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            return  # the body left unended: the server drops the connection
         replay = Replay(response_id)
         self.replays.append(replay)
         pause = self.engine.config.tpot_s
@@ -196,14 +238,19 @@ class ResponsesServer:
         async with DisconnectWatch(receive) as watch:
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             try:
-                for event in stored.events[max(after + 1, 0):]:
+                index = max(after + 1, 0)
+                while True:
+                    await watch.run(stored.next_change(index))
+                    if index >= len(stored.events):
+                        break
                     if pause:
                         await watch.sleep(pause)
                     if await _replay_fault(faults, replay.sent, send, watch):
                         replay.fault = True
                         return
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                    await send({"type": "http.response.body", "body": stored.events[index], "more_body": True})
                     replay.sent += 1
+                    index += 1
             except ClientDisconnected:
                 replay.aborted = True
                 return
@@ -211,7 +258,9 @@ class ResponsesServer:
         replay.completed = True
 
     def _not_found(self, response_id: str) -> ErrorReply:
-        return self.engine.dialect.error(f"Response with id '{response_id}' not found.", "invalid_request_error", 404)
+        """vLLM's `_make_not_found_error`: 404 `invalid_request_error`, param `response_id`."""
+        return self.engine.dialect.error(f"Response with id '{response_id}' not found.", "invalid_request_error", 404,
+                                         "response_id")
 
     async def _serve(self, body: Any, record: SimRequestRecord, watch: DisconnectWatch, send: Send) -> None:
         engine = self.engine
@@ -228,7 +277,7 @@ class ResponsesServer:
         try:
             limit = responses_output_limit(body)
         except FieldValidationError as exc:
-            await responder.reply(dialect.validation_error(str(exc)))
+            await responder.reply(dialect.validation_error(exc))
             return
         if limit is not None and limit < 1:
             await responder.reply(dialect.bad_request("max_output_tokens must be a positive integer",
@@ -247,9 +296,10 @@ class ResponsesServer:
         except PromptError as exc:
             await responder.reply(dialect.bad_request(str(exc), "input"))
             return
-        if body.get("background") is True:
-            await responder.reply(dialect.bad_request("The simulator does not run background responses.",
-                                                      "background"))
+        background = body.get("background") is True
+        if background and body.get("store", True) is False:  # vLLM's ResponsesRequest.validate_background
+            await responder.reply(dialect.error("background can only be used when `store` is true", "Bad Request",
+                                                400, "background"))
             return
         engine.update(record, prompt_tokens=prompt_tokens)
         max_context = engine.config.max_context_tokens
@@ -261,6 +311,8 @@ class ResponsesServer:
         elif prompt_tokens >= max_context:  # vLLM's _validate_generator_input; it clamps the output instead
             error = dialect.error(f"The engine prompt length {prompt_tokens} exceeds the max_model_len "
                                   f"{max_context}. Please reduce prompt.", "invalid_request_error", 400, "input")
+        else:
+            error = check_sampling(engine.config.engine, dialect, body)  # vLLM's SamplingParams checks
         if error is not None:
             await responder.reply(error)
             return
@@ -268,18 +320,91 @@ class ResponsesServer:
         if engine.config.engine in VLLM_FAMILY and not engine.running_ids.claim(response_id):
             await responder.reply(already_running(dialect.error, response_id, False))
             return
+        if background:
+            await self._background(body, record, watch, responder, faults, messages, prompt_tokens, limit, prior,
+                                   stream, response_id)
+            return
         try:
             await self._generate(body, record, watch, responder, faults, engine, messages, prompt_tokens, limit,
                                  prior, stream, response_id)
         finally:
             engine.running_ids.release(response_id)
 
+    async def _background(self, body: dict[str, Any], record: SimRequestRecord, watch: DisconnectWatch,
+                          responder: _Responder, faults: SimFaults, messages: list[dict[str, Any]],
+                          prompt_tokens: int, limit: int | None, prior: StoredResponse | None, stream: bool,
+                          response_id: str) -> None:
+        """A background response (vLLM 0.32 `_create_responses`, `vllm/entrypoints/openai/responses/serving.py`):
+        stored at once with status `queued`, no output and no usage, and generated in a task no client
+        holds (`ResponsesServer.stored[id].task`; the finished response replaces the stored one unless it
+        was cancelled). Without `stream` the answer is that queued response; with it, the generation's
+        events as they come (`_run_background_request_stream` and `responses_background_stream_generator`),
+        and a client that leaves does not stop the generation. The running request id is released when
+        the task ends."""
+        engine = self.engine
+        queued = {**_response_object(body, engine.config.model_name, response_id), "status": "queued"}
+        stored = StoredResponse(messages, "", queued, background=True, live=stream, done=False)
+        self.stored[response_id] = stored
+        stored.task = asyncio.get_running_loop().create_task(self._run_background(
+            stored, body, record, faults, messages, prompt_tokens, limit, prior, stream, response_id))
+        if not stream:
+            await responder.reply(ErrorReply(200, orjson.dumps(queued)))
+            return
+        await responder.start(200, SSE_HEADERS)
+        index = 0
+        try:
+            while True:
+                await watch.run(stored.next_change(index))
+                if index >= len(stored.events):
+                    break
+                await responder.event(stored.events[index])
+                index += 1
+        except ClientDisconnected:
+            return  # the generation goes on
+        await responder.body(b"", more=False)
+
+    async def _run_background(self, stored: StoredResponse, body: dict[str, Any], record: SimRequestRecord,
+                              faults: SimFaults, messages: list[dict[str, Any]], prompt_tokens: int,
+                              limit: int | None, prior: StoredResponse | None, stream: bool,
+                              response_id: str) -> None:
+        """The generation of a background response, its answer unsent (`_Detached`); cancelled by
+        …/cancel (an aborted request, as a client's disconnect aborts one)."""
+        engine = self.engine
+        try:
+            async with DisconnectWatch(_never_disconnects) as watch:
+                await self._generate(body, record, watch, _Detached(_discard, engine, record, None), faults, engine,
+                                     messages, prompt_tokens, limit, prior, stream, response_id,
+                                     stored if stream else None)
+        except asyncio.CancelledError:
+            engine.note_aborted()
+            engine.update(record, aborted=True, finished_at=time.monotonic())
+        except _DropConnection:
+            engine.update(record, finished_at=time.monotonic())
+        finally:
+            engine.running_ids.release(response_id)
+            stored.done = True
+            stored.notify()
+
+    def _store(self, response_id: str, body: dict[str, Any], messages: list[dict[str, Any]], text: str,
+               final: dict[str, Any]) -> None:
+        """Store a finished response unless the request said `store: false`; a background response
+        updates its entry unless it was cancelled (vLLM's `responses_full_generator`)."""
+        if body.get("store", True) is False:
+            return
+        current = self.stored.get(response_id)
+        if current is not None and current.background and not current.done:
+            if current.response.get("status") != "cancelled":
+                current.messages, current.text, current.response = messages, text, final
+            return
+        self.stored[response_id] = StoredResponse(messages, text, final)
+
     async def _generate(self, body: dict[str, Any], record: SimRequestRecord, watch: DisconnectWatch,
                         responder: _Responder, faults: SimFaults, engine: SimWorkerState,
                         messages: list[dict[str, Any]],
                         prompt_tokens: int, limit: int | None, prior: StoredResponse | None, stream: bool,
-                        response_id: str) -> None:
-        """Admission, prefill, the answer (JSON or events) and the store, for a request checked above."""
+                        response_id: str, live: StoredResponse | None = None) -> None:
+        """Admission, prefill, the answer (JSON or events) and the store, for a request checked above;
+        `live`: a background stream's entry, which keeps the events for its followers."""
         keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens], engine.cache_partition(body))
         step = sc.next_step(engine.script, "responses", body)
         # vLLM: min(max_output_tokens, max_model_len - prompt); SGLang's scheduler likewise
@@ -302,7 +427,10 @@ class ResponsesServer:
             engine.update(record, cached_tokens=active.cached_tokens, prefill_tokens=active.prefill_tokens)
         reason = "abort"
         response = _response_object(body, engine.config.model_name, response_id)
-        events = _EventWriter(responder)
+        # the limit the engine ran with: `max_output_tokens=sampling_params.max_tokens` (`from_request`,
+        # vllm/entrypoints/openai/responses/protocol.py), min(the request's, the room) or the room
+        response["max_output_tokens"] = room if limit is None else min(limit, room)
+        events = _EventWriter(responder, live)
         try:
             if stream and faults.raw_stream_chunks is not None:
                 await _send_raw(engine, record, responder, watch, faults)
@@ -343,12 +471,9 @@ class ResponsesServer:
             text = "".join(pieces)
             part: dict[str, Any] = {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
             item = {"id": item_id, "content": [part], "role": "assistant", "status": "completed", "type": "message"}
-            usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": active.cached_tokens},
-                     "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": prompt_tokens + output_tokens}
+            usage = _usage(prompt_tokens, output_tokens, active, engine.config.kv_block_tokens)
             final = {**response, **_final_status(finish), "output": [item] if output_tokens else [], "usage": usage}
-            if body.get("store", True) is not False:
-                self.stored[response["id"]] = StoredResponse(messages, text, final, events.sent)
+            self._store(response_id, body, messages, text, final)
             if stream:
                 if output_tokens:
                     await events.send("response.output_text.done", item_id=item_id, output_index=0, content_index=0,
@@ -409,13 +534,9 @@ class ResponsesServer:
                 await events.send("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=part)
             await events.send("response.output_item.done", output_index=index, item=item)
-        usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": active.cached_tokens},
-                 "output_tokens": sent, "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": prompt_tokens + sent}
+        usage = _usage(prompt_tokens, sent, active, engine.config.kv_block_tokens)
         final = {**response, "status": "completed", "output": output, "usage": usage}
-        if body.get("store", True) is not False:
-            self.stored[response["id"]] = StoredResponse(messages, step[1].text, final,
-                                                         events.sent if events is not None else [])
+        self._store(response["id"], body, messages, step[1].text, final)
         if events is not None:
             await events.send("response.completed", response=final)
             await responder.body(b"", more=False)
@@ -469,19 +590,64 @@ async def _replay_fault(faults: SimFaults, sent: int, send: Send, watch: Disconn
 
 
 class _EventWriter:
-    """Typed SSE events with vLLM's `sequence_number` (0, 1, ... across the stream)."""
+    """Typed SSE events with vLLM's `sequence_number` (0, 1, ... across the stream); a background
+    stream's (`live`) are kept in its stored entry for the streams that follow it."""
 
-    def __init__(self, responder: _Responder) -> None:
+    def __init__(self, responder: _Responder, live: StoredResponse | None = None) -> None:
         self._responder = responder
         self._sequence = 0
-        self.sent: list[bytes] = []  # every event so far (a stored response's replay)
+        self._live = live
 
     async def send(self, kind: str, **fields: Any) -> None:
         payload = {**fields, "sequence_number": self._sequence, "type": kind}
         self._sequence += 1
         event = b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
-        self.sent.append(event)
+        if self._live is not None:
+            self._live.events.append(event)
+            self._live.notify()
         await self._responder.event(event)
+
+
+class _Detached(_Responder):
+    """The responder of a background generation: its answer goes nowhere (the stored response and,
+    streamed, the stored events are what clients read)."""
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+
+    async def body(self, data: bytes, more: bool) -> None:
+        return None
+
+
+async def _discard(message: Any) -> None:
+    return None
+
+
+async def _never_disconnects() -> dict[str, Any]:
+    """A `receive` whose client never leaves (a background generation's watch)."""
+    await asyncio.Event().wait()
+    return {"type": "http.disconnect"}  # never reached
+
+
+def _usage(prompt_tokens: int, output_tokens: int, active: ActiveRequest, block_tokens: int) -> dict[str, Any]:
+    """A response's `usage` as vLLM 0.32's `ResponseUsage` (`vllm/entrypoints/openai/responses/protocol.py`,
+    filled in `responses_full_generator`): cached and cache-written prompt tokens (`cache_write_tokens`,
+    `ActiveRequest.created_cache_tokens`), reasoning and tool-output tokens (none here) and the per-turn
+    lists, empty for a single-turn request without tools (`SimpleContext.all_turn_metrics`)."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": active.cached_tokens,
+                                     "cache_write_tokens": active.created_cache_tokens(block_tokens),
+                                     "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+                                      "tool_output_tokens_per_turn": []},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def _number(value: Any, default: float) -> float:
+    """A sampling field of the request as the float vLLM's `SamplingParams` holds (its default when
+    absent, null or no number)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
 def _final_status(finish_reason: str) -> dict[str, Any]:
@@ -506,15 +672,25 @@ def _query(scope: Scope, name: str) -> str | None:
 
 
 def _response_object(body: dict[str, Any], model: str, response_id: str) -> dict[str, Any]:
-    """The `response` object before its output (status in_progress), with the request's settings;
-    `response_id` is the request's id (vLLM's `ResponsesResponse.from_request`: `id=request.request_id`)."""
+    """The `response` object before its output (status in_progress), with the request's settings, in
+    vLLM 0.32's `ResponsesResponse` fields (`vllm/entrypoints/openai/responses/protocol.py`,
+    `from_request`): `id` the request's id; `temperature`, `top_p`, `presence_penalty` and
+    `frequency_penalty` its sampling parameters as floats (defaults 1.0, 1.0, 0.0, 0.0);
+    `service_tier` ("auto") and `truncation` ("disabled") as the request says or defaults; no
+    `store` or `error` field (the model has none). The SGLang dialect answers the same object."""
+    parallel = body.get("parallel_tool_calls")
     return {
         "id": response_id, "created_at": int(time.time()), "incomplete_details": None,
         "instructions": body.get("instructions"), "metadata": body.get("metadata"), "model": model,
-        "object": "response", "output": [], "parallel_tool_calls": True, "temperature": body.get("temperature", 1.0),
-        "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "background": False,
-        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": body.get("previous_response_id"),
-        "status": "in_progress", "store": body.get("store", True), "usage": None, "error": None,
+        "object": "response", "output": [], "parallel_tool_calls": parallel if isinstance(parallel, bool) else True,
+        "temperature": _number(body.get("temperature"), 1.0), "tool_choice": "auto", "tools": [],
+        "top_p": _number(body.get("top_p"), 1.0), "background": body.get("background") is True,
+        "max_output_tokens": body.get("max_output_tokens"), "max_tool_calls": None,
+        "previous_response_id": body.get("previous_response_id"), "prompt": None, "reasoning": None,
+        "service_tier": body.get("service_tier") or "auto", "status": "in_progress", "text": None,
+        "top_logprobs": None, "truncation": body.get("truncation") or "disabled", "usage": None, "user": None,
+        "presence_penalty": _number(body.get("presence_penalty"), 0.0),
+        "frequency_penalty": _number(body.get("frequency_penalty"), 0.0),
     }
 
 

@@ -42,13 +42,14 @@ class PromptError(ValueError):
 
 class FieldValidationError(PromptError):
     """A field the engine's pydantic request model refuses, answered as the engines' app-wide
-    FastAPI `RequestValidationError` handler answers it (vLLM `entrypoints/openai/api_server.py`,
-    SGLang `srt/entrypoints/http_server.py`): 400, type "Bad Request", `param` null, on every route
-    in the engine's OpenAI error shape (also `/v1/messages`, whose body FastAPI validates first).
+    FastAPI `RequestValidationError` handler answers it (`EngineDialect.validation_error`): 400, type
+    "Bad Request", on every route in the engine's OpenAI error shape (also `/v1/messages`, whose body
+    FastAPI validates first). `errors` are pydantic's dicts with `loc` ("body", field).
 
-    The message is theirs: `f"{str(exc)} {str(exc.errors())}"`, where `str(exc)` is FastAPI's
-    "N validation error(s):" and one line per error (without the endpoint's source file and line,
-    which recent FastAPI appends), and each error is pydantic's dict with `loc` ("body", field)."""
+    `str()` is the older engines' message (SGLang `srt/entrypoints/http_server.py`, vLLM <= 0.9):
+    `f"{str(exc)} {str(exc.errors())}"`, where `str(exc)` is FastAPI's "N validation error(s):" and one
+    line per error (without the endpoint's source file and line, which recent FastAPI appends); vLLM
+    0.32 words its own (`dialects.vllm_validation_message`)."""
 
     def __init__(self, errors: list[dict[str, Any]]) -> None:
         self.errors = errors

@@ -26,6 +26,7 @@ from gateway.sim.kvcache import CacheLease, PrefixCache, PromptKey, seed_for
 from gateway.sim.metrics import EngineStats, PdMetricsCollector, build_registry
 from gateway.sim.pd import PdState
 from gateway.sim.request_ids import RunningIds
+from gateway.sim.responses import AnswerShape
 from gateway.sim.script import SimScript
 from gateway.sim.stepper import StepRequest, StepScheduler, new_step_request
 from gateway.sim.timings import TAG_FIELD, SimTiming, TimingLog
@@ -146,6 +147,8 @@ class SimWorkerState:
     def __init__(self, config: SimConfig, kv_model: KVUsageModel | None = None) -> None:
         self.config = config
         self.dialect: EngineDialect = dialect_for(config.engine, config.api_version)
+        self.answer_shape: AnswerShape = self.dialect.shape_for(config)
+        """How this engine shapes chat and text answers (`gateway.sim.responses.AnswerShape`)."""
         self.kv_model: KVUsageModel = kv_model or ProportionalKVUsage(config.max_context_tokens)
         self.kv: PrefixCache | None = (PrefixCache(config.kv_capacity_tokens, config.kv_block_tokens)
                                        if config.kv_capacity_tokens is not None else None)

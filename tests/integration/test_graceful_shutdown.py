@@ -241,10 +241,12 @@ async def test_without_the_guard_requests_uvicorn_cancels_at_shutdown_count_as_c
 
 
 async def stored_stream(url: str) -> tuple[str, int]:
-    """A streamed Responses API answer created through the gateway at `url`: its id and event count."""
+    """A streamed background Responses API answer (the kind vLLM 0.32 replays) created through the
+    gateway at `url`: its id and event count."""
     async with httpx.AsyncClient(timeout=30) as client:
         created = await client.post(url + "/v1/responses", json={"model": "kimi-k3", "input": "Count.",
-                                                                 "max_output_tokens": 20, "stream": True})
+                                                                 "max_output_tokens": 20, "stream": True,
+                                                                 "background": True})
     assert created.status_code == 200
     events = [e for e in created.content.split(b"\n\n") if e.startswith(b"event: ")]
     first = json.loads(events[0].split(b"data: ", 1)[1])

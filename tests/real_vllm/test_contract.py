@@ -75,7 +75,8 @@ def sim(_stopping_servers: Any) -> Iterator[RunningSim]:
     config = SimConfig.model_validate({
         "engine": "vllm", "max_context_tokens": contract.CONTEXT, "served_model_names": [contract.MODEL],
         "lora_modules": [f"{contract.ADAPTER}=/loras/sql"], "kv_capacity_tokens": 1 << 20,
-        "kv_block_tokens": contract.BLOCK, "ttft_s": 0.0, "tpot_s": 0.0, "runtime_lora_updating": True})
+        "kv_block_tokens": contract.BLOCK, "ttft_s": 0.0, "tpot_s": 0.0, "runtime_lora_updating": True,
+        "default_output_tokens": None})
     app = create_sim_app(config)
     server = ThreadedServer(app, **sim_http_options(config, app.engine)).start()
     yield RunningSim(server, app.engine)

@@ -36,8 +36,20 @@ def test_chat_non_streaming_has_vllm_shape(start_sim: StartSim) -> None:
     assert choice["message"]["role"] == "assistant"
     assert choice["message"]["content"] == output_text(3) == "Kimi café naïve"
     assert choice["finish_reason"] == "length"
+    # vLLM 0.32: prompt tokens written to the prefix cache (none without a simulated cache), the
+    # message without an empty `tool_calls` and with `reasoning`, the server's fingerprint
     assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 10, "completion_tokens": 3,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+                             "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": 0}}
+    assert "tool_calls" not in choice["message"] and "reasoning_content" not in choice["message"]
+    assert "reasoning" in choice["message"]
+    assert body["system_fingerprint"].startswith("vllm-0.32.0-") and len(body["system_fingerprint"]) == 20
+
+
+def test_sglang_chat_message_keeps_its_fields(start_sim: StartSim) -> None:
+    body = httpx.post(start_sim("sglang").url + CHAT, json={"messages": HELLO, "max_tokens": 1}).json()
+    message = body["choices"][0]["message"]
+    assert message["tool_calls"] == [] and "reasoning_content" in message and body["system_fingerprint"] is None
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_default_output_tokens_finish_with_stop(start_sim: StartSim) -> None:
@@ -72,6 +84,8 @@ def test_chat_stream_events(start_sim: StartSim, sse_payloads: Callable[[bytes],
     assert "".join(deltas) == output_text(4)
     assert [c["choices"][0]["finish_reason"] for c in chunks[1:]] == [None, None, None, "length"]
     assert chunks[-1]["choices"][0]["stop_reason"] is None
+    # vLLM 0.32 stamps its fingerprint on the chunk that finishes (no usage chunk follows) only
+    assert [("system_fingerprint" in c) for c in chunks] == [False] * 4 + [True]
 
 
 def test_chat_stream_include_usage(start_sim: StartSim, sse_payloads: Callable[[bytes], list[Any]]) -> None:
@@ -81,10 +95,11 @@ def test_chat_stream_include_usage(start_sim: StartSim, sse_payloads: Callable[[
     events = sse_payloads(resp.content)
     assert events[-1] == "[DONE]"
     *chunks, usage_chunk = events[:-1]
-    assert all(c["usage"] is None for c in chunks)
+    assert all(c["usage"] is None and "system_fingerprint" not in c for c in chunks)
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"] == {"prompt_tokens": 7, "total_tokens": 9, "completion_tokens": 2,
-                                    "prompt_tokens_details": {"cached_tokens": 0}}
+                                    "prompt_tokens_details": {"cached_tokens": 0, "created_cache_tokens": 0}}
+    assert usage_chunk["system_fingerprint"].startswith("vllm-")  # the last chunk carries it
 
 
 def test_text_completions_with_prompt_list(start_sim: StartSim) -> None:
@@ -144,8 +159,8 @@ def test_unknown_model_vllm(start_sim: StartSim) -> None:
     assert ok.status_code == 200 and ok.json()["model"] == "kimi-k3"
     resp = httpx.post(srv.url + CHAT, json={"model": "gpt-4", "messages": HELLO, "stream": True})
     assert resp.status_code == 404
-    assert resp.json() == {"error": {"message": "The model `gpt-4` does not exist.", "type": "NotFoundError",
-                                     "param": "model", "code": 404}}
+    assert resp.json() == {"error": {"message": "The model `gpt-4` does not exist. Valid aliases: kimi-k3, kimi.",
+                                     "type": "NotFoundError", "param": "model", "code": 404}}
 
 
 def test_unknown_model_vllm_legacy_and_sglang(start_sim: StartSim) -> None:
@@ -279,6 +294,34 @@ def test_bad_json_and_bad_prompt(start_sim: StartSim) -> None:
     assert httpx.get(srv.url + CHAT).status_code == 405
 
 
+@pytest.mark.parametrize(("field", "value", "message", "param"), [
+    ("temperature", -1, "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)",
+     "temperature"),
+    ("temperature", 2.5, "temperature must be in [0, 2], got 2.5. (parameter=temperature, value=2.5)", "temperature"),
+    ("top_p", 0, "top_p must be in (0, 1], got 0.0. (parameter=top_p, value=0.0)", "top_p"),
+    ("presence_penalty", 3, "presence_penalty must be in [-2, 2], got 3.0.", None),
+    ("frequency_penalty", -2.5, "frequency_penalty must be in [-2, 2], got -2.5.", None),
+    ("repetition_penalty", 0, "repetition_penalty must be greater than zero, got 0.0.", None),
+    ("top_k", -2, "top_k must be 0 (disable), or at least 1, got -2.", None),
+    ("min_p", 1.5, "min_p must be in [0, 1], got 1.5.", None),
+])
+def test_vllm_refuses_sampling_parameters_out_of_range(start_sim: StartSim, field: str, value: float, message: str,
+                                                       param: str | None) -> None:
+    """vLLM's `SamplingParams._verify_args` (vllm/sampling_params.py): 400 `BadRequestError`, `param` the
+    parameter its error names; on chat, completions and Responses alike. SGLang's checks are not imitated."""
+    srv = start_sim()
+    for path, body in ((CHAT, {"messages": HELLO}), (TEXT, {"prompt": "hi"}), ("/v1/responses", {"input": "hi"})):
+        refused = httpx.post(srv.url + path, json={**body, "max_tokens": 2, field: value})
+        assert refused.status_code == 400, path
+        assert refused.json()["error"] == {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    assert not [r for r in srv.engine.records if r.completion_tokens_sent]  # refused before generating
+    assert httpx.post(srv.url + CHAT, json={"messages": HELLO, "max_tokens": 1, field: None}).status_code == 200
+    legacy = httpx.post(start_sim(api_version="legacy").url + CHAT, json={"messages": HELLO, field: value}).json()
+    assert (legacy["message"], legacy["param"]) == (message.split(" (parameter=")[0], None)
+    assert httpx.post(start_sim(engine="sglang").url + CHAT, json={"messages": HELLO, "max_tokens": 1,
+                                                                  field: value}).status_code == 200
+
+
 def test_models_and_health(start_sim: StartSim) -> None:
     srv = start_sim(engine="sglang", served_model_names=["kimi-k3", "k3"], max_context_tokens=524288)
     models = httpx.get(srv.url + "/v1/models").json()
@@ -407,7 +450,9 @@ def test_integral_float_limits_are_integers_as_in_the_engines(start_sim: StartSi
 def test_non_integral_limits_get_the_engines_validation_error(start_sim: StartSim, engine: str, api_version: str,
                                                               nested: bool, path: str, field: str) -> None:
     """5.5 fails pydantic (`int_from_float`); the engines' RequestValidationError handler answers
-    400 "Bad Request" with param null, naming the field in the message's `loc`."""
+    400 "Bad Request", naming the field in the message's `loc`. vLLM 0.32 (`validation_exception_handler`,
+    vllm/entrypoints/serve/exception_handling/handlers/validation.py) joins the `loc` with dots, echoes the
+    input as text and sets `param` to that `loc`; the legacy vLLM and SGLang say FastAPI's `str(exc)`, param null."""
     srv = start_sim(engine, api_version=api_version)
     body: dict[str, Any] = {"messages": HELLO} if path == CHAT else {"prompt": "once upon"}
     response = httpx.post(srv.url + path, json={**body, field: 5.5})
@@ -415,7 +460,12 @@ def test_non_integral_limits_get_the_engines_validation_error(start_sim: StartSi
     error = response.json()
     inner = error["error"] if nested else error
     assert (set(error) == {"error"}) is nested and (error.get("object") == "error") is not nested
-    assert (inner["type"], inner["param"], inner["code"]) == ("Bad Request", None, 400)
-    assert inner["message"].startswith("1 validation error:\n  {'type': 'int_from_float', "
-                                       f"'loc': ('body', '{field}'), 'msg': 'Input should be a valid integer, "
-                                       "got a number with a fractional part', 'input': 5.5}")
+    msg = "'msg': 'Input should be a valid integer, got a number with a fractional part'"
+    if nested:  # vLLM 0.32
+        assert (inner["type"], inner["param"], inner["code"]) == ("Bad Request", f"body.{field}", 400)
+        assert inner["message"] == (f"1 validation error:\n  {{'type': 'int_from_float', 'loc': 'body.{field}', "
+                                    f"{msg}, 'input': '5.5'}}")
+    else:
+        assert (inner["type"], inner["param"], inner["code"]) == ("Bad Request", None, 400)
+        assert inner["message"].startswith(f"1 validation error:\n  {{'type': 'int_from_float', "
+                                           f"'loc': ('body', '{field}'), {msg}, 'input': 5.5}}")

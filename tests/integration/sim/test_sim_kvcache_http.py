@@ -54,6 +54,8 @@ def test_repeated_prefix_is_cached_and_prefills_faster(start_sim: StartSim,
         timings.append(time.monotonic() - start)
     assert [_cached(b) for b in bodies] == [0, 4000]
     assert bodies[0]["usage"]["prompt_tokens"] == 4004
+    # vLLM 0.32's `created_cache_tokens`: the full blocks the prefill wrote to the prefix cache
+    assert [b["usage"]["prompt_tokens_details"]["created_cache_tokens"] for b in bodies] == [4000, 0]
     assert timings[0] >= 0.01 + 4004 / 30_000 - 0.01  # ~0.14 s of modelled prefill
     assert timings[0] - timings[1] >= 0.1  # the second prefills 4 tokens: ~0.13 s faster
     first, second = srv.app.engine.records
@@ -64,7 +66,8 @@ def test_repeated_prefix_is_cached_and_prefills_faster(start_sim: StartSim,
     events = sse_payloads(httpx.post(srv.url + CHAT, json=_chat(prompt, stream=True,
                                                                 stream_options={"include_usage": True})).content)
     usage = events[-2]["usage"]
-    assert events[-2]["choices"] == [] and usage["prompt_tokens_details"] == {"cached_tokens": 4000}
+    assert events[-2]["choices"] == [] and usage["prompt_tokens_details"] == {"cached_tokens": 4000,
+                                                                              "created_cache_tokens": 0}
 
     other = httpx.post(srv.url + CHAT, json=_chat(_text(16_000, 2))).json()
     assert _cached(other) == 0

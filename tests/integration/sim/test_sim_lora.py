@@ -68,12 +68,21 @@ def test_vllm_runtime_load_and_unload(start_sim: StartSim) -> None:
     assert "sql-lora" in [m["id"] for m in httpx.get(sim.url + "/v1/models", timeout=5).json()["data"]]
     again = httpx.post(load, json={"lora_name": "sql-lora", "lora_path": "/loras/sql"}, timeout=5)
     assert again.status_code == 400
-    assert again.json()["error"]["message"] == "The lora adapter 'sql-lora' has already been loaded."
+    assert again.json()["error"]["message"] == ("The lora adapter 'sql-lora' has already been loaded. If you want "
+                                                "to load the adapter in place, set 'load_inplace' to True.")
+    inplace = httpx.post(load, json={"lora_name": "sql-lora", "lora_path": "/loras/sql", "load_inplace": True})
+    assert inplace.status_code == 200
+    base = httpx.post(load, json={"lora_name": "kimi-k3", "lora_path": "/loras/sql"}, timeout=5)
+    assert (base.status_code, base.json()["error"]["type"]) == (400, "InvalidUserInput")
     missing = httpx.post(load, json={"lora_name": "x", "lora_path": "/loras/none"}, timeout=5)
     assert missing.status_code == 404
     assert missing.json()["error"]["message"] == "Loading lora x failed: No adapter found for /loras/none"
-    half = httpx.post(load, json={"lora_name": "x"}, timeout=5)
-    assert half.json()["error"]["message"] == "Both 'lora_name' and 'lora_path' must be provided."
+    empty = httpx.post(load, json={"lora_name": "x", "lora_path": ""}, timeout=5)
+    assert empty.json()["error"]["message"] == "Both 'lora_name' and 'lora_path' must be provided."
+    half = httpx.post(load, json={"lora_name": "x"}, timeout=5).json()["error"]  # LoadLoRAAdapterRequest refuses it
+    assert (half["type"], half["param"]) == ("Bad Request", "body.lora_path") and "Field required" in half["message"]
+    nameless = httpx.post(unload, json={"lora_name": ""}, timeout=5).json()["error"]
+    assert nameless["message"] == "'lora_name' needs to be provided to unload a LoRA adapter."
     gone = httpx.post(unload, json={"lora_name": "sql-lora"}, timeout=5)
     assert (gone.status_code, gone.text) == (200, "Success: LoRA adapter 'sql-lora' removed successfully.")
     assert httpx.post(unload, json={"lora_name": "sql-lora"}, timeout=5).json()["error"]["message"] == \

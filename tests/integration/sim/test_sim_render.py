@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import httpx
 
-from gateway.sim.tokens import VOCAB_SIZE
+from gateway.sim.tokens import VOCAB_SIZE, output_text
 from tests.support import RunningSim
 
 StartSim = Callable[..., RunningSim]
@@ -79,6 +79,20 @@ def test_tokenize_answers_vllm_tokenize_response(start_sim: StartSim) -> None:
     assert chat["tokens"] == rendered["token_ids"] and chat["count"] == len(rendered["token_ids"])
 
 
+def test_detokenize_answers_vllm_detokenize_response(start_sim: StartSim) -> None:
+    """vLLM's `/detokenize`: `{"prompt": text}`, one word per id here; ids must be ints >= 0 (its 400)."""
+    srv = start_sim()
+    out = httpx.post(srv.url + "/detokenize", json={"model": "kimi-k3", "tokens": [5, 6, 7]})
+    assert out.status_code == 200 and out.json() == {"prompt": output_text(3, 5)}
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+    bad = httpx.post(srv.url + "/detokenize", json={"tokens": [1, -2]})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "Bad Request"
+    assert "greater_than_equal" in bad.json()["error"]["message"]
+    unknown = httpx.post(srv.url + "/detokenize", json={"model": "gpt-x", "tokens": [1]})
+    assert unknown.status_code == 404
+    assert httpx.post(start_sim(engine="sglang").url + "/detokenize", json={"tokens": [1]}).status_code == 404
+
+
 def test_render_errors_have_vllm_shapes(start_sim: StartSim) -> None:
     srv = start_sim(max_context_tokens=64)
     bad_json = httpx.post(srv.url + CHAT_RENDER, content=b"{not json", headers={"content-type": "application/json"})
@@ -86,8 +100,8 @@ def test_render_errors_have_vllm_shapes(start_sim: StartSim) -> None:
     assert bad_json.json()["error"]["type"] == "BadRequestError"
     unknown = httpx.post(srv.url + CHAT_RENDER, json={"model": "gpt-x", "messages": _messages("hi")})
     assert unknown.status_code == 404
-    assert unknown.json()["error"] == {"message": "The model `gpt-x` does not exist.", "type": "NotFoundError",
-                                       "param": "model", "code": 404}
+    assert unknown.json()["error"] == {"message": "The model `gpt-x` does not exist. Valid aliases: kimi-k3.",
+                                       "type": "NotFoundError", "param": "model", "code": 404}
     no_messages = httpx.post(srv.url + CHAT_RENDER, json={"messages": []})
     assert no_messages.status_code == 400 and "messages" in no_messages.json()["error"]["message"]
     too_long = httpx.post(srv.url + TEXT_RENDER, json={"prompt": "x" * 400})

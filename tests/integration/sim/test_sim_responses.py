@@ -3,6 +3,7 @@ stored responses in the sim's memory, `previous_response_id` chaining, vLLM's er
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import httpx
@@ -115,3 +116,71 @@ def test_a_response_stopped_by_its_limit_is_incomplete(start_sim: StartSim, stre
     ended = final({"max_output_tokens": 10})
     assert (ended["status"], ended["incomplete_details"], ended["usage"]["output_tokens"]) == (  # type: ignore[index]
         "completed", None, 6)
+
+
+def test_background_response_is_queued_runs_and_cancels_as_vllm(start_sim: StartSim) -> None:
+    """vLLM 0.32 (`_create_responses`, `cancel_responses`): a background response answers `queued` at once,
+    no output, no usage; it generates in the engine; `cancel` answers it `cancelled` and aborts it, and a
+    finished one is refused ("Cannot cancel a synchronous response.", param `response_id`)."""
+    srv = start_sim(tpot_s=0.05)
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+        queued = client.responses.create(model="kimi-k3", input="hello world", background=True, max_output_tokens=500)
+        assert (queued.status, queued.output, queued.usage, queued.background) == ("queued", [], None, True)
+        srv.engine.wait_for(lambda: srv.engine.records[-1].completion_tokens_sent >= 1)
+        cancelled = client.responses.cancel(queued.id)
+        assert (cancelled.status, cancelled.output) == ("cancelled", [])
+        assert client.responses.retrieve(queued.id).status == "cancelled"
+        record = srv.engine.records[-1]
+        assert record.aborted and record.completion_tokens_sent < 500
+        finished = client.responses.create(model="kimi-k3", input="hello world", background=True, max_output_tokens=2)
+        deadline = time.monotonic() + 10
+        while client.responses.retrieve(finished.id).status == "queued":  # generating in the background
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert client.responses.retrieve(finished.id).output_text == output_text(2)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.cancel(finished.id)
+        assert refused.value.body == {"message": "Cannot cancel a synchronous response.",
+                                      "type": "invalid_request_error", "param": "response_id", "code": 400}
+    no_store = httpx.post(srv.url + "/v1/responses", json={"model": "kimi-k3", "input": "hi", "background": True,
+                                                           "store": False})
+    assert no_store.status_code == 400 and no_store.json()["error"]["param"] == "background"
+
+
+def test_only_a_background_stream_replays_others_break_the_connection(start_sim: StartSim) -> None:
+    """vLLM 0.32 keeps the events of a background stream only (`event_store`); `GET ?stream=true` of any
+    other response sends the 200 and its SSE headers, then breaks the connection."""
+    srv = start_sim()
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as client:
+        live = list(client.responses.create(model="kimi-k3", input="hello world", max_output_tokens=3, stream=True,
+                                            background=True))
+        rid = live[0].response.id  # type: ignore[union-attr]
+        assert live[-1].type == "response.completed"
+        replayed = list(client.responses.retrieve(rid, stream=True, starting_after=1))
+        assert [e.sequence_number for e in replayed] == [e.sequence_number for e in live[2:]]
+        streamed = list(client.responses.create(model="kimi-k3", input="hello world", max_output_tokens=3,
+                                                stream=True))
+        plain = client.responses.create(model="kimi-k3", input="hello world", max_output_tokens=3)
+    for other in (streamed[0].response.id, plain.id):  # type: ignore[union-attr]
+        with httpx.stream("GET", f"{srv.url}/v1/responses/{other}", params={"stream": "true"}) as answer:
+            assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+            with pytest.raises(httpx.RemoteProtocolError):
+                answer.read()
+
+
+def test_response_object_fields_are_vllms(start_sim: StartSim) -> None:
+    """`ResponsesResponse` (vllm/entrypoints/openai/responses/protocol.py): sampling values as floats,
+    `service_tier`, `truncation`, no `store`; `ResponseUsage` with its cache-write and per-turn details."""
+    srv = start_sim()
+    body = httpx.post(srv.url + "/v1/responses", json={"model": "kimi-k3", "input": "hi", "max_output_tokens": 2,
+                                                       "temperature": 0, "presence_penalty": 1}).json()
+    assert (body["temperature"], body["top_p"], body["presence_penalty"], body["frequency_penalty"]) == (
+        0.0, 1.0, 1.0, 0.0)
+    assert isinstance(body["temperature"], float)
+    assert (body["service_tier"], body["truncation"], "store" in body) == ("auto", "disabled", False)
+    assert body["usage"]["input_tokens_details"] == {"cached_tokens": 0, "cache_write_tokens": 0,
+                                                     "input_tokens_per_turn": [], "cached_tokens_per_turn": []}
+    assert body["usage"]["output_tokens_details"] == {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                                      "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []}
+    unknown = httpx.get(srv.url + "/v1/responses/resp_nope").json()["error"]
+    assert (unknown["param"], unknown["code"]) == ("response_id", 404)

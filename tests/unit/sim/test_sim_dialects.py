@@ -87,15 +87,17 @@ def test_sglang_legacy_streams_context_errors_in_band() -> None:
     assert in_band is not None and in_band.status == 200 and in_band.in_band_stream
     assert in_band.stream_event.startswith(b'data: {"error": {"object": "error", "message": "The input (100')
     assert in_band.stream_event.endswith(b'"code": 400}}\n\n')
-    assert dialect.check_model("anything", ["kimi-k3"]) is None
+    assert dialect.check_model("anything", ["kimi-k3"], ["kimi-k3"]) is None
 
 
 def test_model_checks() -> None:
-    reply = dialect_for("vllm").check_model("m2", ["kimi-k3"])
+    reply = dialect_for("vllm").check_model("m2", ["kimi-k3", "k3", "sql-lora"], ["kimi-k3", "k3"])
     assert reply is not None and reply.status == 404
-    assert dialect_for("vllm").check_model("kimi-k3", ["kimi-k3"]) is None
-    assert dialect_for("vllm").check_model(None, ["kimi-k3"]) is None
-    sglang = dialect_for("sglang").check_model("m2", ["kimi-k3", "k3"])
+    # vLLM 0.32 `_check_model` lists the base model's names, not the adapters
+    assert orjson.loads(reply.body)["error"]["message"] == "The model `m2` does not exist. Valid aliases: kimi-k3, k3."
+    assert dialect_for("vllm").check_model("sql-lora", ["kimi-k3", "sql-lora"], ["kimi-k3"]) is None
+    assert dialect_for("vllm").check_model(None, ["kimi-k3"], ["kimi-k3"]) is None
+    sglang = dialect_for("sglang").check_model("m2", ["kimi-k3", "k3"], ["kimi-k3", "k3"])
     assert sglang is not None and sglang.status == 400
     assert orjson.loads(sglang.body)["message"] == "The model `m2` does not exist. The served model name is `kimi-k3`."
 
