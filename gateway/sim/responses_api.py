@@ -62,6 +62,7 @@ from urllib.parse import parse_qs
 import orjson
 
 from gateway.sim import script as sc
+from gateway.sim import structured as so
 from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import (
     JSON_HEADERS,
@@ -281,9 +282,14 @@ class ResponsesServer:
         max_context = engine.config.max_context_tokens
         keys = engine.prompt_keys("chat", {"messages": messages}, [prompt_tokens], engine.cache_partition(body))
         step = sc.next_step(engine.script, "responses", body)
+        schema = so.responses_format(body) if step is None else None
+        if schema is not None:  # a structured answer (`gateway.sim.structured`), cut by the limit as any answer
+            step = (-1, ScriptStep(text=so.answer_text(so.instance(schema))))
         eos_after = engine.config.eos_after_tokens  # the model's own end, under any limit
         if step is not None:
             output_tokens, finish = sc.output_tokens(step[1]), "stop"
+            if schema is not None and limit is not None and limit < output_tokens:
+                step, output_tokens, finish = (-1, sc.cut_text(step[1], limit)), limit, "length"
             if eos_after is not None:
                 output_tokens = min(output_tokens, eos_after)
             if engine.config.engine != "sglang":
@@ -326,8 +332,8 @@ class ResponsesServer:
             item_id = f"msg_{uuid.uuid4().hex}"
             if step is not None:
                 await self._scripted(step, item_id, body, response, messages, prompt_tokens, active, record,
-                                     watch, events if stream else None, responder)
-                reason = "stop"
+                                     watch, events if stream else None, responder, finish)
+                reason = finish
                 return
             pieces: list[str] = []
             for i in range(output_tokens):
@@ -372,7 +378,7 @@ class ResponsesServer:
     async def _scripted(self, step: tuple[int, ScriptStep], item_id: str, body: dict[str, Any],
                         response: dict[str, Any], messages: list[dict[str, Any]], prompt_tokens: int,
                         active: ActiveRequest, record: SimRequestRecord, watch: DisconnectWatch,
-                        events: _EventWriter | None, responder: _Responder) -> None:
+                        events: _EventWriter | None, responder: _Responder, finish: str = "stop") -> None:
         """A scripted answer (`gateway.sim.script`): its text item and `function_call` items, each
         delta one decoded token, streamed (`events`) in vLLM's event order or as one response."""
         engine = self.engine
@@ -416,7 +422,7 @@ class ResponsesServer:
         usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": active.cached_tokens},
                  "output_tokens": sent, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": prompt_tokens + sent}
-        final = {**response, "status": "completed", "output": output, "usage": usage}
+        final = {**response, **_final_status(finish), "output": output, "usage": usage}
         if body.get("store", True) is not False:
             self.stored[response["id"]] = StoredResponse(messages, step[1].text, final,
                                                          events.sent if events is not None else [])
@@ -519,6 +525,7 @@ def _response_object(body: dict[str, Any], model: str, response_id: str) -> dict
         "tool_choice": "auto", "tools": [], "top_p": body.get("top_p", 1.0), "background": False,
         "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": body.get("previous_response_id"),
         "status": "in_progress", "store": body.get("store", True), "usage": None, "error": None,
+        "text": body.get("text"),
     }
 
 

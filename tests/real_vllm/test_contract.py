@@ -28,6 +28,7 @@ RECORDING = bool(os.environ.get("KIMI_RECORD_CONTRACT"))
 SPEC = ENGINES["vllm"]
 METRICS = [m for m in (SPEC.running_metric, SPEC.waiting_metric, SPEC.kv_usage_metrics[0]) if m]
 CASES = contract.all_cases(METRICS, lora_path="LORA")
+TOOL_CASES = contract.tool_parser_cases()
 
 # Where the simulator knowingly differs from vLLM: case → {observation path → why}. The path is dropped
 # from both sides before comparing.
@@ -65,8 +66,7 @@ def _run(name: str, url: str, lora_path: str) -> list[dict[str, Any]]:
         return cases[name](http)
 
 
-@pytest.fixture(scope="module")
-def sim(_stopping_servers: Any) -> Iterator[RunningSim]:
+def _running_sim(**extra: Any) -> Iterator[RunningSim]:
     from gateway.serving.server import ThreadedServer
     from gateway.sim.app import create_sim_app
     from gateway.sim.config import SimConfig
@@ -75,12 +75,30 @@ def sim(_stopping_servers: Any) -> Iterator[RunningSim]:
     config = SimConfig.model_validate({
         "engine": "vllm", "max_context_tokens": contract.CONTEXT, "served_model_names": [contract.MODEL],
         "lora_modules": [f"{contract.ADAPTER}=/loras/sql"], "kv_capacity_tokens": 1 << 20,
-        "kv_block_tokens": contract.BLOCK, "ttft_s": 0.0, "tpot_s": 0.0, "runtime_lora_updating": True})
+        "kv_block_tokens": contract.BLOCK, "ttft_s": 0.0, "tpot_s": 0.0, "runtime_lora_updating": True, **extra})
     app = create_sim_app(config)
     server = ThreadedServer(app, **sim_http_options(config, app.engine)).start()
     yield RunningSim(server, app.engine)
     server.server.should_exit = True
     server.stop(10)
+
+
+@pytest.fixture(scope="module")
+def sim(_stopping_servers: Any) -> Iterator[RunningSim]:
+    """The simulator as the contract's engine runs: no tool parser."""
+    yield from _running_sim(tool_call_parser=None, enable_auto_tool_choice=False)
+
+
+@pytest.fixture(scope="module")
+def tool_sim(_stopping_servers: Any) -> Iterator[RunningSim]:
+    """The simulator with a tool parser (`contract.TOOL_PARSER_ARGS`)."""
+    yield from _running_sim(tool_call_parser="hermes", enable_auto_tool_choice=True)
+
+
+@pytest.mark.parametrize("name", list(TOOL_CASES))
+def test_simulator_with_a_tool_parser_keeps_the_contract(name: str, tool_sim: RunningSim) -> None:
+    with httpx.Client(base_url=tool_sim.url, timeout=120) as http:
+        _check(name, TOOL_CASES[name](http))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -104,6 +122,27 @@ def recorder() -> Iterator[Callable[[str, list[dict[str, Any]]], None]]:
     yield fresh.__setitem__
     if RECORDING and fresh:
         RECORDED.write_text(json.dumps({**_recorded(), **fresh}, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.fixture(scope="module")
+def tool_engine() -> Iterator[VllmEngine]:
+    """The engine of `contract.tool_parser_cases`: the contract's, with a tool parser."""
+    vllm = VllmEngine(models_dir() / "dense", [contract.MODEL], max_model_len=contract.CONTEXT,
+                      args=contract.TOOL_PARSER_ARGS).start()
+    yield vllm
+    vllm.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", list(TOOL_CASES))
+def test_real_vllm_with_a_tool_parser_keeps_the_contract(
+        name: str, tool_engine: VllmEngine, recorder: Callable[[str, list[dict[str, Any]]], None]) -> None:
+    with httpx.Client(base_url=tool_engine.url, timeout=120) as http:
+        seen = TOOL_CASES[name](http)
+    if RECORDING:
+        recorder(name, seen)
+    else:
+        _check(name, seen)
 
 
 @pytest.mark.vllm
