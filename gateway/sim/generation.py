@@ -334,7 +334,8 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
         await responder.reply(dialect.error(NULL_MAX_TOKENS_MESSAGE, "InternalServerError", 500))
         return
     step = sc.next_step(engine.script, "messages", body) if anthropic == "messages" else None
-    schema = so.messages_format(body) if anthropic == "messages" else None
+    vllm = engine.config.engine in VLLM_FAMILY
+    schema = so.messages_format(body) if anthropic == "messages" and vllm else None
     try:
         if anthropic is not None:
             body = _as_chat(body, anthropic == "messages", engine.config.engine == "sglang")
@@ -350,7 +351,7 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
     except PromptError as exc:
         await responder.reply(dialect.bad_request(str(exc)))
         return
-    refusal = ct.check_tools(body, engine.config, dialect) if kind == "chat" else None
+    refusal = ct.check_tools(body, engine.config, dialect) if kind == "chat" and vllm else None
     if refusal is not None:
         await responder.reply(refusal)
         return

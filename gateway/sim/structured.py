@@ -45,6 +45,7 @@ class ParameterError(PromptError):
 
 
 _STRUCTURAL_TAG_ERRORS = ("format", "structures", "triggers")
+_MOST = 64  # a `minLength` / `minItems` beyond is filled this far only (a schema must not size the answer)
 
 
 def instance(schema: Any, depth: int = 0) -> Any:
@@ -62,7 +63,7 @@ def instance(schema: Any, depth: int = 0) -> Any:
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), kind[0] if kind else None)
     if kind == "string":
-        return "" if not isinstance(schema.get("minLength"), int) else "x" * schema["minLength"]
+        return "x" * min(schema["minLength"], _MOST) if isinstance(schema.get("minLength"), int) else ""
     if kind in ("integer", "number"):
         low = schema.get("minimum", schema.get("exclusiveMinimum"))
         base = low if isinstance(low, (int, float)) and not isinstance(low, bool) and low > 0 else 0
@@ -72,10 +73,11 @@ def instance(schema: Any, depth: int = 0) -> Any:
     if kind == "null":
         return None
     if kind == "array":
-        count = schema.get("minItems") if isinstance(schema.get("minItems"), int) else 0
+        count = min(schema["minItems"], _MOST) if isinstance(schema.get("minItems"), int) else 0
         return [instance(schema.get("items"), depth + 1) for _ in range(count)]
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    properties, required = schema.get("properties"), schema.get("required")
+    properties = properties if isinstance(properties, dict) else {}
+    required = required if isinstance(required, list) else []
     return {name: instance(properties.get(name), depth + 1) for name in required if isinstance(name, str)}
 
 
