@@ -90,6 +90,28 @@ def check_tools(body: dict[str, Any], config: SimConfig, dialect: EngineDialect)
     return None
 
 
+def check_sglang_tools(body: dict[str, Any], dialect: EngineDialect) -> ErrorReply | None:
+    """SGLang's refusals of a chat request's tools and format (python/sglang/srt/entrypoints/openai/
+    serving_chat.py `_validate_request`, a 400 `BadRequestError` in its flat shape): `required` or a
+    named choice without tools, a named tool not among them, a `json_schema` format without its
+    schema. (Its check of each tool's `parameters` against JSON Schema's meta-schema is not simulated.)"""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if isinstance(choice, str) and choice.lower() == "required" and not tools:
+        return dialect.bad_request("Tools cannot be empty if tool choice is set to required.")
+    if isinstance(choice, dict):
+        if not tools:
+            return dialect.bad_request("Tools cannot be empty if tool choice is set to a specific tool.")
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if name not in _tool_names(tools):
+            return dialect.bad_request(f"Tool '{name}' not found in tools list.")
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or spec.get("schema") is None:
+            return dialect.bad_request("schema_ is required for json_schema response format request.")
+    return None
+
+
 def from_anthropic(body: dict[str, Any]) -> dict[str, Any]:
     """The chat `tools` and `tool_choice` a Messages request's stand for (vLLM 0.32.0
     vllm/entrypoints/anthropic/serving.py `_convert_tools`, `_convert_tool_choice`): each tool as a
@@ -121,8 +143,9 @@ def _tool_schema(tools: Any, name: str) -> Any:
     return {"type": "object"}
 
 
-def forced_call(body: dict[str, Any]) -> tuple[ScriptStep, bool] | None:
-    """The call a `required` or named `tool_choice` forces (and whether it was named), else None."""
+def forced_call(body: dict[str, Any], sglang: bool = False) -> tuple[ScriptStep, bool] | None:
+    """The call a `required` or named `tool_choice` forces (and whether it was named), else None; its
+    id vLLM's `chatcmpl-tool-<uuid>` or SGLang's `call_<24 hex>` (serving_chat.py `_process_tool_call_id`)."""
     choice, tools = body.get("tool_choice"), body.get("tools")
     if isinstance(choice, dict):
         name = str((choice.get("function") or {}).get("name"))
@@ -132,20 +155,31 @@ def forced_call(body: dict[str, Any]) -> tuple[ScriptStep, bool] | None:
         return None
     arguments = structured.instance(_tool_schema(tools, name))
     call = ScriptedCall(name=name, arguments=arguments if isinstance(arguments, dict) else {},
-                        id=f"chatcmpl-tool-{uuid.uuid4().hex}")
+                        id=f"call_{uuid.uuid4().hex[:24]}" if sglang else f"chatcmpl-tool-{uuid.uuid4().hex}")
     return ScriptStep(tool_calls=[call]), isinstance(choice, dict)
 
 
-def fixed_answer(script: SimScript, body: dict[str, Any], schema: Any) -> tuple[int, ScriptStep, str] | None:
+def fixed_answer(script: SimScript, body: dict[str, Any], schema: Any, config: SimConfig) -> tuple[int, ScriptStep,
+                                                                                                   str] | None:
     """The chat answer that is not filler (module docstring): (step index, step, finish reason when the
     whole step is generated), or None. `schema`: the request's structured format
-    (`structured.chat_format`)."""
+    (`structured.chat_format`). SGLang (python/sglang/srt/entrypoints/openai/serving_chat.py) parses
+    calls only with a tool parser, and then says `tool_calls` for a named choice too
+    (`_process_tool_calls`); without one a forced choice is only a JSON constraint
+    (`get_json_schema_constraint`: an array of `{"name", "parameters"}` for `required`, the tool's
+    parameters for a named one), answered as text."""
+    sglang = config.engine == "sglang"
     step = sc.next_step(script, "chat", body)
     if step is not None:
         return step[0], step[1], "tool_calls" if step[1].tool_calls else "stop"
-    forced = forced_call(body)
+    forced = forced_call(body, sglang)
+    if forced is not None and sglang and config.tool_call_parser is None:
+        [call] = forced[0].tool_calls
+        text = structured.answer_text(call.arguments if forced[1] else [{"name": call.name,
+                                                                          "parameters": call.arguments}])
+        return -1, ScriptStep(text=text), "stop"
     if forced is not None:
-        return -1, forced[0], "stop" if forced[1] else "tool_calls"
+        return -1, forced[0], "stop" if forced[1] and not sglang else "tool_calls"
     if schema is not None:
         return -1, ScriptStep(text=structured.answer_text(structured.instance(schema))), "stop"
     return None

@@ -28,6 +28,7 @@ from gateway.sim import anthropic as a
 from gateway.sim import chat_tools as ct
 from gateway.sim import responses as r
 from gateway.sim import script as sc
+from gateway.sim import sglang_shapes as sg
 from gateway.sim import structured as so
 from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import (
@@ -339,7 +340,7 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
     try:
         if anthropic is not None:
             body = _as_chat(body, anthropic == "messages", engine.config.engine == "sglang")
-        elif kind == "chat":
+        elif kind == "chat" and vllm:
             schema = so.chat_format(body)
         plan = _plan(engine, kind, body, stream)
     except FieldValidationError as exc:
@@ -351,10 +352,17 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
     except PromptError as exc:
         await responder.reply(dialect.bad_request(str(exc)))
         return
-    refusal = ct.check_tools(body, engine.config, dialect) if kind == "chat" and vllm else None
+    refusal = None
+    if kind == "chat":
+        refusal = ct.check_tools(body, engine.config, dialect) if vllm else ct.check_sglang_tools(body, dialect)
     if refusal is not None:
         await responder.reply(refusal)
         return
+    if kind == "chat" and anthropic is None and not vllm:  # SGLang: its format's constraint, its own checks above
+        try:
+            schema = so.chat_format(body)
+        except PromptError:
+            schema = None
     engine.update(record, prompt_tokens=plan.total_prompt_tokens)
     if anthropic == "count_tokens":  # the engine's tokenizer count, nothing generated
         await responder.reply(ErrorReply(200, orjson.dumps({"input_tokens": plan.total_prompt_tokens})))
@@ -458,7 +466,7 @@ def _fixed_plan(engine: SimWorkerState, plan: _Plan, body: dict[str, Any], schem
     or a structured answer; Messages, whose script was read before: a forced call or a structured
     answer), cut by the output limit as any answer is; `plan` itself when there is none."""
     script = sc.SimScript() if messages else engine.script
-    fixed = ct.fixed_answer(script, body, schema)
+    fixed = ct.fixed_answer(script, body, schema, engine.config)
     if fixed is None:
         return plan
     index, step, finish = fixed
@@ -467,7 +475,8 @@ def _fixed_plan(engine: SimWorkerState, plan: _Plan, body: dict[str, Any], schem
     count, why = generated_count(body, requested_output_tokens(body, True), total, room, total)
     if messages and not step.tool_calls:
         step = sc.cut_text(step, count)  # a Messages answer holds what was generated
-    return replace(plan, script=(index, step), output_tokens=count, forced=ct.forced_call(body) is not None,
+    return replace(plan, script=(index, step), output_tokens=count, forced=ct.forced_call(body) is not None
+                   and engine.config.engine in VLLM_FAMILY,
                    finish_reason=finish if why == "stop" else "length")
 
 
@@ -607,6 +616,9 @@ async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequest
     else:
         payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
                                     completion_tokens, active.cached_tokens)
+    if config.engine == "sglang":
+        payload["usage"] = sg.usage(plan.total_prompt_tokens, completion_tokens, active.cached_tokens,
+                                    config.enable_cache_report)
     if plan.leg is not None:
         payload.update(plan.leg.response_fields(active))
     engine.update(record, completion_tokens_sent=completion_tokens)
@@ -647,7 +659,10 @@ async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestR
             await responder.event(r.sse_event(chunk))
             engine.update(record, completion_tokens_sent=sent)
     if plan.fmt.include_usage:
-        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent, cached)))
+        chunk = r.usage_chunk(meta, prompt_total, sent, cached)
+        if config.engine == "sglang":
+            chunk["usage"] = sg.usage(prompt_total, sent, cached, config.enable_cache_report)
+        await responder.event(r.sse_event(chunk))
     await responder.end_stream()
 
 
