@@ -90,25 +90,34 @@ def check_tools(body: dict[str, Any], config: SimConfig, dialect: EngineDialect)
     return None
 
 
-def check_sglang_tools(body: dict[str, Any], dialect: EngineDialect) -> ErrorReply | None:
+def check_sglang_tools(body: dict[str, Any], dialect: EngineDialect, messages: bool = False) -> ErrorReply | None:
     """SGLang's refusals of a chat request's tools and format (python/sglang/srt/entrypoints/openai/
     serving_chat.py `_validate_request`, a 400 `BadRequestError` in its flat shape): `required` or a
     named choice without tools, a named tool not among them, a `json_schema` format without its
-    schema. (Its check of each tool's `parameters` against JSON Schema's meta-schema is not simulated.)"""
+    schema. (Its check of each tool's `parameters` against JSON Schema's meta-schema is not simulated.)
+    On Messages (`messages`) the same checks run on the converted request, answered with type
+    `invalid_request_error` (python/sglang/srt/entrypoints/anthropic/serving.py `_handle_non_streaming`)."""
+    reply = _sglang_refusal(body)
+    if reply is None:
+        return None
+    return dialect.error(reply, "invalid_request_error", 400) if messages else dialect.bad_request(reply)
+
+
+def _sglang_refusal(body: dict[str, Any]) -> str | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if isinstance(choice, str) and choice.lower() == "required" and not tools:
-        return dialect.bad_request("Tools cannot be empty if tool choice is set to required.")
+        return "Tools cannot be empty if tool choice is set to required."
     if isinstance(choice, dict):
         if not tools:
-            return dialect.bad_request("Tools cannot be empty if tool choice is set to a specific tool.")
+            return "Tools cannot be empty if tool choice is set to a specific tool."
         name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
         if name not in _tool_names(tools):
-            return dialect.bad_request(f"Tool '{name}' not found in tools list.")
+            return f"Tool '{name}' not found in tools list."
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or spec.get("schema") is None:
-            return dialect.bad_request("schema_ is required for json_schema response format request.")
+            return "schema_ is required for json_schema response format request."
     return None
 
 

@@ -354,7 +354,8 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
         return
     refusal = None
     if kind == "chat":
-        refusal = ct.check_tools(body, engine.config, dialect) if vllm else ct.check_sglang_tools(body, dialect)
+        refusal = (ct.check_tools(body, engine.config, dialect) if vllm
+                   else ct.check_sglang_tools(body, dialect, anthropic is not None))
     if refusal is not None:
         await responder.reply(refusal)
         return

@@ -87,3 +87,24 @@ def test_sglang_tool_calls(start_sim: StartSim) -> None:
                                                                       "parameters": {"city": ""}}]
     auto = plain.chat.completions.create(model="kimi-k3", messages=ASK, tools=[WEATHER], max_tokens=2)  # type: ignore[arg-type]
     assert auto.choices[0].finish_reason == "length"  # SGLang refuses no `auto` choice, parser or not
+
+
+def test_sglang_messages_tools(start_sim: StartSim) -> None:
+    """SGLang's Messages layer checks the converted chat request (`invalid_request_error`), forces a call
+    for `any`, and takes a `tool_result` outside a user turn (as text: python/sglang/srt/entrypoints/
+    anthropic/serving.py), counting it in the prompt."""
+    sim = start_sim("sglang", tool_call_parser="kimi_k2")
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    body: dict[str, Any] = {"model": "kimi-k3", "max_tokens": 5, "messages": ASK, "tools": [tool]}
+    refused = httpx.post(sim.url + "/v1/messages", timeout=10, json={
+        **body, "tool_choice": {"type": "tool", "name": "nope"}})
+    assert refused.status_code == 400
+    assert refused.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                         "message": "Tool 'nope' not found in tools list."}}
+    forced = httpx.post(sim.url + "/v1/messages", json={**body, "tool_choice": {"type": "any"}}, timeout=10).json()
+    assert forced["stop_reason"] == "tool_use" and forced["content"][0]["input"] == {"city": ""}
+    history = [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "sunny and warm all day"}]}]
+    counted = [httpx.post(sim.url + "/v1/messages", json={**body, "messages": m}, timeout=10).json()["usage"]
+               for m in (ASK, history)]
+    assert counted[1]["input_tokens"] > counted[0]["input_tokens"]
