@@ -169,7 +169,7 @@ def test_response_format_refusals(start_sim: StartSim, start_gateway: StartGatew
 def test_count_tokens_counts_tools_and_system(start_sim: StartSim, start_gateway: StartGateway) -> None:
     """vLLM's `count_tokens` renders the whole chat request, tools and system included
     (vllm/entrypoints/anthropic/serving.py); without a tool parser its `auto` choice is refused."""
-    gw, _ = _through_gateway(start_sim, start_gateway)
+    gw, running = _through_gateway(start_sim, start_gateway)
     client = anthropic.Anthropic(base_url=gw.url, api_key="x", max_retries=0)
     tool: Any = {"name": "get_weather", "description": "The weather.",
                  "input_schema": WEATHER["function"]["parameters"]}
@@ -179,6 +179,10 @@ def test_count_tokens_counts_tools_and_system(start_sim: StartSim, start_gateway
     assert tooled > bare + 20 and system > bare
     made = client.messages.create(model="kimi-k3", max_tokens=3, messages=ASK, tools=[tool])  # type: ignore[arg-type]
     assert made.usage.input_tokens + (made.usage.cache_read_input_tokens or 0) == tooled
+    chat: dict[str, Any] = {"model": "kimi-k3", "messages": ASK, "tools": [WEATHER], "max_tokens": 2}
+    rendered = httpx.post(f"{running.url}/v1/chat/completions/render", json=chat, timeout=10).json()["token_ids"]
+    usage = httpx.post(f"{running.url}/v1/chat/completions", json=chat, timeout=10).json()["usage"]
+    assert len(rendered) == usage["prompt_tokens"] > 20  # the render endpoint counts the tools as generation does
     gw2, _ = _through_gateway(start_sim, start_gateway, tool_call_parser=None, enable_auto_tool_choice=False)
     with pytest.raises(anthropic.BadRequestError) as refused:
         anthropic.Anthropic(base_url=gw2.url, api_key="x", max_retries=0).messages.count_tokens(
