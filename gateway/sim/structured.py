@@ -44,7 +44,8 @@ class ParameterError(PromptError):
         self.parameter = parameter
 
 
-_STRUCTURAL_TAG_ERRORS = ("format", "structures", "triggers")
+_STRUCTURAL_TAG_BRANCHES = (("format",), ("structures", "triggers"))
+"""The required fields of the `response_format` union's structural-tag models, in the union's order."""
 _MOST = 64  # a `minLength` / `minItems` beyond is filled this far only (a schema must not size the answer)
 
 
@@ -99,11 +100,12 @@ def _format_errors(fmt: dict[str, Any], loc: tuple[str, ...]) -> list[dict[str, 
         errors.append({"type": "literal_error", "loc": (*loc, "type"),
                        "msg": "Input should be 'text', 'json_object' or 'json_schema'", "input": kind,
                        "ctx": {"expected": "'text', 'json_object' or 'json_schema'"}})
-    for i, field in enumerate(_STRUCTURAL_TAG_ERRORS):
-        if i != 1:
-            errors.append({"type": "literal_error", "loc": (*loc, "type"), "msg": "Input should be 'structural_tag'",
-                           "input": kind, "ctx": {"expected": "'structural_tag'"}})
-        errors.append({"type": "missing", "loc": (*loc, field), "msg": "Field required", "input": fmt})
+    tag = {"type": "literal_error", "loc": (*loc, "type"), "msg": "Input should be 'structural_tag'", "input": kind,
+           "ctx": {"expected": "'structural_tag'"}}
+    for fields in _STRUCTURAL_TAG_BRANCHES:  # each structural-tag model: its type, then its missing fields
+        errors.append(tag)
+        errors.extend({"type": "missing", "loc": (*loc, field), "msg": "Field required", "input": fmt}
+                      for field in fields)
     return errors
 
 
