@@ -98,7 +98,7 @@ class _Plan:
     anthropic: bool = False  # a Messages request: Anthropic's answer shapes
     script: tuple[int, ScriptStep] | None = None
     """The fixed answer (a script's step, a forced tool call, a structured answer: `gateway.sim.chat_tools`)."""
-    forced: bool = False  # a chat answer to a `required` / named `tool_choice` (`content` "" rather than null)
+    forced: bool = False  # a fixed chat answer without text has `content` "" rather than null (`_fixed_plan`)
     model: str = ""
     """The `model` a chat or completions answer names (`SimWorkerState.answer_model`); "" for the first served name."""
     start: int = 0
@@ -465,7 +465,8 @@ def _as_chat(body: dict[str, Any], needs_max_tokens: bool, sglang: bool) -> dict
 def _fixed_plan(engine: SimWorkerState, plan: _Plan, body: dict[str, Any], schema: Any, messages: bool) -> _Plan:
     """`plan` with the fixed answer `chat_tools.fixed_answer` finds (chat: a scripted step, a forced call
     or a structured answer; Messages, whose script was read before: a forced call or a structured
-    answer), cut by the output limit as any answer is; `plan` itself when there is none."""
+    answer), cut by the output limit as any answer is (a Messages tool call is sent whole, as a scripted
+    one is); `plan` itself when there is none."""
     script = sc.SimScript() if messages else engine.script
     fixed = ct.fixed_answer(script, body, schema, engine.config)
     if fixed is None:
@@ -476,8 +477,10 @@ def _fixed_plan(engine: SimWorkerState, plan: _Plan, body: dict[str, Any], schem
     count, why = generated_count(body, requested_output_tokens(body, True), total, room, total)
     if messages and not step.tool_calls:
         step = sc.cut_text(step, count)  # a Messages answer holds what was generated
-    return replace(plan, script=(index, step), output_tokens=count, forced=ct.forced_call(body) is not None
-                   and engine.config.engine in VLLM_FAMILY,
+    # an empty `content` is "": vLLM's with a forced choice (`content or ""`), SGLang's always (its
+    # serving_chat.py `_build_chat_response`: `text if text else ""`)
+    empty_text = engine.config.engine == "sglang" or ct.forced_call(body) is not None
+    return replace(plan, script=(index, step), output_tokens=count, forced=empty_text,
                    finish_reason=finish if why == "stop" else "length")
 
 

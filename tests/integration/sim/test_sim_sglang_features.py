@@ -77,7 +77,7 @@ def test_sglang_tool_calls(start_sim: StartSim) -> None:
     named = parsed.chat.completions.create(model="kimi-k3", messages=ASK, tools=[WEATHER],  # type: ignore[arg-type]
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     [call] = named.choices[0].message.tool_calls or []
-    assert named.choices[0].finish_reason == "tool_calls"
+    assert named.choices[0].finish_reason == "tool_calls" and named.choices[0].message.content == ""
     assert call.id.startswith("call_") and len(call.id) == 29 and json.loads(call.function.arguments) == {"city": ""}
     plain = _client(start_sim("sglang", tool_call_parser=None))
     required = plain.chat.completions.create(model="kimi-k3", messages=ASK, tools=[WEATHER],  # type: ignore[arg-type]
