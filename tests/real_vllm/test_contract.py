@@ -1,6 +1,8 @@
 """One engine contract, two implementations: every case of `contract.py` against the simulator's vLLM mode
 (always) and against the real vLLM (marker `vllm`), each compared with the real engine's recorded answers
 (`vllm-<version>.json`), so the simulator is held to the engine even where no real engine is installed.
+`contract.tool_parser_cases` run the same way against an engine started with a tool parser
+(`contract.TOOL_PARSER_ARGS`) and a simulator configured alike (`tool_sim`).
 
 Re-record after a vLLM upgrade: `KIMI_RECORD_CONTRACT=1 .venv/bin/pytest -n 0 tests/real_vllm/test_contract.py
 -m vllm` rewrites the file from the real engine; review its diff, then fix the simulator until the
