@@ -112,7 +112,9 @@ def chat_messages(body: dict[str, Any], sglang: bool = False) -> list[dict[str, 
     system message after others, else merge it into the leading system message: the simulator has
     no template, so it keeps it). Raises FieldValidationError for what `check_shapes` refuses
     (llama.cpp, which passes every role on and drops unknown blocks, is not simulated: tests/e2e
-    runs the real one), PromptError for a malformed `system` or `messages`."""
+    runs the real one), PromptError for a malformed `system` or `messages`. SGLang makes a `tool_result`
+    outside a user turn a text part "Tool result: ..." of that turn
+    (python/sglang/srt/entrypoints/anthropic/serving.py `_convert_to_chat_completion_request`)."""
     system = body.get("system")
     out: list[dict[str, Any]] = []
     if isinstance(system, str):
@@ -159,6 +161,9 @@ def chat_messages(body: dict[str, Any], sglang: bool = False) -> list[dict[str, 
                 result = block.get("content")
                 if isinstance(result, list):
                     result = "\n".join(str(b.get("text") or "") for b in result if isinstance(b, dict))
+                if sglang and turn["role"] != "user":  # SGLang: a result outside a user turn stays text
+                    parts.append({"type": "text", "text": f"Tool result: {result or ''}"})
+                    continue
                 out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": result or ""})
                 results += 1
             elif kind == "thinking":

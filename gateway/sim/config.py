@@ -196,6 +196,16 @@ class SimConfig(BaseModel):
         "always serves `POST /load_lora_adapter` and `/unload_lora_adapter`; this is its `--enable-lora` "
         "(also implied by `lora_modules`, its `--lora-paths`): without it they answer SGLang's 'LoRA is not "
         "enabled' refusal")
+    enable_cache_report: bool = Field(
+        default=True, description="SGLang's `--enable-cache-report`: its usage carries `prompt_tokens_details` "
+        "(`cached_tokens`) only with it, and only when some prompt tokens were cached (`gateway.sim.sglang_shapes`)")
+    tool_call_parser: str | None = Field(
+        default="kimi_k2", description="vLLM family: the engine's `--tool-call-parser` (only whether one is set "
+        "matters): without one vLLM refuses a `required` or named `tool_choice` "
+        "(vllm/renderers/online_renderer.py); SGLang's `--tool-call-parser` likewise gates tool calls")
+    enable_auto_tool_choice: bool = Field(
+        default=True, description="vLLM's `--enable-auto-tool-choice`: without it and without a parser, "
+        "`tool_choice: auto` (also what tools without a `tool_choice`, and Messages with tools, mean) is refused")
     lora_loadable_paths: list[str] | None = Field(
         default=None, description="adapter paths a runtime load finds (None: every path); another fails as "
         "the engine fails on a path without an adapter")

@@ -25,8 +25,11 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.sim import anthropic as a
+from gateway.sim import chat_tools as ct
 from gateway.sim import responses as r
 from gateway.sim import script as sc
+from gateway.sim import sglang_shapes as sg
+from gateway.sim import structured as so
 from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import (
     JSON_HEADERS,
@@ -62,6 +65,7 @@ from gateway.sim.tokens import (
     requested_output_field,
     requested_output_tokens,
     text_tokens,
+    tools_tokens,
 )
 from gateway.sim.worker_state import SimRequestRecord, SimWorkerState
 
@@ -94,7 +98,9 @@ class _Plan:
     leg: PdLeg | None = None
     """The PD hand-over of a worker with a `pd_role` (see `gateway.sim.pd_leg`)."""
     anthropic: bool = False  # a Messages request: Anthropic's answer shapes
-    script: tuple[int, ScriptStep] | None = None  # the scripted answer (`gateway.sim.script`), if any
+    script: tuple[int, ScriptStep] | None = None
+    """The fixed answer (a script's step, a forced tool call, a structured answer: `gateway.sim.chat_tools`)."""
+    forced: bool = False  # a fixed chat answer without text has `content` "" rather than null (`_fixed_plan`)
     model: str = ""
     """The `model` a chat or completions answer names (`SimWorkerState.answer_model`); "" for the first served name."""
     start: int = 0
@@ -331,16 +337,35 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
         await responder.reply(dialect.error(NULL_MAX_TOKENS_MESSAGE, "InternalServerError", 500))
         return
     step = sc.next_step(engine.script, "messages", body) if anthropic == "messages" else None
+    vllm = engine.config.engine in VLLM_FAMILY
+    schema = so.messages_format(body) if anthropic == "messages" and vllm else None
     try:
         if anthropic is not None:
             body = _as_chat(body, anthropic == "messages", engine.config.engine == "sglang")
+        elif kind == "chat" and vllm:
+            schema = so.chat_format(body)
         plan = _plan(engine, kind, body, stream)
     except FieldValidationError as exc:
         await responder.reply(dialect.validation_error(exc))
         return
+    except so.ParameterError as exc:
+        await responder.reply(dialect.bad_request(str(exc), exc.parameter))
+        return
     except PromptError as exc:
         await responder.reply(dialect.bad_request(str(exc)))
         return
+    refusal = None
+    if kind == "chat":
+        refusal = (ct.check_tools(body, engine.config, dialect) if vllm
+                   else ct.check_sglang_tools(body, dialect, anthropic is not None))
+    if refusal is not None:
+        await responder.reply(refusal)
+        return
+    if kind == "chat" and anthropic is None and not vllm:  # SGLang: its format's constraint, its own checks above
+        try:
+            schema = so.chat_format(body)
+        except PromptError:
+            schema = None
     engine.update(record, prompt_tokens=plan.total_prompt_tokens)
     if anthropic == "count_tokens":  # the engine's tokenizer count, nothing generated
         answer = a.count_tokens_answer(plan.total_prompt_tokens, engine.config.engine in VLLM_FAMILY)
@@ -350,6 +375,8 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
         plan = replace(plan, anthropic=True, finish_reason="length")
     if step is not None:
         plan = replace(plan, script=step, output_tokens=sc.output_tokens(step[1]), finish_reason="stop")
+    elif anthropic != "count_tokens":
+        plan = _fixed_plan(engine, plan, body, schema, anthropic is not None)
     for tokens in plan.prompt_tokens:
         error = dialect.check_context(tokens, requested_output_tokens(body, kind == "chat"),
                                       engine.config.max_context_tokens, stream,
@@ -434,11 +461,35 @@ def _as_chat(body: dict[str, Any], needs_max_tokens: bool, sglang: bool) -> dict
     max_tokens = messages_max_tokens(body) if needs_max_tokens else None
     # vLLM's and SGLang's AnthropicMessagesRequest build their chat request from Anthropic's own
     # fields only: sampling extras such as `min_tokens` / `ignore_eos` do not reach the sampler.
-    chat = {k: v for k, v in body.items() if k not in ("system", "stream", "min_tokens", "ignore_eos")}
+    chat = {k: v for k, v in body.items()
+            if k not in ("system", "stream", "min_tokens", "ignore_eos", "tools", "tool_choice")}
     chat["messages"] = a.chat_messages(body, sglang)
+    chat.update(ct.from_anthropic(body))
     if max_tokens is not None:
         chat["max_tokens"] = max_tokens
     return chat
+
+
+def _fixed_plan(engine: SimWorkerState, plan: _Plan, body: dict[str, Any], schema: Any, messages: bool) -> _Plan:
+    """`plan` with the fixed answer `chat_tools.fixed_answer` finds (chat: a scripted step, a forced call
+    or a structured answer; Messages, whose script was read before: a forced call or a structured
+    answer), cut by the output limit as any answer is (a Messages tool call is sent whole, as a scripted
+    one is); `plan` itself when there is none."""
+    script = sc.SimScript() if messages else engine.script
+    fixed = ct.fixed_answer(script, body, schema, engine.config)
+    if fixed is None:
+        return plan
+    index, step, finish = fixed
+    total = sc.output_tokens(step) if messages else len(ct.tokens(step))
+    room = engine.config.max_context_tokens - plan.total_prompt_tokens
+    count, why = generated_count(body, requested_output_tokens(body, True), total, room, total)
+    if messages and not step.tool_calls:
+        step = sc.cut_text(step, count)  # a Messages answer holds what was generated
+    # an empty `content` is "": vLLM's with a forced choice (`content or ""`), SGLang's always (its
+    # serving_chat.py `_build_chat_response`: `text if text else ""`)
+    empty_text = engine.config.engine == "sglang" or ct.forced_call(body) is not None
+    return replace(plan, script=(index, step), output_tokens=count, forced=empty_text,
+                   finish_reason=finish if why == "stop" else "length")
 
 
 def _plan(engine: SimWorkerState, kind: r.Kind, body: dict[str, Any], stream: bool) -> _Plan:
@@ -452,6 +503,7 @@ def _plan(engine: SimWorkerState, kind: r.Kind, body: dict[str, Any], stream: bo
             start, prompt_tokens = held, [chat_prompt_tokens(messages[:-1], config) + held]
         else:
             start, prompt_tokens = held or 0, [chat_prompt_tokens(messages, config)]
+        prompt_tokens = [prompt_tokens[0] + tools_tokens(body.get("tools"), config)]
     else:
         prompt_tokens = completion_prompt_tokens(body.get("prompt"), config)
         start = completion_continued_tokens(body.get("prompt"))
@@ -572,9 +624,14 @@ async def _generate_json(engine: SimWorkerState, plan: _Plan, record: SimRequest
     if plan.kind == "chat":
         payload = r.chat_completion(meta, text, plan.finish_reason, plan.total_prompt_tokens, completion_tokens,
                                     active.cached_tokens, active.created_cache_tokens(config.kv_block_tokens))
+        if plan.script is not None:
+            payload["choices"][0]["message"].update(ct.message_fields(plan.script, plan.output_tokens, plan.forced))
     else:
         payload = r.text_completion(meta, [text] * n_prompts, plan.finish_reason, plan.total_prompt_tokens,
                                     completion_tokens, active.cached_tokens)
+    if config.engine == "sglang":
+        payload["usage"] = sg.usage(plan.total_prompt_tokens, completion_tokens, active.cached_tokens,
+                                    config.enable_cache_report)
     if plan.leg is not None:
         payload.update(plan.leg.response_fields(active))
     engine.update(record, completion_tokens_sent=completion_tokens)
@@ -610,11 +667,15 @@ async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestR
             chunk = r.token_chunk(meta, plan.fmt, text, index=index,
                                   finish_reason=plan.finish_reason if last else None,
                                   prompt_tokens=prompt_total, completion_tokens=sent, cached_tokens=cached)
+            if plan.script is not None and plan.kind == "chat" and plan.output_tokens > 0:
+                chunk["choices"][0]["delta"] = ct.delta(plan.script, i)
             await responder.event(r.sse_event(chunk))
             engine.update(record, completion_tokens_sent=sent)
     if plan.fmt.include_usage:
-        await responder.event(r.sse_event(r.usage_chunk(meta, prompt_total, sent, cached,
-                                                        active.created_cache_tokens(config.kv_block_tokens))))
+        chunk = r.usage_chunk(meta, prompt_total, sent, cached, active.created_cache_tokens(config.kv_block_tokens))
+        if config.engine == "sglang":
+            chunk["usage"] = sg.usage(prompt_total, sent, cached, config.enable_cache_report)
+        await responder.event(r.sse_event(chunk))
     await responder.end_stream()
 
 
@@ -630,7 +691,7 @@ async def _anthropic_json(engine: SimWorkerState, plan: _Plan, record: SimReques
     payload = a.message(a.message_id(), config.model_name, output_text(plan.output_tokens), plan.finish_reason,
                         shapes.answer)
     if plan.script is not None:
-        payload.update(content=sc.messages_content(plan.script), stop_reason=sc.stop_reason(plan.script[1]))
+        payload.update(content=sc.messages_content(plan.script), stop_reason=_stop_reason(plan))
     engine.update(record, completion_tokens_sent=plan.output_tokens)
     await responder.reply(ErrorReply(200, orjson.dumps(payload)))
 
@@ -666,6 +727,14 @@ async def _anthropic_sse(engine: SimWorkerState, plan: _Plan, record: SimRequest
     await responder.end_stream()
 
 
+def _stop_reason(plan: _Plan) -> str:
+    """A fixed Messages answer's `stop_reason`: `max_tokens` when the limit cut it, else the step's
+    (vllm/entrypoints/anthropic/serving.py `_to_anthropic_stop_reason`: "length" wins, a tool call is
+    `tool_use` even for a named choice's "stop")."""
+    assert plan.script is not None
+    return "max_tokens" if plan.finish_reason == "length" else sc.stop_reason(plan.script[1])
+
+
 async def _scripted_messages_sse(engine: SimWorkerState, plan: _Plan, step: tuple[int, ScriptStep],
                                  record: SimRequestRecord, responder: _Responder, watch: DisconnectWatch,
                                  active: ActiveRequest) -> None:
@@ -680,7 +749,7 @@ async def _scripted_messages_sse(engine: SimWorkerState, plan: _Plan, step: tupl
         await responder.event(chunk)
     shapes = a.usage_shapes(engine.config.messages_usage_mode, plan.total_prompt_tokens, sent, active.cached_tokens,
                             active.created_cache_tokens(engine.config.kv_block_tokens))
-    await responder.event(a.event({"type": "message_delta", "delta": {"stop_reason": sc.stop_reason(step[1]),
+    await responder.event(a.event({"type": "message_delta", "delta": {"stop_reason": _stop_reason(plan),
                                                                       "stop_sequence": None},
                                    "usage": shapes.delta if shapes.delta is not None else shapes.answer}))
     await responder.event(a.event({"type": "message_stop"}))

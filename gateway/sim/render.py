@@ -43,6 +43,7 @@ from gateway.sim.tokens import (
     prompt_token_ids,
     requested_output_field,
     requested_output_tokens,
+    tools_tokens,
 )
 from gateway.sim.worker_state import SimWorkerState
 
@@ -121,7 +122,7 @@ def _token_ids(engine: SimWorkerState, kind: str, body: dict[str, Any],
     config = engine.config
     try:
         if kind == "chat":
-            counts = [chat_prompt_tokens(body.get("messages"), config)]
+            counts = [chat_prompt_tokens(body.get("messages"), config) + tools_tokens(body.get("tools"), config)]
         else:
             counts = completion_prompt_tokens(body.get("prompt"), config)
         requested = requested_output_tokens(body, kind == "chat") if check_context else None

@@ -66,6 +66,7 @@ from urllib.parse import parse_qs
 import orjson
 
 from gateway.sim import script as sc
+from gateway.sim import structured as so
 from gateway.sim.active import ActiveRequest
 from gateway.sim.asgi import (
     JSON_HEADERS,
@@ -409,9 +410,14 @@ class ResponsesServer:
         step = sc.next_step(engine.script, "responses", body)
         # vLLM: min(max_output_tokens, max_model_len - prompt); SGLang's scheduler likewise
         room = engine.config.output_room(prompt_tokens)
+        schema = so.responses_format(body) if step is None else None
+        if schema is not None:  # a structured answer (`gateway.sim.structured`), cut by the limit as any answer
+            step = (-1, ScriptStep(text=so.answer_text(so.instance(schema))))
         eos_after = engine.config.eos_after_tokens  # the model's own end, under any limit
         if step is not None:
             output_tokens, finish = min(sc.output_tokens(step[1]), room), "stop"
+            if schema is not None and limit is not None and limit < output_tokens:
+                step, output_tokens, finish = (-1, sc.cut_text(step[1], limit)), limit, "length"
             if eos_after is not None:
                 output_tokens = min(output_tokens, eos_after)
         else:
@@ -450,8 +456,8 @@ class ResponsesServer:
             item_id = f"msg_{uuid.uuid4().hex}"
             if step is not None:
                 await self._scripted(step, item_id, body, response, messages, prompt_tokens, active, record,
-                                     watch, events if stream else None, responder)
-                reason = "stop"
+                                     watch, events if stream else None, responder, finish)
+                reason = finish
                 return
             pieces: list[str] = []
             for i in range(output_tokens):
@@ -493,7 +499,7 @@ class ResponsesServer:
     async def _scripted(self, step: tuple[int, ScriptStep], item_id: str, body: dict[str, Any],
                         response: dict[str, Any], messages: list[dict[str, Any]], prompt_tokens: int,
                         active: ActiveRequest, record: SimRequestRecord, watch: DisconnectWatch,
-                        events: _EventWriter | None, responder: _Responder) -> None:
+                        events: _EventWriter | None, responder: _Responder, finish: str = "stop") -> None:
         """A scripted answer (`gateway.sim.script`): its text item and `function_call` items, each
         delta one decoded token, streamed (`events`) in vLLM's event order or as one response."""
         engine = self.engine
@@ -535,7 +541,7 @@ class ResponsesServer:
                                   content_index=0, part=part)
             await events.send("response.output_item.done", output_index=index, item=item)
         usage = _usage(prompt_tokens, sent, active, engine.config.kv_block_tokens)
-        final = {**response, "status": "completed", "output": output, "usage": usage}
+        final = {**response, **_final_status(finish), "output": output, "usage": usage}
         self._store(response["id"], body, messages, step[1].text, final)
         if events is not None:
             await events.send("response.completed", response=final)
@@ -687,7 +693,7 @@ def _response_object(body: dict[str, Any], model: str, response_id: str) -> dict
         "top_p": _number(body.get("top_p"), 1.0), "background": body.get("background") is True,
         "max_output_tokens": body.get("max_output_tokens"), "max_tool_calls": None,
         "previous_response_id": body.get("previous_response_id"), "prompt": None, "reasoning": None,
-        "service_tier": body.get("service_tier") or "auto", "status": "in_progress", "text": None,
+        "service_tier": body.get("service_tier") or "auto", "status": "in_progress", "text": body.get("text"),
         "top_logprobs": None, "truncation": body.get("truncation") or "disabled", "usage": None, "user": None,
         "presence_penalty": _number(body.get("presence_penalty"), 0.0),
         "frequency_penalty": _number(body.get("frequency_penalty"), 0.0),

@@ -7,10 +7,12 @@ A script is a list of steps, each the whole answer to one model turn: optional `
 `tool_calls` the model makes (name + JSON arguments). Which step answers a request follows from the
 conversation the request carries, not from a counter, so an agent's retries or side requests do not
 shift it: step i answers a conversation holding the results of every call of steps 0..i-1 (Anthropic
-`tool_result` blocks by `tool_use_id`, Responses `function_call_output` items by `call_id`) and not
-yet all of step i's. Past the last step, or with no script, the engine answers as usual (filler).
+`tool_result` blocks by `tool_use_id`, Responses `function_call_output` items by `call_id`, chat
+`tool` messages by `tool_call_id`) and not yet all of step i's. Past the last step, or with no script,
+the engine answers as usual (filler).
 
-Only `/v1/messages` and `/v1/responses` follow the script, in the engines' own shapes:
+`/v1/messages`, `/v1/responses` and `/v1/chat/completions` follow the script, in the engines' own shapes
+(chat: `gateway.sim.chat_tools`):
 
 - Messages (vLLM 0.33.0 `vllm/entrypoints/anthropic/serving.py`, SGLang `srt/entrypoints/anthropic/serving.py`):
   streamed, `message_start`, a text block (`content_block_start` / `text_delta`s /
@@ -26,7 +28,8 @@ Only `/v1/messages` and `/v1/responses` follow the script, in the engines' own s
   item. The final `response.completed` lists every item.
 
 Call ids are the step's own (`id`) or `toolu_sim_{step}_{call}` (Messages) / `call_sim_{step}_{call}`
-(Responses), item ids `fc_` + the call id: deterministic where vLLM draws `fc_<uuid>` / `call_<uuid>`,
+(Responses) / `chatcmpl-tool-sim-{step}-{call}` (chat), item ids `fc_` + the call id: deterministic where
+vLLM draws `fc_<uuid>` / `call_<uuid>` / `chatcmpl-tool-<uuid>`,
 so a test can name the result it expects back. Each text word and each ~8-character argument piece
 counts as one output token.
 """
@@ -39,7 +42,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-Api = Literal["messages", "responses"]
+Api = Literal["messages", "responses", "chat"]
 _PIECE = 8  # characters of arguments per delta (one "token")
 
 
@@ -71,6 +74,8 @@ def call_id(api: Api, step: int, index: int, call: ScriptedCall) -> str:
     """The id of call `index` of step `step` on `api`."""
     if call.id is not None:
         return call.id
+    if api == "chat":
+        return f"chatcmpl-tool-sim-{step}-{index}"
     return f"{'toolu' if api == 'messages' else 'call'}_sim_{step}_{index}"
 
 
@@ -83,6 +88,10 @@ def _answered_ids(api: Api, body: dict[str, Any]) -> set[str]:
             for block in content if isinstance(content, list) else []:
                 if isinstance(block, dict) and block.get("type") == "tool_result":
                     ids.add(str(block.get("tool_use_id")))
+    elif api == "chat":
+        for turn in body.get("messages") or []:
+            if isinstance(turn, dict) and turn.get("role") == "tool":
+                ids.add(str(turn.get("tool_call_id")))
     else:
         items = body.get("input")
         for item in items if isinstance(items, list) else []:
@@ -107,6 +116,20 @@ def _words(text: str) -> list[str]:
     for i, word in enumerate(text.split(" ")):
         pieces.append(word if i == 0 else " " + word)
     return [p for p in pieces if p] if text else []
+
+
+def cut_text(step: ScriptStep, tokens: int) -> ScriptStep:
+    """A text-only step cut to its first `tokens` output tokens (words)."""
+    return ScriptStep(text="".join(_words(step.text)[:tokens]))
+
+
+def tokens(step: ScriptStep) -> list[tuple[int | None, str]]:
+    """The step's output tokens in order: `(None, word)` for its text, then `(j, piece)` for call j's
+    arguments."""
+    out: list[tuple[int | None, str]] = [(None, w) for w in _words(step.text)]
+    for j, call in enumerate(step.tool_calls):
+        out.extend((j, piece) for piece in _chunks(arguments_json(call)))
+    return out
 
 
 def _chunks(arguments: str) -> list[str]:

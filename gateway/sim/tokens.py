@@ -1,7 +1,8 @@
 """Token accounting of the simulator: a deterministic stand-in for a tokenizer.
 
 Prompt tokens = ceil(UTF-8 bytes of all prompt text / bytes_per_token) + image_tokens per image
-part + message_overhead_tokens per chat message. Output text is one word per token, drawn in order
+part + message_overhead_tokens per chat message (+ the JSON text of a chat request's `tools`:
+`tools_tokens`). Output text is one word per token, drawn in order
 from `OUTPUT_WORDS`, which mixes ASCII with 2-, 3- and 4-byte UTF-8 characters so that relays get
 multi-byte characters to split.
 
@@ -14,6 +15,7 @@ integers (blocks of exactly `kv_block_tokens` ids).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -195,6 +197,16 @@ def chat_prompt_tokens(messages: Any, config: SimConfig) -> int:
                 images += 1
     return (text_tokens(text_bytes, config.bytes_per_token) + images * config.image_tokens
             + len(messages) * config.message_overhead_tokens)
+
+
+def tools_tokens(tools: Any, config: SimConfig) -> int:
+    """Prompt tokens of a chat request's `tools`: their JSON text, as a chat template that renders the
+    tool definitions into the prompt adds them (vLLM renders the chat request with its tools,
+    vllm/renderers/online_renderer.py; so does `count_tokens`, vllm/entrypoints/anthropic/serving.py).
+    0 without tools."""
+    if not isinstance(tools, list) or not tools:
+        return 0
+    return text_tokens(len(json.dumps(tools).encode("utf-8")), config.bytes_per_token)
 
 
 def completion_prompt_tokens(prompt: Any, config: SimConfig) -> list[int]:

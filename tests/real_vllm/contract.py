@@ -284,6 +284,151 @@ def engine_cases(metric_names: list[str], lora_path: str) -> dict[str, Case]:
     }
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                   "required": ["city"]}}}
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                "sunny": {"type": "boolean"}},
+               "required": ["city", "sunny"], "additionalProperties": False}
+"""Closed value sets, so that even the tiny model's guided answer ends (a free string need not)."""
+GUIDED = 200  # room for a guided answer to close its JSON
+
+
+def _parses(text: Any) -> bool:
+    try:
+        json.loads(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def json_facts(response: httpx.Response) -> Observation:
+    """Whether a structured answer is what was asked for: the chat message's `content` and each tool
+    call's `arguments`, the Responses output text, the Messages text parse as JSON (a guided answer
+    the token budget cut off does not)."""
+    seen = observe(response)
+    try:
+        body = response.json()
+    except ValueError:
+        return seen
+    facts: dict[str, Any] = {}
+    for choice in body.get("choices") or []:
+        message = choice.get("message") or {}
+        if message.get("content"):
+            facts["content parses"] = _parses(message["content"])
+        for call in message.get("tool_calls") or []:
+            facts["arguments parse"] = _parses((call.get("function") or {}).get("arguments"))
+    for item in body.get("output") or []:
+        for part in item.get("content") or []:
+            if part.get("type") == "output_text":
+                facts["output_text parses"] = _parses(part.get("text"))
+    if body.get("type") == "message":
+        for block in body.get("content") or []:
+            if block.get("type") == "text":
+                facts["text parses"] = _parses(block.get("text"))
+    if facts:
+        seen["json"] = facts
+    return seen
+
+
+def _guided(http: httpx.Client, path: str, body: dict[str, Any]) -> list[Observation]:
+    try:
+        return [json_facts(http.post(path, json={k: v for k, v in body.items() if v is not None}))]
+    except httpx.TransportError as exc:
+        return [{"broken": type(exc).__name__}]
+
+
+def _count_tokens_grows(h: httpx.Client) -> list[Observation]:
+    """count_tokens of one conversation, then with a tool, then with a system prompt: the observations, and
+    whether each addition counted more tokens."""
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the river."}]}
+    tool = {"name": "get_weather", "description": "The weather in a city.",
+            "input_schema": WEATHER["function"]["parameters"]}  # type: ignore[index]
+    answers = [h.post("/v1/messages/count_tokens", json=body)
+               for body in (base, {**base, "tools": [tool]}, {**base, "system": "You are terse."})]
+    counts = [r.json().get("input_tokens", 0) if r.status_code == 200 else 0 for r in answers]
+    return [*(observe(r) for r in answers),
+            {"tools add tokens": counts[1] > counts[0], "system adds tokens": counts[2] > counts[0]}]
+
+
+def feature_cases() -> dict[str, Case]:
+    """Tool calls, structured output and token counting with tools (an engine started without a tool
+    parser, as the contract's is)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    schema_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}
+    return {
+        "chat tool_choice required": lambda h: _guided(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED)),
+        "chat tool_choice required stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED, stream=True))],
+        "chat tool_choice named": lambda h: _guided(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED)),
+        "chat tool_choice named stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED, stream=True))],
+        "chat tool_choice auto": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="auto"))],
+        "chat tool_choice named, unknown tool": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}))],
+        "chat tool_choice without tools": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tool_choice="required"))],
+        "chat tools, tool_choice none": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="none"))],
+        "chat response_format json_object": lambda h: _guided(h, "/v1/chat/completions", _chat(
+            response_format={"type": "json_object"}, max_tokens=GUIDED)),
+        "chat response_format json_schema": lambda h: _guided(h, "/v1/chat/completions", _chat(
+            response_format=schema_format, max_tokens=GUIDED)),
+        "chat response_format json_schema stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            response_format=schema_format, max_tokens=GUIDED, stream=True))],
+        "chat response_format json_schema without schema": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            response_format={"type": "json_schema"}))],
+        "chat response_format schema not an object": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": "not a schema"}}))],
+        "chat response_format unknown type": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            response_format={"type": "yaml"}))],
+        "responses text.format json_schema": lambda h: _guided(h, "/v1/responses", _responses(
+            text={"format": {"type": "json_schema", "name": "city", "schema": CITY_SCHEMA}},
+            max_output_tokens=GUIDED)),
+        "responses text.format json_object": lambda h: _guided(h, "/v1/responses", _responses(
+            text={"format": {"type": "json_object"}}, max_output_tokens=GUIDED)),
+        "messages output_config format": lambda h: _guided(h, "/v1/messages", _messages(
+            output_config={"format": {"type": "json_schema", "schema": CITY_SCHEMA}}, max_tokens=GUIDED)),
+        "messages count_tokens with tools and system": _count_tokens_grows,
+    }
+
+
+TOOL_PARSER_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+"""The flags of the engine `tool_parser_cases` run against (the tiny model's ChatML suits Hermes' parser)."""
+
+
+def tool_parser_cases() -> dict[str, Case]:
+    """Tool calls on an engine started with `TOOL_PARSER_ARGS`: `required` and named choices, which vLLM
+    answers with guided decoding (so even the tiny model's answer is a call), streamed and not; `auto`;
+    Messages with tools (served as `auto`) and their token count."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    tool = {"name": "get_weather", "description": "The weather in a city.",
+            "input_schema": WEATHER["function"]["parameters"]}  # type: ignore[index]
+    return {
+        "tools: chat tool_choice required": lambda h: _guided(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED)),
+        "tools: chat tool_choice required stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED, stream=True))],
+        "tools: chat tool_choice named": lambda h: _guided(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED)),
+        "tools: chat tool_choice named stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED, stream=True, stream_options={
+                "include_usage": True}))],
+        "tools: chat tool_choice auto": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="auto"))],
+        "tools: messages with tools": lambda h: [_post(h, "/v1/messages", _messages(tools=[tool]))],
+        "tools: messages tool_choice any": lambda h: [_post(h, "/v1/messages", _messages(
+            tools=[tool], tool_choice={"type": "any"}, max_tokens=GUIDED))],
+        "tools: messages count_tokens with tools": lambda h: [_post(h, "/v1/messages/count_tokens", {
+            "model": MODEL, "messages": [{"role": "user", "content": "Tell me about the river."}],
+            "tools": [tool]})],
+    }
+
+
 def all_cases(metric_names: list[str], lora_path: str) -> dict[str, Case]:
     return {**chat_cases(), **completion_cases(), **messages_cases(), **responses_cases(),
-            **engine_cases(metric_names, lora_path)}
+            **engine_cases(metric_names, lora_path), **feature_cases()}
