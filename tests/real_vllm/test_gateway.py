@@ -194,6 +194,27 @@ def test_lora_adapters_declared_and_loaded_on_demand(engines: list[VllmEngine],
     assert {MODEL, ADAPTER, ON_DEMAND} <= listed
 
 
+def test_a_moe_model_is_served_through_the_gateway(start_gateway: Callable[..., RunningGateway]) -> None:
+    # The tiny Qwen2-MoE (4 experts, top 2) runs vLLM's fused-MoE path on the CPU: a second model
+    # behind the same gateway, answered on chat (streamed) and completions with vLLM's usage.
+    moe = VllmEngine(models_dir() / "moe", ["tiny-moe"], max_model_len=CONTEXT).start()
+    try:
+        gw = start_gateway([pool("moe", "vllm", [moe.url], CONTEXT, served_model_name="tiny-moe")],
+                           model={"name": "tiny-moe"},
+                           health={"interval": 1.0, "timeout": 10.0, "verify_models": True})
+        _wait_healthy(gw, 1)
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        chunks = list(client.chat.completions.create(
+            model="tiny-moe", messages=[{"role": "user", "content": "The river"}], max_tokens=6, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage and chunks[-1].usage.completion_tokens == 6
+        completion = client.completions.create(model="tiny-moe", prompt="The river", max_tokens=6, temperature=0)
+        assert completion.choices[0].finish_reason == "length" and completion.usage
+        assert completion.usage.completion_tokens == 6
+    finally:
+        moe.stop()
+
+
 def _finished(engine: VllmEngine) -> float:
     """Requests the engine finished by itself (stop or length), from its `vllm:request_success_total`."""
     total = 0.0
