@@ -1,8 +1,8 @@
 """Prefix-cache hits measured by the engines themselves: multi-turn conversations through the gateway
 to two real vLLM engines, once per routing policy.
 
-    .venv/bin/python -m loadtest.engine_hits                          # 60 conversations, default vs round robin
-    .venv/bin/python -m loadtest.engine_hits --conversations 80 --policies default,round_robin,prefix_affinity
+    .venv/bin/python -m loadtest.engine_hits          # 60 conversations; default, round_robin, prefix_affinity
+    .venv/bin/python -m loadtest.engine_hits --conversations 8 --policies default,round_robin   # smaller
 
 Needs the real vLLM CPU build (`scripts/install-vllm`) and its tiny models (`tests/real_vllm/engine.py`:
 `models_dir()`, the 2-layer Qwen2 `dense/` with a 4,096-token BPE vocabulary, served with a 4,096-token
@@ -75,6 +75,9 @@ DEFAULT_POLICY = "default"
 HIT_COUNTER = "vllm:prefix_cache_hits_total"
 QUERY_COUNTER = "vllm:prefix_cache_queries_total"
 RUNNING_GAUGE = "vllm:num_requests_running"
+BLOCK = 128
+"""vLLM's KV block on the CPU, tokens (`vllm/platforms/cpu.py`: 128 unless `--block-size`); its prefix
+cache reuses whole blocks only."""
 WAIT_S = 120.0
 """Bound of every wait on an engine or the gateway (start, reset, idle), seconds."""
 
@@ -276,6 +279,7 @@ class PolicyRun:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     max_prompt_tokens: int = 0
+    reachable_tokens: int = 0
     engine_hits: float = 0.0
     engine_queries: float = 0.0
     wall_s: float = 0.0
@@ -285,6 +289,10 @@ class PolicyRun:
     @property
     def usage_ratio(self) -> float | None:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def reachable_ratio(self) -> float | None:
+        return self.reachable_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     @property
     def engine_ratio(self) -> float | None:
@@ -337,7 +345,11 @@ def run_policy(group: ProcessGroup, urls: Sequence[str], policy: str, turns: Seq
     run = PolicyRun(policy, sent=len(results), wall_s=wall)
     served = Counter(r.worker for r in results if r.ok)  # the gateway's worker ids: pool/index
     run.per_engine = [served.get(f"{POOL}/{i}", 0) for i in range(len(urls))]
+    prompts = {r.request_id: r.prompt_tokens or 0 for r in results if r.ok}
     for r in results:
+        conversation, _, turn = (r.request_id or "").rpartition("-")
+        previous = prompts.get(f"{conversation}-{int(turn) - 1}", 0)
+        run.reachable_tokens += previous // BLOCK * BLOCK if r.ok else 0
         if not r.ok:
             run.errors.append(f"{r.request_id}: {r.error}")
             continue
@@ -356,12 +368,13 @@ def table(runs: Sequence[PolicyRun]) -> str:
     def ratio(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.3f}"
 
-    lines = ["| policy | hit ratio (usage) | hit ratio (engine metrics) | requests ok/sent | prompt tokens | "
-             "cached tokens | engine hits / queries | requests per engine | longest prompt | wall s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    lines = ["| policy | hit ratio (usage) | hit ratio (engine metrics) | reachable (one engine) | requests ok/sent | "
+             "prompt tokens | cached tokens | engine hits / queries | requests per engine | longest prompt | wall s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for run in runs:
         name = "default (ttft_cost)" if run.policy == DEFAULT_POLICY else run.policy
-        lines.append(f"| {name} | {ratio(run.usage_ratio)} | {ratio(run.engine_ratio)} | {run.ok}/{run.sent} | "
+        lines.append(f"| {name} | {ratio(run.usage_ratio)} | {ratio(run.engine_ratio)} | "
+                     f"{ratio(run.reachable_ratio)} | {run.ok}/{run.sent} | "
                      f"{run.prompt_tokens:,} | {run.cached_tokens:,} | {run.engine_hits:,.0f} / "
                      f"{run.engine_queries:,.0f} | {' / '.join(map(str, run.per_engine))} | "
                      f"{run.max_prompt_tokens:,} | {run.wall_s:.0f} |")
@@ -373,7 +386,7 @@ class Options:
     """The benchmark's settings (the command line's options)."""
 
     conversations: int = 60
-    policies: tuple[str, ...] = (DEFAULT_POLICY, "round_robin")
+    policies: tuple[str, ...] = (DEFAULT_POLICY, "round_robin", "prefix_affinity")
     seed: int = 0
     concurrency: int = 4
     min_turns: int = 3
