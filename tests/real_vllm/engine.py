@@ -109,12 +109,14 @@ class VllmEngine:
     `args`: more engine flags. Always on: the prompt-token details (`cached_tokens` in usage), runtime
     LoRA loading (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`), stored responses (`VLLM_ENABLE_RESPONSES_API_STORE`),
     1 GiB of KV cache, no OpenMP core binding (the engines of one test share the machine's cores), no usage
-    statistics, no hub look-ups."""
+    statistics, no hub look-ups. `env`: more environment variables, set last (e.g. `VLLM_SERVER_DEV_MODE=1`
+    for `POST /reset_prefix_cache`, `vllm/entrypoints/serve/dev/cache/api_router.py`)."""
 
     model: Path
     served: list[str]
     max_model_len: int = 2048
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     log: Path | None = None
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
@@ -139,7 +141,7 @@ class VllmEngine:
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
                "VLLM_ENABLE_RESPONSES_API_STORE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+               "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING", **self.env}
         try:
             with open(self.log, "wb") as out:
                 self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, env=env,
