@@ -17,6 +17,7 @@ import hashlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,11 @@ class _EngineTurn:
         if self.held == 0:
             CACHE.mkdir(parents=True, exist_ok=True)
             self.file = open(CACHE / "vllm-engines.lock", "w")  # noqa: SIM115 (held across calls)
-            fcntl.flock(self.file, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"waiting for the real-vLLM engine turn ({self.file.name})", file=sys.stderr, flush=True)
+                fcntl.flock(self.file, fcntl.LOCK_EX)
         self.held += 1
 
     def give(self) -> None:
