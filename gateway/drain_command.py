@@ -7,36 +7,46 @@ gateway's config or DNS discovery has it (`http://10.1.2.3:8000`) or its index. 
 1. `GET {gateway}/admin/workers` finds the worker in `--pool` (by index, else by URL: scheme, host
    and port compared, a trailing `/` ignored; failing that, scheme, port and a resolved address, so
    `http://$(POD_IP):8000` finds a worker the gateway knows by its DNS name);
-2. `POST {gateway}/admin/workers/{pool}/{index}/drain`: no new requests go to it; with Redis the
-   drain is shared (`"shared": true`), every replica and serving process follows within ~1 s
-   (gateway/backends/drains.py); without Redis (or with Redis unreachable) only the replica that
-   answered drains, so the drain is then sent to every other `--gateway` URL too, again at each
-   poll to one that does not show the worker draining;
+2. `POST {gateway}/admin/workers/{pool}/{index}/drain`, through the first `--gateway` URL that takes
+   it (one that does not answer, e.g. a headless Service's address of a starting or crash-looping
+   replica, is skipped): no new requests go to it; with Redis the drain is shared (`"shared": true`),
+   every replica and serving process follows within ~1 s (gateway/backends/drains.py); without Redis
+   (or with Redis unreachable) only the replica that answered drains, so the drain is then sent to
+   every other `--gateway` URL too, again at each poll to one that does not show the worker
+   draining (with a shared drain too, once `FLEET_SETTLE_S` passed: an undrain that ran late);
 3. polls until the worker has no request in flight anywhere, or `--wait` seconds pass: with a
    shared drain, `GET /admin/workers/{pool}/{index}`'s `fleet_in_flight` (every serving process of
    every replica reports its count on a drained worker through Redis each second; counted once
    `FLEET_SETTLE_S` passed since the drain), so one Service URL is enough; and in any case
    `GET /admin/workers` on every `--gateway` given (each replica's own URL, or with
    `--every-address` each address a name resolves to, e.g. a headless Service), each of which must
-   show the worker draining with 0 in flight.
+   show the worker draining with 0 in flight. Only the URLs that answer count: one that never
+   answered, or where nothing listens any more (connection refused: its process, and with it its
+   requests, is gone), is skipped; one that answered before and now fails otherwise (a timeout, an
+   HTTP error) counts as not idle and is asked again. Each URL's problem is reported once (again
+   only when it changes or after it answered), not at every poll.
 
 Without Redis each replica counts only its own in-flight requests and drains alone: give every
 replica's URL (`--every-address`); with `processes: N`, `/admin/workers` shows the process that
 answered. A replica that cannot reach Redis neither sees the drain nor reports (shared drains'
 limit: it keeps sending the worker requests).
 
-`--undrain` puts the worker back (`POST .../undrain` on every `--gateway` URL, so replicas without
-Redis follow too) and exits: the drain is kept in Redis by worker id, so an engine back at the same
-URL takes no traffic until undrained or until a gateway saw the drained engine go and a new one
-answer (gateway/backends/drains.py). Run it when the engine pod starts: the gateway's health probes
-hold traffic back until the engine is healthy.
+`--undrain` puts the worker back (`POST .../undrain` on every `--gateway` URL that answers, so
+replicas without Redis follow too) and exits: the drain is kept in Redis by worker id, so an engine
+back at the same URL takes no traffic until undrained or until a gateway saw the drained engine go
+and a new one answer (gateway/backends/drains.py). Run it when the engine pod starts: the gateway's
+health probes hold traffic back until the engine is healthy. The undrain is in force (exit 0) when
+some replica shared it through Redis, or, with no Redis configured, when every replica that answered
+took it; one kept only where Redis is configured but down (the answer's `"store": "redis_down"`) is
+not: Redis still holds the drain and the replicas take it back once Redis answers, so it exits 1 and
+is to be run again.
 
-Exit status: 0 once every replica reports the worker drained and idle (with `--undrain`: once every
-URL undrained it); 1 on an error (the first gateway unreachable, a refused key, an unknown pool or
-worker) or when `--wait` ran out with requests still in flight or a gateway not answering the
-polls (the last counts are printed; a gateway that fails one poll is asked again at the next).
-Progress goes to stderr. The key (the `drain` scope suffices, `admin` works too) is read from the
-environment variable `--admin-key-env` names (never from the command line, which `ps` shows).
+Exit status: 0 once every answering replica reports the worker drained and idle (with `--undrain`:
+once the undrain is in force); 1 on an error (no gateway URL taking the drain, a refused key, an
+unknown pool or worker) or when `--wait` ran out with requests still in flight or a gateway that
+answered before failing the polls (the last counts are printed; such a gateway is asked again at the
+next poll). Progress goes to stderr. The key (the `drain` scope suffices, `admin` works too) is read
+from the environment variable `--admin-key-env` names (never from the command line, which `ps` shows).
 """
 
 from __future__ import annotations
@@ -141,50 +151,127 @@ def every_address(url: str) -> list[str]:
             for a in addresses]
 
 
+class Unanswered(DrainError):
+    """No HTTP answer came from the address (refused, no route, a timeout, a dropped connection);
+    `refused`: nothing listens there (its process is gone, and with it its requests)."""
+
+    def __init__(self, message: str, *, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class Refused(DrainError):
+    """The gateway refused the key (HTTP 401/403): the same at every replica, so it ends the command."""
+
+
 def _call(client: httpx.Client, method: str, url: str) -> dict[str, Any]:
     try:
         answer = client.request(method, url)
+    except httpx.TransportError as exc:
+        raise Unanswered(f"{method} {url} failed: {exc.__class__.__name__}: {exc}",
+                         refused=isinstance(exc, httpx.ConnectError)) from None
     except httpx.HTTPError as exc:
         raise DrainError(f"{method} {url} failed: {exc.__class__.__name__}: {exc}") from None
     if answer.status_code in (401, 403):
-        raise DrainError(f"{method} {url}: HTTP {answer.status_code}: the gateway wants a key with the drain (or "
-                         "admin) scope in the variable --admin-key-env names")
+        raise Refused(f"{method} {url}: HTTP {answer.status_code}: the gateway wants a key with the drain (or "
+                      "admin) scope in the variable --admin-key-env names")
     if answer.status_code != 200:
         raise DrainError(f"{method} {url}: HTTP {answer.status_code}: {answer.text[:300]}")
     body: dict[str, Any] = answer.json()
     return body
 
 
+class _Notes:
+    """Says each address's problem once, and again only when it changes or after the address
+    answered (a dead address polled every `interval_s` is one line, not one a poll)."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.last: dict[str, str] = {}
+
+    def failed(self, base: str, exc: DrainError, then: str) -> None:
+        key = "unanswered" if isinstance(exc, Unanswered) else str(exc)
+        if self.last.get(base) != key:
+            self.last[base] = key
+            self.say(f"{exc}; {then}")
+
+    def answered(self, base: str) -> None:
+        if self.last.pop(base, None) is not None:
+            self.say(f"{base} answers again")
+
+
+def _first_drain(client: httpx.Client, gateways: list[str], pool: str, worker: str,
+                 notes: _Notes) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Drain `worker` through the first address of `gateways` that takes it: (that address, the
+    worker's snapshot there, the drain's answer). An address that does not answer (or answers
+    another error than a refused key or an unknown pool or worker) is noted and skipped; raises
+    DrainError when none took the drain."""
+    problems: list[str] = []
+    for gateway in gateways:
+        base = gateway.rstrip("/")
+        try:
+            pools = _call(client, "GET", base + "/admin/workers")["pools"]
+        except Refused:
+            raise
+        except DrainError as exc:
+            notes.failed(base, exc, "trying the next address" if gateway != gateways[-1] else "no address left")
+            problems.append(str(exc))
+            continue
+        target = find_worker(pools, pool, worker, resolve=True)
+        try:
+            drained = _call(client, "POST", f"{base}/admin/workers/{pool}/{target['index']}/drain")
+        except Refused:
+            raise
+        except DrainError as exc:
+            notes.failed(base, exc, "trying the next address" if gateway != gateways[-1] else "no address left")
+            problems.append(str(exc))
+            continue
+        notes.answered(base)
+        return base, target, drained
+    raise DrainError(problems[0] if len(problems) == 1 else "no gateway took the drain: " + "; ".join(problems))
+
+
 def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, interval_s: float = 0.5,
                  admin_key: str | None = None, timeout_s: float = 5.0,
                  log: Callable[[str], None] | None = None) -> DrainResult:
-    """Drain `worker` (index or URL) of `pool` through `gateways[0]` and wait up to `wait_s` seconds
-    until every URL in `gateways` reports it draining with 0 in flight, polling every `interval_s`.
-    `admin_key` is sent as `Authorization: Bearer`; each call may take `timeout_s` seconds. `log`
-    (a callable taking one line) hears progress. Raises DrainError (module doc)."""
+    """Drain `worker` (index or URL) of `pool` through the first URL in `gateways` that takes it and
+    wait up to `wait_s` seconds until every URL in `gateways` that answers reports it draining with 0
+    in flight, polling every `interval_s` (module doc: which addresses count). `admin_key` is sent as
+    `Authorization: Bearer`; each call may take `timeout_s` seconds. `log` (a callable taking one
+    line) hears progress. Raises DrainError (module doc)."""
     say: Callable[[str], None] = log or (lambda line: None)
+    notes = _Notes(say)
     headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
     with httpx.Client(headers=headers, timeout=timeout_s) as client:
-        first = gateways[0].rstrip("/")
-        target = find_worker(_call(client, "GET", first + "/admin/workers")["pools"], pool, worker, resolve=True)
+        first, target, drained = _first_drain(client, gateways, pool, worker, notes)
         index, url = target["index"], target["url"]
-        drained = _call(client, "POST", f"{first}/admin/workers/{pool}/{index}/drain")
         shared = bool(drained.get("shared"))
         drained_at = time.monotonic()
         say(f"drained {drained['id']} ({url}) " + ("on every replica (shared through Redis)" if shared else
                                                    "on the replica that answered only: it has no shared Redis"))
+        answered_once = {first}
         deadline = time.monotonic() + wait_s
         counts: dict[str, int] = {}
         while True:
             counts = {}
+            answering: list[str] = []
+            skipped = 0
             for gateway in gateways:
                 base = gateway.rstrip("/")
                 try:
                     pools = _call(client, "GET", base + "/admin/workers")["pools"]
-                except DrainError as exc:  # a replica restarting, or a network hiccup: ask again
-                    say(f"{base}: {exc}; asking again")
-                    counts[base] = UNREACHABLE
+                except DrainError as exc:
+                    # Never answered, or nothing listens there any more: no request of it runs on the worker.
+                    if base not in answered_once or (isinstance(exc, Unanswered) and exc.refused):
+                        notes.failed(base, exc, "skipped while it does not answer")
+                        skipped += 1
+                    else:  # it answered before (a network hiccup, a slow replica): not idle yet
+                        notes.failed(base, exc, "asking again")
+                        counts[base] = UNREACHABLE
                     continue
+                notes.answered(base)
+                answered_once.add(base)
+                answering.append(base)
                 try:
                     snapshot = find_worker(pools, pool, url, retiring=True)
                 except DrainError:  # removed there (discovery, a reload) with nothing left to finish
@@ -192,18 +279,22 @@ def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, 
                     continue
                 # not yet draining there (the ~1 s Redis sync): it may still take new requests
                 draining = snapshot["draining"] or snapshot["retired"]
-                if not draining and not shared:  # no shared drain reaches it: drain it there too
+                # no shared drain reaches it, or the shared one was lifted since (an undrain that ran late)
+                if not draining and (not shared or time.monotonic() - drained_at >= FLEET_SETTLE_S):
                     try:
                         _call(client, "POST", f"{base}/admin/workers/{pool}/{snapshot['index']}/drain")
                     except DrainError as exc:
-                        say(f"{base}: {exc}; asking again")
+                        notes.failed(base, exc, "asking again")
                 counts[base] = snapshot["in_flight"] if draining else max(snapshot["in_flight"], 1)
-            fleet = _fleet_in_flight(client, first, pool, index, drained_at) if shared else None
-            if fleet is not None:
-                counts[f"{first} (every replica, through Redis)"] = fleet
+            if not answering:
+                counts["every address (none answered)"] = UNREACHABLE
+            elif shared:
+                fleet = _fleet_in_flight(client, answering, pool, index, drained_at)
+                counts[f"{answering[0]} (every replica, through Redis)"] = fleet
             if not any(counts.values()):
-                say(f"{drained['id']}: 0 requests in flight on {len(gateways)} gateway(s)"
-                    + (" and every replica reporting through Redis" if shared else ""))
+                say(f"{drained['id']}: 0 requests in flight on {len(answering)} gateway(s)"
+                    + (" and every replica reporting through Redis" if shared else "")
+                    + (f" ({skipped} address(es) not answering, skipped)" if skipped else ""))
                 return DrainResult(drained["id"], shared, counts, idle=True)
             if time.monotonic() >= deadline:
                 say(f"{drained['id']}: still in flight after {wait_s:g} s: "
@@ -212,14 +303,18 @@ def drain_worker(gateways: list[str], pool: str, worker: str, *, wait_s: float, 
             time.sleep(min(interval_s, max(deadline - time.monotonic(), 0.0)))
 
 
-def _fleet_in_flight(client: httpx.Client, gateway: str, pool: str, index: int, drained_at: float) -> int:
+def _fleet_in_flight(client: httpx.Client, gateways: list[str], pool: str, index: int, drained_at: float) -> int:
     """The fleet's in-flight count on the drained worker (`fleet_in_flight` of `GET /admin/workers/
-    {pool}/{index}`: every process's report through Redis), UNREACHABLE when that call fails, and at
-    least 1 until `FLEET_SETTLE_S` passed since the drain (every process has seen it and reported
-    since) or while no process reported."""
-    try:
-        fleet = _call(client, "GET", f"{gateway}/admin/workers/{pool}/{index}").get("fleet_in_flight")
-    except DrainError:
+    {pool}/{index}`: every process's report through Redis) from the first of `gateways` that answers,
+    UNREACHABLE when none does, and at least 1 until `FLEET_SETTLE_S` passed since the drain (every
+    process has seen it and reported since) or while no process reported."""
+    for gateway in gateways:
+        try:
+            fleet = _call(client, "GET", f"{gateway}/admin/workers/{pool}/{index}").get("fleet_in_flight")
+            break
+        except DrainError:
+            continue
+    else:
         return UNREACHABLE
     if fleet is None:  # this replica answers without Redis now: the per-gateway counts are all there is
         return 0
@@ -227,15 +322,52 @@ def _fleet_in_flight(client: httpx.Client, gateway: str, pool: str, index: int, 
     return int(fleet["in_flight"]) if settled else max(int(fleet["in_flight"]), 1)
 
 
-def undrain_worker(gateway: str, pool: str, worker: str, *, admin_key: str | None = None,
-                   timeout_s: float = 5.0) -> dict[str, Any]:
-    """Put `worker` (index or URL) of `pool` back into service through `gateway` (shared through Redis
-    like the drain); the answer of `POST .../undrain` (the snapshot and `shared`). Raises DrainError."""
+def undrain_worker(gateways: list[str], pool: str, worker: str, *, admin_key: str | None = None,
+                   timeout_s: float = 5.0, log: Callable[[str], None] | None = None) -> bool:
+    """Put `worker` (index or URL) of `pool` back into service through every URL in `gateways` that
+    answers (`POST .../undrain`; an address that does not answer is noted once and skipped). True
+    when the undrain is in force: some replica shared it through Redis, or none has Redis configured
+    and every replica that answered took it itself. False when none took it, a replica answering
+    refused it, or it was kept only where Redis is configured but down (Redis still holds the drain,
+    and each replica takes it back from there once Redis answers). `log` hears each outcome."""
+    say: Callable[[str], None] = log or (lambda line: None)
+    notes = _Notes(say)
     headers = {"authorization": f"Bearer {admin_key}"} if admin_key else {}
+    taken: list[dict[str, Any]] = []
+    failed = False
     with httpx.Client(headers=headers, timeout=timeout_s) as client:
-        base = gateway.rstrip("/")
-        target = find_worker(_call(client, "GET", base + "/admin/workers")["pools"], pool, worker, resolve=True)
-        return _call(client, "POST", f"{base}/admin/workers/{pool}/{target['index']}/undrain")
+        for gateway in gateways:
+            base = gateway.rstrip("/")
+            try:
+                target = find_worker(_call(client, "GET", base + "/admin/workers")["pools"], pool, worker,
+                                     resolve=True)
+                answer = _call(client, "POST", f"{base}/admin/workers/{pool}/{target['index']}/undrain")
+            except Unanswered as exc:
+                notes.failed(base, exc, "skipped")
+                continue
+            except DrainError as exc:
+                say(str(exc))
+                failed = True
+                continue
+            taken.append(answer)
+            shared = bool(answer.get("shared"))
+            say(f"undrained {answer['id']} ({answer['url']}) "
+                + ("on every replica (shared through Redis)" if shared else f"on {base} only"
+                   + ("; Redis is configured there but did not answer" if answer.get("store") == "redis_down"
+                      else "")))
+    if any(answer.get("shared") for answer in taken):
+        return True
+    if not taken:
+        say("error: no gateway took the undrain")
+        return False
+    if any(answer.get("store") == "redis_down" for answer in taken):
+        say("error: the undrain is not shared: Redis, which holds the drain, did not answer (the replicas "
+            "would take the drain back from it); run it again")
+        return False
+    if failed:
+        say("error: a replica that answered did not take the undrain")
+        return False
+    return True
 
 
 def run_drain(gateways: list[str], pool: str, worker: str, *, wait_s: float, interval_s: float,
@@ -249,11 +381,7 @@ def run_drain(gateways: list[str], pool: str, worker: str, *, wait_s: float, int
     try:
         targets = [u for g in gateways for u in (every_address(g) if resolve_every_address else [g])]
         if undrain:
-            for target in targets:
-                answer = undrain_worker(target, pool, worker, admin_key=admin_key)
-                say(f"undrained {answer['id']} ({answer['url']}) "
-                    + ("on every replica (shared through Redis)" if answer.get("shared") else f"on {target} only"))
-            return 0
+            return 0 if undrain_worker(targets, pool, worker, admin_key=admin_key, log=say) else 1
         result = drain_worker(targets, pool, worker, wait_s=wait_s, interval_s=interval_s,
                               admin_key=admin_key, log=say)
     except DrainError as exc:

@@ -151,20 +151,22 @@ def _refuse_cross_origin(request: Request) -> None:
 async def _set_draining(request: Request, pool: str, index: str, draining: bool) -> JSONResponse:
     _refuse_cross_origin(request)
     worker = _worker(request, pool, index)
-    shared = await _state(request).drains.set_draining(worker, draining)
-    return JSONResponse({**worker.snapshot(), "shared": shared})
+    store = await _state(request).drains.set_draining(worker, draining)
+    return JSONResponse({**worker.snapshot(), "shared": store == "redis", "store": store})
 
 
 async def drain(request: Request, pool: str, index: str) -> JSONResponse:
     """`POST /admin/workers/{pool}/{index}/drain`: no new requests go to the worker; those in
-    flight finish. Answers its snapshot (`"draining": true`) and `"shared"`: true when every
-    serving process and replica follows (Redis, gateway/backends/drains.py), false when only this
-    process does; 404 `worker_not_found`."""
+    flight finish. Answers its snapshot (`"draining": true`), `"shared"`: true when every serving
+    process and replica follows (Redis, gateway/backends/drains.py), false when only this process
+    does, and `"store"` (`DrainStore`): "redis", "redis_down" (configured, the write failed: undone
+    by the next sync once Redis answers) or "local" (no Redis); 404 `worker_not_found`."""
     return await _set_draining(request, pool, index, True)
 
 
 async def undrain(request: Request, pool: str, index: str) -> JSONResponse:
-    """`POST /admin/workers/{pool}/{index}/undrain`: the worker takes new requests again."""
+    """`POST /admin/workers/{pool}/{index}/undrain`: the worker takes new requests again; answers as
+    `drain` does."""
     return await _set_draining(request, pool, index, False)
 
 

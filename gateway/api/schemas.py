@@ -151,9 +151,11 @@ class WorkerList(BaseModel):
 
 
 class DrainedWorker(WorkerSnapshot):
-    """The worker after a drain/undrain; `shared`: every replica follows (Redis), not just this process."""
+    """The worker after a drain/undrain; `shared`: every replica follows (Redis), not just this process;
+    `store`: where it was kept (gateway/backends/drains.py, DrainStore)."""
 
     shared: bool
+    store: Literal["redis", "redis_down", "local"]
 
 
 class ReloadResult(BaseModel):

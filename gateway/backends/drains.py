@@ -5,8 +5,9 @@ the drained worker ids also live in one Redis set, `{affinity.key_prefix}:draine
 process reads it every `SYNC_EVERY_S` seconds, so `processes: N` and a fleet of gateway replicas
 drain together, as an operator of one router expects. The set holds only what operators drained:
 a worker leaves it when undrained. A Redis that cannot be reached leaves each process with the
-drain state it last saw (logged; the admin answer says `"shared": false`, and such a local-only
-change is undone by the next sync once Redis answers again: Redis is the source of truth).
+drain state it last saw (logged; the admin answer says `"shared": false, "store": "redis_down"`, and
+such a local-only change is undone by the next sync once Redis answers again: Redis is the source of
+truth, so `kimi-gateway drain --undrain` counts such an undrain as not done and is run again).
 
 While a worker is drained, each process also reports its own in-flight count on it at every sync,
 as a field `host:pid:random` -> `"count unix-time"` of the hash `{affinity.key_prefix}:inflight:{worker id}`
@@ -33,6 +34,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
 from redis.exceptions import RedisError
 
@@ -49,6 +51,11 @@ CALL_TIMEOUT_S = 0.5  # per call, as a StoreTimeout: a stall of this process' ev
 REPORT_FRESH_S = 3 * SYNC_EVERY_S  # an in-flight report older than this is from a process that stopped
 REPORT_TTL_S = 30.0  # the report hash outlives its last writer by this much
 GONE_PROBES = 2  # probes in a row finding a drained worker's engine gone before a new one may lift the drain
+
+DrainStore = Literal["redis", "redis_down", "local"]
+"""Where a drain or undrain was kept: "redis" (every process follows), "redis_down" (Redis is
+configured but the write failed: this process only, and its next sync once Redis answers puts back
+what Redis holds), "local" (no Redis configured: this process only, for good)."""
 
 
 @dataclass(frozen=True)
@@ -82,13 +89,13 @@ class DrainBoard:
     def shared(self) -> bool:
         return self._redis is not None
 
-    async def set_draining(self, worker: Worker, draining: bool) -> bool:
-        """Drain or undrain `worker` here and, with Redis, everywhere. Returns True when every
-        process will see it (written to Redis), False when it holds for this process only."""
+    async def set_draining(self, worker: Worker, draining: bool) -> DrainStore:
+        """Drain or undrain `worker` here and, with Redis, everywhere. Returns where it was kept
+        (DrainStore): "redis" when every process will see it, else it holds for this process only."""
         self._forget(worker)  # a new drain, or none: what the prober saw before counts no more
         self.registry.set_draining(worker, draining)
         if self._redis is None:
-            return False
+            return "local"
         try:
             async with StoreTimeout(CALL_TIMEOUT_S):
                 if draining:
@@ -97,8 +104,8 @@ class DrainBoard:
                     await self._redis.srem(self.key, worker.id)
         except (RedisError, OSError) as exc:  # OSError: TimeoutError too
             log.warning("drain of %s applies to this process only: Redis failed (%s)", worker.id, exc)
-            return False
-        return True
+            return "redis_down"
+        return "redis"
 
     async def engine_seen(self, worker: Worker, up: bool) -> None:
         """The health prober's news of `worker`'s engine: it answered (`up`) or is gone (not `up`;
@@ -119,7 +126,7 @@ class DrainBoard:
             self._seen[worker.id] = "up"
             return
         self._forget(worker)
-        shared = await self.set_draining(worker, False)
+        shared = await self.set_draining(worker, False) == "redis"
         log.info("drain of %s lifted: its engine went away and a new one answers at %s (%s)", worker.id,
                     worker.url, "every replica follows" if shared else "this process only")
 

@@ -20,7 +20,7 @@ import redis
 
 from gateway.auth.keys import hash_key
 from gateway.cli import main
-from tests.support import REPO_ROOT, RunningGateway, RunningSim, pool, shared_redis_url
+from tests.support import REPO_ROOT, OwnRedis, RunningGateway, RunningSim, free_port, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -183,10 +183,11 @@ def test_drain_errors_exit_1_with_the_reason(start_sim: StartSim, start_gateway:
     code, err = run_in_process(capsys, "--gateway", f"http://127.0.0.1:{unused_port}", "--pool", "p", "--worker", "0")
     assert code == 1 and "ConnectError" in err, err
     assert in_flight(gw, "p/0") == (False, 0)  # nothing was drained by a failed call
-    # A second replica that does not answer the polls is asked again, and named when --wait runs out.
+    # An address where nothing listens (a replica starting or crash-looping) is skipped, said once.
     code, err = run_in_process(capsys, "--gateway", gw.url, "--gateway", f"http://127.0.0.1:{unused_port}",
-                               "--pool", "p", "--worker", "0", "--wait", "0.3", "--interval", "0.05")
-    assert code == 1 and f"still in flight after 0.3 s: http://127.0.0.1:{unused_port} unreachable" in err, err
+                               "--pool", "p", "--worker", "0", "--wait", "5", "--interval", "0.05")
+    assert code == 0 and "0 requests in flight on 1 gateway(s) (1 address(es) not answering, skipped)" in err, err
+    assert err.count(f"127.0.0.1:{unused_port}") == 1, err
     assert in_flight(gw, "p/0") == (True, 0)
     assert run_in_process(capsys, "--gateway", gw.url, "--pool", "p", "--worker", "0", "--undrain")[0] == 0
     # A stream longer than --wait: exit 1 naming what is still in flight (no Redis: this replica only).
@@ -203,15 +204,86 @@ def test_without_a_shared_redis_the_drain_and_undrain_reach_every_replica_given(
         start_sim: StartSim, start_gateway: StartGateway, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """Replicas that share no Redis (none configured, or Redis down): the drain is sent to each
-    `--gateway` URL, not only the first, and so is the undrain."""
+    `--gateway` URL, not only the first, and so is the undrain; an address where nothing listens
+    (first here, as a dead replica's address may sort first) is skipped by both."""
     sim = start_sim("vllm", tpot_s=0.02)
     keys = {"enabled": True, "keys": [{"name": "engine", "sha256": hash_key(KEY), "scopes": ["drain"]}]}
     replicas = [start_gateway([pool("p", "vllm", [sim.url], 131072)], auth=keys) for _ in range(2)]
     monkeypatch.setenv("OPS_ADMIN_KEY", KEY)
-    gateways = [arg for gw in replicas for arg in ("--gateway", gw.url)]
+    gateways = ["--gateway", f"http://127.0.0.1:{free_port()}"] + [
+        arg for gw in replicas for arg in ("--gateway", gw.url)]
     status, err = run_in_process(capsys, *gateways, "--pool", "p", "--worker", sim.url, "--wait", "10")
     assert status == 0, err
     assert [in_flight(gw, "p/0") for gw in replicas] == [(True, 0), (True, 0)], err
     status, err = run_in_process(capsys, *gateways, "--pool", "p", "--worker", sim.url, "--undrain")
     assert status == 0, err
     assert [in_flight(gw, "p/0") for gw in replicas] == [(False, 0), (False, 0)], err
+
+
+def test_a_dead_replica_address_stops_neither_the_shared_drain_nor_the_undrain(
+        start_sim: StartSim, start_gateway: StartGateway, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest) -> None:
+    """A headless Service lists a starting or crash-looping replica too: an address where nothing
+    listens, which may sort first. The drain goes through the next one (shared through Redis), the
+    wait counts the replicas that answer, the dead address is reported once (not at every poll),
+    and the undrain reaches the others too."""
+    key_prefix = f"kgw-test-drain-dead-{uuid.uuid4().hex[:8]}"
+    store = redis.Redis.from_url(shared_redis_url())
+    request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained", f"{key_prefix}:inflight:p/0"),
+                                  store.close()))
+    sim = start_sim("vllm", tpot_s=0.05)
+    settings: dict[str, Any] = {
+        "redis_url": shared_redis_url(), "affinity": {"key_prefix": key_prefix},
+        "auth": {"enabled": True, "keys": [{"name": "ops", "sha256": hash_key(KEY), "scopes": ["user", "admin"]}]}}
+    replicas = [start_gateway([pool("p", "vllm", [sim.url], 131072)], **settings) for _ in range(2)]
+    dead = f"http://127.0.0.1:{free_port()}"
+    gateways = ["--gateway", dead] + [arg for gw in replicas for arg in ("--gateway", gw.url)]
+    monkeypatch.setenv("OPS_ADMIN_KEY", KEY)
+    stream = open_stream(replicas[1], max_tokens=30)  # ~1.5 s: the command polls many times meanwhile
+    status, err = run_in_process(capsys, *gateways, "--pool", "p", "--worker", sim.url, "--wait", "20",
+                                 "--interval", "0.05")
+    assert status == 0, err
+    stream.join(10)
+    assert stream.lines[-1] == "data: [DONE]"
+    assert [(r.completion_tokens_sent, r.completed) for r in sim.engine.records] == [(30, True)]
+    assert "on every replica (shared through Redis)" in err
+    assert "0 requests in flight on 2 gateway(s) and every replica reporting through Redis" in err, err
+    assert err.count(dead) == 1, err  # reported once, not at each of the polls
+    assert [in_flight(gw, "p/0") for gw in replicas] == [(True, 0), (True, 0)]
+
+    status, err = run_in_process(capsys, *gateways, "--pool", "p", "--worker", sim.url, "--undrain")
+    assert status == 0, err
+    assert err.count("on every replica (shared through Redis)") == 2 and err.count(dead) == 1, err
+    assert [in_flight(gw, "p/0") for gw in replicas] == [(False, 0), (False, 0)]
+
+
+def test_an_undrain_while_redis_is_down_is_not_done(start_sim: StartSim, start_gateway: StartGateway,
+                                                    own_redis: OwnRedis, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Redis holds the drain: an undrain that only the replica reached took (Redis configured but
+    down) is undone by that replica's next sync once Redis answers. So `--undrain` exits 1 then (the
+    sidecar runs it again), and 0 once Redis took it."""
+    sim = start_sim("vllm", tpot_s=0.02)
+    key_prefix = f"kgw-test-drain-down-{uuid.uuid4().hex[:8]}"
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], redis_url=own_redis.url,
+                       affinity={"key_prefix": key_prefix},
+                       auth={"enabled": True, "keys": [{"name": "ops", "sha256": hash_key(KEY), "scopes": ["admin"]}]})
+    monkeypatch.setenv("OPS_ADMIN_KEY", KEY)
+    status, err = run_in_process(capsys, "--gateway", gw.url, "--pool", "p", "--worker", "0", "--wait", "10")
+    assert status == 0 and "on every replica (shared through Redis)" in err, err
+    own_redis.kill()
+    status, err = run_in_process(capsys, "--gateway", gw.url, "--pool", "p", "--worker", "0", "--undrain")
+    assert status == 1 and "Redis is configured there but did not answer" in err, err
+    assert "run it again" in err
+    assert in_flight(gw, "p/0") == (False, 0)  # for now: this replica alone
+    own_redis.start()  # back with what it held (this one restarts empty: put the drain back as it was)
+    redis.Redis.from_url(own_redis.url).sadd(f"{key_prefix}:drained", "p/0")
+    deadline = time.monotonic() + 10
+    while not in_flight(gw, "p/0")[0]:  # the next sync takes the drain back from Redis
+        assert time.monotonic() < deadline, "the replica did not take the drain back from Redis"
+        time.sleep(0.05)
+    status, err = run_in_process(capsys, "--gateway", gw.url, "--pool", "p", "--worker", "0", "--undrain")
+    assert status == 0 and "on every replica (shared through Redis)" in err, err
+    assert in_flight(gw, "p/0") == (False, 0)
+    time.sleep(1.5)  # a sync later (SYNC_EVERY_S): still in service
+    assert in_flight(gw, "p/0") == (False, 0)
