@@ -101,6 +101,8 @@ DRAIN_KEY_HASH_ENV = "DRAIN_KEY_SHA256"  # the gateway's variable with its SHA-2
 # so rolls) the engine pods. Bump `kimi-gateway-drain` on purpose, when an engine rollout is wanted.
 DRAIN_IMAGE = "kimi-gateway-drain:0.1.0"
 DRAIN_DONE = "/drain/done"  # the file the drain sidecar's preStop touches when the engine may get SIGTERM
+DRAIN_STOPPING = "/drain/stopping"  # touched first by that preStop: the sidecar's undrain loop ends
+DRAIN_UNDRAIN_PID = "/drain/undrain.pid"  # the undrain the sidecar runs now, which that preStop ends first
 DRAIN_MARGIN_SECONDS = 30  # the drain's own round trips beyond the longest request
 ENGINE_EXIT_SECONDS = 60  # after the drain: the engine's SIGTERM handling and process exit
 # vLLM's --shutdown-timeout (vllm/engine/arg_utils.py; default 0 = abort what runs at SIGTERM): requests
@@ -362,29 +364,45 @@ def _gateway_flags(gateways: Sequence[str]) -> str:
 
 
 def drain_hook(pool: str, worker: str, wait: int, *, gateways: Sequence[str] = (GATEWAY_REPLICAS_URL,),
-               done: str = DRAIN_DONE, key_env: str = DRAIN_KEY_ENV) -> str:
-    """The drain sidecar's preStop (sh): `kimi-gateway drain` of `worker` through every gateway replica
-    (`--every-address` over `gateways`: the headless Service), waiting up to `wait` s for its requests; then `done`
-    is touched, which releases the engine container's preStop (SIGTERM follows). Fails closed: when the
-    drain fails (a refused key, no gateway answering, an unknown worker) the hook still holds the
-    engine until `wait` s have passed since it began, so requests running then can end."""
-    return (f"start=$(date +%s); kimi-gateway drain {_gateway_flags(gateways)} --pool {pool} "
+               done: str = DRAIN_DONE, stopping: str = DRAIN_STOPPING, undrain_pid: str = DRAIN_UNDRAIN_PID,
+               key_env: str = DRAIN_KEY_ENV) -> str:
+    """The drain sidecar's preStop (sh). First it stops the sidecar's undrain loop
+    (drain_sidecar_script), which may still be retrying: it touches `stopping` (the loop starts no
+    undrain after it) and ends the undrain running now (its pid in `undrain_pid`), waiting until it
+    is gone, so no undrain lands after the drain. Then `kimi-gateway drain` of `worker` through
+    every gateway replica (`--every-address` over `gateways`: the headless Service), waiting up to
+    `wait` s for its requests; then `done` is touched, which releases the engine container's preStop
+    (SIGTERM follows). Fails closed: when the drain fails (a refused key, no gateway answering, an
+    unknown worker) the hook still holds the engine until `wait` s have passed since it began, so
+    requests running then can end."""
+    return (f"start=$(date +%s); touch {stopping}; "
+            f'pid=$(cat {undrain_pid} 2>/dev/null) && kill "$pid" 2>/dev/null && '
+            f'while kill -0 "$pid" 2>/dev/null; do sleep 1; done; '
+            f"kimi-gateway drain {_gateway_flags(gateways)} --pool {pool} "
             f"--worker {worker} --wait {wait} --admin-key-env {key_env} || "
             f'{{ left=$(( {wait} - ($(date +%s) - start) )); [ "$left" -gt 0 ] && sleep "$left"; }}; '
             f"touch {done}")
 
 
 def drain_sidecar_script(pool: str, worker: str, *, gateways: Sequence[str] = (GATEWAY_REPLICAS_URL,),
+                         stopping: str = DRAIN_STOPPING, undrain_pid: str = DRAIN_UNDRAIN_PID,
                          key_env: str = DRAIN_KEY_ENV, retry_s: int = 10) -> str:
     """The drain sidecar's own command (sh, PID 1): put `worker` back into service on every gateway
-    replica (`kimi-gateway drain --undrain`, retried every `retry_s` s until every replica took it: a
-    drain left by the pod this one replaces, e.g. after a rolling restart, is lifted as the engine
-    starts; the gateways' health probes hold its traffic until it is healthy), then idle. SIGTERM
-    ends it at once (a shell as PID 1 ignores the signal without a trap, holding the pod Terminating
-    for its whole grace period)."""
+    replica (`kimi-gateway drain --undrain`, retried every `retry_s` s until the undrain is in force:
+    shared through Redis, or taken by every replica that answers; gateway/drain_command.py): a drain
+    left by the pod this one replaces, e.g. after a rolling restart, is lifted as the engine starts;
+    the gateways' health probes hold its traffic until it is healthy. Then it idles. The loop ends
+    as soon as `stopping` exists (the pod's preStop, drain_hook, touches it and ends the undrain
+    running then, whose pid is in `undrain_pid`), so it never undrains the worker the preStop drains.
+    SIGTERM ends it at once, an undrain running or not: each command runs in the background and is
+    waited on, since sh runs a trap only once a foreground command ended (and a shell as PID 1
+    ignores the signal without a trap, holding the pod Terminating for its whole grace period)."""
     return (f"trap 'exit 0' TERM; "
-            f"until kimi-gateway drain {_gateway_flags(gateways)} --pool {pool} --worker {worker} "
-            f"--undrain --admin-key-env {key_env}; do sleep {retry_s} & wait $!; done; "
+            f"until [ -e {stopping} ]; do "
+            f"kimi-gateway drain {_gateway_flags(gateways)} --pool {pool} --worker {worker} "
+            f"--undrain --admin-key-env {key_env} & echo $! > {undrain_pid}; "
+            f'[ -e {stopping} ] && kill $! 2>/dev/null; wait $!; ok=$?; rm -f {undrain_pid}; '
+            f'[ "$ok" = 0 ] && break; sleep {retry_s} & wait $!; done; '
             "sleep infinity & wait $!")
 
 

@@ -7,7 +7,9 @@ A rolling restart of each engine (preStop drain → SIGTERM → a new engine on 
 drain that fails (a refused key) while a client keeps sending requests: every request is answered,
 the failed drain still holds the engine its drain time, and afterwards no worker is left drained on
 either replica. The first engine is restarted without its pod's start-up undrain (the gateways see
-its engine go and a new one answer), the second with it (the sidecar's command).
+its engine go and a new one answer), the second with it (the sidecar's command). The replica
+addresses also hold one where nothing listens (a starting or crash-looping replica), which the
+drain and the undrain skip.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import yaml
 from gateway.auth.keys import hash_key
 from gateway.backends.drains import GONE_PROBES
 from tests.deploy.test_kubernetes import GENERATE
-from tests.support import REPO_ROOT, free_ports, shared_redis_url, with_test_redis_budgets
+from tests.support import REPO_ROOT, free_port, free_ports, shared_redis_url, with_test_redis_budgets
 
 USER_KEY = "sk-user-" + uuid.uuid4().hex + uuid.uuid4().hex
 DRAIN_KEY = "sk-drain-" + uuid.uuid4().hex + uuid.uuid4().hex
@@ -180,6 +182,12 @@ def key_prefix() -> Iterator[str]:
     store.close()
 
 
+def pod_files(directory: Path) -> dict[str, str]:
+    """The drain sidecar's files in one pod's own `/drain` (an emptyDir: each pod starts without them)."""
+    directory.mkdir()
+    return {"stopping": str(directory / "stopping"), "undrain_pid": str(directory / "undrain.pid")}
+
+
 def hook_env(key: str) -> dict[str, str]:
     return {"PATH": f"{BIN}:/usr/bin:/bin", GENERATE.DRAIN_KEY_ENV: key}
 
@@ -209,10 +217,13 @@ def test_a_rolling_restart_and_a_failed_drain_leave_no_worker_drained(fleet: Fle
     try:
         eventually(lambda: traffic.served_by("p/0") and traffic.served_by("p/1"), "traffic on both workers")
 
-        # A rolling restart, one engine at a time, as the StatefulSet does it.
+        # A rolling restart, one engine at a time, as the StatefulSet does it. The headless Service
+        # also lists a replica where nothing listens (starting, or crash-looping): skipped.
+        replicas = [f"http://127.0.0.1:{free_port()}", *fleet.gateways]
         for index, port in enumerate(sim_ports):
             done = tmp_path / f"done-{index}"
-            hook = GENERATE.drain_hook("p", workers[index], 20, gateways=fleet.gateways, done=str(done))
+            hook = GENERATE.drain_hook("p", workers[index], 20, gateways=replicas, done=str(done),
+                                       **pod_files(tmp_path / f"old-pod-{index}"))
             drained = subprocess.run(["sh", "-c", hook], env=hook_env(DRAIN_KEY), capture_output=True, text=True,
                                      timeout=DEADLINE_S + 20)
             assert done.exists() and "0 requests in flight on 2 gateway(s)" in drained.stderr, drained.stderr
@@ -223,7 +234,8 @@ def test_a_rolling_restart_and_a_failed_drain_leave_no_worker_drained(fleet: Fle
                                    "failing its probes")
             sidecar = None
             if index == 1:  # the new pod's drain sidecar starts with it and undrains the worker
-                script = GENERATE.drain_sidecar_script("p", workers[index], gateways=fleet.gateways, retry_s=1)
+                script = GENERATE.drain_sidecar_script("p", workers[index], gateways=replicas, retry_s=1,
+                                                       **pod_files(tmp_path / f"new-pod-{index}"))
                 sidecar = subprocess.Popen(["sh", "-c", script], env=hook_env(DRAIN_KEY), start_new_session=True,
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             fleet.start_sim(port)  # the new engine, at the same address
@@ -239,7 +251,8 @@ def test_a_rolling_restart_and_a_failed_drain_leave_no_worker_drained(fleet: Fle
 
         # A drain that fails (the key is refused): the hook still holds the engine its drain time.
         done = tmp_path / "done-failed"
-        hook = GENERATE.drain_hook("p", workers[0], 3, gateways=fleet.gateways, done=str(done))
+        hook = GENERATE.drain_hook("p", workers[0], 3, gateways=replicas, done=str(done),
+                                   **pod_files(tmp_path / "failed-pod"))
         started = time.monotonic()
         failed = subprocess.run(["sh", "-c", hook], env=hook_env("sk-wrong-key"), capture_output=True, text=True,
                                 timeout=DEADLINE_S)

@@ -279,7 +279,8 @@ def test_engines_drain_through_the_gateway_before_they_stop(rendered: dict[str, 
     assert sidecar["image"] == GENERATE.DRAIN_IMAGE
     (hook,) = sidecar["lifecycle"]["preStop"]["exec"]["command"][2:]
     replicas = f"--gateway {GENERATE.GATEWAY_REPLICAS_URL} --every-address --pool {pool} --worker (\\S+)"
-    match = re.fullmatch(r"start=\$\(date \+%s\); kimi-gateway drain " + replicas + r" --wait (\d+) "
+    match = re.fullmatch(r"start=\$\(date \+%s\); touch /drain/stopping; pid=\$\(cat /drain/undrain\.pid .*; "
+                         r"kimi-gateway drain " + replicas + r" --wait (\d+) "
                          r"--admin-key-env KIMI_GATEWAY_DRAIN_KEY \|\| \{ left=\$\(\( \2 - .*\}; touch /drain/done",
                          hook)
     assert match, hook
@@ -288,7 +289,8 @@ def test_engines_drain_through_the_gateway_before_they_stop(rendered: dict[str, 
     assert {match[1].replace("${POD_NAME}", f"{workload['metadata']['name']}-{i}")
             for i in range(loaded.plan.replicas)} == set(gateway_pool.workers)
     (start,) = sidecar["command"][2:]
-    assert sidecar["command"][:2] == ["sh", "-c"] and start.startswith("trap 'exit 0' TERM; ")
+    assert sidecar["command"][:2] == ["sh", "-c"]
+    assert start.startswith("trap 'exit 0' TERM; until [ -e /drain/stopping ]")
     assert f"--worker {match[1]} --undrain --admin-key-env KIMI_GATEWAY_DRAIN_KEY" in start
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
@@ -359,7 +361,8 @@ def test_the_drain_hook_fails_closed(tmp_path: Path) -> None:
     """A drain that fails at once (a refused key, no gateway) still holds the engine its drain time:
     `done` appears only after the wait; one that succeeds releases it at once."""
     done = tmp_path / "done"
-    hook = GENERATE.drain_hook("p", "http://pool-0.p:8000", 3, done=str(done))
+    hook = GENERATE.drain_hook("p", "http://pool-0.p:8000", 3, done=str(done), stopping=str(tmp_path / "stopping"),
+                               undrain_pid=str(tmp_path / "undrain.pid"))
     env = _fake_gateway_cli(tmp_path, "exit 1")
     started = time.monotonic()
     subprocess.run(["sh", "-c", hook], env=env, timeout=30, check=True)
@@ -378,7 +381,8 @@ def test_the_drain_sidecar_undrains_at_start_and_exits_on_sigterm(tmp_path: Path
     state = tmp_path / "fails"
     state.write_text("x")  # the first undrain fails (no gateway yet), the second succeeds
     env = _fake_gateway_cli(tmp_path, f'[ -e {state} ] && {{ rm {state}; exit 1; }}; exit 0')
-    script = GENERATE.drain_sidecar_script("p", "http://pool-0.p:8000", retry_s=1)
+    script = GENERATE.drain_sidecar_script("p", "http://pool-0.p:8000", stopping=str(tmp_path / "stopping"),
+                                           undrain_pid=str(tmp_path / "undrain.pid"), retry_s=1)
     proc = subprocess.Popen(["sh", "-c", script], env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 20
@@ -666,3 +670,64 @@ def test_multi_node_vllm_pods_announce_their_pod_ip(rendered: dict[str, list[dic
                 assert "VLLM_HOST_IP" not in env
             else:
                 assert env["VLLM_HOST_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_the_drain_hook_ends_the_sidecars_undrain_loop_before_it_drains(tmp_path: Path) -> None:
+    """The sidecar may still retry its undrain when the pod stops (a replica refusing it, Redis
+    down): the preStop ends the undrain running then, waits until it is gone, and the loop starts
+    none after it, so no undrain lands after the drain (the engine would take traffic up to its
+    SIGTERM). An undrain running when SIGTERM comes does not hold the sidecar either."""
+    stopping, pid_file, done = tmp_path / "stopping", tmp_path / "undrain.pid", tmp_path / "done"
+    # every undrain fails after a while (~never in force); the drain succeeds at once
+    env = _fake_gateway_cli(tmp_path, 'case "$*" in *--undrain*) sleep 30; exit 1;; esac; exit 0')
+    script = GENERATE.drain_sidecar_script("p", "http://pool-0.p:8000", stopping=str(stopping),
+                                           undrain_pid=str(pid_file), retry_s=1)
+    proc = subprocess.Popen(["sh", "-c", script], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not pid_file.exists():  # an undrain is running
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        undrain_pid = int(pid_file.read_text())
+        hook = GENERATE.drain_hook("p", "http://pool-0.p:8000", 30, done=str(done), stopping=str(stopping),
+                                   undrain_pid=str(pid_file))
+        started = time.monotonic()
+        subprocess.run(["sh", "-c", hook], env=env, timeout=30, check=True)
+        assert done.exists() and time.monotonic() - started < 15  # it did not wait the undrain's 30 s out
+        with pytest.raises(ProcessLookupError):
+            os.kill(undrain_pid, 0)  # the undrain ended before the drain began
+        calls = (tmp_path / "calls").read_text().splitlines()
+        assert ["--undrain" in line for line in calls] == [True, False], calls
+        time.sleep(3)  # three retry periods: the loop starts no undrain any more
+        assert (tmp_path / "calls").read_text().splitlines() == calls
+        assert proc.poll() is None  # idle until SIGTERM
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its orphaned `sleep`s
+
+
+def test_sigterm_ends_the_sidecar_while_an_undrain_runs(tmp_path: Path) -> None:
+    """sh runs a trap only once a foreground command ended: the undrain runs in the background and
+    is waited on, so SIGTERM ends the sidecar at once even in the middle of a slow undrain."""
+    env = _fake_gateway_cli(tmp_path, "sleep 30; exit 1")
+    script = GENERATE.drain_sidecar_script("p", "http://pool-0.p:8000", stopping=str(tmp_path / "stopping"),
+                                           undrain_pid=str(tmp_path / "undrain.pid"))
+    proc = subprocess.Popen(["sh", "-c", script], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not (tmp_path / "calls").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
