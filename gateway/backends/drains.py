@@ -1,15 +1,23 @@
 """Operator drains shared by every serving process and replica through Redis (when configured).
 
 Without Redis a drain (admin API) belongs to the process that took the call. With `redis_url`,
-the drained worker ids also live in one Redis set, `{affinity.key_prefix}:drained`, and every
+the drained workers also live in one Redis set, `{affinity.key_prefix}:drained-urls`, and every
 process reads it every `SYNC_EVERY_S` seconds, so `processes: N` and a fleet of gateway replicas
 drain together, as an operator of one router expects. The set holds only what operators drained:
-a worker leaves it when undrained. A Redis that cannot be reached leaves each process with the
+a worker leaves it when undrained. A member names a worker by its stable identity,
+`shared_key`: `"{pool} {url}"`, the pool's name and the worker's URL as the config (or discovery)
+names it, never by its index: indices count the workers each process has met since it started (a
+replica that reloaded a changed list numbers them differently from one that started fresh), so an
+index would drain a different engine on another replica. The admin routes still take
+`{pool}/{index}`; the replica that receives the call resolves it to its worker, and so to its URL.
+(Before this key, members were `pool/index` in `{affinity.key_prefix}:drained`; that set is no
+longer read, so a rolling upgrade across this change forgets the drains placed before it: the next
+preStop drain places them again.) A Redis that cannot be reached leaves each process with the
 drain state it last saw (logged; the admin answer says `"shared": false`, and such a local-only
 change is undone by the next sync once Redis answers again: Redis is the source of truth).
 
 While a worker is drained, each process also reports its own in-flight count on it at every sync,
-as a field `host:pid:random` -> `"count unix-time"` of the hash `{affinity.key_prefix}:inflight:{worker id}`
+as a field `host:pid:random` -> `"count unix-time"` of the hash `{affinity.key_prefix}:inflight:{shared_key}`
 (expiring `REPORT_TTL_S` after the last write), so one `GET /admin/workers/{pool}/{index}` answers
 for the whole fleet (`fleet_in_flight`): what `kimi-gateway drain` waits on behind a Service that
 reaches one replica per call.
@@ -51,6 +59,11 @@ REPORT_TTL_S = 30.0  # the report hash outlives its last writer by this much
 GONE_PROBES = 2  # probes in a row finding a drained worker's engine gone before a new one may lift the drain
 
 
+def shared_key(worker: Worker) -> str:
+    """`worker`'s name in Redis, the same on every replica: `"{pool} {url}"` (module doc)."""
+    return f"{worker.pool} {worker.url}"
+
+
 @dataclass(frozen=True)
 class FleetInFlight:
     """The in-flight requests on one drained worker over every process that reported in the last
@@ -65,7 +78,7 @@ class DrainBoard:
 
     def __init__(self, registry: WorkerRegistry, redis_url: str | None, key_prefix: str) -> None:
         self.registry = registry
-        self.key = f"{key_prefix}:drained"
+        self.key = f"{key_prefix}:drained-urls"
         self.report_prefix = f"{key_prefix}:inflight:"
         self.reporter = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"  # one per board
         self._redis = (redis_from_url(redis_url, socket_timeout=SOCKET_BACKSTOP_S,
@@ -92,9 +105,9 @@ class DrainBoard:
         try:
             async with StoreTimeout(CALL_TIMEOUT_S):
                 if draining:
-                    await self._redis.sadd(self.key, worker.id)
+                    await self._redis.sadd(self.key, shared_key(worker))
                 else:
-                    await self._redis.srem(self.key, worker.id)
+                    await self._redis.srem(self.key, shared_key(worker))
         except (RedisError, OSError) as exc:  # OSError: TimeoutError too
             log.warning("drain of %s applies to this process only: Redis failed (%s)", worker.id, exc)
             return False
@@ -139,9 +152,9 @@ class DrainBoard:
             log.debug("drain sync skipped: %s", exc)
             return
         for worker in self.registry:
-            if worker.draining != (worker.id in drained):
+            if worker.draining != ((key := shared_key(worker)) in drained):
                 self._forget(worker)
-                self.registry.set_draining(worker, worker.id in drained)
+                self.registry.set_draining(worker, key in drained)
         await self._report_in_flight()
 
     async def _report_in_flight(self) -> None:
@@ -153,7 +166,7 @@ class DrainBoard:
             async with StoreTimeout(CALL_TIMEOUT_S):
                 for worker in self.registry:
                     if worker.draining:
-                        key = self.report_prefix + worker.id
+                        key = self.report_prefix + shared_key(worker)
                         await self._redis.hset(key, self.reporter, f"{worker.in_flight} {now}")
                         await self._redis.expire(key, int(REPORT_TTL_S))
         except (RedisError, OSError) as exc:
@@ -166,7 +179,7 @@ class DrainBoard:
             return None
         try:
             async with StoreTimeout(CALL_TIMEOUT_S):
-                reports = await self._redis.hgetall(self.report_prefix + worker.id)
+                reports = await self._redis.hgetall(self.report_prefix + shared_key(worker))
         except (RedisError, OSError) as exc:
             log.debug("in-flight reports unreadable: %s", exc)
             return None

@@ -22,7 +22,8 @@ def key_prefix() -> Iterator[str]:
     prefix = f"kgw-test-drains-{uuid.uuid4().hex[:8]}"
     yield prefix
     client = redis.Redis.from_url(shared_redis_url())
-    client.delete(f"{prefix}:drained")
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
     client.close()
 
 
@@ -55,6 +56,33 @@ def test_drain_on_one_gateway_holds_on_another(start_sim: StartSim, start_gatewa
     assert httpx.post(second.url + "/admin/workers/p/0/undrain").json()["shared"] is True
     _eventually(lambda: httpx.get(first.url + "/admin/workers/p/0").json()["draining"] is False)
     assert _workers_used(first) == {"p/0", "p/1"}
+
+
+def test_a_drain_names_the_engine_not_its_index_on_every_replica(start_sim: StartSim, start_gateway: StartGateway,
+                                                                 key_prefix: str) -> None:
+    """Replicas that numbered the same workers differently (one reloaded a changed list, one started
+    fresh) drain the same engine: what Redis holds is the worker's pool and URL."""
+    s0, s1 = start_sim("vllm"), start_sim("vllm")
+    config = {"redis_url": shared_redis_url(), "affinity": {"key_prefix": key_prefix}}
+    first = start_gateway([pool("p", "vllm", [s0.url, s1.url], 131072, policy="round_robin")], **config)
+    second = start_gateway([pool("p", "vllm", [s1.url, s0.url], 131072, policy="round_robin")], **config)
+    assert httpx.get(first.url + "/admin/workers/p/1").json()["url"] == s1.url
+    assert httpx.get(second.url + "/admin/workers/p/0").json()["url"] == s1.url
+
+    assert httpx.post(first.url + "/admin/workers/p/1/drain").json()["shared"] is True  # s1
+    _eventually(lambda: httpx.get(second.url + "/admin/workers/p/0").json()["draining"] is True)
+    assert httpx.get(second.url + "/admin/workers/p/1").json()["draining"] is False  # s0 keeps serving
+    store = redis.Redis.from_url(shared_redis_url(), decode_responses=True)
+    assert store.smembers(f"{key_prefix}:drained-urls") == {f"p {s1.url}"}
+    assert _workers_used(second) == {"p/1"} and _workers_used(first) == {"p/0"}  # s0 on both
+    # Both replicas report their in-flight count on s1 under the same name, and either answers for both.
+    _eventually(lambda: httpx.get(second.url + "/admin/workers/p/0").json()["fleet_in_flight"]["reporters"] == 2)
+    assert httpx.get(first.url + "/admin/workers/p/1").json()["fleet_in_flight"] == {"in_flight": 0, "reporters": 2}
+
+    assert httpx.post(second.url + "/admin/workers/p/0/undrain").json()["shared"] is True  # s1 again
+    _eventually(lambda: httpx.get(first.url + "/admin/workers/p/1").json()["draining"] is False)
+    assert store.smembers(f"{key_prefix}:drained-urls") == set()
+    store.close()
 
 
 def test_without_redis_a_drain_says_it_is_not_shared(start_sim: StartSim, start_gateway: StartGateway) -> None:
