@@ -24,13 +24,19 @@ reaches one replica per call.
 
 A drain holds for the engine it was placed on, not for the address: when the health prober saw the
 drained worker's engine answer, then saw it gone at `GONE_PROBES` probes in a row
-(`control.engine_gone`: nothing listens on its port, its name does not exist) and then answer
+(`control.engine_gone`: the connection was refused, its name does not exist) and then answer
 again, a new engine serves there (a restarted pod, a rolled-out release) and the drain is lifted
 (`engine_seen`), shared the same way as an undrain. So a rolling restart whose preStop drains each
-engine cannot leave the fleet drained when nothing undrains it. A drain placed on an engine that was
-already gone holds until that engine has answered, gone and answered again (an operator keeping a
-broken engine out stays in control); one probe finding it gone between answers (a blip) is the same
-engine, and a slow or failing engine (timeouts, 5xx) is never taken for a new one.
+engine cannot leave the fleet drained when nothing undrains it. Where the engine tells when its
+process started (`process_start_time_seconds` in its `/metrics`: vLLM with one API server; not
+SGLang, nor vLLM with several API servers: gateway/backends/load.py `parse_start_time`), the
+answers before and after the absence must also name different start times: the same process
+refusing connections for a while (a listener blip) keeps its drain. Where it tells none, the
+absence is the only evidence, so only a refused connection or a name that does not exist counts
+as gone: an unreachable host or network (a network blip) and a timeout never do. A drain placed on
+an engine that was already gone holds until that engine has answered, gone and answered again (an
+operator keeping a broken engine out stays in control); one probe finding it gone between answers
+(a blip) is the same engine, and a slow or failing engine (timeouts, 5xx) is never taken for a new one.
 """
 
 from __future__ import annotations
@@ -90,6 +96,9 @@ class DrainBoard:
         drained) or "gone" (then gone `GONE_PROBES` times in a row); absent: neither yet (module doc)."""
         self._gone_runs: dict[str, int] = {}
         """Drained worker id -> probes in a row that found its engine gone (while "up" was seen)."""
+        self._started: dict[str, float] = {}
+        """Drained worker id -> the start time (unix s) its engine told at its last answer (before
+        an absence); absent when it told none."""
 
     @property
     def shared(self) -> bool:
@@ -113,10 +122,12 @@ class DrainBoard:
             return False
         return True
 
-    async def engine_seen(self, worker: Worker, up: bool) -> None:
-        """The health prober's news of `worker`'s engine: it answered (`up`) or is gone (not `up`;
-        only `control.engine_gone` failures count). Lifts the worker's drain when its engine
-        answered, was gone `GONE_PROBES` times in a row and answers again: a new engine (module doc)."""
+    async def engine_seen(self, worker: Worker, up: bool, started: float | None = None) -> None:
+        """The health prober's news of `worker`'s engine: it answered (`up`; `started`: the start
+        time, unix s, its `/metrics` told then, None when it told none) or is gone (not `up`; only
+        `control.engine_gone` failures count). Lifts the worker's drain when its engine answered,
+        was gone `GONE_PROBES` times in a row and answers again: a new engine; when both answers
+        told a start time, only if they differ (module doc)."""
         if not worker.draining:
             self._forget(worker)
             return
@@ -128,8 +139,17 @@ class DrainBoard:
                     self._seen[worker.id] = "gone"
             return
         self._gone_runs.pop(worker.id, None)
-        if seen != "gone":
+        before = self._started.get(worker.id)
+        same_process = before is not None and started is not None and started == before
+        if seen != "gone" or same_process:
             self._seen[worker.id] = "up"
+            if started is None:
+                self._started.pop(worker.id, None)
+            else:
+                self._started[worker.id] = started
+            if seen == "gone":
+                log.info("drain of %s holds: its engine refused connections a while and answers again with "
+                         "the same process start time (the same engine)", worker.id)
             return
         self._forget(worker)
         shared = await self.set_draining(worker, False)
@@ -139,6 +159,7 @@ class DrainBoard:
     def _forget(self, worker: Worker) -> None:
         self._seen.pop(worker.id, None)
         self._gone_runs.pop(worker.id, None)
+        self._started.pop(worker.id, None)
 
     async def sync(self) -> None:
         """Take the drain state from Redis (a no-op without it; kept as it was when Redis fails)."""

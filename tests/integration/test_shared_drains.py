@@ -10,6 +10,10 @@ import httpx
 import pytest
 import redis
 
+from gateway.backends.drains import GONE_PROBES
+from gateway.serving.server import ThreadedServer
+from gateway.sim.app import create_sim_app
+from gateway.sim.config import SimConfig
 from tests.support import RunningGateway, RunningSim, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
@@ -89,3 +93,41 @@ def test_without_redis_a_drain_says_it_is_not_shared(start_sim: StartSim, start_
     sim = start_sim("vllm")
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072)])
     assert httpx.post(gw.url + "/admin/workers/p/0/drain").json()["shared"] is False
+
+
+def test_a_drain_holds_through_a_listener_blip_and_lifts_for_a_restarted_engine(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """The same simulated engine (one process start time in its /metrics, as vLLM with one API
+    server) stops listening long enough for the probes to find it gone, then listens again: still
+    drained. A new engine at that address (another start time): the drain is lifted."""
+    sim = start_sim("vllm")
+    port = sim.server.port
+    gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], health={"interval": 0.2, "timeout": 1.0})
+
+    def worker() -> dict[str, object]:
+        return httpx.get(gw.url + "/admin/workers/p/0").json()  # type: ignore[no-any-return]
+
+    def probed_twice() -> Callable[[], bool]:
+        """True once two more probes reached the engine: the first of them started after this call,
+        and had told the gateway what it saw before the second began."""
+        start = sim.engine.health_checks
+        return lambda: sim.engine.health_checks >= start + 2
+
+    assert httpx.post(gw.url + "/admin/workers/p/0/drain").json()["draining"] is True
+    _eventually(probed_twice(), timeout=10)  # the drained engine was seen answering
+    sim.server.stop()  # nothing listens there now: connections are refused
+    _eventually(lambda: worker()["failed_probes"] >= GONE_PROBES, timeout=10)
+    again = ThreadedServer(sim.app, port=port).start()  # the same engine listens again
+    try:
+        _eventually(lambda: worker()["healthy"] is True, timeout=10)
+        _eventually(probed_twice(), timeout=10)
+        assert worker()["draining"] is True
+    finally:
+        again.stop()
+    _eventually(lambda: worker()["failed_probes"] >= GONE_PROBES, timeout=10)
+    restarted = ThreadedServer(create_sim_app(SimConfig(engine="vllm", max_context_tokens=131072)), port=port)
+    restarted.start()
+    try:
+        _eventually(lambda: worker()["draining"] is False, timeout=10)
+    finally:
+        restarted.stop()
