@@ -119,16 +119,15 @@ _NO_SUCH_NAME = {socket.EAI_NONAME} | ({socket.EAI_NODATA} if hasattr(socket, "E
 
 def engine_gone(exc: BaseException) -> bool:
     """True when a failed exchange shows that no engine process serves the address: its host name
-    does not exist (a deleted pod's DNS record; not a resolver that failed to answer, EAI_AGAIN),
-    the connection was refused (nothing listens on the port: the engine process exited), or the
-    address is unreachable (no such host). A timeout is not: a busy engine (a long prefill) or a
-    stalled gateway event loop looks the same."""
+    does not exist (a deleted pod's DNS record; not a resolver that failed to answer, EAI_AGAIN) or
+    the connection was refused (nothing listens on the port: the engine process exited). An
+    unreachable network or host (ENETUNREACH, EHOSTUNREACH) is not: a network blip looks the same
+    while the engine process lives on; nor is a timeout: a busy engine (a long prefill) or a stalled
+    gateway event loop looks the same."""
     for cause in _causes(exc):
         if isinstance(cause, socket.gaierror):
             return cause.errno in _NO_SUCH_NAME
         if isinstance(cause, ConnectionRefusedError):
-            return True
-        if isinstance(cause, OSError) and cause.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
             return True
     return False
 

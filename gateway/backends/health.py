@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from gateway.backends.control import ControlError, control_get, pool_headers
 from gateway.backends.drains import DrainBoard
 from gateway.backends.h1 import H1Pool
+from gateway.backends.load import parse_start_time
 from gateway.backends.models_check import (
     CHECKED_ENGINES,
     MODELS_PATH,
@@ -48,7 +49,9 @@ class HealthChecker(FollowsWorkers[Worker]):
 
     With `drains`, each probe that passes, or fails because nothing serves at the worker's address
     (`ControlError.gone`), is told to the DrainBoard, which lifts a drain once a new engine
-    answers where the drained one was (gateway/backends/drains.py).
+    answers where the drained one was (gateway/backends/drains.py). A passing probe of a drained
+    worker is followed by a read of its `/metrics` for the engine process' start time (same
+    deadline and cap); when that read gets no answer, the probe is not told to the DrainBoard.
     """
 
     def __init__(self, registry: WorkerRegistry, client: H1Pool, config: HealthConfig,
@@ -101,7 +104,12 @@ class HealthChecker(FollowsWorkers[Worker]):
             reason = f"health probe failed: {exc}"
             gone = exc.gone
         if self.drains is not None and (reason is None or gone):
-            await self.drains.engine_seen(worker, up=reason is None)
+            try:
+                started = await self._start_time(worker) if reason is None and worker.draining else None
+            except ControlError as exc:  # what this engine is stays unknown: judged at the next probe
+                log.debug("worker %s: start time unread (%s)", worker.id, exc)
+            else:
+                await self.drains.engine_seen(worker, up=reason is None, started=started)
         if reason is None:
             recovered = not worker.healthy
             self.registry.probe_passed(worker)
@@ -113,6 +121,20 @@ class HealthChecker(FollowsWorkers[Worker]):
             worker.models_checked_at = None  # checked again once it answers (a restart may bring new flags)
         self.registry.expire_ejections()
         return reason is None
+
+    async def _start_time(self, worker: Worker) -> float | None:
+        """When the engine process serving `worker` started (unix s), from its `/metrics`
+        (`load.parse_start_time`); None when it tells none (no such gauge, or `/metrics` answers
+        other than 200). Raises ControlError when `/metrics` gave no answer (same deadline and cap
+        as a probe)."""
+        answer = await control_get(self.client, worker.url + "/metrics", self.headers.get(worker.pool, {}),
+                                   self.config.timeout, self.config.max_body_bytes)
+        if answer.status != 200:
+            return None
+        try:
+            return parse_start_time(answer.body.decode("utf-8", "replace"))
+        except ValueError:  # an exposition prometheus_client cannot parse tells nothing
+            return None
 
     def _models_due(self, worker: Worker, recovered: bool) -> bool:
         checked = worker.models_checked_at

@@ -47,6 +47,21 @@ def parse_engine_load(text: str, spec: EngineSpec) -> tuple[float | None, float 
     return running, waiting, kv
 
 
+START_TIME_METRIC = "process_start_time_seconds"
+
+
+def parse_start_time(text: str) -> float | None:
+    """The serving process' start (unix s) from a Prometheus exposition: prometheus_client's process
+    collector gauge `process_start_time_seconds`, or None when it is not there. vLLM with one API
+    server has it (`vllm/v1/metrics/prometheus.py` serves the default registry); vLLM with
+    `--api-server-count` > 1 and SGLang serve a multiprocess registry without it
+    (`vllm/entrypoints/cli/serve.py`, `python/sglang/srt/utils/common.py`)."""
+    wanted = "\n".join(line for line in text.splitlines() if line.startswith(START_TIME_METRIC))
+    values = [sample.value for family in text_string_to_metric_families(wanted) for sample in family.samples
+              if sample.name == START_TIME_METRIC]
+    return max(values) if values else None
+
+
 class LoadScraper(FollowsWorkers[Worker]):
     """Background loops (one per worker) that refresh every worker's engine load.
 

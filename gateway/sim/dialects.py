@@ -81,6 +81,13 @@ class MetricNames:
     """Gauge of the recent prefix-cache hit rate, 0 to 1 (SGLang)."""
     preemptions: str | None = None
     """Counter of running requests preempted (vLLM) or retracted (SGLang) for KV-cache room."""
+    process_start_time: bool = False
+    """Whether `/metrics` also has prometheus_client's process collector gauge
+    `process_start_time_seconds` (the serving process' start, unix s). vLLM's one API server serves
+    prometheus_client's default registry, which holds it (`vllm/v1/metrics/prometheus.py`
+    `get_prometheus_registry`); with `--api-server-count` > 1 it serves a multiprocess registry,
+    which does not (`vllm/entrypoints/cli/serve.py`), and SGLang always does
+    (`python/sglang/srt/utils/common.py` `add_prometheus_middleware`): False."""
 
 
 ContextCheck = Callable[[int, int | None, int, str, bool], tuple[str, str | None] | None]
@@ -320,6 +327,7 @@ VLLM_METRICS = MetricNames(
     prefix_cache_queries="vllm:prefix_cache_queries",
     prefix_cache_hits="vllm:prefix_cache_hits",
     preemptions="vllm:num_preemptions",
+    process_start_time=True,
 )
 VLLM_LEGACY_METRICS = dataclasses.replace(VLLM_METRICS, kv_usage="vllm:gpu_cache_usage_perc",
                                           prefix_cache_queries="vllm:gpu_prefix_cache_queries",

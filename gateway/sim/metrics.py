@@ -5,7 +5,8 @@ consistent with the engine state and nothing is double-booked. Names and labels 
 engine's dialect (vLLM: `vllm:num_requests_running{model_name,engine}`,
 `vllm:prefix_cache_hits_total` ...; SGLang: `sglang:num_running_reqs{model_name}`,
 `sglang:cache_hit_rate` ...; see `gateway.sim.dialects` for the sources). Counters are exposed with
-the `_total` suffix.
+the `_total` suffix. A dialect whose engine has it (`MetricNames.process_start_time`) also shows
+`process_start_time_seconds`: when this simulated engine started (unix s), new for each engine.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ class EngineStats:
 class SimMetricsCollector(Collector):
     """Exposes `EngineStats` under the names and labels of one engine dialect."""
 
-    def __init__(self, stats: Callable[[], EngineStats], dialect: EngineDialect, model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], dialect: EngineDialect, model_name: str,
+                 started_at: float) -> None:
         self._stats = stats
+        self._started_at = started_at
         self._names = dialect.metric_names
         self._labels = dialect.metric_labels(model_name)
 
@@ -68,6 +71,9 @@ class SimMetricsCollector(Collector):
             family.add_metric(values, value)
             return family
 
+        if names.process_start_time:
+            yield GaugeMetricFamily("process_start_time_seconds",
+                                    "Start time of the process since unix epoch in seconds.", self._started_at)
         yield gauge(names.running, "Requests being processed (simulated).", stats.running)
         yield gauge(names.waiting, "Requests queued for admission (simulated).", stats.waiting)
         yield gauge(names.kv_usage, "KV-cache usage fraction, 0 to 1 (simulated).", stats.kv_usage)
@@ -93,10 +99,11 @@ class SimMetricsCollector(Collector):
             yield family
 
 
-def build_registry(stats: Callable[[], EngineStats], dialect: EngineDialect, model_name: str) -> CollectorRegistry:
-    """A fresh registry holding only this engine's collector."""
+def build_registry(stats: Callable[[], EngineStats], dialect: EngineDialect, model_name: str,
+                   started_at: float) -> CollectorRegistry:
+    """A fresh registry holding only this engine's collector (`started_at`: the engine's start, unix s)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SimMetricsCollector(stats, dialect, model_name))
+    registry.register(SimMetricsCollector(stats, dialect, model_name, started_at))
     return registry
 
 

@@ -185,7 +185,7 @@ class SimWorkerState:
                 self._cond, self.kv, self._totals, self._hit_rate, chunk_tokens=config.chunk_tokens,
                 prefill_tokens_per_s=config.step_prefill_tokens_per_s, decode_step_s=config.decode_step_s,
                 decode_s_per_seq=config.decode_s_per_seq, max_num_seqs=config.max_num_seqs)
-        self.registry = build_registry(self.stats, self.dialect, config.model_name)
+        self.registry = build_registry(self.stats, self.dialect, config.model_name, time.time())
         self.pd: PdState | None = None
         """The PD role's state (None for an aggregated worker; see `gateway.sim.pd`)."""
         if config.pd_role is not None:

@@ -72,7 +72,7 @@ def test_drain_by_url_moves_new_requests_on_both_replicas_and_waits_for_the_stre
         start_sim: StartSim, start_gateway: StartGateway, request: pytest.FixtureRequest) -> None:
     key_prefix = f"kgw-test-drain-cmd-{uuid.uuid4().hex[:8]}"
     store = redis.Redis.from_url(shared_redis_url())
-    request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained"), store.close()))
+    request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained-urls"), store.close()))
     # 50 tokens: ~8 s a stream, long enough on a loaded machine for the drain command (a Python
     # process that imports the gateway) to start and both replicas to see the drain before the streams
     # end (at ~5 s a stream they ended first once, in a clean-clone CI run on a slow 2-core machine)
@@ -132,7 +132,7 @@ def test_one_service_url_waits_for_the_streams_of_every_replica(
     command waits on `fleet_in_flight`, every replica's count reported through Redis."""
     key_prefix = f"kgw-test-drain-fleet-{uuid.uuid4().hex[:8]}"
     store = redis.Redis.from_url(shared_redis_url())
-    request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained", f"{key_prefix}:inflight:p/0"),
+    request.addfinalizer(lambda: (store.delete(f"{key_prefix}:drained-urls", f"{key_prefix}:inflight:p {sim.url}"),
                                   store.close()))
     sim = start_sim("vllm", tpot_s=0.04)
     settings: dict[str, Any] = {

@@ -252,9 +252,9 @@ def test_limits_affinity_stored_responses_and_drains_through_a_gateway(
         admin = {"authorization": "Bearer ops-secret"}
         answer = httpx.post(gw.url + "/admin/workers/p/1/drain", headers=admin, timeout=5)
         assert answer.status_code == 200 and answer.json()["shared"] is True, answer.text
-        assert cluster.client.smembers(f"{prefix}:aff:drained") == {"p/1"}
+        assert cluster.client.smembers(f"{prefix}:aff:drained-urls") == {f"p {sims[1].url}"}
         assert httpx.post(gw.url + "/admin/workers/p/1/undrain", headers=admin, timeout=5).json()["shared"] is True
-        assert cluster.client.smembers(f"{prefix}:aff:drained") == set()
+        assert cluster.client.smembers(f"{prefix}:aff:drained-urls") == set()
         assert gw.metric("kimi_gateway_redis_up ") == 1
         assert gw.metric("kimi_gateway_redis_errors_total") == 0
     finally:

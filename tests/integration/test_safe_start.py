@@ -125,8 +125,8 @@ def test_rediss_with_tls_options_shares_a_drain(tls_redis: tuple[int, Path, Path
                              redis_url=f"rediss://localhost:{port}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required")
     answer = httpx.post(verified.url + "/admin/workers/p/0/drain", timeout=10)
     assert answer.status_code == 200 and answer.json()["shared"] is True, answer.text
-    assert redis.Redis(host="localhost", port=port, ssl=True, ssl_ca_certs=str(ca)).smembers("kgw:tls:drained") \
-        == {b"p/0"}
+    assert redis.Redis(host="localhost", port=port, ssl=True, ssl_ca_certs=str(ca)).smembers("kgw:tls:drained-urls") \
+        == {f"p {sim.url}".encode()}
     wrong_ca = start_gateway([pool("p", "vllm", [sim.url], 131072)], affinity={"key_prefix": "kgw:tls2"},
                              redis_url=f"rediss://localhost:{port}/0?ssl_ca_certs={other_ca}&ssl_cert_reqs=required")
     refused = httpx.post(wrong_ca.url + "/admin/workers/p/0/drain", timeout=10)

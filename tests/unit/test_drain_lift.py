@@ -1,9 +1,11 @@
 """A drain holds for the engine it was placed on (gateway/backends/drains.py `DrainBoard.engine_seen`):
-lifted once the prober saw the engine answer, go away and a new one answer; never otherwise. What
-counts as gone: gateway/backends/control.py `engine_gone`."""
+lifted once the prober saw the engine answer, go away and a new one answer (one with another process
+start time, when the engine tells it); never otherwise. What counts as gone:
+gateway/backends/control.py `engine_gone`."""
 
 from __future__ import annotations
 
+import errno
 import socket
 
 import pytest
@@ -71,6 +73,43 @@ async def test_an_undrain_forgets_what_was_seen() -> None:
     assert worker.draining
 
 
+@pytest.mark.anyio
+async def test_the_same_process_answering_after_an_absence_keeps_its_drain() -> None:
+    """An engine that tells its process start time: an absence (refused connections) followed by an
+    answer with the same start time is a listener blip of the same engine; another start time is a
+    new engine."""
+    drains = board()
+    (worker,) = drains.registry
+    await drains.set_draining(worker, True)
+    for up in (True, False, False):
+        await drains.engine_seen(worker, up=up, started=1000.0 if up else None)
+    await drains.engine_seen(worker, up=True, started=1000.0)  # the same process
+    assert worker.draining
+    for up in (False, False):  # a second absence must be as long as the first: counted afresh
+        await drains.engine_seen(worker, up=up)
+    await drains.engine_seen(worker, up=True, started=1000.0)
+    assert worker.draining
+    await drains.engine_seen(worker, up=False)
+    await drains.engine_seen(worker, up=False)
+    await drains.engine_seen(worker, up=True, started=2000.0)  # restarted
+    assert not worker.draining
+
+
+@pytest.mark.anyio
+async def test_without_a_start_time_on_either_side_the_absence_decides() -> None:
+    """An engine that tells no start time (SGLang, vLLM with several API servers), or that told one
+    only before or only after: an answer, an absence, an answer is a new engine, as before."""
+    for before, after in ((None, None), (1000.0, None), (None, 1000.0)):
+        drains = board()
+        (worker,) = drains.registry
+        await drains.set_draining(worker, True)
+        await drains.engine_seen(worker, up=True, started=before)
+        await drains.engine_seen(worker, up=False)
+        await drains.engine_seen(worker, up=False)
+        await drains.engine_seen(worker, up=True, started=after)
+        assert not worker.draining, (before, after)
+
+
 def _raised(cause: BaseException) -> BaseException:
     """An H1ConnectError raised from `cause`, as the HTTP client raises it."""
     try:
@@ -88,3 +127,10 @@ def test_a_resolver_that_fails_to_answer_is_not_an_engine_gone() -> None:
     assert not engine_gone(_raised(socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")))
     assert engine_gone(_raised(ConnectionRefusedError(111, "Connection refused")))
     assert not engine_gone(_raised(TimeoutError("timed out")))
+
+
+def test_an_unreachable_host_or_network_is_not_an_engine_gone() -> None:
+    """A network blip (no route to the host for a while) looks the same while the engine process
+    lives on: it must not lift a drain."""
+    for code in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        assert not engine_gone(_raised(OSError(code, "No route to host")))

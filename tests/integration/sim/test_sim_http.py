@@ -12,6 +12,7 @@ import httpx
 import orjson
 import pytest
 
+from gateway.backends.load import parse_start_time
 from gateway.sim.tokens import output_text
 from tests.support import RunningSim
 
@@ -366,6 +367,18 @@ def test_metric_names_per_engine(start_sim: StartSim, engine: str, api_version: 
     prefix = "vllm" if engine != "sglang" else "sglang"
     generated = [v for k, (_, v) in metrics.items() if k.startswith(f"{prefix}:generation_tokens_total")]
     assert generated == [2.0]
+
+
+def test_a_vllm_sim_tells_its_own_process_start_time_and_a_sglang_one_none(start_sim: StartSim) -> None:
+    """vLLM with one API server has prometheus_client's `process_start_time_seconds`; SGLang's
+    multiprocess registry has not (gateway/sim/dialects.py `MetricNames.process_start_time`)."""
+    earliest = time.time()
+    first, second = start_sim("vllm"), start_sim("vllm")
+    started = [parse_start_time(httpx.get(s.url + "/metrics").text) for s in (first, second)]
+    assert all(t is not None and earliest <= t <= time.time() for t in started), started
+    assert started[0] != started[1]  # each engine its own
+    assert started[0] == parse_start_time(httpx.get(first.url + "/metrics").text)  # and it stays
+    assert parse_start_time(httpx.get(start_sim("sglang").url + "/metrics").text) is None
 
 
 def test_running_rises_while_a_slow_request_is_in_flight(start_sim: StartSim) -> None:
