@@ -277,7 +277,7 @@ def test_an_undrain_while_redis_is_down_is_not_done(start_sim: StartSim, start_g
     assert "run it again" in err
     assert in_flight(gw, "p/0") == (False, 0)  # for now: this replica alone
     own_redis.start()  # back with what it held (this one restarts empty: put the drain back as it was)
-    redis.Redis.from_url(own_redis.url).sadd(f"{key_prefix}:drained", "p/0")
+    redis.Redis.from_url(own_redis.url).sadd(f"{key_prefix}:drained-urls", f"p {sim.url}")  # drains.shared_key
     deadline = time.monotonic() + 10
     while not in_flight(gw, "p/0")[0]:  # the next sync takes the drain back from Redis
         assert time.monotonic() < deadline, "the replica did not take the drain back from Redis"
