@@ -97,13 +97,15 @@ def test_an_sglang_pool_alone_still_refuses_what_sglang_refuses(start_sim: Start
 def test_a_long_answer_without_a_limit_is_neither_504d_nor_ejects_its_worker(
         start_sim: StartSim, start_gateway: StartGateway) -> None:
     """vLLM generates to the end of the context when a non-streamed request sets no limit. The pool's
-    reservation (16 tokens) used to size the answer's budget (about 1.2 s here) while the engine took
+    reservation (16 tokens) used to size the answer's budget (1.8 s here) while the engine took
     a few seconds: 504 after both workers redid the work, and both ejected. Now the budget counts the
     ~2000 tokens the engine may generate."""
     sims = [start_sim("vllm", max_context_tokens=2048, default_output_tokens=None, tpot_s=0.002) for _ in range(2)]
     gw = start_gateway([pool("p", "vllm", [s.url for s in sims], 2048, default_output_tokens=16,
                              policy="round_robin")], health=HEALTH,
-                       timeouts={"first_byte_base": 0.5, "generation": 0.5, "generation_per_token": 0.01})
+                       # 0.05 s a token: ~100 s for the ~2,000 tokens, room for a loaded machine's slow
+                       # sim; the 16 reserved tokens would still give 1.8 s, short of even a quiet run's 4 s
+                       timeouts={"first_byte_base": 0.5, "generation": 0.5, "generation_per_token": 0.05})
     for _ in range(3):
         response = httpx.post(gw.v1 + "/chat/completions", timeout=60,
                               json={"model": "kimi-k3", "messages": [{"role": "user", "content": "tell me"}]})
