@@ -105,7 +105,8 @@ def test_non_streaming_answer_past_its_budget_moves_to_another_worker(start_sim:
                                                                       start_gateway: StartGateway) -> None:
     # 60 tokens at 20 tokens/s take 3 s; a budget with no per-token allowance is 0.6 s. The worker
     # sent no headers in that time, so (issue 10 §2) the request goes to the other worker.
-    slow, other = start_sim("vllm", tpot_s=0.05), start_sim("vllm")
+    # the other worker answers at once: its 60 tokens at the default 0.01 s would fill the whole 0.6 s
+    slow, other = start_sim("vllm", tpot_s=0.05), start_sim("vllm", tpot_s=0.0)
     gw = start_gateway([pool("p", "vllm", [slow.url, other.url], 131072, policy="round_robin")],
                        timeouts={"read": 0.3, "first_byte_base": 0.3, "generation": 0.3, "generation_per_token": 0})
     response = httpx.post(gw.v1 + "/chat/completions", json={**CHAT, "max_tokens": 60}, timeout=30)

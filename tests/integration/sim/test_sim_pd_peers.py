@@ -75,9 +75,11 @@ def _router_command(protocol: str, prefill: str, decode: str, port: int) -> list
 def _start_pair(protocol: str, log: Path) -> PeerPair:
     engine = "sglang" if protocol == "sglang" else "vllm"
     # The prefill worker keeps a prefix cache; the decode worker none, so every request pulls its KV.
+    # SGLang's /health (a one-token generation polled once a second) at a 0.05 s poll: the router marks
+    # the workers healthy at its first checks, so its first request finds them (the wire is checked, not that wait)
     sims = [sim_server(SimConfig(engine=engine, max_context_tokens=32_768, pd_role=role, pd_protocol=protocol,
                                  kv_capacity_tokens=100_000 if role == "prefill" else None,
-                                 pd_wait_timeout_s=10.0)).start()
+                                 pd_wait_timeout_s=10.0, health_generate_poll_s=0.05)).start()
             for role in ("prefill", "decode")]
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "HTTP_PROXY", "HTTPS_PROXY")}
