@@ -84,14 +84,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         gc.freeze()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files with real-vLLM tests (marker `vllm`) go last, whole (xdist hands out whole files,
-    `--dist loadfile`), in their order: their engines take a core and ~3 GB each while they start, so
-    they run when the rest of the suite, whose timing tests share the machine, is done."""
-    late = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("vllm")}
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in late)
-
-
 def stop_all(servers: list[ThreadedServer], timeout: float = 10.0) -> None:
     """Ask every server to exit at once, then wait for them all, `timeout` seconds in total (uvicorn
     takes ~0.2 s to stop). The threads are daemons: one still stuck after that (a lifespan's end that

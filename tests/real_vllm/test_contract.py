@@ -33,6 +33,10 @@ METRICS = [m for m in (SPEC.running_metric, SPEC.waiting_metric, SPEC.kv_usage_m
 CASES = contract.all_cases(METRICS, lora_path="LORA")
 TOOL_CASES = contract.tool_parser_cases()
 
+# Cases whose real answer depends on a race the tiny model's speed decides: checked on the simulator only.
+RACES = {"responses background cancel": "the tiny model may finish the background response before the cancel "
+                                        "arrives (vLLM then answers 400 'Cannot cancel a synchronous response.')"}
+
 # Where the simulator knowingly differs from vLLM: case → {observation path → why}. The path is dropped
 # from both sides before comparing (`events:finish`: the stream's finish reasons).
 _JUNK = ("the tiny model never closes a guided answer (it writes whitespace or a free string until "
@@ -171,6 +175,8 @@ def test_real_vllm_with_a_tool_parser_keeps_the_contract(
 @pytest.mark.parametrize("name", list(CASES))
 def test_real_vllm_keeps_the_contract(name: str, engine: VllmEngine,
                                       recorder: Callable[[str, list[dict[str, Any]]], None]) -> None:
+    if name in RACES:
+        pytest.skip(RACES[name])
     seen = _run(name, engine.url, str(models_dir() / "lora"))
     if RECORDING:
         recorder(name, seen)
