@@ -352,20 +352,28 @@ def _count_tokens_grows(h: httpx.Client) -> list[Observation]:
             {"tools add tokens": counts[1] > counts[0], "system adds tokens": counts[2] > counts[0]}]
 
 
+def _forced_tool_calls(prefix: str, **named_stream: Any) -> dict[str, Case]:
+    """`tool_choice` required and named, streamed and not, under names starting with `prefix`;
+    `named_stream`: more fields of the streamed named case."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    return {
+        f"{prefix}chat tool_choice required": lambda h: _guided(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED)),
+        f"{prefix}chat tool_choice required stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED, stream=True))],
+        f"{prefix}chat tool_choice named": lambda h: _guided(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED)),
+        f"{prefix}chat tool_choice named stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
+            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED, stream=True, **named_stream))],
+    }
+
+
 def feature_cases() -> dict[str, Case]:
     """Tool calls, structured output and token counting with tools (an engine started without a tool
     parser, as the contract's is)."""
-    named = {"type": "function", "function": {"name": "get_weather"}}
     schema_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}}
     return {
-        "chat tool_choice required": lambda h: _guided(h, "/v1/chat/completions", _chat(
-            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED)),
-        "chat tool_choice required stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
-            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED, stream=True))],
-        "chat tool_choice named": lambda h: _guided(h, "/v1/chat/completions", _chat(
-            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED)),
-        "chat tool_choice named stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
-            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED, stream=True))],
+        **_forced_tool_calls(""),
         "chat tool_choice auto": lambda h: [_post(h, "/v1/chat/completions", _chat(
             tools=[WEATHER], tool_choice="auto"))],
         "chat tool_choice named, unknown tool": lambda h: [_post(h, "/v1/chat/completions", _chat(
@@ -405,19 +413,10 @@ def tool_parser_cases() -> dict[str, Case]:
     """Tool calls on an engine started with `TOOL_PARSER_ARGS`: `required` and named choices, which vLLM
     answers with guided decoding (so even the tiny model's answer is a call), streamed and not; `auto`;
     Messages with tools (served as `auto`) and their token count."""
-    named = {"type": "function", "function": {"name": "get_weather"}}
     tool = {"name": "get_weather", "description": "The weather in a city.",
             "input_schema": WEATHER["function"]["parameters"]}  # type: ignore[index]
     return {
-        "tools: chat tool_choice required": lambda h: _guided(h, "/v1/chat/completions", _chat(
-            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED)),
-        "tools: chat tool_choice required stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
-            tools=[WEATHER], tool_choice="required", max_tokens=GUIDED, stream=True))],
-        "tools: chat tool_choice named": lambda h: _guided(h, "/v1/chat/completions", _chat(
-            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED)),
-        "tools: chat tool_choice named stream": lambda h: [_post(h, "/v1/chat/completions", _chat(
-            tools=[WEATHER], tool_choice=named, max_tokens=GUIDED, stream=True, stream_options={
-                "include_usage": True}))],
+        **_forced_tool_calls("tools: ", stream_options={"include_usage": True}),
         "tools: chat tool_choice auto": lambda h: [_post(h, "/v1/chat/completions", _chat(
             tools=[WEATHER], tool_choice="auto"))],
         "tools: messages with tools": lambda h: [_post(h, "/v1/messages", _messages(tools=[tool]))],
