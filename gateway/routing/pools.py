@@ -74,7 +74,7 @@ def fitting_pools(request: RoutingRequest, pools: Sequence[PoolConfig]) -> list[
         )
     fits = [p for p in by_modality if accepts(p, request)]
     if fits:
-        return [p for p in fits if holds_output(p, request)] + [p for p in fits if not holds_output(p, request)]
+        return sorted(fits, key=lambda p: not holds_output(p, request))  # stable: cost order within each
     largest = max(by_modality, key=lambda p: p.max_context_tokens)
     prompt, output = request.prompt_tokens, request.output_tokens
     if output == 0:  # generates nothing: the prompt alone
