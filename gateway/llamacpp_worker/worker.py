@@ -189,8 +189,11 @@ class LlamaCppWorker:
             if force:
                 process.kill()
             else:
-                _close(process.stdin)
+                # SIGTERM before stdin's EOF: the EOF alone also stops the server, which then puts the
+                # default SIGTERM disposition back on its way out, so a SIGTERM sent after it killed the
+                # process (-15) where a loaded machine let the shutdown run first
                 process.send_signal(signal.SIGTERM)
+                _close(process.stdin)
                 try:
                     process.wait(timeout)
                 except subprocess.TimeoutExpired:
