@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -49,23 +50,44 @@ def with_test_redis_budgets(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` that nobody listened on a moment ago (the OS picked it for port 0)."""
+LISTEN_PORTS = range(20000, 32768)
+"""Where the tests' listeners go: below Linux's ephemeral range (`net.ipv4.ip_local_port_range`,
+32768-60999 by default), which the OS hands to every outgoing connection and to port-0 listeners. A
+port picked there (the OS's own port-0 choice) can be taken by a client connection before the
+server binds it: a burst of 1,200 connections did that in a CI run ("Address already in use")."""
+
+
+def _listen_port_candidates() -> list[int]:
+    ports = list(LISTEN_PORTS)
+    random.SystemRandom().shuffle(ports)  # two xdist workers do not walk the same order
+    return ports
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback TCP ports that nobody listened on a moment ago (all held open while picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` in `LISTEN_PORTS` that nobody listened on a moment ago."""
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct TCP ports on `host` in `LISTEN_PORTS` that nobody listened on a moment ago.
+
+    Raises RuntimeError when fewer than `n` are free."""
+    picked: list[int] = []
+    for port in _listen_port_candidates():
+        if _bindable(host, port):
+            picked.append(port)
+            if len(picked) == n:
+                return picked
+    raise RuntimeError(f"fewer than {n} free ports in {LISTEN_PORTS}")
 
 
 # The Redis the tests share (own key prefixes, cleaned up): $KIMI_TEST_REDIS_URL, else the usual local
