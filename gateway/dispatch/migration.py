@@ -15,8 +15,11 @@ of the pool (never the one that failed) with the text so far as the start of the
   rendered without the final message's end of turn, so the model goes on with it);
 - completions: the prompt with the text so far appended;
 - the output limits (`max_tokens`, `max_completion_tokens`) and `min_tokens` less the tokens
-  generated (the content chunks relayed: one token each, as vLLM streams them; the first stream's
-  own `completion_tokens` when it reported continuous usage); sampling fields, seed and stop as sent.
+  generated: the first stream's own `completion_tokens` when it reported continuous usage, else the
+  text so far counted by the continuation pool's `/tokenize` on engines that have one
+  (`TOKENIZERS`), else the content chunks relayed (one token each: an engine that packs several
+  tokens into a chunk, vLLM's `--stream-interval` or a loaded API server, is undercounted there);
+  sampling fields, seed and stop as sent.
 
 The continuation's events are rewritten to carry the first stream's `id`, `created` and `model`;
 its opening role chunk is dropped (the client had one); an SSE comment (`: x-kimi-gateway-migrated
@@ -51,8 +54,10 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import orjson
 
+from gateway.backends.control import pool_headers
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
 from gateway.dialects.names import CHAT, COMPLETIONS, MESSAGES, Api
@@ -92,6 +97,14 @@ is not continued there (`refusal`)."""
 
 SGLANG = "sglang"
 
+TOKENIZERS = frozenset({"vllm", "ascend"})
+"""Engine kinds whose `POST /tokenize` counts a text's tokens: `{"model", "prompt",
+"add_special_tokens": false}` answered `{"count", "tokens", "max_model_len"}` (vLLM's
+`vllm/entrypoints/serve/tokenize/serving.py` `create_tokenize`, served by vllm-ascend as well)."""
+
+TOKENIZE_TIMEOUT = 5.0
+"""Seconds the kept text's `/tokenize` may take before the chunk count is used instead."""
+
 MIGRATION = "migration"
 """The route reason of a continuation's attempt (both phases' in a PD pool)."""
 
@@ -128,8 +141,8 @@ class Progress:
     relayed), `finished` (a finish reason was relayed), `ident` (the first chunk's `id`, `created`,
     `model`), `prompt_tokens` (the engine's, when a chunk reported usage)."""
 
-    __slots__ = ("_raw", "_reasoning", "_size", "_text", "block", "finished", "ident", "prompt_tokens", "thinking",
-                 "tokens", "tool_call", "usage_tokens")
+    __slots__ = ("_raw", "_reasoning", "_size", "_text", "block", "counted", "finished", "ident", "prompt_tokens",
+                 "thinking", "tokens", "tool_call", "usage_tokens")
 
     def __init__(self) -> None:
         self._raw: list[bytes] = []
@@ -137,6 +150,7 @@ class Progress:
         self._text: list[bytes] = []  # the JSON string bodies as written (escapes and all)
         self._reasoning: list[bytes] = []
         self.tokens = 0
+        self.counted: int | None = None
         self.usage_tokens: int | None = None
         self.prompt_tokens: int | None = None
         self.tool_call = False
@@ -248,8 +262,12 @@ class Progress:
 
     @property
     def generated(self) -> int:
-        """Tokens generated so far (the engine's count when it gave one, else the chunks')."""
-        return self.usage_tokens if self.usage_tokens is not None else self.tokens
+        """Tokens generated so far: the engine's count when its stream gave one, else the kept text's
+        tokens counted by the engine's tokenizer (`counted`, set by `Migration.resume`), else the
+        chunks'."""
+        if self.usage_tokens is not None:
+            return self.usage_tokens
+        return max(self.tokens, self.counted) if self.counted is not None else self.tokens
 
 
 def refusal(api: str, body: dict[str, Any], progress: Progress, engine: str = "vllm") -> str | None:
@@ -425,14 +443,14 @@ class Migration:
         self.count += 1
         self._tried.add(self._worker)
         assert self._parsed is not None
+        workers = self._candidates()
+        if workers:
+            await self._count_kept(workers[0])
         api, body = self._continuation()
         ledger.migration_started(self._worker, why, self.progress.generated, self.count)
         outcome = "no_worker"
-        registry = state.registry
-        for _ in range(CONTINUATION_TRIES if body is not None else 0):
-            workers = [w for w in registry.gates[pool.name].with_room(
-                registry.candidates(pool.name, self._tried, adapter=self._request.adapter))
-                if w.engine.kind in ENGINES]
+        for tries in range(CONTINUATION_TRIES if body is not None else 0):
+            workers = workers if tries == 0 else self._candidates()
             if not workers:
                 break
             attempt = self._attempt(api, orjson.dumps(body), workers)
@@ -460,6 +478,36 @@ class Migration:
             return stream
         ledger.migration_ended(pool.name, outcome)
         return None
+
+    def _candidates(self) -> list[Worker]:
+        """The pool's workers a continuation may go to: with room, not tried, on an engine that
+        continues a turn (`ENGINES`)."""
+        registry = self._state.registry
+        return [w for w in registry.gates[self._pool.name].with_room(
+            registry.candidates(self._pool.name, self._tried, adapter=self._request.adapter))
+            if w.engine.kind in ENGINES]
+
+    async def _count_kept(self, worker: Worker) -> None:
+        """Count the text kept so far with `worker`'s tokenizer (`TOKENIZERS`; the pool's workers
+        share one) into `progress.counted`, when the first stream gave no count of its own. A
+        failure (an error status, a malformed answer, no answer within `TOKENIZE_TIMEOUT`) leaves
+        the chunk count."""
+        progress = self.progress
+        text = progress.reasoning + progress.text
+        if progress.usage_tokens is not None or worker.engine.kind not in TOKENIZERS or not text:
+            return
+        assert self._parsed is not None
+        body = {"model": self._parsed.get("model") or "", "prompt": text, "add_special_tokens": False}
+        try:
+            answer = await self._state.http.post(
+                worker.url + "/tokenize", content=orjson.dumps(body),
+                headers={"content-type": "application/json", **pool_headers([self._pool])[self._pool.name]},
+                timeout=TOKENIZE_TIMEOUT)
+            count = orjson.loads(answer.content)["count"] if answer.status_code == 200 else None
+        except (httpx.HTTPError, orjson.JSONDecodeError, KeyError, TypeError):
+            return
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            progress.counted = count
 
     def _attempt(self, api: Api, body: bytes, workers: list[Worker]) -> SingleLeg | PdAttempt | None:
         """The continuation's attempt among `workers` (the candidates with room, none tried): one

@@ -257,6 +257,12 @@ class SimConfig(BaseModel):
     kv_capacity_tokens: int | None = Field(default=None, gt=0)
     """KV-cache memory of the worker in tokens; None = no prefix cache (cached_tokens always 0)
     and KV usage = tokens of running requests / `max_context_tokens`."""
+    stream_interval: int = Field(default=1, ge=1)
+    """Tokens per streamed chunk (the last chunk may hold fewer): vLLM's `--stream-interval`
+    (`vllm/config/scheduler.py` `SchedulerConfig.stream_interval`, applied per request in
+    `vllm/v1/engine/output_processor.py`) and SGLang's `--stream-interval`. A loaded vLLM also packs
+    the tokens its API server has not yet read into one chunk (`RequestOutputCollector`), which
+    this reproduces deterministically. Scripted tool-call answers stream one token per chunk."""
     kv_block_tokens: int = Field(default=16, gt=0)
     """Tokens per cache block. Cached tokens are reported in whole blocks, as vLLM reports them
     (`num_cached_tokens` is hit blocks x block size): its default block size is 16 on GPU, 128 on

@@ -654,16 +654,21 @@ async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestR
     sent = 0
     steps = max(plan.output_tokens, 1)
     stepped = isinstance(active, StepRequest)
+    interval = config.stream_interval if plan.script is None else 1
+    text = ""
     for i in range(steps):
         if plan.output_tokens > 0 or not stepped:
             await _next_token(engine, watch, active, i, 0, pause_first_only=True)
         last = i == steps - 1
-        text = output_token(plan.start + i) if plan.output_tokens > 0 else ""
+        text += output_token(plan.start + i) if plan.output_tokens > 0 else ""
+        if plan.output_tokens > 0 and not stepped:
+            for _ in plan.prompt_tokens:
+                engine.note_generated(active)
+        if not last and (i + 1) % interval:
+            continue  # held for the next chunk (`SimConfig.stream_interval`)
+        held = (i % interval) + 1 if plan.output_tokens > 0 else 0
         for index in range(len(plan.prompt_tokens)):
-            if plan.output_tokens > 0:
-                if not stepped:
-                    engine.note_generated(active)
-                sent += 1
+            sent += held
             chunk = r.token_chunk(meta, plan.fmt, text, index=index,
                                   finish_reason=plan.finish_reason if last else None,
                                   prompt_tokens=prompt_total, completion_tokens=sent, cached_tokens=cached)
@@ -671,6 +676,7 @@ async def _generate_sse(engine: SimWorkerState, plan: _Plan, record: SimRequestR
                 chunk["choices"][0]["delta"] = ct.delta(plan.script, i)
             await responder.event(r.sse_event(chunk))
             engine.update(record, completion_tokens_sent=sent)
+        text = ""
     if plan.fmt.include_usage:
         chunk = r.usage_chunk(meta, prompt_total, sent, cached, active.created_cache_tokens(config.kv_block_tokens))
         if config.engine == "sglang":

@@ -40,6 +40,7 @@ from gateway.sim.tokens import (
     completion_prompt_tokens,
     engine_ints,
     output_token,
+    own_output_tokens,
     prompt_token_ids,
     requested_output_field,
     requested_output_tokens,
@@ -184,7 +185,9 @@ async def _rendered(engine: SimWorkerState, kind: str, receive: Receive, send: S
 
 
 async def tokenize(engine: SimWorkerState, scope: Scope, receive: Receive, send: Send) -> None:
-    """POST /tokenize: `{"messages": ...}` (chat) or `{"prompt": str}`; one prompt's ids."""
+    """POST /tokenize: `{"messages": ...}` (chat) or `{"prompt": str}`; one prompt's ids. A prompt
+    that is the simulated model's own answer counts as the tokens that generated it
+    (`own_output_tokens`)."""
     body = await _json_body(engine, receive, send)
     if body is None:
         return
@@ -192,7 +195,9 @@ async def tokenize(engine: SimWorkerState, scope: Scope, receive: Receive, send:
     if kind == "text" and not isinstance(body.get("prompt"), str):
         await _reply(send, engine.dialect.bad_request("prompt must be a string"))
         return
-    ids = _token_ids(engine, kind, body, check_context=False)
+    own = own_output_tokens(body["prompt"]) if kind == "text" else None
+    ids = prompt_token_ids(kind, body, [own], engine.config) if own is not None else \
+        _token_ids(engine, kind, body, check_context=False)
     if isinstance(ids, ErrorReply):
         await _reply(send, ids)
         return

@@ -352,6 +352,14 @@ def output_token_count(text: str) -> int:
     return len(_OUTPUT_PIECE.findall(text))
 
 
+def own_output_tokens(text: str) -> int | None:
+    """k when `text` is exactly the simulated model's first k output tokens (`output_text(k)`), else
+    None: the model's own answer tokenizes back to the tokens that generated it, as the real tiny
+    model's greedy text does (`tests/real_vllm/make_models.py` trains it so)."""
+    count = output_token_count(text)
+    return count if count and output_text(count) == text else None
+
+
 def _message_text(message: Any) -> str:
     """The text of a chat message's content (its text parts joined)."""
     if not isinstance(message, dict):

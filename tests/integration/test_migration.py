@@ -359,3 +359,24 @@ def test_a_worker_drained_or_ejected_mid_stream_keeps_it_until_its_engine_dies_t
     assert seams == [b": x-kimi-gateway-migrated from=p/0 to=p/1 kept_tokens=11"], seams  # p/0 served until it died
     assert bad.engine.records[0].fault == "reset_after_chunks" and len(bad.engine.records) == 1
     assert good.engine.records[-1].body["continue_final_message"] is True
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_stream_of_several_tokens_a_chunk_is_continued_to_its_output_limit_exactly(
+        start_sim: StartSim, start_gateway: StartGateway, api: str) -> None:
+    # vLLM's --stream-interval 4 (or a loaded API server) puts 4 tokens in a chunk: the kept text is
+    # counted by the engine's /tokenize, not one token a chunk, so the migrated answer stops at max_tokens.
+    bad = start_sim("vllm", faults=SimFaults(reset_after_chunks=3), stream_interval=4)
+    good = start_sim("vllm", stream_interval=4)
+    gw = start_gateway([pool("p", "vllm", [bad.url, good.url], 131072, policy="round_robin")],
+                       health={"interval": 30, "timeout": 1.0}, timeouts=TIMEOUTS)
+    body = {k: v for k, v in (CHAT if api == "chat" else TEXT).items() if k != "stream_options"}
+    _, reference = stream(good.url + "/v1" + PATHS[api], body)
+    response, events = stream(gw.v1 + PATHS[api], body)
+    assert response.headers["x-kimi-gateway-worker"] == "p/0"
+    kept = 8 if api == "chat" else 12  # whole chunks of 4 relayed (a chat stream's first is its role chunk)
+    seams = [e for e in events if e.startswith(b": x-kimi-gateway-migrated")]
+    assert seams == [f": x-kimi-gateway-migrated from=p/0 to=p/1 kept_tokens={kept}".encode()], events
+    assert text_of(api, events) == text_of(api, reference) and len(text_of(api, events).split(" ")) == 24
+    assert good.engine.records[-1].body["max_tokens"] == 24 - kept
+    gw.wait_until_idle()
