@@ -56,10 +56,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from gateway.backends.client import answer_budget, first_byte_budget  # noqa: E402
+from gateway.backends.client import first_byte_budget  # noqa: E402
 from gateway.dispatch.params import TimeoutConfig  # noqa: E402
 from gateway.plans.emit import sglang_args, sglang_launcher, shell_command, vllm_args  # noqa: E402
 from gateway.plans.models import LoadedPlan, load_plan  # noqa: E402
+from gateway.plans.safety import pool_request_seconds  # noqa: E402
 from gateway.serving.params import ShutdownConfig  # noqa: E402
 
 PRODUCTION = ROOT / "config" / "k3-production.yaml"
@@ -255,18 +256,11 @@ def _labels(pool: str) -> dict[str, str]:
 
 def request_budget_seconds(config: dict[str, Any], loaded: LoadedPlan) -> int:
     """The longest request the gateway lets run on this plan's pool, in whole seconds (rounded up):
-    `gateway.backends.client.answer_budget` of a prompt as long as the pool's context and the pool's
-    own `default_output_tokens` (the plan's `pool:`),
-    capped at `timeouts.total` when the config sets that cap; the per-pool form of
-    `gateway.plans.safety.longest_request_seconds`. Plan C (1,048,576 tokens, 8,192 default output,
-    the production timeouts): 60 + 524.3 + 60 + 819.2 = 1,464 s.
+    `gateway.plans.safety.pool_request_seconds` of the plan's context under the config's timeouts.
+    Plan C (1,048,576 tokens) under the production timeouts: their `total`, 3,600 s.
     """
     timeouts = TimeoutConfig(**(config.get("timeouts") or {}))
-    output = loaded.plan.pool.default_output_tokens
-    total = answer_budget(timeouts, loaded.plan.max_context_tokens, output)
-    if timeouts.total is not None:
-        total = min(total, timeouts.total)
-    return int(-(-total // 1))
+    return int(-(-pool_request_seconds(timeouts, loaded.plan.max_context_tokens) // 1))
 
 
 def startup_seconds(loaded: LoadedPlan) -> int:

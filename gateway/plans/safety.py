@@ -19,8 +19,8 @@ A config can be valid and still unsafe to deploy. Each finding names the config 
 `kimi-gateway check-config` prints them and `serve` logs them at start-up; `--strict` makes either
 exit 1 on any (gateway/cli.py).
 
-Also here: `longest_request_seconds` and `grace_period_seconds`, what a deployment gives a gateway
-pod to stop (Kubernetes `terminationGracePeriodSeconds`), derived from the config's timeouts.
+Also here: `pool_request_seconds`, `longest_request_seconds` and `grace_period_seconds`, what a
+deployment gives a gateway pod to stop (Kubernetes `terminationGracePeriodSeconds`), derived from the config's timeouts.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import yaml
 from gateway.backends.client import answer_budget
 from gateway.config import GatewayConfig
 from gateway.config_env import ENV_PREFIX, ENV_REF
+from gateway.dispatch.params import TimeoutConfig
 from gateway.plans.models import expand_plan_refs
 from gateway.redis_client import is_sentinel_url, parse_sentinel_url
 from gateway.redis_cluster import is_cluster_url, parse_cluster_url
@@ -181,20 +182,27 @@ GRACE_MARGIN_S = 10
 """Seconds `grace_period_seconds` adds for the process's own exit (closing clients, flushing logs)."""
 
 
-def longest_request_seconds(config: GatewayConfig) -> float:
-    """Seconds the longest request the timeouts allow may run, over every pool p: a prompt as long as
-    p's `max_context_tokens` C and p's `default_output_tokens` O, answered non-streaming
-    (gateway/backends/client.py `answer_budget`):
+def pool_request_seconds(timeouts: TimeoutConfig, context: int) -> float:
+    """Seconds the longest request the timeouts allow may run on a pool of `context` tokens C,
+    answered non-streaming (gateway/backends/client.py `answer_budget`). The budget is linear in the
+    prompt p with an output of at most C - p (the engines generate to the end of the context when
+    the request sets no limit, and shorten a larger one: `gateway.dispatch.attempt.engine_output`),
+    so the longest is at p = 0 or p = C:
 
-        max over pools of  first_byte_base + first_byte_per_1k_tokens * C / 1000 + generation + generation_per_token * O
+        max(first_byte_base + generation + generation_per_token * C,
+            first_byte_base + first_byte_per_1k_tokens * C / 1000 + generation)
 
     capped at `timeouts.total` when set. A stream's first content has the same prefill allowance;
     what it generates after that is bounded by `timeouts.total` alone (each gap by `read`), so set
-    `total` to bound long generations too. Shipped config, nvl72-1m (C = 1,048,576, O = 8,192):
-    60 + 0.5 * 1048.576 + 60 + 0.1 * 8192 = 1,463.5 s."""
-    longest = max(answer_budget(config.timeouts, pool.max_context_tokens, pool.default_output_tokens)
-                  for pool in config.pools)
-    return longest if config.timeouts.total is None else min(longest, config.timeouts.total)
+    `total` to bound long generations too. The shipped production config sets `total: 3600`."""
+    longest = max(answer_budget(timeouts, 0, context), answer_budget(timeouts, context, 0))
+    return longest if timeouts.total is None else min(longest, timeouts.total)
+
+
+def longest_request_seconds(config: GatewayConfig) -> float:
+    """`pool_request_seconds` of the pool with the most: seconds the longest request the timeouts
+    allow may run, over every pool."""
+    return max(pool_request_seconds(config.timeouts, pool.max_context_tokens) for pool in config.pools)
 
 
 def grace_period_seconds(config: GatewayConfig, pre_stop_s: float = 0.0) -> int:
