@@ -215,6 +215,13 @@ def cmd_plan(args: argparse.Namespace) -> None:
     sys.exit(run_plan(args.file, as_json=args.json, precision=args.precision, emit=args.emit))
 
 
+def cmd_config_reference(args: argparse.Namespace) -> None:
+    """Print the configuration reference (docs/config-reference.md) generated from the config models."""
+    from gateway.config_reference import render
+
+    sys.stdout.write(render())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimi-gateway", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -232,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config")
     check.add_argument("--strict", action="store_true", help="fail on production-safety warnings too")
     check.set_defaults(func=cmd_check_config)
+
+    reference = sub.add_parser("config-reference", help="print every config key with its type, default and meaning "
+                                                         "(Markdown: docs/config-reference.md)")
+    reference.set_defaults(func=cmd_config_reference)
 
     from gateway.drain_command import DEFAULT_ADMIN_KEY_ENV
 

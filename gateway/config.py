@@ -41,8 +41,8 @@ class GatewayConfig(Section):
     A plain pydantic model: it reads no environment itself (`parse_config` applies the overrides).
     """
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    host: str = Field(default="127.0.0.1", description="address the gateway listens on (0.0.0.0: every interface)")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port it listens on (0: one the OS picks)")
     admin_origins: list[str] = Field(
         default_factory=list,
         description="origins (scheme://host[:port]) whose pages may change admin state (drain) besides the "
@@ -126,7 +126,8 @@ class GatewayConfig(Section):
         "a service mesh's mTLS): `redis` for redis://, redis+sentinel:// or redis+cluster://, `engines` for "
         "http:// workers; the production checks (check-config, serve) warn about the others",
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="the gateway's log level (the access log is at info)")
 
     @field_validator("models", mode="before")
     @classmethod

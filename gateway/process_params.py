@@ -51,7 +51,7 @@ class TracingConfig(Section):
         default=None, pattern=r"^https?://",
         description="OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces",
     )
-    service_name: str = "kimi-gateway"
+    service_name: str = Field(default="kimi-gateway", description="the traces' `service.name`")
     sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0, description="share of requests traced")
     export_delay: float = Field(default=2.0, gt=0, description="seconds between batch exports")
 

@@ -14,10 +14,11 @@ class ModelConfig(Section):
     """A model the gateway serves (the top-level `model:`, or one entry of `models:`), the names
     clients may call it by and the pools that serve it."""
 
-    name: str = Field(default="kimi-k3", min_length=1)
+    name: str = Field(default="kimi-k3", min_length=1, description="the model's name: what clients send as `model`")
     aliases: list[Annotated[str, Field(min_length=1)]] = Field(
-        default_factory=lambda: ["Kimi-K3", "moonshotai/Kimi-K3"])
-    owned_by: str = "moonshotai"
+        default_factory=lambda: ["Kimi-K3", "moonshotai/Kimi-K3"],
+        description="other names clients may call it by (answers carry the name they sent)")
+    owned_by: str = Field(default="moonshotai", description="`owned_by` of its `/v1/models` entry")
     pools: list[Annotated[str, Field(min_length=1)]] | None = Field(
         default=None, description="names of the pools that serve it, in cost order (its own chain: context-length "
         "routing, spillover and PD run over these only); a pool may serve several models. None: every pool "
@@ -41,7 +42,7 @@ class ModelConfig(Section):
 class CorsConfig(Section):
     """CORS for browser clients (Starlette's CORSMiddleware): preflights answered, headers added."""
 
-    enabled: bool = False
+    enabled: bool = Field(default=False, description="answer CORS preflights and add CORS headers")
     allow_origins: list[str] = Field(
         default_factory=list, description='"*" or exact origins such as "https://chat.example.com"'
     )

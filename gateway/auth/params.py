@@ -40,8 +40,8 @@ class ApiKeyConfig(Section):
     (`kimi-gateway hash-key KEY`) and may come from the environment (`sha256: ${ALICE_KEY_SHA256}`).
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    sha256: str
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="the key's name (logs, metric labels, Redis keys)")
+    sha256: str = Field(description="hex SHA-256 of the key's UTF-8 bytes (`kimi-gateway hash-key KEY`)")
     scopes: list[Literal["user", "admin", "drain"]] = Field(
         default_factory=lambda: ["user"], min_length=1,
         description="user: /v1/*; admin: admin routes; drain: only listing, draining and undraining workers "
@@ -104,7 +104,8 @@ class AuthConfig(Section):
     )
     redis_timeout: float = Field(default=0.05, gt=0, description="seconds; a slower rate-limit check is a failure")
     redis_retry_after: float = Field(default=1.0, gt=0, description="seconds to skip Redis after a failure")
-    key_prefix: str = Field(default="kgw:rl", pattern=r"^[A-Za-z0-9:_.-]{1,64}$")
+    key_prefix: str = Field(default="kgw:rl", pattern=r"^[A-Za-z0-9:_.-]{1,64}$",
+                            description="prefix of the limits' Redis keys")
     metric_key_names: bool = Field(
         default=False, description="label per-key metrics on the open /metrics with the key's name; off: with its "
         "id, the first 12 hex digits of its sha256, which does not reveal who holds it",

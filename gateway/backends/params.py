@@ -52,7 +52,7 @@ class DiscoverConfig(Section):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,253}$", description="DNS name to resolve")
     record: Literal["a", "srv"] = Field(default="a", description="a: A + AAAA records; srv: SRV records")
     port: int | None = Field(default=None, ge=1, le=65535, description="the engines' port (record: a)")
-    scheme: Literal["http", "https"] = "http"
+    scheme: Literal["http", "https"] = Field(default="http", description="the scheme of the discovered workers' URLs")
 
     @model_validator(mode="after")
     def _port_for_a(self) -> DiscoverConfig:
@@ -88,8 +88,9 @@ class LoraModule(Section):
     path the engine loads it from (vLLM's `lora_path`: a directory on the engine's host, or a
     Hugging Face repo id with a resolver)."""
 
-    name: str = Field(min_length=1, max_length=256)
-    path: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256, description="the adapter's name: a request's `model`")
+    path: str = Field(min_length=1, description="where the engine loads it from (a directory on the engine's host, "
+                      "or a Hugging Face repo id with a resolver)")
 
 
 class HealthConfig(Section):
@@ -128,7 +129,7 @@ class HealthConfig(Section):
 class LoadConfig(Section):
     """Scraping each engine's own /metrics for load (running, waiting, KV usage)."""
 
-    enabled: bool = True
+    enabled: bool = Field(default=True, description="scrape each engine's /metrics for its load")
     interval: float = Field(default=1.0, gt=0, description="seconds between scrapes of one worker")
     timeout: float = Field(
         default=1.0, gt=0, description="seconds for a whole scrape (connect, headers, body); slower fails it"

@@ -37,8 +37,10 @@ class PrefillWorkerConfig(Section):
     may point (`side_channel_host`, `side_channel_port`: `NixlAttempt` refuses a handle naming
     another host or port). A bare URL string is accepted."""
 
-    url: str
-    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    url: str = Field(description="the prefill worker's base URL (`http://host:port`)")
+    bootstrap_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="SGLang and vLLM Mooncake: its bootstrap server's port (null: the engine's default, 8998)")
     side_channel_host: str | None = Field(
         default=None, min_length=1, max_length=253,
         description="vLLM NIXL: the host its KV handles name (`remote_host`, the engine's "
@@ -69,15 +71,20 @@ class DisaggregationConfig(Section):
     `max_in_flight_per_worker`); the pool's `max_in_flight` counts requests, not legs.
     """
 
-    mode: PdMode
+    mode: PdMode = Field(description="the PD protocol: SGLang's bootstrap rooms, vLLM's NixlConnector or "
+                         "MooncakeConnector")
     prefill: list[PrefillWorkerConfig] = Field(min_length=1)
     decode: list[str] = Field(min_length=1, description="decode worker base URLs")
-    prefill_policy: str = "prefix_affinity"
-    prefill_policy_params: dict[str, Any] = Field(default_factory=dict)
-    decode_policy: str = "least_load"
-    decode_policy_params: dict[str, Any] = Field(default_factory=dict)
-    prefill_max_in_flight_per_worker: int | None = Field(default=None, ge=1)
-    decode_max_in_flight_per_worker: int | None = Field(default=None, ge=1)
+    prefill_policy: str = Field(default="prefix_affinity", description="the policy that picks the prefill worker")
+    prefill_policy_params: dict[str, Any] = Field(default_factory=dict, description="its parameters")
+    decode_policy: str = Field(default="least_load", description="the policy that picks the decode worker")
+    decode_policy_params: dict[str, Any] = Field(default_factory=dict, description="its parameters")
+    prefill_max_in_flight_per_worker: int | None = Field(
+        default=None, ge=1, description="this replica's requests on one prefill worker at most (null: the pool's "
+        "`max_in_flight_per_worker`)")
+    decode_max_in_flight_per_worker: int | None = Field(
+        default=None, ge=1, description="this replica's requests on one decode worker at most (null: the pool's "
+        "`max_in_flight_per_worker`)")
 
     @field_validator("decode")
     @classmethod
@@ -128,8 +135,8 @@ class PoolConfig(Section):
     prompt + output tokens.
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    engine: EngineKind
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="the pool's name (logs, metrics, admin API)")
+    engine: EngineKind = Field(description="the engine its workers run (health probe, metrics, dialect quirks)")
     disaggregation: DisaggregationConfig | None = Field(
         default=None, description="prefill/decode workers and protocol (a PD pool; `workers` stays empty)")
     discover: DiscoverConfig | None = Field(default=None, description="workers from DNS (headless Service)")
@@ -159,7 +166,9 @@ class PoolConfig(Section):
         "a process sees only its own in-flight requests (another replica's or serving process's may still "
         "route to an adapter it unloads), and a working set larger than the slots makes every request "
         "reload an adapter")
-    modalities: list[Modality] = Field(default_factory=lambda: ["text", "image"])
+    modalities: list[Modality] = Field(
+        default_factory=lambda: ["text", "image"],
+        description="input kinds its model takes; a request holding another kind is not sent here")
     apis: list[Api] | None = Field(
         default=None, description="the proxied APIs its engines serve; null: what its engine kind serves in the "
         "versions the gateway knows (gateway/backends/engine_kinds.py: never the pooling APIs embeddings, rerank "

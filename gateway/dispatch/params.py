@@ -10,9 +10,9 @@ from gateway.config_base import Section
 class TimeoutConfig(Section):
     """Timeouts, in seconds: upstream ones, the client's upload (`body_idle`) and the overall cap."""
 
-    connect: float = Field(default=5.0, gt=0)
+    connect: float = Field(default=5.0, gt=0, description="seconds to connect to a worker")
     read: float = Field(default=120.0, gt=0, description="longest allowed gap between upstream bytes")
-    write: float = Field(default=30.0, gt=0)
+    write: float = Field(default=30.0, gt=0, description="seconds one write of a request body to a worker may take")
     first_byte_base: float = Field(
         default=60.0, gt=0, description="streaming: budget for the engine's first content (prefill) for a short prompt"
     )

@@ -44,8 +44,8 @@ class EstimationConfig(Section):
     image_pixels_per_token: int = Field(
         default=28 * 28, gt=0, description="pixels per vision token: 14 px patches merged 2x2 (MoonViT)"
     )
-    image_tokens_min: int = Field(default=64, ge=0)
-    image_tokens_max: int = Field(default=16384, ge=1)
+    image_tokens_min: int = Field(default=64, ge=0, description="fewest tokens an image is estimated at")
+    image_tokens_max: int = Field(default=16384, ge=1, description="most tokens an image is estimated at")
     audio_tokens_per_second: float = Field(
         default=25.0, ge=0, description="tokens per second of audio (Whisper-style encoders: 50 frames/s "
         "pooled 2x; Kimi-Audio's tokenizer runs at 12.5 Hz), applied to the duration read from its header")
@@ -85,7 +85,8 @@ class ImageFetchConfig(Section):
     max_images: int = Field(default=16, ge=1, description="distinct URLs fetched per request; others cost the default")
     concurrency: int = Field(default=4, ge=1, description="fetches of one request at once")
     max_in_flight: int = Field(default=64, ge=1, description="fetches of this replica at once")
-    allowed_schemes: list[Literal["http", "https"]] = Field(default_factory=lambda: ["http", "https"], min_length=1)
+    allowed_schemes: list[Literal["http", "https"]] = Field(
+        default_factory=lambda: ["http", "https"], min_length=1, description="URL schemes of images it measures")
     allow_networks: list[IPvAnyNetwork] = Field(
         default_factory=list,
         description="networks fetched from although not public (loopback, private, link-local...), "

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("request", {"state", "streaming", "dispatch"}),
     ("serving", {"serving"}),  # uvicorn serving, request heads, shutdown, reload: under the app that uses them
     ("http", {"api", "app"}),
-    ("process and tools", {"process", "cli", "sim", "llamacpp_worker", "plans", "drain_command"}),
+    ("process and tools", {"process", "cli", "sim", "llamacpp_worker", "plans", "drain_command", "config_reference"}),
 ]
 """Lowest first. A unit may import units of its own layer and of the layers before it."""
 
