@@ -82,6 +82,17 @@ class ModelNotFound(GatewayError):
     code = "model_not_found"
 
 
+class ModelNotPermitted(ModelNotFound):
+    """404 `model_not_found` for a model the caller's key may not use: in status, body and headers
+    exactly the answer of a model that does not exist (`ModelNotFound`, naming the model as the
+    client sent it), raised where that one is, before any estimate or upstream work. `model`: the
+    resolved name (`RoutingRequest.model`), for the gateway's own accounting, never in the answer."""
+
+    def __init__(self, message: str, *, model: str = "", param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.model = model
+
+
 class NotFound(GatewayError):
     """404 for an unknown path."""
 
