@@ -5,6 +5,14 @@ status, the shape OpenAI's API uses (https://platform.openai.com/docs/guides/err
 follow OpenAI's: `invalid_request_error` (400/404/413, and 401 with code `invalid_api_key`),
 `permission_error` (403), `requests` / `tokens` for 429 `rate_limit_exceeded` (the limit hit, as
 OpenAI's rate-limit errors say), `server_error` (5xx).
+
+An answer retrying cannot change (`FINAL_STATUSES`: a wrong key, a missing scope, an unknown
+model or path, a malformed or too long request) carries `x-should-retry: false`: the OpenAI and
+Anthropic SDKs read that header before the status (`_should_retry` in `openai/_base_client.py` and
+`anthropic/_base_client.py`: "If the server explicitly says whether or not to retry, obey"), and so
+do agents with retry loops of their own (Claude Code retried a wrong key's 401 for minutes without
+it). 408, 429 and 5xx answers carry none of it (a later try may pass), except where the gateway
+knows better (a request larger than its key's whole token limit, `auth/guard.py`).
 """
 
 from __future__ import annotations
@@ -13,11 +21,20 @@ from typing import Any
 
 import orjson
 
+NO_RETRY = "x-should-retry"
+"""The response header the OpenAI and Anthropic SDKs obey before the status (`"false"`: never resent)."""
+
+FINAL_STATUSES = frozenset({400, 401, 403, 404, 405, 409, 413, 415, 422})
+"""Statuses of the gateway's own answers that a retry of the same request cannot change; 409 is
+`Conflict` (the gateway's configuration forbids the call), which the SDKs would retry as a lock
+timeout. Their answers carry `x-should-retry: false` (module docstring)."""
+
 
 class GatewayError(Exception):
     """Base error: an HTTP status and an OpenAI error object.
 
-    `headers` are extra response headers (e.g. `Retry-After`).
+    `headers` are extra response headers (e.g. `Retry-After`), `x-should-retry: false` among them
+    for a status in `FINAL_STATUSES` (unless the caller set it).
     """
 
     status: int = 500
@@ -31,7 +48,9 @@ class GatewayError(Exception):
         self.param = param
         if code is not None:
             self.code = code
-        self.headers = headers or {}
+        self.headers = dict(headers) if headers else {}
+        if self.status in FINAL_STATUSES:
+            self.headers.setdefault(NO_RETRY, "false")
 
     def body(self) -> dict[str, Any]:
         """The OpenAI error object."""
@@ -61,6 +80,17 @@ class ModelNotFound(GatewayError):
     status = 404
     error_type = "invalid_request_error"
     code = "model_not_found"
+
+
+class ModelNotPermitted(ModelNotFound):
+    """404 `model_not_found` for a model the caller's key may not use: in status, body and headers
+    exactly the answer of a model that does not exist (`ModelNotFound`, naming the model as the
+    client sent it), raised where that one is, before any estimate or upstream work. `model`: the
+    resolved name (`RoutingRequest.model`), for the gateway's own accounting, never in the answer."""
+
+    def __init__(self, message: str, *, model: str = "", param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.model = model
 
 
 class NotFound(GatewayError):

@@ -35,6 +35,7 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.affinity.hashing import PrefixHasher
+from gateway.auth.access import model_not_found_message
 from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
@@ -42,7 +43,7 @@ from gateway.dialects.base import usage_patch
 from gateway.dialects.messages import AnthropicWire
 from gateway.dialects.names import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE, Api
 from gateway.dialects.registry import DIALECTS, dialect_for
-from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound
+from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound, ModelNotPermitted
 from gateway.protocol.body import (
     ENGINE_ID_FIELDS,
     KV_TRANSFER_FIELDS,
@@ -255,13 +256,16 @@ class BodyParser:
         payload = decode_json_object(body)
         return payload, self.check_size(api, payload)
 
-    def validate(self, api: Api, payload: dict[str, Any],
-                 adapters: Collection[str] = frozenset()) -> tuple[Wire, str, list[str]]:
+    def validate(self, api: Api, payload: dict[str, Any], adapters: Collection[str] = frozenset(),
+                 allowed: Collection[str] | None = None) -> tuple[Wire, str, list[str]]:
         """The wire model, the model's canonical name (or, for a request naming one of `adapters`,
         the LoRA adapters the pools declare or their workers list, that adapter's name exactly as
         the engines list it, which an alias never shadows: it would send the engine the base
         model's name), and (chat, with image fetching on) the image URLs to measure. Raises
-        InvalidRequest, ModelNotFound."""
+        InvalidRequest, ModelNotFound, and ModelNotPermitted for a model not in `allowed` (the
+        caller's key's models, `Principal.models`; None: all): the same answer as for a name no
+        model has, naming the model as the client sent it, at the same step (before any token
+        estimate, image fetch or pool choice), so a key cannot tell the two apart."""
         dialect = dialect_for(api)
         try:
             wire: Wire = dialect.validate(payload)
@@ -271,8 +275,9 @@ class BodyParser:
         name = dialect.model_of(wire)
         model = name if name in adapters else self.models.get(name.lower())
         if model is None:
-            raise ModelNotFound(f"The model `{name[:200]}` does not exist or you do not have access to it.",
-                                param="model")
+            raise ModelNotFound(model_not_found_message(name), param="model")
+        if allowed is not None and model not in allowed:
+            raise ModelNotPermitted(model_not_found_message(name), model=model, param="model")
         urls = dialect.image_urls(wire) if self.config.image_fetch.enabled else []
         return wire, model, urls
 
@@ -285,12 +290,13 @@ class BodyParser:
         return request
 
     def parse(self, api: Api, body: bytes, session: str | None,
-              measured: Mapping[str, tuple[int, int]] | None, adapters: Collection[str] = frozenset()) -> Parsed:
+              measured: Mapping[str, tuple[int, int]] | None, adapters: Collection[str] = frozenset(),
+              allowed: Collection[str] | None = None) -> Parsed:
         """All of it, for a parse process: with image fetching on and URLs not yet `measured`, it
-        stops after validation and asks for them. Raises what `decode`, `validate` and
-        `fitting_pools` raise."""
+        stops after validation and asks for them. Raises what `decode`, `validate` (`allowed`: the
+        key's models) and `fitting_pools` raise."""
         payload, _ = self.decode(api, body)
-        wire, model, urls = self.validate(api, payload, adapters)
+        wire, model, urls = self.validate(api, payload, adapters, allowed)
         if urls and measured is None:
             return Parsed(None, None, urls)
         request = self.features(wire, model, session, measured)
@@ -392,10 +398,10 @@ def _start_process(config: GatewayConfig) -> None:  # pragma: no cover - runs in
 
 
 def _parse_file(api: Api, path: str, session: str | None, measured: Mapping[str, tuple[int, int]] | None,
-                adapters: Collection[str]) -> Parsed:  # pragma: no cover - ditto
+                adapters: Collection[str], allowed: Collection[str] | None) -> Parsed:  # pragma: no cover - ditto
     with open(path, "rb") as file:
         body = file.read()
-    return _PROCESS_PARSER[0].parse(api, body, session, measured, adapters)
+    return _PROCESS_PARSER[0].parse(api, body, session, measured, adapters, allowed)
 
 
 class ParsePool:
@@ -418,16 +424,17 @@ class ParsePool:
         return self._executor
 
     async def parse(self, api: Api, body: Body, session: str | None, measure: Measure | None,
-                    adapters: Collection[str] = frozenset()) -> Parsed:
-        """`BodyParser.parse` in a parse process (`adapters`: the LoRA adapter names known now);
-        its GatewayErrors are raised here. With image URLs to measure, `measure(urls)` gives their
-        sizes and the body is parsed again with them."""
+                    adapters: Collection[str] = frozenset(), allowed: Collection[str] | None = None) -> Parsed:
+        """`BodyParser.parse` in a parse process (`adapters`: the LoRA adapter names known now;
+        `allowed`: the caller's key's models, None: all); its GatewayErrors are raised here. With
+        image URLs to measure, `measure(urls)` gives their sizes and the body is parsed again with them."""
         fd, path = tempfile.mkstemp(prefix="kimi-gateway-body-", dir=SPOOL_DIR)
         try:
             await asyncio.to_thread(_spool, fd, body)
-            parsed = await self._run(_parse_file, api, path, session, None, adapters)
+            parsed = await self._run(_parse_file, api, path, session, None, adapters, allowed)
             if parsed.request is None and measure is not None:
-                parsed = await self._run(_parse_file, api, path, session, await measure(parsed.urls), adapters)
+                parsed = await self._run(_parse_file, api, path, session, await measure(parsed.urls), adapters,
+                                         allowed)
             return parsed
         finally:  # freeing a large file's pages takes a while: not on the event loop either
             try:

@@ -109,7 +109,8 @@ class _ByMethod:
             await app(scope, receive, send)
             return
         body = orjson.dumps(self._refusal.body())
-        headers = [(b"content-type", b"application/json"), (b"allow", self._refusal.headers["allow"].encode()),
+        headers = [(b"content-type", b"application/json"),
+                   *((k.encode("latin-1"), v.encode("latin-1")) for k, v in self._refusal.headers.items()),
                    (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 405, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -126,6 +126,8 @@ class Model(BaseModel):
     owned_by: str
     parent: str | None = Field(default=None, description="a LoRA adapter's base model (as vLLM and SGLang list "
                                "adapters); absent for the model and its aliases")
+    max_model_len: int = Field(description="tokens, prompt + output: the largest context of the pools serving it "
+                               "(vLLM's and SGLang's model cards carry the same field)")
 
 
 class ModelList(BaseModel):

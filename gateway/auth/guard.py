@@ -5,12 +5,16 @@ OpenAI's (https://platform.openai.com/docs/guides/error-codes):
 
 - 401 `invalid_api_key` for a missing, malformed or unknown key (type `invalid_request_error`, as OpenAI);
 - 403 `insufficient_permissions` for a key without the scope a route needs;
-- 404 `model_not_found` for a model the key may not use (`check_model`), exactly what OpenAI answers
-  for a model the key has no access to, so a key learns nothing of the models beyond its own;
+- 404 `model_not_found` for a model the key may not use (`check_model`, `errors.ModelNotPermitted`),
+  exactly what OpenAI answers for a model the key has no access to and byte for byte what the
+  gateway answers for a name no model has (the name as sent, at the same step), so a key learns
+  nothing of the models beyond its own;
 - 429 `rate_limit_exceeded`, `type` `requests` or `tokens` as OpenAI sends it, with `Retry-After`
   (seconds) and OpenAI's wording ("Rate limit reached ... on tokens per min (TPM): Limit L, Used U,
   Requested R. Please try again in Ns."); a request larger than its key's whole token limit gets
   OpenAI's "Request too large" 429 with `x-should-retry: false` (the OpenAI SDKs then do not retry);
+  a 429 and a served request of a limited key carry its remaining budget as OpenAI's
+  `x-ratelimit-*` or Anthropic's `anthropic-ratelimit-*` headers (`standing.RateLimitStanding`);
 - 503 `rate_limit_unavailable` with `Retry-After` when Redis cannot answer and `fail_mode: closed`,
   and whatever `fail_mode` says when the gateway itself was too busy to ask Redis in time
   (`RateLimitBusy`: every connection taken for the wait deadline, `gateway/redis_gate.py`).
@@ -34,11 +38,12 @@ from gateway.auth.keys import KeyRing, Principal, Scope, bearer_token, key_id
 from gateway.auth.limits import MemoryRateLimiter, RateLimiter, Verdict
 from gateway.auth.params import AuthConfig
 from gateway.auth.redis_limits import RedisRateLimiter
+from gateway.auth.standing import RateLimitStanding
 from gateway.config import GatewayConfig
 from gateway.errors import (
     GatewayError,
     InvalidApiKey,
-    ModelNotFound,
+    ModelNotPermitted,
     PermissionDenied,
     RateLimitBusy,
     RateLimited,
@@ -140,24 +145,33 @@ class AuthGuard:
             self.metrics.auth_failure("forbidden")
             raise PermissionDenied(f"You have insufficient permissions for this operation. Missing scope: {scope}.")
 
-    def check_model(self, principal: Principal, model: str) -> None:
-        """Raises ModelNotFound (404 `model_not_found`, OpenAI's answer for a model the key has no
-        access to) unless the key may use `model`, the request's resolved name (its model's
-        canonical name or its LoRA adapter's: `RoutingRequest.model`); counted in
-        `kimi_gateway_auth_failures_total{reason="model"}`. Call it once the body is parsed, before
-        any upstream work or token reservation."""
+    def check_model(self, principal: Principal, model: str, sent: str | None = None) -> None:
+        """Raises ModelNotPermitted (404 `model_not_found`, OpenAI's answer for a model the key has no
+        access to, in every byte the answer of a model that does not exist) unless the key may use
+        `model`, the request's resolved name (its model's canonical name or its LoRA adapter's:
+        `RoutingRequest.model`); the message names `sent`, the name as the client sent it (an alias
+        must not name its model), else `model`. Counted as `refused_model`. The proxied APIs check
+        while parsing (`BodyParser.validate`), before any estimate, so that a refusal costs the
+        gateway no more work than an unknown name does; call this as early on any other route."""
         if not principal.may_use(model):
-            self.metrics.auth_failure("model")
-            raise ModelNotFound(model_not_found_message(model), param="model")
+            self.refused_model()
+            raise ModelNotPermitted(model_not_found_message(sent or model), model=model, param="model")
 
-    async def count_request(self, principal: Principal) -> Reservation | None:
+    def refused_model(self) -> None:
+        """Count a request refused for a model its key may not use, in
+        `kimi_gateway_auth_failures_total{reason="model"}`."""
+        self.metrics.auth_failure("model")
+
+    async def count_request(self, principal: Principal,
+                            standing: RateLimitStanding | None = None) -> Reservation | None:
         """Count one request against the key's request limit only (no tokens), as soon as the request
         arrives: before its body is parsed, measured or its image URLs fetched, so a request that
         turns out invalid or too long still costs its sender one request. Returns the Reservation
-        to hand to `check_quota` (None when nothing was counted). Raises as `check_quota`."""
+        to hand to `check_quota` (None when nothing was counted). Raises as `check_quota`; the
+        decision is noted in `standing` (the request's rate-limit headers), as `check_quota`'s."""
         if principal.requests_per_minute is None:
             return None
-        window = await self._acquire(principal, 0, 1)
+        window = await self._acquire(principal, 0, 1, standing=standing)
         return None if window is None else Reservation(principal, 0, window)
 
     async def count_counting(self, principal: Principal) -> None:
@@ -175,7 +189,7 @@ class AuthGuard:
 
     async def check_quota(self, principal: Principal, tokens: int, requests: int = 1,
                           counted: Reservation | None = None, model: str | None = None,
-                          counting: bool = False) -> Reservation | None:
+                          counting: bool = False, standing: RateLimitStanding | None = None) -> Reservation | None:
         """Count `requests` requests (1; 0 when `count_request` already counted it, whose Reservation
         is `counted`) of `tokens` tokens (estimated prompt + requested output) against the key's
         limits, then (`model`: the request's resolved model name) one request of those tokens against
@@ -184,17 +198,18 @@ class AuthGuard:
         (it settles `counted` and the model's too), None when nothing was counted (a key without
         limits, or the limiter down and `fail_mode: open`). A refusal by the model's limits gives
         the key's tokens just reserved back. Raises RateLimited (429), or RateLimitUnavailable (503)
-        when the limiter cannot answer and `fail_mode` is `closed`."""
+        when the limiter cannot answer and `fail_mode` is `closed`. Every decision is noted in
+        `standing` (None: not wanted), and a 429 carries the rate-limit headers it then renders."""
         reservation = counted
         if principal.limited and (requests or principal.tokens_per_minute is not None):
-            window = await self._acquire(principal, tokens, requests)
+            window = await self._acquire(principal, tokens, requests, standing=standing)
             if window is not None:
                 reservation = Reservation(principal, tokens, window, requests=requests, counted=counted)
         limits = principal.model_limits.get(model) if model is not None else None
         if limits is None:
             return reservation
         try:
-            per_model = await self._check_model_quota(principal, limits, model or "", tokens, counting)
+            per_model = await self._check_model_quota(principal, limits, model or "", tokens, counting, standing)
         except GatewayError:
             if reservation is not None and reservation is not counted and reservation.tokens:
                 await self.limiter.refund(principal, reservation.window, 0, reservation.tokens)
@@ -207,36 +222,40 @@ class AuthGuard:
         return reservation
 
     async def _check_model_quota(self, principal: Principal, limits: Principal, model: str, tokens: int,
-                                 counting: bool) -> Reservation | None:
+                                 counting: bool, standing: RateLimitStanding | None = None) -> Reservation | None:
         """One request of `tokens` tokens (none without a token limit on the model) against key
         `principal`'s `limits` on `model`, after that model's count_tokens limit for a count_tokens
         request (`counting`, never given back, as the key's own: `count_counting`). The Reservation
-        (None: not counted). Raises as `check_quota`."""
+        (None: not counted; `standing`: as `check_quota`'s). Raises as `check_quota`."""
         if counting and limits.count_tokens_per_minute is not None:
             counter = Principal(f"{limits.name}/count_tokens", limits.scopes, limits.count_tokens_per_minute)
             await self._acquire(counter, 0, 1, principal.name, model)
         if not limits.limited:
             return None
         charged = tokens if limits.tokens_per_minute is not None else 0
-        window = await self._acquire(limits, charged, 1, principal.name, model)
+        window = await self._acquire(limits, charged, 1, principal.name, model, standing)
         return None if window is None else Reservation(limits, charged, window)
 
     async def _acquire(self, principal: Principal, tokens: int, requests: int, label: str | None = None,
-                       model: str | None = None) -> int | None:
+                       model: str | None = None, standing: RateLimitStanding | None = None) -> int | None:
         """The limiter's window number the charge was counted in; None when it was not counted
-        (`label`, `model`: as `_acquired`'s). Raises RateLimitBusy when the gateway could not finish the check."""
+        (`label`, `model`, `standing`: as `_acquired`'s). Raises RateLimitBusy when the gateway could
+        not finish the check."""
         try:
             verdict = await self.limiter.acquire(principal, tokens, requests)
         except RateLimitBusy:
             self.metrics.rate_limit_unanswered("refused")
             raise
-        return self._acquired(principal, verdict, label, model)
+        return self._acquired(principal, verdict, label, model, standing)
 
     def _acquired(self, principal: Principal, verdict: Verdict | None, label: str | None = None,
-                  model: str | None = None) -> int | None:
+                  model: str | None = None, standing: RateLimitStanding | None = None) -> int | None:
         """`_acquire`'s answer for the limiter's `verdict` on `principal` (`label`: the key name its
         metrics go under, when another than the principal's; `model`: the model whose limits
-        `principal` holds, None for the key's own)."""
+        `principal` holds, None for the key's own; `standing`: where the decision is noted, and
+        whose headers a refusal carries)."""
+        if verdict is not None and standing is not None:
+            standing.note(principal, verdict)
         if verdict is None:
             if self.config.fail_mode == "open":
                 self.metrics.rate_limit_unanswered("allowed")
@@ -252,7 +271,10 @@ class AuthGuard:
         self.metrics.rate_limit_refused(key, verdict.limit)
         if model is not None:
             self.metrics.model_rate_limit_refused(key, model, verdict.limit)
-        raise rate_limited(principal, verdict, label if model is not None else None, model)
+        refused = rate_limited(principal, verdict, label if model is not None else None, model)
+        if standing is not None:
+            refused.headers.update(standing.headers())
+        raise refused
 
     async def settle(self, reservation: Reservation, used_tokens: int | None) -> None:
         """Settle a reservation once its request ended: charge `used_tokens` instead of the tokens

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from gateway.auth.keys import Principal
@@ -55,6 +55,21 @@ LimitKind = Literal["requests", "tokens"]
 
 
 @dataclass(frozen=True, slots=True)
+class Counts:
+    """A key's use as a limiter saw it when it decided: requests and tokens counted in the fixed
+    window before the current one (`prev_*`) and in the current one (after this request's charge
+    when it was allowed, before it when refused), `elapsed` seconds into the current window of
+    `window` seconds. What `standing` reads a key's remaining budget from."""
+
+    prev_requests: float
+    requests: float
+    prev_tokens: float
+    tokens: float
+    elapsed: float
+    window: float
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     """One quota decision.
 
@@ -63,6 +78,8 @@ class Verdict:
     (`requested`), and `retry_after`, seconds until it would fit (`math.inf`: never — the request
     alone is larger than the limit). When allowed by a limiter that counted it: `window`, the
     number of the fixed window it was counted in (what `RateLimiter.refund` takes back from).
+    `counts`: the key's use the decision saw (None: the limiter did not say), for the rate-limit
+    headers (`auth/standing.py`); not part of the verdict's equality.
     """
 
     allowed: bool
@@ -72,6 +89,7 @@ class Verdict:
     requested: int = 0
     retry_after: float = 0.0
     window: int | None = None
+    counts: Counts | None = field(default=None, compare=False)
 
 
 ALLOWED = Verdict(True)
@@ -94,6 +112,18 @@ def wait_seconds(limit: int | None, prev: float, cur: float, cost: int, elapsed:
         return window - window * (limit - cur - cost) / prev - elapsed
     # Only in the next window, where this window's use becomes the previous one (cur > 0 here).
     return (window - elapsed) + max(0.0, window - window * (limit - cost) / cur)
+
+
+def standing(limit: int, prev: float, cur: float, elapsed: float, window: float) -> tuple[int, float]:
+    """(remaining, reset) of one limit of `limit` per window given the use `prev` and `cur` in the
+    previous and current fixed window, `elapsed` seconds into the current one: `remaining`, what
+    one more request may still cost now (the limit less the sliding estimate, at least 0), and
+    `reset`, seconds until the estimate is back to 0 if nothing more is sent (the current window's
+    use slides out at the end of the next window, the previous one's at the end of this one)."""
+    used = prev * (window - elapsed) / window + cur
+    remaining = max(0, math.floor(limit - used + 1e-9))
+    reset = (window - elapsed) + window if cur > 0 else window - elapsed if prev > 0 else 0.0
+    return remaining, reset
 
 
 def decide(principal: Principal, tokens: int, prev: tuple[float, float], cur: tuple[float, float],
@@ -189,8 +219,9 @@ class MemoryRateLimiter:
         if verdict.allowed:
             windows.requests += requests
             windows.tokens += tokens
-            return Verdict(True, window=index)
-        return verdict
+            verdict = Verdict(True, window=index)
+        return replace(verdict, counts=Counts(windows.prev_requests, windows.requests, windows.prev_tokens,
+                                              windows.tokens, elapsed, self.window))
 
     async def refund(self, principal: Principal, window: int, requests: int, tokens: int) -> None:
         index = math.floor(self._clock() / self.window)

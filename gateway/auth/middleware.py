@@ -29,8 +29,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.auth.keys import Principal, Scope
+from gateway.auth.standing import RATE_LIMIT_HEADERS
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.errors import NO_RETRY, GatewayError
 from gateway.http_answers import error_response
 
 if TYPE_CHECKING:
@@ -50,10 +51,11 @@ AUTH_ERROR = "kimi_gateway.auth_error"
 it itself (one with `records_auth_errors = True`: the proxy endpoints, so a refused request gets its
 access-log line, request id and `kimi_gateway_requests_total` count like any other)."""
 
-EXPOSED_HEADERS = ("x-request-id", "retry-after", "x-kimi-gateway-pool", "x-kimi-gateway-worker",
+EXPOSED_HEADERS = ("x-request-id", "retry-after", NO_RETRY, "x-kimi-gateway-pool", "x-kimi-gateway-worker",
                    "x-kimi-gateway-route-reason", "x-kimi-gateway-attempts",
-                   "x-kimi-gateway-estimated-prompt-tokens", "x-kimi-gateway-skipped-pools")
-"""Response headers a browser script may read (besides the CORS-safelisted ones)."""
+                   "x-kimi-gateway-estimated-prompt-tokens", "x-kimi-gateway-skipped-pools", *RATE_LIMIT_HEADERS)
+"""Response headers a browser script may read (besides the CORS-safelisted ones): the SDKs' retry
+advice and the key's rate-limit standing among them."""
 
 
 def guard_of(scope: ASGIScope) -> AuthGuard | None:

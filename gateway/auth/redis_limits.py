@@ -52,7 +52,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeout
 
 from gateway.auth.keys import Principal
-from gateway.auth.limits import WINDOW_S, LimitKind, Verdict
+from gateway.auth.limits import WINDOW_S, Counts, LimitKind, Verdict
 from gateway.auth.params import AuthConfig
 from gateway.errors import RateLimitBusy
 from gateway.looplag import SOCKET_BACKSTOP_S, StoreTimeout
@@ -95,7 +95,9 @@ the key's hash read into the current window `index` and its counts, rolled as `l
 # optionally the time in ms (tests compare the script with limits.py on one clock; the gateway
 # passes "", so the script reads Redis' clock), and optionally the requests charged (default 1; 0
 # when only tokens are charged: `limits.decide`'s `requests`).
-# Returns {allowed 0/1, wait ms (-1: never), limit kind, limit, used, requested, window number}.
+# Returns {allowed 0/1, wait ms (-1: never), limit kind, limit, used, requested, window number,
+# then the key's counts: previous window's requests and tokens, the current window's (after this
+# charge when allowed), ms elapsed in the current window} (`limits.Counts`).
 # `wait` is limits.wait_seconds in milliseconds: keep the two equal.
 LUA = _WINDOWS_NOW + """
 local function wait(limit, prev, cur, cost)
@@ -118,11 +120,11 @@ for _, c in ipairs(checks) do
 end
 if worst > 0 then
   if worst == math.huge then worst = -1 else worst = math.ceil(worst) end
-  return {0, worst, kind, limit, used, requested, index}
+  return {0, worst, kind, limit, used, requested, index, pr, r, pt, t, elapsed}
 end
 redis.call('HSET', KEYS[1], 'w', index, 'r', r + requests, 't', t + tokens, 'pr', pr, 'pt', pt)
 redis.call('PEXPIRE', KEYS[1], 2 * window)
-return {1, 0, '', 0, 0, 0, index}
+return {1, 0, '', 0, 0, 0, index, pr, r + requests, pt, t + tokens, elapsed}
 """
 
 # KEYS[1]: the key's hash. ARGV: the window (ms), the window number the request was counted in,
@@ -203,12 +205,17 @@ class RedisRateLimiter:
                                                            requests])
         if reply is None:
             return None
-        allowed, wait_ms, kind, limit, used, requested, window = reply
+        allowed, wait_ms, kind, limit, used, requested, window = reply[:7]
+        counts = None
+        if len(reply) >= 12:  # Lua numbers reach Redis' reply as integers
+            prev_requests, requests_now, prev_tokens, tokens_now, elapsed_ms = (int(v) for v in reply[7:12])
+            counts = Counts(prev_requests, requests_now, prev_tokens, tokens_now, elapsed_ms / 1000,
+                            self.window_ms / 1000)
         if allowed:
-            return Verdict(True, window=int(window))
+            return Verdict(True, window=int(window), counts=counts)
         retry_after = math.inf if wait_ms < 0 else wait_ms / 1000
         limit_kind: LimitKind = "tokens" if kind in (b"tokens", "tokens") else "requests"
-        return Verdict(False, limit_kind, int(limit), int(used), int(requested), retry_after)
+        return Verdict(False, limit_kind, int(limit), int(used), int(requested), retry_after, counts=counts)
 
     async def _run(self, script: AsyncScript, principal: Principal, args: list[int | str]) -> Any:
         """`script`'s reply for `principal`'s key; None when Redis could not answer (counted, the

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, cas
 import orjson
 from pydantic import BaseModel
 
-from gateway.dialects.names import Api
+from gateway.dialects.names import Api, RateLimitHeaderStyle
 from gateway.errors import GatewayError, error_bytes_from_upstream
 from gateway.protocol.anthropic import openai_usage
 
@@ -61,7 +61,8 @@ class Dialect(Generic[W]):
     - `generates`: False for an API that only counts tokens (no token quota, its own request limit);
     - `stores_responses`: the engine may store its answers (their worker is recorded);
     - `migrates`: a broken stream may be continued on another worker (`dispatch/migration.py`);
-    - `request_id_header`: the header the gateway's request id is also sent in (None: only `x-request-id`).
+    - `request_id_header`: the header the gateway's request id is also sent in (None: only `x-request-id`);
+    - `rate_limit_headers`: whose rate-limit headers a limited key's answers carry (`auth/standing.py`).
     """
 
     api: ClassVar[Api]
@@ -75,6 +76,7 @@ class Dialect(Generic[W]):
     stores_responses: ClassVar[bool] = False
     migrates: ClassVar[bool] = False
     request_id_header: ClassVar[bytes | None] = None
+    rate_limit_headers: ClassVar[RateLimitHeaderStyle] = "openai"
 
     # --- parsing and routing -------------------------------------------------------------------------
 

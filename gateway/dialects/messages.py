@@ -84,6 +84,7 @@ class MessagesDialect(Dialect[AnthropicWire]):
     # The last event of a stream (https://docs.claude.com/en/docs/build-with-claude/streaming).
     stream_end_events = (b"message_stop",)
     request_id_header = b"request-id"
+    rate_limit_headers = "anthropic"
     wire_model = MessagesRequest
     migrates = True  # continued on the engine's chat API (dispatch/migration.py)
 

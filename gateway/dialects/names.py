@@ -27,3 +27,7 @@ APIS: Final[tuple[Api, ...]] = (CHAT, COMPLETIONS, MESSAGES, COUNT_TOKENS, RESPO
 POOLING_APIS: Final[frozenset[Api]] = frozenset({EMBEDDINGS, RERANK, SCORE})
 """The APIs a pooling model serves (an embedding or cross-encoder model, vLLM's `--runner pooling`), not
 a generative one: no engine kind serves them by default (`gateway/backends/engine_kinds.py`)."""
+
+RateLimitHeaderStyle = Literal["openai", "anthropic"]
+"""Whose rate-limit response headers an API's answers carry (`Dialect.rate_limit_headers`): OpenAI's
+`x-ratelimit-*` or Anthropic's `anthropic-ratelimit-*` (`gateway/auth/standing.py`)."""

@@ -13,8 +13,8 @@ The facts, by who reports them:
 - the endpoint: `timed_out`, `cut_by_cap`, `relay_cut_by_cap`, `client_gone`, `send_stalled`,
   `cut_by_shutdown`, `answered`, `answered_with_error`, `hang_up_verdict`, then `finish` (once);
   the stored-response routes also `in_pool`, `served_by`, `streamed`;
-- the dispatch: `parsed`, `skipped`, `in_pool`, `spilled`, `affinity_looked_up`, `attempt_started`,
-  `attempt_failed`, `attempt_accepted`, `error_answer`, `hold_quota` / `settle_quota`;
+- the dispatch: `parsed`, `refused_model`, `skipped`, `in_pool`, `spilled`, `affinity_looked_up`,
+  `attempt_started`, `attempt_failed`, `attempt_accepted`, `error_answer`, `hold_quota` / `settle_quota`;
 - an attempt and its legs: `upstream_headers`, `watch_first_byte`, `headers_arrived`,
   `first_byte`, `accepted`, `usage`, `answer_broken`, `worker_succeeded` / `worker_failed` /
   `worker_throttled` / `worker_unreachable` (the verdicts), and a PD attempt's `pd_routed`,
@@ -203,6 +203,12 @@ class Ledger:
         record.stream = request.stream
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
+
+    def refused_model(self, model: str) -> None:
+        """The body named a model its key may not use, answered 404 before anything else is known
+        of it: `model`, its resolved name (a configured model's canonical name or a LoRA adapter the
+        pools serve, as `parsed` records it), is the metrics' `model` label."""
+        self.record.model = model
 
     def skipped(self, pools: list[str] | None) -> None:
         """Pools that fit but whose engines do not serve the request's API (None: none)."""

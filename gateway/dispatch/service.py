@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from gateway.affinity.hashing import longest_match, session_hash
 from gateway.affinity.response_store import ResponseOwner
+from gateway.auth.access import model_not_found_message
 from gateway.auth.keys import Principal
+from gateway.auth.standing import RateLimitStanding
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
 from gateway.dialects.names import Api
@@ -33,13 +35,23 @@ from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.migration import OPT_OUT_HEADER
 from gateway.dispatch.migration import attach as attach_migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
-from gateway.errors import GatewayError, ModelNotFound
+from gateway.errors import GatewayError, ModelNotFound, ModelNotPermitted
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, output_room, skipped_pools
 from gateway.routing.response_affinity import owner_of
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed
+
+
+def with_standing(result: BufferedResponse | RelayResponse,
+                  standing: RateLimitStanding | None) -> BufferedResponse | RelayResponse:
+    """`result` with the key's rate-limit headers (`standing`) when it is a served answer (a stream,
+    or a buffered answer below 400; an engine's error keeps its own, an engine's 429 its
+    `x-ratelimit-*`)."""
+    if standing is not None and (isinstance(result, RelayResponse) or result.status < 400):
+        result.headers.extend(standing.header_list())
+    return result
 
 
 class ProxyService:
@@ -57,9 +69,13 @@ class ProxyService:
             self._parser = BodyParser(self.state.config, self.state.estimator, self.state.hasher)
         return self._parser
 
-    async def parse(self, api: Api, body: Body, headers: Mapping[str, str]) -> tuple[Payload, RoutingRequest]:
+    async def parse(self, api: Api, body: Body, headers: Mapping[str, str],
+                    allowed: Collection[str] | None = None) -> tuple[Payload, RoutingRequest]:
         """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound,
-        ContextLengthExceeded (also from a cheap lower bound of its tokens, before validation).
+        ContextLengthExceeded (also from a cheap lower bound of its tokens, before validation), and
+        ModelNotPermitted for a model not in `allowed` (the key's models; None: all), as soon as
+        the model is known: before its tokens are estimated or its image URLs fetched
+        (`BodyParser.validate`).
 
         A body over `parse_offload_bytes`, or with more than `parse_offload_items` items, is parsed
         in a parse process (`gateway/parsing.py`), so the event loop keeps serving meanwhile; its
@@ -72,12 +88,12 @@ class ProxyService:
         if isinstance(body, bytes) and len(body) <= state.config.parse_offload_bytes:
             payload, items = parser.decode(api, body)
             if items <= state.config.parse_offload_items:
-                wire, model, urls = parser.validate(api, payload, state.registry.adapter_names())
+                wire, model, urls = parser.validate(api, payload, state.registry.adapter_names(), allowed)
                 measured = await state.images.measure(urls) if state.images is not None and urls else None
                 return payload, parser.features(wire, model, session, measured)
         parsed = await state.parse_pool.parse(api, body, session,
                                               state.images.measure if state.images is not None else None,
-                                              state.registry.adapter_names())
+                                              state.registry.adapter_names(), allowed)
         assert parsed.request is not None and parsed.forward is not None
         return parsed.forward, parsed.request
 
@@ -87,34 +103,42 @@ class ProxyService:
 
         `principal` is the authenticated caller (auth on): one request is counted against its
         request limit before the body is even parsed (so invalid or oversized bodies are not free
-        and a key over its limit fetches no image URL); once parsed, a model the key may not use is
-        404 `model_not_found` (`AuthGuard.check_model`); its token limit is charged the request's
-        estimated prompt tokens + its output limit (else the first fitting pool's reservation) times
-        the completions it asks for (`RoutingRequest.quota_tokens`) before routing; RateLimited
-        (429) or RateLimitUnavailable (503) when refused (the key's limits on the request's model too,
-        `model_limits`). A key with a token limit (its own or the model's) whose request
-        sets no output limit has the reserved one written into the engine's body
+        and a key over its limit fetches no image URL); a model the key may not use is 404
+        `model_not_found` as soon as the body names it (`ModelNotPermitted`: the answer of an
+        unknown model, before any estimate; counted as `AuthGuard.refused_model`); its token limit
+        is charged the request's estimated prompt tokens + its output limit (else the first fitting
+        pool's reservation) times the completions it asks for (`RoutingRequest.quota_tokens`)
+        before routing; RateLimited (429) or RateLimitUnavailable (503) when refused (the key's
+        limits on the request's model too, `model_limits`). A key with a token limit (its own or the
+        model's) whose request sets no output limit has the reserved one written into the engine's body
         (`parsing.with_output_limit`), and a client's llama.cpp `n_predict` is set to it
         (`parsing.with_engine_output_limit`), so the engine cannot generate past what was charged. The
         charge is settled when the request ends (`quota_used`): at once for an answer or error given
-        here, at the ledger's finish for a stream.
+        here, at the ledger's finish for a stream. A limited key's served answer (and its 429) carries
+        what is left of its limits, in the API's rate-limit headers (`auth/standing.py`).
         """
         guard = self.state.auth if principal is not None else None
-        generates = dialect_for(api).generates  # False: count_tokens
+        dialect = dialect_for(api)
+        generates = dialect.generates  # False: count_tokens
         counted = None
+        standing = None
         if guard is not None:
             assert principal is not None
             if not generates:  # their own request limit (no tokens), first: a refusal costs no request
                 await guard.count_counting(principal)
-            counted = await guard.count_request(principal)  # before any parsing, measuring or image fetch
-        payload, request = await self.parse(api, body, headers)
+            standing = RateLimitStanding(dialect.rate_limit_headers)
+            counted = await guard.count_request(principal, standing)  # before any parsing, measuring or image fetch
+        try:
+            payload, request = await self.parse(api, body, headers, principal.models if principal is not None else None)
+        except ModelNotPermitted as refused:
+            if guard is not None:
+                guard.refused_model()
+            ledger.refused_model(refused.model)
+            raise
         if request.session_key is not None:  # one API key's hints never meet another's
             request = replace(request, session_key=scoped_session(
                 request.session_key, principal.name if principal is not None else None, request.adapter))
         ledger.parsed(request)
-        if guard is not None:  # a model the key may not use: 404 before any upstream work or token reservation
-            assert principal is not None
-            guard.check_model(principal, request.model)
         serving = self._adapter_pools(request.adapter) if request.adapter else self.parser.chains[request.model]
         pools = fitting_pools(request, serving)
         if len(pools) < len(serving):
@@ -140,9 +164,11 @@ class ProxyService:
                 payload, request = with_output_limit(payload, api, out), replace(request, output_tokens=out)
             payload = with_engine_output_limit(payload, out)
         reservation = await guard.check_quota(principal, request.quota_tokens(default_output, room), requests=0,
-                                              counted=counted, model=request.model, counting=not generates)
+                                              counted=counted, model=request.model, counting=not generates,
+                                              standing=standing)
         if reservation is None:
-            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
+            return with_standing(await self._dispatch(api, payload, request, pools, ledger, pinned, migrate),
+                                 standing)
         ledger.hold_quota(guard, reservation, request)
         try:
             result = await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
@@ -151,7 +177,7 @@ class ProxyService:
             raise
         if isinstance(result, BufferedResponse):
             await ledger.settle_quota(result.status >= 400)
-        return result
+        return with_standing(result, standing)
 
     def _adapter_pools(self, adapter: str) -> list[PoolConfig]:
         """The pools serving LoRA `adapter` (declared, or listed by one of their workers), in config
@@ -159,8 +185,7 @@ class ProxyService:
         registry = self.state.registry
         pools = [p for p in self.state.config.pools if registry.serves_adapter(p.name, adapter)]
         if not pools:
-            raise ModelNotFound(f"The model `{adapter[:200]}` does not exist or you do not have access to it.",
-                                param="model")
+            raise ModelNotFound(model_not_found_message(adapter), param="model")
         return pools
 
     async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],

@@ -77,7 +77,7 @@ def test_a_bad_head_is_refused_before_the_body(request_scope: dict[str, Any], he
 def test_method_not_allowed_names_the_allowed_method() -> None:
     with pytest.raises(MethodNotAllowed) as caught:
         check_head(scope("PUT"), JSON, 100, True)
-    assert caught.value.headers == {"allow": "POST"}
+    assert caught.value.headers == {"allow": "POST", "x-should-retry": "false"}  # retrying cannot help
 
 
 def ledger(metrics: GatewayMetrics | None = None) -> Ledger:

@@ -241,3 +241,20 @@ async def test_concurrent_refunds_go_out_together_and_each_lands(key_prefix: str
         assert held == ["40"] * len(keys)
     finally:
         await limiter.stop()
+
+
+@pytest.mark.anyio
+async def test_each_decision_reports_the_keys_counts(limiter: RateLimiter) -> None:
+    """What the rate-limit headers are read from (`Verdict.counts`, `auth/standing.py`): the use after
+    an allowed charge, before a refused one, in the window the decision saw."""
+    alice = key(rpm=2, tpm=100)
+    allowed = await limiter.acquire(alice, 30)
+    assert allowed is not None and allowed.counts is not None
+    assert (allowed.counts.requests, allowed.counts.tokens, allowed.counts.window) == (1, 30, WINDOW_S)
+    assert 0 <= allowed.counts.elapsed < WINDOW_S
+    tokens_only = await limiter.acquire(alice, 50, 0)
+    assert tokens_only is not None and tokens_only.counts is not None
+    assert (tokens_only.counts.requests, tokens_only.counts.tokens) == (1, 80)
+    refused = await limiter.acquire(alice, 30)  # 110 tokens would be over 100: refused, nothing counted
+    assert refused is not None and not refused.allowed and refused.counts is not None
+    assert (refused.counts.requests, refused.counts.tokens) == (1, 80)
