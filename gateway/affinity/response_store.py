@@ -5,17 +5,23 @@ copy of it), so a request with `previous_response_id` and `GET/DELETE/cancel /v1
 must reach the worker that created the response. The gateway records the owner when it accepts the
 engine's answer (the id is in the first stream event `response.created`, or in the JSON body).
 
+Each record also keeps the response's size as a follow-up's prompt holds it (`ResponseOwner.context_tokens`):
+an engine prefills a `previous_response_id` follow-up with the whole stored conversation, so the
+gateway reserves a key's tokens for it before the request is sent (`ProxyService.handle`).
+
 Two stores behind one interface, like the prefix-affinity stores (`store.py`, `redis_store.py`):
 in-process (one replica; an LRU + TTL dict), or Redis when `redis_url` is set (shared by every
 replica). Redis layout: `{responses.key_prefix}:{response id}` → `{pool}\\n{worker URL}\\n{key
 name}` (the key name empty when auth was off; a value without that line, written before owners
-were recorded, reads as unowned) with a TTL of `responses.store_ttl` seconds (the engine itself
-never forgets, but a conversation idle for longer is assumed over). Writes are queued and written
-by a background task (`flush()` waits for them: a barrier for tests and shutdown); a lookup is
-one GET with a hard timeout, at most `LOOKUP_CONNECTIONS` of them in flight (more wait up to
-`redis_gate.WAIT_S` for a turn, then that lookup alone answers 503, and Redis is not blamed, as
-when it times out while others wait for a turn: the loop reads a flood's replies late); the
-writer has a connection of its own, so a flood of lookups never delays or drops a write (issue 25 §5).
+were recorded, reads as unowned), and `{responses.key_prefix}:ctx:{response id}` → its context
+tokens (decimal; absent for a record written before they were kept), both with a TTL of
+`responses.store_ttl` seconds (the engine itself never forgets, but a conversation idle for longer
+is assumed over). Writes are queued and written by a background task (`flush()` waits for them:
+a barrier for tests and shutdown); a lookup is one round trip (its two GETs pipelined) with a hard
+timeout, at most `LOOKUP_CONNECTIONS` of them in flight (more wait up to `redis_gate.WAIT_S` for
+a turn, then that lookup alone answers 503, and Redis is not blamed, as when it times out while
+others wait for a turn: the loop reads a flood's replies late); the writer has a connection of its
+own, so a flood of lookups never delays or drops a write (issue 25 §5).
 
 A Redis error or timeout (counted in
 `kimi_gateway_redis_errors_total{op="response_lookup"|"response_write"}`) fails the lookup with
@@ -34,7 +40,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from redis.exceptions import RedisError
@@ -69,11 +75,19 @@ class ResponseOwner:
     """Where a stored response lives and whose it is: its pool's name, its worker's URL (stable across
     replicas) and `principal`, the configured name of the API key that created it (`auth.keys[].name`,
     never the key; None when auth was off). Key names match `^[A-Za-z0-9_.-]{1,64}$`, so the
-    newline-separated encoding is unambiguous."""
+    newline-separated encoding is unambiguous.
+
+    `context_tokens`: the tokens of the conversation the engine stores under this response, which a
+    `previous_response_id` follow-up's prompt starts with (vLLM prepends the stored messages and the
+    stored output: `_render_resolved_response_inputs` in vllm/entrypoints/openai/responses/serving.py):
+    the engine's `input_tokens + output_tokens` once its usage came, until then the gateway's
+    estimate of its prompt plus the output limit it reserved (an upper bound); None when unknown (a
+    record written before these were kept). Not part of the owner's identity (`==`, `encode`)."""
 
     pool: str
     worker_url: str
     principal: str | None = None
+    context_tokens: int | None = field(default=None, compare=False)
 
     def encode(self) -> str:
         return f"{self.pool}\n{self.worker_url}\n{self.principal or ''}"
@@ -87,14 +101,18 @@ class ResponseOwner:
 
 class ResponseStore(Protocol):
     """Response id → owner. `lookup` answers None for an unknown id and raises only
-    ResponseStoreUnavailable; `record` and `forget` are fire-and-forget, applied in order. A recorded
-    id never changes owner: `record` of an id already recorded (and not expired or forgotten) keeps
-    the first record (Redis `SET NX`), so an engine answering an id it was made to reuse cannot hand
-    another tenant's response, and its history, to the caller."""
+    ResponseStoreUnavailable; `record`, `note_context` and `forget` are fire-and-forget, applied in
+    order. A recorded id never changes owner: `record` of an id already recorded (and not expired or
+    forgotten) keeps the first record (Redis `SET NX`), its context tokens too, so an engine answering
+    an id it was made to reuse cannot hand another tenant's response, and its history, to the caller.
+    `note_context` replaces a recorded response's context tokens (the engine's count, once its usage
+    came); it does nothing for an id not recorded."""
 
     async def lookup(self, response_id: str) -> ResponseOwner | None: ...
 
     def record(self, response_id: str, owner: ResponseOwner) -> None: ...
+
+    def note_context(self, response_id: str, tokens: int) -> None: ...
 
     def forget(self, response_id: str) -> None: ...
 
@@ -134,11 +152,16 @@ class MemoryResponseStore:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def note_context(self, response_id: str, tokens: int) -> None:
+        entry = self._entries.get(response_id)
+        if entry is not None and entry[1] > time.monotonic():
+            self._entries[response_id] = (replace(entry[0], context_tokens=tokens), entry[1])
+
     def forget(self, response_id: str) -> None:
         self._entries.pop(response_id, None)
 
     async def flush(self) -> None:
-        return None  # `record` and `forget` apply at once
+        return None  # `record`, `note_context` and `forget` apply at once
 
     async def start(self) -> None:
         return None
@@ -157,13 +180,17 @@ class RedisResponseStore:
         self.redis = redis_from_url(url, socket_connect_timeout=SOCKET_BACKSTOP_S,
                                     socket_timeout=SOCKET_BACKSTOP_S, retry=STALE_CONNECTION_RETRY,
                                     max_connections=LOOKUP_CONNECTIONS + 1, health_check_interval=0)
-        self._writes: BatchWriter[tuple[str, ResponseOwner | None]] = BatchWriter(
+        self._writes: BatchWriter[tuple[str, ResponseOwner | int | None]] = BatchWriter(
             self._write, config.write_queue, metrics.affinity_writes_dropped.inc, "response-store-writer")
         self._last_log = 0.0
         self.breaker = CircuitBreaker(config.retry_after)
 
     def key(self, response_id: str) -> str:
         return f"{self.config.key_prefix}:{response_id}"
+
+    def context_key(self, response_id: str) -> str:
+        """The key of a response's context tokens (`ResponseOwner.context_tokens`)."""
+        return f"{self.config.key_prefix}:ctx:{response_id}"
 
     @property
     def available(self) -> bool:
@@ -194,8 +221,10 @@ class RedisResponseStore:
                 await primary_known(self.redis)
                 timer = StoreTimeout(self.config.lookup_timeout)
                 try:
-                    async with timer:
-                        value = await self.redis.get(self.key(response_id))
+                    async with timer, self.redis.pipeline(transaction=False) as pipe:
+                        pipe.get(self.key(response_id))
+                        pipe.get(self.context_key(response_id))
+                        value, context = await pipe.execute()
                 except (RedisError, OSError, TimeoutError) as exc:
                     if self.gate.queued_behind(exc):
                         self._log_at_most_every_10s(f"redis response_lookup not answered in time with "
@@ -208,7 +237,11 @@ class RedisResponseStore:
             raise self._unavailable() from None
         if value is None:
             return None
-        return ResponseOwner.decode(value.decode() if isinstance(value, bytes) else value)
+        owner = ResponseOwner.decode(value.decode() if isinstance(value, bytes) else value)
+        if owner is None or context is None:
+            return owner
+        tokens = int(context) if context.isdigit() else None
+        return owner if tokens is None else replace(owner, context_tokens=tokens)
 
     def _unavailable(self) -> ResponseStoreUnavailable:
         retry = max(1, math.ceil(self.config.retry_after))
@@ -217,19 +250,19 @@ class RedisResponseStore:
                                         headers={"retry-after": str(retry)})
 
     def record(self, response_id: str, owner: ResponseOwner) -> None:
-        self._put(response_id, owner)
+        self._writes.put((response_id, owner))
+
+    def note_context(self, response_id: str, tokens: int) -> None:
+        self._writes.put((response_id, tokens))
 
     def forget(self, response_id: str) -> None:
-        self._put(response_id, None)
-
-    def _put(self, response_id: str, owner: ResponseOwner | None) -> None:
-        self._writes.put((response_id, owner))
+        self._writes.put((response_id, None))
 
     async def flush(self) -> None:
         """Wait until every queued write was sent (or failed); a no-op when the writer is not running."""
         await self._writes.flush()
 
-    async def _write(self, batch: list[tuple[str, ResponseOwner | None]]) -> None:
+    async def _write(self, batch: list[tuple[str, ResponseOwner | int | None]]) -> None:
         ttl_ms = max(1, round(self.config.store_ttl * 1000))
         if not self.breaker.closed:
             self.metrics.affinity_writes_dropped.inc(len(batch))
@@ -238,11 +271,16 @@ class RedisResponseStore:
         timer = StoreTimeout(max(self.config.lookup_timeout * 10, 0.5))
         try:
             async with timer, self.redis.pipeline(transaction=False) as pipe:
-                for response_id, owner in batch:
-                    if owner is None:
-                        pipe.delete(self.key(response_id))
+                for response_id, write in batch:
+                    if write is None:
+                        pipe.delete(self.key(response_id))  # one key a command: a cluster holds them on two slots
+                        pipe.delete(self.context_key(response_id))
+                    elif isinstance(write, int):  # the engine's count replaces the estimate, of a recorded id only
+                        pipe.set(self.context_key(response_id), write, px=ttl_ms, xx=True)
                     else:
-                        pipe.set(self.key(response_id), owner.encode(), px=ttl_ms, nx=True)  # never a new owner
+                        pipe.set(self.key(response_id), write.encode(), px=ttl_ms, nx=True)  # never a new owner
+                        if write.context_tokens is not None:
+                            pipe.set(self.context_key(response_id), write.context_tokens, px=ttl_ms, nx=True)
                 await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("response_write", exc, timer)

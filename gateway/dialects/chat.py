@@ -17,6 +17,7 @@ from gateway.dialects.base import Dialect, SizeChecker
 from gateway.dialects.names import CHAT, Api
 from gateway.errors import InvalidRequest
 from gateway.protocol.openai import PART_MODALITY, AudioURLPart, ChatCompletionRequest, InputAudioPart, VideoPart
+from gateway.routing.engine_prompt import prompt_ids, prompt_text_tokens
 from gateway.routing.features import (
     METHOD_ORDER,
     RoutingRequest,
@@ -119,6 +120,9 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
 
     `measured` maps image URLs to their (width, height) in pixels, as the opt-in image fetch
     found them (`gateway/routing/image_fetch.py`); other URLs cost the configured default.
+    The prompt an engine reads from other fields counts too (`gateway/routing/engine_prompt.py`):
+    the text its chat template renders from them, and token ids it prefills instead of the
+    rendered messages (the larger of the two counts; method `token_ids` when the ids are).
     Raises InvalidRequest for an image data URI that cannot be read.
     """
     config = estimator.config
@@ -169,9 +173,11 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
         canonical.append(canonical_message(message.role, parts))
     if "response_format" in extra:
         texts.append(orjson.dumps(extra["response_format"]))
-    tokens += estimator.utf8_tokens(b"".join(texts))
-    output = output_limit(wire)
+    tokens += estimator.utf8_tokens(b"".join(texts)) + prompt_text_tokens(CHAT, extra, estimator)
     method = "+".join(sorted(methods, key=METHOD_ORDER.index))
+    if (ids := prompt_ids(CHAT, extra)) > tokens:  # the engine prefills these instead of the rendered messages
+        tokens, method = ids, "token_ids"
+    output = output_limit(wire)
     prefix = hasher.hash(b"".join(canonical), model, cache_partition(extra)) if hasher is not None else None
     return RoutingRequest(
         api=CHAT, model=model, prompt_tokens=tokens, output_tokens=output, stream=bool(wire.stream),

@@ -19,6 +19,7 @@ from gateway.dialects.chat import chat_counts
 from gateway.dialects.names import RESPONSES, Api
 from gateway.errors import InvalidRequest
 from gateway.protocol.responses import TERMINAL_EVENTS, ResponsesRequest, chat_usage, item_text_and_images
+from gateway.routing.engine_prompt import prompt_text_tokens
 from gateway.routing.features import (
     METHOD_ORDER,
     RoutingRequest,
@@ -99,9 +100,11 @@ def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstim
     is the output reservation. The prefix hashes run over the same canonical bytes as chat's, so
     a conversation sent through both APIs meets the same cache entries.
 
-    With `previous_response_id` the stored history on the engine is not counted: the gateway does
-    not hold it (the request goes to its owner, `ProxyService`). Raises InvalidRequest for an
-    image data URI that cannot be read.
+    The text an engine's chat template renders from other fields counts too
+    (`gateway/routing/engine_prompt.py`). With `previous_response_id` the stored conversation the
+    engine prefills first is not in these features: the gateway adds it once the response store
+    named its worker (`ProxyService.handle`, `response_affinity.follow_up_of`). Raises
+    InvalidRequest for an image data URI that cannot be read.
     """
     config = estimator.config
     # role, texts, image URLs, uncountable images, where it is in the request (for an error's `param`)
@@ -142,7 +145,7 @@ def responses_features(wire: ResponsesRequest, model: str, estimator: TokenEstim
             tokens += others * config.image_tokens_default
             methods.add("default")
         canonical.append(canonical_message(role, parts))
-    tokens += estimator.utf8_tokens(b"".join(texts_all))
+    tokens += estimator.utf8_tokens(b"".join(texts_all)) + prompt_text_tokens(RESPONSES, wire.model_extra, estimator)
     method = "+".join(sorted(methods, key=METHOD_ORDER.index))
     prefix = hasher.hash(b"".join(canonical), model, cache_partition(wire.model_extra)) if hasher is not None else None
     return RoutingRequest(

@@ -13,8 +13,9 @@ The facts, by who reports them:
 - the endpoint: `timed_out`, `cut_by_cap`, `relay_cut_by_cap`, `client_gone`, `send_stalled`,
   `cut_by_shutdown`, `answered`, `answered_with_error`, `hang_up_verdict`, then `finish` (once);
   the stored-response routes also `in_pool`, `served_by`, `streamed`;
-- the dispatch: `parsed`, `refused_model`, `skipped`, `in_pool`, `spilled`, `affinity_looked_up`,
-  `attempt_started`, `attempt_failed`, `attempt_accepted`, `error_answer`, `hold_quota` / `settle_quota`;
+- the dispatch: `parsed`, `refused_model`, `history_counted`, `skipped`, `in_pool`, `spilled`,
+  `affinity_looked_up`, `attempt_started`, `attempt_failed`, `attempt_accepted`, `error_answer`,
+  `hold_quota` / `settle_quota`, `response_stored`;
 - an attempt and its legs: `upstream_headers`, `watch_first_byte`, `headers_arrived`,
   `first_byte`, `accepted`, `usage`, `answer_broken`, `worker_succeeded` / `worker_failed` /
   `worker_throttled` / `worker_unreachable` (the verdicts), and a PD attempt's `pd_routed`,
@@ -62,6 +63,13 @@ class Settler(Protocol):
     def settle_soon(self, reservation: Any, used_tokens: int | None) -> None: ...
 
 
+class ContextNoter(Protocol):
+    """What the ledger asks of the stored-response store (`response_store.ResponseStore`): the size
+    of a stored response, once its usage is known."""
+
+    def note_context(self, response_id: str, tokens: int) -> None: ...
+
+
 class Ledger:
     """The accountant of one client request (see the module docstring): `record` is its data,
     written only here, read by anyone (the route headers, the error messages, the quota).
@@ -70,7 +78,7 @@ class Ledger:
     the client's `headers` (`traceparent`)."""
 
     __slots__ = ("_answered", "_attempt_at", "_finished", "_metrics", "_on_first_byte", "_open", "_prefill_pending",
-                 "_quota", "_registry", "record", "trace")
+                 "_quota", "_registry", "_stored", "record", "trace")
 
     def __init__(self, api: str, request_id: str, key: str | None, metrics: GatewayMetrics,
                  registry: WorkerRegistry, tracing: Tracer | None = None,
@@ -85,6 +93,7 @@ class Ledger:
         self._prefill_pending: Worker | None = None  # a PD attempt's prefill worker while its leg sent no headers
         self._on_first_byte: Callable[[float], None] | None = None
         self._quota: tuple[Settler, Any, RoutingRequest] | None = None
+        self._stored: tuple[ContextNoter, str] | None = None  # the stored response a stream creates
         self._finished = False
 
     @property
@@ -210,6 +219,11 @@ class Ledger:
         pools serve, as `parsed` records it), is the metrics' `model` label."""
         self.record.model = model
 
+    def history_counted(self, request: RoutingRequest) -> None:
+        """A Responses follow-up's estimate now holds the stored conversation its engine prefills
+        (`response_affinity.follow_up_of`): the estimate of what the engine's prompt is."""
+        self.record.estimated_prompt_tokens = request.prompt_tokens
+
     def skipped(self, pools: list[str] | None) -> None:
         """Pools that fit but whose engines do not serve the request's API (None: none)."""
         self.record.skipped_pools = pools
@@ -269,6 +283,11 @@ class Ledger:
     def hold_quota(self, guard: Settler, reservation: Any, request: RoutingRequest) -> None:
         """A token reservation to settle when the request ends (`finish`), unless settled sooner."""
         self._quota = (guard, reservation, request)
+
+    def response_stored(self, store: ContextNoter, response_id: str) -> None:
+        """The stream's engine stores its response as `response_id` (recorded in `store` with an
+        estimate of its size): `finish` replaces that estimate by the usage the stream reports."""
+        self._stored = (store, response_id)
 
     async def settle_quota(self, failed: bool) -> None:
         """Settle the held reservation now (an answer or error given before any stream)."""
@@ -439,8 +458,9 @@ class Ledger:
     # --- the end ---------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Settle the held quota (`quota_used`), record the metrics and the access log line and end
-        the trace; later calls do nothing."""
+        """Settle the held quota (`quota_used`), note the size of the stored response the stream
+        created (`response_stored`, `context_used`), record the metrics and the access log line and
+        end the trace; later calls do nothing."""
         if self._finished:
             return
         self._finished = True
@@ -449,6 +469,9 @@ class Ledger:
             guard, reservation, request = self._quota
             failed = record.outcome is not RequestOutcome.OK or record.status >= 400
             guard.settle_soon(reservation, quota_used(record, request, reservation.tokens, failed))
+        if self._stored is not None and (used := context_used(record.usage)) is not None:
+            store, response_id = self._stored
+            store.note_context(response_id, used)
         now = time.perf_counter()
         if record.disconnect_stage is not None:
             metrics.client_disconnects.labels(record.pool, record.disconnect_stage).inc()
@@ -523,3 +546,17 @@ def quota_used(record: RequestRecord, request: RoutingRequest, reserved: int, fa
     if record.reached_engine:
         return estimate
     return 0 if record.engine_refused else None
+
+
+def context_used(usage: dict[str, Any] | None) -> int | None:
+    """The tokens of the conversation an engine stores with a response whose usage is `usage`
+    (OpenAI's chat names, which `protocol.responses.chat_usage` adds): its prompt (the stored
+    conversation it continued included) + its output, which a `previous_response_id` follow-up's
+    prompt starts with; None without both counts, or with a prompt counted as 0 (no prompt is
+    empty: the estimate stays, as `quota_used` charges it)."""
+    if usage is None:
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if type(prompt) is int and type(completion) is int and prompt > 0 and completion >= 0:
+        return prompt + completion
+    return None

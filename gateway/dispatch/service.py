@@ -31,7 +31,7 @@ from gateway.dispatch.attempt import Attempt, silence_limit
 from gateway.dispatch.context import Dispatch
 from gateway.dispatch.failures import after_failure, exhausted
 from gateway.dispatch.kinds import PINNED, kind_of
-from gateway.dispatch.ledger import Ledger
+from gateway.dispatch.ledger import Ledger, context_used
 from gateway.dispatch.migration import OPT_OUT_HEADER
 from gateway.dispatch.migration import attach as attach_migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
@@ -39,7 +39,7 @@ from gateway.errors import GatewayError, ModelNotFound, ModelNotPermitted
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, output_room, skipped_pools
-from gateway.routing.response_affinity import owner_of
+from gateway.routing.response_affinity import follow_up_of
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed
 
@@ -108,9 +108,11 @@ class ProxyService:
         unknown model, before any estimate; counted as `AuthGuard.refused_model`); its token limit
         is charged the request's estimated prompt tokens + its output limit (else the first fitting
         pool's reservation) times the completions it asks for (`RoutingRequest.quota_tokens`)
-        before routing; RateLimited (429) or RateLimitUnavailable (503) when refused (the key's
-        limits on the request's model too, `model_limits`). A key with a token limit (its own or the
-        model's) whose request sets no output limit has the reserved one written into the engine's body
+        before routing, the prompt of a Responses follow-up including the stored conversation the
+        engine prefills before its new input (`follow_up_of`); RateLimited (429) or
+        RateLimitUnavailable (503) when refused (the key's limits on the request's model too,
+        `model_limits`). A key with a token limit (its own or the model's) whose request sets no
+        output limit has the reserved one written into the engine's body
         (`parsing.with_output_limit`), and a client's llama.cpp `n_predict` is set to it
         (`parsing.with_engine_output_limit`), so the engine cannot generate past what was charged. The
         charge is settled when the request ends (`quota_used`): at once for an answer or error given
@@ -147,10 +149,13 @@ class ProxyService:
             await self.state.lora.ensure(request.adapter, pools)
         pinned: Worker | None = None
         if request.previous_response_id is not None:  # only the worker storing its history can serve it
-            pool, pinned = await owner_of(request.previous_response_id, "previous_response_id", self.state.responses,
-                                          self.state.registry, self.state.config.pools, self.state.metrics,
-                                          principal)
+            pool, pinned, history = await follow_up_of(request.previous_response_id, self.state.responses,
+                                                       self.state.registry, self.state.config.pools,
+                                                       self.state.metrics, principal)
             pools = [pool]
+            if history:  # the engine prefills the stored conversation before the new input
+                request = replace(request, prompt_tokens=request.prompt_tokens + history)
+                ledger.history_counted(request)
         migrate = headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
         if guard is None:
             return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
@@ -250,8 +255,7 @@ class ProxyService:
             if dispatch.migrate and isinstance(result, RelayResponse):
                 self._may_migrate(dispatch, attempt, result)
             if dialect_for(dispatch.api).stores_responses:
-                self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result,
-                                           record.key)
+                self._note_stored_response(dispatch.request, attempt.pool, attempt.worker, result, ledger)
             result.headers.extend(route_headers(record))
             return result
         raise exhausted(state.registry, dispatch.last, record, dispatch.pools, dispatch.failures)
@@ -310,18 +314,28 @@ class ProxyService:
             asyncio.get_running_loop().call_soon(state.affinity.record, pool.name, hashes, attempt.cache_worker.url)
 
     def _note_stored_response(self, request: RoutingRequest, pool: PoolConfig, worker: Worker,
-                              result: BufferedResponse | RelayResponse, principal: str | None) -> None:
+                              result: BufferedResponse | RelayResponse, ledger: Ledger) -> None:
         """Remember which worker stores the response this accepted Responses request creates (not with
-        `store: false`, nor on an engine that stores nothing): from the JSON answer's `id`, or from the
-        stream's `response.created` event as the relay passes it (`SSETap.on_response_id`)."""
+        `store: false`, nor on an engine that stores nothing), and its size as a follow-up's prompt
+        holds it (`ResponseOwner.context_tokens`): from the JSON answer's `id` and usage, or from the
+        stream's `response.created` event as the relay passes it (`SSETap.on_response_id`), with the
+        request's prompt estimate + its reserved output until the ledger notes the stream's usage
+        at its end (`Ledger.response_stored`). A background response's answer has no usage yet: its
+        estimate stays (an upper bound of what the engine will store)."""
         store = self.state.responses
         if store is None or not request.store or not worker.engine.stores_responses:
             return
-        owner = ResponseOwner(pool.name, worker.url, principal)
+        estimate = request.prompt_tokens + request.reserved_output(pool.default_output_tokens,
+                                                                   output_room(pool, request))
+        owner = ResponseOwner(pool.name, worker.url, ledger.record.key, estimate)
         if isinstance(result, RelayResponse):
-            result.stream.tap.on_response_id = lambda rid: store.record(rid, owner)
+            def created(rid: str) -> None:
+                store.record(rid, owner)
+                ledger.response_stored(store, rid)
+            result.stream.tap.on_response_id = created
         elif result.status == 200 and (rid := response_id_in_json(result.body)) is not None:
-            store.record(rid, owner)
+            used = context_used(ledger.record.usage)
+            store.record(rid, owner if used is None else replace(owner, context_tokens=used))
 
     async def _affinity_matches(self, pool: str, request: RoutingRequest, ledger: Ledger) -> dict[str, float]:
         """Worker URL → share of the prompt it holds, and (an `AffinityMatch`) the worker that served

@@ -28,9 +28,13 @@ and the registry, bypassing the pool's policy (no other worker could serve it) b
 Each outcome counts in
 `kimi_gateway_response_affinity_total{result=hit|unknown|worker_gone|worker_unavailable|store_error}`.
 
-Context length: the stored history is on the engine; the gateway cannot count it, so a follow-up
-goes to its owner whatever its pool's context (the new input alone must still fit some pool), and
-an engine's "too long" answer is passed back as is (no larger pool holds the history).
+Context length: the stored history is on the engine, so a follow-up goes to its owner whatever its
+pool's context (the new input alone must still fit some pool), and an engine's "too long" answer is
+passed back as is (no larger pool holds the history).
+
+Quota: the engine prefills the whole stored conversation before the new input, so `follow_up_of`
+also answers its size, as the store keeps it (`ResponseOwner.context_tokens`), for the key's
+token reservation (`ProxyService.handle`).
 """
 
 from __future__ import annotations
@@ -79,6 +83,25 @@ async def owner_of(response_id: str, param: str | None, store: ResponseStore | N
     response),
     ResponseWorkerGone, ResponseWorkerUnavailable, ResponseStoreUnavailable (module docstring) and
     counts the outcome."""
+    pool, worker, _ = await _resolve(response_id, param, store, registry, pools, metrics, principal)
+    return pool, worker
+
+
+async def follow_up_of(response_id: str, store: ResponseStore | None, registry: WorkerRegistry,
+                       pools: list[PoolConfig], metrics: GatewayMetrics,
+                       principal: Principal | None = None) -> tuple[PoolConfig, Worker, int]:
+    """`owner_of` for a request's `previous_response_id`, and the tokens of the stored conversation
+    the engine prefills before its new input (`ResponseOwner.context_tokens`; 0 when the store does
+    not know them: a record written before they were kept). Raises as `owner_of`."""
+    pool, worker, owner = await _resolve(response_id, "previous_response_id", store, registry, pools, metrics,
+                                         principal)
+    return pool, worker, owner.context_tokens or 0
+
+
+async def _resolve(response_id: str, param: str | None, store: ResponseStore | None, registry: WorkerRegistry,
+                   pools: list[PoolConfig], metrics: GatewayMetrics,
+                   principal: Principal | None) -> tuple[PoolConfig, Worker, ResponseOwner]:
+    """`owner_of`, with the store's record of the response."""
     try:
         owner: ResponseOwner | None = await store.lookup(response_id) if store is not None else None
     except ResponseStoreUnavailable as exc:
@@ -106,7 +129,7 @@ async def owner_of(response_id: str, param: str | None, store: ResponseStore | N
             f"The worker that stores response '{response_id[:256]}' ({worker.id}) is {worker.state(now)} now; "
             f"try again in {seconds} s.", param=param, headers={"retry-after": str(seconds)})
     metrics.response_lookup("hit")
-    return pool, worker
+    return pool, worker, owner
 
 
 def may_use(principal: Principal | None, owner: ResponseOwner) -> bool:

@@ -62,6 +62,7 @@ from gateway.sim.tokens import (
     messages_max_tokens,
     output_text,
     output_token,
+    pretokenized_chat_prompt,
     requested_output_field,
     requested_output_tokens,
     text_tokens,
@@ -504,6 +505,8 @@ def _plan(engine: SimWorkerState, kind: r.Kind, body: dict[str, Any], stream: bo
         else:
             start, prompt_tokens = held or 0, [chat_prompt_tokens(messages, config)]
         prompt_tokens = [prompt_tokens[0] + tools_tokens(body.get("tools"), config)]
+        if (ids := pretokenized_chat_prompt(body, config.engine)) is not None:  # no template rendered
+            start, prompt_tokens = 0, [ids]
     else:
         prompt_tokens = completion_prompt_tokens(body.get("prompt"), config)
         start = completion_continued_tokens(body.get("prompt"))

@@ -199,6 +199,46 @@ def chat_prompt_tokens(messages: Any, config: SimConfig) -> int:
             + len(messages) * config.message_overhead_tokens)
 
 
+def pretokenized_chat_prompt(body: dict[str, Any], engine: str) -> int | None:
+    """Prompt tokens of a chat request whose body carries the token ids the engine prefills instead
+    of rendering its messages; None when it renders them. Raises PromptError (400) for ids the
+    engine refuses.
+
+    - SGLang 0.5.23 (`ChatCompletionRequest.input_ids: Optional[List[int]]` in
+      python/sglang/srt/entrypoints/openai/protocol.py; `OpenAIServingChat._process_messages` in
+      serving_chat.py skips the chat template and takes these ids as the prompt).
+    - vLLM 0.32 (`_reused_prompt_token_ids` in vllm/renderers/online_renderer.py):
+      `kv_transfer_params.prompt_token_ids`, a non-empty list of non-negative integers, else 400
+      "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers.";
+      ignored when `echo` is set or a message holds non-text content (then rendered)."""
+    if engine == "sglang":
+        ids = body.get("input_ids")
+        if ids is None:
+            return None
+        if not isinstance(ids, list) or any(type(x) is not int for x in ids):
+            raise PromptError("input_ids must be a list of integers")
+        return len(ids)
+    kv = body.get("kv_transfer_params")
+    ids = kv.get("prompt_token_ids") if isinstance(kv, dict) else None
+    if ids is None or body.get("echo") is True or _has_media(body.get("messages")):
+        return None
+    if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+        raise PromptError("`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative "
+                          "integers.")
+    return len(ids)
+
+
+def _has_media(messages: Any) -> bool:
+    """Whether chat `messages` hold a content part that is not text (vLLM's `has_non_text_content`)."""
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") != "text" for p in content):
+            return True
+    return False
+
+
 def tools_tokens(tools: Any, config: SimConfig) -> int:
     """Prompt tokens of a chat request's `tools`: their JSON text, as a chat template that renders the
     tool definitions into the prompt adds them (vLLM renders the chat request with its tools,

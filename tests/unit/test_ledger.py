@@ -353,6 +353,42 @@ async def test_a_real_guard_settles_a_finished_streams_reservation_once() -> Non
     assert await guard.check_quota(alice, 80) is not None  # 20 used + 80 fits the 100 only after the settle
 
 
+class Noted:
+    """A response store's `note_context` calls, recorded."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def note_context(self, response_id: str, tokens: int) -> None:
+        self.calls.append((response_id, tokens))
+
+
+def test_a_stored_responses_size_is_noted_from_the_usage_its_stream_reported() -> None:
+    store = Noted()
+    book = ledger()
+    book.response_stored(store, "resp_1")
+    book.stream_usage({"prompt_tokens": 2040, "completion_tokens": 7})
+    book.finish()
+    book.finish()
+    assert store.calls == [("resp_1", 2047)]
+    cut = ledger()  # a stream cut before its usage came: the store keeps its estimate
+    cut.response_stored(store, "resp_2")
+    cut.client_gone("mid_stream")
+    cut.finish()
+    zero = ledger()  # a prompt counted as 0 is no count
+    zero.response_stored(store, "resp_3")
+    zero.stream_usage({"prompt_tokens": 0, "completion_tokens": 7})
+    zero.finish()
+    assert store.calls == [("resp_1", 2047)]
+
+
+def test_a_follow_ups_estimate_holds_its_stored_history() -> None:
+    book = ledger()
+    book.parsed(REQUEST)
+    book.history_counted(replace(REQUEST, prompt_tokens=40 + 2047))
+    assert book.record.estimated_prompt_tokens == 2087
+
+
 def test_the_model_label_is_the_resolved_model_or_a_known_adapter_never_another_name() -> None:
     metrics = GatewayMetrics()
     config = parse_config({"pools": [{"name": "p", "engine": "vllm", "max_context_tokens": 8192,

@@ -163,6 +163,33 @@ async def test_the_owning_key_is_stored_with_the_worker(store: ResponseStore) ->
     assert (await store.lookup("resp_open")) == OWNER and OWNER.principal is None
 
 
+@pytest.mark.anyio
+async def test_a_responses_context_tokens_are_kept_and_replaced_by_the_engines_count(store: ResponseStore) -> None:
+    """What a follow-up's prompt holds of a stored response: the estimate recorded with its owner,
+    the engine's count once noted; a second owner's record keeps the first's; an unknown or
+    forgotten id gets none; a record written before these were kept has none."""
+    store.record("resp_ctx", ResponseOwner("pool-a", "http://10.0.0.1:8000", "alice", 5000))
+    store.record("resp_ctx", ResponseOwner("pool-b", "http://10.0.0.2:8000", "bob", 7))  # kept: the first
+    store.note_context("resp_none", 9)  # never recorded
+    await store.flush()
+    first = await store.lookup("resp_ctx")
+    assert first == ResponseOwner("pool-a", "http://10.0.0.1:8000", "alice") and first.context_tokens == 5000
+    store.note_context("resp_ctx", 2047)
+    await store.flush()
+    noted = await store.lookup("resp_ctx")
+    assert noted is not None and noted.context_tokens == 2047
+    assert await store.lookup("resp_none") is None
+    store.forget("resp_ctx")
+    store.note_context("resp_ctx", 3)
+    store.record("resp_old", OWNER)  # no count known
+    await store.flush()
+    assert await store.lookup("resp_ctx") is None
+    old = await store.lookup("resp_old")
+    assert old == OWNER and old.context_tokens is None
+    if isinstance(store, RedisResponseStore):  # nothing left behind by the forgotten id
+        assert await store.redis.exists(store.key("resp_ctx"), store.context_key("resp_ctx")) == 0
+
+
 def test_owner_encoding_and_who_may_use_it() -> None:
     assert ResponseOwner.decode(ResponseOwner("p", "http://w:1", "alice").encode()) == ResponseOwner(
         "p", "http://w:1", "alice")
