@@ -14,9 +14,18 @@ import orjson
 
 from gateway.affinity.hashing import PrefixHasher, canonical_message, canonical_prelude, image_digest
 from gateway.dialects.base import Dialect, SizeChecker
-from gateway.dialects.names import CHAT, Api
+from gateway.dialects.names import CHAT
 from gateway.errors import InvalidRequest
-from gateway.protocol.openai import PART_MODALITY, AudioURLPart, ChatCompletionRequest, InputAudioPart, VideoPart
+from gateway.protocol.openai import (
+    PART_MODALITY,
+    AudioURLPart,
+    ChatCompletionRequest,
+    ImagePart,
+    InputAudioPart,
+    RefusalPart,
+    TextPart,
+    VideoPart,
+)
 from gateway.routing.engine_prompt import prompt_ids, prompt_text_tokens
 from gateway.routing.features import (
     METHOD_ORDER,
@@ -34,7 +43,7 @@ from gateway.routing.tokens import ImageEstimate, TokenEstimator
 class ChatDialect(Dialect[ChatCompletionRequest]):
     """OpenAI's chat completions API."""
 
-    api: Api = CHAT
+    api = CHAT
     wire_model = ChatCompletionRequest
     path = "/v1/chat/completions"
     output_limit_field = "max_completion_tokens"
@@ -107,7 +116,7 @@ def image_urls(wire: ChatCompletionRequest) -> list[str]:
     for message in wire.messages:
         if isinstance(message.content, list):
             for part in message.content:
-                if part.type == "image_url" and not part.image_url.url.startswith("data:"):
+                if isinstance(part, ImagePart) and not part.image_url.url.startswith("data:"):
                     urls[part.image_url.url] = None
     return list(urls)
 
@@ -151,11 +160,12 @@ def chat_features(wire: ChatCompletionRequest, model: str, estimator: TokenEstim
             for j, part in enumerate(content):
                 if (modality := PART_MODALITY.get(part.type)) is not None:
                     modalities.add(modality)
-                if part.type == "text" or part.type == "refusal":
-                    encoded = (part.text if part.type == "text" else part.refusal).encode("utf-8", "surrogatepass")
+                if isinstance(part, TextPart | RefusalPart):
+                    text = part.text if isinstance(part, TextPart) else part.refusal
+                    encoded = text.encode("utf-8", "surrogatepass")
                     parts.append(encoded)
                     texts.append(encoded)
-                elif part.type == "image_url":
+                elif isinstance(part, ImagePart):
                     url = part.image_url.url
                     if (seen := images.get(url)) is None:
                         estimate = estimator.image_tokens(url, f"messages[{i}].content[{j}].image_url.url", measured)
