@@ -35,6 +35,7 @@ import orjson
 from pydantic import ValidationError
 
 from gateway.affinity.hashing import PrefixHasher
+from gateway.auth.cache_isolation import SALT_FIELD
 from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
@@ -206,6 +207,13 @@ def with_engine_output_limit(payload: Payload, tokens: int) -> Payload:
     return _with_member(payload, ENGINE_OUTPUT_FIELD, tokens)
 
 
+def with_salt(payload: dict[str, Any], salt: str | None) -> dict[str, Any]:
+    """A decoded body with its `cache_salt` set to `salt`, replacing the client's (None: as it is):
+    the gateway's per-key cache partition (gateway/auth/cache_isolation.py), set before validation
+    so the routing features hash the prompt under it."""
+    return payload if salt is None else {**payload, SALT_FIELD: salt}
+
+
 def _with_member(payload: Payload, name: str, value: Any) -> Payload:
     if isinstance(payload, ForwardBody):
         return payload.with_member(name, value)
@@ -285,11 +293,13 @@ class BodyParser:
         return request
 
     def parse(self, api: Api, body: bytes, session: str | None,
-              measured: Mapping[str, tuple[int, int]] | None, adapters: Collection[str] = frozenset()) -> Parsed:
+              measured: Mapping[str, tuple[int, int]] | None, adapters: Collection[str] = frozenset(),
+              salt: str | None = None) -> Parsed:
         """All of it, for a parse process: with image fetching on and URLs not yet `measured`, it
-        stops after validation and asks for them. Raises what `decode`, `validate` and
-        `fitting_pools` raise."""
+        stops after validation and asks for them; `salt` is set as the body's `cache_salt`
+        (`with_salt`). Raises what `decode`, `validate` and `fitting_pools` raise."""
         payload, _ = self.decode(api, body)
+        payload = with_salt(payload, salt)
         wire, model, urls = self.validate(api, payload, adapters)
         if urls and measured is None:
             return Parsed(None, None, urls)
@@ -392,10 +402,10 @@ def _start_process(config: GatewayConfig) -> None:  # pragma: no cover - runs in
 
 
 def _parse_file(api: Api, path: str, session: str | None, measured: Mapping[str, tuple[int, int]] | None,
-                adapters: Collection[str]) -> Parsed:  # pragma: no cover - ditto
+                adapters: Collection[str], salt: str | None) -> Parsed:  # pragma: no cover - ditto
     with open(path, "rb") as file:
         body = file.read()
-    return _PROCESS_PARSER[0].parse(api, body, session, measured, adapters)
+    return _PROCESS_PARSER[0].parse(api, body, session, measured, adapters, salt)
 
 
 class ParsePool:
@@ -418,16 +428,16 @@ class ParsePool:
         return self._executor
 
     async def parse(self, api: Api, body: Body, session: str | None, measure: Measure | None,
-                    adapters: Collection[str] = frozenset()) -> Parsed:
-        """`BodyParser.parse` in a parse process (`adapters`: the LoRA adapter names known now);
-        its GatewayErrors are raised here. With image URLs to measure, `measure(urls)` gives their
-        sizes and the body is parsed again with them."""
+                    adapters: Collection[str] = frozenset(), salt: str | None = None) -> Parsed:
+        """`BodyParser.parse` in a parse process (`adapters`: the LoRA adapter names known now;
+        `salt`: the `cache_salt` to set); its GatewayErrors are raised here. With image URLs to
+        measure, `measure(urls)` gives their sizes and the body is parsed again with them."""
         fd, path = tempfile.mkstemp(prefix="kimi-gateway-body-", dir=SPOOL_DIR)
         try:
             await asyncio.to_thread(_spool, fd, body)
-            parsed = await self._run(_parse_file, api, path, session, None, adapters)
+            parsed = await self._run(_parse_file, api, path, session, None, adapters, salt)
             if parsed.request is None and measure is not None:
-                parsed = await self._run(_parse_file, api, path, session, await measure(parsed.urls), adapters)
+                parsed = await self._run(_parse_file, api, path, session, await measure(parsed.urls), adapters, salt)
             return parsed
         finally:  # freeing a large file's pages takes a while: not on the event loop either
             try:
