@@ -36,6 +36,7 @@ from pydantic import ValidationError
 
 from gateway.affinity.hashing import PrefixHasher
 from gateway.auth.access import model_not_found_message
+from gateway.auth.cache_isolation import SALT_FIELD
 from gateway.backends.engine_kinds import ENGINES
 from gateway.backends.patches import ask_for_usage
 from gateway.config import GatewayConfig
@@ -207,6 +208,13 @@ def with_engine_output_limit(payload: Payload, tokens: int) -> Payload:
     return _with_member(payload, ENGINE_OUTPUT_FIELD, tokens)
 
 
+def with_salt(payload: dict[str, Any], salt: str | None) -> dict[str, Any]:
+    """A decoded body with its `cache_salt` set to `salt`, replacing the client's (None: as it is):
+    the gateway's per-key cache partition (gateway/auth/cache_isolation.py), set before validation
+    so the routing features hash the prompt under it."""
+    return payload if salt is None else {**payload, SALT_FIELD: salt}
+
+
 def _with_member(payload: Payload, name: str, value: Any) -> Payload:
     if isinstance(payload, ForwardBody):
         return payload.with_member(name, value)
@@ -291,11 +299,13 @@ class BodyParser:
 
     def parse(self, api: Api, body: bytes, session: str | None,
               measured: Mapping[str, tuple[int, int]] | None, adapters: Collection[str] = frozenset(),
-              allowed: Collection[str] | None = None) -> Parsed:
+              allowed: Collection[str] | None = None, salt: str | None = None) -> Parsed:
         """All of it, for a parse process: with image fetching on and URLs not yet `measured`, it
-        stops after validation and asks for them. Raises what `decode`, `validate` (`allowed`: the
-        key's models) and `fitting_pools` raise."""
+        stops after validation and asks for them; `salt` is set as the body's `cache_salt`
+        (`with_salt`). Raises what `decode`, `validate` (`allowed`: the key's models) and
+        `fitting_pools` raise."""
         payload, _ = self.decode(api, body)
+        payload = with_salt(payload, salt)
         wire, model, urls = self.validate(api, payload, adapters, allowed)
         if urls and measured is None:
             return Parsed(None, None, urls)
@@ -398,10 +408,11 @@ def _start_process(config: GatewayConfig) -> None:  # pragma: no cover - runs in
 
 
 def _parse_file(api: Api, path: str, session: str | None, measured: Mapping[str, tuple[int, int]] | None,
-                adapters: Collection[str], allowed: Collection[str] | None) -> Parsed:  # pragma: no cover - ditto
+                adapters: Collection[str], allowed: Collection[str] | None,
+                salt: str | None) -> Parsed:  # pragma: no cover - ditto
     with open(path, "rb") as file:
         body = file.read()
-    return _PROCESS_PARSER[0].parse(api, body, session, measured, adapters, allowed)
+    return _PROCESS_PARSER[0].parse(api, body, session, measured, adapters, allowed, salt)
 
 
 class ParsePool:
@@ -424,17 +435,19 @@ class ParsePool:
         return self._executor
 
     async def parse(self, api: Api, body: Body, session: str | None, measure: Measure | None,
-                    adapters: Collection[str] = frozenset(), allowed: Collection[str] | None = None) -> Parsed:
+                    adapters: Collection[str] = frozenset(), allowed: Collection[str] | None = None,
+                    salt: str | None = None) -> Parsed:
         """`BodyParser.parse` in a parse process (`adapters`: the LoRA adapter names known now;
-        `allowed`: the caller's key's models, None: all); its GatewayErrors are raised here. With
-        image URLs to measure, `measure(urls)` gives their sizes and the body is parsed again with them."""
+        `allowed`: the caller's key's models, None: all; `salt`: the `cache_salt` to set); its
+        GatewayErrors are raised here. With image URLs to measure, `measure(urls)` gives their sizes
+        and the body is parsed again with them."""
         fd, path = tempfile.mkstemp(prefix="kimi-gateway-body-", dir=SPOOL_DIR)
         try:
             await asyncio.to_thread(_spool, fd, body)
-            parsed = await self._run(_parse_file, api, path, session, None, adapters, allowed)
+            parsed = await self._run(_parse_file, api, path, session, None, adapters, allowed, salt)
             if parsed.request is None and measure is not None:
                 parsed = await self._run(_parse_file, api, path, session, await measure(parsed.urls), adapters,
-                                         allowed)
+                                         allowed, salt)
             return parsed
         finally:  # freeing a large file's pages takes a while: not on the event loop either
             try:

@@ -3,6 +3,8 @@ to two real vLLM engines, once per routing policy.
 
     .venv/bin/python -m loadtest.engine_hits          # 60 conversations; default, round_robin, prefix_affinity
     .venv/bin/python -m loadtest.engine_hits --conversations 8 --policies default,round_robin   # smaller
+    .venv/bin/python -m loadtest.engine_hits --policies default --tenants 8 --isolation off,per_key \
+        --system-tokens 1024 --max-prompt-tokens 2400      # what per-key cache isolation costs
 
 Needs the real vLLM CPU build (`scripts/install-vllm`) and its tiny models (`tests/real_vllm/engine.py`:
 `models_dir()`, the 2-layer Qwen2 `dense/` with a 4,096-token BPE vocabulary, served with a 4,096-token
@@ -33,6 +35,17 @@ over the answers (vLLM with `--enable-prompt-tokens-details`), and the deltas of
 Prometheus counters `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total` (tokens;
 `vllm/v1/metrics/loggers.py`). vLLM caches whole blocks (128 tokens on the CPU, `vllm/platforms/cpu.py`)
 and always computes a prompt's last token, so even a prompt seen before is not cached to its end.
+
+Tenants (`--tenants N`, `--isolation`): conversation i belongs to tenant i mod N, whose requests carry
+its own API key (the gateway then runs with auth on and one key per tenant); each `--isolation` value
+is a run of its own per policy: `off` (the engines' caches shared by every key, as without auth) or
+`per_key` (`auth.cache_isolation: per_key`: the gateway sets each key's `cache_salt` and keys its
+prefix-affinity records the same way, gateway/auth/cache_isolation.py). Every conversation's system
+prompt is the same text (the trace's block 0, shared by every request of the trace), `--system-tokens`
+long when given (else block 0 scaled, ~100 tokens: less than one 128-token vLLM block, so nothing is
+shared across conversations), so isolation costs what one tenant's conversations could have reused
+of another's: their common system prompt. "reachable (one engine)" counts each turn's own previous
+turn only, not that system prompt.
 """
 
 from __future__ import annotations
@@ -169,13 +182,14 @@ class Turn:
 
 
 def build_turns(conversation: int, chain: Sequence[TraceRequest], scale: float, texts: BookText,
-                max_output_tokens: int) -> list[Turn]:
+                max_output_tokens: int, system_tokens: int | None = None) -> list[Turn]:
     """A conversation's turns as growing message lists, token counts scaled by `scale`.
 
-    System: the text of block 0 (every request's first block); first user message: the rest of the
-    first prompt; turn k > 1 appends the assistant's answer to turn k - 1 (text of its trace output
-    length) and a user message of what the trace's prompt grew by beyond that answer (at least 8
-    tokens). Texts are keyed by trace block ids, answers by (conversation, turn)."""
+    System: the text of block 0 (every request's first block), of `system_tokens` tokens when given,
+    else of the block's scaled size; first user message: the rest of the first prompt; turn k > 1
+    appends the assistant's answer to turn k - 1 (text of its trace output length) and a user message
+    of what the trace's prompt grew by beyond that answer (at least 8 tokens). Texts are keyed by
+    trace block ids, answers by (conversation, turn)."""
 
     def size(tokens: float) -> int:
         return max(8, round(tokens * scale))
@@ -184,7 +198,8 @@ def build_turns(conversation: int, chain: Sequence[TraceRequest], scale: float, 
         return f"block-{row.hash_ids[block]}" if block < len(row.hash_ids) else f"user-{conversation}-{k}"
 
     first = chain[0]
-    messages = [{"role": "system", "content": texts.take(f"block-{first.hash_ids[0]}", size(TRACE_BLOCK_TOKENS))},
+    system = system_tokens if system_tokens is not None else size(TRACE_BLOCK_TOKENS)
+    messages = [{"role": "system", "content": texts.take(f"block-{first.hash_ids[0]}", system)},
                 {"role": "user",
                  "content": texts.take(key(first, 1, 0), size(first.input_length - TRACE_BLOCK_TOKENS))}]
     turns: list[Turn] = []
@@ -241,27 +256,56 @@ def reset_prefix_caches(urls: Sequence[str]) -> None:
 # --- the gateway -----------------------------------------------------------------------------------------
 
 
-def gateway_config(port: int, urls: Sequence[str], policy: str) -> dict[str, Any]:
+ISOLATIONS = ("off", "per_key")
+"""The `--isolation` values: `auth.cache_isolation` of the run's gateway."""
+
+
+def tenant_key(tenant: int) -> str:
+    """Tenant `tenant`'s API key (a loopback benchmark's, not a secret)."""
+    return f"sk-engine-hits-tenant-{tenant:04d}-" + "0" * 24
+
+
+def gateway_config(port: int, urls: Sequence[str], policy: str, tenants: int = 1,
+                   isolation: str = "off") -> dict[str, Any]:
     """One vLLM pool of `urls` (policy unset for `DEFAULT_POLICY`), in-process affinity store,
-    generous first-byte budget for a CPU engine, no drain delay."""
+    generous first-byte budget for a CPU engine, no drain delay; with several `tenants` or an
+    `isolation` other than `off`, auth on with one key per tenant (`tenant_key`, no limits) and
+    `auth.cache_isolation` = `isolation`."""
     pool: dict[str, Any] = {"name": POOL, "engine": "vllm", "workers": list(urls), "max_context_tokens": CONTEXT}
     if policy != DEFAULT_POLICY:
         pool["policy"] = policy
-    return {"host": "127.0.0.1", "port": port, "log_level": "warning", "pools": [pool],
-            "health": {"interval": 1.0, "timeout": 10.0}, "timeouts": {"first_byte_base": 120.0},
-            "shutdown": {"drain_delay": 0}}
+    config: dict[str, Any] = {"host": "127.0.0.1", "port": port, "log_level": "warning", "pools": [pool],
+                              "health": {"interval": 1.0, "timeout": 10.0}, "timeouts": {"first_byte_base": 120.0},
+                              "shutdown": {"drain_delay": 0}}
+    if tenants > 1 or isolation != "off":
+        keys = [{"name": f"tenant-{t}", "sha256": hashlib.sha256(tenant_key(t).encode()).hexdigest(),
+                 "scopes": ["user", "admin"]} for t in range(tenants)]  # admin: the readiness check's /admin/workers
+        config["auth"] = {"enabled": True, "cache_isolation": isolation, "keys": keys}
+    return config
 
 
-def start_gateway(group: ProcessGroup, urls: Sequence[str], policy: str) -> str:
-    """Start `kimi-gateway serve` for `policy`; its base URL once every engine is healthy there."""
+def start_gateway(group: ProcessGroup, urls: Sequence[str], policy: str, tenants: int = 1,
+                  isolation: str = "off") -> str:
+    """Start `kimi-gateway serve` for `policy` (`gateway_config`); its base URL once every engine is
+    healthy there."""
     port = free_port()
-    path = group.log_dir / f"gateway-{policy}.yaml"
-    path.write_text(yaml.safe_dump(gateway_config(port, urls, policy)), encoding="utf-8")
+    name = policy if tenants == 1 and isolation == "off" else f"{policy}-{tenants}-{isolation}"
+    path = group.log_dir / f"gateway-{name}.yaml"
+    path.write_text(yaml.safe_dump(gateway_config(port, urls, policy, tenants, isolation)), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KIMI_GATEWAY_")}
-    proc = group.spawn(f"gateway-{policy}", [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)], env=env)
+    proc = group.spawn(f"gateway-{name}", [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)], env=env)
     base = f"http://127.0.0.1:{port}"
-    proc.wait_http(base + "/admin/workers", WAIT_S, accept=lambda r: sum(
-        w["healthy"] for w in r.json()["pools"][0]["workers"]) == len(urls))
+    headers = {"Authorization": f"Bearer {tenant_key(0)}"}  # an admin key when auth is on, ignored when off
+
+    def ready() -> bool:
+        try:
+            answer = httpx.get(base + "/admin/workers", headers=headers, timeout=2.0, trust_env=False)
+        except httpx.HTTPError:
+            return False
+        healthy = answer.status_code == 200 and sum(w["healthy"] for w in answer.json()["pools"][0]["workers"])
+        return healthy == len(urls)
+
+    proc.wait_until(ready, WAIT_S, f"ready at {base}")
     return base
 
 
@@ -274,6 +318,8 @@ class PolicyRun:
     the last answer; `per_engine`: requests each engine served (by the gateway's worker header)."""
 
     policy: str
+    tenants: int = 1
+    isolation: str = "off"
     sent: int = 0
     ok: int = 0
     prompt_tokens: int = 0
@@ -304,45 +350,51 @@ def chat_body(turn: Turn) -> bytes:
                          "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
 
 
-async def replay(base: str, conversations_turns: Sequence[list[Turn]], concurrency: int) -> tuple[
-        list[RequestResult], float]:
-    """Send every conversation's turns in order, `concurrency` conversations at once; the results and
-    the wall time (s). A failed turn ends its conversation (the next would not extend a cached prompt)."""
+async def replay(base: str, conversations_turns: Sequence[list[Turn]], concurrency: int,
+                 tenants: int = 1) -> tuple[list[RequestResult], float]:
+    """Send every conversation's turns in order, `concurrency` conversations at once, conversation i
+    with tenant i mod `tenants`'s key (`tenant_key`; no key with one tenant); the results and the
+    wall time (s). A failed turn ends its conversation (the next would not extend a cached prompt)."""
     url = base + "/v1/chat/completions"
     queue = list(reversed(conversations_turns))
     results: list[RequestResult] = []
     timeout = httpx.Timeout(connect=10.0, read=WAIT_S, write=30.0, pool=None)
 
-    async def worker(client: httpx.AsyncClient, t0: float) -> None:
+    async def worker(clients: Sequence[httpx.AsyncClient], t0: float) -> None:
         while queue:
             for turn in queue.pop():
                 result = RequestResult(len(results), 0.0, f"hits-{turn.conversation}-{turn.turn}")
                 results.append(result)
-                await send_one(client, url, chat_body(turn), result, t0)
+                await send_one(clients[turn.conversation % len(clients)], url, chat_body(turn), result, t0)
                 if not result.ok:
                     break
 
-    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+    keys = [{"Authorization": f"Bearer {tenant_key(t)}"} for t in range(tenants)] if tenants > 1 else [{}]
+    clients = [httpx.AsyncClient(timeout=timeout, trust_env=False, headers=headers) for headers in keys]
+    try:
         t0 = time.monotonic()
-        await asyncio.gather(*(worker(client, t0) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(clients, t0) for _ in range(concurrency)))
         return results, time.monotonic() - t0
+    finally:
+        for client in clients:
+            await client.aclose()
 
 
 def run_policy(group: ProcessGroup, urls: Sequence[str], policy: str, turns: Sequence[list[Turn]],
-               concurrency: int) -> PolicyRun:
-    """Cold caches, a fresh gateway for `policy`, the replay, the engines' counters; the gateway is
-    stopped afterwards."""
+               concurrency: int, tenants: int = 1, isolation: str = "off") -> PolicyRun:
+    """Cold caches, a fresh gateway for `policy` (with `tenants` keys and `isolation`), the replay,
+    the engines' counters; the gateway is stopped afterwards."""
     wait_idle(urls)
     reset_prefix_caches(urls)
     before = [engine_counters(url) for url in urls]
-    base = start_gateway(group, urls, policy)
+    base = start_gateway(group, urls, policy, tenants, isolation)
     try:
-        results, wall = asyncio.run(replay(base, turns, concurrency))
+        results, wall = asyncio.run(replay(base, turns, concurrency, tenants))
     finally:
         group.close()
     wait_idle(urls)
     after = [engine_counters(url) for url in urls]
-    run = PolicyRun(policy, sent=len(results), wall_s=wall)
+    run = PolicyRun(policy, tenants, isolation, sent=len(results), wall_s=wall)
     served = Counter(r.worker for r in results if r.ok)  # the gateway's worker ids: pool/index
     run.per_engine = [served.get(f"{POOL}/{i}", 0) for i in range(len(urls))]
     prompts = {r.request_id: r.prompt_tokens or 0 for r in results if r.ok}
@@ -363,16 +415,22 @@ def run_policy(group: ProcessGroup, urls: Sequence[str], policy: str, turns: Seq
 
 
 def table(runs: Sequence[PolicyRun]) -> str:
-    """The markdown table of the runs, one row per policy."""
+    """The markdown table of the runs, one row per run (per policy; with tenants, per policy and
+    isolation, in two more columns)."""
 
     def ratio(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.3f}"
 
-    lines = ["| policy | hit ratio (usage) | hit ratio (engine metrics) | reachable (one engine) | requests ok/sent | "
+    tenanted = any(run.tenants > 1 or run.isolation != "off" for run in runs)
+    head = "| policy | tenants | cache isolation " if tenanted else "| policy "
+    lines = [head + "| hit ratio (usage) | hit ratio (engine metrics) | reachable (one engine) | requests ok/sent | "
              "prompt tokens | cached tokens | engine hits / queries | requests per engine | longest prompt | wall s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+             "| --- " + ("| ---: | --- " if tenanted else "")
+             + "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for run in runs:
         name = "default (ttft_cost)" if run.policy == DEFAULT_POLICY else run.policy
+        if tenanted:
+            name += f" | {run.tenants} | {run.isolation}"
         lines.append(f"| {name} | {ratio(run.usage_ratio)} | {ratio(run.engine_ratio)} | "
                      f"{ratio(run.reachable_ratio)} | {run.ok}/{run.sent} | "
                      f"{run.prompt_tokens:,} | {run.cached_tokens:,} | {run.engine_hits:,.0f} / "
@@ -395,6 +453,9 @@ class Options:
     max_prompt_tokens: int = 3_300
     max_output_tokens: int = 16
     trace: Path = DEFAULT_TRACE
+    tenants: int = 1
+    isolations: tuple[str, ...] = ("off",)
+    system_tokens: int | None = None
 
 
 def workload(opts: Options) -> list[list[Turn]]:
@@ -402,20 +463,24 @@ def workload(opts: Options) -> list[list[Turn]]:
     chains = pick(conversations(read_trace(opts.trace)), opts.conversations, opts.seed, opts.min_turns,
                   opts.max_turns, opts.max_trace_tokens)
     scale, texts = opts.max_prompt_tokens / opts.max_trace_tokens, BookText()
-    return [build_turns(i, chain, scale, texts, opts.max_output_tokens) for i, chain in enumerate(chains)]
+    return [build_turns(i, chain, scale, texts, opts.max_output_tokens, opts.system_tokens)
+            for i, chain in enumerate(chains)]
 
 
 def run_benchmark(opts: Options, engine_urls: Sequence[str], log_dir: Path) -> list[PolicyRun]:
-    """Every policy over the same conversations against running engines (started with
-    `VLLM_SERVER_DEV_MODE=1` and `--enable-prompt-tokens-details`); one `PolicyRun` each, in order."""
+    """Every policy, under every isolation, over the same conversations against running engines
+    (started with `VLLM_SERVER_DEV_MODE=1` and `--enable-prompt-tokens-details`); one `PolicyRun`
+    each, in order (policies, then isolations)."""
     turns = workload(opts)
     for url in engine_urls:  # first requests of an engine pay one-time costs: not in any policy's figures
         httpx.post(url + "/v1/chat/completions", timeout=WAIT_S, trust_env=False, json={
             "model": MODEL, "messages": [{"role": "user", "content": "The river"}], "max_tokens": 4}).raise_for_status()
     runs = []
     for policy in opts.policies:
-        with ProcessGroup(log_dir / policy) as group:
-            runs.append(run_policy(group, engine_urls, policy, turns, opts.concurrency))
+        for isolation in opts.isolations:
+            name = policy if len(opts.isolations) == 1 else f"{policy}-{isolation}"
+            with ProcessGroup(log_dir / name) as group:
+                runs.append(run_policy(group, engine_urls, policy, turns, opts.concurrency, opts.tenants, isolation))
     return runs
 
 
@@ -453,12 +518,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
     parser.add_argument("--max-output-tokens", type=int, default=defaults.max_output_tokens)
     parser.add_argument("--trace", type=Path, default=defaults.trace)
+    parser.add_argument("--tenants", type=int, default=defaults.tenants,
+                        help="API keys; conversation i is tenant i mod N's (more than 1: auth on)")
+    parser.add_argument("--isolation", default=",".join(defaults.isolations),
+                        help=f"comma-separated auth.cache_isolation values, a run each: {', '.join(ISOLATIONS)}")
+    parser.add_argument("--system-tokens", type=int, default=defaults.system_tokens,
+                        help="tokens of the system prompt every conversation shares (default: the trace's block 0 "
+                             "scaled)")
     args = parser.parse_args(argv)
+    isolations = tuple(i.strip() for i in args.isolation.split(",") if i.strip())
+    if not isolations or any(i not in ISOLATIONS for i in isolations) or args.tenants < 1:
+        raise SystemExit(f"--isolation takes {', '.join(ISOLATIONS)}; --tenants at least 1")
     opts = Options(args.conversations, tuple(p.strip() for p in args.policies.split(",") if p.strip()), args.seed,
                    args.concurrency, args.min_turns, args.max_turns, args.max_trace_tokens, args.max_prompt_tokens,
-                   args.max_output_tokens, args.trace)
-    if opts.max_prompt_tokens + opts.max_output_tokens > CONTEXT - 256:
-        raise SystemExit(f"--max-prompt-tokens + --max-output-tokens must leave room in the {CONTEXT}-token context")
+                   args.max_output_tokens, args.trace, args.tenants, isolations, args.system_tokens)
+    scale = opts.max_prompt_tokens / opts.max_trace_tokens
+    system_growth = max(0, (opts.system_tokens or 0) - round(TRACE_BLOCK_TOKENS * scale))
+    if opts.max_prompt_tokens + system_growth + opts.max_output_tokens > CONTEXT - 256:
+        raise SystemExit(f"--max-prompt-tokens (+ --system-tokens beyond the scaled block 0) + --max-output-tokens "
+                         f"must leave room in the {CONTEXT}-token context")
     turns = workload(opts)
     print(f"{len(turns)} conversations, {sum(map(len, turns))} turns; starting two vLLM engines...", flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="engine-hits-"))

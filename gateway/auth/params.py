@@ -64,6 +64,10 @@ class ApiKeyConfig(Section):
         default_factory=dict, description="per model or LoRA adapter (as in `models`): limits on top of the key's "
         "own; both apply",
     )
+    cache_group: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="with `auth.cache_isolation: per_key`: keys "
+        "naming the same group share one prefix-cache partition (one tenant's keys); None: the key's own",
+    )
 
     @property
     def count_tokens_limit(self) -> int | None:
@@ -110,6 +114,11 @@ class AuthConfig(Section):
         default=False, description="label per-key metrics on the open /metrics with the key's name; off: with its "
         "id, the first 12 hex digits of its sha256, which does not reveal who holds it",
     )
+    cache_isolation: Literal["off", "per_key"] = Field(
+        default="off", description="per_key: the gateway sets the engines' `cache_salt` per key (or `cache_group`), "
+        "replacing a client's, so no key's requests reuse, or learn about, another's cached prompts "
+        "(gateway/auth/cache_isolation.py); off: a client's own `cache_salt` is forwarded",
+    )
 
     @model_validator(mode="after")
     def _check_keys(self) -> AuthConfig:
@@ -120,4 +129,9 @@ class AuthConfig(Section):
             raise ValueError(f"key names must be unique, got {names}")
         if len({k.sha256 for k in self.keys}) != len(self.keys):
             raise ValueError("two keys have the same sha256")
+        if self.cache_isolation != "off" and not self.enabled:
+            raise ValueError("auth.cache_isolation partitions the cache by API key: it needs auth.enabled")
+        grouped = [k.name for k in self.keys if k.cache_group is not None]
+        if grouped and self.cache_isolation == "off":
+            raise ValueError(f"auth.keys {grouped} set cache_group, which only auth.cache_isolation: per_key uses")
         return self

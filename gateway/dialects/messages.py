@@ -26,13 +26,14 @@ from gateway.errors import GatewayError, upstream_error_object
 from gateway.protocol.anthropic import (
     CountTokensRequest,
     MessagesRequest,
+    attribution_text,
     error_body,
     portable_blocks,
     sse_error,
     to_chat,
 )
 from gateway.protocol.openai import ChatCompletionRequest
-from gateway.routing.features import RoutingRequest
+from gateway.routing.features import CACHE_PARTITION_FIELDS, RoutingRequest
 from gateway.routing.tokens import TokenEstimator
 
 OVERLOADED_STATUS = 529
@@ -54,8 +55,9 @@ class AnthropicWire:
 
     api: Api
     chat: ChatCompletionRequest
-
-
+    attribution: str = ""
+    """Claude Code's attribution lines (`protocol.anthropic.attribution_text`): out of `chat`, as
+    vLLM's prompt leaves them out, so they are not hashed; counted, as SGLang and llama.cpp prefill them."""
 
 
 def messages_features(wire: AnthropicWire, model: str, estimator: TokenEstimator,
@@ -64,11 +66,14 @@ def messages_features(wire: AnthropicWire, model: str, estimator: TokenEstimator
     """Features of an Anthropic Messages request: exactly those of the equivalent chat request
     (`chat_features` of `wire.chat`: the same token estimate, images, template overhead and prefix
     hashes, so a conversation moving between the two APIs keeps its prefix blocks), with its own
-    `api`. `max_tokens` is the output reservation; the stream always carries usage (Anthropic's
+    `api`, and Claude Code's attribution lines (`AnthropicWire.attribution`) added to the estimate
+    but not to the hashes. `max_tokens` is the output reservation; the stream always carries usage (Anthropic's
     `message_start` / `message_delta`), so no usage patch. A count_tokens request generates
     nothing and is charged no tokens: output 0, quota 0 (Anthropic rate-limits it by requests).
     Raises InvalidRequest as `chat_features`."""
     request = chat_features(wire.chat, model, estimator, hasher, session_key, measured)
+    if wire.attribution:
+        request = replace(request, prompt_tokens=request.prompt_tokens + estimator.text_tokens(wire.attribution))
     if wire.api == COUNT_TOKENS:
         return replace(request, api=COUNT_TOKENS, output_tokens=0, stream=False, include_usage=True,
                        batch_prompt_tokens=0)
@@ -90,10 +95,16 @@ class MessagesDialect(Dialect[AnthropicWire]):
 
     def validate(self, payload: dict[str, Any]) -> AnthropicWire:
         """The Anthropic wire model, as its chat twin (search results and text documents made text
-        first, for every engine: `portable_blocks`). Raises ValidationError."""
+        first, for every engine: `portable_blocks`), with the body's cache partition fields
+        (`CACHE_PARTITION_FIELDS`: vLLM's Messages layer reads `cache_salt`, 0.32.0
+        `vllm/entrypoints/anthropic/protocol.py` and `serving.py`), so its prefix hashes are
+        partitioned as the chat request's. Raises ValidationError."""
         portable_blocks(payload)
         anthropic = self.wire_model.model_validate(payload)
-        return AnthropicWire(self.api, ChatCompletionRequest.model_validate(to_chat(anthropic)))
+        chat = to_chat(anthropic)
+        extra = anthropic.model_extra or {}
+        chat.update((name, extra[name]) for name in CACHE_PARTITION_FIELDS if name in extra)
+        return AnthropicWire(self.api, ChatCompletionRequest.model_validate(chat), attribution_text(anthropic))
 
     def model_of(self, wire: AnthropicWire) -> str:
         """The chat twin's `model`."""

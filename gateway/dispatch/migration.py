@@ -71,7 +71,7 @@ from gateway.dispatch.pd.attempt import PdAttempt
 from gateway.dispatch.pd.deferred import DeferredStream
 from gateway.dispatch.steps import decide
 from gateway.protocol.anthropic import STOP_REASONS, continuation_chat, message_end_events, sse_error, text_delta_event
-from gateway.routing.features import RoutingRequest
+from gateway.routing.features import CACHE_PARTITION_FIELDS, RoutingRequest
 from gateway.state import AppState
 from gateway.streaming import AttemptFailed, Continuing, Outcome, UpstreamStream
 
@@ -547,6 +547,8 @@ class Migration:
         if self._api != MESSAGES:
             return self._api, continuation_body(self._api, self._parsed, self.progress, model)
         chat = {**continuation_chat(self._parsed), "stream": True, "stream_options": {"include_usage": True}}
+        # Its cache partition (a salt the gateway set per key, `gateway/auth/cache_isolation.py`) too.
+        chat.update((name, self._parsed[name]) for name in CACHE_PARTITION_FIELDS if name in self._parsed)
         return CHAT, continuation_body(CHAT, chat, self.progress, model)
 
     def seam(self) -> bytes:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from gateway.affinity.hashing import longest_match, session_hash
 from gateway.affinity.response_store import ResponseOwner
 from gateway.auth.access import model_not_found_message
+from gateway.auth.cache_isolation import SALTED_APIS, salts
 from gateway.auth.keys import Principal
 from gateway.auth.standing import RateLimitStanding
 from gateway.backends.pool_params import PoolConfig
@@ -36,7 +37,7 @@ from gateway.dispatch.migration import OPT_OUT_HEADER
 from gateway.dispatch.migration import attach as attach_migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound, ModelNotPermitted
-from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
+from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit, with_salt
 from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, output_room, skipped_pools
 from gateway.routing.response_affinity import follow_up_of
@@ -61,6 +62,7 @@ class ProxyService:
         self.state = state
         config = state.config
         self._parser = BodyParser(config, state.estimator, state.hasher)
+        self._salts = (config.auth, salts(config.auth))
 
     @property
     def parser(self) -> BodyParser:
@@ -69,13 +71,25 @@ class ProxyService:
             self._parser = BodyParser(self.state.config, self.state.estimator, self.state.hasher)
         return self._parser
 
+    def salt_of(self, api: Api, principal: Principal | None) -> str | None:
+        """The `cache_salt` the gateway sets for `principal`'s request on `api` (`auth.cache_isolation`,
+        gateway/auth/cache_isolation.py); None: the body's own (isolation off, no key, an API whose
+        engines cache nothing reusable)."""
+        auth = self.state.config.auth
+        if self._salts[0] is not auth:  # a reload
+            self._salts = (auth, salts(auth))
+        if principal is None or api not in SALTED_APIS:
+            return None
+        return self._salts[1].get(principal.name)
+
     async def parse(self, api: Api, body: Body, headers: Mapping[str, str],
-                    allowed: Collection[str] | None = None) -> tuple[Payload, RoutingRequest]:
+                    allowed: Collection[str] | None = None, salt: str | None = None) -> tuple[Payload, RoutingRequest]:
         """Validate the body and build its routing features. Raises InvalidRequest, ModelNotFound,
         ContextLengthExceeded (also from a cheap lower bound of its tokens, before validation), and
         ModelNotPermitted for a model not in `allowed` (the key's models; None: all), as soon as
         the model is known: before its tokens are estimated or its image URLs fetched
-        (`BodyParser.validate`).
+        (`BodyParser.validate`). With `salt`, the body's `cache_salt` is set to it (`salt_of`)
+        before it is validated, so the prefix hashes and the engine's cache are partitioned alike.
 
         A body over `parse_offload_bytes`, or with more than `parse_offload_items` items, is parsed
         in a parse process (`gateway/parsing.py`), so the event loop keeps serving meanwhile; its
@@ -88,12 +102,13 @@ class ProxyService:
         if isinstance(body, bytes) and len(body) <= state.config.parse_offload_bytes:
             payload, items = parser.decode(api, body)
             if items <= state.config.parse_offload_items:
+                payload = with_salt(payload, salt)
                 wire, model, urls = parser.validate(api, payload, state.registry.adapter_names(), allowed)
                 measured = await state.images.measure(urls) if state.images is not None and urls else None
                 return payload, parser.features(wire, model, session, measured)
         parsed = await state.parse_pool.parse(api, body, session,
                                               state.images.measure if state.images is not None else None,
-                                              state.registry.adapter_names(), allowed)
+                                              state.registry.adapter_names(), allowed, salt)
         assert parsed.request is not None and parsed.forward is not None
         return parsed.forward, parsed.request
 
@@ -131,7 +146,8 @@ class ProxyService:
             standing = RateLimitStanding(dialect.rate_limit_headers)
             counted = await guard.count_request(principal, standing)  # before any parsing, measuring or image fetch
         try:
-            payload, request = await self.parse(api, body, headers, principal.models if principal is not None else None)
+            payload, request = await self.parse(api, body, headers, principal.models if principal is not None else None,
+                                                self.salt_of(api, principal))
         except ModelNotPermitted as refused:
             if guard is not None:
                 guard.refused_model()

@@ -23,8 +23,10 @@ with images as parts), an assistant turn's `tool_use` blocks become its `tool_ca
 as Python's `json.dumps` writes them, as both engines do), images become `image_url` parts (a
 base64 source as a `data:` URI), one text block a plain string turn; `thinking` text is kept as
 `reasoning_content` (chat templates drop it from earlier turns, so it is neither hashed nor
-counted). A conversation that alternates between Messages and Chat therefore hashes the same
-prefix blocks wherever the engine sees the same prompt.
+counted); Claude Code's attribution blocks are left out, as vLLM leaves them out of the prompt
+(`ATTRIBUTION_PREFIX`; `attribution_text` is what the estimate still counts). A conversation that
+alternates between Messages and Chat therefore hashes the same prefix blocks wherever the engine
+sees the same prompt.
 """
 
 from __future__ import annotations
@@ -213,11 +215,51 @@ def _image_part(block: ImageBlock) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+ATTRIBUTION_PREFIX = "x-anthropic-billing-header"
+"""How Claude Code's attribution line begins: the first `system` text block of each of its requests,
+`x-anthropic-billing-header: cc_version=<version>.<fingerprint>; cc_entrypoint=<entrypoint>;` and
+more fields towards Anthropic's own API, where the fingerprint is 3 hex digits of a SHA-256 over
+characters of the session's first user message (so it differs between sessions, and towards
+Anthropic a `cch=` field per request). vLLM leaves every system text block that starts with it out
+of the prompt, in the top-level `system` and in `system` turns (`_convert_system_message` and
+`_extract_system_text` in `vllm/entrypoints/anthropic/serving.py`, 0.32.0), so its prefix cache
+serves one Claude Code session's system prompt and tools to the next; SGLang keeps it
+(`python/sglang/srt/entrypoints/anthropic/request_conversion.py` joins every system text block) and
+llama.cpp keeps it with `cch` overwritten (`normalize_anthropic_billing_header` in
+`tools/server/server-chat.cpp`)."""
+
+
+def is_attribution(text: str) -> bool:
+    """Whether a system text is Claude Code's attribution line (`ATTRIBUTION_PREFIX`), which vLLM's
+    prompt leaves out."""
+    return text.startswith(ATTRIBUTION_PREFIX)
+
+
 def _system_message(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
+    """The leading system message: a string as it is (vLLM keeps even an attribution string), text
+    blocks joined by newlines but the attribution blocks, which vLLM leaves out (`is_attribution`)."""
     if system is None:
         return []
-    text = system if isinstance(system, str) else "\n".join(block.text for block in system)
+    text = system if isinstance(system, str) else "\n".join(
+        block.text for block in system if not is_attribution(block.text))
     return [{"role": "system", "content": text}] if text else []
+
+
+def attribution_text(request: CountTokensRequest) -> str:
+    """The attribution blocks (`is_attribution`) of a request's top-level `system` and `system`
+    turns, joined by newlines: what `to_chat` leaves out of the canonical conversation, as vLLM
+    leaves it out of the prompt, but SGLang and llama.cpp prefill (so it is still counted)."""
+    texts: list[str] = []
+    if isinstance(request.system, list):
+        texts.extend(block.text for block in request.system if is_attribution(block.text))
+    for turn in request.messages:
+        if turn.role != "system":
+            continue
+        if isinstance(turn.content, str):
+            texts.extend([turn.content] if is_attribution(turn.content) else [])
+        else:
+            texts.extend(b.text for b in turn.content if isinstance(b, TextBlock) and is_attribution(b.text))
+    return "\n".join(texts)
 
 
 # Roles read as themselves in the canonical conversation; another role (forwarded unchanged) is read
@@ -233,6 +275,13 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
     for turn in request.messages:
         content = turn.content
         role = turn.role if turn.role in _CANONICAL_ROLES else "user"
+        if role == "system":  # vLLM leaves attribution text out of system turns too
+            if isinstance(content, str) and is_attribution(content):
+                continue
+            if isinstance(content, list):
+                content = [b for b in content if not (isinstance(b, TextBlock) and is_attribution(b.text))]
+                if not content:
+                    continue
         if isinstance(content, str):
             messages.append({"role": role, "content": content})
             continue

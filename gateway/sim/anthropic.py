@@ -49,7 +49,10 @@ from typing import Any
 
 import orjson
 
-from gateway.protocol.anthropic import STOP_REASONS  # the engines' finish-to-stop-reason map, shared
+from gateway.protocol.anthropic import (  # shared with the gateway: the engines' own constants
+    ATTRIBUTION_PREFIX,
+    STOP_REASONS,
+)
 from gateway.sim.config import MessagesUsage
 from gateway.sim.tokens import FieldValidationError, PromptError
 
@@ -112,7 +115,10 @@ def chat_messages(body: dict[str, Any], sglang: bool = False) -> list[dict[str, 
     system message after others, else merge it into the leading system message: the simulator has
     no template, so it keeps it). Raises FieldValidationError for what `check_shapes` refuses
     (llama.cpp, which passes every role on and drops unknown blocks, is not simulated: tests/e2e
-    runs the real one), PromptError for a malformed `system` or `messages`. SGLang makes a `tool_result`
+    runs the real one), PromptError for a malformed `system` or `messages`. vLLM leaves Claude Code's
+    attribution text blocks (`ATTRIBUTION_PREFIX`) out of the top-level `system` and of `system`
+    turns (`_convert_system_message` and `_extract_system_text` in `vllm/entrypoints/anthropic/serving.py`,
+    0.32.0: a top-level `system` string keeps it); SGLang keeps them. SGLang makes a `tool_result`
     outside a user turn a text part "Tool result: ..." of that turn
     (python/sglang/srt/entrypoints/anthropic/serving.py `_convert_to_chat_completion_request`)."""
     system = body.get("system")
@@ -124,6 +130,8 @@ def chat_messages(body: dict[str, Any], sglang: bool = False) -> list[dict[str, 
         texts: list[Any] = [b.get("text") for b in system if isinstance(b, dict) and b.get("type") == "text"]
         if not all(isinstance(t, str) for t in texts):
             raise PromptError("system: text blocks need a string 'text'")
+        if not sglang:
+            texts = [t for t in texts if not t.startswith(ATTRIBUTION_PREFIX)]
         if texts:
             out.append({"role": "system", "content": "\n".join(texts)})
     elif system is not None:
@@ -136,6 +144,14 @@ def chat_messages(body: dict[str, Any], sglang: bool = False) -> list[dict[str, 
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or not turn["role"]:
             raise PromptError("each message needs a role")
         content = turn.get("content")
+        if turn["role"] == "system" and not sglang:  # vLLM: attribution text out of system turns too
+            if isinstance(content, str) and content.startswith(ATTRIBUTION_PREFIX):
+                continue
+            if isinstance(content, list):
+                content = [b for b in content if not (isinstance(b, dict) and b.get("type") == "text" and
+                                                      str(b.get("text") or "").startswith(ATTRIBUTION_PREFIX))]
+                if not content:
+                    continue
         if isinstance(content, str):
             out.append({"role": turn["role"], "content": content})
             continue

@@ -397,7 +397,7 @@ async def _serve(engine: SimWorkerState, kind: r.Kind, body: Any, record: SimReq
                                                                   stream and anthropic is None))
             return
     try:
-        keys = engine.prompt_keys(kind, body, plan.prompt_tokens, engine.cache_partition(body))
+        keys = engine.prompt_keys(kind, body, plan.prompt_tokens, engine.cache_partition(body, anthropic is not None))
         plan = replace(plan, keys=tuple(keys))
         if engine.pd is not None:
             leg = PdLeg.start(engine, record, kind, body, len(plan.prompt_tokens), scope)

@@ -310,9 +310,13 @@ class SimWorkerState:
 
     # --- prefix cache and latency model ------------------------------------------------------
 
-    def cache_partition(self, body: dict[str, Any]) -> str | None:
+    def cache_partition(self, body: dict[str, Any], messages: bool = False) -> str | None:
         """What keeps a request's prefix-cache entries apart from other requests' with the same
-        model and prompt, as this engine reads it from the body (None: nothing).
+        model and prompt, as this engine reads it from the body (None: nothing); `messages`: an
+        Anthropic Messages body, which SGLang's Messages layer turns into a chat request without
+        either field (`convert_anthropic_to_openai_request` in
+        `python/sglang/srt/entrypoints/anthropic/request_conversion.py`), while vLLM's reads
+        `cache_salt` there too (0.32.0 `vllm/entrypoints/anthropic/protocol.py`).
 
         vLLM family: `cache_salt` (chat, completions, Responses; a non-empty string, which their
         `protocol.py` requires), mixed into the first block's hash by `generate_block_hash_extra_keys`
@@ -322,6 +326,8 @@ class SimWorkerState:
         `python/sglang/srt/entrypoints/openai/serving_base.py`), the `extra_key` its radix cache
         matches on beside the tokens. A field that is not a non-empty string counts as absent.
         """
+        if messages and self.config.engine == "sglang":
+            return None
         names = ("cache_salt", "extra_key") if self.config.engine == "sglang" else ("cache_salt",)
         parts = [value for name in names if isinstance(value := body.get(name), str) and value]
         return "".join(parts) if parts else None

@@ -7,7 +7,20 @@ import itertools
 
 import pytest
 
-from loadtest.engine_hits import BookText, build_turns, conversations, pick
+from gateway.auth.cache_isolation import salts
+from gateway.auth.keys import KeyRing
+from gateway.config import parse_config
+from loadtest.engine_hits import (
+    DEFAULT_POLICY,
+    BookText,
+    PolicyRun,
+    build_turns,
+    conversations,
+    gateway_config,
+    pick,
+    table,
+    tenant_key,
+)
 from loadtest.trace import TraceRequest
 from tests.support import SHARED_DATA
 
@@ -52,3 +65,30 @@ def test_each_turn_repeats_the_previous_turns_messages_and_adds_an_answer_and_a_
     # Another conversation with the same system block shares the system prompt and nothing else.
     other = build_turns(8, [row(9, 1500, (0, 11, 12), 300)], 0.5, texts, 16)[0]
     assert other.messages[0] == turns[0].messages[0] and other.messages[1] != turns[0].messages[1]
+
+
+def test_a_longer_shared_system_prompt_is_the_same_text_in_every_conversation() -> None:
+    texts = BookText(SHARED_DATA / "text" / "books")
+    one = build_turns(1, [row(0, 1500, (0, 1, 2), 300)], 0.5, texts, 16, system_tokens=1024)[0]
+    two = build_turns(2, [row(9, 1500, (0, 11, 12), 300)], 0.5, texts, 16, system_tokens=1024)[0]
+    assert one.messages[0] == two.messages[0] and one.messages[1] != two.messages[1]
+    assert 3000 < len(one.messages[0]["content"]) < 4000  # about 3.45 characters a token
+
+
+def test_tenants_get_a_key_each_and_the_isolation_asked_for() -> None:
+    plain = parse_config(gateway_config(8000, ["http://127.0.0.1:9"], DEFAULT_POLICY), environ={})
+    assert not plain.auth.enabled
+    isolated = parse_config(gateway_config(8000, ["http://127.0.0.1:9"], DEFAULT_POLICY, 4, "per_key"), environ={})
+    assert isolated.auth.enabled and isolated.auth.cache_isolation == "per_key"
+    assert KeyRing(isolated.auth.keys).lookup(tenant_key(3)) is not None
+    assert len(salts(isolated.auth)) == 4 and len(set(salts(isolated.auth).values())) == 4
+    shared = parse_config(gateway_config(8000, ["http://127.0.0.1:9"], "round_robin", 4, "off"), environ={})
+    assert shared.auth.enabled and salts(shared.auth) == {}
+
+
+def test_the_table_names_tenants_and_isolation_only_when_there_are_any() -> None:
+    assert "isolation" not in table([PolicyRun(DEFAULT_POLICY)])
+    rows = table([PolicyRun(DEFAULT_POLICY, 8, "off"), PolicyRun(DEFAULT_POLICY, 8, "per_key")]).splitlines()
+    assert rows[0].startswith("| policy | tenants | cache isolation |")
+    assert rows[3].startswith("| default (ttft_cost) | 8 | per_key |")
+    assert len({row.count("|") for row in rows}) == 1
