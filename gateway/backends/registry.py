@@ -161,11 +161,15 @@ class WorkerRegistry:
         return names
 
     def serves_adapter(self, pool: str, adapter: str) -> bool:
-        """Whether `pool` declares LoRA `adapter` (or loads it on demand) or one of its workers listed
-        it last."""
+        """Whether `pool` declares LoRA `adapter` (or loads it on demand), or one of its workers listed
+        it last and no pool configures it. Ownership is the configuration's: an adapter some pool
+        declares is served by those pools only, so a worker elsewhere listing the same name (another
+        tenant's engine, a copy under that name) never takes its requests."""
         config = self._configs.get(pool)
-        if config is not None and (adapter in config.lora_adapters or config.adapter_path(adapter) is not None):
+        if config is not None and _configures(config, adapter):
             return True
+        if any(_configures(other, adapter) for other in self._configs.values()):
+            return False
         return any(w.adapters is not None and adapter in w.adapters for w in self.pools.get(pool, ()))
 
     # --- membership: discovery and reload ------------------------------------------------------
@@ -405,3 +409,8 @@ def _roles(pool: PoolConfig) -> dict[str, tuple[str, int | None]] | None:
 def _pool_roles(workers: Sequence[Worker]) -> set[str | None]:
     """The roles a pool's workers have ({None} for an aggregated pool, and for an empty one)."""
     return {w.role for w in workers} or {None}
+
+
+def _configures(pool: PoolConfig, adapter: str) -> bool:
+    """Whether `pool` declares LoRA `adapter` (`lora_adapters`) or loads it on demand (`lora_on_demand`)."""
+    return adapter in pool.lora_adapters or pool.adapter_path(adapter) is not None
