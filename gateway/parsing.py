@@ -45,6 +45,7 @@ from gateway.dialects.messages import AnthropicWire
 from gateway.dialects.names import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES, SCORE, Api
 from gateway.dialects.registry import DIALECTS, dialect_for
 from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, ModelNotFound, ModelNotPermitted
+from gateway.protocol.adapter_fields import STRIPPED_ADAPTER_FIELDS, check_adapter_fields, engine_adapter_field
 from gateway.protocol.body import (
     ENGINE_ID_FIELDS,
     KV_TRANSFER_FIELDS,
@@ -75,20 +76,26 @@ to twice the characters a token of the least configured `text_rates` rate should
 
 
 def upstream_body(payload: dict[str, Any], served_model: str, ask_usage: bool = False,
-                  output_as_max_tokens: bool = False, kv_transfer_fields: bool = False) -> bytes:
+                  output_as_max_tokens: bool = False, kv_transfer_fields: bool = False,
+                  adapter_field: tuple[str, str] | None = None) -> bytes:
     """The client's JSON object as the engine gets it. The only edits: `model` becomes the pool's
     served name; top-level fields set to null are left out (null means "the default" in OpenAI's
     API, but some engine versions fail on it, e.g. `max_tokens: null` on vLLM's completions);
-    the engine request ids (`ENGINE_ID_FIELDS`) are left out, and so are the KV connector's fields
+    the engine request ids (`ENGINE_ID_FIELDS`) are left out, and so are the engines' adapter-picking
+    fields (`STRIPPED_ADAPTER_FIELDS`: the gateway chooses the adapter) and the KV connector's fields
     (`KV_TRANSFER_FIELDS`, also inside `vllm_xargs`) unless `kv_transfer_fields` (the pool's
-    `allow_kv_transfer_fields`);
+    `allow_kv_transfer_fields`); `adapter_field` (name, adapter), the field through which the pool's
+    engine takes the LoRA adapter the request was routed for (SGLang's `lora_path`,
+    `protocol.adapter_fields.engine_adapter_field`), is written;
     the usage patch's `stream_options` when `ask_usage`; and with `output_as_max_tokens` (an
     engine that ignores `max_completion_tokens` on this API, `EngineSpec.max_completion_tokens_apis`)
     `max_completion_tokens` is sent as `max_tokens`, which it replaces, as OpenAI ranks them.
     Raises InvalidRequest for JSON nested deeper than orjson writes."""
     body = {name: value for name, value in payload.items() if value is not None}
-    for name in ENGINE_ID_FIELDS if kv_transfer_fields else _STRIPPED:
+    for name in _ALWAYS_STRIPPED if kv_transfer_fields else _STRIPPED:
         body.pop(name, None)
+    if adapter_field is not None:
+        body[adapter_field[0]] = adapter_field[1]
     if not kv_transfer_fields and XARGS_FIELD in body:
         body[XARGS_FIELD] = without_connector_args(body[XARGS_FIELD])
     if ask_usage:
@@ -107,11 +114,13 @@ def _dumps(value: Any) -> bytes:
                              code="invalid_json") from None
 
 
-BodyKey = tuple[str, bool, bool, bool]
+BodyKey = tuple[str, bool, bool, bool, tuple[str, str] | None]
 """(served model name, usage patch, `max_completion_tokens` sent as `max_tokens`, the KV connector's
-fields kept): what makes one pool's engine body differ from another's (`upstream_body`'s arguments)."""
+fields kept, the engine's adapter field): what makes one pool's engine body differ from another's
+(`upstream_body`'s arguments)."""
 
-_STRIPPED = ENGINE_ID_FIELDS + KV_TRANSFER_FIELDS
+_ALWAYS_STRIPPED = ENGINE_ID_FIELDS + STRIPPED_ADAPTER_FIELDS
+_STRIPPED = _ALWAYS_STRIPPED + KV_TRANSFER_FIELDS
 _HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", ENGINE_OUTPUT_FIELD, XARGS_FIELD,
                 *KV_TRANSFER_FIELDS)
 
@@ -131,14 +140,16 @@ class ForwardBody:
 
     @classmethod
     def of(cls, payload: dict[str, Any], served_model: str, ask_usage: bool,
-           output_as_max_tokens: bool = False, kv_transfer_fields: bool = False) -> ForwardBody:
-        """Encode `payload` for its first pool (the engine request ids left out; the KV connector's
-        fields in the per-pool head). Raises InvalidRequest (nested too deeply)."""
+           output_as_max_tokens: bool = False, kv_transfer_fields: bool = False,
+           adapter_field: tuple[str, str] | None = None) -> ForwardBody:
+        """Encode `payload` for its first pool (the engine request ids and adapter-picking fields
+        left out; the KV connector's fields and the engine's adapter field in the per-pool head).
+        Raises InvalidRequest (nested too deeply)."""
         rest = {k: v for k, v in payload.items()
-                if k not in _HEAD_FIELDS and k not in ENGINE_ID_FIELDS and v is not None}
+                if k not in _HEAD_FIELDS and k not in _ALWAYS_STRIPPED and v is not None}
         members = _dumps(rest)[1:-1]
         own = tuple((k, payload[k]) for k in _HEAD_FIELDS[1:] if payload.get(k) is not None)
-        key = (served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
+        key: BodyKey = (served_model, ask_usage, output_as_max_tokens, kv_transfer_fields, adapter_field)
         head = cls(b"", key, 0, own)._head(key, bool(members))
         return cls(head + members + b"}", key, len(head), own)
 
@@ -156,10 +167,11 @@ class ForwardBody:
         return ForwardBody(head + members + b"}", self.first_key, len(head), own)
 
     def encode(self, served_model: str, ask_usage: bool, output_as_max_tokens: bool = False,
-               kv_transfer_fields: bool = False) -> bytes:
+               kv_transfer_fields: bool = False, adapter_field: tuple[str, str] | None = None) -> bytes:
         """The engine's body for a pool serving `served_model`, with the usage patch or not, with
-        `max_completion_tokens` as `max_tokens` or not, with the client's KV connector fields or not."""
-        key = (served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
+        `max_completion_tokens` as `max_tokens` or not, with the client's KV connector fields or not,
+        with the engine's adapter field (`upstream_body`) or none."""
+        key: BodyKey = (served_model, ask_usage, output_as_max_tokens, kv_transfer_fields, adapter_field)
         if key == self.first_key:
             return self.first
         members = memoryview(self.first)[self.members_at:-1]
@@ -170,11 +182,11 @@ Payload = dict[str, Any] | ForwardBody
 
 
 def encode_for(payload: Payload, served_model: str, ask_usage: bool, output_as_max_tokens: bool = False,
-               kv_transfer_fields: bool = False) -> bytes:
+               kv_transfer_fields: bool = False, adapter_field: tuple[str, str] | None = None) -> bytes:
     """The engine's body from a decoded payload or a `ForwardBody`. Raises InvalidRequest."""
     if isinstance(payload, ForwardBody):
-        return payload.encode(served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
-    return upstream_body(payload, served_model, ask_usage, output_as_max_tokens, kv_transfer_fields)
+        return payload.encode(served_model, ask_usage, output_as_max_tokens, kv_transfer_fields, adapter_field)
+    return upstream_body(payload, served_model, ask_usage, output_as_max_tokens, kv_transfer_fields, adapter_field)
 
 
 OUTPUT_LIMIT_FIELD: dict[str, str] = {api: d.output_limit_field for api, d in DIALECTS.items()
@@ -286,6 +298,7 @@ class BodyParser:
             raise ModelNotFound(model_not_found_message(name), param="model")
         if allowed is not None and model not in allowed:
             raise ModelNotPermitted(model_not_found_message(name), model=model, param="model")
+        check_adapter_fields(api, payload, None if model in self.chains else model)
         urls = dialect.image_urls(wire) if self.config.image_fetch.enabled else []
         return wire, model, urls
 
@@ -315,8 +328,8 @@ class BodyParser:
         usage = usage_patch(request, engine)
         as_max_tokens = api not in engine.max_completion_tokens_apis
         served = self.config.served_name(pool, model) if request.adapter is None else request.adapter
-        return Parsed(request, ForwardBody.of(payload, served, usage, as_max_tokens,
-                                              pool.allow_kv_transfer_fields), urls)
+        return Parsed(request, ForwardBody.of(payload, served, usage, as_max_tokens, pool.allow_kv_transfer_fields,
+                                              engine_adapter_field(pool.engine, request.adapter)), urls)
 
     def check_size(self, api: Api, payload: dict[str, Any]) -> int:
         """The count limits, then the lower bound of the tokens (module docstring), as the API's

@@ -57,7 +57,7 @@ class Aggregated:
         worker = decision.worker
         patch_usage = usage_patch(request, worker.engine)
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
-                           served_name(pool, request, state.config), worker, patch_usage)
+                           served_name(pool, request, state.config), worker, patch_usage, request.adapter)
         matched = match.get(worker.url, 0.0) if policy.uses_affinity else None
         return SingleLeg(state, dispatch.api, pool, worker, decision.reason, matched, body, request,
                          dispatch.ledger, patch_usage, prefill_ticket(state.prefill, policy, request, worker, match))
@@ -89,7 +89,7 @@ class Disaggregated:
         worker = decode.worker
         patch_usage = usage_patch(request, worker.engine)
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
-                           served_name(pool, request, state.config), worker, patch_usage)
+                           served_name(pool, request, state.config), worker, patch_usage, request.adapter)
         matched = match.get(prefill.worker.url, 0.0) if policy.uses_affinity else None
         return PdAttempt(self._runner, state, dispatch.api, pool, worker, prefill.worker,
                          f"prefill:{prefill.reason},decode:{decode.reason}", prefill.reason, matched, body,
@@ -127,7 +127,7 @@ class Pinned:
         worker = workers[0]
         patch_usage = usage_patch(request, worker.engine)
         body = engine_body(dispatch.bodies, dispatch.payload, dispatch.api, pool,
-                           served_name(pool, request, state.config), worker, patch_usage)
+                           served_name(pool, request, state.config), worker, patch_usage, request.adapter)
         return SingleLeg(state, dispatch.api, pool, worker, RESPONSE_AFFINITY, None, body, request,
                          dispatch.ledger, patch_usage)
 

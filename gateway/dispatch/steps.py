@@ -14,6 +14,7 @@ from gateway.backends.worker import Worker
 from gateway.config import GatewayConfig
 from gateway.dialects.names import Api
 from gateway.parsing import BodyKey, Payload, encode_for
+from gateway.protocol.adapter_fields import engine_adapter_field
 from gateway.routing.features import RoutingRequest
 from gateway.routing.policy import Candidate, Decision, RoutingPolicy
 from gateway.routing.prefill import PrefillEstimator, PrefillTicket
@@ -114,13 +115,15 @@ def prefill_ticket(prefill: PrefillEstimator, policy: RoutingPolicy, request: Ro
 
 
 def engine_body(bodies: dict[BodyKey, bytes], payload: Payload, api: Api, pool: PoolConfig, served_name: str,
-                worker: Worker, patch_usage: bool) -> bytes:
+                worker: Worker, patch_usage: bool, adapter: str | None = None) -> bytes:
     """The engine's request body for `worker`: the payload encoded with the pool's served model
     name, the usage patch, `max_tokens` for engines without `max_completion_tokens` on `api`, the
-    client's KV connector fields only where the pool allows them (`allow_kv_transfer_fields`);
-    encoded once per distinct form (`bodies` caches them for the request's later attempts)."""
-    key = (served_name, patch_usage, api not in worker.engine.max_completion_tokens_apis,
-           pool.allow_kv_transfer_fields)
+    client's KV connector fields only where the pool allows them (`allow_kv_transfer_fields`), and
+    for a request routed for LoRA `adapter` the engine's own adapter field where it has one
+    (`protocol.adapter_fields.engine_adapter_field`: SGLang's `lora_path`); encoded once per
+    distinct form (`bodies` caches them for the request's later attempts)."""
+    key: BodyKey = (served_name, patch_usage, api not in worker.engine.max_completion_tokens_apis,
+                    pool.allow_kv_transfer_fields, engine_adapter_field(worker.engine.kind, adapter))
     body = bodies.get(key)
     if body is None:
         body = bodies[key] = encode_for(payload, *key)
