@@ -21,6 +21,7 @@ from gateway.backends.h1 import H1Pool
 from gateway.backends.health import HealthChecker
 from gateway.backends.load import LoadScraper
 from gateway.backends.lora_loader import LoraLoader
+from gateway.backends.lora_slots import LoraSlots
 from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
@@ -122,12 +123,15 @@ class AppState:
         upstream = UpstreamClient(config.timeouts, {p.name: p.upstream_keep_alive for p in config.pools},
                                   Redactor.of(config), config.max_decoded_bytes)
         drains = DrainBoard(registry, config.redis_url, config.affinity.key_prefix)
+        health = HealthChecker(registry, control, config.health, metrics, config.pools,
+                               config.pool_served_names(), config.pool_reserved_names(), drains=drains)
+        slots = LoraSlots(registry, config.redis_url, config.affinity.key_prefix)
         return cls(config=config, upstream=upstream, http=http, control=control, registry=registry,
                    policies=PoolPolicies(config),
                    estimator=TokenEstimator(config.estimation), metrics=metrics,
-                   health=HealthChecker(registry, control, config.health, metrics, config.pools,
-                                        config.pool_served_names(), config.pool_reserved_names(), drains=drains),
-                   lora=LoraLoader(registry, http, config.timeouts.response_header, pool_headers(config.pools)),
+                   health=health,
+                   lora=LoraLoader(registry, http, config.timeouts.response_header, pool_headers(config.pools),
+                                   slots, health.read_adapters),
                    load=LoadScraper(registry, control, config.load, metrics, config.pools),
                    drains=drains,
                    hasher=hasher, affinity=affinity,
@@ -150,6 +154,8 @@ class AppState:
         if self.auth is not None:
             await self.auth.start()
         await self.drains.start()
+        if self.lora.slots is not None:
+            await self.lora.slots.start()
 
     def begin_draining(self) -> None:
         """Shutdown began: `/ready` answers 503 so load balancers take this replica out of rotation.
@@ -162,6 +168,8 @@ class AppState:
 
     async def stop(self) -> None:
         await self.drains.stop()
+        if self.lora.slots is not None:
+            await self.lora.slots.stop()
         await self.discovery.stop()
         await self.sweeper.stop()
         await self.health.loop.stop()

@@ -171,6 +171,27 @@ class HealthChecker(FollowsWorkers[Worker]):
         worker.models_checked_at = time.monotonic()
         self.registry.set_misconfigured(worker, verdict)
 
+    async def read_adapters(self, worker: Worker) -> None:
+        """Read `worker`'s `/v1/models` for the LoRA adapters it has loaded now, and nothing else
+        (its verdict on the served models stays `check_models`'): the LoRA loader's look before it
+        plans a load, since another replica or serving process may have loaded or unloaded one
+        there since the last check (gateway/backends/lora_loader.py). A failure leaves what was
+        known (logged at debug level)."""
+        expected = self.expected.get(worker.pool)
+        if expected is None:
+            return
+        asked = time.monotonic()
+        try:
+            answer = await control_get(self.client, worker.url + MODELS_PATH, self.headers.get(worker.pool, {}),
+                                       self.config.timeout, self.config.max_body_bytes)
+            if answer.status != 200:
+                raise UnreadableModels(f"{MODELS_PATH} answered HTTP {answer.status}")
+            roots = listed_adapter_roots(answer.body, expected[0], self.reserved.get(worker.pool, frozenset()))
+        except (ControlError, UnreadableModels) as exc:
+            log.debug("worker %s: LoRA adapters not read before a load (%s)", worker.id, exc)
+            return
+        self.registry.set_adapters(worker, frozenset(roots), roots, asked)
+
 
 def _expected(pools: list[PoolConfig],
               served_names: Mapping[str, tuple[str, ...]]) -> dict[str, tuple[tuple[str, ...], int]]:

@@ -161,11 +161,10 @@ class PoolConfig(Section):
     lora_evict: Literal["never", "lru"] = Field(
         default="never", description="when every candidate worker has its max_loras on-demand adapters (or "
         "SGLang refuses a load for its --max-loaded-loras): `never` answers 503; `lru` unloads, on the "
-        "least-loaded such worker, the on-demand adapter this gateway loaded there and used least recently, "
-        "with none of this process's requests in flight on it, then loads the new one. `never` by default: "
-        "a process sees only its own in-flight requests (another replica's or serving process's may still "
-        "route to an adapter it unloads), and a working set larger than the slots makes every request "
-        "reload an adapter")
+        "least-loaded such worker, the pool's on-demand adapter used least recently there (by any replica: "
+        "shared through Redis with `redis_url`, gateway/backends/lora_slots.py), with no request in flight "
+        "on it, then loads the new one. `never` by default: a working set larger than the slots makes "
+        "every request reload an adapter")
     modalities: list[Modality] = Field(
         default_factory=lambda: ["text", "image"],
         description="input kinds its model takes; a request holding another kind is not sent here")

@@ -39,6 +39,9 @@ from gateway.observability.metrics import GatewayMetrics
 log = logging.getLogger("gateway.health")
 
 DEFAULT_RETRY_AFTER_S = 1.0
+UNKNOWN_LOAD = float("-inf")
+"""The load time (time.monotonic() s) of an on-demand adapter a worker lists that this process did
+not load itself (`WorkerRegistry.set_adapters`): long ago, as far as this process knows."""
 
 
 class WorkerWatcher(Protocol):
@@ -102,12 +105,18 @@ class WorkerRegistry:
 
     def set_adapters(self, worker: Worker, adapters: frozenset[str], roots: Mapping[str, str | None] | None = None,
                      read_at: float | None = None) -> None:
-        """The LoRA adapters `worker`'s `/v1/models` lists now (the prober's check); logged when
-        they change. `roots`: each listed adapter's `root` (the path the engine loaded it from);
-        `read_at`: when the list was asked for (time.monotonic() s): what this gateway loaded or
-        unloaded there since is newer than the list and kept. An adapter the gateway loaded that is
-        no longer listed (an engine restart, an operator's unload) or is listed from another path
-        (an operator's own load under that name) is no longer the gateway's to unload."""
+        """The LoRA adapters `worker`'s `/v1/models` lists now (the prober's check, or the loader's
+        look before a load); logged when they change. `roots`: each listed adapter's `root` (the path
+        the engine loaded it from); `read_at`: when the list was asked for (time.monotonic() s): what
+        this gateway loaded or unloaded there since is newer than the list and kept.
+
+        Which loaded adapters are the gateway's to unload (`Worker.on_demand`) is the configuration's
+        word, not one process's memory: every listed adapter that the worker's pool loads on demand,
+        listed from the pool's path for it (or with no `root`), whichever replica or process loaded it,
+        before or after a restart (its load time unknown here: `UNKNOWN_LOAD`), as a list read with
+        `roots` shows them. One no longer listed
+        (an engine restart, an operator's unload) or listed from another path (an operator's own load
+        under that name) is not."""
         if read_at is not None:
             adapters = (adapters | {a for a, (_, at) in worker.on_demand.items() if at >= read_at}) - \
                 {a for a, at in worker.unloaded.items() if at >= read_at}
@@ -116,8 +125,15 @@ class WorkerRegistry:
             root = (roots or {}).get(name)
             if name not in adapters or (root is not None and root != path):
                 del worker.on_demand[name]
-                log.info("worker %s: LoRA adapter %s is no longer the one this gateway loaded (%s)", worker.id,
+                log.info("worker %s: LoRA adapter %s is no longer an on-demand one of its pool (%s)", worker.id,
                          name, "not listed" if name not in adapters else f"listed from {root}")
+        config = self._configs.get(worker.pool)
+        if roots is not None and config is not None and config.lora_on_demand:  # a list read: its roots known
+            for name in adapters:
+                configured = config.adapter_path(name)
+                root = roots.get(name)
+                if configured is not None and name not in worker.on_demand and root in (None, configured):
+                    worker.on_demand[name] = (configured, UNKNOWN_LOAD)
         if worker.adapters != adapters:
             log.info("worker %s serves LoRA adapters: %s", worker.id, ", ".join(sorted(adapters)) or "none")
             worker.adapters = adapters
@@ -125,8 +141,9 @@ class WorkerRegistry:
 
     def adapter_loaded(self, worker: Worker, adapter: str, path: str | None = None) -> None:
         """`worker` loaded LoRA `adapter` on the gateway's request (`LoraLoader`): it serves it, and
-        its pool's declared ones until its `/v1/models` is read again. `path`: the gateway loaded it
-        from there (its own, `Worker.on_demand`); None: it was loaded already (another replica's load)."""
+        its pool's declared ones until its `/v1/models` is read again. `path`: one of the pool's
+        on-demand adapters, from there (the gateway's to unload, `Worker.on_demand`, loaded now);
+        None: not the gateway's (served only)."""
         config = self._configs.get(worker.pool)
         known = worker.adapters if worker.adapters is not None else \
             frozenset(config.lora_adapters if config is not None else ())

@@ -21,11 +21,13 @@ class Worker:
     `misconfigured` (the reason, from the prober's `/v1/models` check) keeps it out of every request
     until a later check finds it serving the pool's model name and max context;
     `adapters` are the LoRA adapter names its `/v1/models` listed at the last check (None until one
-    was read: then a pool's declared `lora_adapters` are taken on trust); `on_demand` the ones this
-    gateway process loaded here itself (name -> (path, time.monotonic() s of the load)): the only
-    ones it may unload; `adapter_in_flight` / `adapter_used_at` this process's requests naming each
-    adapter on it now and when one last started or ended (time.monotonic() s), kept by the leg's
-    `Lease` (gateway/streaming.py).
+    was read: then a pool's declared `lora_adapters` are taken on trust); `on_demand` those of them its
+    pool loads on demand (name -> (path, time.monotonic() s of the load, `registry.UNKNOWN_LOAD`
+    when another replica or process loaded it)): the only ones the gateway may unload
+    (`WorkerRegistry.set_adapters`); `adapter_in_flight` / `adapter_used_at` this process's requests
+    naming each adapter on it now and when one last started or ended (time.monotonic() s), kept by
+    the leg's `Lease` (gateway/streaming.py; shared with other replicas by
+    gateway/backends/lora_slots.py).
     `retired` marks a worker discovery or a reload removed (out of its pool, finishing its requests).
     `role` is None for an aggregated pool's worker, "prefill" or "decode" in a prefill/decode pool
     (`bootstrap_port`: a SGLang / vLLM Mooncake prefill worker's bootstrap server port).

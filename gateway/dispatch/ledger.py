@@ -280,6 +280,12 @@ class Ledger:
         self.record.status = status
         self.record.error = error
 
+    def adapter_loaded(self) -> None:
+        """An engine loaded a LoRA adapter for this request (unloading another to make room, maybe):
+        work done on its behalf, so however it ends it is settled as one an engine worked on
+        (`quota_used`: at least its prompt estimate), never released as free."""
+        self.record.reached_engine = True
+
     def hold_quota(self, guard: Settler, reservation: Any, request: RoutingRequest) -> None:
         """A token reservation to settle when the request ends (`finish`), unless settled sooner."""
         self._quota = (guard, reservation, request)

@@ -23,6 +23,7 @@ from gateway.auth.access import model_not_found_message
 from gateway.auth.cache_isolation import SALTED_APIS, salts
 from gateway.auth.keys import Principal
 from gateway.auth.standing import RateLimitStanding
+from gateway.backends.lora_loader import adapter_missing
 from gateway.backends.pool_params import PoolConfig
 from gateway.backends.worker import Worker
 from gateway.dialects.names import Api
@@ -42,7 +43,7 @@ from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_ses
 from gateway.routing.pools import fitting_pools, output_room, skipped_pools
 from gateway.routing.response_affinity import follow_up_of
 from gateway.state import AppState
-from gateway.streaming import AttemptFailed
+from gateway.streaming import AttemptFailed, Outcome
 
 
 def with_standing(result: BufferedResponse | RelayResponse,
@@ -233,6 +234,7 @@ class ProxyService:
         (`Dispatch.pinned`) makes one attempt on its worker (`kinds.PINNED`), whatever the policy."""
         state, ledger = self.state, dispatch.ledger
         record = ledger.record
+        reloaded = False  # the request's adapter was found gone on its worker and loaded again (once)
         while record.attempts < state.config.max_attempts:
             pool = dispatch.pool
             if dispatch.pinned is not None:
@@ -263,6 +265,12 @@ class ProxyService:
             try:
                 result = await attempt.run()
             except AttemptFailed as failure:
+                gone = None if reloaded else self._adapter_gone(dispatch, attempt, failure)
+                if gone is not None:
+                    reloaded = True
+                    if await state.lora.ensure(gone, dispatch.pools, dispatch.pinned):
+                        ledger.adapter_loaded()
+                    continue
                 answer = self._attempt_failed(dispatch, attempt, failure)
                 if answer is not None:
                     return answer
@@ -293,6 +301,21 @@ class ProxyService:
         reason, the decision's metric, and a retry's (labelled with what the last one failed by)."""
         dispatch.ledger.attempt_started(attempt.pool.name, attempt.worker, attempt.reason,
                                         None if dispatch.last is None else dispatch.last.outcome)
+
+    def _adapter_gone(self, dispatch: Dispatch, attempt: Attempt, failure: AttemptFailed) -> str | None:
+        """The on-demand LoRA adapter a failed attempt was refused for because its worker no longer
+        has it (`lora_loader.adapter_missing`: another replica unloaded it since this one last read
+        that worker's list), else None. Then the attempt is accounted as failed, the worker no
+        longer serves the adapter here, and the caller loads it again (once per request) instead of
+        passing the engine's "does not exist" on; the worker stays a candidate (it may get it back)."""
+        adapter, pool = dispatch.request.adapter, attempt.pool
+        if adapter is None or pool.adapter_path(adapter) is None or failure.outcome is not Outcome.CLIENT_ERROR \
+                or not adapter_missing(failure.status, failure.body, adapter):
+            return None
+        worker = attempt.failed_worker(failure)
+        dispatch.ledger.attempt_failed(pool.name, worker, failure.outcome)
+        self.state.lora.adapter_gone(worker, adapter)
+        return adapter
 
     def _attempt_failed(self, dispatch: Dispatch, attempt: Attempt,
                         failure: AttemptFailed) -> BufferedResponse | None:

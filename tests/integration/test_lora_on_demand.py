@@ -192,26 +192,48 @@ def test_sglangs_refusal_to_load_is_relayed(start_sim: StartSim, start_gateway: 
 
 def test_an_adapter_another_replica_loaded_counts_as_loaded(start_sim: StartSim,
                                                             start_gateway: StartGateway) -> None:
-    """Two gateways, one SGLang worker: the second one's load is refused as a duplicate (the first
-    loaded it; the second has not read /v1/models since), which it takes as loaded, not as its own."""
+    """Two gateways, one SGLang worker, no bound on the pool (so no list is read before a load):
+    the second one's load is refused as a duplicate (the first loaded it; the second has not read
+    /v1/models since), which it takes as loaded. One of the pool's on-demand adapters, it is the
+    second's to unload as much as the first's (issue 37 §3: slots are the fleet's, not a process's)."""
     sim = start_sim("sglang", runtime_lora_updating=True)
-    first, second = (start_gateway([pool("p", "sglang", [sim.url], 131072, lora_evict="lru",
-                                          lora_on_demand=on_demand("a"))]) for _ in range(2))
+    first, second = (start_gateway([pool("p", "sglang", [sim.url], 131072, lora_on_demand=on_demand("a"))])
+                     for _ in range(2))
     ask(first, "a")
     assert ask(second, "a") == "p/0"
     assert models_sent(sim) == ["a", "a"] and list(sim.engine.loras) == ["a"]
     assert second.metric('kimi_gateway_lora_loads_total{outcome="already_loaded",pool="p"}') == 1
     state = second.server.app.state.gateway
-    assert state is not None and state.registry.find("p", 0).on_demand == {}  # never its to unload
+    assert state is not None and set(state.registry.find("p", 0).on_demand) == {"a"}
+
+
+def test_a_load_reads_the_workers_list_first(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """With `lora_evict: lru` the loader reads the worker's /v1/models before it plans: an adapter
+    another gateway loaded there since is served as it is (no load sent), and a slot an operator
+    emptied behind the gateway's back is free (no unload sent)."""
+    sim = start_sim("vllm", runtime_lora_updating=True)
+    first, second = (start_gateway([pool("p", "vllm", [sim.url], 131072, max_loras=1, lora_evict="lru",
+                                         lora_on_demand=on_demand("a", "b"))]) for _ in range(2))
+    ask(first, "a")
+    assert ask(second, "a") == "p/0" and list(sim.engine.loras) == ["a"]
+    assert second.metric("kimi_gateway_lora_loads_total") == 0
+    assert httpx.post(sim.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=5).status_code == 200
+    ask(first, "b")
+    assert list(sim.engine.loras) == ["b"] and models_sent(sim) == ["a", "a", "b"]
+    assert first.metric("kimi_gateway_lora_unloads_total") == 0
 
 
 def test_an_adapter_the_engine_no_longer_has_is_unloaded_as_gone(start_sim: StartSim,
                                                                   start_gateway: StartGateway) -> None:
-    """An operator unloaded the gateway's adapter behind its back (no /v1/models read since): the
+    """An operator unloaded the gateway's adapter behind its back and the gateway could not read the
+    list again before its load (its read of /v1/models is off here, as a failed read leaves it): the
     gateway's unload gets vLLM's 404 "cannot be found", which frees the slot all the same."""
     sim = start_sim("vllm", runtime_lora_updating=True)
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072, max_loras=1, lora_evict="lru",
                              lora_on_demand=on_demand("a", "b"))])
+    state = gw.server.app.state.gateway
+    assert state is not None
+    state.lora.read_adapters = None
     ask(gw, "a")
     assert httpx.post(sim.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=5).status_code == 200
     ask(gw, "b")
