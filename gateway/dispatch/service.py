@@ -134,6 +134,10 @@ class ProxyService:
         charge is settled when the request ends (`quota_used`): at once for an answer or error given
         here, at the ledger's finish for a stream. A limited key's served answer (and its 429) carries
         what is left of its limits, in the API's rate-limit headers (`auth/standing.py`).
+
+        A request naming a LoRA adapter no candidate worker has loads it only once nothing before
+        its engine can refuse it any more (`_adapter_ready`: after the key's limits and a follow-up's
+        owner), and is charged for that load; a token count never loads one.
         """
         guard = self.state.auth if principal is not None else None
         dialect = dialect_for(api)
@@ -162,8 +166,6 @@ class ProxyService:
         pools = fitting_pools(request, serving)
         if len(pools) < len(serving):
             ledger.skipped(skipped_pools(request, serving) or None)
-        if request.adapter is not None:  # loaded where none has it and a pool loads it on demand
-            await self.state.lora.ensure(request.adapter, pools)
         pinned: Worker | None = None
         if request.previous_response_id is not None:  # only the worker storing its history can serve it
             pool, pinned, history = await follow_up_of(request.previous_response_id, self.state.responses,
@@ -201,6 +203,39 @@ class ProxyService:
             await ledger.settle_quota(result.status >= 400)
         return with_standing(result, standing)
 
+    async def _adapter_ready(self, api: Api, request: RoutingRequest, pools: list[PoolConfig], ledger: Ledger,
+                             pinned: Worker | None) -> tuple[RoutingRequest, list[PoolConfig]]:
+        """A request for LoRA adapter `request.adapter` about to be dispatched (past every refusal the
+        gateway gives before an engine): where no candidate worker of `pools` (or `pinned`, a
+        follow-up's owner) has the adapter and a pool loads it on demand, it is loaded now and the
+        request charged for it (`Ledger.adapter_loaded`). A token count (an API that generates
+        nothing) never loads one: where none has it, it is counted as the adapter's base model
+        (`_counted_as_base`). Returns the request and pools to dispatch. Raises what
+        `LoraLoader.ensure` raises."""
+        adapter, lora = request.adapter, self.state.lora
+        assert adapter is not None
+        if not dialect_for(api).generates:
+            return (request, pools) if lora.loaded_somewhere(adapter, pools, pinned) else \
+                self._counted_as_base(request, pools)
+        if await lora.ensure(adapter, pools, pinned):
+            ledger.adapter_loaded()
+        return request, pools
+
+    def _counted_as_base(self, request: RoutingRequest, pools: list[PoolConfig]) -> tuple[RoutingRequest,
+                                                                                          list[PoolConfig]]:
+        """A token count for an adapter no worker has loaded, sent as its base model (the first model
+        one of `pools` serves, as `/v1/models` names its `parent`) to those of `pools` serving it: an
+        adapter has its base model's tokenizer and chat template (vLLM renders and counts every
+        request with the one renderer, vllm/entrypoints/anthropic/serving.py `count_tokens`; SGLang
+        tokenizes with its tokenizer manager's), so the count is the adapter's."""
+        config = self.state.config
+        for model in config.served_models():
+            chain = {p.name for p in config.model_pools(model.name)}
+            base = [p for p in pools if p.name in chain]
+            if base:
+                return replace(request, adapter=None, model=model.name), base
+        return request, pools
+
     def _adapter_pools(self, adapter: str) -> list[PoolConfig]:
         """The pools serving LoRA `adapter` (declared, or listed by one of their workers), in config
         order. Raises ModelNotFound when none does any more (its workers unloaded it meanwhile)."""
@@ -218,6 +253,8 @@ class ProxyService:
         (a Responses follow-up's owner; `pools` is then its pool alone) only that worker is tried.
         `migrate`: its stream may be continued on another worker after a mid-stream failure."""
         state = self.state
+        if request.adapter is not None:
+            request, pools = await self._adapter_ready(api, request, pools, ledger, pinned)
         pool = pools[0]
         ledger.in_pool(pool.name, request)
         dispatch = Dispatch(state, api, payload, request, ledger, pools, pool, pinned=pinned, migrate=migrate)
