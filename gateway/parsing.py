@@ -189,6 +189,11 @@ def encode_for(payload: Payload, served_model: str, ask_usage: bool, output_as_m
     return upstream_body(payload, served_model, ask_usage, output_as_max_tokens, kv_transfer_fields, adapter_field)
 
 
+LORA_PATH_APIS = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
+"""The APIs whose SGLang request reads `lora_path` (its chat, completion and embedding requests,
+python/sglang/srt/entrypoints/openai/protocol.py): there a client's value is checked
+(`protocol.adapter_fields.check_adapter_fields`); elsewhere no engine reads it, so it is only dropped."""
+
 OUTPUT_LIMIT_FIELD: dict[str, str] = {api: d.output_limit_field for api, d in DIALECTS.items()
                                       if d.output_limit_field is not None}
 """The output limit each API's body names (its dialect's `output_limit_field`: OpenAI's chat and
@@ -298,7 +303,8 @@ class BodyParser:
             raise ModelNotFound(model_not_found_message(name), param="model")
         if allowed is not None and model not in allowed:
             raise ModelNotPermitted(model_not_found_message(name), model=model, param="model")
-        check_adapter_fields(api, payload, None if model in self.chains else model)
+        if api in LORA_PATH_APIS:
+            check_adapter_fields(payload, None if model in self.chains else model)
         urls = dialect.image_urls(wire) if self.config.image_fetch.enabled else []
         return wire, model, urls
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.dialects.names import CHAT, COMPLETIONS, EMBEDDINGS, Api
 from gateway.errors import InvalidRequest
 
 SGLANG_LORA_FIELD = "lora_path"
@@ -35,11 +34,6 @@ SGLANG_LORA_FIELD = "lora_path"
 
 STRIPPED_ADAPTER_FIELDS = (SGLANG_LORA_FIELD, "lora")
 """Body fields that select a LoRA adapter on some engine (module docstring): never forwarded."""
-
-CHECKED_APIS = frozenset({CHAT, COMPLETIONS, EMBEDDINGS})
-"""The APIs whose SGLang request reads `lora_path` (its chat, completion and embedding requests):
-there a client's value is checked (`check_adapter_fields`); elsewhere no engine reads it, so it is
-only dropped."""
 
 ENGINE_ADAPTER_FIELD: dict[str, str] = {"sglang": SGLANG_LORA_FIELD}
 """Engine kind -> the body field through which the gateway names the adapter a request was routed
@@ -53,9 +47,9 @@ def engine_adapter_field(engine: str, adapter: str | None) -> tuple[str, str] | 
     return (field, adapter) if field is not None and adapter is not None else None
 
 
-def check_adapter_fields(api: Api, payload: dict[str, Any], adapter: str | None) -> None:
-    """Refuse a client's `lora_path` that picks another adapter than the request's `model` names,
-    on the APIs where an engine reads it (`CHECKED_APIS`).
+def check_adapter_fields(payload: dict[str, Any], adapter: str | None) -> None:
+    """Refuse a client's `lora_path` that picks another adapter than the request's `model` names
+    (for a body of an API whose SGLang request reads it: gateway/parsing.py `LORA_PATH_APIS`).
 
     `adapter` is the LoRA adapter `model` resolved to (None: the base model). Accepted: no
     `lora_path`, null, the adapter's own name, or a list of those (SGLang's per-prompt form), and
@@ -65,7 +59,7 @@ def check_adapter_fields(api: Api, payload: dict[str, Any], adapter: str | None)
     ignored field would answer with another model than the one asked for). llama.cpp's `lora` is
     not checked: it is dropped whatever it holds (module docstring)."""
     value = payload.get(SGLANG_LORA_FIELD)
-    if value is None or api not in CHECKED_APIS:
+    if value is None:
         return
     entries = value if isinstance(value, list) else [value]
     if all(entry is None or (adapter is not None and entry == adapter) for entry in entries):

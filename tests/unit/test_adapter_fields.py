@@ -11,9 +11,10 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.dialects.names import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
+from gateway.config import parse_config
+from gateway.dialects.names import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES, Api
 from gateway.errors import InvalidRequest
-from gateway.parsing import ForwardBody, encode_for
+from gateway.parsing import LORA_PATH_APIS, BodyParser, ForwardBody, encode_for
 from gateway.protocol.adapter_fields import check_adapter_fields, engine_adapter_field
 
 
@@ -21,8 +22,7 @@ from gateway.protocol.adapter_fields import check_adapter_fields, engine_adapter
     (None, None), (None, "sql"), ("sql", "sql"), (["sql", "sql"], "sql"), ([None, "sql"], "sql"), ([None], None),
 ])
 def test_a_lora_path_that_agrees_with_the_model_is_accepted(lora_path: Any, adapter: str | None) -> None:
-    for api in (CHAT, COMPLETIONS, EMBEDDINGS):
-        check_adapter_fields(api, {"model": adapter or "kimi-k3", "lora_path": lora_path}, adapter)
+    check_adapter_fields({"model": adapter or "kimi-k3", "lora_path": lora_path}, adapter)
 
 
 @pytest.mark.parametrize(("lora_path", "adapter"), [
@@ -30,18 +30,34 @@ def test_a_lora_path_that_agrees_with_the_model_is_accepted(lora_path: Any, adap
     ({"name": "sql"}, "sql"),
 ])
 def test_a_lora_path_that_picks_another_adapter_is_refused(lora_path: Any, adapter: str | None) -> None:
-    for api in (CHAT, COMPLETIONS, EMBEDDINGS):
-        with pytest.raises(InvalidRequest) as refused:
-            check_adapter_fields(api, {"model": adapter or "kimi-k3", "lora_path": lora_path}, adapter)
-        assert (refused.value.status, refused.value.param, refused.value.code) == (400, "lora_path",
-                                                                                   "unsupported_parameter")
+    with pytest.raises(InvalidRequest) as refused:
+        check_adapter_fields({"model": adapter or "kimi-k3", "lora_path": lora_path}, adapter)
+    assert (refused.value.status, refused.value.param, refused.value.code) == (400, "lora_path",
+                                                                               "unsupported_parameter")
+
+
+CONFIG = parse_config({"pools": [{"name": "p", "engine": "sglang", "workers": ["http://127.0.0.1:1"],
+                                  "max_context_tokens": 8192, "lora_adapters": ["sql"]}]}, environ={})
+
+
+@pytest.mark.parametrize(("api", "body"), [
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}]}), (COMPLETIONS, {"prompt": "hi"}),
+])
+def test_the_parser_checks_lora_path_where_sglang_reads_it(api: Api, body: dict[str, Any]) -> None:
+    parser = BodyParser(CONFIG)
+    with pytest.raises(InvalidRequest):
+        parser.validate(api, {"model": "kimi-k3", "lora_path": "sql", **body}, {"sql"})
+    parser.validate(api, {"model": "sql", "lora_path": "sql", **body}, {"sql"})
 
 
 def test_lora_path_is_only_dropped_where_no_engine_reads_it() -> None:
     """SGLang's Messages and Responses requests have no `lora_path`: refusing it there would be
     stricter than the engine; it is dropped all the same."""
-    for api in (MESSAGES, RESPONSES):
-        check_adapter_fields(api, {"model": "kimi-k3", "lora_path": "sql"}, None)
+    parser = BodyParser(CONFIG)
+    assert MESSAGES not in LORA_PATH_APIS and RESPONSES not in LORA_PATH_APIS and EMBEDDINGS in LORA_PATH_APIS
+    parser.validate(RESPONSES, {"model": "kimi-k3", "lora_path": "sql", "input": "hi"}, {"sql"})
+    parser.validate(MESSAGES, {"model": "kimi-k3", "lora_path": "sql", "max_tokens": 2,
+                               "messages": [{"role": "user", "content": "hi"}]}, {"sql"})
 
 
 def test_only_sglang_takes_the_adapter_in_a_body_field() -> None:
