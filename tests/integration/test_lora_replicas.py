@@ -29,24 +29,38 @@ STALE = {"interval": 0.2, "timeout": 2.0, "verify_models": True, "models_refresh
 before a load: what another replica did meanwhile is unknown to it until then."""
 
 
+StartReplica = Callable[..., RunningGateway]
+
+
 @pytest.fixture
-def prefix() -> Iterator[str]:
-    """A fresh Redis key prefix (the replicas' `affinity.key_prefix`); its keys are deleted afterwards."""
-    name = f"test-lora-{uuid.uuid4().hex[:10]}"
-    yield name
+def prefix() -> str:
+    """A fresh Redis key prefix (the replicas' `affinity.key_prefix`), deleted by `start_replica`."""
+    return f"test-lora-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def start_replica(start_gateway: StartGateway, prefix: str) -> Iterator[StartReplica]:
+    """Factory: `start_replica(sim, max_loras, **settings)` -> a gateway replica in front of `sim`
+    (vLLM, on-demand adapters a, b, c, `lora_evict: lru`) on the shared Redis under `prefix`. At the
+    end every replica is stopped (its last use written) and then the prefix's keys are deleted."""
+    started: list[RunningGateway] = []
+
+    def start(sim: RunningSim, max_loras: int, **settings: Any) -> RunningGateway:
+        gw = start_gateway([pool("p", "vllm", [sim.url], 131072, max_loras=max_loras, lora_evict="lru",
+                                 lora_on_demand=[{"name": n, "path": f"/loras/{n}"} for n in ("a", "b", "c")])],
+                           redis_url=shared_redis_url(), affinity={"enabled": False, "key_prefix": prefix},
+                           load={"enabled": False}, **settings)
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.server.stop()
     client = redis.Redis.from_url(shared_redis_url())
-    keys = list(client.scan_iter(f"{name}:*"))
+    keys = list(client.scan_iter(f"{prefix}:*"))
     if keys:
         client.delete(*keys)
     client.close()
-
-
-def replica(start_gateway: StartGateway, sim: RunningSim, prefix: str, max_loras: int,
-            **settings: Any) -> RunningGateway:
-    return start_gateway([pool("p", "vllm", [sim.url], 131072, max_loras=max_loras, lora_evict="lru",
-                               lora_on_demand=[{"name": n, "path": f"/loras/{n}"} for n in ("a", "b", "c")])],
-                         redis_url=shared_redis_url(), affinity={"enabled": False, "key_prefix": prefix},
-                         load={"enabled": False}, **settings)
 
 
 def ask(gw: RunningGateway, model: str) -> None:
@@ -80,14 +94,14 @@ def until(what: str, condition: Callable[[], bool], timeout: float = 15.0) -> No
 
 
 def test_replicas_unload_each_others_adapters_by_their_shared_use(
-        start_sim: StartSim, start_gateway: StartGateway, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+        start_sim: StartSim, start_replica: StartReplica, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
     """Two slots. `first` loads a, `second` b, `first` uses a again: `second`'s c unloads b, the
     least recently used across both (alone it would have taken a, whose use it never saw). Then
     `second` uses c again and loads b: it unloads a, which `first` loaded and it never used (a
     process that frees only its own slots would unload its c, used a moment ago)."""
     caplog.set_level(logging.INFO, logger="gateway.lora")
     sim = start_sim("vllm", runtime_lora_updating=True)
-    first, second = (replica(start_gateway, sim, prefix, 2) for _ in range(2))
+    first, second = (start_replica(sim, 2) for _ in range(2))
     ask(first, "a")
     ask(second, "b")
     ask(first, "a")
@@ -106,12 +120,12 @@ def test_replicas_unload_each_others_adapters_by_their_shared_use(
 
 
 def test_an_adapter_with_a_request_in_flight_in_another_replica_is_not_unloaded(
-        start_sim: StartSim, start_gateway: StartGateway, prefix: str) -> None:
+        start_sim: StartSim, start_replica: StartReplica, prefix: str) -> None:
     """One slot. While `first` streams from a (the engine stalls after 3 events: the stream lasts
     until its client leaves), `second` finds nothing it may unload (503, as for a request of its own
     in flight); once the client left (and `first` said so), `second` unloads a and loads b."""
     sim = start_sim("vllm", runtime_lora_updating=True, faults=SimFaults(stall_after_chunks=3))
-    first, second = (replica(start_gateway, sim, prefix, 1) for _ in range(2))
+    first, second = (start_replica(sim, 1) for _ in range(2))
     body = {"model": "a", "messages": HI, "max_tokens": 60, "stream": True}
     with httpx.Client(timeout=60) as client, client.stream("POST", first.v1 + "/chat/completions", json=body) as stream:
         assert stream.status_code == 200
@@ -129,14 +143,14 @@ def test_an_adapter_with_a_request_in_flight_in_another_replica_is_not_unloaded(
     assert list(sim.engine.loras) == ["b"]
 
 
-def test_a_stale_replica_reloads_and_a_restarted_one_frees_slots(start_sim: StartSim, start_gateway: StartGateway,
+def test_a_stale_replica_reloads_and_a_restarted_one_frees_slots(start_sim: StartSim, start_replica: StartReplica,
                                                                  prefix: str) -> None:
     """One slot; each replica read the worker's list at its start only. `second` unloads a (which
     `first` loaded) to load b; `first`, still believing a loaded, gets vLLM's 404 for it and loads it
     again (unloading b) instead of passing the 404 on. Then `first` restarts: the new process, which
     loaded nothing, unloads a to load c."""
     sim = start_sim("vllm", runtime_lora_updating=True)
-    first, second = (replica(start_gateway, sim, prefix, 1, health=STALE) for _ in range(2))
+    first, second = (start_replica(sim, 1, health=STALE) for _ in range(2))
     until("both replicas read the worker's list", lambda: sim.engine.models_reads >= 2)
     ask(first, "a")
     until("first's use of a reached Redis", lambda: used_since_load(prefix, sim, "a"))
@@ -150,7 +164,7 @@ def test_a_stale_replica_reloads_and_a_restarted_one_frees_slots(start_sim: Star
     assert first.metric('kimi_gateway_lora_loads_total{outcome="ok",pool="p"}') == 2
     until("first's use of a reached Redis", lambda: used_since_load(prefix, sim, "a"))
     first.server.stop()
-    restarted = replica(start_gateway, sim, prefix, 1, health=STALE)
+    restarted = start_replica(sim, 1, health=STALE)
     ask(restarted, "c")
     assert list(sim.engine.loras) == ["c"]
     assert restarted.metric('kimi_gateway_lora_unloads_total{outcome="ok",pool="p"}') == 1

@@ -19,7 +19,7 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -40,6 +40,23 @@ CHECKED = {"interval": 0.1, "timeout": 2.0, "verify_models": True, "models_refre
 
 def on_demand(*names: str) -> list[dict[str, str]]:
     return [{"name": n, "path": f"/loras/{n}"} for n in names]
+
+
+@pytest.fixture
+def start_lora_gateway(start_gateway: StartGateway, key_prefix: str) -> Iterator[StartGateway]:
+    """`start_gateway` whose gateways are stopped at the test's end, before the `key_prefix` fixture
+    deletes its Redis keys: a gateway writes its last LoRA adapter use there as it stops
+    (gateway/backends/lora_slots.py, under `affinity.key_prefix`: the test's prefix too)."""
+    started: list[RunningGateway] = []
+
+    def start(pools: list[dict[str, Any]], **settings: Any) -> RunningGateway:
+        gw = start_gateway(pools, **settings)
+        started.append(gw)
+        return gw
+
+    yield start
+    for gw in started:
+        gw.server.stop()
 
 
 def keys(key_prefix: str, mallory: dict[str, Any]) -> dict[str, Any]:
@@ -100,9 +117,9 @@ def token_count(gw: RunningGateway) -> httpx.Response:
     (refused_for_limits, 429), (refused_for_the_adapters_limit, 429), (refused_follow_up, 404), (token_count, 200),
 ], ids=["token-limit", "adapter-limit", "failed-follow-up", "token-count"])
 def test_a_request_that_is_refused_or_generates_nothing_loads_no_adapter(
-        start_sim: StartSim, start_gateway: StartGateway, key_prefix: str,
+        start_sim: StartSim, start_lora_gateway: StartGateway, key_prefix: str,
         request_of: Callable[[RunningGateway], httpx.Response], status: int) -> None:
-    gw, sim = one_slot_gateway(start_sim, start_gateway, key_prefix,
+    gw, sim = one_slot_gateway(start_sim, start_lora_gateway, key_prefix,
                                model_limits={"evil-b": {"tokens_per_minute": 50}})
     served = len(sim.engine.records)
     for _ in range(3):
@@ -130,12 +147,12 @@ def used_now(gw: RunningGateway, key: str, probe_tokens: int) -> int:
     return int(match[1])
 
 
-def test_a_request_that_loaded_an_adapter_is_charged_for_it(start_sim: StartSim, start_gateway: StartGateway,
+def test_a_request_that_loaded_an_adapter_is_charged_for_it(start_sim: StartSim, start_lora_gateway: StartGateway,
                                                             key_prefix: str) -> None:
     """mallory's request loads `evil-a` (unloading alice's adapter to make room), then its engine
     refuses it (a 400): the load was work done for her, so she is charged its prompt estimate,
     where an engine's refusal alone costs nothing."""
-    gw, sim = one_slot_gateway(start_sim, start_gateway, key_prefix)
+    gw, sim = one_slot_gateway(start_sim, start_lora_gateway, key_prefix)
     assert httpx.post(sim.url + "/sim/faults", json={"fail_status": 400, "fail_count": 1}, timeout=5).status_code == 200
     refused = httpx.post(gw.v1 + "/chat/completions", headers=headers(MALLORY_KEY), timeout=10,
                          json={"model": "evil-a", "messages": HI, "max_tokens": 2})
@@ -161,11 +178,11 @@ def sglang_gateway(start_sim: StartSim, start_gateway: StartGateway, key_prefix:
 
 
 @pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
-def test_lora_path_cannot_pick_an_adapter_past_the_allow_list(start_sim: StartSim, start_gateway: StartGateway,
+def test_lora_path_cannot_pick_an_adapter_past_the_allow_list(start_sim: StartSim, start_lora_gateway: StartGateway,
                                                               key_prefix: str, path: str) -> None:
     """mallory may not use `victim-lora`: naming it in `lora_path` beside her own base model is a
     400 in OpenAI's shape (`param: lora_path`) and reaches no engine; so is a list holding it."""
-    gw, sim = sglang_gateway(start_sim, start_gateway, key_prefix)
+    gw, sim = sglang_gateway(start_sim, start_lora_gateway, key_prefix)
     body: dict[str, Any] = {"model": "kimi-k3", "max_tokens": 2,
                             **({"messages": HI} if path == "/chat/completions" else {"prompt": "Hi"})}
     for lora_path in ("victim-lora", ["victim-lora"], [None, "victim-lora"]):
@@ -184,11 +201,11 @@ def test_lora_path_cannot_pick_an_adapter_past_the_allow_list(start_sim: StartSi
     assert sim.engine.records == []
 
 
-def test_lora_path_cannot_dodge_a_per_adapter_limit(start_sim: StartSim, start_gateway: StartGateway,
+def test_lora_path_cannot_dodge_a_per_adapter_limit(start_sim: StartSim, start_lora_gateway: StartGateway,
                                                     key_prefix: str) -> None:
     """mallory's `evil-a` allows one request a minute: a second one sent as the base model with
     `lora_path: evil-a` is refused too (never served with the adapter on the base model's count)."""
-    gw, sim = sglang_gateway(start_sim, start_gateway, key_prefix,
+    gw, sim = sglang_gateway(start_sim, start_lora_gateway, key_prefix,
                              model_limits={"evil-a": {"requests_per_minute": 1}})
     start_a_window_now(gw)
     first = httpx.post(gw.v1 + "/chat/completions", headers=headers(MALLORY_KEY), timeout=10,
@@ -203,13 +220,13 @@ def test_lora_path_cannot_dodge_a_per_adapter_limit(start_sim: StartSim, start_g
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_engine_bodies_carry_the_gateways_adapter_choice_only(start_sim: StartSim, start_gateway: StartGateway,
+def test_engine_bodies_carry_the_gateways_adapter_choice_only(start_sim: StartSim, start_lora_gateway: StartGateway,
                                                               key_prefix: str, engine: str) -> None:
     """Whatever the client sent in `lora_path` (agreeing with `model`, or null) and llama.cpp's
     `lora`: an SGLang pool's engine body names the adapter in `lora_path` (SGLang reads no adapter
     from a bare name in `model`), a vLLM pool's has neither field; the base model's has none."""
     sim = start_sim(engine, lora_modules=["evil-a=/loras/evil-a"])
-    gw = start_gateway([pool("p", engine, [sim.url], 131072, lora_adapters=["evil-a"])],
+    gw = start_lora_gateway([pool("p", engine, [sim.url], 131072, lora_adapters=["evil-a"])],
                        auth=keys(key_prefix, {}), redis_url=REDIS_URL,
                        affinity={"enabled": False, "key_prefix": key_prefix}, load={"enabled": False})
     llamacpp_lora = [{"id": 0, "scale": 1.0}]
