@@ -350,14 +350,16 @@ def read_at_most(response: httpx.Response, limit: int) -> bytes:
 
 def test_a_line_without_end_before_any_content_is_an_error_not_a_relay(start_gateway: StartGateway,
                                                                          engines) -> None:
-    """`data: {"x": "aaaa...` forever and no content before it: the gateway fails the attempt after
-    its 1 MiB bound (no other worker: a 502 JSON error, not a 200), and hangs up on the engine."""
+    """`data: {"x": "aaaa...` forever and no content before it: the gateway holds the event up to the
+    relay's bound (`max_body_bytes`), then refuses the request once: a 502 JSON error, not a 200 (nor
+    a retry elsewhere: the engine answered), and hangs up on the engine."""
     engine = engines(endless_line())
-    gw = gateway_for(start_gateway, engine)
+    gw = gateway_for(start_gateway, engine, max_body_bytes=2 << 20)
     with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
         body = read_at_most(response, 64 * 1024)
     assert response.status_code == 502, body[:300]
     assert orjson.loads(body)["error"]["code"] == "upstream_error"
+    assert response.headers["x-should-retry"] == "false"
     assert engine.ended.wait(3)  # the engine's connection was closed (it would abort the request)
 
 
