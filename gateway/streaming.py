@@ -546,7 +546,8 @@ def _grow(long: bytearray, chunk: bytes, limit: int) -> tuple[bytearray | None, 
     """An unfinished event held in `long` (over `LONG_EVENT` bytes) and the `chunk` read after it:
     `(long, carry, events)`: the unfinished event still held (None once it ended), the small rest
     after the last event's end, and the whole events to relay now. Raises EventTooLarge when the
-    event passes `limit` bytes without ending."""
+    event passes `limit` bytes without ending. Once the event ended, `long` is emptied (its memory
+    freed at once, not when the caller drops it): the event is then held once, as `events`."""
     seam = max(0, len(long) - 3)  # an event's end (up to 4 bytes) may straddle the two
     long += chunk
     end = event_end(long, start=seam)
@@ -554,10 +555,12 @@ def _grow(long: bytearray, chunk: bytes, limit: int) -> tuple[bytearray | None, 
         if len(long) > limit:
             raise EventTooLarge(len(long))
         return long, b"", b""
-    data = bytes(long)
-    if len(data) - end > LONG_EVENT:
-        return bytearray(data[end:]), b"", data[:end]
-    return None, data[end:], data[:end]
+    with memoryview(long) as view:
+        events, rest = bytes(view[:end]), bytes(view[end:])
+    long.clear()
+    if len(rest) > LONG_EVENT:
+        return bytearray(rest), b"", events
+    return None, rest, events
 
 
 class _InBandError(Exception):
@@ -684,7 +687,7 @@ class UpstreamStream:
         carry = b""
         long: bytearray | None = None  # an unfinished event over LONG_EVENT bytes (`_grow`)
         try:
-            for_client = self._first
+            for_client, self._first = self._first, b""  # held here only (a large first read is freed with it)
             chunks = self._rest
             waiting = self._waiting
             while True:
@@ -697,11 +700,15 @@ class UpstreamStream:
                             data = carry + for_client if carry else for_client
                             end = event_end(data)
                             if end < len(data):
-                                carry, for_client = data[end:], data[:end]
-                                if len(carry) > LONG_EVENT:
-                                    long, carry = bytearray(carry), b""
+                                if len(data) - end > LONG_EVENT:  # held in place from here (`_grow`)
+                                    with memoryview(data) as view:
+                                        long, carry = bytearray(view[end:]), b""
+                                else:
+                                    carry = data[end:]
+                                for_client = data[:end]
                             else:
                                 carry, for_client = b"", data
+                            data = b""
                         if for_client:
                             for_client = self._patched(for_client)
                         if keep is not None and for_client:

@@ -1,15 +1,22 @@
-"""Large SSE events before the first token, through the real gateway in front of scripted engines on
-loopback (issue 37 §11): token-level data an engine returns in its first events (vLLM's chat
-`return_token_ids` puts the prompt's `prompt_token_ids` in the role chunk,
+"""Large SSE events through the real gateway in front of scripted engines on loopback.
+
+Before the first token (issue 37 §11): token-level data an engine returns in its first events (vLLM's
+chat `return_token_ids` puts the prompt's `prompt_token_ids` in the role chunk,
 `vllm/entrypoints/openai/chat_completion/serving.py`; its completions `echo` with `prompt_logprobs`
 puts a record per prompt token in the first text chunk, `vllm/entrypoints/openai/completion/serving.py`)
 is relayed byte for byte from the one worker that produced it; one over the relay's bound
 (`max_body_bytes`) is refused once, clearly, never repeated on the other workers nor held against
-them."""
+them.
+
+Memory (issue 37 §7): a large event, which the relay holds whole until its end, costs the gateway
+about twice its size at the peak (held while it grows, then once as the bytes relayed), never a
+copy per step it passes through, nor its parsed objects; a small gzip stream decoding to it no more."""
 
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
+import zlib
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -125,3 +132,50 @@ def test_an_event_past_the_limit_before_the_first_token_is_refused_once(start_ga
     assert any(e.ended.wait(5) for e in started)  # the engine's connection was closed: it aborts the request
     assert workers_unblamed(gw)
 
+
+def gzip_stream(*parts: bytes) -> bytes:
+    encoder = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    return b"".join(encoder.compress(part) for part in parts) + encoder.flush()
+
+
+EVENT_MIB = 24
+
+
+@pytest.mark.parametrize("where", ["after_content", "before_content"])
+def test_a_large_event_in_a_small_gzip_stream_costs_about_twice_its_size(start_gateway: StartGateway,
+                                                                         engines: StartEngine, where: str) -> None:
+    """A ~25 KiB gzip stream holding one 24 MiB event (a content event then a long one; or, first,
+    a role chunk of 24 MiB of prompt token ids): the client gets every byte, and the gateway's traced
+    memory peaks below 2.6 times the event (the relay's held event, then the event relayed)."""
+    first = b"data: " + CHUNK + b'"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+    if where == "after_content":
+        big = b'data: {"x": "' + b"a" * (EVENT_MIB << 20) + b'"}\n\n'
+        plain = first + big + b"data: [DONE]\n\n"
+    else:
+        big = (b"data: " + CHUNK + b'"delta":{"role":"assistant","content":""},"finish_reason":null}],'
+               b'"prompt_token_ids":[' + b"7," * (EVENT_MIB << 19) + b"7]}\n\n")
+        plain = big + first + b"data: [DONE]\n\n"
+    body = gzip_stream(plain)
+    del big
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body))
+        for at in range(0, len(body), 4096):
+            writer.write(body[at:at + 4096])
+            await writer.drain()
+
+    engine = engines(answer)
+    gw = start_gateway([pool("p", "vllm", [engine.url], 131072)], health={"interval": 60}, load={"enabled": False})
+    size, tail = 0, b""
+    tracemalloc.start()
+    try:
+        with httpx.stream("POST", gw.v1 + "/chat/completions", timeout=60, json={
+                "model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "stream": True}) as response:
+            for chunk in response.iter_bytes():
+                size, tail = size + len(chunk), (tail + chunk)[-64:]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert response.status_code == 200 and size == len(plain) and plain.endswith(tail)
+    assert peak < 2.6 * (EVENT_MIB << 20), f"peak {peak / 2**20:.1f} MiB traced for a {EVENT_MIB} MiB event"
