@@ -563,6 +563,28 @@ def _grow(long: bytearray, chunk: bytes, limit: int) -> tuple[bytearray | None, 
     return None, rest, events
 
 
+def cut_events(carry: bytes, long: bytearray | None, chunk: bytes, limit: int) -> tuple[bytes, bytearray | None, bytes]:
+    """One read of an SSE body cut at its last event end, as `UpstreamStream.body` cuts it, for
+    another relay (the stored-response replay): given the unfinished event so far (`carry`, or
+    `long` once over LONG_EVENT bytes, held in place by `_grow`) and the next `chunk`, returns
+    `(carry, long, events)`: the unfinished event now and the whole events to relay. Raises
+    EventTooLarge when the unfinished event passes `limit` bytes."""
+    if long is not None:
+        long, carry, events = _grow(long, chunk, limit)
+        return carry, long, events
+    data = carry + chunk if carry else chunk
+    end = event_end(data)
+    if end == len(data):
+        return b"", None, data
+    if len(data) - end > LONG_EVENT:
+        with memoryview(data) as view:
+            long = bytearray(view[end:])
+        if len(long) > limit:
+            raise EventTooLarge(len(long))
+        return b"", long, data[:end]
+    return data[end:], None, data[:end]
+
+
 class _InBandError(Exception):
     """An engine's error event mid-stream, to continue after (args[0]: that event and what followed)."""
 
