@@ -65,6 +65,7 @@ from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.pd.attempt import PdAttempt
 from gateway.dispatch.pd.deferred import DeferredStream
 from gateway.dispatch.steps import decide
+from gateway.errors import UpstreamError
 from gateway.protocol.anthropic import STOP_REASONS, continuation_chat, message_end_events, sse_error, text_delta_event
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
@@ -467,6 +468,10 @@ class Migration:
                 self._tried.add(attempt.failed_worker(failure))
                 outcome = "failed"
                 continue
+            except UpstreamError:  # an event past max_body_bytes before its first token: any worker would send it
+                ledger.continuation_ended(pool.name, worker, Outcome.PROTOCOL_ERROR)
+                outcome = "failed"
+                break
             ledger.continuation_ended(pool.name, worker, Outcome.OK)
             self._kept_at.append(self.progress.generated)
             self._from, self._worker = self._worker, worker

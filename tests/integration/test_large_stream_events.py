@@ -15,6 +15,7 @@ copy per step it passes through, nor its parsed objects; a small gzip stream dec
 from __future__ import annotations
 
 import asyncio
+import itertools
 import tracemalloc
 import zlib
 from collections.abc import Callable, Iterator
@@ -179,3 +180,30 @@ def test_a_large_event_in_a_small_gzip_stream_costs_about_twice_its_size(start_g
         tracemalloc.stop()
     assert response.status_code == 200 and size == len(plain) and plain.endswith(tail)
     assert peak < 2.6 * (EVENT_MIB << 20), f"peak {peak / 2**20:.1f} MiB traced for a {EVENT_MIB} MiB event"
+
+
+def test_a_continuation_whose_first_event_is_past_the_limit_ends_the_stream_with_one_error(
+        start_gateway: StartGateway, engines: StartEngine) -> None:
+    """The first worker streams a token and dies; the continuation on the other worker (migration)
+    opens with an event past `max_body_bytes`: the client keeps its token and gets one SSE error
+    event (no `[DONE]`), no third attempt anywhere."""
+    posts = itertools.count()
+    token = b"data: " + CHUNK + b'"delta":{"role":"assistant","content":"hel"},"finish_reason":null}]}\n\n'
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        if next(posts) == 0:  # the first worker: a token, then the connection drops mid-stream
+            writer.write(ENDLESS_HEAD + b"%x\r\n%s\r\n" % (len(token), token))
+            await writer.drain()
+            writer.transport.abort()
+            return
+        await streamed(role_chunk_with_prompt_token_ids())(reader, writer, index)
+
+    gw, started = two_workers(start_gateway, engines, answer, max_body_bytes=1 << 20)
+    response = httpx.post(gw.v1 + "/chat/completions", json={
+        "model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5,
+        "return_token_ids": True}, timeout=60)
+    assert response.status_code == 200
+    events = [e for e in response.content.split(b"\n\n") if e]
+    assert events[0] + b"\n\n" == token and b"[DONE]" not in response.content, response.content[:500]
+    assert orjson.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
+    assert sum(len(e.post_connections) for e in started) == 2
