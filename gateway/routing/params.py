@@ -40,10 +40,9 @@ class EstimationConfig(Section):
     )
     pooling_special_tokens: int = Field(
         default=4, ge=0,
-        description="special tokens a pooling model's tokenizer adds to each sequence it embeds or scores, counted "
-        "per text input of an embeddings batch and per (query, document) pair of a rerank or score request: "
-        "[CLS] ... [SEP] around one text, XLM-RoBERTa's <s> q </s></s> d </s> around a pair (4); raise it for a "
-        "reranker whose score template wraps each pair in more")
+        description="special tokens a pooling model's tokenizer adds to each sequence (an embeddings input, a rerank "
+        "or score pair): 4 covers a cross-encoder's <s> q </s></s> d </s>; raise it for an LLM reranker's score "
+        "template")
     image_tokens_default: int = Field(
         default=1280, ge=0, description="cost of an image whose size cannot be read (e.g. an http URL)"
     )
