@@ -41,8 +41,8 @@ class EstimationConfig(Section):
     pooling_special_tokens: int = Field(
         default=4, ge=0,
         description="special tokens a pooling model's tokenizer adds to each sequence (an embeddings input, a rerank "
-        "or score pair): 4 covers a cross-encoder's <s> q </s></s> d </s>; raise it for an LLM reranker's score "
-        "template")
+        "or score pair): 4 covers the most a cross-encoder adds around a pair (XLM-RoBERTa's); raise it for an LLM "
+        "reranker's score template")
     image_tokens_default: int = Field(
         default=1280, ge=0, description="cost of an image whose size cannot be read (e.g. an http URL)"
     )
