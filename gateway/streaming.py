@@ -53,7 +53,7 @@ KEEPALIVE_COMMENT = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WH
 # Every error event holds this JSON string (OpenAI's `{"error": ...}`, Anthropic's and the Responses
 # API's `"type":"error"`, `response.failed`'s `"error"`); generated text cannot (its quotes are escaped).
 ERROR_KEY = b'"error"'
-MAX_PARTIAL_EVENT = 1 << 20  # before any content: a longer unfinished event, or more content-less events, fail over
+MAX_PARTIAL_EVENT = 1 << 20  # before any content: more bytes of small content-less events fail over
 LONG_EVENT = 64 * 1024  # an unfinished event past this is held in a growing buffer (linear, not copied per read)
 MAX_EVENT = 64 << 20  # the longest SSE event a stream relays by default (`max_body_bytes`'s default)
 
@@ -345,7 +345,7 @@ _EMPTY_VALUES: tuple[object, ...] = (None, "", [], {})
 _ANTHROPIC_EMPTY = frozenset({"message_start", "ping"})
 
 
-def classify_event(event: bytes) -> tuple[Held, bytes]:
+def classify_event(event: bytes | bytearray) -> tuple[Held, bytes]:
     """Whether one SSE event (its lines, without the blank line) carries anything for the client:
     `(verdict, data)` where data is its joined `data:` payload.
 
@@ -392,21 +392,30 @@ def classify_event(event: bytes) -> tuple[Held, bytes]:
     return Held.EMPTY, data
 
 
-async def first_content(response: UpstreamResponse, hold: float | None,
-                        sse: bool) -> tuple[bytes, AsyncIterator[bytes], bool]:
+async def first_content(response: UpstreamResponse, hold: float | None, sse: bool,
+                        max_event: int = MAX_EVENT) -> tuple[bytes, AsyncIterator[bytes], bool]:
     """Read a stream until its first content, holding what comes before: `(held, rest, content)`.
 
     `held` is every byte read so far, unchanged; `content` is False when `hold` seconds passed
     first (a long prefill: the caller commits the response and relays the rest). Events without
     content (`classify_event`) are held so that an engine that fails before its first token fails
     over to another worker unseen by the client. A non-SSE body counts its first byte as content.
+
+    Token-level data before the first token is output (`_scan`: an event over LONG_EVENT bytes;
+    vLLM's first chat chunk carries the prompt's `prompt_token_ids` with `return_token_ids`,
+    `vllm/entrypoints/openai/chat_completion/serving.py`, its completions chunk with `echo` and
+    `prompt_logprobs` a record per prompt token, `vllm/entrypoints/openai/completion/serving.py`):
+    the worker answered, so the response is committed and never tried on another worker. One event
+    that has not ended yet is held whole up to `max_event` bytes (the relay's own bound); past it
+    EventTooLarge (the response closed): the worker sent what the request asked for, or a line
+    without end; either way no other worker is to repeat it.
+
     Raises AttemptFailed (and closes the response) when the engine fails, ends or sends an error
-    event before any content, or over `MAX_PARTIAL_EVENT` bytes without content (content-less events,
-    or one event that does not end: a line without its newline); an error saying the prompt is too
-    long is Outcome.TOO_LONG.
+    event before any content, or over `MAX_PARTIAL_EVENT` bytes of small events without content (a
+    flood of comments or empty chunks); an error saying the prompt is too long is Outcome.TOO_LONG.
     """
     chunks = response.chunks()
-    held = b""
+    held: bytes | bytearray = b""  # a bytearray once it holds over LONG_EVENT bytes (appends in place)
     scanned = 0
     try:
         try:
@@ -415,26 +424,28 @@ async def first_content(response: UpstreamResponse, hold: float | None,
                     chunk = await anext(chunks, b"")
                     if not chunk:
                         if held and sse and _scan(held, scanned, len(held), response.redact):
-                            return held, chunks, True  # a whole answer whose last event lacks its blank line
+                            return _taken(held), chunks, True  # a whole answer whose last event lacks its blank line
                         raise AttemptFailed(Outcome.PROTOCOL_ERROR, "engine ended the stream before any content"
                                             if held else "engine answered 200 with an empty body", answered=True)
+                    seam = max(scanned, len(held) - 3)  # an event's end (up to 4 bytes) may straddle the reads
+                    if type(held) is bytes and len(held) + len(chunk) > LONG_EVENT:
+                        held = bytearray(held)
                     held += chunk
                     if not sse:
-                        return held, chunks, True
-                    end = event_end(held)
+                        return _taken(held), chunks, True
+                    end = event_end(held, start=seam)
                     if end > scanned:
                         if _scan(held, scanned, end, response.redact):
-                            return held, chunks, True
+                            return _taken(held), chunks, True
                         scanned = end
-                    if scanned > MAX_PARTIAL_EVENT:  # no engine sends that much before a token: fail over
+                    if scanned > MAX_PARTIAL_EVENT:  # a flood of content-less events: fail over
                         raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine sent {scanned} bytes of events "
                                             "without content", answered=True)
-                    if len(held) - scanned > MAX_PARTIAL_EVENT:  # one line without end (no newline): fail over
-                        raise AttemptFailed(Outcome.PROTOCOL_ERROR, f"engine sent over {MAX_PARTIAL_EVENT} bytes "
-                                            "of one unfinished event before any content", answered=True)
+                    if len(held) - scanned > max_event:  # one event past the relay's bound (or a line without end)
+                        raise EventTooLarge(len(held) - scanned)
         except TimeoutError:
             if window.expired():
-                return held, chunks, False
+                return _taken(held), chunks, False
             raise
     except TransportError as exc:
         await response.aclose()
@@ -445,20 +456,35 @@ async def first_content(response: UpstreamResponse, hold: float | None,
         raise
 
 
+def _taken(held: bytes | bytearray) -> bytes:
+    """What `first_content` held, as bytes; a bytearray is emptied (its memory freed at once)."""
+    if not isinstance(held, bytearray):
+        return held
+    data = bytes(held)
+    held.clear()
+    return data
+
+
 _EVENT_BREAK = re.compile(rb"\r?\n\r?\n")
 
 
-def _scan(data: bytes, start: int, end: int, redact: Redactor) -> bool:
+def _scan(data: bytes | bytearray, start: int, end: int, redact: Redactor) -> bool:
     """True when an event of `data[start:end]` has content; raises AttemptFailed on an error event
     (its payload with `redact`'s secrets taken out).
 
     Looks at one event at a time and stops at the first with content: an engine's first read often
-    holds the whole answer, and splitting all of it cost ~10 % of the relay's CPU."""
+    holds the whole answer, and splitting all of it cost ~10 % of the relay's CPU. An event over
+    LONG_EVENT bytes counts as content whatever it says (a role chunk carrying token-level data is
+    the worker's output: the response is committed); one over MAX_PARTIAL_EVENT bytes is not even
+    parsed (its objects would take many times its size)."""
     pos = start
     while pos < end:
         brk = _EVENT_BREAK.search(data, pos, end)
-        verdict, payload = classify_event(data[pos:brk.start() if brk else end])
-        if verdict is Held.CONTENT:
+        stop = brk.start() if brk else end
+        if stop - pos > MAX_PARTIAL_EVENT:
+            return True
+        verdict, payload = classify_event(data[pos:stop])
+        if verdict is Held.CONTENT or (verdict is Held.EMPTY and stop - pos > LONG_EVENT):
             return True
         if verdict is Held.ERROR:
             raise _error_event(redact(payload))
@@ -520,7 +546,8 @@ def _grow(long: bytearray, chunk: bytes, limit: int) -> tuple[bytearray | None, 
     """An unfinished event held in `long` (over `LONG_EVENT` bytes) and the `chunk` read after it:
     `(long, carry, events)`: the unfinished event still held (None once it ended), the small rest
     after the last event's end, and the whole events to relay now. Raises EventTooLarge when the
-    event passes `limit` bytes without ending."""
+    event passes `limit` bytes without ending. Once the event ended, `long` is emptied (its memory
+    freed at once, not when the caller drops it): the event is then held once, as `events`."""
     seam = max(0, len(long) - 3)  # an event's end (up to 4 bytes) may straddle the two
     long += chunk
     end = event_end(long, start=seam)
@@ -528,10 +555,34 @@ def _grow(long: bytearray, chunk: bytes, limit: int) -> tuple[bytearray | None, 
         if len(long) > limit:
             raise EventTooLarge(len(long))
         return long, b"", b""
-    data = bytes(long)
+    with memoryview(long) as view:
+        events, rest = bytes(view[:end]), bytes(view[end:])
+    long.clear()
+    if len(rest) > LONG_EVENT:
+        return bytearray(rest), b"", events
+    return None, rest, events
+
+
+def cut_events(carry: bytes, long: bytearray | None, chunk: bytes, limit: int) -> tuple[bytes, bytearray | None, bytes]:
+    """One read of an SSE body cut at its last event end, as `UpstreamStream.body` cuts it, for
+    another relay (the stored-response replay): given the unfinished event so far (`carry`, or
+    `long` once over LONG_EVENT bytes, held in place by `_grow`) and the next `chunk`, returns
+    `(carry, long, events)`: the unfinished event now and the whole events to relay. Raises
+    EventTooLarge when the unfinished event passes `limit` bytes."""
+    if long is not None:
+        long, carry, events = _grow(long, chunk, limit)
+        return carry, long, events
+    data = carry + chunk if carry else chunk
+    end = event_end(data)
+    if end == len(data):
+        return b"", None, data
     if len(data) - end > LONG_EVENT:
-        return bytearray(data[end:]), b"", data[:end]
-    return None, data[end:], data[:end]
+        with memoryview(data) as view:
+            long = bytearray(view[end:])
+        if len(long) > limit:
+            raise EventTooLarge(len(long))
+        return b"", long, data[:end]
+    return data[end:], None, data[:end]
 
 
 class _InBandError(Exception):
@@ -658,7 +709,7 @@ class UpstreamStream:
         carry = b""
         long: bytearray | None = None  # an unfinished event over LONG_EVENT bytes (`_grow`)
         try:
-            for_client = self._first
+            for_client, self._first = self._first, b""  # held here only (a large first read is freed with it)
             chunks = self._rest
             waiting = self._waiting
             while True:
@@ -671,11 +722,15 @@ class UpstreamStream:
                             data = carry + for_client if carry else for_client
                             end = event_end(data)
                             if end < len(data):
-                                carry, for_client = data[end:], data[:end]
-                                if len(carry) > LONG_EVENT:
-                                    long, carry = bytearray(carry), b""
+                                if len(data) - end > LONG_EVENT:  # held in place from here (`_grow`)
+                                    with memoryview(data) as view:
+                                        long, carry = bytearray(view[end:]), b""
+                                else:
+                                    carry = data[end:]
+                                for_client = data[:end]
                             else:
                                 carry, for_client = b"", data
+                            data = b""
                         if for_client:
                             for_client = self._patched(for_client)
                         if keep is not None and for_client:

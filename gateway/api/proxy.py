@@ -42,6 +42,12 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
+SEND_PIECE = 1 << 20
+"""The most bytes of a relayed stream handed to the server in one `send`: a longer chunk (one large
+event, held whole until its end) goes out in pieces of this size, each after the one before has
+drained (uvicorn waits for its transport below its high-water mark before writing), so the server
+never holds another copy of a whole large event."""
+
 
 class ClientGone(Exception):
     """The client disconnected while we were still reading its body."""
@@ -354,6 +360,11 @@ async def relay(dialect: Dialect, result: RelayResponse, ledger: Ledger, send: S
                                      None))
             started = True
             async for chunk in body:
+                if len(chunk) > SEND_PIECE:
+                    for at in range(0, len(chunk), SEND_PIECE):
+                        await send({"type": "http.response.body", "body": chunk[at:at + SEND_PIECE],
+                                    "more_body": True})
+                    continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
     except TimeoutError:

@@ -51,6 +51,7 @@ from gateway.api.proxy import Receive, Send, cancelled, relay, request_id_of, st
 from gateway.api.schemas import ResponseObject, error_responses
 from gateway.auth.middleware import principal_of
 from gateway.backends.control import describe_transport_error
+from gateway.backends.encoding import DecodeError, UnsupportedEncoding, codings_of, decoded
 from gateway.dialects.names import RESPONSES
 from gateway.dialects.registry import dialect_for
 from gateway.dispatch.answers import SSE_CONTENT_TYPE, RelayResponse
@@ -64,9 +65,10 @@ from gateway.errors import (
 )
 from gateway.http_answers import error_response
 from gateway.protocol.responses import RESPONSE_ID_MAX
-from gateway.protocol.sse import SSETap, event_end
+from gateway.protocol.sse import SSETap
 from gateway.routing.response_affinity import ResponseNotFound, owner_of
 from gateway.state import AppState
+from gateway.streaming import EventTooLarge, cut_events
 
 _PASSED_QUERY = ("include", "include_obfuscation", "stream", "starting_after")
 
@@ -125,7 +127,7 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
                                           state.metrics, principal)
             ledger.in_pool(pool.name)
             ledger.served_by(worker)
-            headers = {"accept": "application/json, text/event-stream"}
+            headers = {"accept": "application/json, text/event-stream", "accept-encoding": "identity"}
             if pool.api_key is not None:
                 headers["authorization"] = f"Bearer {pool.api_key.get_secret_value()}"
             params = {k: v for k, v in request.query_params.items() if k in _PASSED_QUERY}
@@ -143,11 +145,13 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
             finish = False
             total = state.config.timeouts.total
             where = [(b"x-kimi-gateway-pool", pool.name.encode()), (b"x-kimi-gateway-worker", worker.id.encode())]
-            return _Replay(upstream, ledger, None if total is None else arrived + total, total, where)
+            return _Replay(ReplayStream(upstream, ledger, state.config.max_decoded_bytes, state.config.max_body_bytes),
+                           ledger, None if total is None else arrived + total, total, where)
         route = {"x-kimi-gateway-pool": pool.name, "x-kimi-gateway-worker": worker.id,
                  "x-request-id": record.request_id}
         try:
-            status, body = upstream.status_code, await _drain(upstream, url, state.config.max_body_bytes)
+            status, body = upstream.status_code, await _drain(upstream, url, state.config.max_body_bytes,
+                                                              state.config.max_decoded_bytes)
         except GatewayError as exc:
             ledger.answered_with_error(exc.status, exc.message)
             answer = error_response(exc)
@@ -212,14 +216,28 @@ async def _open(client: httpx.AsyncClient, method: str, url: str, headers: dict[
                             f"({describe_transport_error(exc, url)}).") from None
 
 
-async def _drain(response: httpx.Response, url: str, max_bytes: int) -> bytes:
-    """The whole body of an opened response, within CONTROL_DEADLINE_S and `max_bytes`; closes it.
-    Raises UpstreamTimeout or UpstreamError (also for a body over `max_bytes`)."""
+def _identity_body(response: httpx.Response, decoded_limit: int) -> AsyncIterator[bytes]:
+    """An opened response's body as identity bytes, as they arrive: the transfer-decoded bytes
+    (`aiter_raw`), a content coding the engine applied although it was asked for identity decoded
+    incrementally by the relay's own decoder (`backends/encoding.py`: gzip and deflate, at most
+    64 KiB per step, DecodeError past `decoded_limit` decoded bytes), never by httpx's (which
+    decodes a whole read at once, with no limit). Raises UnsupportedEncoding at once for a coding it
+    cannot decode."""
+    codings = codings_of(response.headers.get("content-encoding"))
+    raw = response.aiter_raw()
+    return decoded(raw, codings, decoded_limit) if codings else raw
+
+
+async def _drain(response: httpx.Response, url: str, max_bytes: int, decoded_limit: int) -> bytes:
+    """The whole body of an opened response (identity bytes, `_identity_body`), within
+    CONTROL_DEADLINE_S and `max_bytes`; closes it. Raises UpstreamTimeout or UpstreamError (also
+    for a body over `max_bytes`, one encoded in a coding the gateway cannot decode, or a broken
+    encoded one)."""
     try:
         async with asyncio.timeout(CONTROL_DEADLINE_S):
             chunks: list[bytes] = []
             size = 0
-            async for chunk in response.aiter_bytes():
+            async for chunk in _identity_body(response, decoded_limit):
                 size += len(chunk)
                 if size > max_bytes:
                     raise UpstreamError(f"The stored response is larger than this gateway relays ({max_bytes} "
@@ -231,6 +249,9 @@ async def _drain(response: httpx.Response, url: str, max_bytes: int) -> bytes:
     except httpx.HTTPError as exc:
         raise UpstreamError(f"The worker storing the response broke off its answer "
                             f"({describe_transport_error(exc, url)}).") from None
+    except (DecodeError, UnsupportedEncoding) as exc:
+        raise UpstreamError(f"The worker storing the response sent an answer the gateway cannot relay ({exc}).") \
+            from None
     finally:
         await response.aclose()
     return b"".join(chunks)
@@ -242,27 +263,39 @@ class ReplayStream:
     as they come. Facts for the ledger, once per stream: the first byte, a broken end
     (`upstream_error`).
 
+    Bounds, as the generation relay's (`gateway.streaming.UpstreamStream`): the body is decoded to
+    identity incrementally, at most `decoded_limit` bytes (`max_decoded_bytes`) of a content coding
+    the engine applied unasked (`_identity_body`), and an unfinished event is held at most
+    `max_event` bytes (`max_body_bytes`: a line without end); past either the replay is broken.
+
     A replay is whole when it reaches a Responses stream's last event (`response.completed`,
     `response.incomplete`, `response.failed`: `gateway.protocol.sse.SSETap`). One that breaks (the
-    connection fails, or it ends before that event) is told to the client: before any byte by
-    `opening` (the answer is then an error status), after by one Responses `error` event
-    (`Dialect.stream_error`) and no terminal event; an engine that sent its own `error` event gets no
-    second one."""
+    connection fails, a bound above is passed, or it ends before that event) is told to the client:
+    before any byte by `opening` (the answer is then an error status), after by one Responses
+    `error` event (`Dialect.stream_error`) and no terminal event; an engine that sent its own
+    `error` event and then broke its connection gets no second one."""
 
     sse = True
 
-    def __init__(self, response: httpx.Response, ledger: Ledger) -> None:
+    def __init__(self, response: httpx.Response, ledger: Ledger, decoded_limit: int, max_event: int) -> None:
         self._response = response
         self._ledger = ledger
-        self._chunks = response.aiter_bytes()
+        self._decoded_limit = decoded_limit
+        self._max_event = max_event
+        self._chunks: AsyncIterator[bytes] | None = None  # the identity body, from `opening`
         self._head = b""  # bytes `opening` read before the answer started
         self._pending: asyncio.Future[bytes] | None = None  # a read `opening` left running
         self._tap = SSETap(RESPONSES)
 
     async def opening(self, wait: float) -> str | None:
         """Wait up to `wait` seconds for the replay's first bytes, before the client's answer starts:
-        why the replay failed when it broke or ended before any byte, else None (they came, or are
-        still on their way: the relay waits for them)."""
+        why the replay failed when it broke or ended before any byte (or came in a content coding
+        the gateway cannot decode), else None (they came, or are still on their way: the relay waits
+        for them)."""
+        try:
+            self._chunks = _identity_body(self._response, self._decoded_limit)
+        except UnsupportedEncoding as exc:
+            return str(exc)
         pending = asyncio.ensure_future(anext(self._chunks, b""))
         try:
             done, _ = await asyncio.wait((pending,), timeout=wait)
@@ -276,6 +309,8 @@ class ReplayStream:
             self._head = pending.result()
         except httpx.HTTPError as exc:
             return f"the worker's replay broke before its first byte ({type(exc).__name__})"
+        except DecodeError as exc:
+            return f"the worker's replay broke before its first byte ({exc})"
         return None if self._head else "the worker ended the replay without sending an event"
 
     async def _next(self) -> bytes:
@@ -285,31 +320,38 @@ class ReplayStream:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             return await pending
+        assert self._chunks is not None, "opening() was not awaited"
         return await anext(self._chunks, b"")
 
     async def body(self) -> AsyncIterator[bytes]:
         """The engine's bytes cut at event ends; a broken end adds the error event (class docstring)."""
-        tap, carry = self._tap, b""
+        tap, carry, long = self._tap, b"", None
+        said = True  # an engine's own error event, as the client's last, says why it broke
         try:
             while chunk := await self._next():
                 self._ledger.first_byte()
                 tap.feed(chunk)
-                data = carry + chunk if carry else chunk
-                end = event_end(data)
-                carry, whole = data[end:], data[:end]
+                carry, long, whole = cut_events(carry, long, chunk, self._max_event)
                 if whole:
                     yield whole
             tap.end()
             why = None if tap.done else "the worker's replay ended without its last event"
         except httpx.HTTPError as exc:
             why = None if tap.done else f"the worker's replay broke ({type(exc).__name__})"
+        except DecodeError as exc:
+            why = None if tap.done else f"the worker's replay broke ({exc})"
+        except EventTooLarge:
+            why, said, long = f"the worker's replay sent an event of over {self._max_event} bytes", False, None
+        if long is not None:
+            carry = bytes(long)
+            long.clear()
         if why is None:
             if carry:  # a whole replay whose last event lacks its blank line
                 yield carry
             await self.aclose()
             return
         await self.aclose()
-        if tap.failed and not carry:  # the engine said why: its error event was the client's last
+        if said and tap.failed and not carry:  # the engine said why: its error event was the client's last
             self._ledger.stream_broken(f"{why}, after its error event")
             return
         self._ledger.stream_broken(f"{why} after {tap.events} events")
@@ -334,10 +376,10 @@ class _Replay(Response):
     shutdown grace period (serve's guard) and uvicorn cancelling the request at its own
     graceful-shutdown timeout (`shutting_down`) are told apart as there. The ledger is finished here."""
 
-    def __init__(self, upstream: httpx.Response, ledger: Ledger, deadline: float | None, total: float | None,
+    def __init__(self, stream: ReplayStream, ledger: Ledger, deadline: float | None, total: float | None,
                  headers: list[tuple[bytes, bytes]]) -> None:
         super().__init__()
-        self._stream = ReplayStream(upstream, ledger)
+        self._stream = stream
         self._route = headers
         self._result = RelayResponse(self._stream, SSE_CONTENT_TYPE, headers)
         self._ledger = ledger

@@ -7,7 +7,14 @@ joined; vLLM's `ServingScores` for cross-encoders, `vllm/entrypoints/pooling/sco
 the context a pool must hold is the longest sequence (`RoutingRequest.prompt_tokens`) and the key's
 token quota is charged all of them (`batch_prompt_tokens`); the output reservation is 0. Text is
 counted by the gateway's estimator (`routing/tokens.py`), token ids one each, chat messages as chat
-counts them (the template's tokens per message), images at their default cost. No prefix hashes:
+counts them (the template's tokens per message), images at their default cost. A sequence the engine
+tokenizes from text also gets the special tokens its tokenizer adds (`estimation.pooling_special_tokens`,
+4): vLLM tokenizes an embeddings input with `add_special_tokens` on by default
+(`vllm/entrypoints/pooling/base/protocol.py`, `CompletionRequestMixin`) and a cross-encoder's pair as
+`tokenizer(text=query, text_pair=document)` with them (`vllm/entrypoints/pooling/scoring/io_processor.py`;
+`scoring/utils.py` `get_num_special_tokens_for_pair`: BERT's `[CLS] q [SEP] d [SEP]` 3, XLM-RoBERTa's
+`<s> q </s></s> d </s>` 4), so a rerank of many short documents costs several times its text's
+tokens; token ids are taken as they are, a chat-template sequence has its template's count. No prefix hashes:
 an embedding request leaves no KV cache to route to (`prefix` None, so the dispatch neither looks
 prefixes up nor records them). Usage (`prompt_tokens`, `total_tokens`; vLLM's older rerank answers
 only `total_tokens`) settles the quota; errors are OpenAI's error object.
@@ -139,6 +146,8 @@ def pooling_features(api: Api, sequences: list[Sequence], model: str, estimator:
         tokens = ids + images * config.image_tokens_default
         if messages:
             tokens += config.tokens_per_request + config.tokens_per_message * messages
+        elif text or images:  # tokenized by the engine, which adds its special tokens (module docstring)
+            tokens += config.pooling_special_tokens
         counts.append(tokens + (estimator.utf8_tokens(text) if text else 0))
     has_text = any(s[0] for s in sequences) or not any(s[1] for s in sequences)
     images = any(s[3] for s in sequences)

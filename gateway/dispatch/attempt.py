@@ -45,6 +45,7 @@ from gateway.backends.worker import Worker
 from gateway.dialects.names import Api
 from gateway.dialects.registry import DIALECTS
 from gateway.dispatch.answers import (
+    NO_CLIENT_RETRY,
     BufferedResponse,
     RelayResponse,
     json_answer_usage,
@@ -61,6 +62,7 @@ from gateway.state import AppState
 from gateway.streaming import (
     AnswerTooLarge,
     AttemptFailed,
+    EventTooLarge,
     Holding,
     Outcome,
     UpstreamStream,
@@ -275,11 +277,14 @@ class SingleLeg(Attempt):
                 content = True
                 if request.stream:  # `content` False: still prefilling; commit and send keep-alives
                     sse = response.headers.get("content-type", "").startswith("text/event-stream")
-                    first, rest, content = await first_content(response, hold_window(timeouts, ledger.record), sse)
+                    first, rest, content = await first_content(response, hold_window(timeouts, ledger.record), sse,
+                                                               state.config.max_body_bytes)
                 else:
                     first, rest = await first_chunk(response)
         except TimeoutError:
             raise timed_out(probe.moved, answered, header_wait, budget) from None
+        except EventTooLarge as exc:
+            raise self._event_too_large(int(exc.args[0])) from None
         content_type = self._accepted(response)
         if request.stream:
             return self._relay(holding, response, first, rest, content, content_type)
@@ -342,6 +347,19 @@ class SingleLeg(Attempt):
                                  f"bytes); ask for fewer tokens or completions, or stream it.")
         self._ended(f"broken answer: {exc}")
         return UpstreamError(f"The inference server failed while sending its answer ({exc}).")
+
+    def _event_too_large(self, size: int) -> UpstreamError:
+        """The error for a stream whose engine sent one event over `max_body_bytes` before its first
+        content (`first_content`): token-level data the request asked for (`prompt_logprobs` on a
+        long prompt), or a line without end. Given once: not retried on another worker (it would
+        redo the whole prefill), not by the client either (`x-should-retry: false`), and held
+        against nobody (a client must not be able to eject workers by asking for it)."""
+        self._ledger.answer_broken()
+        limit = self._state.config.max_body_bytes
+        return UpstreamError(f"The inference server sent a stream event of over {size} bytes before the first "
+                             f"token, more than this gateway relays ({limit} bytes); ask for less token-level data "
+                             "(prompt_logprobs, prompt token ids) on a prompt this long.",
+                             headers=dict(NO_CLIENT_RETRY))
 
     def _ended(self, failure: str | None) -> None:
         """Passive health counts whole answers: a stream that breaks after its first byte too."""

@@ -51,7 +51,7 @@ client's own prefill). Responses streams are not migrated.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -70,6 +70,7 @@ from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.pd.attempt import PdAttempt
 from gateway.dispatch.pd.deferred import DeferredStream
 from gateway.dispatch.steps import decide
+from gateway.errors import UpstreamError
 from gateway.protocol.anthropic import STOP_REASONS, continuation_chat, message_end_events, sse_error, text_delta_event
 from gateway.routing.features import CACHE_PARTITION_FIELDS, RoutingRequest
 from gateway.state import AppState
@@ -124,14 +125,27 @@ _THINKING = b'"thinking_delta"'
 _BLOCK_EVENT = b'"content_block_st'  # content_block_start / content_block_stop
 
 
-def _data_events(events: bytes) -> list[bytes]:
-    """The `data:` payloads of whole SSE events (one line each, as the engines write them)."""
-    out = []
-    for event in _EVENT_BREAK.split(events):
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                out.append(line[5:].strip())
-    return out
+PARSED_EVENT_MAX = 1 << 20
+"""Bytes of one event at most that `Progress` parses (for the stream's identity, a usage object, a
+Messages block): a larger one (token-level data: a prompt's token ids or logprobs) is not parsed,
+so an event of many MiB never costs many times its size in parsed objects; the events around it
+carry the same fields."""
+
+
+def _data_events(events: bytes) -> Iterator[bytes]:
+    """The `data:` payloads of whole SSE events (one line each, as the engines write them), one at
+    a time; an event over `PARSED_EVENT_MAX` bytes is passed over without being copied."""
+    pos = 0
+    while True:
+        brk = _EVENT_BREAK.search(events, pos)
+        end = len(events) if brk is None else brk.start()
+        if end - pos <= PARSED_EVENT_MAX:
+            for line in events[pos:end].split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+        if brk is None:
+            return
+        pos = brk.end()
 
 
 class Progress:
@@ -160,7 +174,10 @@ class Progress:
         self.block: tuple[int, str] | None = None  # a Messages stream's open content block: (index, type)
 
     def keep(self, events: bytes) -> None:
-        """Hold whole events the client was sent (parsed later, in batches)."""
+        """Hold whole events the client was sent (parsed later, in batches; a large read is read
+        alone, never joined to a copy with the ones before it)."""
+        if len(events) > FOLD_BYTES and self._raw:
+            self.fold()
         self._raw.append(events)
         self._size += len(events)
         if self._size > FOLD_BYTES:
@@ -178,12 +195,16 @@ class Progress:
         if self.ident is None:
             self._first_event(data)
         both = b'"reasoning_content"' in data  # an engine that writes both names: one of them is read
+        text: list[bytes] = []
+        reasoning: list[bytes] = []
         for match in _PIECE.finditer(data):
             name, piece = match.groups()
             if not piece or (both and name == b"reasoning"):
                 continue
-            (self._text if name == b"content" or name == b"text" else self._reasoning).append(piece)
+            (text if name == b"content" or name == b"text" else reasoning).append(piece)
             self.tokens += 1
+        _add(self._text, text)
+        _add(self._reasoning, reasoning)
         if not self.tool_call and b'"tool_calls"' in data and _TOOL_CALL.search(data):
             self.tool_call = True
         if not self.finished and b'"finish_reason"' in data and _FINISH.search(data):
@@ -465,6 +486,10 @@ class Migration:
                 self._tried.add(attempt.failed_worker(failure))
                 outcome = "failed"
                 continue
+            except UpstreamError:  # an event past max_body_bytes before its first token: any worker would send it
+                ledger.continuation_ended(pool.name, worker, Outcome.PROTOCOL_ERROR)
+                outcome = "failed"
+                break
             ledger.continuation_ended(pool.name, worker, Outcome.OK)
             self._kept_at.append(self.progress.generated)
             self._from, self._worker = self._worker, worker
@@ -670,6 +695,22 @@ class Migration:
         if self.prefilled:
             self._ledger.migration_prefilled(self._pool.name, self.prefilled)
         return usage
+
+
+def _add(kept: list[bytes], pieces: list[bytes]) -> None:
+    """Keep one fold's JSON string bodies as one (a piece per fold, not per token: a stream of
+    millions of one-token chunks costs its text's bytes, not an object per chunk); pieces that do
+    not decode (no engine writes them) are kept apart, for `_decoded` to drop."""
+    if len(pieces) > 1:
+        joined = b"".join(pieces)
+        try:
+            orjson.loads(b'"' + joined + b'"')
+        except orjson.JSONDecodeError:
+            kept.extend(pieces)
+            return
+        kept.append(joined)
+    elif pieces:
+        kept.append(pieces[0])
 
 
 def _decoded(pieces: list[bytes]) -> str:

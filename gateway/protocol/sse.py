@@ -12,6 +12,7 @@ a typed event is known by its parsed type (its `event:` line, its JSON `type`), 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,8 @@ from gateway.dialects.registry import dialect_for
 from gateway.protocol.anthropic import merge_stream_usage, openai_usage
 from gateway.protocol.responses import chat_usage, response_id_of
 
-# A line longer than this is not tracked (no engine sends one; it bounds memory).
+# A line longer than this is not tracked when it arrives in pieces, nor parsed whole when it arrives in
+# one read: only its usage object is (`_usage_object`); it bounds memory.
 MAX_CARRY_BYTES = 1 << 20
 
 
@@ -129,7 +131,14 @@ class SSETap:
         the whole prompt in `message_start`, its uncached part and its cache fields in
         `message_delta`; SGLang: zeros in `message_start`, all in `message_delta`; llama.cpp: the
         prompt only in `message_start`, as Anthropic; `gateway/sim/anthropic.py`), so the prompt is
-        counted once, and a zero in one event never hides a count another one reported."""
+        counted once, and a zero in one event never hides a count another one reported. A line over
+        MAX_CARRY_BYTES (token-level data) has only its usage object parsed (`_usage_object`), read in
+        the chat names (`chat_usage`)."""
+        if len(line) > MAX_CARRY_BYTES:  # token-level data: parse its usage object alone (`_usage_object`)
+            usage = _usage_object(line)
+            if usage is not None:
+                self.usage = chat_usage(usage)
+            return
         try:
             event = orjson.loads(line[5:].strip())
         except orjson.JSONDecodeError:
@@ -170,7 +179,8 @@ def _has_type(lines: bytes, name: bytes, json_type: bool) -> bool:
     value (after the one optional space SSE allows, without a `\r`) is `name`, or, when `json_type`,
     a `data:` line whose JSON object's top-level `type` is `name`. Only lines holding `name` are read;
     a `data:` line is parsed only when it holds `name` as a JSON string, so text that mentions it is
-    never an event of that type (a raw `"` cannot occur inside a JSON string)."""
+    never an event of that type (a raw `"` cannot occur inside a JSON string); one over
+    MAX_CARRY_BYTES is searched for its `"type": name` member instead of being parsed."""
     quoted = b'"' + name + b'"'
     text = name.decode()
     pos = lines.find(name)
@@ -184,14 +194,60 @@ def _has_type(lines: bytes, name: bytes, json_type: bool) -> bool:
             if (value[1:] if value.startswith(b" ") else value) == name:
                 return True
         elif json_type and line.startswith(b"data:") and quoted in line:
-            try:
-                event = orjson.loads(line[5:])
-            except orjson.JSONDecodeError:
-                event = None
-            if isinstance(event, dict) and event.get("type") == text:
-                return True
+            if len(line) > MAX_CARRY_BYTES:  # token-level data: its `"type": name` member, not parsed whole
+                if re.search(rb'"type"\s*:\s*' + re.escape(quoted), line):
+                    return True
+            else:
+                try:
+                    event = orjson.loads(line[5:])
+                except orjson.JSONDecodeError:
+                    event = None
+                if isinstance(event, dict) and event.get("type") == text:
+                    return True
         pos = lines.find(name, end)
     return False
+
+
+USAGE_OBJECT_MAX = 64 * 1024
+"""Bytes of a usage object at most that `_usage_object` reads (one is a few hundred)."""
+_USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
+
+
+def _usage_object(line: bytes) -> dict[str, Any] | None:
+    """The last `"usage": {...}` object of a long event line (a chat chunk's own, or the Responses
+    API's final event's, near its end), parsed alone: the line's token-level data (a prompt's
+    token ids or logprobs) is never parsed into objects. None when there is none, or it is not a
+    JSON object of at most USAGE_OBJECT_MAX bytes."""
+    pos = line.rfind(b'"usage"')
+    found = None
+    while pos >= 0 and (found := _USAGE_KEY.match(line, pos)) is None:
+        pos = line.rfind(b'"usage"', 0, pos)
+    if found is None:
+        return None
+    start = found.end() - 1
+    depth, in_string, escaped = 0, False, False
+    for at in range(start, min(len(line), start + USAGE_OBJECT_MAX)):
+        byte = line[at]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte == 0x7B:
+            depth += 1
+        elif byte == 0x7D:
+            depth -= 1
+            if depth == 0:
+                try:
+                    usage = orjson.loads(line[start:at + 1])
+                except orjson.JSONDecodeError:
+                    return None
+                return usage if isinstance(usage, dict) else None
+    return None
 
 
 def event_end(data: bytes | bytearray, stop: int | None = None, start: int = 0) -> int:

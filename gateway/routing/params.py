@@ -38,6 +38,11 @@ class EstimationConfig(Section):
     tokens_per_request: int = Field(
         default=32, ge=0, description="fixed chat overhead: assistant header, a default system prompt"
     )
+    pooling_special_tokens: int = Field(
+        default=4, ge=0,
+        description="special tokens a pooling model's tokenizer adds to each sequence (an embeddings input, a rerank "
+        "or score pair): 4 covers the most a cross-encoder adds around a pair (XLM-RoBERTa's); raise it for an LLM "
+        "reranker's score template")
     image_tokens_default: int = Field(
         default=1280, ge=0, description="cost of an image whose size cannot be read (e.g. an http URL)"
     )

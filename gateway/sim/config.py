@@ -222,6 +222,10 @@ class SimConfig(BaseModel):
         "`gateway.sim.pooling`), as vLLM does only for a pooling model; without it they are not found")
     embedding_dimensions: int = Field(default=64, ge=1, description="the length of an embedding vector before "
                                       "a request's `dimensions` shortens it")
+    pooling_special_tokens: int = Field(
+        default=0, ge=0, description="special tokens the simulated pooling model's tokenizer adds to each "
+        "sequence it tokenizes from text: an embeddings text, a rerank or score pair (`gateway.sim.pooling`); "
+        "a BERT cross-encoder adds 3 to a pair, XLM-RoBERTa 4")
     ttft_s: float = Field(default=0.0, ge=0.0)
     tpot_s: float = Field(default=0.0, ge=0.0)
     default_output_tokens: int | None = Field(

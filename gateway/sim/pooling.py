@@ -24,7 +24,10 @@ shapes are not simulated):
   each input of the other, two lists item by item).
 
 A relevance score is (1 + the cosine of the two inputs' vectors) / 2: 1.0 for identical inputs.
-Tokens are the simulator's (`gateway.sim.tokens`): a pair is its two inputs' tokens. Errors are the
+Tokens are the simulator's (`gateway.sim.tokens`): a pair is its two inputs' tokens, plus
+`SimConfig.pooling_special_tokens` for each sequence tokenized from text (an embeddings text, a pair),
+as vLLM's tokenizer call adds the model's special tokens (`vllm/entrypoints/pooling/scoring/io_processor.py`,
+`tokenizer(text=..., text_pair=...)`; `pooling/base/protocol.py`, `add_special_tokens` on by default). Errors are the
 engine's: its validation error for a field its pydantic model refuses (`encoding_format` other than
 float or base64, which the simulator does not serve as `bytes`; `top_n` < 0; no `input`),
 "Dimensions must be greater than 0" (`vllm/pooling_params.py`), "Input lengths must be either 1:1,
@@ -144,6 +147,12 @@ def _text_input(text: str, engine: SimWorkerState) -> Input:
     return raw, text_tokens(len(raw), engine.config.bytes_per_token)
 
 
+def _with_special(tokens: int, engine: SimWorkerState) -> int:
+    """A sequence tokenized from text, with the special tokens the model's tokenizer adds to it
+    (`SimConfig.pooling_special_tokens`)."""
+    return tokens + engine.config.pooling_special_tokens
+
+
 def embedding_inputs(fields: _EmbeddingFields, engine: SimWorkerState) -> list[Input]:
     """The inputs of an embeddings request: each string, token-id list or conversation; one for
     a string, token ids alone or one conversation."""
@@ -152,7 +161,8 @@ def embedding_inputs(fields: _EmbeddingFields, engine: SimWorkerState) -> list[I
         raise FieldValidationError([{"type": "missing", "loc": ("body", "input"), "msg": "Field required",
                                      "input": None}])
     if isinstance(value, str):
-        return [_text_input(value, engine)]
+        raw, tokens = _text_input(value, engine)
+        return [(raw, _with_special(tokens, engine))]
     if not value:
         return []
     head = value[0]
@@ -161,7 +171,7 @@ def embedding_inputs(fields: _EmbeddingFields, engine: SimWorkerState) -> list[I
     if isinstance(head, dict):  # one conversation
         return [(orjson.dumps(value), chat_prompt_tokens(value, engine.config))]
     if isinstance(head, str):
-        return [_text_input(text, engine) for text in value]
+        return [(raw, _with_special(tokens, engine)) for raw, tokens in (_text_input(t, engine) for t in value)]
     if head and isinstance(head[0], dict):  # conversations
         return [(orjson.dumps(c), chat_prompt_tokens(c, engine.config)) for c in value]
     return [(orjson.dumps(ids), len(ids)) for ids in value]
@@ -241,7 +251,7 @@ def _pairs(engine: SimWorkerState, first: list[ScoreInput],
 
 
 def _scored(engine: SimWorkerState, pairs: list[tuple[Input, Input]]) -> tuple[list[float], int, ErrorReply | None]:
-    joined = [(a[0] + b[0], a[1] + b[1]) for a, b in pairs]
+    joined = [(a[0] + b[0], _with_special(a[1] + b[1], engine)) for a, b in pairs]
     tokens = sum(t for _, t in joined)
     return [relevance(engine, a[0], b[0]) for a, b in pairs], tokens, _check_context(joined, engine)
 

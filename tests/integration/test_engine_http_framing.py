@@ -18,6 +18,7 @@ from tests.support import RunningGateway, pool
 
 StartGateway = Callable[..., RunningGateway]
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+GetAnswer = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 SSE = (b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"kimi-k3","choices":[{"index":0,'
        b'"delta":{"content":"hello"},"finish_reason":null}]}\n\ndata: [DONE]\n\n')
@@ -27,13 +28,15 @@ JSON = (b'{"id":"c","object":"chat.completion","created":1,"model":"kimi-k3","ch
 
 
 class ScriptedEngine:
-    """An engine on a loopback port, on its own thread and loop: GETs (probes, scrapes) get `{}`;
-    each POST on a connection is answered by `answer(reader, writer, connection index)` after its
-    body was read. `connections` counts connections, `post_connections` holds the indexes of those
-    that carried a POST, `ended` is set when the gateway closed one of those."""
+    """An engine on a loopback port, on its own thread and loop: GETs (probes, scrapes) get `{}`,
+    but those `get(request head, writer)` answers itself (it returns True); each POST on a
+    connection is answered by `answer(reader, writer, connection index)` after its body was read.
+    `connections` counts connections, `post_connections` holds the indexes of those that carried a
+    POST, `ended` is set when the gateway closed one of those."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Answer, get: GetAnswer | None = None) -> None:
         self.answer = answer
+        self.get = get
         self.connections = 0
         self.post_connections: set[int] = set()
         self.ended = threading.Event()
@@ -63,6 +66,8 @@ class ScriptedEngine:
                                if line.lower().startswith(b"content-length")), 0)
                 await reader.readexactly(length)
                 if head.startswith(b"GET"):
+                    if self.get is not None and await self.get(head, writer):
+                        continue
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
                     continue
                 self.post_connections.add(index)
@@ -350,14 +355,16 @@ def read_at_most(response: httpx.Response, limit: int) -> bytes:
 
 def test_a_line_without_end_before_any_content_is_an_error_not_a_relay(start_gateway: StartGateway,
                                                                          engines) -> None:
-    """`data: {"x": "aaaa...` forever and no content before it: the gateway fails the attempt after
-    its 1 MiB bound (no other worker: a 502 JSON error, not a 200), and hangs up on the engine."""
+    """`data: {"x": "aaaa...` forever and no content before it: the gateway holds the event up to the
+    relay's bound (`max_body_bytes`), then refuses the request once: a 502 JSON error, not a 200 (nor
+    a retry elsewhere: the engine answered), and hangs up on the engine."""
     engine = engines(endless_line())
-    gw = gateway_for(start_gateway, engine)
+    gw = gateway_for(start_gateway, engine, max_body_bytes=2 << 20)
     with httpx.stream("POST", gw.v1 + "/chat/completions", json={**CHAT, "stream": True}, timeout=10) as response:
         body = read_at_most(response, 64 * 1024)
     assert response.status_code == 502, body[:300]
     assert orjson.loads(body)["error"]["code"] == "upstream_error"
+    assert response.headers["x-should-retry"] == "false"
     assert engine.ended.wait(3)  # the engine's connection was closed (it would abort the request)
 
 

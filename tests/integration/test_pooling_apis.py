@@ -168,3 +168,25 @@ def test_a_keys_limits_count_pooling_requests_and_their_input_tokens(
         refused = client.post("/v1/score", json={"model": "kimi-k3", "text_1": "a", "text_2": "b"})
     assert refused.status_code == 429 and refused.json()["error"]["type"] == "requests"  # the 4th request this minute
     assert len(embedder.engine.records) == 2
+
+
+def test_a_rerank_the_engine_charges_past_the_keys_budget_is_refused_up_front(
+        start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """A rerank of 100 one-word documents on a cross-encoder that wraps each (query, document) pair in
+    4 special tokens (XLM-RoBERTa's `<s> q </s></s> d </s>`; the simulator's tokenizer does the same):
+    the engine charges 600 tokens. A key with 400 tokens a minute is refused before the engine sees
+    it, since the reservation counts the special tokens; without them it reserved 200, the engine
+    ran it, and the key was charged three times its reservation, past its budget."""
+    embedder = start_sim("vllm", pooling=True, served_model_names=[SERVED], pooling_special_tokens=4)
+    gw = start_gateway([pool("embed", "vllm", [embedder.url], 32768, apis=POOLING, served_model_name=SERVED)],
+                       auth=auth_section({"tokens_per_minute": 400}))
+    start_a_window_now(gw)
+    rerank = {"model": "kimi-k3", "query": "q", "documents": ["word"] * 100}
+    with httpx.Client(base_url=gw.url, headers={"authorization": f"Bearer {ALICE_KEY}"}) as client:
+        refused = client.post("/v1/rerank", json=rerank)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["type"] == "tokens"
+        assert embedder.engine.records == []
+        served = client.post("/v1/rerank", json={**rerank, "documents": rerank["documents"][:30]})
+    assert served.status_code == 200, served.text
+    assert served.json()["usage"]["prompt_tokens"] == 30 * (1 + 1 + 4)  # "q" 1, "word" 1, 4 special

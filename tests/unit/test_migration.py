@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.dispatch.migration import FOLD_BYTES, Progress, continuation_body, refusal
+from gateway.dispatch.migration import FOLD_BYTES, PARSED_EVENT_MAX, Progress, continuation_body, refusal
 
 
 def _event(delta: dict[str, object] | None = None, text: str | None = None, finish: str | None = None,
@@ -39,6 +39,25 @@ def test_progress_prefers_the_engine_s_count_and_folds_in_batches() -> None:
     for _ in range(FOLD_BYTES // len(big) + 2):
         progress.keep(big)
     assert progress._size < FOLD_BYTES  # folded on the way, not held whole
+
+
+def test_progress_keeps_a_folds_pieces_as_one_and_parses_no_large_event() -> None:
+    """A fold's text pieces are kept as one (its bytes, not an object per token); in a fold with a
+    piece that does not decode, each is kept apart and that one dropped. An event over
+    PARSED_EVENT_MAX (a role chunk holding a prompt's token ids) is never parsed: the stream's identity
+    and usage come from the events around it."""
+    progress = Progress()
+    ids = b",".join(b"%d" % (100_000 + i) for i in range(PARSED_EVENT_MAX // 6))
+    progress.keep(b'data: {"id":"big","choices":[{"index":0,"delta":{"role":"assistant","content":""}}],'
+                  b'"usage":{"prompt_tokens":1,"completion_tokens":0},"prompt_token_ids":[' + ids + b"]}\n\n")
+    progress.keep(b"".join(_event({"content": "ab"}) for _ in range(1000)))
+    progress.fold()
+    assert progress.text == "ab" * 1000 and len(progress._text) == 1
+    progress.keep(b'data: {"choices":[{"delta":{"content":"bad\\u12"}}]}\n\n'
+                  + _event({"content": "!"}, usage={"prompt_tokens": 9, "completion_tokens": 1001}))
+    progress.fold()
+    assert progress.text == "ab" * 1000 + "!" and progress.tokens == 1002
+    assert progress.ident == {"id": "c-1", "created": 7, "model": "m"} and progress.prompt_tokens == 9
 
 
 def test_a_chat_continuation_adds_the_partial_turn_and_shrinks_the_limits() -> None:

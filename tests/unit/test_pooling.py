@@ -18,6 +18,9 @@ from gateway.errors import ApiNotServed, ContextLengthExceeded, InvalidRequest, 
 from gateway.observability.record import RequestRecord
 from gateway.parsing import BodyParser, ForwardBody, encode_for
 from gateway.routing.pools import fitting_pools, serves
+from gateway.sim.config import SimConfig
+from gateway.sim.pooling import embeddings_answer, rerank_answer, score_answer
+from gateway.sim.worker_state import SimWorkerState
 
 POOLS = [{"name": "gen", "engine": "vllm", "workers": ["http://127.0.0.1:9"], "max_context_tokens": 4096},
          {"name": "embed", "engine": "vllm", "workers": ["http://127.0.0.1:9"], "max_context_tokens": 8192,
@@ -196,3 +199,25 @@ def test_the_quota_settles_on_the_engines_prompt_tokens() -> None:
     assert quota_used(record, request, request.quota_tokens(1024), failed=False) == 13
     record.usage = dialect_for(RERANK).answer_usage({"total_tokens": 21}, False)  # vLLM's older rerank usage
     assert quota_used(record, request, request.quota_tokens(1024), failed=False) == 21
+
+
+SHORT = [f"doc {i}" for i in range(200)]
+
+
+@pytest.mark.parametrize(("api", "payload"), [
+    (RERANK, {"query": "which one?", "documents": SHORT}),
+    (SCORE, {"text_1": "which one?", "text_2": SHORT}),
+    (SCORE, {"queries": SHORT, "documents": SHORT}),
+    (EMBEDDINGS, {"input": SHORT}),
+])
+def test_a_pooling_reservation_covers_the_special_tokens_the_engine_adds(api: Any, payload: dict[str, Any]) -> None:
+    """Many short inputs, each tokenized by the engine with its model's special tokens (the simulator
+    as an XLM-RoBERTa cross-encoder: 4 a sequence): the key's reservation is at least what the engine
+    then reports (and settles by); without the special tokens it was under half of it."""
+    engine = SimWorkerState(SimConfig(engine="vllm", max_context_tokens=8192, pooling=True, pooling_special_tokens=4))
+    answer = {RERANK: rerank_answer, SCORE: score_answer, EMBEDDINGS: embeddings_answer}[api]
+    reply, _ = answer(engine, {"model": "kimi-k3", **payload})
+    assert reply.status == 200, reply.body
+    used = orjson.loads(reply.body)["usage"]["prompt_tokens"]
+    request = routed(api, {"model": "kimi-k3", **payload})
+    assert request.quota_tokens(1024) >= used, (request.quota_tokens(1024), used)

@@ -206,3 +206,21 @@ def test_typed_streams_end_and_fail_by_their_parsed_event_type(api: str, chunks:
     for chunk in chunks:
         tap.feed(chunk)
     assert (tap.done, tap.failed) == (done, failed)
+
+
+def test_a_line_over_a_mib_has_only_its_usage_and_type_read() -> None:
+    """A token-level event (a role chunk with a prompt's token ids, a Responses final event with its
+    logprobs) over MAX_CARRY_BYTES, arriving whole: its usage object is parsed alone (the line's
+    arrays never become objects), its `type` found without a parse."""
+    ids = b",".join(b"%d" % (100_000 + i) for i in range(300_000))
+    chat = SSETap()
+    chat.feed(b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}],'
+              b'"prompt_token_ids":[' + ids + b'],"usage":{"prompt_tokens":300000,"completion_tokens":0,'
+              b'"total_tokens":300000,"prompt_tokens_details":{"cached_tokens":12}}}\n\n')
+    assert chat.events == 1 and chat.usage is not None
+    assert (chat.usage["prompt_tokens"], chat.usage["prompt_tokens_details"]) == (300000, {"cached_tokens": 12})
+    responses = SSETap("responses")
+    responses.feed(b'data: {"response":{"id":"r","output":[{"logprobs":[' + ids
+                   + b']}],"usage":{"input_tokens":5,"output_tokens":300000,"total_tokens":300005}},'
+                   b'"sequence_number":9,"type":"response.completed"}\n\n')
+    assert responses.done and responses.usage is not None and responses.usage["completion_tokens"] == 300000

@@ -22,6 +22,7 @@ from gateway.redact import Redactor
 from gateway.streaming import (
     KEEPALIVE_COMMENT,
     AttemptFailed,
+    EventTooLarge,
     Holding,
     Outcome,
     UpstreamStream,
@@ -232,6 +233,40 @@ async def test_a_stream_that_ends_or_breaks_before_content_fails_over() -> None:
             await first_content(answer, None, sse=True)  # type: ignore[arg-type]
         assert outcome is None or caught.value.outcome is outcome
         assert answer.closed == 1
+
+
+@pytest.mark.anyio
+async def test_first_content_takes_token_level_data_for_output_but_fails_over_on_a_flood() -> None:
+    """Token-level data before the first token (vLLM's role chunk with the prompt's token ids, over
+    64 KiB, read in pieces): the worker's output, so the response is accepted with every byte read,
+    never tried elsewhere. A flood of small content-less events over 1 MiB still fails over."""
+    ids = b",".join(b"%d" % (100_000 + i) for i in range(200_000))
+    role = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}],"prompt_token_ids":[' \
+        + ids + b"]}\n\n"
+    pieces = [role[at:at + 65536] for at in range(0, len(role), 65536)]
+    answer = Answer([*pieces, CHUNK, DONE])
+    held, rest, content = await first_content(answer, None, sse=True)  # type: ignore[arg-type]
+    assert (held, content, answer.closed) == (role, True, 0)
+    assert [chunk async for chunk in rest] == [CHUNK, DONE]
+    answer = Answer([b": keep-alive\n\n" * 80_000, CHUNK, DONE])
+    with pytest.raises(AttemptFailed) as caught:
+        await first_content(answer, None, sse=True)  # type: ignore[arg-type]
+    assert caught.value.outcome is Outcome.PROTOCOL_ERROR and answer.closed == 1
+
+
+@pytest.mark.anyio
+async def test_first_content_holds_one_unfinished_event_up_to_max_event() -> None:
+    """One event still unfinished past 1 MiB is held whole up to `max_event`; past `max_event` it is
+    EventTooLarge and the response is closed."""
+    text = b'data: {"id":"c","choices":[{"index":0,"text":"' + b"w" * (3 << 20) + b'"}]}\n\n'
+    pieces = [text[at:at + 65536] for at in range(0, len(text), 65536)]
+    answer = Answer([*pieces, DONE])
+    held, _, content = await first_content(answer, None, sse=True, max_event=4 << 20)  # type: ignore[arg-type]
+    assert (held, content, answer.closed) == (text, True, 0)
+    answer = Answer([*pieces, DONE])
+    with pytest.raises(EventTooLarge):
+        await first_content(answer, None, sse=True, max_event=2 << 20)  # type: ignore[arg-type]
+    assert answer.closed == 1
 
 
 # -- open_upstream -------------------------------------------------------------------------------------
