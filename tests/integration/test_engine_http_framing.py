@@ -32,7 +32,8 @@ class ScriptedEngine:
     but those `get(request head, writer)` answers itself (it returns True); each POST on a
     connection is answered by `answer(reader, writer, connection index)` after its body was read.
     `connections` counts connections, `post_connections` holds the indexes of those that carried a
-    POST, `ended` is set when the gateway closed one of those."""
+    POST, `ended` is set when the gateway closed one of those. A `POST /tokenize` (a migration
+    counting the text it keeps) is answered 404, as by an engine without one, and counts as no POST."""
 
     def __init__(self, answer: Answer, get: GetAnswer | None = None) -> None:
         self.answer = answer
@@ -69,6 +70,9 @@ class ScriptedEngine:
                     if self.get is not None and await self.get(head, writer):
                         continue
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                    continue
+                if head.startswith(b"POST /tokenize "):
+                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
                     continue
                 self.post_connections.add(index)
                 await self.answer(reader, writer, index)
