@@ -61,7 +61,9 @@ class Dialect(Generic[W]):
     - `generates`: False for an API that only counts tokens (no token quota, its own request limit);
     - `stores_responses`: the engine may store its answers (their worker is recorded);
     - `migrates`: a broken stream may be continued on another worker (`dispatch/migration.py`);
-    - `request_id_header`: the header the gateway's request id is also sent in (None: only `x-request-id`).
+    - `request_id_header`: the header the gateway's request id is also sent in (None: only `x-request-id`);
+    - `heartbeat`: what a stream of this API gets during a silence (gateway/api/heartbeat.py): an SSE
+      comment by default, which every SSE client ignores.
     """
 
     api: ClassVar[Api]
@@ -75,6 +77,7 @@ class Dialect(Generic[W]):
     stores_responses: ClassVar[bool] = False
     migrates: ClassVar[bool] = False
     request_id_header: ClassVar[bytes | None] = None
+    heartbeat: ClassVar[bytes] = b": keep-alive\n\n"
 
     # --- parsing and routing -------------------------------------------------------------------------
 
