@@ -204,6 +204,11 @@ class Ledger:
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
 
+    def resolved(self, model: str) -> None:
+        """The request names `model` (a configured model's canonical name or a LoRA adapter a pool
+        serves: the metrics' `model` label), with no body to route (the tokenizer routes)."""
+        self.record.model = model
+
     def skipped(self, pools: list[str] | None) -> None:
         """Pools that fit but whose engines do not serve the request's API (None: none)."""
         self.record.skipped_pools = pools
