@@ -78,10 +78,12 @@ def test_an_sglang_pool_answers_in_sglangs_shape_under_its_served_name(
 
 def test_with_auth_a_key_is_needed_and_each_call_is_one_request_without_tokens(
         start_sim: StartSim, start_gateway: StartGateway) -> None:
-    sim = start_sim("vllm")
+    sim = start_sim("vllm", served_model_names=["kimi-k3", "not-kimi"])
     limits = {"requests_per_minute": 3, "tokens_per_minute": 100}  # one tokenized prompt is ~2,500 tokens
     keys = [{"name": "tenant", "sha256": hash_key(KEY), **limits},
-            {"name": "other", "sha256": hash_key("sk-other"), "models": ["not-kimi"]}]
+            {"name": "other", "sha256": hash_key("sk-other"), "models": ["not-kimi"]},
+            {"name": "per-model", "sha256": hash_key("sk-per-model"),
+             "model_limits": {"kimi-k3": {"requests_per_minute": 1}}}]
     gw = start_gateway([pool("p", "vllm", [sim.url], 131072)], auth={"enabled": True, "keys": keys},
                        models=[{"name": "kimi-k3", "pools": ["p"]}, {"name": "not-kimi", "pools": ["p"]}])
     big = {**PROMPT, "prompt": "word " * 2500}
@@ -98,3 +100,9 @@ def test_with_auth_a_key_is_needed_and_each_call_is_one_request_without_tokens(
     # A model the key may not use looks like an unknown one.
     hidden = httpx.post(gw.url + "/tokenize", json=PROMPT, headers={"authorization": "Bearer sk-other"})
     assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
+    # The key's request limit on the model counts them too (and one on another model does not).
+    per_model = {"authorization": "Bearer sk-per-model"}
+    assert httpx.post(gw.url + "/tokenize", json=PROMPT, headers=per_model).status_code == 200
+    assert httpx.post(gw.url + "/tokenize", json={**PROMPT, "model": "not-kimi"}, headers=per_model).status_code == 200
+    limited = httpx.post(gw.url + "/tokenize", json=PROMPT, headers=per_model)
+    assert limited.status_code == 429 and "kimi-k3" in limited.json()["error"]["message"]
