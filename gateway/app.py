@@ -19,9 +19,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.api import admin, models, ops, stored_responses
+from gateway.api import admin, models, ops, stored_responses, tokenize
 from gateway.api.proxied import PROXIED_ROUTES, ProxiedApps, ProxiedRoute, add_proxied_paths, proxied_apps
-from gateway.auth.middleware import http_middleware
+from gateway.auth.middleware import http_middleware, is_protected
 from gateway.config import GatewayConfig
 from gateway.dialects.registry import dialect_for_path
 from gateway.dispatch.service import ProxyService
@@ -94,7 +94,7 @@ def create_app(config: GatewayConfig, state: AppState | None = None, metrics_dir
         redirect_slashes=False,  # `/v1/chat/completions/` is a 404, not a 307 with no body
         docs_url=None, redoc_url=None)  # no docs page: Swagger UI / ReDoc load their assets from a CDN
     # /admin/* (admin scope when auth is on) and the /dashboard status page come from admin.routers().
-    for router in (ops.router(), models.router(), stored_responses.router(), *admin.routers()):
+    for router in (ops.router(), models.router(), stored_responses.router(), tokenize.router(), *admin.routers()):
         for route in list(router.routes):  # HEAD answered like GET, as Starlette's routes do (FastAPI's do not)
             if isinstance(route, APIRoute) and "GET" in route.methods:
                 router.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False,
@@ -149,8 +149,8 @@ class GatewayApp(FastAPI):
 
 def _finish_openapi(document: dict[str, Any], auth: bool) -> None:
     """Drop what FastAPI adds that the gateway never answers (its 422 validation error:
-    `_invalid_parameters` answers 400), and, with auth on, mark `/v1/*` and `/admin/*`
-    operations as needing a Bearer key."""
+    `_invalid_parameters` answers 400), and, with auth on, mark `/v1/*`, the tokenizer routes and
+    `/admin/*` operations as needing a Bearer key."""
     schemas = document.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
@@ -161,7 +161,7 @@ def _finish_openapi(document: dict[str, Any], auth: bool) -> None:
     for path, operations in document.get("paths", {}).items():
         for operation in operations.values():
             operation.get("responses", {}).pop("422", None)
-            if auth and (path.startswith(("/v1/", "/admin/"))):
+            if auth and (is_protected(path) or path.startswith("/admin/")):
                 operation["security"] = [{"apiKey": []}]
 
 

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from gateway.api.heartbeat import Heartbeat, heartbeat
 from gateway.auth.middleware import AUTH_ERROR, principal_of
 from gateway.dialects.base import Dialect
 from gateway.dialects.names import Api
@@ -289,7 +290,8 @@ class ProxyEndpoint:
                 log.exception("request %s failed", record.request_id)
                 result = self._error(GatewayError(f"Internal gateway error ({type(exc).__name__})."), ledger)
             if isinstance(result, RelayResponse):
-                await relay(self.dialect, result, ledger, send, deadline, total)
+                await relay(self.dialect, result, ledger, send, deadline, total,
+                            state.config.timeouts.keepalive_interval)
             else:
                 await self._send_buffered(result, ledger, send)
         except asyncio.CancelledError:
@@ -346,34 +348,48 @@ def start_message(dialect: Dialect, status: int, content_type: bytes, extra: lis
 
 
 async def relay(dialect: Dialect, result: RelayResponse, ledger: Ledger, send: Send, deadline: float | None,
-                total: float | None) -> None:
+                total: float | None, heartbeat_s: float | None = None) -> None:
     """Pump an accepted stream's bytes to the client until its end, or until the overall cap
     (`deadline`, event-loop time; `total` seconds) passes (errors in `dialect`'s shape). A client hang-up arrives as a
     cancellation (`_HangUpWatch`); the server saying the client is gone (OSError) is recorded.
-    The one relay of the proxied endpoints and of the stored-response replay."""
+    An SSE stream silent for `heartbeat_s` seconds gets `dialect`'s heartbeat at an event boundary
+    (gateway/api/heartbeat.py; None: none). The one relay of the proxied endpoints and of the
+    stored-response replay."""
     body = result.stream.body()
     started = False
+    beat: Heartbeat | None = None
     cap = _cap(deadline)
     try:
         async with cap:
             await send(start_message(dialect, 200, result.content_type, result.headers, ledger.record.request_id,
                                      None))
             started = True
+            beat = heartbeat(send, dialect.heartbeat, heartbeat_s, result.stream.sse)
             async for chunk in body:
+                if beat is not None:
+                    if beat.beating is not None:
+                        await beat.settle()
+                    beat.passed(chunk)
                 if len(chunk) > SEND_PIECE:
                     for at in range(0, len(chunk), SEND_PIECE):
                         await send({"type": "http.response.body", "body": chunk[at:at + SEND_PIECE],
                                     "more_body": True})
                     continue
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if beat is not None:
+                await beat.stop()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
     except TimeoutError:
         if not _expired(cap):
             raise
+        if beat is not None:
+            await beat.stop()
         await _cut_at_cap(dialect, result, ledger, send, started, _over_cap_message(total))
     except OSError:  # the server says the client is gone
         ledger.client_gone("mid_stream")
     finally:
+        if beat is not None:
+            beat.cancel()
         await body.aclose()
 
 

@@ -146,7 +146,8 @@ async def _forward(request: Request, method: str, suffix: str, api: str) -> Resp
             total = state.config.timeouts.total
             where = [(b"x-kimi-gateway-pool", pool.name.encode()), (b"x-kimi-gateway-worker", worker.id.encode())]
             return _Replay(ReplayStream(upstream, ledger, state.config.max_decoded_bytes, state.config.max_body_bytes),
-                           ledger, None if total is None else arrived + total, total, where)
+                           ledger, None if total is None else arrived + total, total, where,
+                           state.config.timeouts.keepalive_interval)
         route = {"x-kimi-gateway-pool": pool.name, "x-kimi-gateway-worker": worker.id,
                  "x-request-id": record.request_id}
         try:
@@ -374,11 +375,13 @@ class _Replay(Response):
     (`relay`: the overall cap counted from the request's arrival) under a hang-up watch
     (`watch_hang_up`), so a client's hang-up (`client_disconnect`, or `send_stalled`), the end of the
     shutdown grace period (serve's guard) and uvicorn cancelling the request at its own
-    graceful-shutdown timeout (`shutting_down`) are told apart as there. The ledger is finished here."""
+    graceful-shutdown timeout (`shutting_down`) are told apart as there; silences get heartbeats
+    (`heartbeat_s`, `timeouts.keepalive_interval`). The ledger is finished here."""
 
     def __init__(self, stream: ReplayStream, ledger: Ledger, deadline: float | None, total: float | None,
-                 headers: list[tuple[bytes, bytes]]) -> None:
+                 headers: list[tuple[bytes, bytes]], heartbeat_s: float | None = None) -> None:
         super().__init__()
+        self._heartbeat_s = heartbeat_s
         self._stream = stream
         self._route = headers
         self._result = RelayResponse(self._stream, SSE_CONTENT_TYPE, headers)
@@ -399,7 +402,7 @@ class _Replay(Response):
             if failure is not None:
                 await self._fail(failure, send)
                 return
-            await relay(_RESPONSES, self._result, ledger, send, self._deadline, self._total)
+            await relay(_RESPONSES, self._result, ledger, send, self._deadline, self._total, self._heartbeat_s)
         except asyncio.CancelledError:
             if not cancelled(watch, scope, ledger, response_started=started):
                 raise

@@ -69,14 +69,18 @@ def principal_of(scope: ASGIScope) -> Principal | None:
     return scope.get(PRINCIPAL)
 
 
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+"""Paths outside `/v1` that need a key too: the engines' tokenizer routes (gateway/api/tokenize.py)."""
+
+
 def is_protected(path: str) -> bool:
-    """Paths that need a key with the `user` scope: everything under `/v1`."""
-    return path == "/v1" or path.startswith("/v1/")
+    """Paths that need a key with the `user` scope: everything under `/v1`, and `KEYED_PATHS`."""
+    return path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS
 
 
 class AuthMiddleware:
-    """Every `/v1/*` request needs a key with the `user` scope (401/403 otherwise), so a route added
-    under `/v1` later is protected without doing anything. `/health`, `/ready` and `/metrics` stay
+    """Every `/v1/*` request (and `KEYED_PATHS`) needs a key with the `user` scope (401/403 otherwise),
+    so a route added under `/v1` later is protected without doing anything. `/health`, `/ready` and `/metrics` stay
     open. The principal is passed on in `scope[PRINCIPAL]` (quotas, the access log)."""
 
     def __init__(self, app: ASGIApp) -> None:

@@ -63,6 +63,8 @@ class Dialect(Generic[W]):
     - `migrates`: a broken stream may be continued on another worker (`dispatch/migration.py`);
     - `request_id_header`: the header the gateway's request id is also sent in (None: only `x-request-id`);
     - `rate_limit_headers`: whose rate-limit headers a limited key's answers carry (`auth/standing.py`).
+    - `heartbeat`: what a stream of this API gets during a silence (gateway/api/heartbeat.py): an SSE
+      comment by default, which every SSE client ignores.
     """
 
     api: ClassVar[Api]
@@ -77,6 +79,7 @@ class Dialect(Generic[W]):
     migrates: ClassVar[bool] = False
     request_id_header: ClassVar[bytes | None] = None
     rate_limit_headers: ClassVar[RateLimitHeaderStyle] = "openai"
+    heartbeat: ClassVar[bytes] = b": keep-alive\n\n"
 
     # --- parsing and routing -------------------------------------------------------------------------
 

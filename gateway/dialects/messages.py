@@ -92,6 +92,8 @@ class MessagesDialect(Dialect[AnthropicWire]):
     rate_limit_headers = "anthropic"
     wire_model = MessagesRequest
     migrates = True  # continued on the engine's chat API (dispatch/migration.py)
+    # Anthropic's own heartbeat event, which its SDKs skip (`anthropic/_streaming.py`: `if sse.event == "ping"`).
+    heartbeat = b'event: ping\ndata: {"type": "ping"}\n\n'
 
     def validate(self, payload: dict[str, Any]) -> AnthropicWire:
         """The Anthropic wire model, as its chat twin (search results and text documents made text

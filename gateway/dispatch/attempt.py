@@ -310,8 +310,10 @@ class SingleLeg(Attempt):
         ledger = self._ledger
         if content:
             ledger.first_byte()
+        # No keep-alives of its own (None): the relay's heartbeat stage covers every silence of a
+        # committed stream, this prefill's too (gateway/api/heartbeat.py).
         stream = UpstreamStream(response, first, rest, holding.hand_over(), ledger, not content,
-                                self._state.config.timeouts.keepalive_interval, self._ended, self._strip_usage,
+                                None, self._ended, self._strip_usage,
                                 self._state.config.max_body_bytes,
                                 ENGINES[self.pool.engine].messages_cache_in_input, self._api,
                                 self._state.config.timeouts.read)

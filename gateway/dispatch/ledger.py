@@ -12,7 +12,7 @@ The facts, by who reports them:
 
 - the endpoint: `timed_out`, `cut_by_cap`, `relay_cut_by_cap`, `client_gone`, `send_stalled`,
   `cut_by_shutdown`, `answered`, `answered_with_error`, `hang_up_verdict`, then `finish` (once);
-  the stored-response routes also `in_pool`, `served_by`, `streamed`;
+  the stored-response routes also `in_pool`, `served_by`, `streamed`; the tokenizer routes `resolved`;
 - the dispatch: `parsed`, `refused_model`, `history_counted`, `skipped`, `in_pool`, `spilled`,
   `affinity_looked_up`, `attempt_started`, `attempt_failed`, `attempt_accepted`, `error_answer`,
   `hold_quota` / `settle_quota`, `response_stored`;
@@ -213,11 +213,15 @@ class Ledger:
         record.estimated_prompt_tokens = request.prompt_tokens
         record.estimate_method = request.estimate_method
 
+    def resolved(self, model: str) -> None:
+        """The request names `model` (a configured model's canonical name or a LoRA adapter a pool
+        serves: the metrics' `model` label), with no body to route (the tokenizer routes)."""
+        self.record.model = model
+
     def refused_model(self, model: str) -> None:
         """The body named a model its key may not use, answered 404 before anything else is known
-        of it: `model`, its resolved name (a configured model's canonical name or a LoRA adapter the
-        pools serve, as `parsed` records it), is the metrics' `model` label."""
-        self.record.model = model
+        of it: `model`, its resolved name (as `resolved` records it), is the metrics' `model` label."""
+        self.resolved(model)
 
     def history_counted(self, request: RoutingRequest) -> None:
         """A Responses follow-up's estimate now holds the stored conversation its engine prefills

@@ -53,9 +53,12 @@ class TimeoutConfig(Section):
     )
     keepalive_interval: float | None = Field(
         default=15.0, gt=0,
-        description="streaming: once the response is committed and the engine is still prefilling, seconds "
-        "between SSE comments (`: keep-alive`) that keep idle proxies from cutting the stream (the OpenAI SDKs "
-        "ignore them). None: no keep-alives",
+        description="streaming: seconds of silence in a committed stream (a prefill past `hold_headers`, a slow "
+        "tool call or reasoning step between two events) after which the client gets a heartbeat, and again every "
+        "interval while it lasts, so idle proxies do not cut the stream: an SSE comment (`: keep-alive`) on the "
+        "OpenAI APIs, Anthropic's `event: ping` on Messages; both are skipped by those APIs' SDKs. Sent only "
+        "between whole events, never counted as usage. Keep it below the idle timeout of the load balancer in "
+        "front (60 s for AWS ALB). None: no heartbeats",
     )
     body_idle: float = Field(
         default=30.0, gt=0, description="longest gap while the client uploads its request body (408 after it)"

@@ -14,8 +14,12 @@ line, holds gateway memory or a connection slot for as long as it likes, before 
   (after the answer to a whole request before it, as the 408/431 are).
 - an upgrade offer the server does not take (`Upgrade: h2c`; a websocket offer on a method other
   than GET) → ignored, the request served over HTTP/1.1 with its body (uvicorn stopped parsing the
-  connection at its head: an empty body, later requests never read); a websocket handshake is
-  still uvicorn's to switch.
+  connection at its head: an empty body, later requests never read);
+- a websocket handshake (a GET offering `Upgrade: websocket`, RFC 6455 §4.1) → 403 with an OpenAI
+  error object, connection closed: the gateway serves no websocket endpoint. Refused in its turn,
+  after the answers to the requests pipelined before it, as the other refusals are (uvicorn
+  switched the connection to its websocket protocol as soon as the handshake was parsed, so the
+  requests before it were never answered and their answers failed on the closed transport).
 
 The head is counted from the parser's callbacks (request target and header fields, plus a few
 bytes per line for the separators) once it is complete, and by the raw bytes of each read while it
@@ -124,13 +128,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.send_400_response("Invalid HTTP request received.")
         except httptools.HttpParserUpgrade as upgrade:
             if self._should_upgrade():
-                self.handle_websocket_upgrade()
+                self._refuse(403, "websocket_not_supported",
+                             "This server has no WebSocket endpoint; the handshake is refused.")
             else:
                 self._ignore_upgrade(data[upgrade.args[0]:])
 
     def _should_upgrade(self) -> bool:
-        """A websocket handshake is a GET (RFC 6455 §4.1): on another method the offer is ignored."""
-        return self.scope.get("method") == "GET" and super()._should_upgrade()
+        """Whether the request is a websocket handshake: a GET (RFC 6455 §4.1) offering
+        `Upgrade: websocket` (whatever websocket library is installed: the answer is the same). No
+        request cycle is made for it (uvicorn's `on_headers_complete`); `_feed` refuses it. An
+        offer on another method is ignored (`_ignore_upgrade`)."""
+        return self.scope.get("method") == "GET" and self._get_upgrade() == b"websocket"
 
     def _ignore_upgrade(self, rest: bytes) -> None:
         """Serve a request that offered a protocol upgrade the server does not take (`Upgrade: h2c`
@@ -289,7 +297,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """A whole HTTP/1.1 answer with an OpenAI error object that closes the connection."""
         body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
                                        "code": code}})
-        reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        reason = {400: b"Bad Request", 403: b"Forbidden", 408: b"Request Timeout",
+                  431: b"Request Header Fields Too Large"}[status]
         return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"x-content-type-options: nosniff\r\nconnection: close\r\n\r\n%s" % (status, reason, len(body), body))
 
@@ -306,10 +315,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 def http_options(config: GatewayConfig) -> dict[str, Any]:
     """uvicorn settings for a gateway server: the guarded protocol with this config's head limits
-    (`max_header_bytes`, `timeouts.header`) and send stall (`timeouts.send_stall`), the idle
-    keep-alive (`timeouts.keep_alive`), and `NOSNIFF` on every answer."""
+    (`max_header_bytes`, `timeouts.header`) and send stall (`timeouts.send_stall`), no websocket
+    protocol (a handshake is refused by the guarded protocol), the idle keep-alive
+    (`timeouts.keep_alive`), and `NOSNIFF` on every answer."""
     protocol = type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {
         "max_header_bytes": config.max_header_bytes, "header_timeout": config.timeouts.header,
         "send_stall": config.timeouts.send_stall})
-    return {"http": protocol, "timeout_keep_alive": config.timeouts.keep_alive,
+    return {"http": protocol, "ws": "none", "timeout_keep_alive": config.timeouts.keep_alive,
             "headers": [(NOSNIFF[0].decode(), NOSNIFF[1].decode())]}

@@ -23,7 +23,8 @@ Engine endpoints:
     GET /metrics       Prometheus text with the engine's own metric names (or a trickling or
                        endless body with `metrics_body`)
     POST /v1/chat/completions/render, POST /v1/completions/render, POST /tokenize, POST /detokenize
-                       vLLM family only: a prompt's token ids, token ids' text (`gateway.sim.render`)
+                       vLLM family: a prompt's token ids, token ids' text (`gateway.sim.render`);
+                       SGLang: its own /tokenize and /detokenize (also under /v1)
 With `SimConfig.api_key`, the engine's guarded paths (or every path: `api_key_scope`) answer 401
 to a request without the key.
 Test endpoints:
@@ -151,6 +152,10 @@ class SimApp:
         if render.serves_tokenize(engine):
             self._routes[("POST", render.TOKENIZE_PATH)] = self._tokenize
             self._routes[("POST", render.DETOKENIZE_PATH)] = self._detokenize
+        if render.serves_sglang_tokenize(engine):
+            for prefix in ("", "/v1"):
+                self._routes[("POST", prefix + render.TOKENIZE_PATH)] = self._sglang_tokenize
+                self._routes[("POST", prefix + render.DETOKENIZE_PATH)] = self._sglang_detokenize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -323,6 +328,12 @@ class SimApp:
 
     async def _detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
         await render.detokenize(self.engine, scope, receive, send)
+
+    async def _sglang_tokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await render.sglang_tokenize(self.engine, scope, receive, send)
+
+    async def _sglang_detokenize(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await render.sglang_detokenize(self.engine, scope, receive, send)
 
     async def _probe_faults(self, receive: Receive, send: Send) -> bool:
         """Count a probe and play the probe faults (`hang_health`, `health_body`, `black_hole`);

@@ -80,6 +80,9 @@ class SimFaults(BaseModel):
     - `stall_after_chunks`: streaming only; after N SSE events, send nothing more (the connection
       stays open) until the client leaves: an engine stuck mid-decode, caught by the reader's
       inter-token budget (`timeouts.read`).
+    - `pause_after_chunks` / `pause_s`: streaming only; after N SSE events, send nothing for
+      `pause_s` seconds, then go on as if nothing happened: a long silence inside a healthy stream
+      (a slow tool call, a long reasoning step; heartbeat tests).
     - `error_after_chunks`: streaming only; after N SSE events, send the engine's in-band error
       event and `data: [DONE]`, and end the response: what vLLM's chat and completion stream
       generators do when generation raises mid-stream (`vllm/entrypoints/openai/serving_chat.py`
@@ -119,6 +122,8 @@ class SimFaults(BaseModel):
     stall_after_chunks: int | None = Field(default=None, ge=0)
     reset_after_chunks: int | None = Field(default=None, ge=0)
     error_after_chunks: int | None = Field(default=None, ge=0)
+    pause_after_chunks: int | None = Field(default=None, ge=0)
+    pause_s: float = Field(default=1.0, gt=0.0)
     cut_answer: bool = False
     null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None

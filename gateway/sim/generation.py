@@ -128,6 +128,8 @@ class _Responder:
         self._stall_after = faults.stall_after_chunks if faults is not None else None  # `faults`: a stream's only
         self._error_after = faults.error_after_chunks if faults is not None else None
         self._reset_after = faults.reset_after_chunks if faults is not None else None
+        self._pause_after = faults.pause_after_chunks if faults is not None else None
+        self._pause_s = faults.pause_s if faults is not None else 0.0
         self._watch = watch
         self._events = 0
         self.started = False
@@ -158,6 +160,10 @@ class _Responder:
         if self._stall_after is not None and self._events >= self._stall_after and self._watch is not None:
             self._engine.update(self._record, fault="stall_after_chunks")
             await self._watch.until_disconnected()
+        if self._pause_after is not None and self._events == self._pause_after:
+            self._pause_after = None  # once
+            self._engine.update(self._record, fault="pause_after_chunks")
+            await (self._watch.sleep(self._pause_s) if self._watch is not None else asyncio.sleep(self._pause_s))
         if self._error_after is not None and self._events >= self._error_after:
             self._engine.update(self._record, fault="error_after_chunks")
             if self.anthropic:  # vLLM 0.32's Messages layer: vllm/entrypoints/anthropic/serving.py

@@ -6,6 +6,12 @@
                                        "tokens", "token_strs"}
     POST /detokenize                   {"tokens": [ids]} -> {"prompt": text}
 
+SGLang (api_version "current") serves its own `/tokenize` and `/detokenize`, also under `/v1/`
+(`python/sglang/srt/entrypoints/http_server.py`; `serving_tokenize.py`, `protocol.py`
+`TokenizeRequest` / `DetokenizeRequest`): `{"prompt": str | [str]}` -> `{"tokens", "count",
+"max_model_len"}` (lists for a list of prompts), `{"tokens": [ids] | [[ids]]}` -> `{"text": str |
+[str]}`; `model` is not checked; a body its request model refuses is its validation error (400).
+
 Shapes from vLLM's API server (`vllm/entrypoints/openai/api_server.py` registers the render
 routes with `response_model=GenerateRequest` / `list[GenerateRequest]`, the model of
 `vllm/entrypoints/serve/disagg/protocol.py`: `request_id`, `token_ids`, `features`,
@@ -62,6 +68,11 @@ def serves_render(engine: SimWorkerState) -> bool:
 def serves_tokenize(engine: SimWorkerState) -> bool:
     """Whether the engine has vLLM's `/tokenize` (every vLLM-family version)."""
     return engine.config.engine in ("vllm", "ascend")
+
+
+def serves_sglang_tokenize(engine: SimWorkerState) -> bool:
+    """Whether the engine has SGLang's `/tokenize` and `/detokenize` (SGLang, api_version "current")."""
+    return engine.config.engine == "sglang" and engine.config.api_version == "current"
 
 
 def _sampling_params(body: dict[str, Any], kind: str, prompt_tokens: int, max_context: int) -> dict[str, Any]:
@@ -227,3 +238,64 @@ class _Detokenize(BaseModel):
     """vLLM's `DetokenizeRequest.tokens`: a list of token ids >= 0 (lax ints, so 5.0 is 5)."""
 
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class _SglangTokenize(BaseModel):
+    """SGLang's `TokenizeRequest` (`python/sglang/srt/entrypoints/openai/protocol.py`): the fields it reads."""
+
+    prompt: str | list[str]
+
+
+class _SglangDetokenize(BaseModel):
+    """SGLang's `DetokenizeRequest`: `tokens`, one list of ids or a list of them."""
+
+    tokens: list[int] | list[list[int]]
+
+
+async def _sglang_body(engine: SimWorkerState, model: type[BaseModel], receive: Receive,
+                       send: Send) -> BaseModel | None:
+    """The body as SGLang's request model reads it; answers its 400 itself and returns None
+    otherwise (also when the client left). SGLang checks no `model` here."""
+    raw = await read_body(receive)
+    if raw is None:
+        return None
+    try:
+        return model.model_validate_json(raw or b"null")
+    except ValidationError as exc:
+        error = FieldValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)])
+        await _reply(send, engine.dialect.validation_error(error))
+        return None
+
+
+async def sglang_tokenize(engine: SimWorkerState, scope: Scope, receive: Receive, send: Send) -> None:
+    """SGLang's POST /tokenize: one prompt's ids and count, or a list of each for a list of prompts."""
+    request = await _sglang_body(engine, _SglangTokenize, receive, send)
+    if request is None:
+        return
+    assert isinstance(request, _SglangTokenize)
+    prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    ids = _token_ids(engine, "text", {"prompt": prompts}, check_context=False) if prompts else []
+    if isinstance(ids, ErrorReply):
+        await _reply(send, ids)
+        return
+    context = engine.config.max_context_tokens
+    if isinstance(request.prompt, str):
+        answer: dict[str, Any] = {"tokens": ids[0], "count": len(ids[0]), "max_model_len": context}
+    else:
+        answer = {"tokens": ids, "count": [len(one) for one in ids], "max_model_len": context}
+    await send_json(send, 200, answer)
+
+
+async def sglang_detokenize(engine: SimWorkerState, scope: Scope, receive: Receive, send: Send) -> None:
+    """SGLang's POST /detokenize: the text of one list of ids (`""` for none), or of each list.
+    Each id reads as one of the simulator's output words, as the vLLM route's (`detokenize`)."""
+    request = await _sglang_body(engine, _SglangDetokenize, receive, send)
+    if request is None:
+        return
+    assert isinstance(request, _SglangDetokenize)
+    tokens = request.tokens
+    if tokens and isinstance(tokens[0], list):
+        text: str | list[str] = ["".join(output_token(t) for t in one) for one in tokens]
+    else:
+        text = "".join(output_token(t) for t in tokens)  # type: ignore[arg-type]
+    await send_json(send, 200, {"text": text})

@@ -72,7 +72,8 @@ class ScriptedEngine:
                     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
                     continue
                 if head.startswith(b"POST /tokenize "):
-                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\n"
+                                 b"content-length: 2\r\n\r\n{}")
                     continue
                 self.post_connections.add(index)
                 await self.answer(reader, writer, index)

@@ -5,7 +5,7 @@ Java's HttpClient (HTTP_2 preferred, plain http) and `curl --http2` send every r
 does not switch protocols answers the request as HTTP/1.1 (RFC 9110 §7.8: "A server MAY ignore a
 received Upgrade header field"), as the engines' own servers (uvicorn + h11) and nginx do. A
 websocket offer on a POST is no handshake (RFC 6455 §4.1: a GET) and is ignored the same way; a
-GET handshake is still uvicorn's to switch."""
+GET handshake is refused (403: the gateway serves no websocket endpoint)."""
 
 from __future__ import annotations
 
@@ -79,13 +79,13 @@ def test_a_get_with_an_h2c_offer_is_answered_as_http11(gateway: RunningGateway) 
     assert any(m["id"] == "kimi-k3" for m in json.loads(answer)["data"])
 
 
-def test_a_websocket_handshake_still_gets_uvicorns_answer(gateway: RunningGateway) -> None:
-    """A real handshake (a GET) is still uvicorn's to switch; the app serves no websocket route, so
-    it is refused (403) at once, and the gateway goes on serving."""
+def test_a_websocket_handshake_is_refused(gateway: RunningGateway) -> None:
+    """A real handshake (a GET): the gateway serves no websocket endpoint, so it is refused (403, an
+    OpenAI error object, the connection closed) at once, and the gateway goes on serving."""
     data = (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
             b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
-    [(status, _, _)] = raw_exchange(gateway, data, timeout=5)
-    assert status == 403
+    [(status, _, answer)] = raw_exchange(gateway, data, timeout=5)
+    assert status == 403 and json.loads(answer)["error"]["code"] == "websocket_not_supported"
     [(status, _, _)] = raw_exchange(gateway, request_bytes(json.dumps(CHAT).encode(), H2C))
     assert status == 200
 

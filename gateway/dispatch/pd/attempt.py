@@ -233,8 +233,8 @@ class PdAttempt(Attempt):
             return result
 
         self._account.committed()
-        stream = DeferredStream(opened, holding.hand_over(), self._state.config.timeouts.keepalive_interval,
-                                self._failed_after_commit)
+        # No keep-alives of its own (None): the relay's heartbeat stage covers the wait (gateway/api/heartbeat.py).
+        stream = DeferredStream(opened, holding.hand_over(), None, self._failed_after_commit)
         return RelayResponse(stream, SSE_CONTENT_TYPE, [])
 
     def _failed_after_commit(self, exc: Exception) -> str:

@@ -90,7 +90,8 @@ def test_detokenize_answers_vllm_detokenize_response(start_sim: StartSim) -> Non
     assert "greater_than_equal" in bad.json()["error"]["message"]
     unknown = httpx.post(srv.url + "/detokenize", json={"model": "gpt-x", "tokens": [1]})
     assert unknown.status_code == 404
-    assert httpx.post(start_sim(engine="sglang").url + "/detokenize", json={"tokens": [1]}).status_code == 404
+    legacy_sglang = start_sim(engine="sglang", api_version="legacy")
+    assert httpx.post(legacy_sglang.url + "/detokenize", json={"tokens": [1]}).status_code == 404
 
 
 def test_render_errors_have_vllm_shapes(start_sim: StartSim) -> None:
@@ -123,8 +124,28 @@ def test_only_current_vllm_family_serves_render(start_sim: StartSim) -> None:
     assert httpx.post(start_sim(engine="ascend").url + CHAT_RENDER, json=body).status_code == 200
     sglang = start_sim(engine="sglang")
     assert httpx.post(sglang.url + CHAT_RENDER, json=body).status_code == 404
-    assert httpx.post(sglang.url + "/tokenize", json=body).status_code == 404
+    assert httpx.post(start_sim(engine="sglang", api_version="legacy").url + "/tokenize", json=body).status_code == 404
     legacy = start_sim(api_version="legacy")
     assert httpx.post(legacy.url + CHAT_RENDER, json=body).status_code == 404
     assert httpx.post(legacy.url + "/tokenize", json=body).status_code == 200
     assert httpx.get(start_sim().url + CHAT_RENDER).status_code == 405
+
+
+def test_sglang_tokenize_and_detokenize_answer_sglang_shapes(start_sim: StartSim) -> None:
+    """SGLang's own routes (python/sglang/srt/entrypoints/openai/serving_tokenize.py), also under /v1:
+    `{"tokens", "count", "max_model_len"}` (lists for a list of prompts), `{"text"}`; no `messages`
+    (its `TokenizeRequest` requires `prompt`: the validation error's 400); `model` is not checked."""
+    srv = start_sim(engine="sglang", max_context_tokens=4096)
+    vllm = start_sim(max_context_tokens=4096)
+    one = httpx.post(srv.url + "/tokenize", json={"model": "any-name", "prompt": "abcdefgh"}).json()
+    assert set(one) == {"tokens", "count", "max_model_len"} and one["count"] == 2 and one["max_model_len"] == 4096
+    assert one["tokens"] == httpx.post(vllm.url + "/tokenize", json={"prompt": "abcdefgh"}).json()["tokens"]
+    many = httpx.post(srv.url + "/v1/tokenize", json={"prompt": ["abcd", "abcdefgh"]}).json()
+    assert many["count"] == [1, 2] and many["tokens"][1] == one["tokens"]
+    refused = httpx.post(srv.url + "/tokenize", json={"messages": _messages("hi")})
+    assert refused.status_code == 400 and refused.json()["object"] == "error"
+    text = httpx.post(srv.url + "/detokenize", json={"tokens": [5, 6, 7]}).json()
+    assert text == {"text": output_text(3, 5)}
+    both = httpx.post(srv.url + "/v1/detokenize", json={"tokens": [[5], []]}).json()
+    assert both == {"text": [output_text(1, 5), ""]}
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": "x"}).status_code == 400
