@@ -48,7 +48,7 @@ def ledger() -> Ledger:
 def relayed(chunks: list[bytes], error: Exception | None = None) -> tuple[str | None, bytes, Ledger]:
     async def run() -> tuple[str | None, bytes, Ledger]:
         book = ledger()
-        stream = ReplayStream(httpx.Response(200, stream=Chunks(chunks, error)), book)
+        stream = ReplayStream(httpx.Response(200, stream=Chunks(chunks, error)), book, 1 << 26, 1 << 26)
         failure = await stream.opening(5.0)
         if failure is not None:
             return failure, b"", book
