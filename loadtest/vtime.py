@@ -23,7 +23,9 @@ to the next timer whenever nothing is ready, so results do not depend on the mac
   threshold 0.3, balance 64 / 1.5 on its own in-flight counts, the smallest tree when no match
   passes the threshold; per-worker trees as sets of block prefixes, no eviction) — not the router.
 
-No network, HTTP, gateway overhead or client concurrency cap: TTFT is engine queueing + prefill.
+No network, HTTP, gateway overhead or client concurrency cap: TTFT is engine queueing + prefill;
+TPOT (per request of more than one token: (last token - first) / (tokens - 1)) is the step
+scheduler's decode steps, each as long as the prefill chunk it carries.
 """
 
 from __future__ import annotations
