@@ -9,9 +9,16 @@ Queued prefill work on a worker (tokens, `PrefillEstimator.queued`): the uncache
 this replica's requests sent there whose first byte has not come back yet (`pending`), plus the
 requests its engine reports beyond this replica's in-flight ones (other replicas' requests: scraped
 running + waiting, `Worker.load()`, minus `in_flight`) times the mean uncached tokens of this
-replica's requests to it (`mean_request`: a moving average over about the last 16, starting at the
-policy's `request_tokens`). This replica's requests that already streamed their first token are
-decoding: they add no prefill work.
+replica's requests to it (`mean_request`: a moving average over about the last 16), or, for a worker
+this replica sent nothing yet, of its requests to the pool (`PrefillModel.mean_request`; the
+policy's `request_tokens` before any). So a constant offset in what every engine reports (an engine
+that counts its own metrics scrape as running) costs every worker alike. This replica's requests
+that already streamed their first token are decoding: they add no prefill work.
+
+Decoding requests on a worker (`PrefillEstimator.decoding`): its load less the engine's waiting
+requests and this replica's requests still in prefill there (what a prefill chunk sent there slows
+down). Recent prefill (`PrefillModel.recent`, tokens): the uncached tokens this replica sent the
+worker, decayed with the policy's `recent_half_life_s` (the policy's prefill balance).
 
 Prefill rate (tokens/s, `PrefillModel.rate`), learned online: a streamed request whose first byte
 came T seconds after it was sent, with W0 tokens queued ahead of it and U uncached tokens of its
@@ -29,7 +36,8 @@ pool's rate, so a worker once measured slow is tried again. (Back to the fixed `
 instead, a worker an order of magnitude faster than the prior looked slow as soon as its samples
 aged, got no more traffic and so no new samples: the replay's first live run left two of eight
 workers with 2-5 % of the prefill work.) State: five floats
-per worker, dropped when the worker leaves its pool (`worker_gone`); no history is kept.
+per worker (and the recent prefill's two, the pending count), dropped when the worker leaves its
+pool (`worker_gone`); no history is kept.
 
 Assumed engine: one prefill rate shared by its queue, served first come first served (vLLM's
 FCFS scheduler with chunked prefill; SGLang's default longest-prefix-first order reorders it).
@@ -234,7 +242,9 @@ class PrefillEstimator:
     def decoding(self, worker: Worker, state: WorkerPrefill, load: float) -> float:
         """Requests decoding on `worker` (estimated: its load less the engine's waiting requests
         and this replica's requests still in prefill there; another replica's requests in prefill
-        count as decoding)."""
+        count as decoding); 0 on a PD pool's prefill worker, which decodes nothing."""
+        if worker.role == "prefill":
+            return 0.0
         return max(load - (worker.engine_waiting or 0.0) - state.pending_requests, 0.0)
 
     def start(self, worker: Worker, model: PrefillModel, uncached: float, observe: bool,

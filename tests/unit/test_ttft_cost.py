@@ -337,6 +337,9 @@ def test_decoding_requests_are_the_load_less_waiting_and_this_replicas_prefills(
     estimator.start(w, m, 500.0, observe=False, now=0.0)
     w.in_flight = 1  # ours, in prefill, not yet in the scraped figures
     assert estimator.decoding(w, estimator.of(w), w.load()) == 9.0 - 2.0 - 1.0
+    prefill_worker = Worker("pd", 0, "http://p0:1", ENGINES["vllm"], role="prefill")
+    prefill_worker.engine_running = 6.0
+    assert estimator.decoding(prefill_worker, estimator.of(prefill_worker), prefill_worker.load()) == 0.0
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
