@@ -23,7 +23,9 @@ to the next timer whenever nothing is ready, so results do not depend on the mac
   threshold 0.3, balance 64 / 1.5 on its own in-flight counts, the smallest tree when no match
   passes the threshold; per-worker trees as sets of block prefixes, no eviction) — not the router.
 
-No network, HTTP, gateway overhead or client concurrency cap: TTFT is engine queueing + prefill.
+No network, HTTP, gateway overhead or client concurrency cap: TTFT is engine queueing + prefill;
+TPOT (per request of more than one token: (last token - first) / (tokens - 1)) is the step
+scheduler's decode steps, each as long as the prefill chunk it carries.
 """
 
 from __future__ import annotations
@@ -172,17 +174,21 @@ class Outcome:
 
     excess: list[float] = field(default_factory=list)
     """TTFT minus the request's floor (`floors`) per completed request, seconds."""
+    tpots: list[float] = field(default_factory=list)
+    """Per completed request of more than one output token: (last token - first) / (tokens - 1), seconds."""
 
     def row(self) -> str:
         p50, p99 = percentile(self.ttfts, 50), percentile(self.ttfts, 99)
         return (f"| {self.name} | {self.hit_ratio:.3f} | {p50 or 0:.3f} | {p99 or 0:.3f} | "
                 f"{percentile(self.excess, 99) or 0:.3f} | "
+                f"{1000 * (percentile(self.tpots, 50) or 0):.1f} | {1000 * (percentile(self.tpots, 99) or 0):.1f} | "
                 f"{self.prefill_max_over_mean:.2f} | {self.preemptions} | "
                 f"{', '.join(f'{k} {v}' for k, v in sorted(self.reasons.items()))} |")
 
 
-TABLE_HEADER = ("| policy | hit ratio | p50 TTFT (s) | p99 TTFT (s) | p99 over floor (s) | max/mean prefill | "
-                "preemptions | reasons |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+TABLE_HEADER = ("| policy | hit ratio | p50 TTFT (s) | p99 TTFT (s) | p99 over floor (s) | p50 TPOT (ms) | "
+                "p99 TPOT (ms) | max/mean prefill | preemptions | reasons |\n"
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 
 
 def floors(items: list[ScheduledRequest], s: Settings, prefill_tps: float) -> list[float]:
@@ -258,7 +264,8 @@ class Evaluation:
             else:
                 load, state = w.load(), self.prefill.of(w)
                 candidates.append(Candidate(w, load, None, m / max(tokens, 1), m,
-                                            self.prefill.queued(w, state, model, load), model.rate(state, now)))
+                                            self.prefill.queued(w, state, model, load), model.rate(state, now),
+                                            False, self.prefill.decoding(w, state, load), model.recent(state, now)))
         decision: Decision = policy.select(request, candidates)
         self.outcome.reasons[decision.reason] = self.outcome.reasons.get(decision.reason, 0) + 1
         chosen = decision.worker
@@ -292,7 +299,10 @@ class Evaluation:
             self.outcome.excess.append(loop.time() - sent - floor)
             if ticket is not None:
                 ticket.first_byte(loop.time())
+            first = loop.time()
             await step_req.wait_steps(item.max_tokens)
+            if item.max_tokens > 1:
+                self.outcome.tpots.append((loop.time() - first) / (item.max_tokens - 1))
         finally:
             with sw.lock:
                 sw.sched.finish(step_req)

@@ -309,6 +309,13 @@ class WorkerRegistry:
         worker.last_error = reason
         self._set_healthy(worker, False, reason)
 
+    def peers_answered(self, worker: Worker, since: float, budget: float, stream: bool) -> bool:
+        """Whether another worker of `worker`'s pool (and role) answered a request sent at or after
+        `since` (perf_counter seconds) with an answer budget of at least `budget` seconds (for a
+        non-streamed request, `stream` False: a whole answer; `AnswerMarks.answered_since`)."""
+        return any(peer is not worker and peer.role == worker.role
+                   and peer.answers.answered_since(since, budget, stream) for peer in self.pools.get(worker.pool, ()))
+
     def awaiting_headers(self, worker: Worker, move: Callable[[], None]) -> None:
         """An attempt on `worker` waits for its response headers; `move()` is called (once) if the
         worker turns unhealthy meanwhile: an engine that has not answered is not generating, so

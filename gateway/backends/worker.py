@@ -6,6 +6,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from gateway.backends.answer_marks import AnswerMarks
 from gateway.backends.engine_kinds import EngineSpec
 
 
@@ -33,7 +34,8 @@ class Worker:
     (`bootstrap_port`: a SGLang / vLLM Mooncake prefill worker's bootstrap server port).
     `answered_at`: when it last sent response headers for any request (a wedged engine accepts
     requests and answers none; a client hang-up is held against it only when it answered nothing
-    since that request was sent).
+    since that request was sent); `answers` its latest answers by size (`answer_marks.py`), which
+    its silent peers are compared with.
     """
 
     pool: str
@@ -65,6 +67,7 @@ class Worker:
     kv_usage: float | None = None
     in_flight_at_scrape: int = 0
     answered_at: float = 0.0  # time.perf_counter() s of its last response headers (any request): alive then
+    answers: AnswerMarks = field(default_factory=AnswerMarks)
 
     def load(self) -> float:
         """Requests on the engine, in requests: its own running + waiting at the last scrape,

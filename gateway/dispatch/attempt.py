@@ -262,6 +262,7 @@ class SingleLeg(Attempt):
         state, request, ledger, worker, pool = self._state, self._request, self._ledger, self.worker, self.pool
         timeouts = state.config.timeouts
         timeout, budget, header_wait = budgets(timeouts, request, pool)
+        ledger.answer_budget(budget)
         probe = ProbeWatch(state.registry, worker)
         answered = False
         started = asyncio.get_running_loop().time()

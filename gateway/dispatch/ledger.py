@@ -16,7 +16,7 @@ The facts, by who reports them:
 - the dispatch: `parsed`, `refused_model`, `history_counted`, `skipped`, `in_pool`, `spilled`,
   `affinity_looked_up`, `attempt_started`, `attempt_failed`, `attempt_accepted`, `error_answer`,
   `hold_quota` / `settle_quota`, `response_stored`;
-- an attempt and its legs: `upstream_headers`, `watch_first_byte`, `headers_arrived`,
+- an attempt and its legs: `upstream_headers`, `answer_budget`, `watch_first_byte`, `headers_arrived`,
   `first_byte`, `accepted`, `usage`, `answer_broken`, `worker_succeeded` / `worker_failed` /
   `worker_throttled` / `worker_unreachable` (the verdicts), and a PD attempt's `pd_routed`,
   `prefill_chosen`, `prefill_sent`, `prefill_answered`, `leg_failed`, `pd_phases`;
@@ -44,6 +44,10 @@ from gateway.routing.features import RoutingRequest
 log = logging.getLogger("gateway.access")
 
 OK = "ok"  # `streaming.Outcome.OK`: an accepted attempt's outcome label
+PEER_SILENCE_MIN_S = 1.0
+"""Seconds a client must have waited for its hang-up to be compared with the worker's peers
+(`Ledger.hang_up_verdict`): engines send a stream's headers once its prompt is tokenized, which a
+long prompt may take a moment for."""
 TIMEOUT = "timeout"  # `streaming.Outcome.TIMEOUT`
 _REACHED = frozenset({"timeout", "protocol_error"})  # a failed attempt's engine may have worked on it
 _REFUSED = frozenset({"client_error", "too_long"})  # an engine read the request and refused it
@@ -77,8 +81,8 @@ class Ledger:
     `metrics` and `registry` are the app's; `tracing` (None: off) opens the request's spans from
     the client's `headers` (`traceparent`)."""
 
-    __slots__ = ("_answered", "_attempt_at", "_finished", "_metrics", "_on_first_byte", "_open", "_prefill_pending",
-                 "_quota", "_registry", "_stored", "record", "trace")
+    __slots__ = ("_answered", "_attempt_at", "_budget", "_finished", "_metrics", "_on_first_byte", "_open",
+                 "_prefill_pending", "_quota", "_registry", "_stored", "record", "trace")
 
     def __init__(self, api: str, request_id: str, key: str | None, metrics: GatewayMetrics,
                  registry: WorkerRegistry, tracing: Tracer | None = None,
@@ -90,6 +94,7 @@ class Ledger:
         self._open: Worker | None = None  # the worker of an upstream attempt still running (a cut one stays set)
         self._answered = False  # that attempt's engine has sent its response headers
         self._attempt_at = 0.0  # when that attempt started (perf_counter seconds)
+        self._budget = 0.0  # that attempt's answer budget (seconds; `answer_budget`)
         self._prefill_pending: Worker | None = None  # a PD attempt's prefill worker while its leg sent no headers
         self._on_first_byte: Callable[[float], None] | None = None
         self._quota: tuple[Settler, Any, RoutingRequest] | None = None
@@ -186,9 +191,14 @@ class Ledger:
         """Passive health for a client that hung up before its response while an attempt still
         waited: the worker that had sent it nothing (a PD attempt's prefill worker while its leg is
         unanswered, else the attempt's worker before its response headers) counts a failed request
-        when the client waited at least `patience` seconds (`attempt.silence_limit`) and that worker
-        answered no other request since this attempt started. A quick hang-up, or a busy engine
-        answering others, is held against nobody."""
+        when that worker answered no other request since this attempt started and either the
+        client waited at least `patience` seconds (`attempt.silence_limit`), or (an aggregated
+        pool's worker, the client having waited at least `PEER_SILENCE_MIN_S`) a peer of the
+        worker answered meanwhile a request sent after this one that the gateway gives at least as
+        much time (`WorkerRegistry.peers_answered`, gateway/backends/answer_marks.py): the worker
+        is behind its peers by more than the request's own length explains. A quick hang-up, a
+        busy engine answering others, or a long request whose peers answered only shorter ones is
+        held against nobody."""
         worker = self._open
         if worker is None or self.record.disconnect_stage != "before_response":
             return
@@ -199,6 +209,11 @@ class Ledger:
         if waited >= patience:
             self._registry.request_failed(silent, f"its client hung up after {waited:.1f}s without a byte "
                                                   "from it (it answered no request meanwhile)")
+        elif (silent is worker and silent.role is None and waited >= PEER_SILENCE_MIN_S
+              and self._registry.peers_answered(silent, self._attempt_at, self._budget, self.record.stream)):
+            self._registry.request_failed(silent, f"its client hung up after {waited:.1f}s without a byte "
+                                                  "from it, while its peers answered later requests as large "
+                                                  "(it answered none)")
 
     # --- the dispatch -------------------------------------------------------------------------
 
@@ -255,7 +270,7 @@ class Ledger:
         self._metrics.route_decisions.labels(pool, reason).inc()
         if retry_cause is not None:
             self._metrics.retries.labels(pool, retry_cause).inc()
-        self._open, self._answered = worker, False
+        self._open, self._answered, self._budget = worker, False, 0.0
         self._attempt_at, self._prefill_pending = time.perf_counter(), None
 
     def attempt_failed(self, pool: str, worker: Worker, outcome: str) -> None:
@@ -324,6 +339,12 @@ class Ledger:
             headers.update(self.trace.start_attempt(pool, worker.id))
         return headers
 
+    def answer_budget(self, seconds: float) -> None:
+        """The running attempt's answer budget (`dispatch/attempt.py` `budgets`: a stream's
+        first-content budget, a non-streamed request's whole answer budget): its size, for
+        comparing workers' answers (`headers_arrived`, `hang_up_verdict`)."""
+        self._budget = seconds
+
     def watch_first_byte(self, callback: Callable[[float], None] | None) -> None:
         """Call `callback` with the first byte's time when it comes (a prefill ticket; None: nobody)."""
         self._on_first_byte = callback
@@ -334,9 +355,11 @@ class Ledger:
         return worker.answered_at >= self._attempt_at
 
     def headers_arrived(self, worker: Worker) -> None:
-        """The attempt's engine sent its response headers: it is alive and working on the request."""
+        """The attempt's engine sent its response headers: it is alive and working on the request
+        (and answered a request of this size, sent when the attempt started: `Worker.answers`)."""
         self._answered = True
         worker.answered_at = time.perf_counter()
+        worker.answers.mark(self._attempt_at, self._budget, self.record.stream)
 
     def first_byte(self) -> None:
         """The first upstream body byte (TTFT for streams); later calls do nothing."""

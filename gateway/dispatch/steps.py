@@ -86,7 +86,8 @@ def decide(policy: RoutingPolicy, request: RoutingRequest, workers: list[Worker]
     KV cache usage and the share of the prompt it holds (`match`: worker URL -> 0..1, from the
     affinity store; the matched tokens are that share of the estimated prompt tokens), and whether
     it served the request's session last (an `AffinityMatch`'s `session`); for a policy with a
-    `prefill_model`, given `prefill`, also with its queued prefill tokens and prefill rate (tokens/s)."""
+    `prefill_model`, given `prefill`, also with its queued prefill tokens, prefill rate (tokens/s),
+    decoding requests and the uncached tokens sent to it lately."""
     model = policy.prefill_model
     session = match.session if isinstance(match, AffinityMatch) else None
     if model is None or prefill is None:
@@ -99,7 +100,8 @@ def decide(policy: RoutingPolicy, request: RoutingRequest, workers: list[Worker]
     for w in workers:
         share, load, state = match.get(w.url, 0.0), w.load(), prefill.of(w)
         candidates.append(Candidate(w, load, w.kv_usage, share, int(share * request.prompt_tokens),
-                                    prefill.queued(w, state, model, load), model.rate(state, now), w.url == session))
+                                    prefill.queued(w, state, model, load), model.rate(state, now), w.url == session,
+                                    prefill.decoding(w, state, load), model.recent(state, now)))
     return policy.select(request, candidates)
 
 

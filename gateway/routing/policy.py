@@ -24,7 +24,9 @@ class Candidate:
     the prompt (0..1) whose prefix this worker holds per the affinity store, `matched_tokens` the
     same in estimated tokens. Only for a policy with a `prefill_model` (else 0): `queued_tokens`,
     the prefill work ahead of the request there (tokens), and `prefill_rate`, the worker's
-    estimated prefill rate (tokens/s); see gateway/routing/prefill.py. `session`: this worker served
+    estimated prefill rate (tokens/s), `decoding` the requests decoding there (estimated, requests)
+    and `recent_tokens` the uncached tokens this replica sent it lately (decayed, tokens); see
+    gateway/routing/prefill.py. `session`: this worker served
     the request's session last (its session key, per the affinity store): where a turn that shares
     no cached prefix yet goes, load permitting.
     """
@@ -37,6 +39,8 @@ class Candidate:
     queued_tokens: float = 0.0
     prefill_rate: float = 0.0
     session: bool = False
+    decoding: float = 0.0
+    recent_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

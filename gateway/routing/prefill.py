@@ -9,9 +9,16 @@ Queued prefill work on a worker (tokens, `PrefillEstimator.queued`): the uncache
 this replica's requests sent there whose first byte has not come back yet (`pending`), plus the
 requests its engine reports beyond this replica's in-flight ones (other replicas' requests: scraped
 running + waiting, `Worker.load()`, minus `in_flight`) times the mean uncached tokens of this
-replica's requests to it (`mean_request`: a moving average over about the last 16, starting at the
-policy's `request_tokens`). This replica's requests that already streamed their first token are
-decoding: they add no prefill work.
+replica's requests to it (`mean_request`: a moving average over about the last 16), or, for a worker
+this replica sent nothing yet, of its requests to the pool (`PrefillModel.mean_request`; the
+policy's `request_tokens` before any). So a constant offset in what every engine reports (an engine
+that counts its own metrics scrape as running) costs every worker alike. This replica's requests
+that already streamed their first token are decoding: they add no prefill work.
+
+Decoding requests on a worker (`PrefillEstimator.decoding`): its load less the engine's waiting
+requests and this replica's requests still in prefill there (what a prefill chunk sent there slows
+down). Recent prefill (`PrefillModel.recent`, tokens): the uncached tokens this replica sent the
+worker, decayed with the policy's `recent_half_life_s` (the policy's prefill balance).
 
 Prefill rate (tokens/s, `PrefillModel.rate`), learned online: a streamed request whose first byte
 came T seconds after it was sent, with W0 tokens queued ahead of it and U uncached tokens of its
@@ -29,7 +36,8 @@ pool's rate, so a worker once measured slow is tried again. (Back to the fixed `
 instead, a worker an order of magnitude faster than the prior looked slow as soon as its samples
 aged, got no more traffic and so no new samples: the replay's first live run left two of eight
 workers with 2-5 % of the prefill work.) State: five floats
-per worker, dropped when the worker leaves its pool (`worker_gone`); no history is kept.
+per worker (and the recent prefill's two, the pending count), dropped when the worker leaves its
+pool (`worker_gone`); no history is kept.
 
 Assumed engine: one prefill rate shared by its queue, served first come first served (vLLM's
 FCFS scheduler with chunked prefill; SGLang's default longest-prefix-first order reorders it).
@@ -65,24 +73,30 @@ class PrefillParams(Protocol):
     def request_tokens(self) -> float: ...
     @property
     def base_ttft_s(self) -> float: ...
+    @property
+    def recent_half_life_s(self) -> float: ...
 
 MEAN_REQUEST_WEIGHT = 1.0 / 16.0
 """Weight of the newest request in `WorkerPrefill.mean_request` (a mean over about 16 requests)."""
 
 
 class WorkerPrefill:
-    """One worker's prefill state: `pending` tokens of this replica's requests still in prefill,
-    `mean_request` tokens per request (< 0: none seen yet), `tokens` and `seconds` the decayed sums
-    of observed prefill work and time as of `at` (perf_counter seconds)."""
+    """One worker's prefill state: `pending` tokens of this replica's requests still in prefill
+    (`pending_requests` of them), `mean_request` tokens per request (< 0: none seen yet), `tokens`
+    and `seconds` the decayed sums of observed prefill work and time as of `at` (perf_counter
+    seconds), `sent` the decayed sum of uncached tokens sent to it as of `sent_at`."""
 
-    __slots__ = ("at", "mean_request", "pending", "seconds", "tokens")
+    __slots__ = ("at", "mean_request", "pending", "pending_requests", "seconds", "sent", "sent_at", "tokens")
 
     def __init__(self) -> None:
         self.pending = 0.0
+        self.pending_requests = 0
         self.mean_request = -1.0
         self.tokens = 0.0
         self.seconds = 0.0
         self.at = 0.0
+        self.sent = 0.0
+        self.sent_at = 0.0
 
 
 class PrefillModel:
@@ -91,7 +105,7 @@ class PrefillModel:
     instance; shared by the policy's candidates and its requests' observations."""
 
     __slots__ = ("base_s", "max_rate", "min_rate", "per_second", "pool", "prior_rate", "prior_seconds",
-                 "prior_tokens", "request_tokens")
+                 "prior_tokens", "recent_per_second", "request_tokens")
 
     def __init__(self, params: PrefillParams) -> None:
         self.prior_rate = params.prior_rate
@@ -102,6 +116,7 @@ class PrefillModel:
         self.prior_seconds = params.prior_tokens / params.prior_rate
         self.request_tokens = params.request_tokens
         self.base_s = params.base_ttft_s
+        self.recent_per_second = math.log(2.0) / params.recent_half_life_s
         self.pool = WorkerPrefill()
         """Every observation of the pool's workers, decayed alike: the prior each worker returns to."""
 
@@ -124,6 +139,29 @@ class PrefillModel:
         decay = math.exp(-self.per_second * (now - pool.at))
         rate = (pool.tokens * decay + self.prior_tokens) / (pool.seconds * decay + self.prior_seconds)
         return min(max(rate, self.min_rate), self.max_rate)
+
+    def mean_request(self, state: WorkerPrefill) -> float:
+        """Tokens one engine-reported request of another replica stands for on the worker of
+        `state`: this replica's mean request there, else its mean request to the pool (a worker it
+        sent nothing yet is priced like the others, not at a constant that may differ from them
+        all), else `request_tokens`."""
+        mean = state.mean_request
+        if mean >= 0:
+            return mean
+        mean = self.pool.mean_request
+        return mean if mean >= 0 else self.request_tokens
+
+    def recent(self, state: WorkerPrefill, now: float) -> float:
+        """The uncached tokens this replica sent the worker lately (tokens, decayed with
+        `recent_half_life_s`)."""
+        if not state.sent:
+            return 0.0
+        return state.sent * math.exp(-self.recent_per_second * max(now - state.sent_at, 0.0))
+
+    def sent(self, state: WorkerPrefill, tokens: float, now: float) -> None:
+        """`tokens` uncached tokens go to the worker of `state` now (`recent`)."""
+        state.sent = self.recent(state, now) + tokens
+        state.sent_at = now
 
     def observe(self, state: WorkerPrefill, work: float, seconds: float, now: float) -> None:
         """Fold in one observation: `work` tokens of prefill (queued ahead + the request's own
@@ -157,8 +195,11 @@ class PrefillTicket:
         self._sent_at = now
         self._open = True
         state.pending += uncached
-        mean = state.mean_request
-        state.mean_request = uncached if mean < 0 else mean + MEAN_REQUEST_WEIGHT * (uncached - mean)
+        state.pending_requests += 1
+        for target in (state, model.pool):
+            mean = target.mean_request
+            target.mean_request = uncached if mean < 0 else mean + MEAN_REQUEST_WEIGHT * (uncached - mean)
+        model.sent(state, uncached, now)
 
     def first_byte(self, at: float) -> None:
         """The engine's first body byte came at `at` (perf_counter seconds)."""
@@ -172,6 +213,7 @@ class PrefillTicket:
         if self._open:
             self._open = False
             self._state.pending = max(self._state.pending - self._uncached, 0.0)
+            self._state.pending_requests = max(self._state.pending_requests - 1, 0)
 
 
 class PrefillEstimator:
@@ -195,8 +237,15 @@ class PrefillEstimator:
         others = load - worker.in_flight
         if others <= 0.0:
             return state.pending
-        mean = state.mean_request
-        return state.pending + others * (mean if mean >= 0 else model.request_tokens)
+        return state.pending + others * model.mean_request(state)
+
+    def decoding(self, worker: Worker, state: WorkerPrefill, load: float) -> float:
+        """Requests decoding on `worker` (estimated: its load less the engine's waiting requests
+        and this replica's requests still in prefill there; another replica's requests in prefill
+        count as decoding); 0 on a PD pool's prefill worker, which decodes nothing."""
+        if worker.role == "prefill":
+            return 0.0
+        return max(load - (worker.engine_waiting or 0.0) - state.pending_requests, 0.0)
 
     def start(self, worker: Worker, model: PrefillModel, uncached: float, observe: bool,
               now: float) -> PrefillTicket:

@@ -103,6 +103,9 @@ class SimFaults(BaseModel):
     - `no_lora_routes`: the runtime LoRA load and unload paths answer FastAPI's 404 `Not Found`, as
       an engine restarted without runtime loading does (vLLM without
       VLLM_ALLOW_RUNTIME_LORA_UPDATING registers no such route).
+    - `metrics_running_offset`: `GET /metrics` reports this many more running requests than run
+      (a constant load offset: an engine that counts its own metrics scrape, or a monitoring
+      request it always has, as a running request).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -128,6 +131,7 @@ class SimFaults(BaseModel):
     null_max_tokens_500: bool = False
     raw_stream_chunks: list[str] | None = None
     no_lora_routes: bool = False
+    metrics_running_offset: int = Field(default=0, ge=0)
 
     @field_validator("raw_stream_chunks")
     @classmethod

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -185,7 +185,7 @@ class SimWorkerState:
                 self._cond, self.kv, self._totals, self._hit_rate, chunk_tokens=config.chunk_tokens,
                 prefill_tokens_per_s=config.step_prefill_tokens_per_s, decode_step_s=config.decode_step_s,
                 decode_s_per_seq=config.decode_s_per_seq, max_num_seqs=config.max_num_seqs)
-        self.registry = build_registry(self.stats, self.dialect, config.model_name, time.time())
+        self.registry = build_registry(self._scraped_stats, self.dialect, config.model_name, time.time())
         self.pd: PdState | None = None
         """The PD role's state (None for an aggregated worker; see `gateway.sim.pd`)."""
         if config.pd_role is not None:
@@ -674,6 +674,14 @@ class SimWorkerState:
                 cache_hit_rate=self._hit_rate.rate,
                 preemptions_total=totals.preemptions,
             )
+
+    def _scraped_stats(self) -> EngineStats:
+        """What `/metrics` shows: `stats()`, with the running requests the faults add
+        (`SimFaults.metrics_running_offset`)."""
+        stats = self.stats()
+        with self._cond:
+            offset = self._faults.metrics_running_offset
+        return stats if not offset else replace(stats, running=stats.running + offset)
 
     def _lifetime_totals(self) -> SimTotals:
         totals = self._totals.copy()

@@ -260,7 +260,8 @@ def test_a_released_lease_closes_its_ticket_and_a_gone_worker_is_forgotten() -> 
 
 
 def test_decide_feeds_the_estimate_and_a_sent_request_steers_the_next_one() -> None:
-    policy, estimator = build_policy("ttft_cost"), PrefillEstimator()
+    # The queue alone (the balance term, which the tickets feed too, is tested on its own below).
+    policy, estimator = build_policy("ttft_cost", {"balance_weight": 0}), PrefillEstimator()
     model_ = policy.prefill_model
     assert model_ is not None
     a, b = worker(0), worker(1)
@@ -282,3 +283,86 @@ def test_decide_feeds_the_estimate_and_a_sent_request_steers_the_next_one() -> N
     estimator.start(a, model_, 2 * PROMPT, observe=True, now=0.0)
     assert decide(policy, REQUEST, [a, b], {}, estimator).worker is b
     assert prefill_ticket(estimator, build_policy("least_load"), REQUEST, a, {}) is None
+
+
+# -- chunk interference, prefill balance, engines' constant offsets (issue 37 item 16) ------------------
+
+def test_a_prefill_costs_the_requests_decoding_there() -> None:
+    # Equal idle workers, w0 with 20 requests decoding: 1 s of prefill there lengthens 20 decodes'
+    # steps (cost 1 + 0.1 x 20 = 3 s against 1 s).
+    busy = Candidate(worker(0), 20.0, None, 0.0, 0, 0.0, 10_000.0, decoding=20.0)
+    assert choice([busy, candidate(1, load=20.0)]) == (1, "no_match")
+    # ...unless the weight is 0: a tie, and the least loaded wins.
+    assert choice([busy, candidate(1, load=21.0)], {"decode_weight": 0}) == (0, "no_match")
+
+
+def test_prefill_sent_lately_beyond_the_least_fed_worker_costs_its_time() -> None:
+    fed = Candidate(worker(0), 0.0, None, 0.0, 0, 0.0, 10_000.0, recent_tokens=50_000.0)
+    assert choice([fed, candidate(1)]) == (1, "no_match")  # 1 s + 0.5 x 5 s against 1 s
+    # What every candidate was sent alike costs nothing: a tie, in rotation.
+    even = [Candidate(worker(i), 0.0, None, 0.0, 0, 0.0, 10_000.0, recent_tokens=50_000.0) for i in range(2)]
+    policy = build_policy("ttft_cost")
+    assert Counter(policy.select(REQUEST, even).worker.index for _ in range(4)) == {0: 2, 1: 2}
+    # A cache owner keeps its conversation while the balance costs less than the prefix is worth.
+    owner = Candidate(worker(0), 0.0, None, 0.9, 9_000, 0.0, 10_000.0, recent_tokens=50_000.0)
+    assert choice([owner, candidate(1)]) == (0, "affinity")
+
+
+def test_recent_prefill_decays_with_its_half_life() -> None:
+    m, estimator, w = model(recent_half_life_s=2.0), PrefillEstimator(), worker(0)
+    estimator.start(w, m, 8_000.0, observe=False, now=10.0)
+    state = estimator.of(w)
+    assert m.recent(state, 10.0) == pytest.approx(8_000.0)
+    assert m.recent(state, 12.0) == pytest.approx(4_000.0)
+    estimator.start(w, m, 1_000.0, observe=False, now=12.0)
+    assert m.recent(state, 14.0) == pytest.approx(2_500.0)
+    assert m.recent(state, 11.0) == pytest.approx(5_000.0)  # a clock read before the last send: no decay
+
+
+def test_another_replicas_requests_on_a_worker_not_yet_used_cost_the_pools_mean() -> None:
+    # A worker this replica sent nothing yet prices an engine-reported request like its peers do
+    # (the pool's mean), not at `request_tokens`: a constant offset in the engines' figures is the
+    # same on every worker.
+    m, estimator, used, unused = model(request_tokens=1_000.0), PrefillEstimator(), worker(0), worker(1)
+    estimator.start(used, m, 200.0, observe=False, now=0.0).close()
+    for w in (used, unused):
+        w.engine_running, w.engine_waiting, w.in_flight_at_scrape = 1.0, 0.0, 0
+    assert estimator.queued(unused, estimator.of(unused), m, unused.load()) == 200.0
+    assert estimator.queued(used, estimator.of(used), m, used.load()) == 200.0
+
+
+def test_decoding_requests_are_the_load_less_waiting_and_this_replicas_prefills() -> None:
+    m, estimator, w = model(), PrefillEstimator(), worker(0)
+    w.engine_running, w.engine_waiting, w.in_flight_at_scrape = 6.0, 2.0, 0
+    estimator.start(w, m, 500.0, observe=False, now=0.0)
+    w.in_flight = 1  # ours, in prefill, not yet in the scraped figures
+    assert estimator.decoding(w, estimator.of(w), w.load()) == 9.0 - 2.0 - 1.0
+    prefill_worker = Worker("pd", 0, "http://p0:1", ENGINES["vllm"], role="prefill")
+    prefill_worker.engine_running = 6.0
+    assert estimator.decoding(prefill_worker, estimator.of(prefill_worker), prefill_worker.load()) == 0.0
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_every_worker_gets_traffic_one_request_at_a_time(offset: float) -> None:
+    """Three equal workers faster than the prior rate, one short request at a time (each done
+    before the next), each engine reporting `offset` requests more than it runs (one that counts
+    its own metrics scrape). The worker that took the first request is measured fast at once, and
+    the others, never measured, stay at the slower pool rate: without the balance every request
+    would go to the first. With it each gets a share."""
+    policy, estimator = build_policy("ttft_cost"), PrefillEstimator()
+    model_ = policy.prefill_model
+    assert model_ is not None
+    workers = [worker(i) for i in range(3)]
+    for w in workers:
+        w.engine_running, w.engine_waiting, w.in_flight_at_scrape = offset, 0.0, 0
+    short = RoutingRequest(api="chat", model="kimi-k3", prompt_tokens=100, output_tokens=2, stream=True,
+                           modalities=frozenset({"text"}), estimate_method="bytes")
+    served = Counter[int]()
+    for _ in range(60):
+        chosen = decide(policy, short, workers, {}, estimator).worker
+        served[chosen.index] += 1
+        now = time.perf_counter()
+        ticket = estimator.start(chosen, model_, 100.0, observe=True, now=now)
+        ticket.first_byte(now + 0.004)  # 25,000 tokens/s of the request's own prefill
+        ticket.close()
+    assert min(served[i] for i in range(3)) >= 10, served

@@ -178,6 +178,14 @@ def test_engine_accounting_and_metrics_registry() -> None:
     assert 'sglang:prompt_tokens_total{model_name="kimi-k3"} 0.0' in generate_latest(other.registry).decode()
 
 
+def test_a_metrics_running_offset_shows_in_metrics_only() -> None:
+    """`SimFaults.metrics_running_offset`: an engine that counts its own metrics scrape as running."""
+    engine = SimWorkerState(SimConfig(engine="vllm", max_context_tokens=100,
+                                      faults=SimFaults(metrics_running_offset=1)))
+    assert engine.stats().running == 0
+    assert 'vllm:num_requests_running{engine="0",model_name="kimi-k3"} 1.0' in generate_latest(engine.registry).decode()
+
+
 def test_wait_for_wakes_on_updates_from_another_thread() -> None:
     engine = SimWorkerState(CONFIG)
     record = engine.new_record("/v1/chat/completions", {}, {})
