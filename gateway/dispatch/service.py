@@ -34,6 +34,7 @@ from gateway.dispatch.migration import OPT_OUT_HEADER
 from gateway.dispatch.migration import attach as attach_migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound
+from gateway.flow.admission import Flow
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, output_room, skipped_pools
@@ -128,8 +129,11 @@ class ProxyService:
                                           principal)
             pools = [pool]
         migrate = headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
+        flow = self.state.flow.flow_of(self.state.config, principal, headers) \
+            if generates and any(p.flow_control.enabled for p in pools) else None  # count_tokens: never held
+        size = len(body)
         if guard is None:
-            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
+            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate, flow, size)
         assert principal is not None
         default_output, room = pools[0].default_output_tokens, output_room(pools[0], request)
         if principal.limits_tokens(request.model) and generates:
@@ -142,10 +146,10 @@ class ProxyService:
         reservation = await guard.check_quota(principal, request.quota_tokens(default_output, room), requests=0,
                                               counted=counted, model=request.model, counting=not generates)
         if reservation is None:
-            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
+            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate, flow, size)
         ledger.hold_quota(guard, reservation, request)
         try:
-            result = await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
+            result = await self._dispatch(api, payload, request, pools, ledger, pinned, migrate, flow, size)
         except GatewayError:
             await ledger.settle_quota(failed=True)
             raise
@@ -164,20 +168,24 @@ class ProxyService:
         return pools
 
     async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
-                        ledger: Ledger, pinned: Worker | None = None,
-                        migrate: bool = True) -> BufferedResponse | RelayResponse:
+                        ledger: Ledger, pinned: Worker | None = None, migrate: bool = True,
+                        flow: Flow | None = None, size: int = 0) -> BufferedResponse | RelayResponse:
         """Dispatch a parsed request to its fitting `pools` (smallest first): one `Dispatch` state
         for its way through them, and a held 5xx verdict settled however it ends. With `pinned`
         (a Responses follow-up's owner; `pools` is then its pool alone) only that worker is tried.
-        `migrate`: its stream may be continued on another worker after a mid-stream failure."""
+        `migrate`: its stream may be continued on another worker after a mid-stream failure.
+        `flow`: its flow and band when a pool of its chain has flow control on; `size`: its body's bytes."""
         state = self.state
         pool = pools[0]
         ledger.in_pool(pool.name, request)
-        dispatch = Dispatch(state, api, payload, request, ledger, pools, pool, pinned=pinned, migrate=migrate)
+        dispatch = Dispatch(state, api, payload, request, ledger, pools, pool, pinned=pinned, migrate=migrate,
+                            flow=flow, size=size)
         try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
             return await self._dispatch_loop(dispatch)
         finally:
             dispatch.failures.charge(ledger)
+            if dispatch.admission is not None:
+                dispatch.admission.done()
 
     async def _dispatch_loop(self, dispatch: Dispatch) -> BufferedResponse | RelayResponse:
         """Until an attempt is accepted or `max_attempts` ran out: choose the pool and its candidates
@@ -205,14 +213,21 @@ class ProxyService:
                 ledger.spilled(pool.name, to.name, step.value)
                 dispatch.move_to(to)
                 continue
+            if dispatch.flow is not None and dispatch.admission is None and pool.flow_control.enabled:
+                await self._admit(dispatch)  # held while the pool is saturated; then look again
+                continue
             policy = state.policies.policy(pool.name)
             if dispatch.pinned is None and policy.uses_affinity and pool.name not in dispatch.matches:
                 dispatch.matches[pool.name] = await self._affinity_matches(pool.name, dispatch.request, ledger)
                 # Others may have taken the free slots or broken workers meanwhile: look again. From
                 # here to the attempt's slot nothing awaits, so the room seen is the room taken.
                 continue
+            if pool.flow_control.enabled and dispatch.pinned is None:  # the workers with room, if any
+                workers = state.flow.with_room(pool, workers)
             kind = PINNED if dispatch.pinned is not None else kind_of(pool)
             attempt = kind.attempt(dispatch, policy, workers, dispatch.matches.get(pool.name, {}))
+            if dispatch.admission is not None:  # from here its worker's not-started count holds it
+                dispatch.admission.done()
             self._attempt_started(dispatch, attempt)
             try:
                 result = await attempt.run()
@@ -235,6 +250,18 @@ class ProxyService:
         """Give an accepted stream its migration when a mid-stream failure could continue it
         elsewhere (`gateway/dispatch/migration.py`, `attach`: what qualifies, PD pools included)."""
         attach_migration(self.state, dispatch, attempt, result)
+
+    async def _admit(self, dispatch: Dispatch) -> None:
+        """Flow control: wait until the request's pool lets it in (`FlowControl.admit`, at once when
+        it has room), once per request; the wait goes to the access log. Raises what `admit`
+        raises (429/503 with Retry-After, a hang-up's CancelledError)."""
+        config, request, pool = self.state.config, dispatch.request, dispatch.pool
+        assert dispatch.flow is not None
+        fair = config.flow_control.fair_by
+        cost = request.quota_tokens(pool.default_output_tokens, output_room(pool, request)) if fair == "tokens" else 1
+        dispatch.admission = await self.state.flow.admit(config.flow_control, pool, dispatch.flow, cost, dispatch.size)
+        if dispatch.admission.waited:
+            dispatch.ledger.flow_waited(dispatch.admission.waited)
 
     async def _wait_for_slot(self, dispatch: Dispatch) -> None:
         """Queue for a slot of the request's pool, up to `queue_timeout` after it first queued."""
