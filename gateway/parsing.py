@@ -46,6 +46,7 @@ from gateway.errors import ContextLengthExceeded, GatewayError, InvalidRequest, 
 from gateway.protocol.body import (
     ENGINE_ID_FIELDS,
     KV_TRANSFER_FIELDS,
+    SCHEDULING_FIELDS,
     XARGS_FIELD,
     decode_json_object,
     without_connector_args,
@@ -111,7 +112,7 @@ fields kept): what makes one pool's engine body differ from another's (`upstream
 
 _STRIPPED = ENGINE_ID_FIELDS + KV_TRANSFER_FIELDS
 _HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", ENGINE_OUTPUT_FIELD, XARGS_FIELD,
-                *KV_TRANSFER_FIELDS)
+                *KV_TRANSFER_FIELDS, *SCHEDULING_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,9 @@ class Dispatch:
     first attempt took a worker (`Pass.done`)."""
     size: int = 0
     """Its body's bytes (what a held request keeps in memory)."""
+    engine_priority: int | None = None
+    """The engine `priority` the gateway wrote into `payload` for the pool it is in (None: none;
+    gateway/flow/priority.py)."""
 
     def move_to(self, pool: PoolConfig) -> None:
         """The request goes on in `pool` (a spill-over or a larger pool after "too long")."""

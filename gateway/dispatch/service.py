@@ -35,6 +35,7 @@ from gateway.dispatch.migration import attach as attach_migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound
 from gateway.flow.admission import Flow
+from gateway.flow.priority import PRIORITY_APIS, client_value, engine_value, with_priority, without_scheduling_fields
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit
 from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, output_room, skipped_pools
@@ -98,7 +99,9 @@ class ProxyService:
         (`parsing.with_output_limit`), and a client's llama.cpp `n_predict` is set to it
         (`parsing.with_engine_output_limit`), so the engine cannot generate past what was charged. The
         charge is settled when the request ends (`quota_used`): at once for an answer or error given
-        here, at the ledger's finish for a stream.
+        here, at the ledger's finish for a stream. A key without `client_priority` has its body's
+        scheduling fields (`priority`, SGLang's DP ranks) stripped; with flow control on a pool of
+        the chain, its flow and band are named here (`FlowControl.flow_of`).
         """
         guard = self.state.auth if principal is not None else None
         generates = dialect_for(api).generates  # False: count_tokens
@@ -129,8 +132,11 @@ class ProxyService:
                                           principal)
             pools = [pool]
         migrate = headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
-        flow = self.state.flow.flow_of(self.state.config, principal, headers) \
-            if generates and any(p.flow_control.enabled for p in pools) else None  # count_tokens: never held
+        flows, config = self.state.flow, self.state.config
+        if principal is not None and not flows.client_priority(config, principal):
+            payload = without_scheduling_fields(payload)  # the gateway's to set (gateway/flow/priority.py)
+        flow = flows.flow_of(config, principal, headers) if generates and any(  # count_tokens: never held
+            p.flow_control.enabled or p.flow_control.engine_priority for p in pools) else None
         size = len(body)
         if guard is None:
             return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate, flow, size)
@@ -224,6 +230,8 @@ class ProxyService:
                 continue
             if pool.flow_control.enabled and dispatch.pinned is None:  # the workers with room, if any
                 workers = state.flow.with_room(pool, workers)
+            if dispatch.flow is not None:
+                self._engine_priority(dispatch, pool)
             kind = PINNED if dispatch.pinned is not None else kind_of(pool)
             attempt = kind.attempt(dispatch, policy, workers, dispatch.matches.get(pool.name, {}))
             if dispatch.admission is not None:  # from here its worker's not-started count holds it
@@ -262,6 +270,23 @@ class ProxyService:
         dispatch.admission = await self.state.flow.admit(config.flow_control, pool, dispatch.flow, cost, dispatch.size)
         if dispatch.admission.waited:
             dispatch.ledger.flow_waited(dispatch.admission.waited)
+
+    @staticmethod
+    def _engine_priority(dispatch: Dispatch, pool: PoolConfig) -> None:
+        """The engine `priority` for `pool`: the client's own when it may set one and did; else the
+        request's band in the pool's engine's terms where its engines run priority scheduling
+        (`flow_control.engine_priority`) and the API has the field; else none (the engine bodies
+        encoded so far are dropped when that changes)."""
+        flow = dispatch.flow
+        assert flow is not None
+        if flow.client_priority and dispatch.engine_priority is None and client_value(dispatch.payload) is not None:
+            return
+        want = engine_value(pool.engine, flow.band) \
+            if pool.flow_control.engine_priority and dispatch.api in PRIORITY_APIS else None
+        if want != dispatch.engine_priority:
+            dispatch.payload = with_priority(dispatch.payload, want)
+            dispatch.bodies.clear()
+            dispatch.engine_priority = want
 
     async def _wait_for_slot(self, dispatch: Dispatch) -> None:
         """Queue for a slot of the request's pool, up to `queue_timeout` after it first queued."""

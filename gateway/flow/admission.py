@@ -210,6 +210,11 @@ class FlowControl:
                 band = max(min(int(asked.strip()), key.max_band), MIN_BAND)
         return Flow(key.tenant, sub, band, key.client_priority)
 
+    def client_priority(self, config: GatewayConfig, principal: Principal | None) -> bool:
+        """Whether the engines get a client's own `priority` field: its key's `client_priority`, or
+        auth off (gateway/flow/priority.py)."""
+        return principal is None or self._key(config, principal.name).client_priority
+
     def _key(self, config: GatewayConfig, name: str) -> _KeyFlow:
         if self._keys_of is not config.auth.keys:
             self._keys_of = config.auth.keys
