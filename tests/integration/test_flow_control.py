@@ -8,6 +8,7 @@ next ones at the gateway. Keys live in a real Redis (their limits' store)."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
@@ -17,11 +18,12 @@ from typing import Any
 import httpx
 import pytest
 import redis
+import yaml
 
 from gateway.auth.keys import hash_key
 from gateway.sim.config import SimFaults
 from tests.integration.pd_support import PROMPT, pd_group
-from tests.support import RunningGateway, RunningSim, pool, shared_redis_url
+from tests.support import REPO_ROOT, RunningGateway, RunningSim, access_lines, pool, shared_redis_url
 
 StartSim = Callable[..., RunningSim]
 StartGateway = Callable[..., RunningGateway]
@@ -88,8 +90,10 @@ def bearer(name: str) -> dict[str, str]:
     return {"authorization": f"Bearer {KEYS[name]}"}
 
 
-def test_requests_wait_at_the_gateway_while_the_engine_is_saturated(start_sim: StartSim,
-                                                                     start_gateway: StartGateway) -> None:
+def test_requests_wait_at_the_gateway_while_the_engine_is_saturated(start_sim: StartSim, start_gateway: StartGateway,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """And the wait is observed: the access log's `queued_s`, the wait histogram by pool and band."""
+    caplog.set_level(logging.INFO, logger="gateway.access")
     sim = start_sim("vllm", tpot_s=0.02, max_num_seqs=1)
     gw = start_gateway([flow_pool(sim)], **SETTINGS)
 
@@ -98,6 +102,7 @@ def test_requests_wait_at_the_gateway_while_the_engine_is_saturated(start_sim: S
 
     running = in_background(lambda: post("running", 60))   # ~1.2 s on the engine
     wait_until(lambda: tags(sim) == ["running"])
+    wait_until(scraped(gw, "p/0", "running", 1))            # a scrape since: it counts as running there
     waiting = in_background(lambda: post("engine-waits", 1))  # the engine's one waiting request
     wait_until(lambda: len(tags(sim)) == 2)
     wait_until(lambda: gw.metric('kimi_gateway_engine_load{signal="waiting"}') == 1)
@@ -111,6 +116,12 @@ def test_requests_wait_at_the_gateway_while_the_engine_is_saturated(start_sim: S
     assert tags(sim) == ["running", "engine-waits", "held"]
     assert gw.metric('kimi_gateway_flow_requests_total{pool="p",outcome="dispatched"}') == 1
     assert gw.metric('kimi_gateway_flow_queued{pool="p"}') == 0
+    assert gw.metric('kimi_gateway_flow_wait_seconds_count{pool="p",band="0"}') == 1
+    lines = {line["request_id"]: line for line in access_lines(caplog, gw, 3)}
+    by_id = {out[0].headers["x-request-id"]: name for name, (_, out) in
+             (("running", running), ("waiting", waiting), ("held", held)) if isinstance(out[0], httpx.Response)}
+    queued = {by_id[rid]: line.get("queued_s") for rid, line in lines.items()}
+    assert queued["running"] is None and queued["waiting"] is None and queued["held"] > 0.1
 
 
 def test_off_by_default_every_request_goes_to_the_engine(start_sim: StartSim, start_gateway: StartGateway) -> None:
@@ -136,8 +147,15 @@ def saturate(sim: RunningSim, tokens: int = 60) -> list[tuple[threading.Thread, 
     return [first, second]
 
 
+def scraped(gw: RunningGateway, worker: str, signal: str, value: float) -> Callable[[], bool]:
+    """Whether the gateway's last load scrape of `worker` read `value` for `signal`. A non-streamed
+    request sent since the last scrape counts as waiting on its worker until a scrape sees it
+    (its first byte is its end): tests wait for that scrape before they count held requests."""
+    return lambda: gw.metric(f'kimi_gateway_engine_load{{worker="{worker}",signal="{signal}"}}') == value
+
+
 def scraped_waiting(gw: RunningGateway, worker: str, value: float) -> Callable[[], bool]:
-    return lambda: gw.metric(f'kimi_gateway_engine_load{{worker="{worker}",signal="waiting"}}') == value
+    return scraped(gw, worker, "waiting", value)
 
 
 def join_all(*runs: tuple[threading.Thread, list[httpx.Response | Exception]]) -> list[httpx.Response]:
@@ -173,6 +191,7 @@ def test_fair_across_keys_within_a_band(start_sim: StartSim, start_gateway: Star
 
     runs = [in_background(lambda: post("alice", "a0", 200))]  # ~4 s: all are queued by then
     wait_until(lambda: tags(sim) == ["a0"])
+    wait_until(scraped(gw, "p/0", "running", 1))
     runs.append(in_background(lambda: post("alice", "a1")))
     wait_until(scraped_waiting(gw, "p/0", 1))
     for i in range(2, 6):  # one by one: first come first served within her flow
@@ -198,6 +217,7 @@ def test_higher_bands_leave_first_and_the_header_is_capped(start_sim: StartSim, 
 
     runs = [in_background(lambda: post("alice", "a0", 200))]  # ~4 s: all are queued by then
     wait_until(lambda: tags(sim) == ["a0"])
+    wait_until(scraped(gw, "p/0", "running", 1))
     runs.append(in_background(lambda: post("alice", "a1")))
     wait_until(scraped_waiting(gw, "p/0", 1))
     order = [("alice", "a2", None), ("alice", "a-asks-5", "5"), ("carol", "c1", None), ("bob", "b-asks-2", "2"),
@@ -332,3 +352,49 @@ def test_a_prefill_decode_attempts_second_leg_is_not_held(start_sim: StartSim, s
 
     assert received(group.decode[0], "first") < received(group.prefill[0], "second")
     assert gw.metric('kimi_gateway_flow_requests_total{outcome="held"}') == 1
+
+
+def docs_example() -> dict[str, Any]:
+    """The worked example's configuration from docs/flow-control.md."""
+    text = (REPO_ROOT / "docs" / "flow-control.md").read_text()
+    block = text.split("## A worked example", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    return yaml.safe_load(block)
+
+
+def test_the_worked_example_of_the_docs(start_sim: StartSim, start_gateway: StartGateway, key_prefix: str) -> None:
+    """docs/flow-control.md's configuration, its workers replaced by two simulated engines: while
+    `batch` saturates both, `chat` leaves the queue before `batch`'s held requests, and each reaches
+    its engine with its band as vLLM's priority (lower first)."""
+    sims = [start_sim("vllm", tpot_s=0.02, max_num_seqs=1) for _ in range(2)]
+    example = docs_example()
+    example["pools"][0]["workers"] = [s.url for s in sims]
+    keys = {"batch": "sk-batch-" + "b" * 32, "chat": "sk-chat-" + "c" * 33}
+    for key in example["auth"]["keys"]:
+        key["sha256"] = hash_key(keys[key["name"]])
+    example["auth"]["key_prefix"] = key_prefix
+    gw = start_gateway(example.pop("pools"), redis_url=REDIS_URL, **example)
+
+    def post(who: str, tag: str, tokens: int = 1) -> httpx.Response:
+        return httpx.post(gw.v1 + "/chat/completions", json=chat(tag, tokens),
+                          headers={"authorization": f"Bearer {keys[who]}"}, timeout=60)
+
+    def received() -> list[str]:
+        records = sorted((r for s in sims for r in s.engine.records), key=lambda r: r.received_at)
+        return [r.body["messages"][0]["content"] for r in records]
+
+    runs = []
+    for i in range(12):  # batch fills both engines (one running, two waiting each) until one is held
+        runs.append(in_background(lambda i=i: post("batch", f"b{i}", 200)))
+        wait_until(lambda i=i: f"b{i}" in received() or gw.metric("kimi_gateway_flow_queued") == 1)
+        if gw.metric("kimi_gateway_flow_queued") == 1:
+            break
+    runs.append(in_background(lambda: post("batch", "b-last")))
+    wait_until(lambda: gw.metric("kimi_gateway_flow_queued") == 2)
+    runs.append(in_background(lambda: post("chat", "c1")))
+    wait_until(lambda: gw.metric("kimi_gateway_flow_queued") == 3)
+    assert all(a.status_code == 200 for a in join_all(*runs))
+    order = received()
+    let_go = order[len(runs) - 3:]          # after the batch requests that went straight to an engine
+    assert let_go[0] == "c1" and "b-last" in let_go[1:]
+    priorities = {r.body["messages"][0]["content"]: r.body["priority"] for s in sims for r in s.engine.records}
+    assert priorities["c1"] == -1 and priorities["b-last"] == 1
