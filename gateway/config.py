@@ -27,6 +27,7 @@ from gateway.backends.pool_params import PoolConfig
 from gateway.config_base import ConfigError, Section
 from gateway.config_env import deep_update, env_overrides, interpolate_env
 from gateway.dispatch.params import MigrationConfig, TimeoutConfig
+from gateway.flow.params import FlowControlConfig
 from gateway.plans.models import PlanError, expand_plan_refs
 from gateway.process_params import ReadinessConfig, RedisSentinelConfig, TracingConfig
 from gateway.routing.params import EstimationConfig, ImageFetchConfig
@@ -76,6 +77,9 @@ class GatewayConfig(Section):
     )
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
     migration: MigrationConfig = Field(default_factory=MigrationConfig)
+    flow_control: FlowControlConfig = Field(
+        default_factory=FlowControlConfig, description="flows, bands and queue bounds of the pools with "
+        "flow_control.enabled (docs/flow-control.md)")
     estimation: EstimationConfig = Field(default_factory=EstimationConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     affinity: AffinityConfig = Field(default_factory=AffinityConfig)

@@ -49,6 +49,7 @@ from gateway.protocol.adapter_fields import STRIPPED_ADAPTER_FIELDS, check_adapt
 from gateway.protocol.body import (
     ENGINE_ID_FIELDS,
     KV_TRANSFER_FIELDS,
+    SCHEDULING_FIELDS,
     XARGS_FIELD,
     decode_json_object,
     without_connector_args,
@@ -122,7 +123,7 @@ fields kept, the engine's adapter field): what makes one pool's engine body diff
 _ALWAYS_STRIPPED = ENGINE_ID_FIELDS + STRIPPED_ADAPTER_FIELDS
 _STRIPPED = _ALWAYS_STRIPPED + KV_TRANSFER_FIELDS
 _HEAD_FIELDS = ("model", "stream_options", "max_tokens", "max_completion_tokens", ENGINE_OUTPUT_FIELD, XARGS_FIELD,
-                *KV_TRANSFER_FIELDS)
+                *KV_TRANSFER_FIELDS, *SCHEDULING_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)

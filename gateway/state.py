@@ -25,6 +25,7 @@ from gateway.backends.lora_slots import LoraSlots
 from gateway.backends.periodic import Periodic
 from gateway.backends.registry import WorkerRegistry
 from gateway.config import GatewayConfig
+from gateway.flow.admission import FlowControl
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusWindow
 from gateway.observability.tracing import Tracing
@@ -72,6 +73,8 @@ class AppState:
     prefill: PrefillEstimator = field(default_factory=PrefillEstimator)
     """Each worker's queued prefill tokens and learned prefill rate, for cost-aware policies
     (gateway/routing/prefill.py); empty while no pool uses one."""
+    flow: FlowControl = field(init=False)
+    """Flows and the queues of the pools with flow control on (gateway/flow/)."""
     parse_pool: ParsePool = field(init=False)
     """Where large request bodies are parsed (`gateway/parsing.py`)."""
     started_unix: int = 0
@@ -90,8 +93,9 @@ class AppState:
     def __post_init__(self) -> None:
         self.status = StatusWindow(self.metrics)
         self.parse_pool = ParsePool(self.config)
+        self.flow = FlowControl(self.registry, self.metrics)
         self.discovery = DnsDiscovery(self.registry, self.config.discovery, self.config.pools)
-        self.registry.watchers.extend([self.health, self.load, self.prefill])
+        self.registry.watchers.extend([self.health, self.load, self.prefill, self.flow])
         self.sweeper = Periodic("retired-worker sweep", SWEEP_EVERY_S, self._sweep)
         self.reload_lock = asyncio.Lock()
 

@@ -96,21 +96,31 @@ class AttemptFailed(Exception):
         self.answered = answered
 
 
+class Ticket(Protocol):
+    """What a lease closes with its slot besides a prefill ticket: a flow-controlled pool's count
+    of a request not yet started on its worker (gateway/flow/saturation.py `StartTicket`)."""
+
+    def close(self) -> None: ...
+
+
 class Lease:
     """One leg's slot: this replica's in-flight count on a worker and (`counted`) a slot of its
     pool, taken at creation and released exactly once (`release`, idempotent). Owned by a
     `Holding`. A PD attempt's prefill leg is not `counted`: a pool's `max_in_flight` counts requests.
-    `prefill` (a cost-aware policy's prefill ticket) is closed with it: a request that ends or
-    fails before its first byte has no prefill pending any more."""
+    `prefill` (a cost-aware policy's prefill ticket) and `started` (a flow-controlled pool's
+    not-started count) are closed with it: a request that ends or fails before its first byte has
+    no prefill pending and is not waiting on its worker any more."""
 
-    __slots__ = ("_adapter", "_gate", "_metrics", "_prefill", "_released", "worker")
+    __slots__ = ("_adapter", "_gate", "_metrics", "_prefill", "_released", "_started", "worker")
 
     def __init__(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True,
-                 prefill: PrefillTicket | None = None, adapter: str | None = None) -> None:
+                 prefill: PrefillTicket | None = None, adapter: str | None = None,
+                 started: Ticket | None = None) -> None:
         self.worker = worker
         self._metrics = metrics
         self._gate = gate if counted else None
         self._prefill = prefill
+        self._started = started
         self._adapter = adapter
         self._released = False
         worker.in_flight += 1
@@ -132,6 +142,8 @@ class Lease:
             self._metrics.worker_in_flight(self.worker.pool, self.worker.id, -1)
             if self._prefill is not None:
                 self._prefill.close()
+            if self._started is not None:
+                self._started.close()
 
 
 def _adapter_done(worker: Worker, adapter: str) -> None:
@@ -176,11 +188,13 @@ class Holding:
         return bool(self._leases or self._responses)
 
     def lease(self, worker: Worker, metrics: GatewayMetrics, gate: PoolGate, counted: bool = True,
-              prefill: PrefillTicket | None = None, adapter: str | None = None) -> Lease:
+              prefill: PrefillTicket | None = None, adapter: str | None = None,
+              started: Ticket | None = None) -> Lease:
         """Take a slot on `worker` (and, `counted`, one of its pool's `gate`; `prefill`: the
-        request's prefill ticket, closed with the slot; `adapter`: the LoRA adapter the request
-        names, counted in use there), held until this Holding is closed."""
-        lease = Lease(worker, metrics, gate, counted, prefill, adapter)
+        request's prefill ticket, `started`: its flow-controlled pool's not-started count, both
+        closed with the slot; `adapter`: the LoRA adapter the request names, counted in use
+        there), held until this Holding is closed."""
+        lease = Lease(worker, metrics, gate, counted, prefill, adapter, started)
         self._leases.append(lease)
         return lease
 

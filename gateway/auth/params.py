@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gateway.config_base import Section
+from gateway.flow.params import MAX_BAND, MIN_BAND
 
 DEFAULT_COUNT_TOKENS_PER_MINUTE = 100
 """count_tokens requests per minute of a key that has a request or token limit but sets none for them."""
@@ -69,6 +70,18 @@ class ApiKeyConfig(Section):
         "naming the same group share one prefix-cache partition (one tenant's keys); None: the key's own",
     )
 
+    flow: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="flow control: the tenant whose fair share "
+        "this key's requests draw on (keys naming the same one share it); None: the key's own name")
+    priority: int = Field(default=0, ge=MIN_BAND, le=MAX_BAND,
+                          description="flow control: the band of this key's requests (higher leaves the queue first)")
+    max_priority: int | None = Field(
+        default=None, ge=MIN_BAND, le=MAX_BAND, description="flow control: the highest band a request of this key "
+        "may ask for with the priority header; None: its `priority` (the header may only lower it)")
+    client_priority: bool = Field(
+        default=False, description="the engines get this key's own `priority` field as sent; off: the gateway "
+        "strips it (and sets it from the band on pools with flow_control.engine_priority)")
+
     @property
     def count_tokens_limit(self) -> int | None:
         """The key's count_tokens requests per minute, the default filled in (`count_tokens_per_minute`)."""
@@ -91,6 +104,12 @@ class ApiKeyConfig(Section):
         if models is not None and len(set(models)) != len(models):
             raise ValueError(f"models must be distinct, got {models}")
         return models
+
+    @model_validator(mode="after")
+    def _max_priority(self) -> ApiKeyConfig:
+        if self.max_priority is not None and self.max_priority < self.priority:
+            raise ValueError(f"max_priority ({self.max_priority}) is below priority ({self.priority})")
+        return self
 
     @field_validator("scopes")
     @classmethod

@@ -12,6 +12,7 @@ many gateway replicas share the engines.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -94,7 +95,7 @@ class LoadScraper(FollowsWorkers[Worker]):
         """One scrape; True when the worker's load was updated. The engine counts its requests when
         it answers, near when the scrape is sent: this replica's in-flight count is taken then too,
         so a request that finishes while a slow answer is read is not counted as still queued."""
-        in_flight_at_send = worker.in_flight
+        in_flight_at_send, sent_at = worker.in_flight, time.monotonic()
         try:
             answer = await control_get(self.client, worker.url + "/metrics", self.headers.get(worker.pool, {}),
                                        self.config.timeout, self.config.max_body_bytes)
@@ -110,7 +111,7 @@ class LoadScraper(FollowsWorkers[Worker]):
         if self.failures.pop(worker.id, None) is not None:
             log.info("load scrape of %s works again", worker.id)
         worker.engine_running, worker.engine_waiting, worker.kv_usage = running, waiting, kv
-        worker.in_flight_at_scrape = in_flight_at_send
+        worker.in_flight_at_scrape, worker.scraped_at = in_flight_at_send, sent_at
         for signal, value in (("running", running), ("waiting", waiting), ("kv_usage", kv)):
             if value is not None:
                 self.metrics.engine_load_scraped(worker.pool, worker.id, signal, value)

@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_va
 from gateway.backends.params import DiscoverConfig, EngineKind, LoraModule, Modality, clean_worker_urls
 from gateway.config_base import Section, explain_validation_error
 from gateway.dialects.names import CHAT, COMPLETIONS, Api
+from gateway.flow.params import PoolFlowConfig
 from gateway.routing.registry import POLICY_PARAMS
 
 PdMode = Literal["sglang", "vllm-nixl", "vllm-mooncake"]
@@ -193,6 +194,9 @@ class PoolConfig(Section):
     max_in_flight: int | None = Field(default=None, ge=1, description="requests in the whole pool at once")
     max_queue: int = Field(default=256, ge=0, description="requests that may wait for a free slot")
     queue_timeout: float = Field(default=10.0, ge=0, description="seconds a request may wait for a slot")
+    flow_control: PoolFlowConfig = Field(
+        default_factory=PoolFlowConfig, description="hold new requests at the gateway while the pool's workers are "
+        "saturated, released by priority band and fairly across flows (docs/flow-control.md); off by default")
     upstream_keep_alive: float = Field(
         default=4.0, gt=0,
         description="seconds an idle connection to this pool's engines is kept for reuse; keep it below the "

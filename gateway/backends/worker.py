@@ -66,6 +66,7 @@ class Worker:
     engine_waiting: float | None = None
     kv_usage: float | None = None
     in_flight_at_scrape: int = 0
+    scraped_at: float = 0.0  # time.monotonic() s when the last load scrape that updated the engine fields was sent
     answered_at: float = 0.0  # time.perf_counter() s of its last response headers (any request): alive then
     answers: AnswerMarks = field(default_factory=AnswerMarks)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from gateway.backends.client import UpstreamResponse, UpstreamTimeouts, first_byte_budget, request_timeout
 from gateway.backends.encoding import DecodeError
@@ -54,6 +54,7 @@ from gateway.dispatch.answers import (
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.params import TimeoutConfig
 from gateway.errors import UpstreamError
+from gateway.flow.saturation import StartTicket
 from gateway.observability.record import RequestRecord
 from gateway.routing.features import RoutingRequest
 from gateway.routing.pools import output_room
@@ -136,6 +137,21 @@ def silence_limit(timeouts: TimeoutConfig, prompt_tokens: int) -> float:
     tokens (the first-byte budget plus `timeouts.generation`), the least the gateway allows any
     non-streamed answer. A client that gives up sooner says nothing about the worker."""
     return first_byte_budget(timeouts, prompt_tokens) + timeouts.generation
+
+
+def first_byte_watch(prefill: PrefillTicket | None, started: StartTicket | None) -> Callable[[float], None] | None:
+    """What the ledger calls with an attempt's first byte (`Ledger.watch_first_byte`): its
+    prefill ticket's and its flow-controlled pool's not-started count's `first_byte`/`started`."""
+    if started is None:
+        return None if prefill is None else prefill.first_byte
+    if prefill is None:
+        return started.started
+
+    def both(at: float) -> None:
+        prefill.first_byte(at)
+        started.started(at)
+
+    return both
 
 
 def hold_window(timeouts: TimeoutConfig, record: RequestRecord) -> float | None:
@@ -227,10 +243,11 @@ class SingleLeg(Attempt):
         """Take the slot, send, wait for headers then first content, and accept (see the class)."""
         holding = Holding()
         prefill = self._prefill
-        self._ledger.watch_first_byte(None if prefill is None else prefill.first_byte)
+        started = self._state.flow.ticket(self.pool, self.worker, self._request.prompt_tokens)
+        self._ledger.watch_first_byte(first_byte_watch(prefill, started))
         try:
             holding.lease(self.worker, self._state.metrics, self._state.registry.gates[self.pool.name], prefill=prefill,
-                          adapter=self._request.adapter)
+                          adapter=self._request.adapter, started=started)
             return await self._serve(holding, self.upstream_headers())
         finally:
             if holding:  # not handed over: release the slot (a waiter may take it), then the connection

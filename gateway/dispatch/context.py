@@ -10,6 +10,7 @@ from gateway.dialects.names import Api
 from gateway.dispatch.failures import Failures
 from gateway.dispatch.ledger import Ledger
 from gateway.dispatch.steps import BodyKey
+from gateway.flow.admission import Flow, Pass
 from gateway.parsing import Payload
 from gateway.routing.features import RoutingRequest
 from gateway.state import AppState
@@ -48,6 +49,16 @@ class Dispatch:
     pinned: Worker | None = None
     """The one worker that may serve it (a Responses follow-up's owner, `routing/response_affinity.py`):
     one attempt there, no policy, spill-over or failover (`kinds.PINNED`)."""
+    flow: Flow | None = None
+    """Its flow and band (gateway/flow/admission.py), when a pool of its chain has flow control on."""
+    admission: Pass | None = None
+    """Its admission to the first flow-controlled pool it reached (once per request), until its
+    first attempt took a worker (`Pass.done`)."""
+    size: int = 0
+    """Its body's bytes (what a held request keeps in memory)."""
+    engine_priority: int | None = None
+    """The engine `priority` the gateway wrote into `payload` for the pool it is in (None: none;
+    gateway/flow/priority.py)."""
 
     def move_to(self, pool: PoolConfig) -> None:
         """The request goes on in `pool` (a spill-over or a larger pool after "too long")."""

@@ -13,7 +13,7 @@ The facts, by who reports them:
 - the endpoint: `timed_out`, `cut_by_cap`, `relay_cut_by_cap`, `client_gone`, `send_stalled`,
   `cut_by_shutdown`, `answered`, `answered_with_error`, `hang_up_verdict`, then `finish` (once);
   the stored-response routes also `in_pool`, `served_by`, `streamed`; the tokenizer routes `resolved`;
-- the dispatch: `parsed`, `refused_model`, `history_counted`, `skipped`, `in_pool`, `spilled`,
+- the dispatch: `parsed`, `refused_model`, `history_counted`, `skipped`, `in_pool`, `flow_waited`, `spilled`,
   `affinity_looked_up`, `attempt_started`, `attempt_failed`, `attempt_accepted`, `error_answer`,
   `hold_quota` / `settle_quota`, `response_stored`;
 - an attempt and its legs: `upstream_headers`, `answer_budget`, `watch_first_byte`, `headers_arrived`,
@@ -256,6 +256,10 @@ class Ledger:
     def spilled(self, from_pool: str, to_pool: str, cause: str) -> None:
         """The request moved to a later pool (`unavailable`, `saturated`, `too_long`)."""
         self._metrics.spillovers.labels(from_pool, to_pool, cause).inc()
+
+    def flow_waited(self, seconds: float) -> None:
+        """Flow control held the request `seconds` before letting it into its pool (the access log's `queued_s`)."""
+        self.record.queued_s = seconds
 
     def affinity_looked_up(self, pool: str, hit: bool) -> None:
         """The affinity store answered a lookup for `pool`: a prefix match (`hit`) or none."""
@@ -555,6 +559,8 @@ def access_entry(record: RequestRecord, status: int, ttft: float | None, now: fl
         entry["engine_request_id"] = record.engine_request_id
     if record.migration is not None:  # from, to, outcome, tokens kept, re-prefilled
         entry["migration"] = record.migration
+    if record.queued_s is not None:  # held by flow control before it was routed
+        entry["queued_s"] = round(record.queued_s, 6)
     return entry
 
 

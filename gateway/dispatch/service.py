@@ -38,6 +38,8 @@ from gateway.dispatch.migration import OPT_OUT_HEADER
 from gateway.dispatch.migration import attach as attach_migration
 from gateway.dispatch.steps import AffinityMatch, PoolStep, choose_pool
 from gateway.errors import GatewayError, ModelNotFound, ModelNotPermitted
+from gateway.flow.admission import Flow
+from gateway.flow.priority import PRIORITY_APIS, client_value, engine_value, with_priority, without_scheduling_fields
 from gateway.parsing import Body, BodyParser, Payload, with_engine_output_limit, with_output_limit, with_salt
 from gateway.routing.features import SESSION_HEADERS, RoutingRequest, scoped_session, session_hint
 from gateway.routing.pools import fitting_pools, output_room, skipped_pools
@@ -137,7 +139,10 @@ class ProxyService:
 
         A request naming a LoRA adapter no candidate worker has loads it only once nothing before
         its engine can refuse it any more (`_adapter_ready`: after the key's limits and a follow-up's
-        owner), and is charged for that load; a token count never loads one.
+        owner), and is charged for that load; a token count never loads one. A key without
+        `client_priority` has its body's scheduling fields (`priority`, SGLang's DP ranks) stripped;
+        with flow control on a pool of the chain, its flow and band are named here
+        (`FlowControl.flow_of`).
         """
         guard = self.state.auth if principal is not None else None
         dialect = dialect_for(api)
@@ -176,8 +181,14 @@ class ProxyService:
                 request = replace(request, prompt_tokens=request.prompt_tokens + history)
                 ledger.history_counted(request)
         migrate = headers.get(OPT_OUT_HEADER, "").strip().lower() != "off"
+        flows, config = self.state.flow, self.state.config
+        if principal is not None and not flows.client_priority(config, principal):
+            payload = without_scheduling_fields(payload)  # the gateway's to set (gateway/flow/priority.py)
+        flow = flows.flow_of(config, principal, headers) if generates and any(  # count_tokens: never held
+            p.flow_control.enabled or p.flow_control.engine_priority for p in pools) else None
+        size = len(body)
         if guard is None:
-            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
+            return await self._dispatch(api, payload, request, pools, ledger, pinned, migrate, flow, size)
         assert principal is not None
         default_output, room = pools[0].default_output_tokens, output_room(pools[0], request)
         if principal.limits_tokens(request.model) and generates:
@@ -191,11 +202,11 @@ class ProxyService:
                                               counted=counted, model=request.model, counting=not generates,
                                               standing=standing)
         if reservation is None:
-            return with_standing(await self._dispatch(api, payload, request, pools, ledger, pinned, migrate),
-                                 standing)
+            return with_standing(await self._dispatch(api, payload, request, pools, ledger, pinned, migrate, flow,
+                                                      size), standing)
         ledger.hold_quota(guard, reservation, request)
         try:
-            result = await self._dispatch(api, payload, request, pools, ledger, pinned, migrate)
+            result = await self._dispatch(api, payload, request, pools, ledger, pinned, migrate, flow, size)
         except GatewayError:
             await ledger.settle_quota(failed=True)
             raise
@@ -246,22 +257,26 @@ class ProxyService:
         return pools
 
     async def _dispatch(self, api: Api, payload: Payload, request: RoutingRequest, pools: list[PoolConfig],
-                        ledger: Ledger, pinned: Worker | None = None,
-                        migrate: bool = True) -> BufferedResponse | RelayResponse:
+                        ledger: Ledger, pinned: Worker | None = None, migrate: bool = True,
+                        flow: Flow | None = None, size: int = 0) -> BufferedResponse | RelayResponse:
         """Dispatch a parsed request to its fitting `pools` (smallest first): one `Dispatch` state
         for its way through them, and a held 5xx verdict settled however it ends. With `pinned`
         (a Responses follow-up's owner; `pools` is then its pool alone) only that worker is tried.
-        `migrate`: its stream may be continued on another worker after a mid-stream failure."""
+        `migrate`: its stream may be continued on another worker after a mid-stream failure.
+        `flow`: its flow and band when a pool of its chain has flow control on; `size`: its body's bytes."""
         state = self.state
         if request.adapter is not None:
             request, pools = await self._adapter_ready(api, request, pools, ledger, pinned)
         pool = pools[0]
         ledger.in_pool(pool.name, request)
-        dispatch = Dispatch(state, api, payload, request, ledger, pools, pool, pinned=pinned, migrate=migrate)
+        dispatch = Dispatch(state, api, payload, request, ledger, pools, pool, pinned=pinned, migrate=migrate,
+                            flow=flow, size=size)
         try:  # a 5xx whose verdict waited for the next attempt is settled however the request ends
             return await self._dispatch_loop(dispatch)
         finally:
             dispatch.failures.charge(ledger)
+            if dispatch.admission is not None:
+                dispatch.admission.done()
 
     async def _dispatch_loop(self, dispatch: Dispatch) -> BufferedResponse | RelayResponse:
         """Until an attempt is accepted or `max_attempts` ran out: choose the pool and its candidates
@@ -290,14 +305,23 @@ class ProxyService:
                 ledger.spilled(pool.name, to.name, step.value)
                 dispatch.move_to(to)
                 continue
+            if dispatch.flow is not None and dispatch.admission is None and pool.flow_control.enabled:
+                await self._admit(dispatch)  # held while the pool is saturated; then look again
+                continue
             policy = state.policies.policy(pool.name)
             if dispatch.pinned is None and policy.uses_affinity and pool.name not in dispatch.matches:
                 dispatch.matches[pool.name] = await self._affinity_matches(pool.name, dispatch.request, ledger)
                 # Others may have taken the free slots or broken workers meanwhile: look again. From
                 # here to the attempt's slot nothing awaits, so the room seen is the room taken.
                 continue
+            if pool.flow_control.enabled and dispatch.pinned is None:  # the workers with room, if any
+                workers = state.flow.with_room(pool, workers)
+            if dispatch.flow is not None:
+                self._engine_priority(dispatch, pool)
             kind = PINNED if dispatch.pinned is not None else kind_of(pool)
             attempt = kind.attempt(dispatch, policy, workers, dispatch.matches.get(pool.name, {}))
+            if dispatch.admission is not None:  # from here its worker's not-started count holds it
+                dispatch.admission.done()
             self._attempt_started(dispatch, attempt)
             try:
                 result = await attempt.run()
@@ -325,6 +349,35 @@ class ProxyService:
         """Give an accepted stream its migration when a mid-stream failure could continue it
         elsewhere (`gateway/dispatch/migration.py`, `attach`: what qualifies, PD pools included)."""
         attach_migration(self.state, dispatch, attempt, result)
+
+    async def _admit(self, dispatch: Dispatch) -> None:
+        """Flow control: wait until the request's pool lets it in (`FlowControl.admit`, at once when
+        it has room), once per request; the wait goes to the access log. Raises what `admit`
+        raises (429/503 with Retry-After, a hang-up's CancelledError)."""
+        config, request, pool = self.state.config, dispatch.request, dispatch.pool
+        assert dispatch.flow is not None
+        fair = config.flow_control.fair_by
+        cost = request.quota_tokens(pool.default_output_tokens, output_room(pool, request)) if fair == "tokens" else 1
+        dispatch.admission = await self.state.flow.admit(config.flow_control, pool, dispatch.flow, cost, dispatch.size)
+        if dispatch.admission.waited:
+            dispatch.ledger.flow_waited(dispatch.admission.waited)
+
+    @staticmethod
+    def _engine_priority(dispatch: Dispatch, pool: PoolConfig) -> None:
+        """The engine `priority` for `pool`: the client's own when it may set one and did; else the
+        request's band in the pool's engine's terms where its engines run priority scheduling
+        (`flow_control.engine_priority`) and the API has the field; else none (the engine bodies
+        encoded so far are dropped when that changes)."""
+        flow = dispatch.flow
+        assert flow is not None
+        if flow.client_priority and dispatch.engine_priority is None and client_value(dispatch.payload) is not None:
+            return
+        want = engine_value(pool.engine, flow.band) \
+            if pool.flow_control.engine_priority and dispatch.api in PRIORITY_APIS else None
+        if want != dispatch.engine_priority:
+            dispatch.payload = with_priority(dispatch.payload, want)
+            dispatch.bodies.clear()
+            dispatch.engine_priority = want
 
     async def _wait_for_slot(self, dispatch: Dispatch) -> None:
         """Queue for a slot of the request's pool, up to `queue_timeout` after it first queued."""

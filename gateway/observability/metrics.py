@@ -186,6 +186,17 @@ class GatewayMetrics:
                                  "Scraped engine load: running, waiting, kv_usage (0..1).",
                                  ["pool", "worker", "signal"], multiprocess_mode="livemostrecent", registry=r)
 
+        # Flow control (gateway/flow/): `band` is a priority band, an integer of -10..10.
+        self.flow_queued = Gauge("kimi_gateway_flow_queued",
+                                 "Requests flow control holds at the gateway now, per pool and priority band.",
+                                 ["pool", "band"], multiprocess_mode="livesum", registry=r)
+        self.flow_requests = Counter("kimi_gateway_flow_requests",
+                                     "Requests flow control held (outcome: held when it began; then dispatched, "
+                                     "expired after queue_timeout, gone: the client left; refused: a queue bound "
+                                     "was full).", ["pool", "band", "outcome"], registry=r)
+        self.flow_wait_seconds = Histogram("kimi_gateway_flow_wait_seconds",
+                                           "Time a request flow control held spent at the gateway (every outcome).",
+                                           ["pool", "band"], buckets=LATENCY_BUCKETS, registry=r)
         # Auth (gateway/auth/): `key` is a key's configured name, never the key.
         self.auth_failures = Counter("kimi_gateway_auth_failures",
                                      "Requests refused by auth (reason: missing, invalid, forbidden, model: a "
@@ -249,6 +260,21 @@ class GatewayMetrics:
     def worker_in_flight(self, pool: str, worker: str, delta: int) -> None:
         """This replica's open upstream requests on a worker, up or down by `delta` (a leg's slot)."""
         self.in_flight.labels(pool, worker).inc(delta)
+
+    def flow_held(self, pool: str, band: str) -> None:
+        """Flow control began holding a request of `band` for `pool`."""
+        self.flow_queued.labels(pool, band).inc()
+        self.flow_requests.labels(pool, band, "held").inc()
+
+    def flow_left(self, pool: str, band: str, outcome: str, waited: float) -> None:
+        """A held request left after `waited` seconds: `dispatched`, `expired` or `gone`."""
+        self.flow_queued.labels(pool, band).dec()
+        self.flow_requests.labels(pool, band, outcome).inc()
+        self.flow_wait_seconds.labels(pool, band).observe(waited)
+
+    def flow_refused(self, pool: str, band: str) -> None:
+        """A request flow control would have held was refused: a queue bound was full."""
+        self.flow_requests.labels(pool, band, "refused").inc()
 
     def redis_error(self, op: str) -> None:
         """A Redis call of `op` (`lookup`, `write`, `rate_limit`, ...) failed or timed out."""

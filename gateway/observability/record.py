@@ -89,3 +89,4 @@ class RequestRecord:
     engine_refused: bool = False  # an engine read the request and refused it (4xx, too long): a request spent
     engine_request_id: str | None = None  # engines get `x-request-id: {this}-{attempt}` (set by the first attempt)
     migration: dict[str, Any] | None = None  # a stream continued on another worker (gateway/dispatch/migration.py)
+    queued_s: float | None = None  # seconds flow control held it at the gateway (gateway/flow/), None: not held

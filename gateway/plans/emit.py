@@ -14,6 +14,8 @@ model name, port and API key variable. Flag names are the engines' own:
 - SGLang (`python3 -m sglang.launch_server`): --tp-size, --ep-size, --dp-size with --enable-dp-attention,
   --context-length, --dtype (as for vLLM), --mem-fraction-static, --served-model-name,
   --nnodes, --node-rank, --dist-init-addr.
+- Either engine's priority scheduling when the plan's pool sets `flow_control.engine_priority`:
+  vLLM `--scheduling-policy priority`, SGLang `--enable-priority-scheduling` (gateway/flow/priority.py).
 
 The engine key never goes on the command line (`/proc/<pid>/cmdline`, `ps`): vLLM reads it from
 VLLM_API_KEY (vllm/entrypoints/openai/api_server.py: `args.api_key or envs.VLLM_API_KEY`); SGLang
@@ -28,6 +30,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from gateway.flow.priority import launch_flags
 from gateway.plans.models import LoadedPlan
 
 RAY_PORT = 6379  # Ray's default GCS port on the head node
@@ -72,6 +75,8 @@ def vllm_args(loaded: LoadedPlan) -> list[str]:
         args.append("--enable-chunked-prefill")
     if engine.trust_remote_code:
         args.append("--trust-remote-code")
+    if plan.engine_priority:  # the gateway sets each request's priority from its band
+        args += launch_flags(engine.kind)
     if plan.hardware.nodes > 1:
         args.append("--distributed-executor-backend ray")
         if par.data > 1:
@@ -101,6 +106,8 @@ def sglang_args(loaded: LoadedPlan) -> list[str]:
     args.append("--enable-metrics")
     if engine.trust_remote_code:
         args.append("--trust-remote-code")
+    if plan.engine_priority:  # the gateway sets each request's priority from its band
+        args += launch_flags(engine.kind)
     if plan.hardware.nodes > 1:
         args += [f"--nnodes {plan.hardware.nodes}", '--node-rank "$NODE_RANK"', '--dist-init-addr "$DIST_INIT_ADDR"']
     return args + [_q(a) for a in engine.extra_args]

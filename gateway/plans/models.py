@@ -19,6 +19,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.flow.params import PoolFlowConfig
+
 Precision = Literal["bf16", "mxfp8", "mxfp4"]
 PlanEngineKind = Literal["vllm", "sglang", "ascend"]
 Modality = Literal["text", "image", "audio", "video", "file"]
@@ -235,6 +237,9 @@ class GatewayPoolSpec(_Strict):
     worker_host: str = Field(
         default="{pool}-{index}", description="host a worker URL falls back to; {pool} and {index} are filled in"
     )
+    flow_control: PoolFlowConfig | None = Field(
+        default=None, description="the pool's flow control (gateway/flow/); with engine_priority the launch script "
+        "turns the engine's priority scheduling on (gateway/flow/priority.py `launch_flags`)")
 
 
 class Plan(_Strict):
@@ -293,7 +298,14 @@ class Plan(_Strict):
         }
         if self.engine.api_key_env:
             pool["api_key"] = f"${{{self.engine.api_key_env}:-}}"
+        if self.pool.flow_control is not None:
+            pool["flow_control"] = self.pool.flow_control.model_dump(exclude_unset=True)
         return pool
+
+    @property
+    def engine_priority(self) -> bool:
+        """Whether the pool's engines run priority scheduling (its `flow_control.engine_priority`)."""
+        return self.pool.flow_control is not None and self.pool.flow_control.engine_priority
 
 
 class LoadedPlan(BaseModel):
@@ -464,5 +476,11 @@ def expand_plan_refs(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
                             "set them there, not here")
         loaded = load_plan(base_dir / item["plan"])
         overrides = {k: v for k, v in item.items() if k != "plan"}
+        flow = overrides.get("flow_control")
+        if flow is not None and (loaded.plan.pool.flow_control is not None
+                                 or (isinstance(flow, dict) and flow.get("engine_priority"))):
+            raise PlanError(f"pools.{index}: flow_control comes from the plan {item['plan']} when it sets one or "
+                            "turns engine_priority on (its engines' launch flags follow it); set it in the plan's "
+                            "`pool:`")
         expanded.append({**loaded.plan.gateway_pool(), **overrides})
     return {**data, "pools": expanded}

@@ -84,6 +84,14 @@ on the Responses API it becomes the stored response's id, `ResponsesRequest.requ
 `vllm/entrypoints/openai/protocol.py`, the `response_store` key in `serving_responses.py`, so a
 client could overwrite another tenant's stored response) and SGLang's `rid`."""
 
+SCHEDULING_FIELDS = ("priority", "routed_dp_rank", "disagg_prefill_dp_rank", "data_parallel_rank")
+"""Body fields that steer an engine's scheduler: vLLM's and SGLang's `priority` (the waiting queue's
+order under priority scheduling: vLLM `vllm/entrypoints/openai/chat_completion/protocol.py`,
+`completion/protocol.py`, `responses/protocol.py`; SGLang `python/sglang/srt/entrypoints/openai/protocol.py`)
+and SGLang's data-parallel rank fields there (`routed_dp_rank`, `disagg_prefill_dp_rank`, the deprecated
+`data_parallel_rank`: which DP rank serves the request). The gateway's to set: stripped from a
+client's body unless its key may set them (gateway/flow/priority.py)."""
+
 KV_TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params", "bootstrap_host", "bootstrap_port",
                       "bootstrap_room")
 """Body fields that steer a worker's KV connector: vLLM's `kv_transfer_params` (the NIXL or Mooncake

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, set[str]]] = [
               "redis_gate"}),
     ("schema", {"schema"}),
     ("observability", {"observability", "redact"}),
-    ("domain", {"affinity", "auth", "backends", "routing", "parsing", "dialects"}),
+    ("domain", {"affinity", "auth", "backends", "routing", "parsing", "dialects", "flow"}),
     ("request", {"state", "streaming", "dispatch"}),
     ("serving", {"serving"}),  # uvicorn serving, request heads, shutdown, reload: under the app that uses them
     ("http", {"api", "app"}),

@@ -123,8 +123,10 @@ class PdAttempt(Attempt):
         gate = state.registry.gates[self.pool.name]
         self._account.attempt_started(self.prefill)
         holding = Holding()
+        started = state.flow.ticket(self.pool, self.worker, self._request.prompt_tokens)
+        self._ledger.watch_first_byte(None if started is None else started.started)
         try:
-            holding.lease(self.worker, state.metrics, gate)
+            holding.lease(self.worker, state.metrics, gate, started=started)
             holding.lease(self.prefill, state.metrics, gate, counted=False)
             result = await self._runner.legs(self, holding, upstream_headers(self.pool, self.worker, self._ledger))
             self._observe()
