@@ -36,9 +36,6 @@ Generated from the config models by `kimi-gateway config-reference > docs/config
 a test keeps this page equal to that output.
 """
 
-MAX_MEANING = 240
-"""Characters of a key's meaning at most (its description's first sentence, cut at a word)."""
-
 _SENTENCE_END = re.compile(r"(?<=[a-z0-9)`\]])\. (?=[A-Z(`])")
 
 
@@ -158,12 +155,9 @@ def _default(field: FieldInfo) -> str:
 
 
 def _meaning(field: FieldInfo) -> str:
-    """The first sentence of the field's description, at most MAX_MEANING characters."""
+    """The first sentence of the field's description, whole."""
     text = " ".join((field.description or "").split())
-    sentence = _SENTENCE_END.split(text, maxsplit=1)[0].rstrip(".")
-    if len(sentence) > MAX_MEANING:
-        sentence = sentence[:MAX_MEANING].rsplit(" ", 1)[0].rstrip(",;:(") + " …"
-    return sentence
+    return _SENTENCE_END.split(text, maxsplit=1)[0].rstrip(".")
 
 
 def undescribed(model: type[BaseModel] = GatewayConfig) -> list[str]:

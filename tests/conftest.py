@@ -134,7 +134,7 @@ def _told_to_exit(servers: list[ThreadedServer], stopping: list[ThreadedServer])
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """`../shared/data` beside the repository (traces, texts, images)."""
-    assert SHARED_DATA.is_dir(), f"shared data not found at {SHARED_DATA}"
+    assert SHARED_DATA.is_dir(), f"shared data not found at {SHARED_DATA} (set KIMI_SHARED_DATA to its path)"
     return SHARED_DATA
 
 
