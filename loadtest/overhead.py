@@ -3,6 +3,7 @@
     python -m loadtest.overhead --quick                 # gateway vs direct, ~1.5 min
     python -m loadtest.overhead --peers                 # + vllm-router, sglang-router, LiteLLM: <= ~10 min
     python -m loadtest.overhead --peers --rounds 3 --json out.json
+    python -m loadtest.overhead --quick --flow-control  # the gateway's pool with flow control on (issue 39)
 
 One fast fake engine (`loadtest.stub_upstream`: no artificial delay, 32 SSE chunks an answer) serves
 every target: "direct" (the engine itself), the gateway (`kimi-gateway serve` with one pool of one
@@ -203,7 +204,8 @@ def start_targets(group: ProcessGroup, engine: tg.Target, pin: tg.Pinning, args:
             notes.append(f"{name} did not start: {str(exc).splitlines()[0][:200]}")
             print(f"  warning: {notes[-1]}", file=sys.stderr, flush=True)
 
-    attempt("gateway", lambda: tg.start_gateway(group, "gateway", engine, pin, args.gateway_log_level))
+    attempt("gateway", lambda: tg.start_gateway(group, "gateway", engine, pin, args.gateway_log_level,
+                                                flow=args.flow_control))
     for name in ("gateway+redis", "gateway+prod"):
         if name not in wanted:
             continue
@@ -542,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-profile", action="store_true")
     add("--profile-seconds", type=float, default=10.0)
     add("--no-pin", action="store_true", help="do not pin processes to cores")
+    add("--flow-control", action="store_true",
+        help="the gateway row's pool with flow control on, never saturated: the cost of its bookkeeping")
     add("--max-minutes", type=float, default=12.0, help="stop starting rounds after this")
     add("--json", type=Path, help="write the JSON result here (default loadtest/results/overhead-<ts>.json)")
     add("--results-dir", type=Path, default=RESULTS_DIR)

@@ -155,19 +155,28 @@ missed the defaults, and each opened its store's breaker for a second, so most r
 run made no lookup and no rate-limit check. The figure wanted is the CPU of making every call."""
 
 
+FLOW_CONTROL = {"enabled": True, "max_waiting": 1_000_000, "max_prefill_tokens": None}
+"""The pool's flow control with `--flow-control`: on, but never saturated (the fake engine exports no
+load metrics, so only the gateway's own not-started requests would count): the figure is the cost
+of its bookkeeping on every request (a flow, an admission, a not-started ticket), not of holding."""
+
+
 def gateway_config(port: int, engine_url: str, log_level: str, redis_prefix: str | None,
-                   auth_prefix: str | None = None) -> dict[str, Any]:
+                   auth_prefix: str | None = None, flow: bool = False) -> dict[str, Any]:
     """One pool of one vLLM-kind worker; everything else the gateway's defaults. `redis_prefix`:
     affinity in Redis under that key prefix; `auth_prefix` (the production shape, with Redis):
     auth on with one `user` key, `MASTER_KEY` (the load client sends it), whose
     `requests_per_minute` and `tokens_per_minute` (`PROD_LIMIT`) are counted in Redis under that
-    prefix and never refuse; both stores' Redis timeouts `PROD_REDIS_TIMEOUT_S`."""
+    prefix and never refuse; both stores' Redis timeouts `PROD_REDIS_TIMEOUT_S`. `flow`: the pool's
+    flow control on (`FLOW_CONTROL`)."""
     config: dict[str, Any] = {
         "host": HOST, "port": port, "log_level": log_level,
         "model": {"name": MODEL, "aliases": []},
         "pools": [{"name": "bench", "engine": "vllm", "workers": [engine_url],
                    "max_context_tokens": GATEWAY_MAX_CONTEXT}],
     }
+    if flow:
+        config["pools"][0]["flow_control"] = dict(FLOW_CONTROL)
     if redis_prefix is not None:
         config["redis_url"] = REDIS_URL
         config["affinity"] = {"key_prefix": redis_prefix}
@@ -186,16 +195,17 @@ def gateway_env() -> dict[str, str]:
 
 def start_gateway(group: ProcessGroup, name: str, engine: Target, pin: Pinning, log_level: str,
                   redis: bool = False, processes: tuple[str, int] | None = None, cores: str | None = None,
-                  prod: bool = False) -> Target:
+                  prod: bool = False, flow: bool = False) -> Target:
     """`kimi-gateway serve -c <yaml>` in front of `engine`, once `/ready` answers 200.
     `processes`: (the serve option, how many) for several serving processes; `prod`: the
-    production shape (Redis affinity, auth on, per-key limits in Redis: `gateway_config`)."""
+    production shape (Redis affinity, auth on, per-key limits in Redis: `gateway_config`); `flow`:
+    its pool's flow control on, never saturated (`FLOW_CONTROL`)."""
     port = free_port()
     redis = redis or prod
     prefix = f"kgw:ovh:{uuid.uuid4().hex[:12]}" if redis else None
     auth_prefix = f"kgw:ovhrl:{uuid.uuid4().hex[:12]}" if prod else None
     path = group.log_dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(gateway_config(port, engine.url, log_level, prefix, auth_prefix)),
+    path.write_text(yaml.safe_dump(gateway_config(port, engine.url, log_level, prefix, auth_prefix, flow)),
                     encoding="utf-8")
     argv = python_argv("gateway.cli", "serve", "-c", str(path))
     if processes is not None:
@@ -203,6 +213,8 @@ def start_gateway(group: ProcessGroup, name: str, engine: Target, pin: Pinning, 
     use = pin.router if cores is None else cores
     proc = group.spawn(name, pin.argv(use, argv), env=gateway_env())
     target = Target(name, "gateway", port, proc, version=gateway_version(), cores=use)
+    if flow:
+        target.notes.append("flow control on, never saturated (max_waiting 1,000,000, no prefill bound)")
     if prefix is not None:
         target.cleanup["redis_prefixes"] = [p for p in (prefix, auth_prefix) if p is not None]
         target.notes.append(f"affinity store in Redis at {REDIS_URL}, key prefix {prefix} (deleted afterwards)")

@@ -243,7 +243,9 @@ class SingleLeg(Attempt):
         """Take the slot, send, wait for headers then first content, and accept (see the class)."""
         holding = Holding()
         prefill = self._prefill
-        started = self._state.flow.ticket(self.pool, self.worker, self._request.prompt_tokens)
+        request = self._request  # its tokens the affinity store says are cached there need no prefill
+        started = self._state.flow.ticket(self.pool, self.worker,
+                                          int(request.prompt_tokens * (1.0 - (self.matched or 0.0))), request.stream)
         self._ledger.watch_first_byte(first_byte_watch(prefill, started))
         try:
             holding.lease(self.worker, self._state.metrics, self._state.registry.gates[self.pool.name], prefill=prefill,

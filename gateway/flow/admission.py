@@ -116,12 +116,13 @@ class PoolFlow:
         gate = registry.gates.get(pool.name, self._gate)
         return pool_room(workers, prefills, gate, self.starts.get, pool.flow_control) - self.in_transit
 
-    def ticket(self, worker: Worker, tokens: int) -> StartTicket:
-        """A request of `tokens` estimated prompt tokens sent to `worker` now (see `StartTicket`)."""
+    def ticket(self, worker: Worker, tokens: int, stream: bool) -> StartTicket:
+        """A request of `tokens` estimated uncached prompt tokens sent to `worker` now (`stream`:
+        its first byte is its first token; see `StartTicket`)."""
         starts = self.starts.get(worker)
         if starts is None:
             starts = self.starts[worker] = Starts()
-        return StartTicket(starts, tokens, self.wake)
+        return StartTicket(starts, tokens, stream, self.wake)
 
     def wake(self) -> None:
         """Room may have grown: release what it allows soon (once per loop turn however often called)."""
@@ -131,10 +132,15 @@ class PoolFlow:
 
     def release(self) -> int:
         """Let held requests go while the pool has room, in the queue's order; look again in
-        `recheck` s while any are still held. Returns how many went."""
+        `recheck` s while any are still held. All of them go when the pool has no worker in service
+        left (a reload removed it, every worker is down): routed, they get the answer a request
+        without flow control gets then (spill-over or 503), not a wait for workers that are gone.
+        Returns how many went."""
         self._woken = False
         went = 0
         room = self.room() if self.queue.held else 0
+        if self.queue.held and not self._registry.candidates(self.config.name):
+            room = self.queue.held
         while room > 0:
             held = self.queue.pop()
             if held is None:
@@ -243,15 +249,16 @@ class FlowControl:
         roomy = [w for w in workers if worker_room(w, starts.get(w), pool.flow_control, decode) > 0]
         return roomy or workers
 
-    def ticket(self, pool: PoolConfig, worker: Worker, tokens: int) -> StartTicket | None:
-        """For a pool with flow control on: a request of `tokens` estimated prompt tokens sent to
-        `worker` now, counted there until it starts (`StartTicket`); None when it is off."""
+    def ticket(self, pool: PoolConfig, worker: Worker, tokens: int, stream: bool) -> StartTicket | None:
+        """For a pool with flow control on: a request of `tokens` estimated uncached prompt tokens
+        sent to `worker` now (`stream`: it streams), counted there until it starts (`StartTicket`);
+        None when it is off."""
         if not pool.flow_control.enabled:
             return None
         flow = self._pools.get(pool.name)
         if flow is None:
             flow = self._pools[pool.name] = PoolFlow(pool, self._registry, FlowControlConfig().recheck_interval)
-        return flow.ticket(worker, tokens)
+        return flow.ticket(worker, tokens, stream)
 
     async def admit(self, config: FlowControlConfig, pool: PoolConfig, flow: Flow, cost: float,
                     size: int) -> Pass:

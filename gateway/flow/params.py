@@ -24,13 +24,15 @@ class PoolFlowConfig(Section):
     """A pool's flow control: off by default (every request goes to an engine at once, as without it).
 
     On, a worker is **saturated** when its engine's KV cache usage is at least `max_kv_usage`, or
-    its queue (the engine's scraped waiting requests plus this replica's requests sent there since
-    that scrape that have not started: no first byte yet) holds at least `max_waiting` requests, or
-    this replica's not-yet-started requests there hold at least `max_prefill_tokens` estimated
-    prompt tokens. While every in-service worker of the pool is saturated, new requests wait at the
-    gateway (`FlowControlConfig`); each worker's room (`max_waiting` less its queue) lets that many
-    go. `engine_priority` says the pool's engines run priority scheduling, so the gateway sets their
-    `priority` field from the request's band (gateway/flow/priority.py)."""
+    its waiting queue (the engine's scraped waiting requests plus this replica's requests sent there
+    since that scrape that have not started: no first byte yet) holds at least `max_waiting`
+    requests, or this replica's requests still to prefill there (streams without a first token,
+    non-streamed requests sent since the scrape) hold at least `max_prefill_tokens` estimated
+    uncached prompt tokens (gateway/flow/saturation.py). While every in-service worker of the pool
+    is saturated, new requests wait at the gateway (`FlowControlConfig`); each worker's room
+    (`max_waiting` less its waiting queue) lets that many go. `engine_priority` says the pool's
+    engines run priority scheduling, so the gateway sets their `priority` field from the request's
+    band (gateway/flow/priority.py)."""
 
     enabled: bool = Field(default=False, description="hold new requests at the gateway while every worker is "
                           "saturated; off: every request goes to an engine at once")
@@ -40,8 +42,9 @@ class PoolFlowConfig(Section):
     max_kv_usage: float = Field(default=0.95, gt=0.0, le=1.0,
                                 description="KV cache usage (0..1, scraped) at which a worker is saturated")
     max_prefill_tokens: int | None = Field(
-        default=None, ge=1, description="estimated prompt tokens of this replica's not-yet-started requests on one "
-        "worker at which it is saturated; None: not counted")
+        default=8192, ge=1, description="estimated uncached prompt tokens of this replica's requests still to "
+        "prefill on one worker at which it is saturated: about one prefill step (vLLM max_num_batched_tokens, "
+        "SGLang chunked_prefill_size; 8,192 by default on large GPUs); None: not counted")
     engine_priority: bool = Field(
         default=False, description="the pool's engines run priority scheduling (vLLM `--scheduling-policy "
         "priority`, SGLang `--enable-priority-scheduling`): the gateway sets each request's engine `priority` "

@@ -398,3 +398,22 @@ def test_the_worked_example_of_the_docs(start_sim: StartSim, start_gateway: Star
     assert let_go[0] == "c1" and "b-last" in let_go[1:]
     priorities = {r.body["messages"][0]["content"]: r.body["priority"] for s in sims for r in s.engine.records}
     assert priorities["c1"] == -1 and priorities["b-last"] == 1
+
+
+def test_held_requests_go_when_the_pool_has_no_worker_left(start_sim: StartSim, start_gateway: StartGateway) -> None:
+    """A worker that fails its probes while requests wait: they are not held to queue_timeout for
+    it, they get the answer of a pool without a healthy worker at once."""
+    sim = start_sim("vllm", tpot_s=0.05, max_num_seqs=1)
+    gw = start_gateway([flow_pool(sim)], health={"interval": 0.3, "timeout": 1.0}, **SETTINGS)
+    direct = saturate(sim)
+    wait_until(scraped_waiting(gw, "p/0", 1))
+    held = in_background(lambda: httpx.post(gw.v1 + "/chat/completions", json=chat("held"), timeout=60))
+    wait_until(lambda: gw.metric("kimi_gateway_flow_queued") == 1)
+    started = time.monotonic()
+    httpx.post(sim.url + "/sim/faults", json={"hang_health": True}, timeout=10)
+    (answer,) = join_all(held)
+    assert time.monotonic() - started < 20  # queue_timeout is 30 s
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "no_healthy_upstream"
+    assert gw.metric('kimi_gateway_flow_requests_total{outcome="dispatched"}') == 1
+    httpx.post(sim.url + "/sim/faults", json={}, timeout=10)
+    join_all(*direct)

@@ -123,7 +123,7 @@ class PdAttempt(Attempt):
         gate = state.registry.gates[self.pool.name]
         self._account.attempt_started(self.prefill)
         holding = Holding()
-        started = state.flow.ticket(self.pool, self.worker, self._request.prompt_tokens)
+        started = state.flow.ticket(self.pool, self.worker, self._request.prompt_tokens, self._request.stream)
         self._ledger.watch_first_byte(None if started is None else started.started)
         try:
             holding.lease(self.worker, state.metrics, gate, started=started)

@@ -12,7 +12,7 @@ from gateway.backends.worker import Worker
 from gateway.flow.params import PoolFlowConfig
 from gateway.flow.saturation import Starts, StartTicket, pool_room, worker_room
 
-FLOW = PoolFlowConfig(enabled=True, max_waiting=2, max_kv_usage=0.9)
+FLOW = PoolFlowConfig(enabled=True, max_waiting=2, max_kv_usage=0.9, max_prefill_tokens=None)
 
 
 def worker(i: int = 0, waiting: float | None = 0.0, kv: float | None = 0.1, scraped_at: float = 0.0) -> Worker:
@@ -37,37 +37,48 @@ def test_requests_sent_since_the_scrape_count_until_they_start() -> None:
     changes: list[int] = []
     starts = Starts()
     w = worker(waiting=0, scraped_at=time.monotonic() - 1)
-    before = StartTicket(starts, 100, lambda: changes.append(1))
+    before = StartTicket(starts, 100, False, lambda: changes.append(1))
     w.scraped_at = time.monotonic()                 # a scrape after `before` was sent: the engine counts it
     assert worker_room(w, starts, FLOW) == 2
-    after = StartTicket(starts, 100, lambda: changes.append(2))
+    after = StartTicket(starts, 100, True, lambda: changes.append(2))
     assert worker_room(w, starts, FLOW) == 1
     after.started(0.0)                              # its first byte: running, not waiting
     after.close()                                   # idempotent
     assert worker_room(w, starts, FLOW) == 2 and changes == [2]
     before.close()
-    assert starts.tickets == [] and starts.tokens == 0 and changes == [2, 1]
+    assert starts.tickets == [] and changes == [2, 1]
 
 
 def test_a_decode_worker_counts_every_not_started_request() -> None:
     """A PD pool's decode engine sees a request only after its prefill: the scrape says nothing of it."""
     starts = Starts()
-    StartTicket(starts, 10, lambda: None)
+    StartTicket(starts, 10, True, lambda: None)
     w = worker(waiting=0, scraped_at=time.monotonic() + 1)
     assert worker_room(w, starts, FLOW) == 2
     assert worker_room(w, starts, FLOW, decode=True) == 1
 
 
-def test_max_prefill_tokens_saturates_on_this_replicas_own_queued_tokens() -> None:
+def test_the_prefill_queue_counts_streams_until_their_first_token_non_streams_until_a_scrape() -> None:
+    """A stream prefilling there is running for the engine (not waiting) but a new request waits
+    behind its prefill: it counts until its first token. A non-streamed one's first byte is its
+    end: it counts only until a scrape sees it."""
     flow = FLOW.model_copy(update={"max_prefill_tokens": 1000, "max_waiting": 10})
     starts = Starts()
-    w = worker(waiting=0)
-    ticket = StartTicket(starts, 999, lambda: None)
-    assert worker_room(w, starts, flow) == 9
-    StartTicket(starts, 1, lambda: None)
+    w = worker(waiting=0, scraped_at=time.monotonic() - 1)
+    stream = StartTicket(starts, 600, True, lambda: None)
+    batch = StartTicket(starts, 600, False, lambda: None)
+    assert worker_room(w, starts, flow) == 0          # 1,200 tokens to prefill
+    w.scraped_at = time.monotonic()                    # both in the engine's counts now
+    assert starts.prefill(w.scraped_at) == 600
+    assert worker_room(w, starts, flow) == 1          # one at a time under the prefill bound
+    StartTicket(starts, 400, True, lambda: None)
     assert worker_room(w, starts, flow) == 0
-    ticket.close()
-    assert worker_room(w, starts, flow) == 9
+    stream.close()
+    assert worker_room(w, starts, flow) == 1
+    batch.close()
+    assert worker_room(w, starts, flow, decode=True) == 9  # no prefill bound on a decode worker: 10 less one
+    unbounded = flow.model_copy(update={"max_prefill_tokens": None})
+    assert worker_room(w, starts, unbounded) == 9     # max_waiting less the one sent since the scrape
 
 
 def pool_config(**extra: object) -> PoolConfig:
